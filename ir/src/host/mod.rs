@@ -269,6 +269,11 @@ pub enum ComputeOp {
     },
     /// Convert to the output's dtype.
     Cast,
+    /// `out = in` with axes permuted: output axis `k` is input axis `perm[k]`.
+    Permute {
+        /// A permutation of the input's axes.
+        perm: Vec<usize>,
+    },
     /// `expert_x[B.., L, C, H], counts[B.., L], w[L, H, F] -> [B.., L, C, F]`, rows past the
     /// count set to zero.
     GroupedMatmul,
@@ -288,6 +293,7 @@ impl ComputeOp {
             ComputeOp::Silu => "silu",
             ComputeOp::Sum { .. } => "sum",
             ComputeOp::Cast => "cast",
+            ComputeOp::Permute { .. } => "permute",
             ComputeOp::GroupedMatmul => "grouped_matmul",
         }
     }
@@ -299,7 +305,8 @@ impl ComputeOp {
             | ComputeOp::Gelu
             | ComputeOp::Silu
             | ComputeOp::Sum { .. }
-            | ComputeOp::Cast => (1, 1),
+            | ComputeOp::Cast
+            | ComputeOp::Permute { .. } => (1, 1),
             ComputeOp::Matmul
             | ComputeOp::Linear
             | ComputeOp::Add

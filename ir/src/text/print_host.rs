@@ -190,8 +190,13 @@ impl Printer<'_> {
                         self.tensors(inputs),
                         self.tensors(outputs)
                     )?;
-                    if let crate::host::ComputeOp::Sum { axis } = op {
-                        write!(f, ", axis={axis}")?;
+                    match op {
+                        crate::host::ComputeOp::Sum { axis } => write!(f, ", axis={axis}")?,
+                        crate::host::ComputeOp::Permute { perm } => {
+                            let perm: Vec<String> = perm.iter().map(|p| p.to_string()).collect();
+                            write!(f, ", perm=[{}]", perm.join(", "))?;
+                        }
+                        _ => {}
                     }
                     f.write_str(")\n")?;
                 }
