@@ -205,7 +205,8 @@ impl HostChecker<'_> {
                 }
             }
             InstKind::EndCoalescing { .. } => {
-                if group.take().is_none() {
+                let open = group.take();
+                if open.is_none() {
                     self.push(
                         here,
                         "`end_coalescing` without a `start_coalescing` in the same block"
@@ -286,17 +287,16 @@ impl HostChecker<'_> {
                 self.live_views.insert(*out, depth);
                 self.seen_views.insert(*out);
             }
-            InstKind::Wait { comm } => {
-                if !self.comm_scopes.iter().any(|s| s.contains(comm)) {
-                    self.push(
-                        here,
-                        format!(
-                            "a Wait without its communication: `{comm}` is not defined earlier \
-                             in this block or an enclosing one"
-                        ),
-                    );
-                }
+            InstKind::Wait { comm } if !self.comm_scopes.iter().any(|s| s.contains(comm)) => {
+                self.push(
+                    here,
+                    format!(
+                        "a Wait without its communication: `{comm}` is not defined earlier in \
+                         this block or an enclosing one"
+                    ),
+                );
             }
+            InstKind::Wait { .. } => {}
             _ if handles_ok => {
                 for t in kind.reads() {
                     self.use_tensor(t, "read", &text, here);

@@ -1,6 +1,7 @@
 //! Arity, shape and dtype rules of host compute ops (see [`ComputeOp`]).
 
 use super::host::HostChecker;
+use super::host_ops::numel;
 use super::names::count;
 use super::Location;
 use crate::dtype::DType;
@@ -78,13 +79,16 @@ impl HostChecker<'_> {
         };
         match op {
             ComputeOp::Copy => same_dtypes(&[a, out]).or_else(|| {
-                (a.numel() != out.numel()).then(|| {
+                let (na, no) = (numel(a), numel(out));
+                (na != no).then(|| {
+                    let count =
+                        |n: Option<u64>| n.map_or_else(|| "too many".into(), |n| n.to_string());
                     format!(
                         "`{}` has {} elements but `{}` has {}",
                         a.name,
-                        a.numel(),
+                        count(na),
                         out.name,
-                        out.numel()
+                        count(no)
                     )
                 })
             }),

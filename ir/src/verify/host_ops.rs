@@ -12,7 +12,7 @@ fn shape_str(s: &[u64]) -> String {
 }
 
 /// Element count, `None` on overflow.
-fn numel(t: &HostTensor) -> Option<u64> {
+pub(super) fn numel(t: &HostTensor) -> Option<u64> {
     t.shape.iter().try_fold(1u64, |acc, &e| acc.checked_mul(e))
 }
 
@@ -174,14 +174,17 @@ impl HostChecker<'_> {
                 let (Some(i), Some(o)) = (self.decl(*input), self.decl(*output)) else {
                     return;
                 };
-                if numel(i) != numel(o) {
+                let (ni, no) = (numel(i), numel(o));
+                if ni != no {
+                    let count =
+                        |n: Option<u64>| n.map_or_else(|| "too many".into(), |n| n.to_string());
                     let message = format!(
                         "`collective_permute` needs `{}` and `{}` to have the same number of \
                          elements, {} and {}",
                         i.name,
                         o.name,
-                        i.numel(),
-                        o.numel()
+                        count(ni),
+                        count(no)
                     );
                     self.push(here, message);
                 }

@@ -134,6 +134,19 @@ impl Checker<'_> {
         };
         let mesh = &mesh_decl.mesh;
         let mesh_name = &mesh_decl.name;
+        // Merged extents are products of logical extents: keep the replay free of overflow.
+        let total = decl
+            .ty
+            .axes
+            .iter()
+            .try_fold(1u64, |acc, a| acc.checked_mul(a.extent));
+        if total.is_none() {
+            self.push(
+                here,
+                format!("`{name}` has more than 2^64 elements; its schedule cannot be checked"),
+            );
+            return;
+        }
         let domain = match decl.loop_domain() {
             Ok(d) => d,
             Err(e) => {
