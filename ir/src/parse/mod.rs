@@ -10,6 +10,7 @@
 mod cursor;
 mod expr;
 mod host;
+mod host_calls;
 mod lexer;
 mod mesh;
 mod program;

@@ -2,6 +2,7 @@
 
 mod host;
 mod host_compute;
+mod host_lifetimes;
 mod host_ops;
 mod names;
 mod program;
