@@ -14,7 +14,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     b.schedule(w).outer_split(0, d).parallelize(0, DIDx);
     let ag = b.set(x)?; // all-gather of x, decomposed over a swizzled stream axis: a ring
     b.rename(ag, "ag")?;
-    b.schedule(ag).outer_split(0, d).swizzle1d(0, DIDx).parallelize(0, Stream);
+    b.schedule(ag)
+        .outer_split(0, d)
+        .swizzle1d(0, DIDx)
+        .parallelize(0, Stream);
     let y = b.linear(ag, w)?;
     b.rename(y, "y")?;
     b.output(y);
