@@ -20,9 +20,12 @@
 //! 3. **Point to point.** For `send_recv`, per ordered pair `(src, dst)`, the k-th send from
 //!    `src` to `dst` matches the k-th receive at `dst` from `src`, with equal byte counts.
 //! 4. **Deadlock.** When 1–3 find nothing (a mismatch already means a hang or garbage), every
-//!    rank is simulated with blocking semantics (see [`deadlock`](self) docs in the source):
-//!    collectives on overlapping teams issued in inconsistent orders are reported with the
-//!    instruction, iteration and peers every stuck rank waits for.
+//!    rank is simulated with blocking semantics: a collective completes when every team
+//!    member has reached it, a collective permute when its send and receive peers have, a
+//!    `send_recv` when its matched peer has, and a coalescing group completes as a whole when
+//!    all of its parts can (NCCL grouped semantics). Collectives on overlapping teams issued
+//!    in inconsistent orders are reported with the instruction, iteration and peers every
+//!    stuck rank waits for.
 //!
 //! Independent errors are all collected; the report lists the first per category and
 //! instruction (the same mistake on other ranks or iterations is counted, not repeated), at
