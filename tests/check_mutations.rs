@@ -3,7 +3,7 @@
 
 use meshflow::check::check_program;
 use meshflow::check::corpus::mutation_corpus;
-use meshflow::ir::parse_host;
+use meshflow::ir::{parse_host, verify_host};
 
 #[test]
 fn corpus_is_large_enough() {
@@ -23,6 +23,11 @@ fn every_mutation_is_caught_with_its_message() {
                 continue;
             }
         };
+        // Each mutation is a cross-rank bug: the single-program verifier accepts it.
+        if let Err(e) = verify_host(&program) {
+            failures.push(format!("{}: rejected by the verifier: {e}", m.name));
+            continue;
+        }
         match check_program(&program, m.ranks) {
             Ok(report) => failures.push(format!("{}: passed the check: {report}", m.name)),
             Err(errors) => {

@@ -346,3 +346,29 @@ fn checking_is_fast() {
     assert_eq!(total, 8 * 8 * 64);
     assert!(elapsed.as_millis() < 1000, "checking took {elapsed:?}");
 }
+
+#[test]
+fn text_programs_pass() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/check");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).expect("tests/data/check exists") {
+        let path = entry.expect("readable entry").path();
+        if path.extension().is_none_or(|e| e != "mfh") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("readable program");
+        let ranks: usize = text
+            .lines()
+            .find_map(|l| l.strip_prefix("# ranks:"))
+            .and_then(|r| r.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{}: no `# ranks:` header", path.display()));
+        let program =
+            meshflow::ir::parse_host(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        if let Err(e) = meshflow::ir::verify_host(&program) {
+            panic!("{}: {e}", path.display());
+        }
+        passes(&program, ranks);
+        checked += 1;
+    }
+    assert!(checked >= 4, "only {checked} text programs");
+}
