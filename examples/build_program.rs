@@ -2,6 +2,8 @@
 //!
 //! `cargo run --example build_program -- 4` (the argument is the team size, default 4).
 
+#![allow(clippy::print_stdout)] // an example binary prints its result
+
 use meshflow::ir::{DType, DeviceMesh, ParallelType::*, ProgramBuilder};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
