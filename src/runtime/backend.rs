@@ -269,10 +269,12 @@ pub enum BackendError {
         reason: String,
     },
     /// A fault injected for testing.
-    #[error("injected fault at communication #{n}")]
+    #[error("injected {kind} at communication #{n}")]
     InjectedFault {
         /// The communication count at which it fired.
         n: usize,
+        /// `error` or `stall`.
+        kind: &'static str,
     },
     /// Invalid use (wrong buffers, sizes, handles).
     #[error("{0}")]

@@ -101,7 +101,10 @@ pub fn tolerance(dtype: DType) -> f64 {
 /// Seeded random inputs for `program`: an integer input used as `moe_dispatch`'s `topk_idx`
 /// gets `k` distinct valid expert ids per token; weights used by `moe_combine` are positive;
 /// other floats are uniform in `[-1, 1)`.
-pub fn random_inputs(program: &Program, seed: u64) -> Result<BTreeMap<String, TensorData>, CompareError> {
+pub fn random_inputs(
+    program: &Program,
+    seed: u64,
+) -> Result<BTreeMap<String, TensorData>, CompareError> {
     let mut out = BTreeMap::new();
     for (i, t) in program.inputs().into_iter().enumerate() {
         let decl = &program.tensors[t];
@@ -193,7 +196,10 @@ pub fn compare_outputs(
             name: name.clone(),
             message: format!("missing from the {side}"),
         };
-        let (g, w) = (got.get(&name).ok_or_else(|| missing("run"))?, want.get(&name).ok_or_else(|| missing("reference"))?);
+        let (g, w) = (
+            got.get(&name).ok_or_else(|| missing("run"))?,
+            want.get(&name).ok_or_else(|| missing("reference"))?,
+        );
         let error = g.rel_error(w).map_err(|e| CompareError::Output {
             name: name.clone(),
             message: e.to_string(),

@@ -105,7 +105,9 @@ impl Storage {
     pub fn from_i64(dtype: DType, values: &[i64]) -> Storage {
         match dtype {
             DType::F32 => Storage::F32(values.iter().map(|&v| v as f32).collect()),
-            DType::BF16 => Storage::BF16(values.iter().map(|&v| bf16::from_f32(v as f32)).collect()),
+            DType::BF16 => {
+                Storage::BF16(values.iter().map(|&v| bf16::from_f32(v as f32)).collect())
+            }
             DType::F16 => Storage::F16(values.iter().map(|&v| f16::from_f32(v as f32)).collect()),
             DType::I32 => Storage::I32(values.iter().map(|&v| v as i32).collect()),
             DType::I64 => Storage::I64(values.to_vec()),
@@ -240,11 +242,36 @@ impl Storage {
     /// The elements at `indices`, in that order (`None` when an index is out of range).
     pub fn pick(&self, indices: &[usize]) -> Option<Storage> {
         Some(match self {
-            Storage::F32(v) => Storage::F32(indices.iter().map(|&i| v.get(i).copied()).collect::<Option<_>>()?),
-            Storage::BF16(v) => Storage::BF16(indices.iter().map(|&i| v.get(i).copied()).collect::<Option<_>>()?),
-            Storage::F16(v) => Storage::F16(indices.iter().map(|&i| v.get(i).copied()).collect::<Option<_>>()?),
-            Storage::I32(v) => Storage::I32(indices.iter().map(|&i| v.get(i).copied()).collect::<Option<_>>()?),
-            Storage::I64(v) => Storage::I64(indices.iter().map(|&i| v.get(i).copied()).collect::<Option<_>>()?),
+            Storage::F32(v) => Storage::F32(
+                indices
+                    .iter()
+                    .map(|&i| v.get(i).copied())
+                    .collect::<Option<_>>()?,
+            ),
+            Storage::BF16(v) => Storage::BF16(
+                indices
+                    .iter()
+                    .map(|&i| v.get(i).copied())
+                    .collect::<Option<_>>()?,
+            ),
+            Storage::F16(v) => Storage::F16(
+                indices
+                    .iter()
+                    .map(|&i| v.get(i).copied())
+                    .collect::<Option<_>>()?,
+            ),
+            Storage::I32(v) => Storage::I32(
+                indices
+                    .iter()
+                    .map(|&i| v.get(i).copied())
+                    .collect::<Option<_>>()?,
+            ),
+            Storage::I64(v) => Storage::I64(
+                indices
+                    .iter()
+                    .map(|&i| v.get(i).copied())
+                    .collect::<Option<_>>()?,
+            ),
         })
     }
 
@@ -254,13 +281,16 @@ impl Storage {
         macro_rules! arm {
             ($d:expr, $s:expr) => {
                 indices.len() == $s.len()
-                    && indices.iter().zip($s.iter()).all(|(&i, &x)| match $d.get_mut(i) {
-                        Some(slot) => {
-                            *slot = x;
-                            true
-                        }
-                        None => false,
-                    })
+                    && indices
+                        .iter()
+                        .zip($s.iter())
+                        .all(|(&i, &x)| match $d.get_mut(i) {
+                            Some(slot) => {
+                                *slot = x;
+                                true
+                            }
+                            None => false,
+                        })
             };
         }
         match (self, src) {
@@ -486,7 +516,11 @@ mod tests {
         let c = TensorData::random(DType::BF16, &[3, 5], 8).unwrap();
         assert!(a.bit_eq(&b));
         assert!(!a.bit_eq(&c));
-        assert!(a.storage().to_f32_vec().iter().all(|v| (-1.0..1.0).contains(v)));
+        assert!(a
+            .storage()
+            .to_f32_vec()
+            .iter()
+            .all(|v| (-1.0..1.0).contains(v)));
     }
 
     #[test]

@@ -85,7 +85,7 @@ pub struct RunFailure {
 impl fmt::Display for RunFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if let Some(first) = &self.first {
-            write!(f, "rank {} failed: {}", first.rank, first.reason)?;
+            write!(f, "{}", first.reason)?;
         } else if let Some(e) = self.errors.first() {
             write!(f, "{e}")?;
         }
@@ -143,7 +143,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic with a non-string payload".into())
 }
 
-type RankResult = (Result<BTreeMap<String, TensorData>, RuntimeError>, Vec<TraceEvent>);
+type RankResult = (
+    Result<BTreeMap<String, TensorData>, RuntimeError>,
+    Vec<TraceEvent>,
+);
 
 fn run_rank(
     host: &HostProgram,
@@ -208,7 +211,9 @@ pub fn run_sim(
             let (fabric, config, eval) = (&fabric, &options.config, &eval);
             let spawned = std::thread::Builder::new()
                 .name(format!("meshflow-sim-rank-{rank}"))
-                .spawn_scoped(scope, move || run_rank(host, rank, inputs, fabric, config, eval));
+                .spawn_scoped(scope, move || {
+                    run_rank(host, rank, inputs, fabric, config, eval)
+                });
             match spawned {
                 Ok(h) => handles.push((rank, Some(h))),
                 Err(e) => {
@@ -255,10 +260,18 @@ pub fn run_sim(
         return Err(LaunchError::Failed(RunFailure {
             first: fabric.failure(),
             errors,
-            undelivered: if fabric.aborted() { Vec::new() } else { undelivered },
+            undelivered: if fabric.aborted() {
+                Vec::new()
+            } else {
+                undelivered
+            },
         }));
     }
-    events.sort_by(|a, b| (a.rank, a.start_us).partial_cmp(&(b.rank, b.start_us)).unwrap_or(std::cmp::Ordering::Equal));
+    events.sort_by(|a, b| {
+        (a.rank, a.start_us)
+            .partial_cmp(&(b.rank, b.start_us))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
     Ok(RunOutcome {
         outputs,
         trace: options.trace.then_some(Trace { events }),

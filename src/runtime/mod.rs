@@ -9,9 +9,9 @@
 //! - [`backend`]: the [`Backend`] trait (shaped for CUDA streams, events and NCCL).
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.
 //! - [`sim`]: [`SimBackend`], N ranks as threads with race checking.
-//! - [`launch`]: [`run_sim`], fault-tolerant multi-rank runs.
+//! - [`launch`]: fault-tolerant multi-rank runs ([`run_sim`]).
 //! - [`trace`]: Chrome/Perfetto traces.
-//! - [`compare`]: [`run_and_compare`].
+//! - [`compare`]: [`run_and_compare`] and per-output comparisons.
 
 pub mod backend;
 pub mod compare;

@@ -115,13 +115,12 @@ pub fn evaluate(
                 .inputs
                 .iter()
                 .map(|&i| {
-                    values[i.index()]
-                        .as_ref()
-                        .map(View::of)
-                        .ok_or_else(|| ReferenceError::Undefined {
+                    values[i.index()].as_ref().map(View::of).ok_or_else(|| {
+                        ReferenceError::Undefined {
                             op: text.clone(),
                             tensor: program.tensors[i].name.clone(),
-                        })
+                        }
+                    })
                 })
                 .collect::<Result<_, _>>()?;
             run_op(&op.kind, &ins, &mut outs).map_err(|source| ReferenceError::Op {

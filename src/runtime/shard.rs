@@ -80,7 +80,9 @@ pub enum ShardError {
         actual: String,
     },
     /// A local tensor of the wrong type.
-    #[error("tensor `{tensor}` on device {device}: expected a local tensor {expected}, got {actual}")]
+    #[error(
+        "tensor `{tensor}` on device {device}: expected a local tensor {expected}, got {actual}"
+    )]
     LocalType {
         /// The tensor.
         tensor: String,
@@ -170,7 +172,12 @@ impl Sharding {
     }
 
     fn check_no_partial_sums(&self) -> Result<(), ShardError> {
-        match self.layout.device_splits().into_iter().find(|s| s.reduction) {
+        match self
+            .layout
+            .device_splits()
+            .into_iter()
+            .find(|s| s.reduction)
+        {
             Some(s) => Err(ShardError::PartialSums {
                 tensor: self.name.clone(),
                 axis: s.axis,
@@ -242,30 +249,34 @@ impl Sharding {
                 .storage()
                 .pick(&idx)
                 .expect("global indices lie inside the full tensor");
-            let local = TensorData::new(shape.clone(), storage)
-                .expect("one element per local index");
+            let local =
+                TensorData::new(shape.clone(), storage).expect("one element per local index");
             out.insert(device, local);
         }
         Ok(out)
     }
 
     /// Assembles the full tensor from the local tensors of the mesh's devices.
-    pub fn gather(&self, locals: &BTreeMap<DeviceId, TensorData>) -> Result<TensorData, ShardError> {
+    pub fn gather(
+        &self,
+        locals: &BTreeMap<DeviceId, TensorData>,
+    ) -> Result<TensorData, ShardError> {
         self.check_no_partial_sums()?;
         let shape = self.local_shape();
-        let mut full = TensorData::zeros(self.dtype, &self.full_shape).map_err(|e| {
-            ShardError::FullType {
+        let mut full =
+            TensorData::zeros(self.dtype, &self.full_shape).map_err(|e| ShardError::FullType {
                 tensor: self.name.clone(),
                 expected: format!("{}{:?}", self.dtype, self.full_shape),
                 actual: e.to_string(),
-            }
-        })?;
+            })?;
         let mut owner: Vec<Option<DeviceId>> = vec![None; full.numel() as usize];
         for &device in self.mesh.devices() {
-            let local = locals.get(&device).ok_or_else(|| ShardError::MissingDevice {
-                tensor: self.name.clone(),
-                device,
-            })?;
+            let local = locals
+                .get(&device)
+                .ok_or_else(|| ShardError::MissingDevice {
+                    tensor: self.name.clone(),
+                    device,
+                })?;
             if local.dtype() != self.dtype || local.shape() != shape.as_slice() {
                 return Err(ShardError::LocalType {
                     tensor: self.name.clone(),
@@ -318,7 +329,10 @@ pub fn scatter_inputs(
             continue;
         };
         for (device, local) in Sharding::of(program, t)?.scatter(data)? {
-            per_device.entry(device).or_default().insert(name.clone(), local);
+            per_device
+                .entry(device)
+                .or_default()
+                .insert(name.clone(), local);
         }
     }
     Ok(per_device)

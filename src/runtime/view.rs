@@ -504,14 +504,29 @@ mod tests {
     fn strided_gather_and_scatter() {
         let t = TensorData::from_f32(DType::F32, &[2, 3], &[0., 1., 2., 3., 4., 5.]).unwrap();
         // Transposed view.
-        let v = View::new(t.storage(), 0, Cow::Owned(vec![3, 2]), Cow::Owned(vec![1, 3])).unwrap();
+        let v = View::new(
+            t.storage(),
+            0,
+            Cow::Owned(vec![3, 2]),
+            Cow::Owned(vec![1, 3]),
+        )
+        .unwrap();
         assert_eq!(v.to_f32(), vec![0., 3., 1., 4., 2., 5.]);
         let c = View::of(&t).chunk(1, 3, 2).unwrap();
         assert_eq!(c.to_f32(), vec![2., 5.]);
-        assert!(View::new(t.storage(), 1, Cow::Owned(vec![2, 3]), Cow::Owned(vec![3, 1])).is_err());
+        assert!(View::new(
+            t.storage(),
+            1,
+            Cow::Owned(vec![2, 3]),
+            Cow::Owned(vec![3, 1])
+        )
+        .is_err());
         let mut u = TensorData::zeros(DType::BF16, &[2, 3]).unwrap();
         let mut m = ViewMut::of(&mut u);
-        m.chunk_mut(0, 2, 1).unwrap().assign_f32(&[1., 2., 3.]).unwrap();
+        m.chunk_mut(0, 2, 1)
+            .unwrap()
+            .assign_f32(&[1., 2., 3.])
+            .unwrap();
         assert_eq!(u.storage().to_f32_vec(), vec![0., 0., 0., 1., 2., 3.]);
     }
 }

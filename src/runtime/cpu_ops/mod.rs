@@ -171,7 +171,12 @@ pub enum Binary {
 }
 
 /// `out = a (op) b`, all three of the same shape.
-pub fn binary(op: Binary, a: &View<'_>, b: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
+pub fn binary(
+    op: Binary,
+    a: &View<'_>,
+    b: &View<'_>,
+    out: &mut ViewMut<'_>,
+) -> Result<(), OpError> {
     let name = match op {
         Binary::Add => "add",
         Binary::Sub => "sub",
@@ -234,13 +239,19 @@ pub fn unary(op: Unary, x: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpErr
 pub fn sum(x: &View<'_>, axis: usize, out: &mut ViewMut<'_>) -> Result<(), OpError> {
     let s = x.shape();
     if axis >= s.len() {
-        return Err(shape_err("sum", format!("axis {axis} out of range for {s:?}")));
+        return Err(shape_err(
+            "sum",
+            format!("axis {axis} out of range for {s:?}"),
+        ));
     }
     let mut want = s.to_vec();
     want.remove(axis);
     expect_shape("sum", "the output", out.shape(), &want)?;
     let outer: u64 = s[..axis].iter().product();
-    let (n, inner) = (s[axis] as usize, s[axis + 1..].iter().product::<u64>() as usize);
+    let (n, inner) = (
+        s[axis] as usize,
+        s[axis + 1..].iter().product::<u64>() as usize,
+    );
     let outer = outer as usize;
     if out.dtype().is_float() {
         let v = x.to_f32();
@@ -291,7 +302,10 @@ pub fn permute(x: &View<'_>, perm: &[usize], out: &mut ViewMut<'_>) -> Result<()
     if !ok {
         return Err(shape_err(
             "permute",
-            format!("{perm:?} is not a permutation of the {rank} axes of {:?}", x.shape()),
+            format!(
+                "{perm:?} is not a permutation of the {rank} axes of {:?}",
+                x.shape()
+            ),
         ));
     }
     let shape: Vec<u64> = perm.iter().map(|&p| x.shape()[p]).collect();
@@ -319,7 +333,10 @@ pub fn grouped_matmul(
     const OP: &str = "grouped_matmul";
     let sx = expert_x.shape();
     if sx.len() < 3 {
-        return Err(shape_err(OP, format!("expert_x must be [B.., E, C, H], has {sx:?}")));
+        return Err(shape_err(
+            OP,
+            format!("expert_x must be [B.., E, C, H], has {sx:?}"),
+        ));
     }
     let nb = sx.len() - 3;
     let (e, c, h) = (sx[nb], sx[nb + 1], sx[nb + 2]);
@@ -341,12 +358,13 @@ pub fn grouped_matmul(
     let mut res = vec![0f32; cv.len() * c * f];
     for (g, &count) in cv.iter().enumerate() {
         let ei = g % e.max(1);
-        let valid = usize::try_from(count).ok().filter(|&n| n <= c).ok_or_else(|| {
-            OpError::Routing {
+        let valid = usize::try_from(count)
+            .ok()
+            .filter(|&n| n <= c)
+            .ok_or_else(|| OpError::Routing {
                 op: OP,
                 message: format!("expert count {count} is outside 0..={c}"),
-            }
-        })?;
+            })?;
         let wm = &wv[ei * h * f..(ei + 1) * h * f];
         for r in 0..valid {
             let xrow = &xv[(g * c + r) * h..(g * c + r + 1) * h];
@@ -362,7 +380,11 @@ pub fn grouped_matmul(
 }
 
 /// Runs one host compute op on views (used by the sim backend).
-pub fn run_compute(op: &ComputeOp, inputs: &[View<'_>], out: &mut ViewMut<'_>) -> Result<(), OpError> {
+pub fn run_compute(
+    op: &ComputeOp,
+    inputs: &[View<'_>],
+    out: &mut ViewMut<'_>,
+) -> Result<(), OpError> {
     let (want, _) = op.arity();
     if inputs.len() != want {
         return Err(shape_err(

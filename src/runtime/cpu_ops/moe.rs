@@ -35,7 +35,10 @@ fn routing_err(op: &'static str, message: String) -> OpError {
 /// Splits `[B.., X, Y]` into `(batch, X, Y)`.
 fn batch_2(op: &'static str, what: &str, s: &[u64]) -> Result<(u64, u64, u64), OpError> {
     if s.len() < 2 {
-        return Err(shape_err(op, format!("{what} must be [B.., T, _], has {s:?}")));
+        return Err(shape_err(
+            op,
+            format!("{what} must be [B.., T, _], has {s:?}"),
+        ));
     }
     let nb = s.len() - 2;
     Ok((s[..nb].iter().product(), s[nb], s[nb + 1]))
@@ -83,7 +86,9 @@ pub fn pack_dispatch(
                 if e < 0 || e as u64 >= experts {
                     return Err(routing_err(
                         OP,
-                        format!("topk_idx[{bb}, {tt}, {kk}] = {e} is not an expert id in 0..{experts}"),
+                        format!(
+                            "topk_idx[{bb}, {tt}, {kk}] = {e} is not an expert id in 0..{experts}"
+                        ),
                     ));
                 }
                 let dest = &mut out[(e as u64 / local_experts) as usize];
@@ -110,7 +115,10 @@ pub fn unpack_dispatch(
     const OP: &str = "moe_dispatch";
     let s = expert_x.shape().to_vec();
     if s.len() < 3 {
-        return Err(shape_err(OP, format!("expert_x must be [B.., L, C, H], has {s:?}")));
+        return Err(shape_err(
+            OP,
+            format!("expert_x must be [B.., L, C, H], has {s:?}"),
+        ));
     }
     let nb = s.len() - 3;
     let (l, c, h) = (s[nb], s[nb + 1], s[nb + 2]);
@@ -118,11 +126,17 @@ pub fn unpack_dispatch(
     let mut want = s[..nb].to_vec();
     want.push(l);
     if counts.shape() != want.as_slice() {
-        return Err(shape_err(OP, format!("expert_counts must be {want:?}, is {:?}", counts.shape())));
+        return Err(shape_err(
+            OP,
+            format!("expert_counts must be {want:?}, is {:?}", counts.shape()),
+        ));
     }
     want.extend([c, 2]);
     if routing.shape() != want.as_slice() {
-        return Err(shape_err(OP, format!("routing must be {want:?}, is {:?}", routing.shape())));
+        return Err(shape_err(
+            OP,
+            format!("routing must be {want:?}, is {:?}", routing.shape()),
+        ));
     }
     let mut ex = Storage::zeros(expert_x.dtype(), (b * l * c * h) as usize);
     let mut cnt = vec![0i64; (b * l) as usize];
@@ -141,7 +155,10 @@ pub fn unpack_dispatch(
         }
         for (i, &[bb, le, token, kk]) in msg.meta.iter().enumerate() {
             if bb < 0 || bb as u64 >= b || le < 0 || le as u64 >= l {
-                return Err(routing_err(OP, format!("row for batch {bb}, local expert {le} is out of range")));
+                return Err(routing_err(
+                    OP,
+                    format!("row for batch {bb}, local expert {le} is out of range"),
+                ));
             }
             let g = (bb as u64 * l + le as u64) as usize;
             let r = cnt[g] as u64;
@@ -154,7 +171,10 @@ pub fn unpack_dispatch(
             let dst = ((g as u64 * c + r) * h) as usize;
             let src = i * h as usize;
             if !ex.write_at(dst, &msg.rows, src..src + h as usize) {
-                return Err(shape_err(OP, "a received message is shorter than its metadata"));
+                return Err(shape_err(
+                    OP,
+                    "a received message is shorter than its metadata",
+                ));
             }
             let ri = ((g as u64 * c + r) * 2) as usize;
             rt[ri] = token;
@@ -179,18 +199,27 @@ pub fn pack_combine(
     const OP: &str = "moe_combine";
     let s = expert_y.shape();
     if s.len() < 3 {
-        return Err(shape_err(OP, format!("expert_y must be [B.., L, C, F], has {s:?}")));
+        return Err(shape_err(
+            OP,
+            format!("expert_y must be [B.., L, C, F], has {s:?}"),
+        ));
     }
     let nb = s.len() - 3;
     let (l, c, f) = (s[nb], s[nb + 1], s[nb + 2]);
     let mut want = s[..nb].to_vec();
     want.push(l);
     if counts.shape() != want.as_slice() {
-        return Err(shape_err(OP, format!("expert_counts must be {want:?}, is {:?}", counts.shape())));
+        return Err(shape_err(
+            OP,
+            format!("expert_counts must be {want:?}, is {:?}", counts.shape()),
+        ));
     }
     want.extend([c, 2]);
     if routing.shape() != want.as_slice() {
-        return Err(shape_err(OP, format!("routing must be {want:?}, is {:?}", routing.shape())));
+        return Err(shape_err(
+            OP,
+            format!("routing must be {want:?}, is {:?}", routing.shape()),
+        ));
     }
     let (ys, cnt, rt) = (expert_y.to_storage(), counts.to_i64(), routing.to_i64());
     let mut out: Vec<MoeRows> = (0..team)
@@ -203,7 +232,10 @@ pub fn pack_combine(
     let total_tokens = tokens * team as u64;
     for (g, &n) in cnt.iter().enumerate() {
         if n < 0 || n as u64 > c {
-            return Err(routing_err(OP, format!("expert count {n} is outside 0..={c}")));
+            return Err(routing_err(
+                OP,
+                format!("expert count {n} is outside 0..={c}"),
+            ));
         }
         let bb = g as u64 / l.max(1);
         for r in 0..n as u64 {
@@ -239,14 +271,21 @@ pub fn unpack_combine(
     if (bo, to) != (b, t) || &out.shape()[..out.shape().len() - 2] != wb {
         return Err(shape_err(
             OP,
-            format!("out {:?} does not match topk_weights {:?}", out.shape(), weights.shape()),
+            format!(
+                "out {:?} does not match topk_weights {:?}",
+                out.shape(),
+                weights.shape()
+            ),
         ));
     }
     // slot[(b, t, k)] = (message, row)
     let mut slot: Vec<Option<(usize, usize)>> = vec![None; (b * t * k) as usize];
     for (mi, msg) in msgs.iter().enumerate() {
         if msg.width != f {
-            return Err(shape_err(OP, format!("received rows of width {}, out has {f}", msg.width)));
+            return Err(shape_err(
+                OP,
+                format!("received rows of width {}, out has {f}", msg.width),
+            ));
         }
         for (ri, &[bb, tt, kk, _]) in msg.meta.iter().enumerate() {
             if bb < 0 || bb as u64 >= b || tt < 0 || tt as u64 >= t || kk < 0 || kk as u64 >= k {
@@ -257,7 +296,10 @@ pub fn unpack_combine(
             }
             let s = &mut slot[((bb as u64 * t + tt as u64) * k + kk as u64) as usize];
             if s.replace((mi, ri)).is_some() {
-                return Err(routing_err(OP, format!("two expert rows for token {tt}, slot {kk}")));
+                return Err(routing_err(
+                    OP,
+                    format!("two expert rows for token {tt}, slot {kk}"),
+                ));
             }
         }
     }
@@ -298,7 +340,10 @@ pub fn moe_dispatch(
 ) -> Result<(), OpError> {
     let s = expert_x.shape();
     let experts = s.len().checked_sub(3).map(|nb| s[nb]).ok_or_else(|| {
-        shape_err("moe_dispatch", format!("expert_x must be [B.., E, C, H], has {s:?}"))
+        shape_err(
+            "moe_dispatch",
+            format!("expert_x must be [B.., E, C, H], has {s:?}"),
+        )
     })?;
     let msgs = pack_dispatch(x, topk_idx, 0, 1, experts)?;
     unpack_dispatch(&msgs, 0, expert_x, counts, routing)

@@ -52,7 +52,13 @@ fn linear_matches_naive_on_transposed_view_and_rounds_once() {
     // x is read through a transposed (strided) view of a [K, M] buffer.
     let (m, k, n) = (3usize, 6usize, 2usize);
     let xt = rnd(DType::BF16, &[6, 3], 4);
-    let x = View::new(xt.storage(), 0, Cow::Owned(vec![3, 6]), Cow::Owned(vec![1, 3])).unwrap();
+    let x = View::new(
+        xt.storage(),
+        0,
+        Cow::Owned(vec![3, 6]),
+        Cow::Owned(vec![1, 3]),
+    )
+    .unwrap();
     let w = rnd(DType::BF16, &[2, 6], 5);
     let mut out = zeros(DType::BF16, &[3, 2]);
     linear(&x, &View::of(&w), &mut ViewMut::of(&mut out)).unwrap();
@@ -88,7 +94,13 @@ fn elementwise_ops_match_naive() {
     }
     let ints = TensorData::from_i64(DType::I32, &[3], &[1, -2, 7]).unwrap();
     let mut out = zeros(DType::I32, &[3]);
-    binary(Binary::Mul, &View::of(&ints), &View::of(&ints), &mut ViewMut::of(&mut out)).unwrap();
+    binary(
+        Binary::Mul,
+        &View::of(&ints),
+        &View::of(&ints),
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
     assert_eq!(out.storage().to_i64_vec(), vec![1, 4, 49]);
     for (op, g) in [
         (Unary::Gelu, gelu_scalar as fn(f32) -> f32),
@@ -101,7 +113,13 @@ fn elementwise_ops_match_naive() {
     // Spot values of the formulas.
     assert!((gelu_scalar(1.0) - 0.841_192).abs() < 1e-5);
     assert!((silu_scalar(1.0) - 0.731_058_6).abs() < 1e-6);
-    assert!(binary(Binary::Add, &View::of(&a), &View::of(&ints), &mut ViewMut::of(&mut zeros(DType::F32, &[4, 5]))).is_err());
+    assert!(binary(
+        Binary::Add,
+        &View::of(&a),
+        &View::of(&ints),
+        &mut ViewMut::of(&mut zeros(DType::F32, &[4, 5]))
+    )
+    .is_err());
 }
 
 #[test]
@@ -154,7 +172,13 @@ fn grouped_matmul_zeroes_rows_past_the_count() {
     let counts = TensorData::from_i64(DType::I32, &[3], &[4, 0, 2]).unwrap();
     let w = rnd(DType::F32, &[3, 5, 2], 10);
     let mut out = TensorData::poison(DType::F32, &[3, 4, 2]).unwrap();
-    grouped_matmul(&View::of(&ex), &View::of(&counts), &View::of(&w), &mut ViewMut::of(&mut out)).unwrap();
+    grouped_matmul(
+        &View::of(&ex),
+        &View::of(&counts),
+        &View::of(&w),
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
     let (xv, wv) = (f(&ex), f(&w));
     let mut want = vec![0f32; e * c * fo];
     for (ei, &n) in [4usize, 0, 2].iter().enumerate() {
@@ -170,13 +194,20 @@ fn grouped_matmul_zeroes_rows_past_the_count() {
     }
     assert_eq!(f(&out), want);
     let too_many = TensorData::from_i64(DType::I32, &[3], &[5, 0, 0]).unwrap();
-    assert!(grouped_matmul(&View::of(&ex), &View::of(&too_many), &View::of(&w), &mut ViewMut::of(&mut out)).is_err());
+    assert!(grouped_matmul(
+        &View::of(&ex),
+        &View::of(&too_many),
+        &View::of(&w),
+        &mut ViewMut::of(&mut out)
+    )
+    .is_err());
 }
 
 #[test]
 fn moe_dispatch_and_combine_reference_semantics() {
     // 4 tokens, top-2 over 3 experts, capacity 4.
-    let x = TensorData::from_f32(DType::F32, &[4, 2], &[0., 1., 10., 11., 20., 21., 30., 31.]).unwrap();
+    let x =
+        TensorData::from_f32(DType::F32, &[4, 2], &[0., 1., 10., 11., 20., 21., 30., 31.]).unwrap();
     let idx = TensorData::from_i64(DType::I32, &[4, 2], &[2, 0, 0, 2, 2, 0, 0, 2]).unwrap();
     let mut ex = TensorData::poison(DType::F32, &[3, 4, 2]).unwrap();
     let mut counts = TensorData::poison(DType::I32, &[3]).unwrap();
@@ -199,10 +230,27 @@ fn moe_dispatch_and_combine_reference_semantics() {
     // Expert 1 receives nothing: zero padding.
     assert!(f(&ex)[8..16].iter().all(|&v| v == 0.0));
     // Combine with y = 2 x (as if the expert doubled its rows).
-    let y = TensorData::from_f32(DType::F32, &[3, 4, 2], &f(&ex).iter().map(|v| 2.0 * v).collect::<Vec<_>>()).unwrap();
-    let w = TensorData::from_f32(DType::F32, &[4, 2], &[0.5, 0.25, 1., 1., 0.1, 0.2, 0.3, 0.4]).unwrap();
+    let y = TensorData::from_f32(
+        DType::F32,
+        &[3, 4, 2],
+        &f(&ex).iter().map(|v| 2.0 * v).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let w = TensorData::from_f32(
+        DType::F32,
+        &[4, 2],
+        &[0.5, 0.25, 1., 1., 0.1, 0.2, 0.3, 0.4],
+    )
+    .unwrap();
     let mut out = TensorData::poison(DType::F32, &[4, 2]).unwrap();
-    moe_combine(&View::of(&y), &View::of(&counts), &View::of(&routing), &View::of(&w), &mut ViewMut::of(&mut out)).unwrap();
+    moe_combine(
+        &View::of(&y),
+        &View::of(&counts),
+        &View::of(&routing),
+        &View::of(&w),
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
     let xv = f(&x);
     let wv = f(&w);
     let want: Vec<f32> = (0..4)
@@ -229,17 +277,35 @@ fn moe_dispatch_and_combine_reference_semantics() {
         &mut ViewMut::of(&mut r3),
     )
     .unwrap_err();
-    assert_eq!(err, OpError::Capacity { expert: 0, capacity: 3 });
+    assert_eq!(
+        err,
+        OpError::Capacity {
+            expert: 0,
+            capacity: 3
+        }
+    );
     // Invalid expert ids are rejected.
     let bad = TensorData::from_i64(DType::I32, &[4, 2], &[3, 0, 0, 2, 2, 0, 0, 2]).unwrap();
-    assert!(moe_dispatch(&View::of(&x), &View::of(&bad), &mut ViewMut::of(&mut ex), &mut ViewMut::of(&mut counts), &mut ViewMut::of(&mut routing)).is_err());
+    assert!(moe_dispatch(
+        &View::of(&x),
+        &View::of(&bad),
+        &mut ViewMut::of(&mut ex),
+        &mut ViewMut::of(&mut counts),
+        &mut ViewMut::of(&mut routing)
+    )
+    .is_err());
 }
 
 #[test]
 fn run_compute_dispatches_every_op() {
     let a = rnd(DType::F32, &[2, 2], 11);
     let mut out = zeros(DType::F32, &[2, 2]);
-    run_compute(&ComputeOp::Add, &[View::of(&a), View::of(&a)], &mut ViewMut::of(&mut out)).unwrap();
+    run_compute(
+        &ComputeOp::Add,
+        &[View::of(&a), View::of(&a)],
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
     assert_eq!(f(&out), f(&a).iter().map(|v| v + v).collect::<Vec<_>>());
     assert!(run_compute(&ComputeOp::Add, &[View::of(&a)], &mut ViewMut::of(&mut out)).is_err());
 }

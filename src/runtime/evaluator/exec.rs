@@ -3,8 +3,7 @@
 use std::time::Instant;
 
 use meshflow_ir::{
-    CommKind, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar,
-    MeshId, ParallelType,
+    CommKind, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId, ParallelType,
 };
 
 use meshflow_ir::host::{EvalError, ExprEnv};
@@ -70,7 +69,9 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
     fn stream(&self, sel: &StreamSel<'_>) -> Result<StreamIndex, StepError> {
         match sel {
             StreamSel::Var(v) => self.state.saved[*v].ok_or_else(|| {
-                invalid(format!("stream variable s{v} is used before get_current_stream"))
+                invalid(format!(
+                    "stream variable s{v} is used before get_current_stream"
+                ))
             }),
             StreamSel::Worker(e) => {
                 let pool = self.backend.stream_pool_size().max(1) as i64;
@@ -140,14 +141,21 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
     }
 
     fn step(&mut self, at: u32, step: &Step<'p>) -> Result<(), StepError> {
-        let iteration = std::mem::take(&mut self.state.iteration);
+        // The loop values are copied into a reused buffer so that the state keeps them (for
+        // reports after a panic) while the step borrows the state mutably.
+        let mut iteration = std::mem::take(&mut self.state.scratch);
+        iteration.clear();
+        iteration.extend_from_slice(&self.state.iteration);
         let r = self.step_inner(at, step, &iteration);
-        self.state.iteration = iteration;
+        self.state.scratch = iteration;
         r
     }
 
     fn step_inner(&mut self, at: u32, step: &Step<'p>, iteration: &[i64]) -> Result<(), StepError> {
-        let ctx = InstCtx { inst: at, iteration };
+        let ctx = InstCtx {
+            inst: at,
+            iteration,
+        };
         match step {
             Step::Loop { .. } => Ok(()),
             Step::Allocate { tensor, .. } => self.allocate(*tensor),
@@ -201,7 +209,9 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 };
                 let views = &self.state.views;
                 let input = input.map(|t| view_in(self.program, views, t)).transpose()?;
-                let output = output.map(|t| view_in(self.program, views, t)).transpose()?;
+                let output = output
+                    .map(|t| view_in(self.program, views, t))
+                    .transpose()?;
                 let req = CommRequest::Collective {
                     label: *label,
                     kind: *kind,
@@ -354,7 +364,10 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         let decl = &self.program.tensors[id];
         match decl.role {
             meshflow_ir::Role::Input => {
-                return Err(invalid(format!("`{}` is an input; it cannot be allocated", decl.name)))
+                return Err(invalid(format!(
+                    "`{}` is an input; it cannot be allocated",
+                    decl.name
+                )))
             }
             meshflow_ir::Role::Output if self.state.owned[t].is_some() => return Ok(()),
             _ => {}
@@ -381,7 +394,11 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             return Err(invalid(format!(
                 "`{}` is a program {}; it cannot be deallocated",
                 decl.name,
-                if decl.role == meshflow_ir::Role::Input { "input" } else { "output" }
+                if decl.role == meshflow_ir::Role::Input {
+                    "input"
+                } else {
+                    "output"
+                }
             )));
         }
         let buffer = self.state.owned[t]

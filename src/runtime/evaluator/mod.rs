@@ -46,7 +46,7 @@ pub enum RuntimeError {
         /// The loop iteration (` at i0=1` or empty).
         iteration: String,
         /// What failed.
-        source: StepError,
+        source: Box<StepError>,
     },
     /// Two unordered accesses to the same elements.
     #[error("rank {rank}: race: {message}")]
@@ -115,14 +115,12 @@ impl RuntimeError {
     pub fn is_abort(&self) -> bool {
         matches!(
             self,
-            RuntimeError::At {
-                source: StepError::Backend(BackendError::Aborted { .. }),
-                ..
-            } | RuntimeError::Backend {
+            RuntimeError::Backend {
                 source: BackendError::Aborted { .. },
                 ..
             }
-        )
+        ) || matches!(self, RuntimeError::At { source, .. }
+            if matches!(**source, StepError::Backend(BackendError::Aborted { .. })))
     }
 }
 
@@ -140,6 +138,7 @@ struct State<B: Backend> {
     owned: Vec<Option<B::Buffer>>,
     loops: Vec<Option<i64>>,
     iteration: Vec<i64>,
+    scratch: Vec<i64>,
     saved: Vec<Option<StreamIndex>>,
     current: StreamIndex,
     pending: Vec<Option<B::Comm>>,
@@ -188,6 +187,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             owned: vec![None; n],
             loops: vec![None; plan.loop_vars],
             iteration: Vec::new(),
+            scratch: Vec::new(),
             saved: vec![None; plan.stream_vars],
             current: StreamIndex::MAIN,
             pending: vec![None; plan.labels.len()],
@@ -389,7 +389,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             rank,
             inst: meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at as usize]),
             iteration: self.iteration_text(at, iteration),
-            source: err,
+            source: Box::new(err),
         }
     }
 
@@ -410,11 +410,22 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             )
         };
         let tensor = &self.program.tensors[r.tensor].name;
+        let label = |l: usize| {
+            self.plan
+                .labels
+                .get(l)
+                .map(|c| c.to_string())
+                .unwrap_or_default()
+        };
         let fix = match r.earlier.comm_label {
-            Some(l) => format!(
-                "missing `wait {}` before the later instruction",
-                self.plan.labels.get(l).map(|c| c.to_string()).unwrap_or_default()
-            ),
+            Some(l) => match self.plan.group_of.get(l).copied().flatten() {
+                Some(g) => format!(
+                    "missing `wait {}` (the coalescing group of {}) before the later instruction",
+                    label(g),
+                    label(l)
+                ),
+                None => format!("missing `wait {}` before the later instruction", label(l)),
+            },
             None => match r.later.comm_label {
                 Some(_) => format!(
                     "missing `synchronize` of stream {} before the communication is posted",

@@ -129,6 +129,8 @@ pub(crate) struct Plan<'p> {
     pub steps: Vec<Step<'p>>,
     pub teams: Vec<TeamInfo>,
     pub labels: Vec<CommId>,
+    /// Per label, the label of the coalescing group it was posted in, if any.
+    pub group_of: Vec<Option<usize>>,
     pub loop_vars: usize,
     pub stream_vars: usize,
     /// Per mesh, this rank's team index along DIDx, DIDy, DIDz.
@@ -147,6 +149,8 @@ struct Builder<'p, 'b, B: Backend> {
     /// Labels posted by a step this rank runs.
     posted: Vec<bool>,
     loop_stack: Vec<LoopVar>,
+    /// Labels posted since the last `start_coalescing`, when inside a group.
+    group: Option<Vec<usize>>,
 }
 
 impl<'p> Plan<'p> {
@@ -218,6 +222,7 @@ impl<'p> Plan<'p> {
                 enclosing: Vec::new(),
                 steps: Vec::new(),
                 teams: Vec::new(),
+                group_of: vec![None; labels.len()],
                 labels,
                 loop_vars,
                 stream_vars,
@@ -228,6 +233,7 @@ impl<'p> Plan<'p> {
             label_index,
             team_index: BTreeMap::new(),
             loop_stack: Vec::new(),
+            group: None,
         };
         let steps = b.block(&program.body)?;
         // Drop waits on labels this rank never posts.
@@ -333,6 +339,9 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
     fn post(&mut self, c: CommId) -> usize {
         let l = self.label(c);
         self.posted[l] = true;
+        if let Some(g) = self.group.as_mut() {
+            g.push(l);
+        }
         l
     }
 
@@ -449,7 +458,10 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 };
                 let (i, o) = (self.tensor(at, *input)?, self.tensor(at, *output)?);
                 if !self.all_or_none(at, &[i, o])? {
-                    return Err(self.err(at, format!("rank {} is in the team but holds neither buffer", self.rank)));
+                    return Err(self.err(
+                        at,
+                        format!("rank {} is in the team but holds neither buffer", self.rank),
+                    ));
                 }
                 Step::Permute {
                     at,
@@ -493,7 +505,10 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 let Some(team) = self.team(team) else {
                     return Ok(None);
                 };
-                let t = self.five(at, [*expert_y, *expert_counts, *routing, *topk_weights, *out])?;
+                let t = self.five(
+                    at,
+                    [*expert_y, *expert_counts, *routing, *topk_weights, *out],
+                )?;
                 Step::Combine {
                     at,
                     label: self.post(*id),
@@ -505,11 +520,18 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 at,
                 label: self.label(*comm),
             },
-            InstKind::StartCoalescing => Step::BeginGroup { at },
-            InstKind::EndCoalescing { id } => Step::EndGroup {
-                at,
-                label: self.post(*id),
-            },
+            InstKind::StartCoalescing => {
+                self.group = Some(Vec::new());
+                Step::BeginGroup { at }
+            }
+            InstKind::EndCoalescing { id } => {
+                let members = self.group.take().unwrap_or_default();
+                let label = self.post(*id);
+                for m in members {
+                    self.plan.group_of[m] = Some(label);
+                }
+                Step::EndGroup { at, label }
+            }
             InstKind::Compute {
                 op,
                 inputs,
@@ -538,10 +560,9 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 if !self.all_or_none(at, &all)? {
                     return Ok(None);
                 }
-                let id = self
-                    .backend
-                    .kernel(kernel)
-                    .ok_or_else(|| self.err(at, format!("no kernel named `{kernel}` is registered")))?;
+                let id = self.backend.kernel(kernel).ok_or_else(|| {
+                    self.err(at, format!("no kernel named `{kernel}` is registered"))
+                })?;
                 Step::Kernel {
                     at,
                     kernel: id,

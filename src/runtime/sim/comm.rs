@@ -33,10 +33,24 @@ enum Part {
 #[derive(Debug)]
 enum Finish {
     Nothing,
-    Write { out: TV, parts: Vec<(Part, Src)> },
-    Reduce { out: TV, sources: Vec<Src>, op: ReduceOp },
-    Dispatch { outs: [TV; 3], sources: Vec<Src> },
-    Combine { weights: TensorData, out: TV, sources: Vec<Src> },
+    Write {
+        out: TV,
+        parts: Vec<(Part, Src)>,
+    },
+    Reduce {
+        out: TV,
+        sources: Vec<Src>,
+        op: ReduceOp,
+    },
+    Dispatch {
+        outs: [TV; 3],
+        sources: Vec<Src>,
+    },
+    Combine {
+        weights: TensorData,
+        out: TV,
+        sources: Vec<Src>,
+    },
 }
 
 /// A started communication waiting for its incoming messages.
@@ -51,9 +65,10 @@ pub(super) struct Exchange {
 /// The buffers a request reads and writes.
 pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>, Vec<&'r TV>) {
     match req {
-        CommRequest::Collective { input, output, .. } => {
-            (input.iter().copied().collect(), output.iter().copied().collect())
-        }
+        CommRequest::Collective { input, output, .. } => (
+            input.iter().copied().collect(),
+            output.iter().copied().collect(),
+        ),
         CommRequest::Permute { input, output, .. } => (vec![*input], vec![*output]),
         CommRequest::MoeDispatch {
             x,
@@ -62,7 +77,10 @@ pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>,
             expert_counts,
             routing,
             ..
-        } => (vec![*x, *topk_idx], vec![*expert_x, *expert_counts, *routing]),
+        } => (
+            vec![*x, *topk_idx],
+            vec![*expert_x, *expert_counts, *routing],
+        ),
         CommRequest::MoeCombine {
             expert_y,
             expert_counts,
@@ -70,7 +88,10 @@ pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>,
             topk_weights,
             out,
             ..
-        } => (vec![*expert_y, *expert_counts, *routing, *topk_weights], vec![*out]),
+        } => (
+            vec![*expert_y, *expert_counts, *routing, *topk_weights],
+            vec![*out],
+        ),
     }
 }
 
@@ -79,7 +100,12 @@ fn invalid(name: &str, message: impl std::fmt::Display) -> BackendError {
 }
 
 fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, BackendError> {
-    v.ok_or_else(|| invalid(name, format!("this rank takes part but does not hold the {what} buffer")))
+    v.ok_or_else(|| {
+        invalid(
+            name,
+            format!("this rank takes part but does not hold the {what} buffer"),
+        )
+    })
 }
 
 fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
@@ -87,7 +113,10 @@ fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), 
         Some(&n) if n % d as u64 == 0 => Ok(()),
         _ => Err(invalid(
             name,
-            format!("the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0", v.shape),
+            format!(
+                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
+                v.shape
+            ),
         )),
     }
 }
@@ -123,8 +152,7 @@ pub(super) fn start(
     let (d, my) = (team.members.len(), team.my_index);
     let me = be.device;
     let send = |be: &SimBackend, k: usize, p: Payload| -> Result<(), BackendError> {
-        be.fabric
-            .send((me, team.members[k], tag.0, tag.1), p)
+        be.fabric.send((me, team.members[k], tag.0, tag.1), p)
     };
     let others = (0..d).filter(|&k| k != my);
     let finish = match req {
@@ -141,7 +169,12 @@ pub(super) fn start(
                 CommKind::AllGather => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
                     first_axis_divisible(name, o, d, "receive")?;
-                    same_numel(name, o.numel(), i.numel() * d as u64, "receive = team size x send")?;
+                    same_numel(
+                        name,
+                        o.numel(),
+                        i.numel() * d as u64,
+                        "receive = team size x send",
+                    )?;
                     let data = read(be, i, None)?;
                     for k in others {
                         send(be, k, Payload::Data(data.clone()))?;
@@ -156,7 +189,10 @@ pub(super) fn start(
                             (Part::Chunk(k as u64, d as u64), src)
                         })
                         .collect();
-                    Finish::Write { out: o.clone(), parts }
+                    Finish::Write {
+                        out: o.clone(),
+                        parts,
+                    }
                 }
                 CommKind::ReduceScatter | CommKind::AllReduce => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
@@ -164,7 +200,12 @@ pub(super) fn start(
                     let mut own = None;
                     if scatter {
                         first_axis_divisible(name, i, d, "send")?;
-                        same_numel(name, i.numel(), o.numel() * d as u64, "send = team size x receive")?;
+                        same_numel(
+                            name,
+                            i.numel(),
+                            o.numel() * d as u64,
+                            "send = team size x receive",
+                        )?;
                         for k in 0..d {
                             let chunk = read(be, i, Some((k as u64, d as u64)))?;
                             if k == my {
@@ -231,11 +272,19 @@ pub(super) fn start(
                         };
                         if *kind == CommKind::Gather {
                             first_axis_divisible(name, o, d, "receive")?;
-                            same_numel(name, o.numel(), i.numel() * d as u64, "receive = team size x send")?;
+                            same_numel(
+                                name,
+                                o.numel(),
+                                i.numel() * d as u64,
+                                "receive = team size x send",
+                            )?;
                             let parts = (0..d)
                                 .map(|k| (Part::Chunk(k as u64, d as u64), src(k)))
                                 .collect();
-                            Finish::Write { out: o.clone(), parts }
+                            Finish::Write {
+                                out: o.clone(),
+                                parts,
+                            }
                         } else {
                             let sources = (0..d).map(src).collect();
                             Finish::Reduce {
@@ -276,7 +325,10 @@ pub(super) fn start(
                 }
                 CommKind::SendRecv => {
                     if d != 2 {
-                        return Err(invalid(name, format!("needs a team of two, has {d} members")));
+                        return Err(invalid(
+                            name,
+                            format!("needs a team of two, has {d} members"),
+                        ));
                     }
                     if my == r {
                         let i = need(name, *input, "send")?;
@@ -314,7 +366,10 @@ pub(super) fn start(
                             (Part::Chunk(k as u64, d as u64), src)
                         })
                         .collect();
-                    Finish::Write { out: o.clone(), parts }
+                    Finish::Write {
+                        out: o.clone(),
+                        parts,
+                    }
                 }
             }
         }
@@ -325,7 +380,12 @@ pub(super) fn start(
             output,
             ..
         } => {
-            same_numel(name, input.numel(), output.numel(), "send and receive sizes differ")?;
+            same_numel(
+                name,
+                input.numel(),
+                output.numel(),
+                "send and receive sizes differ",
+            )?;
             if *send_peer == my && *recv_peer == my {
                 copy_local(be, input, output)?;
                 Finish::Nothing
@@ -351,11 +411,18 @@ pub(super) fn start(
                 .checked_sub(3)
                 .map(|nb| s[nb])
                 .filter(|&l| l > 0)
-                .ok_or_else(|| invalid(name, format!("expert_x must be [B.., L, C, H], has {s:?}")))?;
-            let msgs = cpu_ops::pack_dispatch(&be.view(x)?, &be.view(topk_idx)?, my, d, local_experts)?;
+                .ok_or_else(|| {
+                    invalid(name, format!("expert_x must be [B.., L, C, H], has {s:?}"))
+                })?;
+            let msgs =
+                cpu_ops::pack_dispatch(&be.view(x)?, &be.view(topk_idx)?, my, d, local_experts)?;
             let sources = distribute(be, msgs, my, &send)?;
             Finish::Dispatch {
-                outs: [(*expert_x).clone(), (*expert_counts).clone(), (*routing).clone()],
+                outs: [
+                    (*expert_x).clone(),
+                    (*expert_counts).clone(),
+                    (*routing).clone(),
+                ],
                 sources,
             }
         }
@@ -489,7 +556,12 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 parts.push(data(&ex, p)?);
             }
             for p in &parts {
-                same_numel(name, p.len() as u64, out.numel(), "a contribution does not fit the receive buffer")?;
+                same_numel(
+                    name,
+                    p.len() as u64,
+                    out.numel(),
+                    "a contribution does not fit the receive buffer",
+                )?;
             }
             be.write_views(&[&out], |outs| {
                 let r = if out.dtype.is_float() {
@@ -506,11 +578,7 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 let p = receive(be, &ex, src)?;
                 msgs.push(moe(&ex, p)?);
             }
-            let my = ex
-                .members
-                .iter()
-                .position(|&m| m == be.device)
-                .unwrap_or(0);
+            let my = ex.members.iter().position(|&m| m == be.device).unwrap_or(0);
             let [a, b, c] = &outs;
             be.write_views(&[a, b, c], |v| match v {
                 [ex_x, counts, routing] => {
@@ -530,7 +598,8 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 msgs.push(moe(&ex, p)?);
             }
             be.write_views(&[&out], |outs| {
-                cpu_ops::unpack_combine(&msgs, &View::of(&weights), &mut outs[0]).map_err(Into::into)
+                cpu_ops::unpack_combine(&msgs, &View::of(&weights), &mut outs[0])
+                    .map_err(Into::into)
             })
         }
     }

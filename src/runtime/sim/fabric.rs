@@ -78,7 +78,12 @@ impl Fabric {
     }
 
     /// Takes the message under `key`, waiting up to `timeout`.
-    pub fn recv(&self, key: MailKey, timeout: Duration, what: &str) -> Result<Payload, BackendError> {
+    pub fn recv(
+        &self,
+        key: MailKey,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<Payload, BackendError> {
         let start = Instant::now();
         let mut mail = self.lock_mail();
         loop {

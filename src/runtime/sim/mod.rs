@@ -45,7 +45,9 @@ pub struct SimKernels {
 
 impl fmt::Debug for SimKernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimKernels").field("names", &self.names).finish()
+        f.debug_struct("SimKernels")
+            .field("names", &self.names)
+            .finish()
     }
 }
 
@@ -160,6 +162,9 @@ struct SimTeam {
     seq: u64,
 }
 
+/// A started member of a coalescing group and its completion clock.
+type GroupMember = (comm::Exchange, Option<Arc<[u32]>>);
+
 /// The embedded CPU backend for one rank.
 #[derive(Debug)]
 pub struct SimBackend {
@@ -176,7 +181,7 @@ pub struct SimBackend {
     current: StreamIndex,
     teams: Vec<SimTeam>,
     clocks: Option<Clocks>,
-    group: Option<Vec<(comm::Exchange, Option<Arc<[u32]>>)>>,
+    group: Option<Vec<GroupMember>>,
     posted: usize,
 }
 
@@ -278,8 +283,13 @@ impl SimBackend {
             let mut muts = Vec::with_capacity(outputs.len());
             for (s, v) in storages.iter_mut().zip(outputs) {
                 muts.push(
-                    ViewMut::new(s, v.offset, Cow::Borrowed(&v.shape), Cow::Borrowed(&v.strides))
-                        .map_err(|e| BackendError::Invalid(e.to_string()))?,
+                    ViewMut::new(
+                        s,
+                        v.offset,
+                        Cow::Borrowed(&v.shape),
+                        Cow::Borrowed(&v.strides),
+                    )
+                    .map_err(|e| BackendError::Invalid(e.to_string()))?,
                 );
             }
             f(&mut muts)
@@ -363,13 +373,16 @@ impl SimBackend {
             return Ok(());
         };
         match fault.kind {
-            FaultKind::Error => Err(BackendError::InjectedFault { n }),
-            FaultKind::Panic => panic!("injected panic on rank {} at communication #{n}", self.device),
+            FaultKind::Error => Err(BackendError::InjectedFault { n, kind: "error" }),
+            FaultKind::Panic => panic!(
+                "injected panic on rank {} at communication #{n}",
+                self.device
+            ),
             FaultKind::Stall => {
                 tracing::debug!(rank = self.device, "injected stall at communication #{n}");
                 // Stop until the others give up (bounded so a lone rank cannot hang).
                 self.fabric.stall(self.timeout.saturating_mul(20));
-                Err(BackendError::InjectedFault { n })
+                Err(BackendError::InjectedFault { n, kind: "stall" })
             }
         }
     }
@@ -489,7 +502,10 @@ impl Backend for SimBackend {
     ) -> Result<(), BackendError> {
         self.check_compute(inputs, outputs, ctx)?;
         let [out] = outputs else {
-            return Err(BackendError::Invalid(format!("{} has one output", op.name())));
+            return Err(BackendError::Invalid(format!(
+                "{} has one output",
+                op.name()
+            )));
         };
         // Inputs in the output's buffer are copied first (in-place ops).
         let copies = inputs
@@ -523,7 +539,11 @@ impl Backend for SimBackend {
     }
 
     fn kernel(&self, name: &str) -> Option<KernelId> {
-        self.kernels.names.iter().position(|n| n == name).map(KernelId)
+        self.kernels
+            .names
+            .iter()
+            .position(|n| n == name)
+            .map(KernelId)
     }
 
     fn launch_kernel(
@@ -637,7 +657,9 @@ impl Backend for SimBackend {
 
     fn finish(&mut self) -> Result<(), BackendError> {
         if self.group.is_some() {
-            return Err(BackendError::Invalid("a coalescing group was never ended".into()));
+            return Err(BackendError::Invalid(
+                "a coalescing group was never ended".into(),
+            ));
         }
         Ok(())
     }

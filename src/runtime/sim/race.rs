@@ -49,7 +49,12 @@ impl Region {
                     .zip(shape)
                     .all(|((&l, &n), &e)| l + n <= e);
             if fits {
-                return Region::Boxed(lo.iter().zip(&view.shape).map(|(&l, &n)| (l, l + n)).collect());
+                return Region::Boxed(
+                    lo.iter()
+                        .zip(&view.shape)
+                        .map(|(&l, &n)| (l, l + n))
+                        .collect(),
+                );
             }
         }
         let span: u64 = view
