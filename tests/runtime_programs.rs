@@ -145,3 +145,170 @@ fn trace_has_one_event_per_executed_instruction() {
         "worker streams appear as threads"
     );
 }
+
+fn per_rank(
+    ranks: usize,
+    make: impl Fn(usize) -> Vec<(&'static str, meshflow::runtime::data::TensorData)>,
+) -> BTreeMap<usize, BTreeMap<String, meshflow::runtime::data::TensorData>> {
+    (0..ranks)
+        .map(|r| {
+            (
+                r,
+                make(r)
+                    .into_iter()
+                    .map(|(k, v)| (k.to_string(), v))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn pipeline_between_two_meshes_skips_instructions_a_rank_does_not_hold() {
+    use std::fmt::Write;
+    for d in [1i64, 2, 4] {
+        let mut pairs = String::new();
+        for i in 0..d {
+            let _ = writeln!(
+                pairs,
+                "  c{i} = send_recv(a -> b, team=devices({i}, {}), root=0)",
+                d + i
+            );
+        }
+        let waits: String = (0..d).map(|i| format!("  wait c{i}\n")).collect();
+        let text = format!(
+            "host pipe {{\n  mesh stage0 = {}\n  mesh stage1 = [{}]\n  in x: f32[8, 16] on stage0\n  out y: f32[8, 16] on stage1\n  tensor a: f32[8, 16] on stage0\n  tensor b: f32[8, 16] on stage1\n  allocate a\n  gelu(x -> a)\n  allocate b\n{pairs}{waits}  silu(b -> y)\n  deallocate a\n  deallocate b\n}}\n",
+            iota(d),
+            (d..2 * d).map(|i| i.to_string()).collect::<Vec<_>>().join(", "),
+        );
+        let host = parse_host(&text).unwrap();
+        let l1 = meshflow::ir::parse_program(&format!(
+            "program pipe {{\n  mesh stage0 = iota({d})\n  mesh stage1 = iota({d}, start={d})\n  input x: f32[{r}, 16] on stage0 {{outer_split(0, {d}), parallelize(0, DIDx)}}\n  tensor a: f32[{r}, 16] on stage0 {{outer_split(0, {d}), parallelize(0, DIDx)}}\n  tensor b: f32[{r}, 16] on stage1 {{outer_split(0, {d}), parallelize(0, DIDx)}}\n  tensor y: f32[{r}, 16] on stage1 {{outer_split(0, {d}), parallelize(0, DIDx)}}\n  a = gelu(x)\n  b = set(a)\n  y = silu(b)\n  output y\n}}\n",
+            r = 8 * d
+        ))
+        .unwrap();
+        check("pipeline", &l1, &host, 2 * d);
+    }
+}
+
+#[test]
+fn every_compute_op_and_a_registered_kernel() {
+    use meshflow::ir::DType;
+    use meshflow::runtime::data::TensorData;
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("ir/tests/data/host/compute_and_kernels.mfh"),
+    )
+    .unwrap();
+    let host = parse_host(&text).unwrap();
+    let inputs = per_rank(2, |r| {
+        vec![
+            (
+                "a",
+                TensorData::random(DType::F32, &[2, 3, 4], 10 + r as u64).unwrap(),
+            ),
+            ("b", TensorData::random(DType::F32, &[2, 4, 5], 20).unwrap()),
+            ("w", TensorData::random(DType::F32, &[6, 4], 30).unwrap()),
+        ]
+    });
+    // Without the kernel registered, the plan names it.
+    let err = run_sim(&host, SimInputs::PerRank(inputs.clone()), &options()).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("no kernel named `my_kernel\t\"v2\"`"),
+        "{err}"
+    );
+    let mut opts = options();
+    opts.config
+        .kernels
+        .register("my_kernel\t\"v2\"", |ins, outs, args| {
+            if ins.len() != 2 || outs.len() != 1 || args.len() != 3 {
+                return Err("wrong arity".into());
+            }
+            let v = (args[0] + args[1] + args[2]) as f32;
+            let n = outs[0].numel() as usize;
+            outs[0].assign_f32(&vec![v; n]).map_err(|e| e.to_string())
+        });
+    let out = run_sim(&host, SimInputs::PerRank(inputs.clone()), &opts).unwrap();
+    for r in 0..2usize {
+        let o = &out.outputs[&r];
+        let want_y = (r as i64 * 2 - 3 + r as i64 % 2) as f32;
+        assert!(o["y"].storage().to_f32_vec().iter().all(|&v| v == want_y));
+        // z = cast(sum(silu(a * a), axis=2)).
+        let a = inputs[&r]["a"].storage().to_f32_vec();
+        let want_z: Vec<f32> = a
+            .chunks(4)
+            .map(|row| {
+                let s: f32 = row
+                    .iter()
+                    .map(|&x| meshflow::runtime::cpu_ops::silu_scalar((x + x - x) * x))
+                    .sum();
+                half::bf16::from_f32(s).to_f32()
+            })
+            .collect();
+        assert_eq!(o["z"].storage().to_f32_vec(), want_z, "rank {r}");
+    }
+}
+
+#[test]
+fn coalesced_collectives_on_a_two_dimensional_mesh_and_a_pair() {
+    use meshflow::ir::DType;
+    use meshflow::runtime::data::TensorData;
+    let text = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("ir/tests/data/host/coalesced_collectives.mfh"),
+    )
+    .unwrap();
+    let host = parse_host(&text).unwrap();
+    let inputs = per_rank(6, |r| {
+        if r < 4 {
+            vec![
+                (
+                    "a",
+                    TensorData::random(DType::F32, &[4, 8], r as u64).unwrap(),
+                ),
+                (
+                    "b",
+                    TensorData::random(DType::BF16, &[2], 10 + r as u64).unwrap(),
+                ),
+            ]
+        } else {
+            vec![(
+                "p",
+                TensorData::random(DType::F32, &[6], 20 + r as u64).unwrap(),
+            )]
+        }
+    });
+    let out = run_sim(&host, SimInputs::PerRank(inputs.clone()), &options()).unwrap();
+    let a = |r: usize| inputs[&r]["a"].storage().to_f32_vec();
+    let b = |r: usize| inputs[&r]["b"].storage().to_f32_vec();
+    // ga = gelu(all_gather_DIDx(a) of device 0), broadcast to the whole mesh.
+    let want_ga: Vec<f32> = a(0)
+        .into_iter()
+        .chain(a(1))
+        .map(meshflow::runtime::cpu_ops::gelu_scalar)
+        .collect();
+    for r in 0..4usize {
+        assert_eq!(
+            out.outputs[&r]["ga"].storage().to_f32_vec(),
+            want_ga,
+            "rank {r}"
+        );
+        // gb = all_gather along DIDy: devices (r % 2) and (r % 2 + 2).
+        let col = r % 2;
+        let want_gb: Vec<f32> = b(col).into_iter().chain(b(col + 2)).collect();
+        assert_eq!(
+            out.outputs[&r]["gb"].storage().to_f32_vec(),
+            want_gb,
+            "rank {r}"
+        );
+    }
+    assert_eq!(
+        out.outputs[&5]["q"].storage().to_f32_vec(),
+        inputs[&4]["p"].storage().to_f32_vec()
+    );
+    assert!(
+        !out.outputs[&4].contains_key("ga"),
+        "rank 4 does not hold `ga`"
+    );
+}

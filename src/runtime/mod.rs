@@ -1,10 +1,10 @@
 //! Execution of host programs: the [`Evaluator`] over a [`Backend`], the embedded CPU backend
-//! [`SimBackend`], the level-1 [`reference`] interpreter, and the helpers that scatter, run,
+//! [`SimBackend`], the level-1 [`reference`](mod@reference) interpreter, and the helpers that scatter, run,
 //! gather and compare.
 //!
 //! - [`data`], [`view`]: host tensors and strided views.
 //! - [`cpu_ops`]: numeric kernels (sim backend and reference).
-//! - [`reference`]: the level-1 interpreter on full tensors.
+//! - [`mod@reference`]: the level-1 interpreter on full tensors.
 //! - [`shard`]: scatter/gather by a level-1 tensor's layout.
 //! - [`backend`]: the [`Backend`] trait (shaped for CUDA streams, events and NCCL).
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.

@@ -1,7 +1,7 @@
 //! The level-1 reference: an interpreter of a [`Program`] on full (unsharded) tensors.
 //!
 //! Every op is evaluated on logical tensors with the CPU kernels of
-//! [`cpu_ops`](super::cpu_ops). Reduction axes are dropped from values (a consumer sees only
+//! [`cpu_ops`]. Reduction axes are dropped from values (a consumer sees only
 //! the non-reduction axes). `moe_dispatch` orders each expert's rows by ascending `(token, k)`
 //! and numbers tokens globally; a capacity overflow is an error naming the expert.
 

@@ -270,6 +270,9 @@ impl<'p, B: Backend> Evaluator<'p, B> {
     ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
         let rank = self.rank();
         self.reset_state();
+        self.backend
+            .set_current_stream(StreamIndex::MAIN)
+            .map_err(|source| RuntimeError::Backend { rank, source })?;
         self.bind_inputs_and_outputs(inputs)?;
         let plan = &self.plan;
         let mut cx = exec::Cx {

@@ -1,10 +1,10 @@
 //! [`SimBackend`]: the embedded CPU backend. N ranks run as threads of one process on host
 //! memory, with real data movement (a shared [`Fabric`] of mailboxes) and real arithmetic
-//! ([`cpu_ops`](crate::runtime::cpu_ops)).
+//! ([`cpu_ops`]).
 //!
 //! Execution is eager and in host order, but the asynchronous semantics of the host IR are
 //! modelled and checked: streams, `synchronize`, posting and `wait` maintain vector clocks
-//! ([`race`]), and every buffer access is checked against happens-before. Reading a
+//! (module `race`), and every buffer access is checked against happens-before. Reading a
 //! communication's output (or overwriting its input) before the matching `wait`, or using a
 //! chunk written on another stream without `synchronize`, is a race error naming both
 //! instructions. Race checking can be switched off ([`SimConfig::race_check`]).
