@@ -141,7 +141,8 @@ impl Comm {
     }
 
     /// Joins communicator `id` as `rank` of `nranks` on `device` (`ncclCommInitRank`; blocks
-    /// until every rank has joined).
+    /// until every rank has joined). Call it outside any NCCL group (one rank per thread or
+    /// process); one thread driving several GPUs uses [`Comm::init_all`].
     pub fn init_rank(
         lib: &Arc<NcclLib>,
         device: &Device,
@@ -255,29 +256,37 @@ impl Comm {
     }
 
     /// Splits into sub-communicators (`ncclCommSplit`, collective over this communicator): ranks
-    /// with the same `color` form one, ordered by `key`; `None` opts out (returns `None`). For
-    /// one process with one thread driving every rank, use [`split_all`].
+    /// with the same `color` form one, ordered by `key`; `None` opts out (returns `None`).
+    ///
+    /// Call it outside any NCCL group. For one process with one thread driving every rank, use
+    /// [`split_all`], which groups the splits correctly.
     pub fn split(&self, color: Option<u32>, key: i32) -> Result<Option<Comm>> {
-        let raw = self.split_raw(color, key)?;
+        let mut raw: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: outside a group the call completes before returning, so `raw` outlives it.
+        unsafe { self.split_into(color, key, &mut raw)? };
         self.wrap_split(raw)
     }
 
-    fn split_raw(&self, color: Option<u32>, key: i32) -> Result<ncclComm_t> {
+    /// Issues `ncclCommSplit` with `slot` as the output.
+    ///
+    /// # Safety
+    /// Inside a group NCCL writes `*slot` only at `ncclGroupEnd`: `slot` must stay valid (not
+    /// moved or freed) until the group has ended.
+    unsafe fn split_into(&self, color: Option<u32>, key: i32, slot: *mut ncclComm_t) -> Result<()> {
         let color = match color {
             Some(c) => c_int::try_from(c)
                 .map_err(|_| KernelError::InvalidArgument(format!("split color {c}")))?,
             None => sys::NCCL_SPLIT_NOCOLOR,
         };
         self.device.bind()?;
-        let mut raw: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: live communicator; null config means "inherit".
+        // SAFETY: live communicator; `slot` valid per this function's contract; null config
+        // means "inherit".
         let r = unsafe {
             self.lib
                 .sys()
-                .ncclCommSplit(self.raw, color, key, &mut raw, std::ptr::null_mut())
+                .ncclCommSplit(self.raw, color, key, slot, std::ptr::null_mut())
         };
-        self.lib.check("ncclCommSplit", r, self.raw)?;
-        Ok(raw)
+        self.lib.check("ncclCommSplit", r, self.raw)
     }
 
     fn wrap_split(&self, raw: ncclComm_t) -> Result<Option<Comm>> {
@@ -771,16 +780,19 @@ pub fn split_all(comms: &[Comm], colors_keys: &[(Option<u32>, i32)]) -> Result<V
     let Some(lib) = comms.first().map(|c| c.lib.clone()) else {
         return Ok(Vec::new());
     };
-    let raws = group(&lib, || {
-        comms
-            .iter()
-            .zip(colors_keys)
-            .map(|(c, (color, key))| c.split_raw(*color, *key))
-            .collect::<Result<Vec<_>>>()
+    // NCCL fills the new handles at ncclGroupEnd, so the slots must outlive the whole group.
+    let mut slots: Vec<ncclComm_t> = vec![std::ptr::null_mut(); comms.len()];
+    let slot_ptrs: Vec<*mut ncclComm_t> = slots.iter_mut().map(|s| s as *mut ncclComm_t).collect();
+    group(&lib, || {
+        for ((c, (color, key)), slot) in comms.iter().zip(colors_keys).zip(&slot_ptrs) {
+            // SAFETY: `slots` is neither moved nor dropped until after the group has ended.
+            unsafe { c.split_into(*color, *key, *slot)? };
+        }
+        Ok(())
     })?;
     comms
         .iter()
-        .zip(raws)
+        .zip(slots)
         .map(|(c, raw)| c.wrap_split(raw))
         .collect()
 }
