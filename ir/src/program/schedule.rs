@@ -294,7 +294,9 @@ impl LoopDomain {
                     let rank = loop_axes.len();
                     let mut seen = vec![false; rank];
                     let ok = order.len() == rank
-                        && order.iter().all(|&o| o < rank && !std::mem::replace(&mut seen[o], true));
+                        && order
+                            .iter()
+                            .all(|&o| o < rank && !std::mem::replace(&mut seen[o], true));
                     if !ok {
                         return Err(ScheduleError::BadReorder {
                             index,
