@@ -11,6 +11,7 @@
 //! in one group, then destroy; `Drop` aborts, which never hangs). Several communicators driven by
 //! one thread batch their operations between [`group_start`] and [`group_end`].
 
+mod collectives;
 mod comm;
 mod error;
 mod library;
