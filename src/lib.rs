@@ -3,3 +3,5 @@
 
 pub use meshflow_ir as ir;
 pub use meshflow_passes as passes;
+
+pub mod pipeline;
