@@ -11,6 +11,7 @@
 //! | stream broadcast, overlapped | `m + (s-1) · max(c', m) + c` |
 //! | ring / broadcast without a consumer in the loop | `(s-1)·m + C` / `s·m + C` |
 //!
+//! plus `s · loop_step` of host overhead for the decomposed variants,
 //! with `m = λ + (S/s)/B` per chunk, `c` the compute time of one chunk (its own launch
 //! overhead included) and `c' = c / (1 - κ)` the compute slowed by the transport's use of
 //! SMs. `λ`, `B` and `κ` come from the transport table below; compute time is
@@ -74,6 +75,8 @@ pub struct CostModel {
     pub hbm_gb_s: f64,
     /// Launch overhead of one compute op, µs.
     pub launch_us: f64,
+    /// Host overhead of one stream-loop iteration (stream switch, event, views), µs.
+    pub loop_step_us: f64,
 }
 
 impl Default for CostModel {
@@ -84,6 +87,7 @@ impl Default for CostModel {
             gemm_tflops_32bit: 50.0,
             hbm_gb_s: 4000.0,
             launch_us: 5.0,
+            loop_step_us: 1.0,
         }
     }
 }
@@ -143,12 +147,12 @@ impl CostModel {
         let whole = self.compute_us(g.consumer_flops, g.consumer_bytes, g.dtype);
         if !g.overlappable {
             let steps = if first_step_transfers { s } else { s - 1.0 };
-            return steps * m + whole;
+            return steps * m + whole + s * self.loop_step_us;
         }
         let c = self.compute_us(g.consumer_flops / s, g.consumer_bytes / s, g.dtype);
         let slowed = c / (1.0 - self.params().sm_contention).max(0.05);
         let head = if first_step_transfers { m } else { 0.0 };
-        head + c + (s - 1.0) * slowed.max(m)
+        head + c + (s - 1.0) * slowed.max(m) + s * self.loop_step_us
     }
 
     /// A ring of `s` collective permutes (step 0 is a local copy).

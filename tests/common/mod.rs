@@ -2,7 +2,7 @@
 //! lowering tests do not depend on the parser), parameterized like their `param`s.
 #![allow(dead_code)]
 
-use meshflow::ir::{DType, DeviceMesh, ParallelType::*, Program, ProgramBuilder, TensorType};
+use meshflow::ir::{DType, DeviceMesh, ParallelType::*, Program, ProgramBuilder};
 
 /// `column_parallel_linear_{collective,broadcast,ring}`.
 pub fn column_parallel(variant: &str, d: u64) -> Program {
@@ -182,5 +182,36 @@ pub const EXAMPLES: [&str; 7] = [
     "row_parallel_linear_chunked",
 ];
 
-/// An unused helper type so `TensorType` stays imported for tests that declare types.
-pub type Ty = TensorType;
+/// A transformer-like stack of `layers` MLP blocks on a `dp x tp` mesh: per layer a
+/// column-parallel linear (weights split on N along DIDx), gelu, a row-parallel linear
+/// (weights split on K along DIDx: partial sums) and a residual add. Activations are data
+/// parallel (rows split along DIDy); everything else is left to propagation.
+pub fn transformer(layers: usize, dp: u64, tp: u64) -> Program {
+    let (tokens, hidden, ffn) = (64 * dp, 256, 1024);
+    let mut b = ProgramBuilder::new("transformer");
+    let m = b
+        .mesh(
+            "m",
+            DeviceMesh::iota(vec![dp as usize, tp as usize], 0).unwrap(),
+        )
+        .unwrap();
+    let mut x = b.input("x", DType::BF16, &[tokens, hidden], m).unwrap();
+    b.schedule(x).outer_split(0, dp).parallelize(0, DIDy);
+    for l in 0..layers {
+        let w1 = b
+            .input(&format!("w1_{l}"), DType::BF16, &[ffn, hidden], m)
+            .unwrap();
+        let w2 = b
+            .input(&format!("w2_{l}"), DType::BF16, &[hidden, ffn], m)
+            .unwrap();
+        b.schedule(w1).outer_split(0, tp).parallelize(0, DIDx);
+        b.schedule(w2).outer_split(1, tp).parallelize(1, DIDx);
+        let h = b.linear(x, w1).unwrap();
+        let a = b.gelu(h).unwrap();
+        let y = b.linear(a, w2).unwrap();
+        x = b.add(y, x).unwrap();
+    }
+    b.rename(x, "out").unwrap();
+    b.output(x);
+    b.build().unwrap()
+}

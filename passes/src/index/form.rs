@@ -179,6 +179,15 @@ impl IndexData {
             form: Form::Affine(Lin::atom(s)),
             range: facts.range(s),
         }
+        .pinned()
+    }
+
+    /// A value whose interval is a single point is that constant.
+    fn pinned(self) -> IndexData {
+        match self.range {
+            Some((lo, hi)) if lo == hi => IndexData::constant(lo),
+            _ => self,
+        }
     }
 
     fn opaque(range: Option<(i64, i64)>) -> IndexData {
@@ -266,6 +275,10 @@ pub enum Op {
 
 /// The data of `a op b` from the data of `a` and `b`.
 pub fn combine(op: Op, a: &IndexData, b: &IndexData, facts: &Facts) -> IndexData {
+    combine_raw(op, a, b, facts).pinned()
+}
+
+fn combine_raw(op: Op, a: &IndexData, b: &IndexData, facts: &Facts) -> IndexData {
     let lin = |d: &IndexData| match &d.form {
         Form::Affine(l) => Some(l.clone()),
         _ => None,

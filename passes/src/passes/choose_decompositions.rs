@@ -346,18 +346,17 @@ fn choose(
         .filter_map(|n| cost.variant(n))
         .collect();
     variants.sort_by_key(|(d, s, _)| (Decomposition::ALL.iter().position(|x| x == d), *s));
-    let (best_cost, best) = Extractor::new(
+    let extractor = Extractor::new(
         egraph,
         CostFn {
             model,
             case: plan.case,
             egraph,
         },
-    )
-    .find_best(root);
-    let best_node = best.as_ref().last().cloned();
-    let (mut chosen, mut chunks) = best_node
-        .and_then(|n| cost.variant(&n))
+    );
+    let (best_cost, _) = extractor.find_best(root);
+    let (mut chosen, mut chunks) = cost
+        .variant(extractor.find_best_node(root))
         .map_or((Decomposition::Collective, 1), |(d, s, _)| (d, s));
     let mut reason = format!("lowest estimated time ({best_cost:.2} us)");
     if let Some(f) = forced {
