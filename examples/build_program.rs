@@ -2,6 +2,8 @@
 //!
 //! `cargo run --example build_program -- 4` (the argument is the team size, default 4).
 
+#![allow(clippy::print_stdout)] // an example binary prints its result
+
 use meshflow::ir::{DType, DeviceMesh, ParallelType::*, ProgramBuilder};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -14,7 +16,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     b.schedule(w).outer_split(0, d).parallelize(0, DIDx);
     let ag = b.set(x)?; // all-gather of x, decomposed over a swizzled stream axis: a ring
     b.rename(ag, "ag")?;
-    b.schedule(ag).outer_split(0, d).swizzle1d(0, DIDx).parallelize(0, Stream);
+    b.schedule(ag)
+        .outer_split(0, d)
+        .swizzle1d(0, DIDx)
+        .parallelize(0, Stream);
     let y = b.linear(ag, w)?;
     b.rename(y, "y")?;
     b.output(y);

@@ -4,4 +4,6 @@
 pub use meshflow_ir as ir;
 pub use meshflow_passes as passes;
 
+pub mod check;
 pub mod pipeline;
+pub mod runtime;

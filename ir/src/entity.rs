@@ -101,7 +101,10 @@ impl<K: EntityRef, V> Arena<K, V> {
 
     /// Handles and entities, mutably, in insertion order.
     pub fn iter_mut(&mut self) -> impl ExactSizeIterator<Item = (K, &mut V)> + '_ {
-        self.items.iter_mut().enumerate().map(|(i, v)| (K::new(i), v))
+        self.items
+            .iter_mut()
+            .enumerate()
+            .map(|(i, v)| (K::new(i), v))
     }
 
     /// All handles, in insertion order.

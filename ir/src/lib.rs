@@ -139,10 +139,10 @@ pub use host::{
     InstKind, LoopVar, ReduceOp, Role, StreamRef, StreamVar, Team,
 };
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
-pub use parse::{parse_host, parse_program, parse_program_with, ParseError, Params};
+pub use parse::{parse_host, parse_program, parse_program_with, Params, ParseError};
 pub use program::{
-    Axis, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId,
-    TensorType, Transform,
+    Axis, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId, TensorType,
+    Transform,
 };
 pub use span::{SourceLoc, Span};
 pub use verify::{verify_host, verify_program, Diagnostic, Location, VerifyErrors};

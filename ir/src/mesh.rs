@@ -269,11 +269,7 @@ impl DeviceMesh {
 impl fmt::Display for DeviceMesh {
     /// Prints nested brackets, e.g. `[0, 1, 2, 3]` or `[[0, 1], [2, 3]]`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fn rec(
-            f: &mut fmt::Formatter<'_>,
-            shape: &[usize],
-            devices: &[DeviceId],
-        ) -> fmt::Result {
+        fn rec(f: &mut fmt::Formatter<'_>, shape: &[usize], devices: &[DeviceId]) -> fmt::Result {
             f.write_str("[")?;
             if shape.len() == 1 {
                 for (i, d) in devices.iter().enumerate() {

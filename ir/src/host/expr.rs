@@ -173,14 +173,14 @@ impl Expr {
         match self {
             Expr::Const(v) => Ok(*v),
             Expr::Loop(v) => env.loop_value(*v).ok_or(EvalError::UnboundLoop(*v)),
-            Expr::MyIndex { mesh, pt } => {
-                env.my_index(*mesh, *pt).ok_or(EvalError::NoTeamIndex {
-                    mesh: *mesh,
-                    pt: *pt,
-                    device: env.rank(),
-                })
+            Expr::MyIndex { mesh, pt } => env.my_index(*mesh, *pt).ok_or(EvalError::NoTeamIndex {
+                mesh: *mesh,
+                pt: *pt,
+                device: env.rank(),
+            }),
+            Expr::Rank => {
+                i64::try_from(env.rank()).map_err(|_| EvalError::Overflow(self.to_string()))
             }
-            Expr::Rank => i64::try_from(env.rank()).map_err(|_| EvalError::Overflow(self.to_string())),
             Expr::Bin(op, a, b) => {
                 let (a, b) = (a.eval(env)?, b.eval(env)?);
                 let overflow = || EvalError::Overflow(self.to_string());

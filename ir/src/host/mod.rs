@@ -571,8 +571,9 @@ impl InstKind {
     /// The tensors whose contents the instruction writes.
     pub fn writes(&self) -> Vec<HostTensorId> {
         match self {
-            InstKind::Communication { output, .. }
-            | InstKind::CollectivePermute { output, .. } => vec![*output],
+            InstKind::Communication { output, .. } | InstKind::CollectivePermute { output, .. } => {
+                vec![*output]
+            }
             InstKind::MoeDispatch {
                 expert_x,
                 expert_counts,

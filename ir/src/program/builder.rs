@@ -63,15 +63,13 @@ pub struct Scheduler<'a> {
 impl Scheduler<'_> {
     /// `outer_split(axis, parts)`.
     pub fn outer_split(self, axis: usize, parts: u64) -> Self {
-        self.transforms
-            .push(Transform::OuterSplit { axis, parts });
+        self.transforms.push(Transform::OuterSplit { axis, parts });
         self
     }
 
     /// `inner_split(axis, factor)`.
     pub fn inner_split(self, axis: usize, factor: u64) -> Self {
-        self.transforms
-            .push(Transform::InnerSplit { axis, factor });
+        self.transforms.push(Transform::InnerSplit { axis, factor });
         self
     }
 

@@ -53,14 +53,20 @@ pub fn infer_output_types(
         if d[i].is_float() {
             Ok(())
         } else {
-            Err(err(kind, format!("{what} must be a float type, not {}", d[i])))
+            Err(err(
+                kind,
+                format!("{what} must be a float type, not {}", d[i]),
+            ))
         }
     };
     let need_int = |i: usize, what: &str| -> Result<(), InferError> {
         if matches!(d[i], DType::I32 | DType::I64) {
             Ok(())
         } else {
-            Err(err(kind, format!("{what} must be i32 or i64, not {}", d[i])))
+            Err(err(
+                kind,
+                format!("{what} must be i32 or i64, not {}", d[i]),
+            ))
         }
     };
     let same_dtype = |a: usize, b: usize| -> Result<(), InferError> {
@@ -126,10 +132,7 @@ pub fn infer_output_types(
             if *axis >= v[0].len() {
                 return Err(err(
                     kind,
-                    format!(
-                        "axis {axis} out of range for shape {}",
-                        shape_str(&v[0])
-                    ),
+                    format!("axis {axis} out of range for shape {}", shape_str(&v[0])),
                 ));
             }
             let mut axes = iters(&v[0]);

@@ -223,9 +223,7 @@ impl OpKind {
     /// `(inputs, outputs)` the op takes.
     pub fn arity(&self) -> (usize, usize) {
         match self {
-            OpKind::Set | OpKind::Gelu | OpKind::Silu | OpKind::Sum { .. } | OpKind::Cast => {
-                (1, 1)
-            }
+            OpKind::Set | OpKind::Gelu | OpKind::Silu | OpKind::Sum { .. } | OpKind::Cast => (1, 1),
             OpKind::Matmul | OpKind::Linear | OpKind::Add | OpKind::Sub | OpKind::Mul => (2, 1),
             OpKind::MoeDispatch => (2, 3),
             OpKind::GroupedMatmul => (3, 1),

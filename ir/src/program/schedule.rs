@@ -241,7 +241,7 @@ impl LoopDomain {
                         });
                     }
                     let extent = ids[id].extent;
-                    if extent % by != 0 {
+                    if !extent.is_multiple_of(by) {
                         return Err(ScheduleError::NonDivisibleSplit {
                             index,
                             transform: t.to_string(),
@@ -294,7 +294,9 @@ impl LoopDomain {
                     let rank = loop_axes.len();
                     let mut seen = vec![false; rank];
                     let ok = order.len() == rank
-                        && order.iter().all(|&o| o < rank && !std::mem::replace(&mut seen[o], true));
+                        && order
+                            .iter()
+                            .all(|&o| o < rank && !std::mem::replace(&mut seen[o], true));
                     if !ok {
                         return Err(ScheduleError::BadReorder {
                             index,

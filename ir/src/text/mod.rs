@@ -11,9 +11,30 @@ pub use print_program::write_program;
 
 /// Words that cannot be used as names of meshes, tensors or programs.
 pub const KEYWORDS: &[&str] = &[
-    "program", "host", "mesh", "input", "tensor", "output", "param", "in", "out", "on", "for",
-    "rank", "my", "worker", "slice", "devices", "iota", "wait", "allocate", "deallocate",
-    "synchronize", "set_current_stream", "get_current_stream", "start_coalescing",
+    "program",
+    "host",
+    "mesh",
+    "input",
+    "tensor",
+    "output",
+    "param",
+    "in",
+    "out",
+    "on",
+    "for",
+    "rank",
+    "my",
+    "worker",
+    "slice",
+    "devices",
+    "iota",
+    "wait",
+    "allocate",
+    "deallocate",
+    "synchronize",
+    "set_current_stream",
+    "get_current_stream",
+    "start_coalescing",
     "end_coalescing",
 ];
 
@@ -24,7 +45,5 @@ pub fn is_valid_name(name: &str) -> bool {
     let first_ok = chars
         .next()
         .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    first_ok
-        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-        && !KEYWORDS.contains(&name)
+    first_ok && chars.all(|c| c.is_ascii_alphanumeric() || c == '_') && !KEYWORDS.contains(&name)
 }

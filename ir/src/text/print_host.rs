@@ -2,9 +2,7 @@
 
 use std::fmt::{self, Write as _};
 
-use crate::host::{
-    Block, Expr, HostProgram, HostTensorId, InstKind, Role, StreamRef, Team,
-};
+use crate::host::{Block, Expr, HostProgram, HostTensorId, InstKind, Role, StreamRef, Team};
 use crate::program::MeshId;
 
 struct Printer<'a> {

@@ -1,5 +1,12 @@
 //! Verifiers for both IR levels. Each collects **every** error it finds, with its location.
 
+mod host;
+mod host_compute;
+mod host_lifetimes;
+mod host_ops;
+mod names;
+mod program;
+
 use std::fmt;
 
 use crate::span::SourceLoc;
@@ -102,12 +109,33 @@ impl fmt::Display for VerifyErrors {
     }
 }
 
-/// Verifies a level-1 program.
-pub fn verify_program(_program: &crate::Program) -> Result<(), VerifyErrors> {
-    Ok(())
+fn result(diags: Vec<Diagnostic>) -> Result<(), VerifyErrors> {
+    if diags.is_empty() {
+        Ok(())
+    } else {
+        Err(VerifyErrors(diags))
+    }
 }
 
-/// Verifies a host program.
-pub fn verify_host(_program: &crate::HostProgram) -> Result<(), VerifyErrors> {
-    Ok(())
+/// Verifies a level-1 program and reports every error found.
+///
+/// Checks names (valid, not keywords, unique across meshes and tensors), handles, that every
+/// non-input tensor is defined by exactly one op before it is read, op arity and declared
+/// types against [`crate::program::infer_output_types`], schedules (replay, layout, device
+/// parallel types against the mesh, swizzles), that an op's tensors share one mesh (except
+/// `set`), and the output list.
+pub fn verify_program(program: &crate::Program) -> Result<(), VerifyErrors> {
+    result(program::check(program))
+}
+
+/// Verifies a host program and reports every error found.
+///
+/// Checks names and handles; buffer lifetimes (`allocate` before use, no use after
+/// `deallocate`, allocations inside a loop body freed in it); views (`shard_by_stream` shapes,
+/// used only after their `shard_by_stream` and inside its block); loop, stream and
+/// communication variables (scoping, unique labels, every `wait` after its communication in
+/// the same or an enclosing block); coalescing groups; teams, roots, reduction operators and
+/// buffer sizes of communications; MoE and compute op shapes and dtypes; and `my(mesh, pt)`.
+pub fn verify_host(program: &crate::HostProgram) -> Result<(), VerifyErrors> {
+    result(host::check(program))
 }

@@ -1,0 +1,389 @@
+//! The level-1 parser: `program NAME { ... }`.
+//!
+//! Statements (one per line by convention; newlines are not significant):
+//! `param NAME = EXPR`, `mesh NAME = MESH`, `input|tensor NAME: DTYPE[AXES] on MESH {SCHEDULE}`,
+//! `OUT, ... = OP(IN, ..., key=EXPR)` and `output NAME, ...`. Numbers are integer expressions
+//! over earlier parameters, evaluated as they are parsed.
+
+use super::cursor::{error_at, Cursor, NameTable};
+use super::expr::{eval, param_note, parse_expr, parse_parallel_type, PExpr, ParamValues};
+use super::lexer::{Pos, Tok};
+use super::mesh::parse_mesh;
+use super::{Params, ParseError};
+use crate::dtype::DType;
+use crate::program::{
+    Axis, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId, TensorType, Transform,
+};
+use crate::span::SourceLoc;
+
+struct ProgramParser<'a> {
+    cur: Cursor,
+    overrides: &'a Params,
+    params: ParamValues,
+    param_pos: NameTable<()>,
+    meshes: NameTable<MeshId>,
+    tensors: NameTable<TensorId>,
+    program: Program,
+}
+
+fn loc(pos: Pos) -> SourceLoc {
+    SourceLoc::at(pos.line, pos.col)
+}
+
+/// Parses a level-1 program with parameter overrides.
+pub(crate) fn parse(text: &str, overrides: &Params) -> Result<Program, ParseError> {
+    let mut p = ProgramParser {
+        cur: Cursor::new(text),
+        overrides,
+        params: Vec::new(),
+        param_pos: NameTable::new("parameter"),
+        meshes: NameTable::new("mesh"),
+        tensors: NameTable::new("tensor"),
+        program: Program::default(),
+    };
+    let header = p.cur.expect_word("program")?;
+    p.program.name = p.cur.expect_ident("a program name")?.0;
+    p.cur.expect_punct("{")?;
+    while !p.cur.is_punct("}") {
+        p.statement()?;
+    }
+    p.cur.bump();
+    p.cur.expect_eof()?;
+    if let Some(unknown) = overrides
+        .keys()
+        .find(|k| !p.params.iter().any(|(n, _)| n == *k))
+    {
+        let declared: Vec<&str> = p.params.iter().map(|(n, _)| n.as_str()).collect();
+        let list = if declared.is_empty() {
+            "it declares no parameters".to_string()
+        } else {
+            format!("declared: {}", declared.join(", "))
+        };
+        return Err(error_at(
+            header,
+            format!(
+                "parameter `{unknown}` is not declared in program `{}` ({list})",
+                p.program.name
+            ),
+        ));
+    }
+    Ok(p.program)
+}
+
+impl ProgramParser<'_> {
+    fn statement(&mut self) -> Result<(), ParseError> {
+        let c = &self.cur;
+        if c.is_keyword("param") {
+            self.param()
+        } else if c.is_keyword("mesh") {
+            self.mesh()
+        } else if c.is_keyword("input") || c.is_keyword("tensor") {
+            self.tensor()
+        } else if c.is_keyword("output") {
+            self.output()
+        } else if matches!(c.peek().tok, Tok::Ident(_)) {
+            self.op()
+        } else {
+            Err(c.unexpected(
+                "a statement (`param`, `mesh`, `input`, `tensor`, an op or `output`) or `}`",
+            ))
+        }
+    }
+
+    fn param(&mut self) -> Result<(), ParseError> {
+        self.cur.bump();
+        let (name, pos) = self.cur.expect_ident("a parameter name")?;
+        self.param_pos.check_new(&name, pos)?;
+        self.cur.expect_punct("=")?;
+        let e = parse_expr(&mut self.cur)?;
+        let value = match self.overrides.get(&name) {
+            Some(&v) => i128::from(v),
+            None => eval(&e, &self.params)?,
+        };
+        self.param_pos.insert(&name, (), pos);
+        self.params.push((name, value));
+        Ok(())
+    }
+
+    fn mesh(&mut self) -> Result<(), ParseError> {
+        let start = self.cur.bump().pos;
+        let (name, pos) = self.cur.expect_ident("a mesh name")?;
+        self.meshes.check_new(&name, pos)?;
+        self.cur.expect_punct("=")?;
+        let mesh = parse_mesh(&mut self.cur, &name, &self.params)?;
+        let id = self.program.meshes.push(MeshDecl {
+            name: name.clone(),
+            mesh,
+            loc: loc(start),
+        });
+        self.meshes.insert(&name, id, pos);
+        Ok(())
+    }
+
+    /// Evaluates `e` and checks it is at least `min`; `what` names the number in messages.
+    fn number(&self, e: &PExpr, min: i128, what: &str) -> Result<u64, ParseError> {
+        let v = eval(e, &self.params)?;
+        if v < min {
+            let bound = if min == 1 { "positive" } else { "non-negative" };
+            return Err(error_at(
+                e.start(),
+                format!(
+                    "{what} must be {bound}, got {v}{}",
+                    param_note(e, &self.params)
+                ),
+            ));
+        }
+        u64::try_from(v).map_err(|_| {
+            error_at(
+                e.start(),
+                format!("{what} is too large{}", param_note(e, &self.params)),
+            )
+        })
+    }
+
+    fn usize_number(&mut self, what: &str) -> Result<usize, ParseError> {
+        let e = parse_expr(&mut self.cur)?;
+        let v = self.number(&e, 0, what)?;
+        usize::try_from(v).map_err(|_| error_at(e.start(), format!("{what} is too large")))
+    }
+
+    fn tensor(&mut self) -> Result<(), ParseError> {
+        let start = self.cur.bump();
+        let is_input = matches!(&start.tok, Tok::Ident(k) if k == "input");
+        let (name, pos) = self.cur.expect_ident("a tensor name")?;
+        self.tensors.check_new(&name, pos)?;
+        self.cur.expect_punct(":")?;
+        let (dtype_name, dtype_pos) = self.cur.expect_ident("a dtype")?;
+        let dtype: DType = dtype_name
+            .parse()
+            .map_err(|e: crate::dtype::UnknownDType| error_at(dtype_pos, e.to_string()))?;
+        self.cur.expect_punct("[")?;
+        let mut axes = Vec::new();
+        if !self.cur.is_punct("]") {
+            loop {
+                axes.push(self.axis(&name, axes.len())?);
+                if !self.cur.eat_punct(",") {
+                    break;
+                }
+            }
+        }
+        self.cur.expect_punct("]")?;
+        self.cur.expect_word("on")?;
+        let (mesh, _) = self.meshes.expect(&mut self.cur)?;
+        let schedule = if self.cur.is_punct("{") {
+            Some(self.schedule()?)
+        } else {
+            None
+        };
+        let id = self.program.tensors.push(TensorDecl {
+            name: name.clone(),
+            ty: TensorType { dtype, axes },
+            mesh,
+            schedule,
+            is_input,
+            loc: loc(start.pos),
+        });
+        self.tensors.insert(&name, id, pos);
+        Ok(())
+    }
+
+    /// One axis: `EXPR`, `rN` or `r(EXPR)`.
+    fn axis(&mut self, tensor: &str, index: usize) -> Result<Axis, ParseError> {
+        let what = format!("the extent of axis {index} of `{tensor}`");
+        if let Some(word) = self.cur.ident() {
+            if word == "r" && self.cur.is_punct_at(1, "(") {
+                self.cur.bump();
+                self.cur.bump();
+                let e = parse_expr(&mut self.cur)?;
+                self.cur.expect_punct(")")?;
+                return Ok(Axis::reduce(self.number(&e, 1, &what)?));
+            }
+            if let Some(digits) = word.strip_prefix('r') {
+                if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+                    let pos = self.cur.pos();
+                    let v: u64 = digits
+                        .parse()
+                        .map_err(|_| error_at(pos, format!("{what} is too large")))?;
+                    if v == 0 {
+                        return Err(error_at(pos, format!("{what} must be positive, got 0")));
+                    }
+                    self.cur.bump();
+                    return Ok(Axis::reduce(v));
+                }
+            }
+        }
+        let e = parse_expr(&mut self.cur)?;
+        Ok(Axis::iter(self.number(&e, 1, &what)?))
+    }
+
+    fn schedule(&mut self) -> Result<Vec<Transform>, ParseError> {
+        self.cur.expect_punct("{")?;
+        let mut out = Vec::new();
+        if !self.cur.is_punct("}") {
+            loop {
+                out.push(self.transform()?);
+                if !self.cur.eat_punct(",") {
+                    break;
+                }
+            }
+        }
+        self.cur.expect_punct("}")?;
+        Ok(out)
+    }
+
+    fn transform(&mut self) -> Result<Transform, ParseError> {
+        let (name, pos) = self.cur.expect_ident("a transform")?;
+        self.cur.expect_punct("(")?;
+        let t = match name.as_str() {
+            "outer_split" | "inner_split" => {
+                let axis = self.usize_number("a loop axis")?;
+                self.cur.expect_punct(",")?;
+                let e = parse_expr(&mut self.cur)?;
+                let by = self.number(&e, 0, "a split factor")?;
+                if name == "outer_split" {
+                    Transform::OuterSplit { axis, parts: by }
+                } else {
+                    Transform::InnerSplit { axis, factor: by }
+                }
+            }
+            "merge" => Transform::Merge {
+                axis: self.usize_number("a loop axis")?,
+            },
+            "reorder" => {
+                let mut order = Vec::new();
+                if !self.cur.is_punct(")") {
+                    loop {
+                        order.push(self.usize_number("a loop axis")?);
+                        if !self.cur.eat_punct(",") {
+                            break;
+                        }
+                    }
+                }
+                Transform::Reorder { order }
+            }
+            "swizzle1d" | "parallelize" => {
+                let axis = self.usize_number("a loop axis")?;
+                self.cur.expect_punct(",")?;
+                let pt = parse_parallel_type(&mut self.cur)?;
+                if name == "swizzle1d" {
+                    Transform::Swizzle1d { axis, pt }
+                } else {
+                    Transform::Parallelize { axis, pt }
+                }
+            }
+            _ => {
+                return Err(error_at(
+                    pos,
+                    format!(
+                        "unknown transform `{name}` (expected outer_split, inner_split, merge, \
+                         reorder, swizzle1d or parallelize)"
+                    ),
+                ))
+            }
+        };
+        self.cur.expect_punct(")")?;
+        Ok(t)
+    }
+
+    fn op(&mut self) -> Result<(), ParseError> {
+        let start = self.cur.pos();
+        let mut outputs = Vec::new();
+        loop {
+            outputs.push(self.tensors.expect(&mut self.cur)?.0);
+            if !self.cur.eat_punct(",") {
+                break;
+            }
+        }
+        self.cur.expect_punct("=")?;
+        let (name, name_pos) = self.cur.expect_ident("an op name")?;
+        // Reject unknown ops at their name, before their arguments.
+        op_kind(&name, name_pos, Some(0), name_pos)?;
+        self.cur.expect_punct("(")?;
+        let mut inputs = Vec::new();
+        let mut axis: Option<usize> = None;
+        if !self.cur.is_punct(")") {
+            loop {
+                if matches!(self.cur.peek().tok, Tok::Ident(_)) && self.cur.is_punct_at(1, "=") {
+                    let (key, key_pos) = self.cur.expect_ident("an attribute")?;
+                    self.cur.bump();
+                    if name != "sum" {
+                        return Err(error_at(
+                            key_pos,
+                            format!("`{name}` takes no attribute `{key}`"),
+                        ));
+                    }
+                    if key != "axis" {
+                        return Err(error_at(
+                            key_pos,
+                            format!("unknown attribute `{key}` of `sum` (expected `axis`)"),
+                        ));
+                    }
+                    if axis.is_some() {
+                        return Err(error_at(key_pos, "`axis` is given twice"));
+                    }
+                    axis = Some(self.usize_number("the summed axis")?);
+                } else {
+                    if axis.is_some() {
+                        return Err(self.cur.unexpected("`)` (attributes come last)"));
+                    }
+                    inputs.push(self.tensors.expect(&mut self.cur)?.0);
+                }
+                if !self.cur.eat_punct(",") {
+                    break;
+                }
+            }
+        }
+        let close = self.cur.expect_punct(")")?;
+        let kind = op_kind(&name, name_pos, axis, close)?;
+        self.program.ops.push(Op {
+            kind,
+            inputs,
+            outputs,
+            loc: loc(start),
+        });
+        Ok(())
+    }
+
+    fn output(&mut self) -> Result<(), ParseError> {
+        self.cur.bump();
+        loop {
+            let (t, _) = self.tensors.expect(&mut self.cur)?;
+            self.program.outputs.push(t);
+            if !self.cur.eat_punct(",") {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn op_kind(name: &str, pos: Pos, axis: Option<usize>, close: Pos) -> Result<OpKind, ParseError> {
+    let kind = match name {
+        "set" => OpKind::Set,
+        "matmul" => OpKind::Matmul,
+        "linear" => OpKind::Linear,
+        "add" => OpKind::Add,
+        "sub" => OpKind::Sub,
+        "mul" => OpKind::Mul,
+        "gelu" => OpKind::Gelu,
+        "silu" => OpKind::Silu,
+        "sum" => {
+            let axis = axis.ok_or_else(|| error_at(close, "`sum` needs `axis=`"))?;
+            OpKind::Sum { axis }
+        }
+        "cast" => OpKind::Cast,
+        "moe_dispatch" => OpKind::MoeDispatch,
+        "grouped_matmul" => OpKind::GroupedMatmul,
+        "moe_combine" => OpKind::MoeCombine,
+        _ => {
+            return Err(error_at(
+                pos,
+                format!(
+                    "unknown op `{name}` (expected set, matmul, linear, add, sub, mul, gelu, \
+                     silu, sum, cast, moe_dispatch, grouped_matmul or moe_combine)"
+                ),
+            ))
+        }
+    };
+    Ok(kind)
+}

@@ -1,0 +1,322 @@
+//! NVRTC compilation of the embedded sources for one device architecture, with an optional
+//! on-disk cache (`$XDG_CACHE_HOME/meshflow/kernels`, keyed by source hash, options and NVRTC
+//! version; disable with `MESHFLOW_KERNEL_CACHE=off`).
+
+use std::ffi::{c_char, c_int, CString};
+use std::path::PathBuf;
+
+use cudarc::nvrtc::{result as nvrtc, sys as nsys};
+
+use super::sources::Source;
+use crate::error::{KernelError, Result};
+use crate::probe;
+
+/// A compiled module image for `cuModuleLoadData`.
+#[derive(Debug, Clone)]
+pub(crate) enum Image {
+    /// Native code for the device's exact architecture.
+    Cubin(Vec<u8>),
+    /// PTX (NUL-terminated), JIT-compiled by the driver; used when NVRTC does not know the arch.
+    Ptx(Vec<u8>),
+}
+
+impl Image {
+    pub(crate) fn bytes(&self) -> &[u8] {
+        match self {
+            Image::Cubin(b) | Image::Ptx(b) => b,
+        }
+    }
+}
+
+/// What NVRTC is asked to produce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Target {
+    /// `sm_90` (CUBIN) or `compute_90` (PTX).
+    pub(crate) arch: String,
+    pub(crate) cubin: bool,
+}
+
+/// Picks the target for compute capability `cc` among the archs this NVRTC supports: the exact
+/// `sm_XY` when supported (CUBIN), else PTX for the newest supported arch below it.
+pub(crate) fn pick_target(cc: (u32, u32), supported: &[u32]) -> Result<Target> {
+    let want = cc.0 * 10 + cc.1;
+    if supported.contains(&want) {
+        return Ok(Target {
+            arch: format!("sm_{want}"),
+            cubin: true,
+        });
+    }
+    match supported.iter().copied().filter(|a| *a <= want).max() {
+        Some(a) => Ok(Target {
+            arch: format!("compute_{a}"),
+            cubin: false,
+        }),
+        None => Err(KernelError::Unsupported(format!(
+            "compute capability {}.{} is older than every architecture this NVRTC supports \
+             ({supported:?})",
+            cc.0, cc.1
+        ))),
+    }
+}
+
+fn supported_archs() -> Result<Vec<u32>> {
+    let mut n: c_int = 0;
+    // SAFETY: valid out pointer.
+    nvrtc_ok("nvrtcGetNumSupportedArchs", unsafe {
+        nsys::nvrtcGetNumSupportedArchs(&mut n)
+    })?;
+    let mut archs = vec![0 as c_int; usize::try_from(n).unwrap_or(0)];
+    // SAFETY: `archs` has room for `n` entries, as NVRTC just told us.
+    nvrtc_ok("nvrtcGetSupportedArchs", unsafe {
+        nsys::nvrtcGetSupportedArchs(archs.as_mut_ptr())
+    })?;
+    Ok(archs
+        .into_iter()
+        .filter_map(|a| u32::try_from(a).ok())
+        .collect())
+}
+
+fn nvrtc_version() -> Result<(i32, i32)> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: valid out pointers.
+    nvrtc_ok("nvrtcVersion", unsafe {
+        nsys::nvrtcVersion(&mut major, &mut minor)
+    })?;
+    Ok((major, minor))
+}
+
+fn nvrtc_ok(call: &'static str, r: nsys::nvrtcResult) -> Result<()> {
+    r.result().map_err(|e| KernelError::Nvrtc {
+        source_name: call,
+        arch: String::new(),
+        code: format!("{:?}", e.0),
+        log: String::new(),
+    })
+}
+
+/// Compiles `source` for compute capability `cc`, through the disk cache unless `fresh`.
+/// Returns the image and whether it came from the disk cache.
+pub(crate) fn compile(source: Source, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
+    probe::nvrtc()?;
+    probe::no_panic("nvrtc", || compile_inner(source, cc, fresh))?
+}
+
+fn compile_inner(source: Source, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
+    let target = pick_target(cc, &supported_archs()?)?;
+    let text = source.full_text();
+    let options = vec![
+        format!("--gpu-architecture={}", target.arch),
+        "--std=c++17".to_owned(),
+    ];
+    let version = nvrtc_version()?;
+    let key = fnv1a(format!("{text}\0{options:?}\0{version:?}").as_bytes());
+    let path = cache_path(source, key, target.cubin);
+    if !fresh {
+        if let Some(image) = path.as_ref().and_then(|p| read_cached(p, target.cubin)) {
+            tracing::debug!(source = source.file_name(), arch = %target.arch, "kernel cache hit");
+            return Ok((image, true));
+        }
+    }
+    let mut image = run_nvrtc(source, &text, &target, &options)?;
+    if let Image::Cubin(bytes) = &image {
+        if bytes.is_empty() {
+            // Should not happen for a supported sm_XY; fall back to PTX for the same arch.
+            let ptx_target = Target {
+                arch: target.arch.replace("sm_", "compute_"),
+                cubin: false,
+            };
+            let ptx_opts = vec![
+                format!("--gpu-architecture={}", ptx_target.arch),
+                "--std=c++17".to_owned(),
+            ];
+            image = run_nvrtc(source, &text, &ptx_target, &ptx_opts)?;
+        }
+    }
+    if let Some(p) = &path {
+        write_cached(p, &image);
+    }
+    tracing::debug!(source = source.file_name(), arch = %target.arch, bytes = image.bytes().len(), "compiled kernels");
+    Ok((image, false))
+}
+
+/// Frees an NVRTC program on every exit path.
+struct Program(nsys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: created by nvrtcCreateProgram, destroyed once.
+        if let Err(e) = unsafe { nvrtc::destroy_program(self.0) } {
+            tracing::warn!("nvrtcDestroyProgram failed: {e}");
+        }
+    }
+}
+
+fn c_chars_to_string(v: &[c_char]) -> String {
+    let bytes: Vec<u8> = v.iter().map(|c| *c as u8).take_while(|b| *b != 0).collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+fn run_nvrtc(source: Source, text: &str, target: &Target, options: &[String]) -> Result<Image> {
+    let err = |code: String, log: String| KernelError::Nvrtc {
+        source_name: source.file_name(),
+        arch: target.arch.clone(),
+        code,
+        log,
+    };
+    let src = CString::new(text).map_err(|_| err("NUL in source".into(), String::new()))?;
+    let name =
+        CString::new(source.file_name()).map_err(|_| err("NUL in name".into(), String::new()))?;
+    let prog = Program(
+        nvrtc::create_program(&src, Some(&name))
+            .map_err(|e| err(format!("{:?}", e.0), String::new()))?,
+    );
+    // SAFETY: `prog` is a live program; the options are plain strings without NULs.
+    let compiled = unsafe { nvrtc::compile_program(prog.0, options) };
+    // SAFETY: live program.
+    let log = unsafe { nvrtc::get_program_log(prog.0) }
+        .map(|l| c_chars_to_string(&l))
+        .unwrap_or_default();
+    if let Err(e) = compiled {
+        return Err(err(format!("{:?}", e.0), log));
+    }
+    if !log.trim().is_empty() {
+        tracing::debug!(source = source.file_name(), "NVRTC log:\n{log}");
+    }
+    if target.cubin {
+        let mut size = 0usize;
+        // SAFETY: live, successfully compiled program; valid out pointer.
+        let r = unsafe { nsys::nvrtcGetCUBINSize(prog.0, &mut size) };
+        r.result()
+            .map_err(|e| err(format!("nvrtcGetCUBINSize: {:?}", e.0), log.clone()))?;
+        let mut bytes = vec![0u8; size];
+        if size > 0 {
+            // SAFETY: `bytes` has exactly the size NVRTC reported.
+            let r = unsafe { nsys::nvrtcGetCUBIN(prog.0, bytes.as_mut_ptr().cast::<c_char>()) };
+            r.result()
+                .map_err(|e| err(format!("nvrtcGetCUBIN: {:?}", e.0), log.clone()))?;
+        }
+        Ok(Image::Cubin(bytes))
+    } else {
+        // SAFETY: live, successfully compiled program.
+        let ptx = unsafe { nvrtc::get_ptx(prog.0) }
+            .map_err(|e| err(format!("nvrtcGetPTX: {:?}", e.0), log))?;
+        let mut bytes: Vec<u8> = ptx.iter().map(|c| *c as u8).collect();
+        if bytes.last() != Some(&0) {
+            bytes.push(0);
+        }
+        Ok(Image::Ptx(bytes))
+    }
+}
+
+/// 64-bit FNV-1a: a stable hash for cache keys (std's hasher may change between Rust versions).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// The cache directory, or `None` when disabled or no home is known.
+pub(crate) fn cache_dir_from(
+    setting: Option<&str>,
+    xdg_cache_home: Option<&str>,
+    home: Option<&str>,
+) -> Option<PathBuf> {
+    if matches!(setting, Some("0" | "off" | "false" | "no")) {
+        return None;
+    }
+    let base = match (xdg_cache_home, home) {
+        (Some(x), _) if !x.is_empty() => PathBuf::from(x),
+        (_, Some(h)) if !h.is_empty() => PathBuf::from(h).join(".cache"),
+        _ => return None,
+    };
+    Some(base.join("meshflow").join("kernels"))
+}
+
+fn cache_path(source: Source, key: u64, cubin: bool) -> Option<PathBuf> {
+    let env = |k: &str| std::env::var(k).ok();
+    let dir = cache_dir_from(
+        env("MESHFLOW_KERNEL_CACHE").as_deref(),
+        env("XDG_CACHE_HOME").as_deref(),
+        env("HOME").as_deref(),
+    )?;
+    let stem = source.file_name().trim_end_matches(".cu");
+    let ext = if cubin { "cubin" } else { "ptx" };
+    Some(dir.join(format!("{stem}-{key:016x}.{ext}")))
+}
+
+fn read_cached(path: &PathBuf, cubin: bool) -> Option<Image> {
+    let bytes = std::fs::read(path).ok()?;
+    if bytes.is_empty() {
+        return None;
+    }
+    Some(if cubin {
+        Image::Cubin(bytes)
+    } else {
+        Image::Ptx(bytes)
+    })
+}
+
+/// Best effort: a cache that cannot be written is logged, not an error.
+fn write_cached(path: &PathBuf, image: &Image) {
+    let write = || -> std::io::Result<()> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(&tmp, image.bytes())?;
+        std::fs::rename(&tmp, path)
+    };
+    if let Err(e) = write() {
+        tracing::debug!(path = %path.display(), "kernel cache not written: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exact_arch_gives_cubin() {
+        let archs = [75, 80, 86, 87, 88, 89, 90, 100, 103, 110, 120, 121];
+        assert_eq!(
+            pick_target((9, 0), &archs).ok(),
+            Some(Target {
+                arch: "sm_90".into(),
+                cubin: true
+            })
+        );
+    }
+
+    #[test]
+    fn unknown_newer_arch_falls_back_to_ptx() {
+        let archs = [75, 80, 90];
+        assert_eq!(
+            pick_target((10, 0), &archs).ok(),
+            Some(Target {
+                arch: "compute_90".into(),
+                cubin: false
+            })
+        );
+        assert!(pick_target((7, 0), &archs).is_err());
+    }
+
+    #[test]
+    fn fnv1a_is_stable() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+    }
+
+    #[test]
+    fn cache_dir_rules() {
+        assert_eq!(
+            cache_dir_from(None, Some("/x"), Some("/h")),
+            Some(PathBuf::from("/x/meshflow/kernels"))
+        );
+        assert_eq!(
+            cache_dir_from(None, None, Some("/h")),
+            Some(PathBuf::from("/h/.cache/meshflow/kernels"))
+        );
+        assert_eq!(cache_dir_from(Some("off"), Some("/x"), None), None);
+        assert_eq!(cache_dir_from(None, None, None), None);
+    }
+}

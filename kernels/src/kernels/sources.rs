@@ -1,0 +1,183 @@
+//! The CUDA C sources embedded in the binary (`kernels/cuda/*.cu`) and the kernels each defines.
+//!
+//! Adding a source: put the `.cu` file in `kernels/cuda/`, add a [`Source`] variant and its entry
+//! in [`Source::text`] / [`Source::functions`], and write the launching code in a sibling module
+//! (future MoE dispatch/combine kernels go to `moe.cu` + `kernels/moe.rs`).
+
+use crate::dtype::{BinaryOp, DType, UnaryOp};
+
+/// Shared helpers prepended to every source (conversions, grid-stride helpers).
+pub(crate) const COMMON: &str = include_str!("../../cuda/common.cuh");
+
+/// One embedded kernel source file; compiled into one CUDA module per device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// `elementwise.cu`: binary add/sub/mul, unary gelu/silu.
+    Elementwise,
+    /// `cast.cu`: float casts and i32/i64 casts.
+    Cast,
+    /// `copy.cu`: strided copy / permute of up to 4-D tensors.
+    Copy,
+    /// `reduce.cu`: sum over one axis.
+    Reduce,
+    /// `fill.cu`: fill with a raw value.
+    Fill,
+}
+
+/// The float types the elementwise, cast and reduction kernels are instantiated for.
+pub(crate) const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+/// `(input, output)` dtype pairs of the sum kernels.
+pub(crate) const SUM_TYPES: [(DType, DType); 5] = [
+    (DType::F32, DType::F32),
+    (DType::BF16, DType::BF16),
+    (DType::BF16, DType::F32),
+    (DType::F16, DType::F16),
+    (DType::F16, DType::F32),
+];
+
+impl Source {
+    /// Every source.
+    pub const ALL: [Source; 5] = [
+        Source::Elementwise,
+        Source::Cast,
+        Source::Copy,
+        Source::Reduce,
+        Source::Fill,
+    ];
+
+    /// File name under `kernels/cuda/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Source::Elementwise => "elementwise.cu",
+            Source::Cast => "cast.cu",
+            Source::Copy => "copy.cu",
+            Source::Reduce => "reduce.cu",
+            Source::Fill => "fill.cu",
+        }
+    }
+
+    /// The source text (without the common prelude).
+    pub(crate) fn text(self) -> &'static str {
+        match self {
+            Source::Elementwise => include_str!("../../cuda/elementwise.cu"),
+            Source::Cast => include_str!("../../cuda/cast.cu"),
+            Source::Copy => include_str!("../../cuda/copy.cu"),
+            Source::Reduce => include_str!("../../cuda/reduce.cu"),
+            Source::Fill => include_str!("../../cuda/fill.cu"),
+        }
+    }
+
+    /// The full text NVRTC compiles: the prelude, then the source.
+    pub(crate) fn full_text(self) -> String {
+        format!(
+            "{COMMON}\n#line 1 \"{}\"\n{}",
+            self.file_name(),
+            self.text()
+        )
+    }
+
+    /// Every `extern "C"` kernel the host may launch from this source.
+    pub fn functions(self) -> Vec<String> {
+        match self {
+            Source::Elementwise => FLOATS
+                .iter()
+                .flat_map(|d| {
+                    let bin = BinaryOp::ALL.iter().map(move |op| binary_name(*op, *d));
+                    let un = UnaryOp::ALL.iter().map(move |op| unary_name(*op, *d));
+                    bin.chain(un)
+                })
+                .collect(),
+            Source::Cast => {
+                let mut v: Vec<String> = FLOATS
+                    .iter()
+                    .flat_map(|s| {
+                        FLOATS
+                            .iter()
+                            .filter(move |d| *d != s)
+                            .map(move |d| cast_name(*s, *d))
+                    })
+                    .collect();
+                v.push(cast_name(DType::I32, DType::I64));
+                v.push(cast_name(DType::I64, DType::I32));
+                v
+            }
+            Source::Copy => [1, 2, 4, 8]
+                .iter()
+                .map(|b| format!("strided_copy_b{b}"))
+                .collect(),
+            Source::Reduce => SUM_TYPES
+                .iter()
+                .flat_map(|(i, o)| [sum_name("axis", *i, *o), sum_name("rows", *i, *o)])
+                .collect(),
+            Source::Fill => [1, 2, 4, 8].iter().map(|b| format!("fill_b{b}")).collect(),
+        }
+    }
+}
+
+pub(crate) fn binary_name(op: BinaryOp, d: DType) -> String {
+    format!("binary_{}_{}", op.name(), d.name())
+}
+
+pub(crate) fn unary_name(op: UnaryOp, d: DType) -> String {
+    format!("unary_{}_{}", op.name(), d.name())
+}
+
+pub(crate) fn cast_name(src: DType, dst: DType) -> String {
+    format!("cast_{}_{}", src.name(), dst.name())
+}
+
+pub(crate) fn sum_name(kind: &str, input: DType, output: DType) -> String {
+    format!("sum_{kind}_{}_{}", input.name(), output.name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names the host launches must appear in the sources, either literally or through the
+    /// instantiation macros (`MF_ALL_OPS(bf16)` etc.): a cheap check that runs without NVRTC.
+    #[test]
+    fn sources_instantiate_every_launched_kernel() {
+        let text = |s: Source| s.text().to_owned();
+        for d in FLOATS {
+            assert!(text(Source::Elementwise).contains(&format!("MF_ALL_OPS({})", d.name())));
+        }
+        for f in Source::Cast.functions() {
+            let parts: Vec<&str> = f.trim_start_matches("cast_").split('_').collect();
+            let literal = text(Source::Cast).contains(&format!("void {f}("));
+            let macro_use =
+                text(Source::Cast).contains(&format!("MF_CAST({}, {})", parts[0], parts[1]));
+            assert!(literal || macro_use, "{f} missing from cast.cu");
+        }
+        for (i, o) in SUM_TYPES {
+            assert!(text(Source::Reduce).contains(&format!("MF_SUM({}, {})", i.name(), o.name())));
+        }
+        for b in [1, 2, 4, 8] {
+            assert!(text(Source::Copy).contains(&format!("MF_COPY({b},")));
+            assert!(text(Source::Fill).contains(&format!("MF_FILL({b},")));
+        }
+    }
+
+    #[test]
+    fn function_lists_have_no_duplicates() {
+        let mut all: Vec<String> = Source::ALL.iter().flat_map(|s| s.functions()).collect();
+        let n = all.len();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), n);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4);
+    }
+
+    #[test]
+    fn sources_do_not_include_cuda_headers() {
+        for s in Source::ALL {
+            assert!(
+                !s.text().contains("#include"),
+                "{} includes a header",
+                s.file_name()
+            );
+        }
+        assert!(!COMMON.contains("#include"));
+    }
+}

@@ -1,0 +1,128 @@
+//! CUDA streams.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::CudaStream;
+
+use crate::device::{drv, Device};
+use crate::error::{KernelError, Result};
+use crate::event::Event;
+use crate::gemm::BlasHandle;
+
+/// An ordered queue of device work on one [`Device`]. Cheap to clone; clones are the same stream.
+///
+/// Each stream lazily owns its cuBLAS handle (cuBLAS workspaces must not be shared by streams
+/// running concurrently).
+#[derive(Clone)]
+pub struct Stream {
+    pub(crate) inner: Arc<StreamInner>,
+}
+
+pub(crate) struct StreamInner {
+    // Field order is drop order: the cuBLAS handle goes before the stream it is bound to.
+    pub(crate) blas: Mutex<Option<BlasHandle>>,
+    pub(crate) cu: Arc<CudaStream>,
+    pub(crate) device: Device,
+    id: u64,
+}
+
+static NEXT_STREAM_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Stream {
+    fn wrap(device: &Device, cu: Arc<CudaStream>) -> Stream {
+        Stream {
+            inner: Arc::new(StreamInner {
+                blas: Mutex::new(None),
+                cu,
+                device: device.clone(),
+                id: NEXT_STREAM_ID.fetch_add(1, Ordering::Relaxed),
+            }),
+        }
+    }
+
+    /// Creates a new non-blocking stream on `device` (it does not synchronize with the legacy
+    /// default stream).
+    pub fn new(device: &Device) -> Result<Stream> {
+        let cu = drv("cuStreamCreate", device.inner.ctx.new_stream())?;
+        Ok(Stream::wrap(device, cu))
+    }
+
+    /// Creates a non-blocking stream with a priority (lower numbers are higher priority; the
+    /// driver clamps to its range).
+    pub fn with_priority(device: &Device, priority: i32) -> Result<Stream> {
+        let cu = drv(
+            "cuStreamCreateWithPriority",
+            device.inner.ctx.new_stream_with_priority(priority),
+        )?;
+        Ok(Stream::wrap(device, cu))
+    }
+
+    /// The legacy default (null) stream of `device`.
+    pub fn default_stream(device: &Device) -> Stream {
+        Stream::wrap(device, device.inner.ctx.default_stream())
+    }
+
+    /// The device this stream runs on.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// A process-unique id of this stream (for logs and caches).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// Blocks the calling thread until all work queued so far on this stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        drv("cuStreamSynchronize", self.inner.cu.synchronize())
+    }
+
+    /// Makes future work on this stream wait until `event` has completed. The event may belong to
+    /// another device (cross-device waits are allowed).
+    pub fn wait(&self, event: &Event) -> Result<()> {
+        event.wait_on(self)
+    }
+
+    /// Records a fresh pooled event on this stream and returns it.
+    pub fn record_event(&self) -> Result<Event> {
+        let e = Event::new(self.device())?;
+        e.record(self)?;
+        Ok(e)
+    }
+
+    /// Makes this stream wait for everything queued so far on `other`.
+    pub fn join(&self, other: &Stream) -> Result<()> {
+        let e = other.record_event()?;
+        self.wait(&e)
+    }
+
+    /// Errors unless this stream belongs to `device`.
+    pub(crate) fn expect_device(&self, device: &Device, what: &str) -> Result<()> {
+        if self.device().same_as(device) {
+            Ok(())
+        } else {
+            Err(KernelError::InvalidArgument(format!(
+                "stream of device {} used for {what} on device {}",
+                self.device().ordinal(),
+                device.ordinal()
+            )))
+        }
+    }
+
+    /// Binds this stream's context to the calling thread and returns the raw stream.
+    pub(crate) fn bind_raw(&self) -> Result<cudarc::driver::sys::CUstream> {
+        self.device().bind()?;
+        Ok(self.inner.cu.cu_stream())
+    }
+}
+
+impl fmt::Debug for Stream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Stream")
+            .field("id", &self.inner.id)
+            .field("device", &self.inner.device.ordinal())
+            .finish()
+    }
+}

@@ -1,0 +1,614 @@
+//! Instantiating a host program on every rank: unroll loops, evaluate roots and peers, keep
+//! the communications the rank takes part in.
+
+use std::collections::HashSet;
+
+use meshflow_ir::host::ExprEnv;
+use meshflow_ir::text::inst_to_string;
+use meshflow_ir::{
+    Arena, CommKind, DeviceId, Expr, HostProgram, HostTensorId, Inst, InstKind, LoopVar, MeshDecl,
+    MeshId, ParallelType, Team,
+};
+
+use super::error::{CheckError, CheckErrors, Site};
+use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration};
+
+/// The most loop iterations plus communications instantiated over all ranks.
+pub const MAX_INSTANCES: usize = 1_000_000;
+
+/// The instructions that matter to the check, with their index in [`Instances::insts`].
+enum Node<'a> {
+    Loop {
+        ord: usize,
+        index: LoopVar,
+        start: &'a Expr,
+        stop: &'a Expr,
+        body: Vec<Node<'a>>,
+    },
+    Comm {
+        ord: usize,
+        inst: &'a Inst,
+    },
+    StartGroup {
+        ord: usize,
+    },
+    EndGroup {
+        ord: usize,
+    },
+}
+
+fn build_nodes<'a>(
+    host: &HostProgram,
+    block: &'a [Inst],
+    insts: &mut Vec<InstInfo>,
+) -> Vec<Node<'a>> {
+    let mut nodes = Vec::new();
+    for inst in block {
+        let relevant = matches!(
+            inst.kind,
+            InstKind::ForLoop { .. } | InstKind::StartCoalescing | InstKind::EndCoalescing { .. }
+        ) || inst.kind.is_communication();
+        if !relevant {
+            continue;
+        }
+        let ord = insts.len();
+        insts.push(InstInfo {
+            text: inst_to_string(host, inst),
+            loc: inst.loc,
+        });
+        nodes.push(match &inst.kind {
+            InstKind::ForLoop {
+                index,
+                start,
+                stop,
+                body,
+            } => Node::Loop {
+                ord,
+                index: *index,
+                start,
+                stop,
+                body: build_nodes(host, body, insts),
+            },
+            InstKind::StartCoalescing => Node::StartGroup { ord },
+            InstKind::EndCoalescing { .. } => Node::EndGroup { ord },
+            _ => Node::Comm { ord, inst },
+        });
+    }
+    nodes
+}
+
+/// Expression values on one rank.
+struct RankEnv<'a> {
+    meshes: &'a Arena<MeshId, MeshDecl>,
+    rank: DeviceId,
+    loops: &'a [(LoopVar, i64)],
+}
+
+impl ExprEnv for RankEnv<'_> {
+    fn loop_value(&self, var: LoopVar) -> Option<i64> {
+        self.loops
+            .iter()
+            .rev()
+            .find(|(v, _)| *v == var)
+            .map(|(_, x)| *x)
+    }
+
+    fn my_index(&self, mesh: MeshId, pt: ParallelType) -> Option<i64> {
+        let index = self.meshes.get(mesh)?.mesh.team_index(self.rank, pt)?;
+        i64::try_from(index).ok()
+    }
+
+    fn rank(&self) -> DeviceId {
+        self.rank
+    }
+}
+
+/// Signals that the instance cap was hit.
+struct Abort;
+
+struct Walker<'h, 'o> {
+    host: &'h HostProgram,
+    out: &'o mut Instances,
+    errors: &'o mut Vec<CheckError>,
+    /// `(rank, instruction, category)` of errors already reported, so an error in a loop body
+    /// is reported for its first iteration only.
+    reported: &'o mut HashSet<(DeviceId, usize, &'static str)>,
+    budget: &'o mut usize,
+    rank: DeviceId,
+    loops: Vec<(LoopVar, i64)>,
+    group: Option<(u32, usize)>,
+    next_group: u32,
+}
+
+impl Walker<'_, '_> {
+    fn spend(&mut self) -> Result<(), Abort> {
+        if *self.budget == 0 {
+            return Err(Abort);
+        }
+        *self.budget -= 1;
+        Ok(())
+    }
+
+    fn site(&self, ord: usize) -> Site {
+        Site {
+            inst: self.out.insts.get(ord).cloned().unwrap_or(InstInfo {
+                text: String::new(),
+                loc: meshflow_ir::SourceLoc::NONE,
+            }),
+            at: Iteration(self.loops.clone()),
+        }
+    }
+
+    fn report(&mut self, ord: usize, error: CheckError) {
+        if self.reported.insert((self.rank, ord, error.category())) {
+            self.errors.push(error);
+        }
+    }
+
+    fn eval(&mut self, ord: usize, what: &'static str, expr: &Expr) -> Option<i64> {
+        let env = RankEnv {
+            meshes: &self.host.meshes,
+            rank: self.rank,
+            loops: &self.loops,
+        };
+        match expr.eval(&env) {
+            Ok(v) => Some(v),
+            Err(error) => {
+                let site = self.site(ord);
+                let rank = self.rank;
+                self.report(
+                    ord,
+                    CheckError::Eval {
+                        rank,
+                        what,
+                        site,
+                        error,
+                    },
+                );
+                None
+            }
+        }
+    }
+
+    fn walk(&mut self, nodes: &[Node<'_>]) -> Result<(), Abort> {
+        for node in nodes {
+            match node {
+                Node::Loop {
+                    ord,
+                    index,
+                    start,
+                    stop,
+                    body,
+                } => {
+                    let (Some(start), Some(stop)) = (
+                        self.eval(*ord, "loop bounds", start),
+                        self.eval(*ord, "loop bounds", stop),
+                    ) else {
+                        continue;
+                    };
+                    for value in start..stop {
+                        self.spend()?;
+                        self.loops.push((*index, value));
+                        self.walk(body)?;
+                        self.loops.pop();
+                    }
+                }
+                Node::StartGroup { ord } => {
+                    if self.group.is_some() {
+                        let (rank, site) = (self.rank, self.site(*ord));
+                        let detail = "start_coalescing inside an open coalescing group".into();
+                        self.report(*ord, CheckError::Malformed { rank, site, detail });
+                    } else {
+                        self.group = Some((self.next_group, *ord));
+                        self.next_group += 1;
+                    }
+                }
+                Node::EndGroup { ord } => {
+                    if self.group.take().is_none() {
+                        let (rank, site) = (self.rank, self.site(*ord));
+                        let detail = "end_coalescing without start_coalescing".into();
+                        self.report(*ord, CheckError::Malformed { rank, site, detail });
+                    }
+                }
+                Node::Comm { ord, inst } => {
+                    self.spend()?;
+                    self.communication(*ord, inst);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
+        let t = self.host.tensors.get(tensor)?;
+        let mesh = self.host.meshes.get(t.mesh)?;
+        mesh.mesh.contains(self.rank).then_some(Buffer {
+            tensor,
+            dtype: t.dtype,
+            numel: t.numel(),
+        })
+    }
+
+    fn require(
+        &mut self,
+        ord: usize,
+        team: &[DeviceId],
+        role: &'static str,
+        tensor: HostTensorId,
+    ) -> Option<Buffer> {
+        let held = self.holds(tensor);
+        if held.is_none() {
+            let (name, mesh) = match self.host.tensors.get(tensor) {
+                Some(t) => (
+                    t.name.clone(),
+                    self.host
+                        .meshes
+                        .get(t.mesh)
+                        .map_or_else(|| format!("{:?}", t.mesh), |m| m.name.clone()),
+                ),
+                None => (format!("{tensor:?}"), "?".into()),
+            };
+            let error = CheckError::MissingBuffer {
+                rank: self.rank,
+                site: self.site(ord),
+                team: team.to_vec(),
+                role,
+                tensor: name,
+                mesh,
+            };
+            self.report(ord, error);
+        }
+        held
+    }
+
+    /// Evaluates a team index (root or peer) and resolves it to a device.
+    fn team_member(
+        &mut self,
+        ord: usize,
+        what: &'static str,
+        expr: &Expr,
+        team: &[DeviceId],
+    ) -> (Option<i64>, Option<DeviceId>) {
+        let Some(value) = self.eval(ord, what, expr) else {
+            return (None, None);
+        };
+        let device = usize::try_from(value)
+            .ok()
+            .and_then(|i| team.get(i).copied());
+        if device.is_none() {
+            let error = CheckError::OutOfRange {
+                rank: self.rank,
+                what,
+                value,
+                team: team.to_vec(),
+                site: self.site(ord),
+            };
+            self.report(ord, error);
+        }
+        (Some(value), device)
+    }
+
+    fn contract(&mut self, ord: usize, detail: String) {
+        let (rank, site) = (self.rank, self.site(ord));
+        self.report(ord, CheckError::BufferContract { rank, site, detail });
+    }
+
+    /// The per-member count of a chunked kind: `whole` holds `d` chunks of `part`'s size.
+    fn chunked(
+        &mut self,
+        ord: usize,
+        whole: Option<Buffer>,
+        part: Option<Buffer>,
+        d: usize,
+    ) -> Option<u64> {
+        let d = d as u64;
+        if let Some(w) = whole {
+            if w.numel % d != 0 {
+                self.contract(
+                    ord,
+                    format!("{} elements do not split into {d} equal chunks", w.numel),
+                );
+            }
+        }
+        if let (Some(w), Some(p)) = (whole, part) {
+            if w.numel != p.numel.saturating_mul(d) {
+                self.contract(
+                    ord,
+                    format!(
+                        "the whole buffer holds {} elements, not {d} x {}",
+                        w.numel, p.numel
+                    ),
+                );
+            }
+        }
+        part.map(|p| p.numel).or(whole.map(|w| w.numel / d))
+    }
+
+    fn same_size(&mut self, ord: usize, a: Option<Buffer>, b: Option<Buffer>) -> Option<u64> {
+        if let (Some(a), Some(b)) = (a, b) {
+            if a.numel != b.numel {
+                self.contract(
+                    ord,
+                    format!(
+                        "send buffer has {} elements, receive buffer {}",
+                        a.numel, b.numel
+                    ),
+                );
+            }
+        }
+        a.or(b).map(|x| x.numel)
+    }
+
+    fn not_in_team(&mut self, ord: usize, inst: &Inst) {
+        let tensors = inst.kind.tensors();
+        if tensors.is_empty() || !tensors.iter().all(|&t| self.holds(t).is_some()) {
+            return;
+        }
+        let meshes = &self.host.meshes;
+        let team = match inst.kind.team() {
+            Some(Team::Devices(devices)) => devices.clone(),
+            Some(Team::Mesh(m)) | Some(Team::Slice { mesh: m, .. }) => meshes
+                .get(*m)
+                .map(|d| d.mesh.devices().to_vec())
+                .unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let (rank, site) = (self.rank, self.site(ord));
+        self.report(ord, CheckError::NotInTeam { rank, site, team });
+    }
+
+    fn communication(&mut self, ord: usize, inst: &Inst) {
+        let Some(team) = inst.kind.team() else { return };
+        let Some(members) = team.resolve(&self.host.meshes, self.rank) else {
+            self.not_in_team(ord, inst);
+            return;
+        };
+        if let Some(&device) = members.iter().find(|&&d| d >= self.out.world_size) {
+            let error = CheckError::WorldTooSmall {
+                what: self.site(ord).to_string(),
+                device,
+                world_size: self.out.world_size,
+            };
+            self.report(ord, error);
+            return;
+        }
+        let d = members.len();
+        let rank = self.rank;
+        let mut event = CommEvent {
+            kind: EventKind::CollectivePermute,
+            team: self.out.intern_team(members.clone()),
+            root_index: None,
+            root: None,
+            send_peer: None,
+            recv_peer: None,
+            send: None,
+            recv: None,
+            count: None,
+            dtype: None,
+            iteration: Iteration(self.loops.clone()),
+            inst: ord,
+            group: self.group.map(|(g, _)| g),
+        };
+        match &inst.kind {
+            InstKind::Communication {
+                kind,
+                input,
+                output,
+                root,
+                ..
+            } => {
+                event.kind = EventKind::Collective(*kind);
+                if kind.is_rooted() {
+                    match root {
+                        Some(root) => {
+                            (event.root_index, event.root) =
+                                self.team_member(ord, "root", root, &members)
+                        }
+                        None => {
+                            let site = self.site(ord);
+                            let detail = format!("{} needs a root", kind.name());
+                            self.report(ord, CheckError::Malformed { rank, site, detail });
+                        }
+                    }
+                }
+                let is_root = event.root == Some(rank);
+                let other = members.iter().copied().find(|&m| m != rank);
+                let (send, recv) = (*input, *output);
+                let (s, r) = match kind {
+                    CommKind::AllGather
+                    | CommKind::ReduceScatter
+                    | CommKind::AllReduce
+                    | CommKind::AllToAll => (
+                        self.require(ord, &members, "send", send),
+                        self.require(ord, &members, "receive", recv),
+                    ),
+                    CommKind::Broadcast | CommKind::SendRecv if is_root => {
+                        (self.require(ord, &members, "send", send), self.holds(recv))
+                    }
+                    CommKind::Broadcast | CommKind::SendRecv => (
+                        self.holds(send),
+                        self.require(ord, &members, "receive", recv),
+                    ),
+                    CommKind::Gather | CommKind::Reduce => {
+                        let s = self.require(ord, &members, "send", send);
+                        let r = if is_root {
+                            self.require(ord, &members, "receive", recv)
+                        } else {
+                            None
+                        };
+                        (s, r)
+                    }
+                    CommKind::Scatter => {
+                        let s = if is_root {
+                            self.require(ord, &members, "send", send)
+                        } else {
+                            None
+                        };
+                        (s, self.require(ord, &members, "receive", recv))
+                    }
+                };
+                event.count = match kind {
+                    CommKind::AllGather => self.chunked(ord, r, s, d),
+                    CommKind::ReduceScatter => self.chunked(ord, s, r, d),
+                    CommKind::Gather => self.chunked(ord, r, s, d),
+                    CommKind::Scatter => self.chunked(ord, s, r, d),
+                    CommKind::AllReduce | CommKind::Reduce => self.same_size(ord, s, r),
+                    CommKind::AllToAll => {
+                        let count = self.same_size(ord, s, r);
+                        if count.is_some_and(|c| c % d as u64 != 0) {
+                            self.contract(
+                                ord,
+                                format!(
+                                    "{} elements do not split into {d} equal chunks",
+                                    count.unwrap_or(0)
+                                ),
+                            );
+                        }
+                        count
+                    }
+                    CommKind::Broadcast | CommKind::SendRecv if is_root => {
+                        self.same_size(ord, s, r)
+                    }
+                    CommKind::Broadcast | CommKind::SendRecv => r.map(|b| b.numel),
+                };
+                if let (Some(a), Some(b)) = (s, r) {
+                    if a.dtype != b.dtype
+                        && (is_root || !matches!(kind, CommKind::Broadcast | CommKind::SendRecv))
+                    {
+                        self.contract(
+                            ord,
+                            format!("send buffer is {}, receive buffer {}", a.dtype, b.dtype),
+                        );
+                    }
+                }
+                event.dtype = match kind {
+                    CommKind::Broadcast | CommKind::SendRecv if !is_root => r.map(|b| b.dtype),
+                    CommKind::Scatter if !is_root => r.map(|b| b.dtype),
+                    _ => s.or(r).map(|b| b.dtype),
+                };
+                (event.send, event.recv) = (s, r);
+                if *kind == CommKind::SendRecv {
+                    if d != 2 {
+                        let site = self.site(ord);
+                        let detail =
+                            format!("send_recv needs a team of two devices, not {members:?}");
+                        self.report(ord, CheckError::Malformed { rank, site, detail });
+                        return;
+                    }
+                    if is_root {
+                        event.send_peer = other;
+                    } else {
+                        event.recv_peer = event.root;
+                    }
+                }
+            }
+            InstKind::CollectivePermute {
+                send_peer,
+                recv_peer,
+                input,
+                output,
+                ..
+            } => {
+                (_, event.send_peer) = self.team_member(ord, "send peer", send_peer, &members);
+                (_, event.recv_peer) = self.team_member(ord, "recv peer", recv_peer, &members);
+                event.send = self.require(ord, &members, "send", *input);
+                event.recv = self.require(ord, &members, "receive", *output);
+                event.count = event.send.map(|b| b.numel);
+                event.dtype = event.send.map(|b| b.dtype);
+            }
+            InstKind::MoeDispatch {
+                x,
+                topk_idx,
+                expert_x,
+                expert_counts,
+                routing,
+                ..
+            } => {
+                event.kind = EventKind::MoeDispatch;
+                event.send = self.require(ord, &members, "send", *x);
+                self.require(ord, &members, "send", *topk_idx);
+                event.recv = self.require(ord, &members, "receive", *expert_x);
+                self.require(ord, &members, "receive", *expert_counts);
+                self.require(ord, &members, "receive", *routing);
+                event.count = event.recv.map(|b| b.numel);
+                event.dtype = event.send.map(|b| b.dtype);
+            }
+            InstKind::MoeCombine {
+                expert_y,
+                expert_counts,
+                routing,
+                topk_weights,
+                out,
+                ..
+            } => {
+                event.kind = EventKind::MoeCombine;
+                event.send = self.require(ord, &members, "send", *expert_y);
+                self.require(ord, &members, "send", *expert_counts);
+                self.require(ord, &members, "send", *routing);
+                self.require(ord, &members, "send", *topk_weights);
+                event.recv = self.require(ord, &members, "receive", *out);
+                event.count = event.send.map(|b| b.numel);
+                event.dtype = event.recv.map(|b| b.dtype);
+            }
+            _ => return,
+        }
+        if let Some(events) = self.out.events.get_mut(rank) {
+            events.push(event);
+        }
+    }
+}
+
+/// Instantiates `host` on ranks `0..world_size`. Returns the events and the problems found on
+/// the way (out-of-range roots and peers, missing buffers, ...); fails only when the program
+/// cannot be instantiated at all (a mesh outside the world, too many instances).
+pub(crate) fn instantiate_all(
+    host: &HostProgram,
+    world_size: usize,
+) -> Result<(Instances, Vec<CheckError>), CheckErrors> {
+    let mut fatal = Vec::new();
+    for decl in host.meshes.values() {
+        if let Some(&device) = decl.mesh.devices().iter().max() {
+            if device >= world_size {
+                fatal.push(CheckError::WorldTooSmall {
+                    what: format!("mesh `{}` = {}", decl.name, decl.mesh),
+                    device,
+                    world_size,
+                });
+            }
+        }
+    }
+    if !fatal.is_empty() {
+        return Err(CheckErrors::capped(fatal));
+    }
+    let mut insts = Vec::new();
+    let nodes = build_nodes(host, &host.body, &mut insts);
+    let mut out = Instances::new(world_size, insts);
+    let mut errors = Vec::new();
+    let mut reported = HashSet::new();
+    let mut budget = MAX_INSTANCES;
+    for rank in 0..world_size {
+        let mut walker = Walker {
+            host,
+            out: &mut out,
+            errors: &mut errors,
+            reported: &mut reported,
+            budget: &mut budget,
+            rank,
+            loops: Vec::new(),
+            group: None,
+            next_group: 0,
+        };
+        if walker.walk(&nodes).is_err() {
+            return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {
+                world_size,
+                limit: MAX_INSTANCES,
+            }]));
+        }
+        if let Some((_, ord)) = walker.group {
+            let site = walker.site(ord);
+            let detail = "start_coalescing is never ended".into();
+            walker.report(ord, CheckError::Malformed { rank, site, detail });
+        }
+    }
+    Ok((out, errors))
+}
