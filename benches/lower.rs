@@ -5,7 +5,6 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use meshflow::pipeline::{compile, CompileOptions};
 
 #[path = "../tests/common/mod.rs"]
-#[allow(dead_code)]
 mod common;
 
 fn lower_transformer(c: &mut Criterion) {

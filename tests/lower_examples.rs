@@ -1,18 +1,57 @@
-//! Lowers every example program (built with the builder, mirroring `examples/programs/*.mf`)
-//! through the full pipeline: snapshots at the default parameters, structural assertions, and
-//! every rank count the example supports, each verified with `verify_host`.
+//! Lowers every example program of `examples/programs/*.mf` through the full pipeline:
+//! snapshots at the default parameters, structural assertions, and every rank count where the
+//! program parses, each verified with `verify_host`. The builder mirrors of the examples
+//! (`tests/common`, used where the text is not needed) are checked equal to the parsed text.
 
 mod common;
 
 use meshflow::ir::host::{CommKind, InstKind, Team};
-use meshflow::ir::{verify_host, HostProgram, Inst};
+use meshflow::ir::{parse_program_with, verify_host, HostProgram, Inst, Params, Program};
 use meshflow::pipeline::{compile, CompileOptions};
 
+fn parse(name: &str, ranks: Option<i64>) -> Result<Program, meshflow::ir::ParseError> {
+    let path = format!("{}/examples/programs/{name}.mf", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    let mut params = Params::new();
+    if let Some(r) = ranks {
+        params.insert("ranks".into(), r);
+    }
+    parse_program_with(&text, &params)
+}
+
 fn lower(name: &str, ranks: u64) -> HostProgram {
-    let program = common::example(name, ranks).expect("example exists");
+    let program = parse(name, Some(ranks as i64)).expect("the example parses");
     compile(&program, &CompileOptions::default())
         .unwrap_or_else(|e| panic!("{name} at {ranks} ranks: {e}"))
         .host
+}
+
+#[test]
+fn the_examples_directory_holds_exactly_these_programs() {
+    let dir = format!("{}/examples/programs", env!("CARGO_MANIFEST_DIR"));
+    let mut found: Vec<String> = std::fs::read_dir(&dir)
+        .expect("examples/programs exists")
+        .filter_map(|e| {
+            let p = e.ok()?.path();
+            if p.extension()? != "mf" {
+                return None;
+            }
+            Some(p.file_stem()?.to_string_lossy().into_owned())
+        })
+        .collect();
+    found.sort();
+    assert_eq!(found, common::EXAMPLES.to_vec());
+}
+
+#[test]
+fn builder_mirrors_equal_the_parsed_examples() {
+    for name in common::EXAMPLES {
+        for ranks in [1, 2, 3, 4, 8] {
+            let parsed = parse(name, Some(ranks)).ok();
+            let built = common::example(name, ranks as u64);
+            assert_eq!(parsed, built, "{name} at {ranks} ranks");
+        }
+    }
 }
 
 /// Every instruction with its loop depth.
@@ -152,8 +191,9 @@ fn moe_layer_dispatches_and_combines() {
 fn every_example_lowers_and_verifies_at_every_rank_count() {
     let mut lowered = 0;
     for name in common::EXAMPLES {
+        assert!(parse(name, None).is_ok(), "{name} parses with its defaults");
         for ranks in [1, 2, 3, 4, 8] {
-            let Some(program) = common::example(name, ranks) else {
+            let Ok(program) = parse(name, Some(ranks)) else {
                 continue;
             };
             let compiled = compile(&program, &CompileOptions::default())
@@ -163,6 +203,6 @@ fn every_example_lowers_and_verifies_at_every_rank_count() {
             lowered += 1;
         }
     }
-    // 5 single-mesh examples at 5 rank counts, 2 examples that need 2 ranks at 4 counts.
+    // 5 single-mesh examples at 5 rank counts; 2 examples need 2 ranks (4 counts).
     assert_eq!(lowered, 5 * 5 + 2 * 4);
 }

@@ -11,8 +11,13 @@
 //! | partial sums -> split on `b` | [`Decision::ReduceScatter`] |
 //! | same splits, other mesh of the same shape | [`Decision::SendRecv`] (one per device pair) |
 //! | replicated -> replicated, other mesh | [`Decision::Broadcast`] |
-//! | split -> replicated, other 1-D mesh | [`Decision::Gather`] |
-//! | replicated -> split, other 1-D mesh | [`Decision::Scatter`] |
+//! | split on a 1-D mesh -> replicated on devices of that mesh | [`Decision::Gather`] |
+//! | replicated -> split on a 1-D mesh sharing a device | [`Decision::Scatter`] |
+//!
+//! Rooted collectives need every member to hold the send buffer (and the scatter root to
+//! hold it), so `gather`/`reduce` to another mesh need its devices inside the sender mesh and
+//! `scatter` a sender inside the receiving mesh; between disjoint meshes the change is split
+//! into steps (e.g. all-gather on the source mesh, then a broadcast or per-pair transfer).
 //!
 //! Axes are value-axis indices (= host axes). A consumer with a Stream split on another axis
 //! makes any of these per-chunk (lowered inside the stream loop). Changes on two parallel types
@@ -171,20 +176,25 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
                 .then(|| v.iter().next().map(|(&pt, &pl)| (pt, pl)))
                 .flatten()
         };
+        let no_partial = !pv.values().any(|p| *p == Placement::Partial);
+        if pv == cv && no_partial && pm.shape() == cm.shape() {
+            return Decision::SendRecv;
+        }
         if pv.is_empty() && cv.is_empty() {
             return Decision::Broadcast;
         }
-        if pv == cv && !pv.values().any(|p| *p == Placement::Partial) && pm.shape() == cm.shape() {
-            return Decision::SendRecv;
-        }
-        if cv.is_empty() && pm.ndims() == 1 {
+        // Rooted collectives need the root to hold the send buffer (gather, reduce: every
+        // receiver is in the sender mesh) or one sender in the receiving mesh (scatter).
+        let receivers_send = cm.devices().iter().all(|&d| pm.contains(d));
+        if cv.is_empty() && pm.ndims() == 1 && receivers_send {
             match one(&pv) {
                 Some((pt, Placement::Split { axis, .. })) => return Decision::Gather { pt, axis },
                 Some((pt, Placement::Partial)) => return Decision::Reduce { pt },
                 None => {}
             }
         }
-        if pv.is_empty() && cm.ndims() == 1 {
+        let sender_receives = pm.devices().iter().any(|&d| cm.contains(d));
+        if pv.is_empty() && cm.ndims() == 1 && sender_receives {
             if let Some((pt, Placement::Split { axis, .. })) = one(&cv) {
                 return Decision::Scatter { pt, axis };
             }

@@ -36,15 +36,23 @@ fn one_set(
     b.build().unwrap()
 }
 
-/// Two 1-D meshes: `a` = devices 0..d, `b` = devices d..2d.
+/// Two 1-D meshes `a` and `b` with the given devices; `x[8, 4]` on `a`, `y = set(x)` on `b`.
 fn two_meshes(
-    d: usize,
+    a: &[usize],
+    bdev: &[usize],
     px: impl FnOnce(&mut ProgramBuilder, meshflow_ir::TensorId),
     py: impl FnOnce(&mut ProgramBuilder, meshflow_ir::TensorId),
 ) -> Program {
     let mut b = ProgramBuilder::new("two_meshes");
-    let ma = b.mesh("a", DeviceMesh::iota(vec![d], 0).unwrap()).unwrap();
-    let mb = b.mesh("b", DeviceMesh::iota(vec![d], d).unwrap()).unwrap();
+    let ma = b
+        .mesh("a", DeviceMesh::new(vec![a.len()], a.to_vec()).unwrap())
+        .unwrap();
+    let mb = b
+        .mesh(
+            "b",
+            DeviceMesh::new(vec![bdev.len()], bdev.to_vec()).unwrap(),
+        )
+        .unwrap();
     let x = b.input("x", DType::F32, &[8, 4], ma).unwrap();
     px(&mut b, x);
     let y = b.set(x).unwrap();
@@ -53,6 +61,18 @@ fn two_meshes(
     py(&mut b, y);
     b.output(y);
     b.build().unwrap()
+}
+
+fn split2(b: &mut ProgramBuilder, t: meshflow_ir::TensorId) {
+    b.schedule(t).outer_split(0, 2).parallelize(0, DIDx);
+}
+
+fn comm_names(host: &meshflow_ir::HostProgram) -> Vec<&'static str> {
+    insts(host)
+        .iter()
+        .filter(|(i, _)| i.kind.is_communication())
+        .map(|(i, _)| i.kind.name())
+        .collect()
 }
 
 #[test]
@@ -91,22 +111,34 @@ fn all_gather_of_an_inner_axis_is_staged_through_permutes() {
 
 #[test]
 fn sharded_to_replicated_other_mesh_is_one_gather_per_receiver() {
+    // The receivers are devices of the sender mesh: each one roots a gather over it.
     let p = two_meshes(
-        2,
+        &[0, 1, 2, 3],
+        &[1, 3],
         |b, x| {
-            b.schedule(x).outer_split(0, 2).parallelize(0, DIDx);
+            b.schedule(x).outer_split(0, 4).parallelize(0, DIDx);
         },
         |b, y| b.replicate(y),
     );
     let host = lower(&p);
     let g = comms(&host, CommKind::Gather);
     assert_eq!(g.len(), 2);
-    assert_eq!(team_of(&g[0].0), Team::Devices(vec![0, 1, 2]));
-    assert_eq!(root_of(&g[0].0), Some(Expr::c(2)));
-    assert_eq!(team_of(&g[1].0), Team::Devices(vec![0, 1, 3]));
+    assert!(matches!(team_of(&g[0].0), Team::Mesh(_)));
+    assert_eq!(root_of(&g[0].0), Some(Expr::c(1)));
+    assert_eq!(root_of(&g[1].0), Some(Expr::c(3)));
     insta::assert_snapshot!(host.to_string());
 }
 
+#[test]
+fn sharded_to_replicated_on_a_disjoint_mesh_gathers_then_transfers() {
+    let p = two_meshes(&[0, 1], &[2, 3], split2, |b, y| b.replicate(y));
+    let host = lower_full(&p);
+    assert_eq!(
+        comm_names(&host),
+        vec!["all_gather", "send_recv", "send_recv"]
+    );
+    verify_host(&host).unwrap();
+}
 #[test]
 fn replicated_to_sharded_same_mesh_is_a_local_slice() {
     let p = one_set(
@@ -129,20 +161,25 @@ fn replicated_to_sharded_same_mesh_is_a_local_slice() {
 
 #[test]
 fn replicated_to_sharded_other_mesh_is_scatter() {
-    let p = two_meshes(
-        2,
-        |b, x| b.replicate(x),
-        |b, y| {
-            b.schedule(y).outer_split(0, 2).parallelize(0, DIDx);
-        },
-    );
+    // Device 1 holds x and is the first member of b: it roots the scatter over b.
+    let p = two_meshes(&[0, 1], &[1, 2], |b, x| b.replicate(x), split2);
     let host = lower(&p);
     let s = comms(&host, CommKind::Scatter);
     assert_eq!(s.len(), 1);
-    assert_eq!(team_of(&s[0].0), Team::Devices(vec![2, 3, 0]));
-    assert_eq!(root_of(&s[0].0), Some(Expr::c(2)));
+    assert!(matches!(team_of(&s[0].0), Team::Mesh(_)));
+    assert_eq!(root_of(&s[0].0), Some(Expr::c(0)));
 }
 
+#[test]
+fn replicated_to_sharded_on_a_disjoint_mesh_transfers_then_slices() {
+    let p = two_meshes(&[0], &[1, 2], |b, x| b.replicate(x), split2);
+    let host = lower_full(&p);
+    assert_eq!(comm_names(&host), vec!["broadcast"]);
+    assert!(host
+        .to_string()
+        .contains("shard_by_stream(y_step, axis=0, chunks=2, index=my(b, DIDx))"));
+    verify_host(&host).unwrap();
+}
 #[test]
 fn sharded_on_another_axis_is_all_to_all() {
     let p = one_set(
@@ -166,15 +203,7 @@ fn sharded_on_another_axis_is_all_to_all() {
 
 #[test]
 fn same_split_other_mesh_is_send_recv_per_pair() {
-    let p = two_meshes(
-        2,
-        |b, x| {
-            b.schedule(x).outer_split(0, 2).parallelize(0, DIDx);
-        },
-        |b, y| {
-            b.schedule(y).outer_split(0, 2).parallelize(0, DIDx);
-        },
-    );
+    let p = two_meshes(&[0, 1], &[2, 3], split2, split2);
     let host = lower(&p);
     let sr = comms(&host, CommKind::SendRecv);
     assert_eq!(sr.len(), 2);
@@ -185,11 +214,11 @@ fn same_split_other_mesh_is_send_recv_per_pair() {
 
 #[test]
 fn replicated_other_mesh_is_broadcast() {
-    let p = two_meshes(2, |b, x| b.replicate(x), |b, y| b.replicate(y));
+    let p = two_meshes(&[0], &[1, 2], |b, x| b.replicate(x), |b, y| b.replicate(y));
     let host = lower(&p);
     let bc = comms(&host, CommKind::Broadcast);
     assert_eq!(bc.len(), 1);
-    assert_eq!(team_of(&bc[0].0), Team::Devices(vec![2, 3, 0]));
+    assert_eq!(team_of(&bc[0].0), Team::Devices(vec![1, 2, 0]));
     assert_eq!(root_of(&bc[0].0), Some(Expr::c(2)));
 }
 
@@ -236,10 +265,11 @@ fn did_to_stream_without_swizzle_is_a_stream_broadcast() {
     assert_eq!(root_of(&bc[0].0), Some(Expr::var(meshflow_ir::LoopVar(0))));
 }
 
-/// `p = linear(x, w)` with K split (partial sums), then `y = set(p)` scheduled by `py`.
+/// `p = linear(x, w)` with K split (partial sums) on devices [0, 1], then `y = set(p)`
+/// scheduled by `py`, on `y_mesh` (default: the same mesh).
 fn partial(
     py: impl FnOnce(&mut ProgramBuilder, meshflow_ir::TensorId),
-    other_mesh: bool,
+    y_mesh: Option<&[usize]>,
 ) -> Program {
     let mut b = ProgramBuilder::new("partial");
     let m = b.mesh("m0", DeviceMesh::iota(vec![2], 0).unwrap()).unwrap();
@@ -251,8 +281,13 @@ fn partial(
     b.rename(p, "p").unwrap();
     let y = b.set(p).unwrap();
     b.rename(y, "y").unwrap();
-    if other_mesh {
-        let m1 = b.mesh("m1", DeviceMesh::iota(vec![2], 2).unwrap()).unwrap();
+    if let Some(devs) = y_mesh {
+        let m1 = b
+            .mesh(
+                "m1",
+                DeviceMesh::new(vec![devs.len()], devs.to_vec()).unwrap(),
+            )
+            .unwrap();
         b.place(y, m1);
     }
     py(&mut b, y);
@@ -262,7 +297,7 @@ fn partial(
 
 #[test]
 fn partial_sums_to_replicated_is_all_reduce() {
-    let host = lower(&partial(|b, y| b.replicate(y), false));
+    let host = lower(&partial(|b, y| b.replicate(y), None));
     let ar = comms(&host, CommKind::AllReduce);
     assert_eq!(ar.len(), 1);
     assert!(matches!(team_of(&ar[0].0), Team::Slice { pt: DIDx, .. }));
@@ -270,11 +305,21 @@ fn partial_sums_to_replicated_is_all_reduce() {
 
 #[test]
 fn partial_sums_to_another_mesh_is_one_reduce_per_receiver() {
-    let host = lower(&partial(|b, y| b.replicate(y), true));
+    let host = lower(&partial(|b, y| b.replicate(y), Some(&[1])));
     let r = comms(&host, CommKind::Reduce);
-    assert_eq!(r.len(), 2);
-    assert_eq!(team_of(&r[0].0), Team::Devices(vec![0, 1, 2]));
-    assert_eq!(root_of(&r[1].0), Some(Expr::c(2)));
+    assert_eq!(r.len(), 1);
+    assert!(matches!(team_of(&r[0].0), Team::Mesh(_)));
+    assert_eq!(root_of(&r[0].0), Some(Expr::c(1)));
+}
+
+#[test]
+fn partial_sums_to_a_disjoint_mesh_reduce_then_transfer() {
+    let host = lower_full(&partial(|b, y| b.replicate(y), Some(&[2, 3])));
+    assert_eq!(
+        comm_names(&host),
+        vec!["all_reduce", "send_recv", "send_recv"]
+    );
+    verify_host(&host).unwrap();
 }
 
 #[test]
@@ -283,7 +328,7 @@ fn partial_sums_to_sharded_is_reduce_scatter() {
         |b, y| {
             b.schedule(y).outer_split(0, 2).parallelize(0, DIDx);
         },
-        false,
+        None,
     ));
     assert_eq!(comms(&host, CommKind::ReduceScatter).len(), 1);
     assert_eq!(comms(&host, CommKind::AllReduce).len(), 0);

@@ -211,7 +211,7 @@ pub fn transformer(layers: usize, dp: u64, tp: u64) -> Program {
         let y = b.linear(a, w2).unwrap();
         x = b.add(y, x).unwrap();
     }
-    b.rename(x, "out").unwrap();
+    b.rename(x, "result").unwrap();
     b.output(x);
     b.build().unwrap()
 }

@@ -112,7 +112,7 @@ impl Spec {
             };
             if mesh.size_of(pt) != Some(s.parts as usize)
                 || s.parts == 0
-                || *extent % s.parts != 0
+                || !extent.is_multiple_of(s.parts)
                 || seen.contains(&s.axis)
             {
                 return false;
@@ -127,7 +127,11 @@ impl Spec {
             let Some(axis) = ty.axes.get(s.axis) else {
                 return false;
             };
-            if axis.reduction || !ok_swizzle || s.chunks == 0 || local[s.axis] % s.chunks != 0 {
+            if axis.reduction
+                || !ok_swizzle
+                || s.chunks == 0
+                || !local[s.axis].is_multiple_of(s.chunks)
+            {
                 return false;
             }
         }

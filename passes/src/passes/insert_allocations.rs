@@ -8,7 +8,8 @@
 //! `shard_by_stream` directly in that block, the buffer outlives the iterations and moves out
 //! of the loop. Allocations go before a stream loop's `get_current_stream`, deallocations after
 //! its join. Inputs and views are never allocated; outputs are allocated at the top level and
-//! never freed; every other allocation is freed.
+//! never freed; every other allocation is freed. Existing allocations (the lowering's
+//! whole-program ones) are removed first.
 
 use std::collections::BTreeMap;
 
@@ -25,12 +26,28 @@ use crate::manager::{HostPass, PassContext};
 /// The pass.
 pub struct InsertAllocations;
 
+/// Removes every `allocate` and `deallocate` (they are recomputed).
+fn strip_allocations(block: &mut Vec<Inst>) {
+    block.retain(|i| {
+        !matches!(
+            i.kind,
+            InstKind::Allocate { .. } | InstKind::Deallocate { .. }
+        )
+    });
+    for i in block.iter_mut() {
+        if let InstKind::ForLoop { body, .. } = &mut i.kind {
+            strip_allocations(body);
+        }
+    }
+}
+
 impl HostPass for InsertAllocations {
     fn name(&self) -> &'static str {
         "insert_allocations"
     }
 
     fn run(&self, host: &mut HostProgram, _cx: &mut PassContext) -> Result<(), PassError> {
+        strip_allocations(&mut host.body);
         let views = view_inputs(host);
         let io = comm_io(host);
         let mut uses: BTreeMap<HostTensorId, Vec<Vec<usize>>> = BTreeMap::new();

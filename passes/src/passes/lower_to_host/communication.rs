@@ -307,13 +307,15 @@ impl Lowering<'_> {
                     _ => (CommKind::Reduce, sum, None),
                 };
                 for &r in cm.devices() {
-                    let (team, root) = with_member(pm.devices(), r);
+                    let root = pm.devices().iter().position(|&d| d == r).ok_or_else(|| {
+                        PassError::internal("lower_to_host", "a receiver outside the sender mesh")
+                    })?;
                     self.collective(
                         block,
                         coll(
                             kind,
-                            Team::Devices(team),
-                            Some(Expr::c(root)),
+                            Team::Mesh(pmesh),
+                            Some(Expr::c(root as i64)),
                             op,
                             exchanged,
                         ),
@@ -321,19 +323,19 @@ impl Lowering<'_> {
                 }
             }
             Decision::Scatter { axis, .. } => {
-                let root = pm
+                let root = cm
                     .devices()
                     .iter()
-                    .copied()
-                    .find(|&d| cm.contains(d))
-                    .unwrap_or(pm.devices()[0]);
-                let (team, r) = with_member(cm.devices(), root);
+                    .position(|&d| pm.contains(d))
+                    .ok_or_else(|| {
+                        PassError::internal("lower_to_host", "no sender inside the receiving mesh")
+                    })?;
                 self.collective(
                     block,
                     coll(
                         CommKind::Scatter,
-                        Team::Devices(team),
-                        Some(Expr::c(r)),
+                        Team::Mesh(cmesh),
+                        Some(Expr::c(root as i64)),
                         None,
                         Some(axis),
                     ),

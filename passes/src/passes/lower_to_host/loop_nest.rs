@@ -141,7 +141,7 @@ impl Lowering<'_> {
                 format!("{what}: it has no axis {axis} to cut into stream chunks"),
             )
         })?;
-        if extent % lp.chunks != 0 {
+        if !extent.is_multiple_of(lp.chunks) {
             return Err(PassError::tensor(
                 &base.name,
                 format!(

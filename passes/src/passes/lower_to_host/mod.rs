@@ -1,17 +1,19 @@
 //! `lower_to_host`: the phase change from a level-1 program to the host IR.
 //!
-//! - **Tensors** ([`naming`]): every level-1 tensor becomes a host tensor of the same name
+//! - **Tensors** (`naming.rs`): every level-1 tensor becomes a host tensor of the same name
 //!   with its **local** shape (the value axes of `Layout::local_shape`); program inputs become
 //!   `in`, outputs `out` (the runtime binds and gathers them by name), the rest `tensor`.
 //!   Views and temporaries get derived names (`ag_chunk`, `x_perm`, ...).
-//! - **Loop nests** ([`loop_nest`]): each op gets a stream key (the Stream split of its output:
+//! - **Loop nests** (`loop_nest.rs`): each op gets a stream key (the Stream split of its output:
 //!   axis class, chunk count, swizzle); consecutive ops with the same key share **one** `for`
 //!   loop over the chunks. Whole buffers stay outside the loop; inside, `shard_by_stream`
 //!   views select the chunk `i`, or `(i + my(m, pt)) % d` under `swizzle1d`.
-//! - **Communication** ([`communication`]): each resharding `set` becomes the communication of
+//! - **Communication** (`communication.rs`): each resharding `set` becomes the communication of
 //!   its decision-table row ([`crate::decision`]), followed by its `wait` (moved later by
 //!   `defer_waits`); exchanged axes that are not outermost are staged through `permute`s.
-//! - **Compute** ([`compute`]): every other op becomes its local host op, on chunk views inside
+//! - **Buffers**: every temporary is allocated at the start and freed at the end (so the
+//!   program verifies); `insert_allocations` moves them to their uses.
+//! - **Compute** (`compute.rs`): every other op becomes its local host op, on chunk views inside
 //!   a loop; `moe_dispatch`/`moe_combine` become the host MoE instructions over their
 //!   expert-parallel team.
 //!
@@ -52,8 +54,42 @@ pub fn lower(program: &Program) -> Result<HostProgram, PassError> {
     for g in groups {
         l.emit_group(&g, &mut body)?;
     }
-    l.host.body = body;
+    // Every temporary lives for the whole program; `insert_allocations` tightens this.
+    let mut temps = Vec::new();
+    for inst in &body {
+        collect_temps(&l, inst, &mut temps);
+    }
+    let mut full: Vec<Inst> = temps
+        .iter()
+        .map(|&t| Inst::new(InstKind::Allocate { tensor: t }))
+        .collect();
+    full.extend(body);
+    full.extend(
+        temps
+            .iter()
+            .rev()
+            .map(|&t| Inst::new(InstKind::Deallocate { tensor: t })),
+    );
+    l.host.body = full;
     Ok(l.host)
+}
+
+/// Internal buffers (not views) named by `inst`, in order of first appearance.
+fn collect_temps(l: &Lowering<'_>, inst: &Inst, out: &mut Vec<HostTensorId>) {
+    if let InstKind::ForLoop { body, .. } = &inst.kind {
+        for i in body {
+            collect_temps(l, i, out);
+        }
+        return;
+    }
+    for t in inst.kind.tensors() {
+        if l.host.tensors[t].role == Role::Internal
+            && !l.views.contains_key(&t)
+            && !out.contains(&t)
+        {
+            out.push(t);
+        }
+    }
 }
 
 /// State of one lowering.
