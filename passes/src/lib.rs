@@ -9,7 +9,8 @@
 //! - Analyses: [`analysis`] (shardings on top of `Layout`, op axis maps),
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
-//!   [`cost_model`] (alpha-beta costs of decompositions).
+//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (dominators of the
+//!   structured host program, with petgraph).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
@@ -25,6 +26,7 @@ pub mod index;
 pub mod manager;
 pub mod passes;
 pub mod resharding;
+pub mod scope_tree;
 
 pub use cost_model::{CostModel, Transport};
 pub use error::PassError;

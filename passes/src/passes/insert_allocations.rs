@@ -3,8 +3,8 @@
 //!
 //! Uses of a tensor are the instructions naming it or a view of it, and the `wait`s of
 //! communications that read or write it (a buffer is freed only after its communication
-//! completed). On the structured tree the block that dominates (and post-dominates) all uses
-//! is the innermost block containing them; if the tensor is cut into chunks by a
+//! completed). On the structured tree ([`ScopeTree`], dominators from petgraph) the block
+//! that dominates (and post-dominates) all uses is the innermost block containing them; if the tensor is cut into chunks by a
 //! `shard_by_stream` directly in that block, the buffer outlives the iterations and moves out
 //! of the loop. Allocations go before a stream loop's `get_current_stream`, deallocations after
 //! its join. Inputs and views are never allocated; outputs are allocated at the top level and
@@ -22,6 +22,7 @@ use crate::host_util::{
     walk_paths,
 };
 use crate::manager::{HostPass, PassContext};
+use crate::scope_tree::ScopeTree;
 
 /// The pass.
 pub struct InsertAllocations;
@@ -50,6 +51,7 @@ impl HostPass for InsertAllocations {
         strip_allocations(&mut host.body);
         let views = view_inputs(host);
         let io = comm_io(host);
+        let tree = ScopeTree::build(&host.body);
         let mut uses: BTreeMap<HostTensorId, Vec<Vec<usize>>> = BTreeMap::new();
         // Tensors chunked by a shard_by_stream, with the path of that instruction.
         let mut chunked: BTreeMap<HostTensorId, Vec<Vec<usize>>> = BTreeMap::new();
@@ -79,18 +81,16 @@ impl HostPass for InsertAllocations {
             if role == Role::Input || views.contains_key(&t) {
                 continue;
             }
-            let min_len = paths.iter().map(Vec::len).min().unwrap_or(1);
-            let mut depth = 0;
-            while depth + 1 < min_len && paths.iter().all(|p| p[depth] == paths[0][depth]) {
-                depth += 1;
-            }
+            let (mut lca, mut first, mut last) = tree.enclosing(paths).ok_or_else(|| {
+                PassError::internal("insert_allocations", "uses without a common block")
+            })?;
             if role == Role::Output {
-                depth = 0;
+                // Outputs live until the end: allocate at the top level.
+                let top: Vec<usize> = paths.iter().filter_map(|p| p.first().copied()).collect();
+                lca = Vec::new();
+                first = top.iter().copied().min().unwrap_or(0);
+                last = top.iter().copied().max().unwrap_or(0);
             }
-            let lca = paths[0][..depth].to_vec();
-            let mut first = paths.iter().map(|p| p[depth]).min().unwrap_or(0);
-            let mut last = paths.iter().map(|p| p[depth]).max().unwrap_or(0);
-            let mut lca = lca;
             // A buffer cut into chunks in a loop body lives across the iterations.
             while !lca.is_empty()
                 && chunked.get(&t).is_some_and(|ps| {
