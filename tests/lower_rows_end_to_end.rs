@@ -245,3 +245,30 @@ fn reduction_rows() {
         &partial_program(mesh(&[2], 2), S::Replicated),
     );
 }
+
+#[test]
+fn an_op_reading_a_whole_tensor_does_not_join_the_loop_producing_it() {
+    // t is computed chunk by chunk (Stream on rows); `add` links x's rows with t's rows, so
+    // y's row loop has the same key, but `linear` reads all of t (as its weight): it must
+    // wait for the whole loop instead of joining it.
+    let mut b = ProgramBuilder::new("whole");
+    let m = b.mesh("m0", mesh(&[1], 0)).unwrap();
+    let a = b.input("a", DType::F32, &[8, 8], m).unwrap();
+    let x = b.input("x", DType::F32, &[8, 8], m).unwrap();
+    let t = b.gelu(a).unwrap();
+    b.schedule(t).outer_split(0, 2).parallelize(0, Stream);
+    let z = b.add(x, t).unwrap();
+    let y = b.linear(x, t).unwrap();
+    b.schedule(y).outer_split(0, 2).parallelize(0, Stream);
+    b.output(z);
+    b.output(y);
+    let program = b.build().unwrap();
+    let host = compile(&program, &CompileOptions::default()).unwrap().host;
+    let loops = host
+        .body
+        .iter()
+        .filter(|i| matches!(i.kind, meshflow::ir::InstKind::ForLoop { .. }))
+        .count();
+    assert_eq!(loops, 2, "{host}");
+    check("whole", &program);
+}

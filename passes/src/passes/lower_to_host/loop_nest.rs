@@ -66,12 +66,47 @@ impl Lowering<'_> {
                 }
                 _ => op.outputs.first().and_then(|&o| self.key_of(o)),
             };
+            let joins = groups.last().is_some_and(|g| {
+                key.is_some()
+                    && g.key == key
+                    && op.inputs.iter().enumerate().all(|(j, &t)| {
+                        let produced_here = g
+                            .ops
+                            .iter()
+                            .any(|&k| self.program.ops[k].outputs.contains(&t));
+                        !produced_here || self.reads_by_chunk(i, j)
+                    })
+            });
             match groups.last_mut() {
-                Some(g) if key.is_some() && g.key == key => g.ops.push(i),
+                Some(g) if joins => g.ops.push(i),
                 _ => groups.push(Group { key, ops: vec![i] }),
             }
         }
         Ok(groups)
+    }
+
+    /// True when op `i` reads its input `j` one chunk per iteration, along that input's own
+    /// Stream split (so an earlier op of the same loop has produced that chunk).
+    fn reads_by_chunk(&self, i: usize, j: usize) -> bool {
+        let op = &self.program.ops[i];
+        let (Some(&input), Some(&out)) = (op.inputs.get(j), op.outputs.first()) else {
+            return false;
+        };
+        let (Some(is), Some(os)) = (self.sharding(input).stream(), self.sharding(out).stream())
+        else {
+            return false;
+        };
+        if is.chunks != os.chunks || is.swizzle != os.swizzle {
+            return false;
+        }
+        if op.kind == OpKind::Set {
+            return self.sharding(input).value_index(is.axis)
+                == self.sharding(out).value_index(os.axis);
+        }
+        crate::analysis::op_axis_map(self.program, op)
+            .first()
+            .and_then(|m| m.get(os.axis))
+            .is_some_and(|src| src.contains(&(j, is.axis)))
     }
 
     /// Emits one group into `block`.
