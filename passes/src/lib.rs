@@ -14,6 +14,7 @@
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
 
 pub mod analysis;
 pub mod cost_model;

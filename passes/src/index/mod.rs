@@ -15,13 +15,21 @@ pub mod rules;
 use std::collections::HashMap;
 use std::time::Duration;
 
-use egg::{define_language, Analysis, DidMerge, EGraph, Extractor, Id, RecExpr, Runner, Symbol};
+use egg::{Analysis, DidMerge, EGraph, Extractor, Id, RecExpr, Runner, Symbol};
 use meshflow_ir::host::BinOp;
 use meshflow_ir::{EntityRef, Expr, LoopVar, MeshId, ParallelType};
 
 pub use form::{Facts, Form, IndexData, Lin};
 
-define_language! {
+pub use lang::IndexLang;
+
+mod lang {
+    // egg's macro cannot document variants: `+ - * / %` (Euclidean), `Num` constants and
+    // `Atom`s (`i<n>` loop indices, `my.<mesh>.<pt>` team indices, `rank`).
+    #![allow(missing_docs)]
+    use egg::{define_language, Id, Symbol};
+
+    define_language! {
     /// Integer index expressions.
     pub enum IndexLang {
         "+" = Add([Id; 2]),
@@ -31,6 +39,7 @@ define_language! {
         "%" = Mod([Id; 2]),
         Num(i64),
         Atom(Symbol),
+    }
     }
 }
 

@@ -17,7 +17,7 @@
 //! such). `PassContext::decompositions` forces a variant by tensor name. Every decision is
 //! recorded in `PassContext::explain`.
 
-use egg::{define_language, EGraph, Extractor, Id, RecExpr, Rewrite, Runner, Symbol};
+use egg::{EGraph, Extractor, Id, RecExpr, Rewrite, Runner};
 use meshflow_ir::{OpKind, Program, TensorId};
 
 use crate::analysis::{op_axis_map, Sharding, Spec, StreamSpec};
@@ -28,7 +28,16 @@ use crate::error::{op_text, PassError};
 use crate::explain::{ExplainRecord, VariantCost};
 use crate::manager::{Decomposition, PassContext, ProgramPass};
 
-define_language! {
+pub use lang::DecompLang;
+
+mod lang {
+    // egg's macro cannot document variants: `(collective t 1)` one all-gather, `(bcast t s)`
+    // a stream loop of broadcasts, `(ring t s)` a ring of collective permutes, `Num` a chunk
+    // count, `Sym` the resharding's output tensor.
+    #![allow(missing_docs)]
+    use egg::{define_language, Id, Symbol};
+
+    define_language! {
     /// Decompositions of one all-gather feeding its consumer.
     pub enum DecompLang {
         "collective" = Collective([Id; 2]),
@@ -36,6 +45,7 @@ define_language! {
         "ring" = Ring([Id; 2]),
         Num(i64),
         Sym(Symbol),
+    }
     }
 }
 
