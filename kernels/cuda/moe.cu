@@ -1,11 +1,12 @@
 // moe.cu: MoE expert-parallel dispatch / combine kernels (host side: kernels/src/moe/).
 //
 // Two transports share these kernels:
-// - NCCL: route (histogram + per-destination offsets) -> pack into padded per-destination send
-//   blocks -> NCCL grouped send/recv (host) -> scan received counts -> unpack into expert_x.
+// - NCCL: route (histogram + per-destination offsets, one block) -> pack into padded
+//   per-destination send blocks -> NCCL grouped send/recv (host) -> scan received counts ->
+//   unpack into expert_x.
 //   Combine: pack expert rows per source rank -> NCCL -> index (t, k) slots -> weighted reduce.
-// - NVLink: route + reserve rows in the receivers' per-expert counters (system-scope atomics) ->
-//   copy rows straight into the peers' expert_x (16-byte stores) -> release flags (epoch);
+// - NVLink: per row, reserve a slot in the receiver's per-expert counter (system-scope atomic)
+//   and store the row straight into the peer's expert_x (16-byte stores) -> release flags (epoch);
 //   receivers acquire the flags, read the counters, zero the padding. Combine: copy expert rows
 //   straight into the sources' [T, K, F] slots with an epoch mark -> flags -> weighted reduce.
 //
@@ -181,15 +182,13 @@ __device__ int block_exclusive_scan(const int* in, int* out, i64 n) {
 
 // ---- dispatch, sender side (both transports) --------------------------------------------------
 
-// One block. cnt[e] = rows for expert e; pos[t*K+k] = rank of the row among expert e's rows
-// (-1 for an invalid expert id). base[e] = row of expert e's first row at its destination:
-// - mode 0 (NCCL): offset inside the destination's send block (experts of a destination are
-//   contiguous, ascending);
-// - mode 1 (NVLink): rows reserved in the receiver's per-expert counter
-//   (`peer_sym[d] + counter_off`), with a system-scope atomic add.
-extern "C" __global__ void __launch_bounds__(1024) moe_route(const i32* topk_idx, i64 rows, i64 experts, i64 local_experts,
-                                     i32* cnt, i32* pos, i32* base, i64 mode, const u64* peer_sym,
-                                     i64 counter_off, unsigned* status) {
+// NCCL, one block. cnt[e] = rows for expert e; pos[t*K+k] = rank of the row among expert e's
+// rows (-1 for an invalid expert id); base[e] = offset of expert e's first row inside its
+// destination's send block (the experts of a destination are contiguous, ascending).
+extern "C" __global__ void __launch_bounds__(1024) moe_route(const i32* topk_idx, i64 rows,
+                                                             i64 experts, i64 local_experts,
+                                                             i32* cnt, i32* pos, i32* base,
+                                                             unsigned* status) {
     for (i64 e = threadIdx.x; e < experts; e += blockDim.x) cnt[e] = 0;
     __syncthreads();
     for (i64 i = threadIdx.x; i < rows; i += blockDim.x) {
@@ -202,51 +201,63 @@ extern "C" __global__ void __launch_bounds__(1024) moe_route(const i32* topk_idx
         }
     }
     __syncthreads();
-    if (mode == 1) {
-        for (i64 e = threadIdx.x; e < experts; e += blockDim.x) {
-            int c = ld_relaxed_gpu(cnt + e);
-            int b = 0;
-            if (c > 0) {
-                i64 d = e / local_experts;
-                i32* counters = (i32*)(peer_sym[d] + counter_off);
-                b = atomic_add_sys(counters + (e - d * local_experts), c);
-            }
-            base[e] = b;
-        }
-    } else {
-        i64 world = experts / local_experts;
-        for (i64 d = 0; d < world; ++d)
-            block_exclusive_scan(cnt + d * local_experts, base + d * local_experts, local_experts);
-    }
+    i64 world = experts / local_experts;
+    for (i64 d = 0; d < world; ++d)
+        block_exclusive_scan(cnt + d * local_experts, base + d * local_experts, local_experts);
 }
 
-// One warp per (t, k) row: x[t] goes to row `le * expert_stride + base[e] + pos` of destination
-// d's table entries dst_x[d] / dst_meta[d] (meta = team-global token, k). Rows at or past `limit`
-// are dropped (MOE_OVERFLOW). With `flag_ptrs` (NVLink), the last block then raises the flags.
-extern "C" __global__ void moe_dispatch_copy(const char* x, i64 row_bytes, const i32* topk_idx,
-                                             const i32* pos, const i32* base, i64 tokens,
-                                             i64 top_k, i64 local_experts, i64 rank,
-                                             const u64* dst_x, const u64* dst_meta,
-                                             i64 expert_stride, i64 limit, unsigned* status,
-                                             unsigned* done, const u64* flag_ptrs, i64 world,
-                                             unsigned epoch) {
+// NCCL: one warp per (t, k) row: x[t] goes to row base[e] + pos of destination d's send block
+// (meta = team-global token, k).
+extern "C" __global__ void moe_nccl_dispatch_pack(const char* x, i64 row_bytes, const i32* topk_idx,
+                                                  const i32* pos, const i32* base, i64 tokens,
+                                                  i64 top_k, i64 local_experts, i64 rank,
+                                                  i64 pair_rows, char* send_x, i32* send_meta) {
     const int lane = lane_id();
     for (i64 i = warp_id(); i < tokens * top_k; i += warp_count()) {
         int p = pos[i];
         if (p < 0) continue;
         int e = topk_idx[i];
+        i64 d = e / local_experts;
+        i64 row = d * pair_rows + base[e] + p;
+        i64 t = i / top_k, k = i - t * top_k;
+        warp_copy_row(send_x + row * row_bytes, x + t * row_bytes, row_bytes, lane);
+        if (lane == 0) store_pair(send_meta + row * 2, (i32)(rank * tokens + t), (i32)k);
+    }
+}
+
+// NVLink: one warp per (t, k) row: lane 0 reserves a row of expert e in the receiver's counter
+// (system-scope atomic add at `peer_sym[d] + counter_off`), the warp stores x[t] (16-byte
+// vectors) and (team-global token, k) straight into the receiver's expert_x / routing. Rows
+// past C are dropped (MOE_OVERFLOW). The last block raises the dispatch flags.
+extern "C" __global__ void moe_nvl_dispatch_send(const char* x, i64 row_bytes, const i32* topk_idx,
+                                                 i64 tokens, i64 top_k, i64 experts,
+                                                 i64 local_experts, i64 capacity, i64 rank,
+                                                 const u64* peer_sym, i64 x_off, i64 routing_off,
+                                                 i64 counter_off, unsigned* status,
+                                                 unsigned* done, const u64* flag_ptrs, i64 world,
+                                                 unsigned epoch) {
+    const int lane = lane_id();
+    for (i64 i = warp_id(); i < tokens * top_k; i += warp_count()) {
+        int e = topk_idx[i];
+        if (e < 0 || e >= experts) {
+            if (lane == 0) atomicOr(status, MOE_BAD_EXPERT);
+            continue;
+        }
         i64 d = e / local_experts, le = e - d * local_experts;
-        i64 slot = (i64)base[e] + p;
-        if (slot >= limit) {
+        char* peer = (char*)peer_sym[d];
+        int slot = 0;
+        if (lane == 0) slot = atomic_add_sys((i32*)(peer + counter_off) + le, 1);
+        slot = __shfl_sync(0xffffffffu, slot, 0);
+        if (slot >= capacity) {
             if (lane == 0) atomicOr(status, MOE_OVERFLOW);
             continue;
         }
-        i64 row = le * expert_stride + slot;
+        i64 row = le * capacity + slot;
         i64 t = i / top_k, k = i - t * top_k;
-        warp_copy_row((char*)dst_x[d] + row * row_bytes, x + t * row_bytes, row_bytes, lane);
-        if (lane == 0) store_pair((i32*)dst_meta[d] + row * 2, (i32)(rank * tokens + t), (i32)k);
+        warp_copy_row(peer + x_off + row * row_bytes, x + t * row_bytes, row_bytes, lane);
+        if (lane == 0) store_pair((i32*)(peer + routing_off) + row * 2, (i32)(rank * tokens + t), (i32)k);
     }
-    if (flag_ptrs != 0) grid_done_signal(done, flag_ptrs, world, epoch);
+    grid_done_signal(done, flag_ptrs, world, epoch);
 }
 
 // ---- dispatch, receiver side: NVLink ----------------------------------------------------------

@@ -125,7 +125,8 @@ impl Source {
 fn moe_functions() -> Vec<String> {
     let mut v: Vec<String> = [
         "moe_route",
-        "moe_dispatch_copy",
+        "moe_nccl_dispatch_pack",
+        "moe_nvl_dispatch_send",
         "moe_nvl_dispatch_recv",
         "moe_nccl_dispatch_scan",
         "moe_nccl_dispatch_unpack",
@@ -207,7 +208,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + 14);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + 15);
     }
 
     #[test]

@@ -37,18 +37,8 @@ fn thread_grid(k: &Kernels, items: usize) -> u32 {
     u32::try_from(items.div_ceil(BLOCK as usize).clamp(1, cap.max(1))).unwrap_or(1)
 }
 
-/// The routing mode of [`route`].
-pub(crate) enum RouteMode<'a> {
-    /// Offsets inside per-destination send blocks.
-    Nccl,
-    /// Reserve rows in the receivers' counters: the peer table and the counters' byte offset.
-    Nvlink {
-        peer_sym: &'a DeviceBuffer,
-        counter_off: usize,
-    },
-}
-
-/// Histogram of `topk_idx`, rank of each row in its expert, first destination row per expert.
+/// NCCL: histogram of `topk_idx`, rank of each row in its expert, offset of each expert in its
+/// destination's send block.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn route(
     k: &Kernels,
@@ -58,16 +48,8 @@ pub(crate) fn route(
     cnt: &DeviceBuffer,
     pos: &DeviceBuffer,
     base: &DeviceBuffer,
-    mode: RouteMode<'_>,
     status: &DeviceBuffer,
 ) -> Result<()> {
-    let (m, peers, off) = match mode {
-        RouteMode::Nccl => (0, Arg::Ptr(0), 0),
-        RouteMode::Nvlink {
-            peer_sym,
-            counter_off,
-        } => (1, ptr(peer_sym), counter_off),
-    };
     let mut args = [
         ptr(topk_idx),
         n(shape.tokens * shape.top_k),
@@ -76,30 +58,14 @@ pub(crate) fn route(
         ptr(cnt),
         ptr(pos),
         ptr(base),
-        Arg::I64(m),
-        peers,
-        n(off),
         ptr(status),
     ];
     k.launch(stream, Source::Moe, "moe_route", 1, ONE_BLOCK, &mut args)
 }
 
-/// Where [`dispatch_copy`] puts rows.
-pub(crate) struct CopyTargets<'a> {
-    /// `[W]` u64: base address of destination d's rows.
-    pub dst_x: &'a DeviceBuffer,
-    /// `[W]` u64: base address of destination d's (token, k) pairs.
-    pub dst_meta: &'a DeviceBuffer,
-    /// Rows per expert at the destination (C for NVLink, 0 for packed NCCL blocks).
-    pub expert_stride: usize,
-    /// Rows at or past this index are dropped.
-    pub limit: usize,
-    /// NVLink: `[W]` u64 addresses of this rank's flag in each peer, and the grid counter.
-    pub signal: Option<(&'a DeviceBuffer, &'a DeviceBuffer)>,
-}
-
+/// NCCL: rows into the padded per-destination send blocks (`[W, P]` rows and `(token, k)`).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn dispatch_copy(
+pub(crate) fn nccl_dispatch_pack(
     k: &Kernels,
     stream: &Stream,
     shape: &MoeShape,
@@ -108,14 +74,9 @@ pub(crate) fn dispatch_copy(
     topk_idx: &DeviceBuffer,
     pos: &DeviceBuffer,
     base: &DeviceBuffer,
-    targets: &CopyTargets<'_>,
-    status: &DeviceBuffer,
-    epoch: u32,
+    send_x: &DeviceBuffer,
+    send_meta: &DeviceBuffer,
 ) -> Result<()> {
-    let (flags, done) = match targets.signal {
-        Some((f, d)) => (ptr(f), ptr(d)),
-        None => (Arg::Ptr(0), Arg::Ptr(0)),
-    };
     let mut args = [
         ptr(x),
         n(shape.x_row_bytes()),
@@ -126,13 +87,65 @@ pub(crate) fn dispatch_copy(
         n(shape.top_k),
         n(shape.local_experts()),
         n(rank),
-        ptr(targets.dst_x),
-        ptr(targets.dst_meta),
-        n(targets.expert_stride),
-        n(targets.limit),
+        n(shape.pair_rows()),
+        ptr(send_x),
+        ptr(send_meta),
+    ];
+    let grid = warp_grid(k, shape.tokens * shape.top_k);
+    k.launch(
+        stream,
+        Source::Moe,
+        "moe_nccl_dispatch_pack",
+        grid,
+        BLOCK,
+        &mut args,
+    )
+}
+
+/// Byte offsets of the NVLink symmetric regions a dispatch sender writes.
+pub(crate) struct NvlTargets<'a> {
+    /// `[W]` u64 symmetric base address of every rank.
+    pub peer_sym: &'a DeviceBuffer,
+    pub x_off: usize,
+    pub routing_off: usize,
+    /// This step's counters (by epoch parity).
+    pub counter_off: usize,
+    /// `[W]` u64 addresses of this rank's dispatch flag in every rank.
+    pub flag_ptrs: &'a DeviceBuffer,
+    /// The grid-completion counter of the send kernel.
+    pub done: &'a DeviceBuffer,
+}
+
+/// NVLink: reserve a row per `(t, k)` in its receiver, store it there, raise the flags.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn nvl_dispatch_send(
+    k: &Kernels,
+    stream: &Stream,
+    shape: &MoeShape,
+    rank: usize,
+    x: &DeviceBuffer,
+    topk_idx: &DeviceBuffer,
+    targets: &NvlTargets<'_>,
+    status: &DeviceBuffer,
+    epoch: u32,
+) -> Result<()> {
+    let mut args = [
+        ptr(x),
+        n(shape.x_row_bytes()),
+        ptr(topk_idx),
+        n(shape.tokens),
+        n(shape.top_k),
+        n(shape.experts),
+        n(shape.local_experts()),
+        n(shape.capacity),
+        n(rank),
+        ptr(targets.peer_sym),
+        n(targets.x_off),
+        n(targets.routing_off),
+        n(targets.counter_off),
         ptr(status),
-        done,
-        flags,
+        ptr(targets.done),
+        ptr(targets.flag_ptrs),
         n(shape.world),
         Arg::U32(epoch),
     ];
@@ -140,7 +153,7 @@ pub(crate) fn dispatch_copy(
     k.launch(
         stream,
         Source::Moe,
-        "moe_dispatch_copy",
+        "moe_nvl_dispatch_send",
         grid,
         BLOCK,
         &mut args,

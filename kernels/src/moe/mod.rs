@@ -20,9 +20,9 @@
 //! - [`NcclMoe`]: counts by a device histogram, exchanged with NCCL; rows packed into padded
 //!   per-destination blocks (sized by the bound `T · min(K, L)` rows) and moved with grouped
 //!   send/recv, unpacked on the device. No host reads of counts.
-//! - [`NvlinkMoe`]: peer-mapped receive buffers; senders reserve rows in the receivers' counters
-//!   with system-scope atomics, store rows straight into the peers' `expert_x` with 16-byte
-//!   stores and raise epoch flags (release, system scope) that receivers acquire. Ranks live in
+//! - [`NvlinkMoe`]: peer-mapped receive buffers; senders reserve each row in the receiver's
+//!   per-expert counter with a system-scope atomic, store it straight into the peer's `expert_x`
+//!   with 16-byte stores and raise epoch flags (release, system scope) that receivers acquire. Ranks live in
 //!   one process ([`NvlinkMoe::team`]) or in several (CUDA IPC: [`NvlinkMoe::new_ipc`],
 //!   [`NvlinkMoe::export_handles`], [`NvlinkMoe::import_handles`]).
 //!

@@ -4,7 +4,7 @@
 //! NCCL moves the padded size whatever the routing. That is the price of a host-sync-free
 //! NCCL path; [`super::NvlinkMoe`] moves only the real rows.
 
-use super::launch::{self, CopyTargets, ExpertRows, NcclCombineRecv, NcclRecv, RouteMode};
+use super::launch::{self, ExpertRows, NcclCombineRecv, NcclRecv};
 use super::transport::{Core, MoeTransport, Phase};
 use super::{MoeShape, MoeStatus, TransportKind};
 use crate::buffer::DeviceBuffer;
@@ -33,8 +33,11 @@ pub struct NcclMoe {
     comb_send_cnt: DeviceBuffer,
     comb_recv_cnt: DeviceBuffer,
     slot_idx: DeviceBuffer,
-    dst_x_table: DeviceBuffer,
-    dst_meta_table: DeviceBuffer,
+    /// Sender workspace: rows per expert `[E]`, rank of each row in its expert `[T * K]`,
+    /// offset of each expert in its destination's block `[E]`.
+    cnt: DeviceBuffer,
+    pos: DeviceBuffer,
+    base: DeviceBuffer,
 }
 
 impl NcclMoe {
@@ -57,12 +60,6 @@ impl NcclMoe {
         let alloc = |bytes: usize| DeviceBuffer::alloc(&device, bytes);
         let send_x = alloc(w * block)?;
         let send_meta = alloc(w * pair * 8)?;
-        let x_addrs: Vec<u64> = (0..w)
-            .map(|d| send_x.addr() + (d * pair * shape.x_row_bytes()) as u64)
-            .collect();
-        let meta_addrs: Vec<u64> = (0..w)
-            .map(|d| send_meta.addr() + (d * pair * 8) as u64)
-            .collect();
         let t = NcclMoe {
             expert_x: alloc(l * c * shape.x_row_bytes())?,
             routing: alloc(l * c * 8)?,
@@ -75,8 +72,9 @@ impl NcclMoe {
             comb_send_cnt: launch::zeroed_i32(&stream, w)?,
             comb_recv_cnt: launch::zeroed_i32(&stream, w)?,
             slot_idx: DeviceBuffer::alloc_elems(&device, DType::I32, shape.tokens * shape.top_k)?,
-            dst_x_table: launch::address_table(&stream, &x_addrs)?,
-            dst_meta_table: launch::address_table(&stream, &meta_addrs)?,
+            cnt: launch::zeroed_i32(&stream, shape.experts)?,
+            pos: launch::zeroed_i32(&stream, shape.tokens * shape.top_k)?,
+            base: launch::zeroed_i32(&stream, shape.experts)?,
             send_x,
             send_meta,
             core,
@@ -155,8 +153,9 @@ impl MoeTransport for NcclMoe {
             send_meta,
             recv_meta,
             recv_cnt,
-            dst_x_table,
-            dst_meta_table,
+            cnt,
+            pos,
+            base,
             ..
         } = self;
         core.step(
@@ -166,27 +165,9 @@ impl MoeTransport for NcclMoe {
             stream,
             |c| {
                 let s = c.shape;
-                launch::route(
-                    &c.kernels,
-                    stream,
-                    &s,
-                    topk_idx,
-                    &c.cnt,
-                    &c.pos,
-                    &c.base,
-                    RouteMode::Nccl,
-                    &c.status,
-                )?;
-                let targets = CopyTargets {
-                    dst_x: dst_x_table,
-                    dst_meta: dst_meta_table,
-                    expert_stride: 0,
-                    limit: s.pair_rows(),
-                    signal: None,
-                };
-                launch::dispatch_copy(
-                    &c.kernels, stream, &s, c.rank, x, topk_idx, &c.pos, &c.base, &targets,
-                    &c.status, 0,
+                launch::route(&c.kernels, stream, &s, topk_idx, cnt, pos, base, &c.status)?;
+                launch::nccl_dispatch_pack(
+                    &c.kernels, stream, &s, c.rank, x, topk_idx, pos, base, send_x, send_meta,
                 )?;
                 let l = s.local_experts();
                 exchange(
@@ -194,7 +175,7 @@ impl MoeTransport for NcclMoe {
                     stream,
                     c.rank,
                     [
-                        (&c.cnt, recv_cnt, l * 4, DType::I32),
+                        (cnt, recv_cnt, l * 4, DType::I32),
                         (send_x, recv_x, s.pair_rows() * s.x_row_bytes(), DType::U8),
                         (send_meta, recv_meta, s.pair_rows() * 8, DType::I32),
                     ],
@@ -214,7 +195,7 @@ impl MoeTransport for NcclMoe {
             dst_off: &self.dst_off,
             src_total: &self.src_total,
         };
-        let (expert_x, routing) = (&self.expert_x, &self.routing);
+        let (expert_x, routing, own_cnt) = (&self.expert_x, &self.routing, &self.cnt);
         self.core.step(
             "dispatch_recv",
             Phase::DispatchSent,
@@ -222,7 +203,7 @@ impl MoeTransport for NcclMoe {
             stream,
             |c| {
                 launch::nccl_dispatch_recv(
-                    &c.kernels, stream, &c.shape, c.rank, &c.cnt, &bufs, &c.counts, expert_x,
+                    &c.kernels, stream, &c.shape, c.rank, own_cnt, &bufs, &c.counts, expert_x,
                     routing, &c.status,
                 )
             },

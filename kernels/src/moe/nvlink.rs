@@ -2,10 +2,10 @@
 //! that its peers map, either in this process (peer access) or through CUDA IPC.
 //!
 //! Per step `s` (epoch `s`, flags are never reset):
-//! 1. `dispatch_send`: a one-block kernel counts rows per expert and reserves them in each
-//!    receiver's per-expert counter (`atom.add.sys`, double-buffered by epoch parity); a grid
-//!    kernel stores every row (16-byte vectors) and its routing straight into the receiver's
-//!    `expert_x` / `routing`; its last block raises `dispatch_flag[me] = s` in every receiver
+//! 1. `dispatch_send`: one kernel, one warp per `(t, k)` row: reserve a row in the receiver's
+//!    per-expert counter (`atom.add.sys`; counters double-buffered by epoch parity), store the
+//!    row (16-byte vectors) and its routing straight into the receiver's `expert_x` /
+//!    `routing`; the last block raises `dispatch_flag[me] = s` in every receiver
 //!    (`st.release.sys` after `__threadfence_system`).
 //! 2. `dispatch_recv`: acquire all `W` flags, `counts = min(counter, C)` (overflow flagged), reset
 //!    the other parity's counters for step `s + 1`, zero padding rows.
@@ -19,7 +19,7 @@
 //! combine slots are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
 use super::ipc::{self, IpcMapping, HANDLE_LEN};
-use super::launch::{self, CopyTargets, ExpertRows, RouteMode};
+use super::launch::{self, ExpertRows, NvlTargets};
 use super::transport::{Core, MoeTransport, Phase};
 use super::{MoeShape, MoeStatus, TransportKind};
 use crate::buffer::DeviceBuffer;
@@ -77,8 +77,6 @@ impl SymLayout {
 /// Device address tables of the peers (`[W]` u64 each), built once the team is connected.
 struct Tables {
     peer_sym: DeviceBuffer,
-    dst_x: DeviceBuffer,
-    dst_meta: DeviceBuffer,
     dispatch_flag_ptrs: DeviceBuffer,
     combine_flag_ptrs: DeviceBuffer,
 }
@@ -145,8 +143,6 @@ impl NvlinkMoe {
         };
         self.tables = Some(Tables {
             peer_sym: table(0, 0)?,
-            dst_x: table(lay.x, 0)?,
-            dst_meta: table(lay.routing, 0)?,
             dispatch_flag_ptrs: table(lay.dispatch_flags, me * 4)?,
             combine_flag_ptrs: table(lay.combine_flags, me * 4)?,
         });
@@ -336,24 +332,17 @@ impl MoeTransport for NvlinkMoe {
             |c| {
                 c.epoch = c.epoch.wrapping_add(1);
                 let s = c.shape;
-                let mode = RouteMode::Nvlink {
-                    peer_sym: &tables.peer_sym,
-                    counter_off: layout.counters(&s, c.epoch),
-                };
-                launch::route(
-                    &c.kernels, stream, &s, topk_idx, &c.cnt, &c.pos, &c.base, mode, &c.status,
-                )?;
                 let dispatch_done = done.view(0, 4)?;
-                let targets = CopyTargets {
-                    dst_x: &tables.dst_x,
-                    dst_meta: &tables.dst_meta,
-                    expert_stride: s.capacity,
-                    limit: s.capacity,
-                    signal: Some((&tables.dispatch_flag_ptrs, &dispatch_done)),
+                let targets = NvlTargets {
+                    peer_sym: &tables.peer_sym,
+                    x_off: layout.x,
+                    routing_off: layout.routing,
+                    counter_off: layout.counters(&s, c.epoch),
+                    flag_ptrs: &tables.dispatch_flag_ptrs,
+                    done: &dispatch_done,
                 };
-                launch::dispatch_copy(
-                    &c.kernels, stream, &s, c.rank, x, topk_idx, &c.pos, &c.base, &targets,
-                    &c.status, c.epoch,
+                launch::nvl_dispatch_send(
+                    &c.kernels, stream, &s, c.rank, x, topk_idx, &targets, &c.status, c.epoch,
                 )
             },
         )

@@ -128,11 +128,6 @@ pub(crate) struct Core {
     pub status: DeviceBuffer,
     /// Output `expert_counts[L]`.
     pub counts: DeviceBuffer,
-    /// Sender workspace: rows per expert `[E]`, rank of each row in its expert `[T * K]`, first
-    /// destination row per expert `[E]`.
-    pub cnt: DeviceBuffer,
-    pub pos: DeviceBuffer,
-    pub base: DeviceBuffer,
 }
 
 impl Core {
@@ -158,9 +153,6 @@ impl Core {
             epoch: 0,
             status,
             counts: i32s(shape.local_experts())?,
-            cnt: i32s(shape.experts)?,
-            pos: i32s(shape.tokens * shape.top_k)?,
-            base: i32s(shape.experts)?,
         })
     }
 
