@@ -4,3 +4,4 @@
 pub use meshflow_ir as ir;
 pub use meshflow_passes as passes;
 pub mod check;
+pub mod runtime;

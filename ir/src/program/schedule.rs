@@ -241,7 +241,7 @@ impl LoopDomain {
                         });
                     }
                     let extent = ids[id].extent;
-                    if extent % by != 0 {
+                    if !extent.is_multiple_of(by) {
                         return Err(ScheduleError::NonDivisibleSplit {
                             index,
                             transform: t.to_string(),

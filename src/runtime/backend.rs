@@ -1,0 +1,354 @@
+//! The [`Backend`] trait: what the [`Evaluator`](super::evaluator::Evaluator) needs from a
+//! device runtime.
+//!
+//! The trait is shaped for a GPU runtime (CUDA streams and events, cuBLAS, NCCL) and is also
+//! implemented by the embedded CPU [`SimBackend`](super::sim::SimBackend):
+//!
+//! - **Buffers** are opaque handles ([`Backend::Buffer`]). Allocation returns at once on the
+//!   host; deallocation is deferred by the backend until the work already enqueued on the
+//!   buffer has completed.
+//! - **Views** ([`TensorView`]) are `(buffer, element offset, shape, strides)` built by the
+//!   evaluator (`shard_by_stream` makes a view of a chunk of its parent).
+//! - **Streams** are numbered by [`StreamIndex`]: the main stream and a bounded pool of worker
+//!   streams. Compute runs on the current stream in order.
+//! - **Communications** are posted on the current stream ([`Backend::post`]) and return a
+//!   handle; [`Backend::wait`] makes the *current stream* wait for it (stream-ordered, no host
+//!   block). [`Backend::synchronize`] makes the current stream wait for everything enqueued on
+//!   another stream so far (an event record there plus a stream wait here).
+//! - **Groups**: between [`Backend::begin_group`] and [`Backend::end_group`] posts are issued
+//!   together (NCCL group semantics); `end_group` returns a handle covering all of them.
+//! - [`Backend::prepare`] receives, once per program, the teams this rank takes part in (a GPU
+//!   backend creates its communicators there) and the number of communication labels.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshflow_ir::{CommKind, ComputeOp, DType, DeviceId, HostTensorId, ReduceOp};
+
+use super::cpu_ops::OpError;
+use super::data::TensorData;
+
+/// A stream of one rank: `0` is the main stream, `1..=pool` the worker streams.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StreamIndex(pub usize);
+
+impl StreamIndex {
+    /// The main stream.
+    pub const MAIN: StreamIndex = StreamIndex(0);
+
+    /// Worker stream `i` of the pool (`i` already reduced modulo the pool size).
+    pub fn worker(i: usize) -> StreamIndex {
+        StreamIndex(i + 1)
+    }
+}
+
+impl fmt::Display for StreamIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            0 => f.write_str("main"),
+            w => write!(f, "worker {}", w - 1),
+        }
+    }
+}
+
+/// A view of a buffer: `(buffer, element offset, shape, strides)`, plus the host tensor it
+/// stands for (for diagnostics).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorView<Buf> {
+    /// The host tensor (or view) this is.
+    pub tensor: HostTensorId,
+    /// The underlying buffer.
+    pub buffer: Buf,
+    /// Element type.
+    pub dtype: DType,
+    /// Offset of the first element, in elements.
+    pub offset: u64,
+    /// Shape.
+    pub shape: Vec<u64>,
+    /// Strides, in elements.
+    pub strides: Vec<u64>,
+}
+
+impl<Buf> TensorView<Buf> {
+    /// Number of elements.
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// Where an instruction is: its index in program pre-order and the values of its enclosing
+/// loop variables (outermost first).
+#[derive(Copy, Clone, Debug)]
+pub struct InstCtx<'a> {
+    /// Pre-order index of the instruction (see [`HostProgram::walk`](meshflow_ir::HostProgram::walk)).
+    pub inst: u32,
+    /// Values of the enclosing loop variables, outermost first.
+    pub iteration: &'a [i64],
+}
+
+/// A team this rank takes part in.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TeamInfo {
+    /// Dense index of the team among this rank's teams.
+    pub slot: usize,
+    /// Members in team order.
+    pub members: Vec<DeviceId>,
+    /// This rank's index in `members`.
+    pub my_index: usize,
+}
+
+/// What a backend learns about a program before it runs.
+#[derive(Clone, Debug)]
+pub struct PlanInfo<'a> {
+    /// The teams this rank takes part in, indexed by [`TeamInfo::slot`].
+    pub teams: &'a [TeamInfo],
+    /// The number of communication labels (dense indices `0..comm_labels`).
+    pub comm_labels: usize,
+}
+
+/// A registered kernel, resolved by name once per program.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct KernelId(pub usize);
+
+/// A communication to post. Buffers a rank does not hold are `None`.
+#[derive(Debug)]
+pub enum CommRequest<'a, Buf> {
+    /// A collective (see [`CommKind`] for the buffer contracts).
+    Collective {
+        /// Dense communication label.
+        label: usize,
+        /// The collective.
+        kind: CommKind,
+        /// The team.
+        team: &'a TeamInfo,
+        /// Send buffer.
+        input: Option<&'a TensorView<Buf>>,
+        /// Receive buffer.
+        output: Option<&'a TensorView<Buf>>,
+        /// Team-relative root, for rooted kinds.
+        root: Option<usize>,
+        /// Reduction operator (`Sum` when the instruction names none).
+        op: ReduceOp,
+    },
+    /// Send `input` to `send_peer`, receive `output` from `recv_peer` (team indices).
+    Permute {
+        /// Dense communication label.
+        label: usize,
+        /// The team.
+        team: &'a TeamInfo,
+        /// Team index to send to.
+        send_peer: usize,
+        /// Team index to receive from.
+        recv_peer: usize,
+        /// Send buffer.
+        input: &'a TensorView<Buf>,
+        /// Receive buffer.
+        output: &'a TensorView<Buf>,
+    },
+    /// MoE dispatch (see [`InstKind::MoeDispatch`](meshflow_ir::InstKind::MoeDispatch)).
+    MoeDispatch {
+        /// Dense communication label.
+        label: usize,
+        /// The expert-parallel team.
+        team: &'a TeamInfo,
+        /// Tokens `[B.., T, H]`.
+        x: &'a TensorView<Buf>,
+        /// Expert ids `[B.., T, K]`.
+        topk_idx: &'a TensorView<Buf>,
+        /// Rows per local expert `[B.., L, C, H]`.
+        expert_x: &'a TensorView<Buf>,
+        /// Counts `[B.., L]`.
+        expert_counts: &'a TensorView<Buf>,
+        /// Routing `[B.., L, C, 2]`.
+        routing: &'a TensorView<Buf>,
+    },
+    /// MoE combine (see [`InstKind::MoeCombine`](meshflow_ir::InstKind::MoeCombine)).
+    MoeCombine {
+        /// Dense communication label.
+        label: usize,
+        /// The expert-parallel team.
+        team: &'a TeamInfo,
+        /// Expert outputs `[B.., L, C, F]`.
+        expert_y: &'a TensorView<Buf>,
+        /// Counts `[B.., L]`.
+        expert_counts: &'a TensorView<Buf>,
+        /// Routing `[B.., L, C, 2]`.
+        routing: &'a TensorView<Buf>,
+        /// Weights `[B.., T, K]`.
+        topk_weights: &'a TensorView<Buf>,
+        /// Combined tokens `[B.., T, F]`.
+        out: &'a TensorView<Buf>,
+    },
+}
+
+impl<Buf> CommRequest<'_, Buf> {
+    /// The dense communication label.
+    pub fn label(&self) -> usize {
+        match self {
+            CommRequest::Collective { label, .. }
+            | CommRequest::Permute { label, .. }
+            | CommRequest::MoeDispatch { label, .. }
+            | CommRequest::MoeCombine { label, .. } => *label,
+        }
+    }
+
+    /// The team.
+    pub fn team(&self) -> &TeamInfo {
+        match self {
+            CommRequest::Collective { team, .. }
+            | CommRequest::Permute { team, .. }
+            | CommRequest::MoeDispatch { team, .. }
+            | CommRequest::MoeCombine { team, .. } => team,
+        }
+    }
+
+    /// The instruction name (`all_gather`, `collective_permute`, ...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            CommRequest::Collective { kind, .. } => kind.name(),
+            CommRequest::Permute { .. } => "collective_permute",
+            CommRequest::MoeDispatch { .. } => "moe_dispatch",
+            CommRequest::MoeCombine { .. } => "moe_combine",
+        }
+    }
+}
+
+/// One side of a race: an access and where it happened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AccessSite {
+    /// Pre-order index of the instruction.
+    pub inst: u32,
+    /// Loop variable values at the access.
+    pub iteration: Arc<[i64]>,
+    /// True for a write.
+    pub write: bool,
+    /// The communication label when the access was made by a communication.
+    pub comm_label: Option<usize>,
+    /// The stream it was enqueued on.
+    pub stream: StreamIndex,
+}
+
+/// Two accesses to overlapping elements of one buffer that are not ordered.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RaceReport {
+    /// The tensor accessed by the later instruction.
+    pub tensor: HostTensorId,
+    /// The earlier access (in host order).
+    pub earlier: AccessSite,
+    /// The later access.
+    pub later: AccessSite,
+}
+
+/// Why a backend operation failed.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// A kernel failed.
+    #[error(transparent)]
+    Op(#[from] OpError),
+    /// An unordered access (see [`RaceReport`]); the evaluator prints it with both
+    /// instructions.
+    #[error("race between instructions #{} and #{}", .0.earlier.inst, .0.later.inst)]
+    Race(Box<RaceReport>),
+    /// A peer did not send within the timeout.
+    #[error("timed out after {waited:?} waiting for rank {peer} ({what})")]
+    Timeout {
+        /// The rank waited for.
+        peer: DeviceId,
+        /// How long.
+        waited: Duration,
+        /// What was expected.
+        what: String,
+    },
+    /// Another rank failed, so this one stopped.
+    #[error("aborted because rank {failed_rank} failed: {reason}")]
+    Aborted {
+        /// The rank that failed first.
+        failed_rank: DeviceId,
+        /// Its error.
+        reason: String,
+    },
+    /// A fault injected for testing.
+    #[error("injected {kind} at communication #{n}")]
+    InjectedFault {
+        /// The communication count at which it fired.
+        n: usize,
+        /// `error` or `stall`.
+        kind: &'static str,
+    },
+    /// Invalid use (wrong buffers, sizes, handles).
+    #[error("{0}")]
+    Invalid(String),
+    /// A kernel registered by the embedder failed.
+    #[error("kernel `{name}` failed: {message}")]
+    Kernel {
+        /// The kernel.
+        name: String,
+        /// Its message.
+        message: String,
+    },
+}
+
+/// A device runtime the evaluator drives; one instance per rank.
+pub trait Backend {
+    /// An opaque buffer handle.
+    type Buffer: Copy + Eq + fmt::Debug;
+    /// A posted communication (or group).
+    type Comm: Clone + fmt::Debug;
+
+    /// This rank's device id.
+    fn device(&self) -> DeviceId;
+    /// The number of worker streams in the pool (at least 1).
+    fn stream_pool_size(&self) -> usize;
+    /// Called once per program before it runs.
+    fn prepare(&mut self, info: &PlanInfo<'_>) -> Result<(), BackendError>;
+
+    /// Allocates a row-major buffer of `shape` (host-immediate; contents undefined).
+    fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<Self::Buffer, BackendError>;
+    /// Releases a buffer once the work enqueued on it is done.
+    fn deallocate(&mut self, buffer: Self::Buffer) -> Result<(), BackendError>;
+    /// Copies host data into a whole buffer (ordered before everything enqueued later).
+    fn upload(&mut self, buffer: Self::Buffer, data: &TensorData) -> Result<(), BackendError>;
+    /// Copies a view to the host, after all enqueued work (host-blocking).
+    fn download(&mut self, view: &TensorView<Self::Buffer>) -> Result<TensorData, BackendError>;
+
+    /// Makes `stream` current.
+    fn set_current_stream(&mut self, stream: StreamIndex) -> Result<(), BackendError>;
+    /// The current stream waits for everything enqueued on `stream` so far.
+    fn synchronize(&mut self, stream: StreamIndex, ctx: InstCtx<'_>) -> Result<(), BackendError>;
+
+    /// Enqueues a compute op on the current stream.
+    fn compute(
+        &mut self,
+        op: &ComputeOp,
+        inputs: &[&TensorView<Self::Buffer>],
+        outputs: &[&TensorView<Self::Buffer>],
+        ctx: InstCtx<'_>,
+    ) -> Result<(), BackendError>;
+    /// Resolves a registered kernel by name.
+    fn kernel(&self, name: &str) -> Option<KernelId>;
+    /// Enqueues a registered kernel on the current stream.
+    fn launch_kernel(
+        &mut self,
+        kernel: KernelId,
+        inputs: &[&TensorView<Self::Buffer>],
+        outputs: &[&TensorView<Self::Buffer>],
+        args: &[i64],
+        ctx: InstCtx<'_>,
+    ) -> Result<(), BackendError>;
+
+    /// Posts a communication on the current stream.
+    fn post(
+        &mut self,
+        request: &CommRequest<'_, Self::Buffer>,
+        ctx: InstCtx<'_>,
+    ) -> Result<Self::Comm, BackendError>;
+    /// Starts a group of communications issued together.
+    fn begin_group(&mut self) -> Result<(), BackendError>;
+    /// Issues the group; the handle (labelled `label`) covers every member.
+    fn end_group(&mut self, label: usize, ctx: InstCtx<'_>) -> Result<Self::Comm, BackendError>;
+    /// The current stream waits for `comm`.
+    fn wait(&mut self, comm: &Self::Comm, ctx: InstCtx<'_>) -> Result<(), BackendError>;
+    /// Blocks the host until all enqueued work is done.
+    fn finish(&mut self) -> Result<(), BackendError>;
+}

@@ -1,0 +1,222 @@
+//! [`run_and_compare`]: random inputs, a sharded sim run, the level-1 reference, and a
+//! per-output comparison.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use meshflow_ir::{DType, HostProgram, OpKind, Program};
+
+use super::data::{DataError, SplitMix64, TensorData};
+use super::launch::{run_sim, LaunchError, SimInputs, SimOptions};
+use super::reference::{evaluate, ReferenceError};
+use super::shard::ShardError;
+
+/// Why a comparison could not be made.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CompareError {
+    /// Generating inputs failed.
+    #[error("input `{name}`: {message}")]
+    Input {
+        /// The input.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The sharded run failed.
+    #[error(transparent)]
+    Run(#[from] LaunchError),
+    /// Gathering outputs failed.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// The reference failed.
+    #[error("reference: {0}")]
+    Reference(#[from] ReferenceError),
+    /// An output is missing or malformed.
+    #[error("output `{name}`: {message}")]
+    Output {
+        /// The output.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// The comparison of one output.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OutputComparison {
+    /// The output.
+    pub name: String,
+    /// Its element type.
+    pub dtype: DType,
+    /// Relative error `||run - ref|| / ||ref||` (0 for bit-identical integers; NaN when
+    /// either side has NaN or infinity).
+    pub error: f64,
+    /// The tolerance applied.
+    pub tolerance: f64,
+    /// True when the output is within tolerance (integers: exactly equal).
+    pub passed: bool,
+}
+
+/// The result of [`run_and_compare`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Comparison {
+    /// One entry per program output, in program order.
+    pub outputs: Vec<OutputComparison>,
+}
+
+impl Comparison {
+    /// True when every output passed.
+    pub fn passed(&self) -> bool {
+        self.outputs.iter().all(|o| o.passed)
+    }
+}
+
+impl fmt::Display for Comparison {
+    /// `ok y: rel err 1.2e-7 (tol 1e-5)` or `mismatch ...`, one line.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.passed() { "ok" } else { "mismatch" })?;
+        for o in &self.outputs {
+            write!(
+                f,
+                " {}: rel err {:.3e} (tol {:.0e}){}",
+                o.name,
+                o.error,
+                o.tolerance,
+                if o.passed { "" } else { " FAILED" }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The tolerance for a dtype: 1e-5 for f32, 1e-2 for bf16/f16, 0 (exact) for integers.
+pub fn tolerance(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 1e-5,
+        DType::BF16 | DType::F16 => 1e-2,
+        DType::I32 | DType::I64 => 0.0,
+    }
+}
+
+/// Seeded random inputs for `program`: an integer input used as `moe_dispatch`'s `topk_idx`
+/// gets `k` distinct valid expert ids per token; weights used by `moe_combine` are positive;
+/// other floats are uniform in `[-1, 1)`.
+pub fn random_inputs(
+    program: &Program,
+    seed: u64,
+) -> Result<BTreeMap<String, TensorData>, CompareError> {
+    let mut out = BTreeMap::new();
+    for (i, t) in program.inputs().into_iter().enumerate() {
+        let decl = &program.tensors[t];
+        let (dtype, shape) = (decl.ty.dtype, decl.ty.value_shape());
+        let s = seed.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let err = |e: DataError| CompareError::Input {
+            name: decl.name.clone(),
+            message: e.to_string(),
+        };
+        let experts = program.ops.iter().find_map(|op| {
+            (op.kind == OpKind::MoeDispatch && op.inputs.get(1) == Some(&t)).then(|| {
+                let ty = &program.tensors[*op.outputs.first()?].ty.value_shape();
+                ty.len().checked_sub(3).map(|nb| ty[nb])
+            })?
+        });
+        let weights = program
+            .ops
+            .iter()
+            .any(|op| op.kind == OpKind::MoeCombine && op.inputs.get(3) == Some(&t));
+        let data = if let Some(experts) = experts {
+            let k = shape.last().copied().unwrap_or(0);
+            if k > experts {
+                return Err(CompareError::Input {
+                    name: decl.name.clone(),
+                    message: format!("top-{k} routing needs at least {k} experts, has {experts}"),
+                });
+            }
+            let tokens = shape.iter().product::<u64>() / k.max(1);
+            let mut rng = SplitMix64::new(s);
+            let mut ids = Vec::with_capacity((tokens * k) as usize);
+            for _ in 0..tokens {
+                let start = ids.len();
+                while ids.len() - start < k as usize {
+                    let e = rng.below(experts) as i64;
+                    if !ids[start..].contains(&e) {
+                        ids.push(e);
+                    }
+                }
+            }
+            TensorData::from_i64(dtype, &shape, &ids).map_err(err)?
+        } else if weights {
+            let mut rng = SplitMix64::new(s);
+            let n = shape.iter().product::<u64>() as usize;
+            let v: Vec<f32> = (0..n).map(|_| 0.1 + 0.9 * rng.next_f32()).collect();
+            TensorData::from_f32(dtype, &shape, &v).map_err(err)?
+        } else {
+            TensorData::random(dtype, &shape, s).map_err(err)?
+        };
+        out.insert(decl.name.clone(), data);
+    }
+    Ok(out)
+}
+
+/// Generates seeded inputs, runs `host` on `ranks` sim ranks, gathers the outputs of
+/// `level1`, evaluates the reference and compares every output.
+pub fn run_and_compare(
+    level1: &Program,
+    host: &HostProgram,
+    ranks: usize,
+    seed: u64,
+    options: &SimOptions,
+) -> Result<Comparison, CompareError> {
+    let inputs = random_inputs(level1, seed)?;
+    let mut options = options.clone();
+    options.ranks = Some(ranks);
+    let outcome = run_sim(
+        host,
+        SimInputs::Full {
+            program: level1,
+            inputs: &inputs,
+        },
+        &options,
+    )?;
+    let got = outcome.gather(level1)?;
+    let want = evaluate(level1, &inputs)?;
+    compare_outputs(level1, &got, &want)
+}
+
+/// Compares gathered outputs with reference outputs, output by output.
+pub fn compare_outputs(
+    level1: &Program,
+    got: &BTreeMap<String, TensorData>,
+    want: &BTreeMap<String, TensorData>,
+) -> Result<Comparison, CompareError> {
+    let mut outputs = Vec::new();
+    for &t in &level1.outputs {
+        let name = level1.tensors[t].name.clone();
+        let missing = |side: &str| CompareError::Output {
+            name: name.clone(),
+            message: format!("missing from the {side}"),
+        };
+        let (g, w) = (
+            got.get(&name).ok_or_else(|| missing("run"))?,
+            want.get(&name).ok_or_else(|| missing("reference"))?,
+        );
+        let error = g.rel_error(w).map_err(|e| CompareError::Output {
+            name: name.clone(),
+            message: e.to_string(),
+        })?;
+        let tol = tolerance(w.dtype());
+        let passed = if w.dtype().is_float() {
+            error < tol
+        } else {
+            g.bit_eq(w)
+        };
+        outputs.push(OutputComparison {
+            name,
+            dtype: w.dtype(),
+            error,
+            tolerance: tol,
+            passed,
+        });
+    }
+    Ok(Comparison { outputs })
+}

@@ -1,0 +1,311 @@
+//! Kernels against naive loops, on contiguous and strided views.
+
+use std::borrow::Cow;
+
+use meshflow_ir::{ComputeOp, DType};
+
+use super::*;
+use crate::runtime::data::TensorData;
+use crate::runtime::view::{View, ViewMut};
+
+fn rnd(dtype: DType, shape: &[u64], seed: u64) -> TensorData {
+    TensorData::random(dtype, shape, seed).unwrap()
+}
+
+fn f(t: &TensorData) -> Vec<f32> {
+    t.storage().to_f32_vec()
+}
+
+fn zeros(dtype: DType, shape: &[u64]) -> TensorData {
+    TensorData::zeros(dtype, shape).unwrap()
+}
+
+#[test]
+fn matmul_matches_naive_batched_and_broadcast() {
+    let (b, m, k, n) = (2usize, 3usize, 5usize, 4usize);
+    let a = rnd(DType::F32, &[2, 3, 5], 1);
+    let w2 = rnd(DType::F32, &[5, 4], 2);
+    let w3 = rnd(DType::F32, &[2, 5, 4], 3);
+    for (w, batched) in [(&w2, false), (&w3, true)] {
+        let mut out = zeros(DType::F32, &[2, 3, 4]);
+        matmul(&View::of(&a), &View::of(w), &mut ViewMut::of(&mut out)).unwrap();
+        let (av, wv) = (f(&a), f(w));
+        let mut want = vec![0f32; b * m * n];
+        for bi in 0..b {
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0f32;
+                    for kk in 0..k {
+                        let wi = if batched { bi * k * n } else { 0 } + kk * n + j;
+                        acc += av[bi * m * k + i * k + kk] * wv[wi];
+                    }
+                    want[bi * m * n + i * n + j] = acc;
+                }
+            }
+        }
+        assert_eq!(f(&out), want);
+    }
+}
+
+#[test]
+fn linear_matches_naive_on_transposed_view_and_rounds_once() {
+    // x is read through a transposed (strided) view of a [K, M] buffer.
+    let (m, k, n) = (3usize, 6usize, 2usize);
+    let xt = rnd(DType::BF16, &[6, 3], 4);
+    let x = View::new(
+        xt.storage(),
+        0,
+        Cow::Owned(vec![3, 6]),
+        Cow::Owned(vec![1, 3]),
+    )
+    .unwrap();
+    let w = rnd(DType::BF16, &[2, 6], 5);
+    let mut out = zeros(DType::BF16, &[3, 2]);
+    linear(&x, &View::of(&w), &mut ViewMut::of(&mut out)).unwrap();
+    let (xv, wv) = (f(&xt), f(&w));
+    let mut want = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut acc = 0f32;
+            for kk in 0..k {
+                acc += xv[kk * m + i] * wv[j * k + kk];
+            }
+            want[i * n + j] = half::bf16::from_f32(acc).to_f32();
+        }
+    }
+    assert_eq!(f(&out), want);
+    let mut bad = zeros(DType::BF16, &[3, 3]);
+    assert!(linear(&x, &View::of(&w), &mut ViewMut::of(&mut bad)).is_err());
+}
+
+#[test]
+fn elementwise_ops_match_naive() {
+    let a = rnd(DType::F32, &[4, 5], 6);
+    let b = rnd(DType::F32, &[4, 5], 7);
+    for (op, g) in [
+        (Binary::Add, (|x, y| x + y) as fn(f32, f32) -> f32),
+        (Binary::Sub, |x, y| x - y),
+        (Binary::Mul, |x, y| x * y),
+    ] {
+        let mut out = zeros(DType::F32, &[4, 5]);
+        binary(op, &View::of(&a), &View::of(&b), &mut ViewMut::of(&mut out)).unwrap();
+        let want: Vec<f32> = f(&a).iter().zip(f(&b)).map(|(&x, y)| g(x, y)).collect();
+        assert_eq!(f(&out), want);
+    }
+    let ints = TensorData::from_i64(DType::I32, &[3], &[1, -2, 7]).unwrap();
+    let mut out = zeros(DType::I32, &[3]);
+    binary(
+        Binary::Mul,
+        &View::of(&ints),
+        &View::of(&ints),
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
+    assert_eq!(out.storage().to_i64_vec(), vec![1, 4, 49]);
+    for (op, g) in [
+        (Unary::Gelu, gelu_scalar as fn(f32) -> f32),
+        (Unary::Silu, silu_scalar),
+    ] {
+        let mut out = zeros(DType::F32, &[4, 5]);
+        unary(op, &View::of(&a), &mut ViewMut::of(&mut out)).unwrap();
+        assert_eq!(f(&out), f(&a).into_iter().map(g).collect::<Vec<_>>());
+    }
+    // Spot values of the formulas.
+    assert!((gelu_scalar(1.0) - 0.841_192).abs() < 1e-5);
+    assert!((silu_scalar(1.0) - 0.731_058_6).abs() < 1e-6);
+    assert!(binary(
+        Binary::Add,
+        &View::of(&a),
+        &View::of(&ints),
+        &mut ViewMut::of(&mut zeros(DType::F32, &[4, 5]))
+    )
+    .is_err());
+}
+
+#[test]
+fn sum_cast_copy_permute_match_naive() {
+    let x = rnd(DType::F16, &[2, 3, 4], 8);
+    let xv = f(&x);
+    for axis in 0..3 {
+        let mut shape = vec![2u64, 3, 4];
+        shape.remove(axis);
+        let mut out = zeros(DType::F32, &shape);
+        sum(&View::of(&x), axis, &mut ViewMut::of(&mut out)).unwrap();
+        let mut want = vec![0f32; 8 * 3 / [2, 3, 4][axis]];
+        for i in 0..2 {
+            for j in 0..3 {
+                for k in 0..4 {
+                    let o = match axis {
+                        0 => j * 4 + k,
+                        1 => i * 4 + k,
+                        _ => i * 3 + j,
+                    };
+                    want[o] += xv[i * 12 + j * 4 + k];
+                }
+            }
+        }
+        assert_eq!(f(&out), want, "axis {axis}");
+    }
+    let mut c = zeros(DType::F32, &[2, 3, 4]);
+    cast(&View::of(&x), &mut ViewMut::of(&mut c)).unwrap();
+    assert_eq!(f(&c), xv);
+    let mut flat = zeros(DType::F16, &[24]);
+    copy(&View::of(&x), &mut ViewMut::of(&mut flat)).unwrap();
+    assert!(flat.storage() == x.storage());
+    let mut p = zeros(DType::F16, &[4, 2, 3]);
+    permute(&View::of(&x), &[2, 0, 1], &mut ViewMut::of(&mut p)).unwrap();
+    let pv = f(&p);
+    for i in 0..2 {
+        for j in 0..3 {
+            for k in 0..4 {
+                assert_eq!(pv[k * 6 + i * 3 + j], xv[i * 12 + j * 4 + k]);
+            }
+        }
+    }
+    assert!(permute(&View::of(&x), &[0, 0, 1], &mut ViewMut::of(&mut p)).is_err());
+}
+
+#[test]
+fn grouped_matmul_zeroes_rows_past_the_count() {
+    let (e, c, h, fo) = (3usize, 4usize, 5usize, 2usize);
+    let ex = rnd(DType::F32, &[3, 4, 5], 9);
+    let counts = TensorData::from_i64(DType::I32, &[3], &[4, 0, 2]).unwrap();
+    let w = rnd(DType::F32, &[3, 5, 2], 10);
+    let mut out = TensorData::poison(DType::F32, &[3, 4, 2]).unwrap();
+    grouped_matmul(
+        &View::of(&ex),
+        &View::of(&counts),
+        &View::of(&w),
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
+    let (xv, wv) = (f(&ex), f(&w));
+    let mut want = vec![0f32; e * c * fo];
+    for (ei, &n) in [4usize, 0, 2].iter().enumerate() {
+        for r in 0..n {
+            for j in 0..fo {
+                let mut acc = 0f32;
+                for kk in 0..h {
+                    acc += xv[(ei * c + r) * h + kk] * wv[(ei * h + kk) * fo + j];
+                }
+                want[(ei * c + r) * fo + j] = acc;
+            }
+        }
+    }
+    assert_eq!(f(&out), want);
+    let too_many = TensorData::from_i64(DType::I32, &[3], &[5, 0, 0]).unwrap();
+    assert!(grouped_matmul(
+        &View::of(&ex),
+        &View::of(&too_many),
+        &View::of(&w),
+        &mut ViewMut::of(&mut out)
+    )
+    .is_err());
+}
+
+#[test]
+fn moe_dispatch_and_combine_reference_semantics() {
+    // 4 tokens, top-2 over 3 experts, capacity 4.
+    let x =
+        TensorData::from_f32(DType::F32, &[4, 2], &[0., 1., 10., 11., 20., 21., 30., 31.]).unwrap();
+    let idx = TensorData::from_i64(DType::I32, &[4, 2], &[2, 0, 0, 2, 2, 0, 0, 2]).unwrap();
+    let mut ex = TensorData::poison(DType::F32, &[3, 4, 2]).unwrap();
+    let mut counts = TensorData::poison(DType::I32, &[3]).unwrap();
+    let mut routing = TensorData::poison(DType::I32, &[3, 4, 2]).unwrap();
+    moe_dispatch(
+        &View::of(&x),
+        &View::of(&idx),
+        &mut ViewMut::of(&mut ex),
+        &mut ViewMut::of(&mut counts),
+        &mut ViewMut::of(&mut routing),
+    )
+    .unwrap();
+    assert_eq!(counts.storage().to_i64_vec(), vec![4, 0, 4]);
+    // Expert 0 gets (0,1), (1,0), (2,1), (3,0) in ascending (t, k) order.
+    assert_eq!(
+        routing.storage().to_i64_vec()[..8],
+        [0, 1, 1, 0, 2, 1, 3, 0]
+    );
+    assert_eq!(f(&ex)[..8], [0., 1., 10., 11., 20., 21., 30., 31.]);
+    // Expert 1 receives nothing: zero padding.
+    assert!(f(&ex)[8..16].iter().all(|&v| v == 0.0));
+    // Combine with y = 2 x (as if the expert doubled its rows).
+    let y = TensorData::from_f32(
+        DType::F32,
+        &[3, 4, 2],
+        &f(&ex).iter().map(|v| 2.0 * v).collect::<Vec<_>>(),
+    )
+    .unwrap();
+    let w = TensorData::from_f32(
+        DType::F32,
+        &[4, 2],
+        &[0.5, 0.25, 1., 1., 0.1, 0.2, 0.3, 0.4],
+    )
+    .unwrap();
+    let mut out = TensorData::poison(DType::F32, &[4, 2]).unwrap();
+    moe_combine(
+        &View::of(&y),
+        &View::of(&counts),
+        &View::of(&routing),
+        &View::of(&w),
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
+    let xv = f(&x);
+    let wv = f(&w);
+    let want: Vec<f32> = (0..4)
+        .flat_map(|t| {
+            let (xv, wv) = (&xv, &wv);
+            (0..2).map(move |j| {
+                let mut acc = 0f32;
+                for k in 0..2 {
+                    acc += wv[t * 2 + k] * (2.0 * xv[t * 2 + j]);
+                }
+                acc
+            })
+        })
+        .collect();
+    assert_eq!(f(&out), want);
+    // Capacity overflow names the expert.
+    let mut small = TensorData::zeros(DType::F32, &[3, 3, 2]).unwrap();
+    let mut r3 = TensorData::zeros(DType::I32, &[3, 3, 2]).unwrap();
+    let err = moe_dispatch(
+        &View::of(&x),
+        &View::of(&idx),
+        &mut ViewMut::of(&mut small),
+        &mut ViewMut::of(&mut counts),
+        &mut ViewMut::of(&mut r3),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        OpError::Capacity {
+            expert: 0,
+            capacity: 3
+        }
+    );
+    // Invalid expert ids are rejected.
+    let bad = TensorData::from_i64(DType::I32, &[4, 2], &[3, 0, 0, 2, 2, 0, 0, 2]).unwrap();
+    assert!(moe_dispatch(
+        &View::of(&x),
+        &View::of(&bad),
+        &mut ViewMut::of(&mut ex),
+        &mut ViewMut::of(&mut counts),
+        &mut ViewMut::of(&mut routing)
+    )
+    .is_err());
+}
+
+#[test]
+fn run_compute_dispatches_every_op() {
+    let a = rnd(DType::F32, &[2, 2], 11);
+    let mut out = zeros(DType::F32, &[2, 2]);
+    run_compute(
+        &ComputeOp::Add,
+        &[View::of(&a), View::of(&a)],
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
+    assert_eq!(f(&out), f(&a).iter().map(|v| v + v).collect::<Vec<_>>());
+    assert!(run_compute(&ComputeOp::Add, &[View::of(&a)], &mut ViewMut::of(&mut out)).is_err());
+}

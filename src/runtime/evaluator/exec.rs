@@ -1,0 +1,506 @@
+//! Execution of compiled steps.
+
+use std::time::Instant;
+
+use meshflow_ir::{
+    CommKind, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId, ParallelType,
+};
+
+use meshflow_ir::host::{EvalError, ExprEnv};
+
+use super::plan::{Plan, Step, StreamSel};
+use super::{State, StepError};
+use crate::runtime::backend::{Backend, CommRequest, InstCtx, StreamIndex, TensorView};
+use crate::runtime::trace::TraceEvent;
+
+/// A failed step: its instruction, the loop values, the error.
+pub(super) type Failure = (u32, Vec<i64>, StepError);
+
+pub(super) struct Cx<'a, 'p, B: Backend> {
+    pub program: &'p HostProgram,
+    pub plan: &'a Plan<'p>,
+    pub backend: &'a mut B,
+    pub state: &'a mut State<B>,
+    pub trace_epoch: Option<Instant>,
+    pub texts: &'a [String],
+}
+
+struct Env<'a> {
+    loops: &'a [Option<i64>],
+    my: &'a [[Option<i64>; 3]],
+    rank: DeviceId,
+}
+
+impl ExprEnv for Env<'_> {
+    fn loop_value(&self, var: LoopVar) -> Option<i64> {
+        self.loops.get(var.0 as usize).copied().flatten()
+    }
+
+    fn my_index(&self, mesh: MeshId, pt: ParallelType) -> Option<i64> {
+        self.my.get(mesh.index())?[pt.device_rank()?]
+    }
+
+    fn rank(&self) -> DeviceId {
+        self.rank
+    }
+}
+
+fn invalid(message: impl Into<String>) -> StepError {
+    StepError::Invalid(message.into())
+}
+
+impl<'p, B: Backend> Cx<'_, 'p, B> {
+    fn eval(&self, e: &Expr) -> Result<i64, EvalError> {
+        e.eval(&Env {
+            loops: &self.state.loops,
+            my: &self.plan.my,
+            rank: self.backend.device(),
+        })
+    }
+
+    fn name(&self, t: usize) -> &str {
+        &self.program.tensors[HostTensorId::new(t)].name
+    }
+
+    fn view(&self, t: usize) -> Result<&TensorView<B::Buffer>, StepError> {
+        view_in(self.program, &self.state.views, t)
+    }
+
+    fn stream(&self, sel: &StreamSel<'_>) -> Result<StreamIndex, StepError> {
+        match sel {
+            StreamSel::Var(v) => self.state.saved[*v].ok_or_else(|| {
+                invalid(format!(
+                    "stream variable s{v} is used before get_current_stream"
+                ))
+            }),
+            StreamSel::Worker(e) => {
+                let pool = self.backend.stream_pool_size().max(1) as i64;
+                Ok(StreamIndex::worker(self.eval(e)?.rem_euclid(pool) as usize))
+            }
+        }
+    }
+
+    fn team_index(&self, e: &Expr, team: usize, what: &str) -> Result<usize, StepError> {
+        let v = self.eval(e)?;
+        let size = self.plan.teams[team].members.len();
+        usize::try_from(v)
+            .ok()
+            .filter(|&i| i < size)
+            .ok_or_else(|| invalid(format!("{what} {v} is not a team index in 0..{size}")))
+    }
+
+    /// Runs a block; on failure returns the failing instruction and its loop values.
+    pub fn block(&mut self, steps: &[Step<'p>]) -> Result<(), Failure> {
+        for step in steps {
+            if let Step::Loop {
+                at,
+                var,
+                start,
+                stop,
+                body,
+            } = step
+            {
+                let fail = |s: &Self, e: StepError| (*at, s.state.iteration.clone(), e);
+                let lo = self.eval(start).map_err(|e| fail(self, e.into()))?;
+                let hi = self.eval(stop).map_err(|e| fail(self, e.into()))?;
+                for v in lo..hi {
+                    self.state.loops[*var] = Some(v);
+                    self.state.iteration.push(v);
+                    let r = self.block(body);
+                    self.state.iteration.pop();
+                    r?;
+                }
+                self.state.loops[*var] = None;
+                continue;
+            }
+            let at = step_at(step);
+            self.state.at = Some(at);
+            let started = self.trace_epoch.map(|_| Instant::now());
+            let stream = self.state.current;
+            if let Err(e) = self.step(at, step) {
+                return Err((at, self.state.iteration.clone(), e));
+            }
+            if let (Some(epoch), Some(t0)) = (self.trace_epoch, started) {
+                self.record(epoch, t0, at, stream);
+            }
+        }
+        Ok(())
+    }
+
+    fn record(&mut self, epoch: Instant, t0: Instant, at: u32, stream: StreamIndex) {
+        let inst = self.plan.insts[at as usize];
+        self.state.trace.push(TraceEvent {
+            rank: self.backend.device(),
+            stream: stream.0,
+            name: inst.kind.name(),
+            text: self.texts.get(at as usize).cloned().unwrap_or_default(),
+            iteration: self.state.iteration.clone(),
+            start_us: t0.duration_since(epoch).as_secs_f64() * 1e6,
+            dur_us: t0.elapsed().as_secs_f64() * 1e6,
+        });
+    }
+
+    fn step(&mut self, at: u32, step: &Step<'p>) -> Result<(), StepError> {
+        // The loop values are copied into a reused buffer so that the state keeps them (for
+        // reports after a panic) while the step borrows the state mutably.
+        let mut iteration = std::mem::take(&mut self.state.scratch);
+        iteration.clear();
+        iteration.extend_from_slice(&self.state.iteration);
+        let r = self.step_inner(at, step, &iteration);
+        self.state.scratch = iteration;
+        r
+    }
+
+    fn step_inner(&mut self, at: u32, step: &Step<'p>, iteration: &[i64]) -> Result<(), StepError> {
+        let ctx = InstCtx {
+            inst: at,
+            iteration,
+        };
+        match step {
+            Step::Loop { .. } => Ok(()),
+            Step::Allocate { tensor, .. } => self.allocate(*tensor),
+            Step::Deallocate { tensor, .. } => self.deallocate(*tensor),
+            Step::GetStream { dst, .. } => {
+                self.state.saved[*dst] = Some(self.state.current);
+                Ok(())
+            }
+            Step::SetStream { stream, .. } => {
+                let s = self.stream(stream)?;
+                self.backend.set_current_stream(s)?;
+                self.state.current = s;
+                Ok(())
+            }
+            Step::Sync { stream, .. } => {
+                let s = self.stream(stream)?;
+                Ok(self.backend.synchronize(s, ctx)?)
+            }
+            Step::Shard {
+                out,
+                input,
+                axis,
+                chunks,
+                index,
+                ..
+            } => self.shard(*out, *input, *axis, *chunks, index),
+            Step::Collective {
+                label,
+                kind,
+                team,
+                input,
+                output,
+                root,
+                op,
+                ..
+            } => {
+                let root = match root {
+                    Some(r) => Some(self.team_index(r, *team, "root")?),
+                    None if matches!(
+                        kind,
+                        CommKind::Broadcast
+                            | CommKind::Gather
+                            | CommKind::Scatter
+                            | CommKind::Reduce
+                            | CommKind::SendRecv
+                    ) =>
+                    {
+                        return Err(invalid(format!("{} needs a root", kind.name())))
+                    }
+                    None => None,
+                };
+                let views = &self.state.views;
+                let input = input.map(|t| view_in(self.program, views, t)).transpose()?;
+                let output = output
+                    .map(|t| view_in(self.program, views, t))
+                    .transpose()?;
+                let req = CommRequest::Collective {
+                    label: *label,
+                    kind: *kind,
+                    team: &self.plan.teams[*team],
+                    input,
+                    output,
+                    root,
+                    op: *op,
+                };
+                let handle = self.backend.post(&req, ctx)?;
+                self.state.pending[*label] = Some(handle);
+                Ok(())
+            }
+            Step::Permute {
+                label,
+                team,
+                send,
+                recv,
+                input,
+                output,
+                ..
+            } => {
+                let send_peer = self.team_index(send, *team, "send peer")?;
+                let recv_peer = self.team_index(recv, *team, "recv peer")?;
+                let views = &self.state.views;
+                let req = CommRequest::Permute {
+                    label: *label,
+                    team: &self.plan.teams[*team],
+                    send_peer,
+                    recv_peer,
+                    input: view_in(self.program, views, *input)?,
+                    output: view_in(self.program, views, *output)?,
+                };
+                let handle = self.backend.post(&req, ctx)?;
+                self.state.pending[*label] = Some(handle);
+                Ok(())
+            }
+            Step::Dispatch { label, team, t, .. } => {
+                let views = &self.state.views;
+                let req = CommRequest::MoeDispatch {
+                    label: *label,
+                    team: &self.plan.teams[*team],
+                    x: view_in(self.program, views, t[0])?,
+                    topk_idx: view_in(self.program, views, t[1])?,
+                    expert_x: view_in(self.program, views, t[2])?,
+                    expert_counts: view_in(self.program, views, t[3])?,
+                    routing: view_in(self.program, views, t[4])?,
+                };
+                let handle = self.backend.post(&req, ctx)?;
+                self.state.pending[*label] = Some(handle);
+                Ok(())
+            }
+            Step::Combine { label, team, t, .. } => {
+                let views = &self.state.views;
+                let req = CommRequest::MoeCombine {
+                    label: *label,
+                    team: &self.plan.teams[*team],
+                    expert_y: view_in(self.program, views, t[0])?,
+                    expert_counts: view_in(self.program, views, t[1])?,
+                    routing: view_in(self.program, views, t[2])?,
+                    topk_weights: view_in(self.program, views, t[3])?,
+                    out: view_in(self.program, views, t[4])?,
+                };
+                let handle = self.backend.post(&req, ctx)?;
+                self.state.pending[*label] = Some(handle);
+                Ok(())
+            }
+            Step::Wait { label, .. } => {
+                if let Some(c) = &self.state.pending[*label] {
+                    self.backend.wait(c, ctx)?;
+                } else {
+                    tracing::trace!("wait on a label with no instance posted yet: no-op");
+                }
+                Ok(())
+            }
+            Step::BeginGroup { .. } => {
+                if self.state.in_group {
+                    return Err(invalid("start_coalescing inside another group"));
+                }
+                self.backend.begin_group()?;
+                self.state.in_group = true;
+                Ok(())
+            }
+            Step::EndGroup { label, .. } => {
+                if !self.state.in_group {
+                    return Err(invalid("end_coalescing without start_coalescing"));
+                }
+                self.state.in_group = false;
+                let handle = self.backend.end_group(*label, ctx)?;
+                self.state.pending[*label] = Some(handle);
+                Ok(())
+            }
+            Step::Compute {
+                op,
+                inputs,
+                outputs,
+                ..
+            } => {
+                let views = &self.state.views;
+                let ins = inputs
+                    .iter()
+                    .map(|&t| view_in(self.program, views, t))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let outs = outputs
+                    .iter()
+                    .map(|&t| view_in(self.program, views, t))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(self.backend.compute(op, &ins, &outs, ctx)?)
+            }
+            Step::Kernel {
+                kernel,
+                inputs,
+                outputs,
+                args,
+                ..
+            } => {
+                let mut values = std::mem::take(&mut self.state.args);
+                values.clear();
+                for a in args.iter() {
+                    match self.eval(a) {
+                        Ok(v) => values.push(v),
+                        Err(e) => {
+                            self.state.args = values;
+                            return Err(e.into());
+                        }
+                    }
+                }
+                let views = &self.state.views;
+                let program = self.program;
+                let backend = &mut *self.backend;
+                let r = (|| {
+                    let ins = inputs
+                        .iter()
+                        .map(|&t| view_in(program, views, t))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let outs = outputs
+                        .iter()
+                        .map(|&t| view_in(program, views, t))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    Ok::<_, StepError>(backend.launch_kernel(*kernel, &ins, &outs, &values, ctx)?)
+                })();
+                self.state.args = values;
+                r
+            }
+        }
+    }
+
+    fn allocate(&mut self, t: usize) -> Result<(), StepError> {
+        let id = HostTensorId::new(t);
+        let decl = &self.program.tensors[id];
+        match decl.role {
+            meshflow_ir::Role::Input => {
+                return Err(invalid(format!(
+                    "`{}` is an input; it cannot be allocated",
+                    decl.name
+                )))
+            }
+            meshflow_ir::Role::Output if self.state.owned[t].is_some() => return Ok(()),
+            _ => {}
+        }
+        if let Some(old) = self.state.owned[t].take() {
+            self.backend.deallocate(old)?;
+        }
+        let buffer = self.backend.allocate(decl.dtype, &decl.shape)?;
+        self.state.owned[t] = Some(buffer);
+        self.state.views[t] = Some(TensorView {
+            tensor: id,
+            buffer,
+            dtype: decl.dtype,
+            offset: 0,
+            strides: crate::runtime::view::contiguous_strides(&decl.shape),
+            shape: decl.shape.clone(),
+        });
+        Ok(())
+    }
+
+    fn deallocate(&mut self, t: usize) -> Result<(), StepError> {
+        let decl = &self.program.tensors[HostTensorId::new(t)];
+        if decl.role != meshflow_ir::Role::Internal {
+            return Err(invalid(format!(
+                "`{}` is a program {}; it cannot be deallocated",
+                decl.name,
+                if decl.role == meshflow_ir::Role::Input {
+                    "input"
+                } else {
+                    "output"
+                }
+            )));
+        }
+        let buffer = self.state.owned[t]
+            .take()
+            .ok_or_else(|| invalid(format!("`{}` is not allocated", decl.name)))?;
+        self.state.views[t] = None;
+        Ok(self.backend.deallocate(buffer)?)
+    }
+
+    fn shard(
+        &mut self,
+        out: usize,
+        input: usize,
+        axis: usize,
+        chunks: u64,
+        index: &Expr,
+    ) -> Result<(), StepError> {
+        let i = self.eval(index)?;
+        let mut slot = self.state.views[out].take();
+        let r = (|| {
+            let parent = self.view(input)?;
+            let extent = *parent.shape.get(axis).ok_or_else(|| {
+                invalid(format!(
+                    "axis {axis} out of range for `{}` of shape {:?}",
+                    self.name(input),
+                    parent.shape
+                ))
+            })?;
+            if chunks == 0 || extent % chunks != 0 {
+                return Err(invalid(format!(
+                    "{chunks} chunks do not divide axis {axis} of `{}` (extent {extent})",
+                    self.name(input)
+                )));
+            }
+            let index = u64::try_from(i)
+                .ok()
+                .filter(|&x| x < chunks)
+                .ok_or_else(|| invalid(format!("chunk index {i} is outside 0..{chunks}")))?;
+            let part = extent / chunks;
+            let view = slot.get_or_insert_with(|| TensorView {
+                tensor: HostTensorId::new(out),
+                buffer: parent.buffer,
+                dtype: parent.dtype,
+                offset: 0,
+                shape: Vec::new(),
+                strides: Vec::new(),
+            });
+            view.tensor = HostTensorId::new(out);
+            view.buffer = parent.buffer;
+            view.dtype = parent.dtype;
+            view.shape.clone_from(&parent.shape);
+            view.strides.clone_from(&parent.strides);
+            view.shape[axis] = part;
+            view.offset = parent.offset + index * part * parent.strides[axis];
+            let decl = &self.program.tensors[HostTensorId::new(out)];
+            if decl.shape != view.shape || decl.dtype != view.dtype {
+                return Err(invalid(format!(
+                    "the chunk is {}{:?} but `{}` is declared {}{:?}",
+                    view.dtype, view.shape, decl.name, decl.dtype, decl.shape
+                )));
+            }
+            Ok(())
+        })();
+        if r.is_err() {
+            slot = None;
+        }
+        self.state.views[out] = slot;
+        r
+    }
+}
+
+/// The view of tensor slot `t` (a free function so that it borrows only the view table).
+fn view_in<'s, Buf>(
+    program: &HostProgram,
+    views: &'s [Option<TensorView<Buf>>],
+    t: usize,
+) -> Result<&'s TensorView<Buf>, StepError> {
+    views[t].as_ref().ok_or_else(|| {
+        invalid(format!(
+            "`{}` has no buffer here (not allocated, or deallocated)",
+            program.tensors[HostTensorId::new(t)].name
+        ))
+    })
+}
+
+fn step_at(step: &Step<'_>) -> u32 {
+    match step {
+        Step::Allocate { at, .. }
+        | Step::Deallocate { at, .. }
+        | Step::Loop { at, .. }
+        | Step::GetStream { at, .. }
+        | Step::SetStream { at, .. }
+        | Step::Sync { at, .. }
+        | Step::Shard { at, .. }
+        | Step::Collective { at, .. }
+        | Step::Permute { at, .. }
+        | Step::Dispatch { at, .. }
+        | Step::Combine { at, .. }
+        | Step::Wait { at, .. }
+        | Step::BeginGroup { at }
+        | Step::EndGroup { at, .. }
+        | Step::Compute { at, .. }
+        | Step::Kernel { at, .. } => *at,
+    }
+}

@@ -1,0 +1,449 @@
+//! [`Evaluator`]: walks one rank's host program over a [`Backend`].
+//!
+//! The program is compiled once per rank into a plan of dense tables (tensor slots, team
+//! slots, communication labels, kernel ids), so executing an instruction involves no string
+//! or hash-map lookups. Scalar expressions are evaluated per rank and per iteration.
+
+mod exec;
+mod plan;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use meshflow_ir::host::EvalError;
+use meshflow_ir::{DeviceId, HostProgram};
+
+use super::backend::{Backend, BackendError, RaceReport, StreamIndex, TensorView};
+use super::data::TensorData;
+use super::trace::TraceEvent;
+use plan::Plan;
+
+/// What went wrong inside one instruction.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum StepError {
+    /// The backend failed.
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    /// A scalar expression could not be evaluated.
+    #[error(transparent)]
+    Expr(#[from] EvalError),
+    /// The instruction cannot run as written (bad index, missing buffer, ...).
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Why a rank's run failed. Every variant names the rank; instruction errors also print the
+/// instruction and the loop iteration.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum RuntimeError {
+    /// An instruction failed.
+    #[error("rank {rank}: `{inst}`{iteration}: {source}")]
+    At {
+        /// The rank.
+        rank: DeviceId,
+        /// The instruction, printed.
+        inst: String,
+        /// The loop iteration (` at i0=1` or empty).
+        iteration: String,
+        /// What failed.
+        source: Box<StepError>,
+    },
+    /// Two unordered accesses to the same elements.
+    #[error("rank {rank}: race: {message}")]
+    Race {
+        /// The rank.
+        rank: DeviceId,
+        /// Both instructions, their iterations and the missing ordering.
+        message: String,
+        /// The raw report.
+        report: Box<RaceReport>,
+    },
+    /// The program cannot run on this rank.
+    #[error("rank {rank}: `{inst}`: {message}")]
+    Plan {
+        /// The rank.
+        rank: DeviceId,
+        /// The instruction, printed.
+        inst: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// An input was not supplied or has the wrong type.
+    #[error("rank {rank}: input `{name}`: {message}")]
+    Input {
+        /// The rank.
+        rank: DeviceId,
+        /// The input.
+        name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// A backend failure outside any instruction (binding inputs, reading outputs).
+    #[error("rank {rank}: {source}")]
+    Backend {
+        /// The rank.
+        rank: DeviceId,
+        /// The error.
+        source: BackendError,
+    },
+    /// The rank panicked (reported by the launcher).
+    #[error("rank {rank} panicked{position}: {message}")]
+    Panic {
+        /// The rank.
+        rank: DeviceId,
+        /// Where (` at `inst` at i0=1`), if known.
+        position: String,
+        /// The panic message.
+        message: String,
+    },
+}
+
+impl RuntimeError {
+    /// The rank this error is about.
+    pub fn rank(&self) -> DeviceId {
+        match self {
+            RuntimeError::At { rank, .. }
+            | RuntimeError::Race { rank, .. }
+            | RuntimeError::Plan { rank, .. }
+            | RuntimeError::Input { rank, .. }
+            | RuntimeError::Backend { rank, .. }
+            | RuntimeError::Panic { rank, .. } => *rank,
+        }
+    }
+
+    /// True when this rank only stopped because another rank failed.
+    pub fn is_abort(&self) -> bool {
+        matches!(
+            self,
+            RuntimeError::Backend {
+                source: BackendError::Aborted { .. },
+                ..
+            }
+        ) || matches!(self, RuntimeError::At { source, .. }
+            if matches!(**source, StepError::Backend(BackendError::Aborted { .. })))
+    }
+}
+
+/// Options of one evaluator.
+#[derive(Clone, Debug, Default)]
+pub struct EvalOptions {
+    /// When set, every executed instruction is recorded as a trace event with timestamps
+    /// relative to this instant.
+    pub trace_epoch: Option<Instant>,
+}
+
+/// Mutable execution state of one rank.
+struct State<B: Backend> {
+    views: Vec<Option<TensorView<B::Buffer>>>,
+    owned: Vec<Option<B::Buffer>>,
+    loops: Vec<Option<i64>>,
+    iteration: Vec<i64>,
+    scratch: Vec<i64>,
+    saved: Vec<Option<StreamIndex>>,
+    current: StreamIndex,
+    pending: Vec<Option<B::Comm>>,
+    in_group: bool,
+    at: Option<u32>,
+    args: Vec<i64>,
+    trace: Vec<TraceEvent>,
+}
+
+/// Executes one rank's host program on a backend.
+pub struct Evaluator<'p, B: Backend> {
+    program: &'p HostProgram,
+    plan: Plan<'p>,
+    backend: B,
+    state: State<B>,
+    options: EvalOptions,
+    texts: Vec<String>,
+}
+
+impl<'p, B: Backend> Evaluator<'p, B> {
+    /// Compiles `program` for the backend's rank and prepares the backend.
+    pub fn new(
+        program: &'p HostProgram,
+        mut backend: B,
+        options: EvalOptions,
+    ) -> Result<Evaluator<'p, B>, RuntimeError> {
+        let rank = backend.device();
+        let plan = Plan::build(program, &backend, rank)?;
+        backend
+            .prepare(&super::backend::PlanInfo {
+                teams: &plan.teams,
+                comm_labels: plan.labels.len(),
+            })
+            .map_err(|source| RuntimeError::Backend { rank, source })?;
+        let texts = if options.trace_epoch.is_some() {
+            plan.insts
+                .iter()
+                .map(|i| meshflow_ir::text::inst_to_string(program, i))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let n = program.tensors.len();
+        let state = State {
+            views: vec![None; n],
+            owned: vec![None; n],
+            loops: vec![None; plan.loop_vars],
+            iteration: Vec::new(),
+            scratch: Vec::new(),
+            saved: vec![None; plan.stream_vars],
+            current: StreamIndex::MAIN,
+            pending: vec![None; plan.labels.len()],
+            in_group: false,
+            at: None,
+            args: Vec::new(),
+            trace: Vec::new(),
+        };
+        Ok(Evaluator {
+            program,
+            plan,
+            backend,
+            state,
+            options,
+            texts,
+        })
+    }
+
+    /// The rank.
+    pub fn rank(&self) -> DeviceId {
+        self.backend.device()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The backend, mutably.
+    pub fn backend_mut(&mut self) -> &mut B {
+        &mut self.backend
+    }
+
+    /// Takes the trace events recorded so far.
+    pub fn take_trace(&mut self) -> Vec<TraceEvent> {
+        std::mem::take(&mut self.state.trace)
+    }
+
+    /// The instruction being executed and its loop iteration (for reports after a panic),
+    /// formatted ` at `inst` at i0=1`; empty when not inside an instruction.
+    pub fn position(&self) -> String {
+        match self.state.at {
+            Some(at) => format!(
+                " at `{}`{}",
+                meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at as usize]),
+                self.iteration_text(at, &self.state.iteration)
+            ),
+            None => String::new(),
+        }
+    }
+
+    fn iteration_text(&self, at: u32, values: &[i64]) -> String {
+        let vars = &self.plan.enclosing[at as usize];
+        if vars.is_empty() {
+            return String::new();
+        }
+        let parts: Vec<String> = vars
+            .iter()
+            .zip(values)
+            .map(|(v, x)| format!("{v}={x}"))
+            .collect();
+        format!(" at {}", parts.join(", "))
+    }
+
+    /// Runs the program once: binds `inputs` (by host tensor name; those this rank holds),
+    /// executes every instruction, waits for all work and returns the outputs this rank holds.
+    pub fn run(
+        &mut self,
+        inputs: &BTreeMap<String, TensorData>,
+    ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
+        let result = self.run_inner(inputs);
+        // Release every buffer, whatever happened (errors during cleanup are secondary).
+        self.release_all();
+        result
+    }
+
+    fn run_inner(
+        &mut self,
+        inputs: &BTreeMap<String, TensorData>,
+    ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
+        let rank = self.rank();
+        self.reset_state();
+        self.backend
+            .set_current_stream(StreamIndex::MAIN)
+            .map_err(|source| RuntimeError::Backend { rank, source })?;
+        self.bind_inputs_and_outputs(inputs)?;
+        let plan = &self.plan;
+        let mut cx = exec::Cx {
+            program: self.program,
+            plan,
+            backend: &mut self.backend,
+            state: &mut self.state,
+            trace_epoch: self.options.trace_epoch,
+            texts: &self.texts,
+        };
+        if let Err((at, iteration, err)) = cx.block(&plan.steps) {
+            return Err(self.step_error(at, &iteration, err));
+        }
+        self.state.at = None;
+        if self.state.in_group {
+            return Err(RuntimeError::Backend {
+                rank,
+                source: BackendError::Invalid("start_coalescing without end_coalescing".into()),
+            });
+        }
+        let be = |source| RuntimeError::Backend { rank, source };
+        self.backend.finish().map_err(be)?;
+        let mut out = BTreeMap::new();
+        for id in self.program.outputs() {
+            let t = meshflow_ir::EntityRef::index(id);
+            if let Some(view) = &self.state.views[t] {
+                let data = self.backend.download(view).map_err(be)?;
+                out.insert(self.program.tensors[id].name.clone(), data);
+            }
+        }
+        Ok(out)
+    }
+
+    fn reset_state(&mut self) {
+        let s = &mut self.state;
+        s.loops.iter_mut().for_each(|l| *l = None);
+        s.iteration.clear();
+        s.saved.iter_mut().for_each(|v| *v = None);
+        s.current = StreamIndex::MAIN;
+        s.pending.iter_mut().for_each(|p| *p = None);
+        s.in_group = false;
+        s.at = None;
+    }
+
+    fn bind_inputs_and_outputs(
+        &mut self,
+        inputs: &BTreeMap<String, TensorData>,
+    ) -> Result<(), RuntimeError> {
+        let rank = self.rank();
+        for (id, decl) in self.program.tensors.iter() {
+            let t = meshflow_ir::EntityRef::index(id);
+            if !self.plan.held[t] || decl.role == meshflow_ir::Role::Internal {
+                continue;
+            }
+            let input = decl.role == meshflow_ir::Role::Input;
+            let data = if input {
+                let data = inputs.get(&decl.name).ok_or_else(|| RuntimeError::Input {
+                    rank,
+                    name: decl.name.clone(),
+                    message: "not supplied".into(),
+                })?;
+                if data.dtype() != decl.dtype || data.shape() != decl.shape.as_slice() {
+                    return Err(RuntimeError::Input {
+                        rank,
+                        name: decl.name.clone(),
+                        message: format!(
+                            "must be {}{:?} on this rank, got {}",
+                            decl.dtype,
+                            decl.shape,
+                            data.type_string()
+                        ),
+                    });
+                }
+                Some(data)
+            } else {
+                None
+            };
+            let be = |source| RuntimeError::Backend { rank, source };
+            let buffer = self.backend.allocate(decl.dtype, &decl.shape).map_err(be)?;
+            self.state.owned[t] = Some(buffer);
+            self.state.views[t] = Some(TensorView {
+                tensor: id,
+                buffer,
+                dtype: decl.dtype,
+                offset: 0,
+                strides: super::view::contiguous_strides(&decl.shape),
+                shape: decl.shape.clone(),
+            });
+            if let Some(data) = data {
+                self.backend.upload(buffer, data).map_err(be)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn release_all(&mut self) {
+        for t in 0..self.state.owned.len() {
+            if let Some(b) = self.state.owned[t].take() {
+                if let Err(e) = self.backend.deallocate(b) {
+                    tracing::debug!(rank = self.rank(), "releasing a buffer failed: {e}");
+                }
+            }
+        }
+        self.state.views.iter_mut().for_each(|v| *v = None);
+    }
+
+    fn step_error(&self, at: u32, iteration: &[i64], err: StepError) -> RuntimeError {
+        let rank = self.rank();
+        if let StepError::Backend(BackendError::Race(report)) = &err {
+            return RuntimeError::Race {
+                rank,
+                message: self.race_message(report),
+                report: report.clone(),
+            };
+        }
+        RuntimeError::At {
+            rank,
+            inst: meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at as usize]),
+            iteration: self.iteration_text(at, iteration),
+            source: Box::new(err),
+        }
+    }
+
+    fn race_message(&self, r: &RaceReport) -> String {
+        let describe = |site: &super::backend::AccessSite| {
+            let inst = self.plan.insts.get(site.inst as usize);
+            let text = inst
+                .map(|i| meshflow_ir::text::inst_to_string(self.program, i))
+                .unwrap_or_else(|| format!("#{}", site.inst));
+            let by = match site.comm_label {
+                Some(_) => "as a communication".to_string(),
+                None => format!("on stream {}", site.stream),
+            };
+            format!(
+                "`{text}`{} {} {by}",
+                self.iteration_text(site.inst, &site.iteration),
+                if site.write { "writes" } else { "reads" },
+            )
+        };
+        let tensor = &self.program.tensors[r.tensor].name;
+        let label = |l: usize| {
+            self.plan
+                .labels
+                .get(l)
+                .map(|c| c.to_string())
+                .unwrap_or_default()
+        };
+        let fix = match r.earlier.comm_label {
+            Some(l) => match self.plan.group_of.get(l).copied().flatten() {
+                Some(g) => format!(
+                    "missing `wait {}` (the coalescing group of {}) before the later instruction",
+                    label(g),
+                    label(l)
+                ),
+                None => format!("missing `wait {}` before the later instruction", label(l)),
+            },
+            None => match r.later.comm_label {
+                Some(_) => format!(
+                    "missing `synchronize` of stream {} before the communication is posted",
+                    r.earlier.stream
+                ),
+                None => format!(
+                    "missing `synchronize` of stream {} on stream {}",
+                    r.earlier.stream, r.later.stream
+                ),
+            },
+        };
+        format!(
+            "{} and later {} overlapping elements of `{tensor}` with no ordering between them ({fix})",
+            describe(&r.earlier),
+            describe(&r.later),
+        )
+    }
+}

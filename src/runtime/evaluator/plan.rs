@@ -1,0 +1,606 @@
+//! The per-rank plan: a host program compiled once for one rank into dense tables, so that
+//! executing an instruction needs no string or hash-map lookups.
+//!
+//! Instructions this rank does not take part in are dropped here: a tensor exists only on the
+//! devices of its mesh, a communication involves exactly its team, and a `wait` on a label
+//! this rank never posts is a no-op.
+
+use std::collections::BTreeMap;
+
+use meshflow_ir::{
+    CommId, CommKind, ComputeOp, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, Inst,
+    InstKind, LoopVar, ReduceOp, StreamRef, Team,
+};
+
+use super::RuntimeError;
+use crate::runtime::backend::{Backend, KernelId, TeamInfo};
+
+/// Which stream an instruction names.
+#[derive(Debug)]
+pub(crate) enum StreamSel<'p> {
+    Var(usize),
+    Worker(&'p Expr),
+}
+
+/// One compiled instruction. `at` is the pre-order index of the source instruction.
+#[derive(Debug)]
+pub(crate) enum Step<'p> {
+    Allocate {
+        at: u32,
+        tensor: usize,
+    },
+    Deallocate {
+        at: u32,
+        tensor: usize,
+    },
+    Loop {
+        at: u32,
+        var: usize,
+        start: &'p Expr,
+        stop: &'p Expr,
+        body: Vec<Step<'p>>,
+    },
+    GetStream {
+        at: u32,
+        dst: usize,
+    },
+    SetStream {
+        at: u32,
+        stream: StreamSel<'p>,
+    },
+    Sync {
+        at: u32,
+        stream: StreamSel<'p>,
+    },
+    Shard {
+        at: u32,
+        out: usize,
+        input: usize,
+        axis: usize,
+        chunks: u64,
+        index: &'p Expr,
+    },
+    Collective {
+        at: u32,
+        label: usize,
+        kind: CommKind,
+        team: usize,
+        input: Option<usize>,
+        output: Option<usize>,
+        root: Option<&'p Expr>,
+        op: ReduceOp,
+    },
+    Permute {
+        at: u32,
+        label: usize,
+        team: usize,
+        send: &'p Expr,
+        recv: &'p Expr,
+        input: usize,
+        output: usize,
+    },
+    /// `[x, topk_idx, expert_x, expert_counts, routing]`.
+    Dispatch {
+        at: u32,
+        label: usize,
+        team: usize,
+        t: [usize; 5],
+    },
+    /// `[expert_y, expert_counts, routing, topk_weights, out]`.
+    Combine {
+        at: u32,
+        label: usize,
+        team: usize,
+        t: [usize; 5],
+    },
+    Wait {
+        at: u32,
+        label: usize,
+    },
+    BeginGroup {
+        at: u32,
+    },
+    EndGroup {
+        at: u32,
+        label: usize,
+    },
+    Compute {
+        at: u32,
+        op: &'p ComputeOp,
+        inputs: Vec<usize>,
+        outputs: Vec<usize>,
+    },
+    Kernel {
+        at: u32,
+        kernel: KernelId,
+        inputs: Vec<usize>,
+        outputs: Vec<usize>,
+        args: &'p [Expr],
+    },
+}
+
+/// A host program compiled for one rank.
+#[derive(Debug)]
+pub(crate) struct Plan<'p> {
+    /// Every instruction in pre-order (the `at` of a step indexes this).
+    pub insts: Vec<&'p Inst>,
+    /// Per pre-order instruction, the loop variables enclosing it (outermost first).
+    pub enclosing: Vec<Vec<LoopVar>>,
+    pub steps: Vec<Step<'p>>,
+    pub teams: Vec<TeamInfo>,
+    pub labels: Vec<CommId>,
+    /// Per label, the label of the coalescing group it was posted in, if any.
+    pub group_of: Vec<Option<usize>>,
+    pub loop_vars: usize,
+    pub stream_vars: usize,
+    /// Per mesh, this rank's team index along DIDx, DIDy, DIDz.
+    pub my: Vec<[Option<i64>; 3]>,
+    /// Per tensor, whether this rank holds it.
+    pub held: Vec<bool>,
+}
+
+struct Builder<'p, 'b, B: Backend> {
+    program: &'p HostProgram,
+    backend: &'b B,
+    rank: DeviceId,
+    plan: Plan<'p>,
+    label_index: BTreeMap<CommId, usize>,
+    team_index: BTreeMap<Vec<DeviceId>, usize>,
+    /// Labels posted by a step this rank runs.
+    posted: Vec<bool>,
+    loop_stack: Vec<LoopVar>,
+    /// Labels posted since the last `start_coalescing`, when inside a group.
+    group: Option<Vec<usize>>,
+}
+
+impl<'p> Plan<'p> {
+    /// Compiles `program` for `rank`.
+    pub fn build<B: Backend>(
+        program: &'p HostProgram,
+        backend: &B,
+        rank: DeviceId,
+    ) -> Result<Plan<'p>, RuntimeError> {
+        let mut label_index = BTreeMap::new();
+        let mut loop_vars = 0usize;
+        let mut stream_vars = 0usize;
+        program.walk(&mut |inst, _| {
+            let mut label = |c: CommId| {
+                let n = label_index.len();
+                label_index.entry(c).or_insert(n);
+            };
+            if let Some(c) = inst.kind.comm_id() {
+                label(c);
+            }
+            match &inst.kind {
+                InstKind::Wait { comm } => label(*comm),
+                InstKind::ForLoop { index, .. } => loop_vars = loop_vars.max(index.0 as usize + 1),
+                InstKind::GetCurrentStream { dst } => {
+                    stream_vars = stream_vars.max(dst.0 as usize + 1)
+                }
+                InstKind::SetCurrentStream {
+                    stream: StreamRef::Var(v),
+                }
+                | InstKind::Synchronize {
+                    stream: StreamRef::Var(v),
+                } => stream_vars = stream_vars.max(v.0 as usize + 1),
+                _ => {}
+            }
+        });
+        let mut labels = vec![CommId(0); label_index.len()];
+        for (&c, &i) in &label_index {
+            labels[i] = c;
+        }
+        let my = program
+            .meshes
+            .values()
+            .map(|m| {
+                let mut out = [None; 3];
+                for pt in meshflow_ir::ParallelType::DEVICE {
+                    if let (Some(k), Some(i)) = (pt.device_rank(), m.mesh.team_index(rank, pt)) {
+                        out[k] = Some(i as i64);
+                    }
+                }
+                out
+            })
+            .collect();
+        let held = program
+            .tensors
+            .values()
+            .map(|t| {
+                program
+                    .meshes
+                    .get(t.mesh)
+                    .is_some_and(|m| m.mesh.contains(rank))
+            })
+            .collect();
+        let mut b = Builder {
+            program,
+            backend,
+            rank,
+            plan: Plan {
+                insts: Vec::new(),
+                enclosing: Vec::new(),
+                steps: Vec::new(),
+                teams: Vec::new(),
+                group_of: vec![None; labels.len()],
+                labels,
+                loop_vars,
+                stream_vars,
+                my,
+                held,
+            },
+            posted: vec![false; label_index.len()],
+            label_index,
+            team_index: BTreeMap::new(),
+            loop_stack: Vec::new(),
+            group: None,
+        };
+        let steps = b.block(&program.body)?;
+        // Drop waits on labels this rank never posts.
+        let posted = std::mem::take(&mut b.posted);
+        let mut plan = b.plan;
+        plan.steps = prune_waits(steps, &posted);
+        Ok(plan)
+    }
+}
+
+fn prune_waits<'p>(steps: Vec<Step<'p>>, posted: &[bool]) -> Vec<Step<'p>> {
+    steps
+        .into_iter()
+        .filter_map(|s| match s {
+            Step::Wait { label, .. } if !posted[label] => None,
+            Step::Loop {
+                at,
+                var,
+                start,
+                stop,
+                body,
+            } => Some(Step::Loop {
+                at,
+                var,
+                start,
+                stop,
+                body: prune_waits(body, posted),
+            }),
+            s => Some(s),
+        })
+        .collect()
+}
+
+impl<'p, B: Backend> Builder<'p, '_, B> {
+    fn err(&self, at: u32, message: String) -> RuntimeError {
+        let inst = self.plan.insts[at as usize];
+        RuntimeError::Plan {
+            rank: self.rank,
+            inst: meshflow_ir::text::inst_to_string(self.program, inst),
+            message,
+        }
+    }
+
+    fn tensor(&self, at: u32, t: HostTensorId) -> Result<usize, RuntimeError> {
+        if self.program.tensors.contains(t) {
+            Ok(t.index())
+        } else {
+            Err(self.err(at, format!("names unknown tensor {t:?}")))
+        }
+    }
+
+    fn held(&self, t: usize) -> bool {
+        self.plan.held[t]
+    }
+
+    fn name(&self, t: usize) -> &str {
+        &self.program.tensors[HostTensorId::new(t)].name
+    }
+
+    /// All tensors held, none held (`Ok(false)`: skip), or an error naming the missing one.
+    fn all_or_none(&self, at: u32, ts: &[usize]) -> Result<bool, RuntimeError> {
+        let held: Vec<bool> = ts.iter().map(|&t| self.held(t)).collect();
+        if held.iter().all(|&h| h) {
+            return Ok(true);
+        }
+        if !held.iter().any(|&h| h) {
+            return Ok(false);
+        }
+        let have = ts.iter().find(|&&t| self.held(t)).copied().unwrap_or(0);
+        let miss = ts.iter().find(|&&t| !self.held(t)).copied().unwrap_or(0);
+        Err(self.err(
+            at,
+            format!(
+                "rank {} holds `{}` but not `{}` (their meshes differ)",
+                self.rank,
+                self.name(have),
+                self.name(miss)
+            ),
+        ))
+    }
+
+    /// The team slot of `team` on this rank, or `None` when the rank is not a member.
+    fn team(&mut self, team: &Team) -> Option<usize> {
+        let members = team.resolve(&self.program.meshes, self.rank)?;
+        let my_index = members.iter().position(|&d| d == self.rank)?;
+        let next = self.plan.teams.len();
+        let slot = *self.team_index.entry(members.clone()).or_insert(next);
+        if slot == next {
+            self.plan.teams.push(TeamInfo {
+                slot,
+                members,
+                my_index,
+            });
+        }
+        Some(slot)
+    }
+
+    fn label(&mut self, c: CommId) -> usize {
+        // Every label was collected before building.
+        self.label_index[&c]
+    }
+
+    fn post(&mut self, c: CommId) -> usize {
+        let l = self.label(c);
+        self.posted[l] = true;
+        if let Some(g) = self.group.as_mut() {
+            g.push(l);
+        }
+        l
+    }
+
+    fn block(&mut self, block: &'p [Inst]) -> Result<Vec<Step<'p>>, RuntimeError> {
+        let mut steps = Vec::with_capacity(block.len());
+        for inst in block {
+            let at = u32::try_from(self.plan.insts.len())
+                .map_err(|_| self.err(0, "too many instructions".into()))?;
+            self.plan.insts.push(inst);
+            self.plan.enclosing.push(self.loop_stack.clone());
+            if let Some(step) = self.inst(at, inst)? {
+                steps.push(step);
+            }
+        }
+        Ok(steps)
+    }
+
+    fn inst(&mut self, at: u32, inst: &'p Inst) -> Result<Option<Step<'p>>, RuntimeError> {
+        let step = match &inst.kind {
+            InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => {
+                let t = self.tensor(at, *tensor)?;
+                if !self.held(t) {
+                    return Ok(None);
+                }
+                if matches!(inst.kind, InstKind::Allocate { .. }) {
+                    Step::Allocate { at, tensor: t }
+                } else {
+                    Step::Deallocate { at, tensor: t }
+                }
+            }
+            InstKind::ForLoop {
+                index,
+                start,
+                stop,
+                body,
+            } => {
+                self.loop_stack.push(*index);
+                let body = self.block(body);
+                self.loop_stack.pop();
+                Step::Loop {
+                    at,
+                    var: index.0 as usize,
+                    start,
+                    stop,
+                    body: body?,
+                }
+            }
+            InstKind::GetCurrentStream { dst } => Step::GetStream {
+                at,
+                dst: dst.0 as usize,
+            },
+            InstKind::SetCurrentStream { stream } => Step::SetStream {
+                at,
+                stream: stream_sel(stream),
+            },
+            InstKind::Synchronize { stream } => Step::Sync {
+                at,
+                stream: stream_sel(stream),
+            },
+            InstKind::ShardByStream {
+                out,
+                input,
+                axis,
+                chunks,
+                index,
+            } => {
+                let (o, i) = (self.tensor(at, *out)?, self.tensor(at, *input)?);
+                if !self.all_or_none(at, &[o, i])? {
+                    return Ok(None);
+                }
+                Step::Shard {
+                    at,
+                    out: o,
+                    input: i,
+                    axis: *axis,
+                    chunks: *chunks,
+                    index,
+                }
+            }
+            InstKind::Communication {
+                id,
+                kind,
+                team,
+                input,
+                output,
+                root,
+                op,
+            } => {
+                let Some(team) = self.team(team) else {
+                    return Ok(None);
+                };
+                let (i, o) = (self.tensor(at, *input)?, self.tensor(at, *output)?);
+                Step::Collective {
+                    at,
+                    label: self.post(*id),
+                    kind: *kind,
+                    team,
+                    input: self.held(i).then_some(i),
+                    output: self.held(o).then_some(o),
+                    root: root.as_ref(),
+                    op: op.unwrap_or(ReduceOp::Sum),
+                }
+            }
+            InstKind::CollectivePermute {
+                id,
+                team,
+                send_peer,
+                recv_peer,
+                input,
+                output,
+            } => {
+                let Some(team) = self.team(team) else {
+                    return Ok(None);
+                };
+                let (i, o) = (self.tensor(at, *input)?, self.tensor(at, *output)?);
+                if !self.all_or_none(at, &[i, o])? {
+                    return Err(self.err(
+                        at,
+                        format!("rank {} is in the team but holds neither buffer", self.rank),
+                    ));
+                }
+                Step::Permute {
+                    at,
+                    label: self.post(*id),
+                    team,
+                    send: send_peer,
+                    recv: recv_peer,
+                    input: i,
+                    output: o,
+                }
+            }
+            InstKind::MoeDispatch {
+                id,
+                team,
+                x,
+                topk_idx,
+                expert_x,
+                expert_counts,
+                routing,
+            } => {
+                let Some(team) = self.team(team) else {
+                    return Ok(None);
+                };
+                let t = self.five(at, [*x, *topk_idx, *expert_x, *expert_counts, *routing])?;
+                Step::Dispatch {
+                    at,
+                    label: self.post(*id),
+                    team,
+                    t,
+                }
+            }
+            InstKind::MoeCombine {
+                id,
+                team,
+                expert_y,
+                expert_counts,
+                routing,
+                topk_weights,
+                out,
+            } => {
+                let Some(team) = self.team(team) else {
+                    return Ok(None);
+                };
+                let t = self.five(
+                    at,
+                    [*expert_y, *expert_counts, *routing, *topk_weights, *out],
+                )?;
+                Step::Combine {
+                    at,
+                    label: self.post(*id),
+                    team,
+                    t,
+                }
+            }
+            InstKind::Wait { comm } => Step::Wait {
+                at,
+                label: self.label(*comm),
+            },
+            InstKind::StartCoalescing => {
+                self.group = Some(Vec::new());
+                Step::BeginGroup { at }
+            }
+            InstKind::EndCoalescing { id } => {
+                let members = self.group.take().unwrap_or_default();
+                let label = self.post(*id);
+                for m in members {
+                    self.plan.group_of[m] = Some(label);
+                }
+                Step::EndGroup { at, label }
+            }
+            InstKind::Compute {
+                op,
+                inputs,
+                outputs,
+            } => {
+                let (ins, outs) = (self.tensors(at, inputs)?, self.tensors(at, outputs)?);
+                let all: Vec<usize> = ins.iter().chain(&outs).copied().collect();
+                if !self.all_or_none(at, &all)? {
+                    return Ok(None);
+                }
+                Step::Compute {
+                    at,
+                    op,
+                    inputs: ins,
+                    outputs: outs,
+                }
+            }
+            InstKind::LaunchKernel {
+                kernel,
+                inputs,
+                outputs,
+                args,
+            } => {
+                let (ins, outs) = (self.tensors(at, inputs)?, self.tensors(at, outputs)?);
+                let all: Vec<usize> = ins.iter().chain(&outs).copied().collect();
+                if !self.all_or_none(at, &all)? {
+                    return Ok(None);
+                }
+                let id = self.backend.kernel(kernel).ok_or_else(|| {
+                    self.err(at, format!("no kernel named `{kernel}` is registered"))
+                })?;
+                Step::Kernel {
+                    at,
+                    kernel: id,
+                    inputs: ins,
+                    outputs: outs,
+                    args,
+                }
+            }
+        };
+        Ok(Some(step))
+    }
+
+    fn tensors(&self, at: u32, ts: &[HostTensorId]) -> Result<Vec<usize>, RuntimeError> {
+        ts.iter().map(|&t| self.tensor(at, t)).collect()
+    }
+
+    fn five(&self, at: u32, ts: [HostTensorId; 5]) -> Result<[usize; 5], RuntimeError> {
+        let mut out = [0usize; 5];
+        for (o, t) in out.iter_mut().zip(ts) {
+            *o = self.tensor(at, t)?;
+            if !self.held(*o) {
+                return Err(self.err(
+                    at,
+                    format!(
+                        "rank {} is in the team but does not hold `{}`",
+                        self.rank,
+                        self.name(*o)
+                    ),
+                ));
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn stream_sel(s: &StreamRef) -> StreamSel<'_> {
+    match s {
+        StreamRef::Var(v) => StreamSel::Var(v.0 as usize),
+        StreamRef::Worker(e) => StreamSel::Worker(e),
+    }
+}

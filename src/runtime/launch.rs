@@ -1,0 +1,280 @@
+//! Running a host program on N sim ranks, one thread each.
+//!
+//! Every thread is joined, always. A rank that errors or panics records the failure on the
+//! shared [`Fabric`]; every other rank then stops at its next communication or blocked
+//! receive with an error naming the failed rank. A rank that stops (blocks forever) is detected
+//! by its peers' receive timeout. Messages sent but never received are reported as an error
+//! too (the ranks did not run matching programs).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use meshflow_ir::{DeviceId, HostProgram, Program};
+
+use super::data::TensorData;
+use super::evaluator::{EvalOptions, Evaluator, RuntimeError};
+use super::shard::{gather_tensor, scatter_inputs, ShardError};
+use super::sim::fabric::Failure;
+use super::sim::{Fabric, SimBackend, SimConfig};
+use super::trace::{Trace, TraceEvent};
+
+/// Inputs of a run.
+#[derive(Clone, Debug)]
+pub enum SimInputs<'a> {
+    /// Local tensors by host tensor name, per rank.
+    PerRank(BTreeMap<DeviceId, BTreeMap<String, TensorData>>),
+    /// Full tensors by name, scattered by the level-1 program's layouts.
+    Full {
+        /// The level-1 program whose tensor layouts cut the inputs.
+        program: &'a Program,
+        /// Full input tensors by name.
+        inputs: &'a BTreeMap<String, TensorData>,
+    },
+}
+
+/// Options of a sim run.
+#[derive(Clone, Debug, Default)]
+pub struct SimOptions {
+    /// Number of ranks (threads); at least the program's world size (the default).
+    pub ranks: Option<usize>,
+    /// Backend settings (stream pool, timeout, race checking, faults, kernels).
+    pub config: SimConfig,
+    /// Record a Chrome/Perfetto trace.
+    pub trace: bool,
+}
+
+/// The result of a successful run.
+#[derive(Clone, Debug)]
+pub struct RunOutcome {
+    /// Outputs by host tensor name, per rank (only those the rank holds).
+    pub outputs: BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
+    /// The trace, when requested.
+    pub trace: Option<Trace>,
+    /// Wall-clock time of the run.
+    pub elapsed: Duration,
+}
+
+impl RunOutcome {
+    /// Gathers every output of the level-1 `program` from the ranks' local outputs.
+    pub fn gather(&self, program: &Program) -> Result<BTreeMap<String, TensorData>, ShardError> {
+        program
+            .outputs
+            .iter()
+            .map(|&t| {
+                let name = program.tensors[t].name.clone();
+                gather_tensor(program, t, &self.outputs).map(|d| (name, d))
+            })
+            .collect()
+    }
+}
+
+/// Why a run failed: every rank's error, the first failure, undelivered messages.
+#[derive(Clone, Debug)]
+pub struct RunFailure {
+    /// The first rank that failed, and its error.
+    pub first: Option<Failure>,
+    /// The errors of every rank that failed, by rank.
+    pub errors: Vec<RuntimeError>,
+    /// Messages sent but never received, as text.
+    pub undelivered: Vec<String>,
+}
+
+impl fmt::Display for RunFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(first) = &self.first {
+            write!(f, "{}", first.reason)?;
+        } else if let Some(e) = self.errors.first() {
+            write!(f, "{e}")?;
+        }
+        let others = self
+            .errors
+            .iter()
+            .filter(|e| self.first.as_ref().is_none_or(|x| x.rank != e.rank()))
+            .count();
+        if others > 0 {
+            write!(f, " ({others} other rank(s) stopped as a consequence)")?;
+        }
+        if !self.undelivered.is_empty() {
+            write!(
+                f,
+                "{}messages sent but never received: {}",
+                if self.errors.is_empty() { "" } else { "; " },
+                self.undelivered.join(", ")
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Why [`run_sim`] failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// Inputs could not be scattered.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// Fewer ranks than the program's meshes need.
+    #[error("the program needs {needed} ranks, {given} requested")]
+    TooFewRanks {
+        /// World size of the program.
+        needed: usize,
+        /// Ranks requested.
+        given: usize,
+    },
+    /// A rank thread could not be started.
+    #[error("could not start rank thread {rank}: {message}")]
+    Spawn {
+        /// The rank.
+        rank: DeviceId,
+        /// The OS error.
+        message: String,
+    },
+    /// One or more ranks failed.
+    #[error("{0}")]
+    Failed(RunFailure),
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic with a non-string payload".into())
+}
+
+type RankResult = (
+    Result<BTreeMap<String, TensorData>, RuntimeError>,
+    Vec<TraceEvent>,
+);
+
+fn run_rank(
+    host: &HostProgram,
+    rank: DeviceId,
+    inputs: &BTreeMap<String, TensorData>,
+    fabric: &Arc<Fabric>,
+    config: &SimConfig,
+    eval: &EvalOptions,
+) -> RankResult {
+    let backend = SimBackend::new(rank, fabric.clone(), config);
+    let mut ev = match Evaluator::new(host, backend, eval.clone()) {
+        Ok(ev) => ev,
+        Err(e) => {
+            fabric.fail(rank, e.to_string());
+            return (Err(e), Vec::new());
+        }
+    };
+    let result = match catch_unwind(AssertUnwindSafe(|| ev.run(inputs))) {
+        Ok(r) => r,
+        Err(p) => Err(RuntimeError::Panic {
+            rank,
+            position: ev.position(),
+            message: panic_message(p.as_ref()),
+        }),
+    };
+    if let Err(e) = &result {
+        if !e.is_abort() {
+            fabric.fail(rank, e.to_string());
+        }
+    }
+    (result, ev.take_trace())
+}
+
+/// Runs `host` on sim ranks `0..ranks`, one thread each, and returns every rank's outputs.
+pub fn run_sim(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &SimOptions,
+) -> Result<RunOutcome, LaunchError> {
+    let needed = host.world_size();
+    let world = options.ranks.unwrap_or(needed);
+    if world < needed || world == 0 {
+        return Err(LaunchError::TooFewRanks {
+            needed: needed.max(1),
+            given: world,
+        });
+    }
+    let per_rank = match inputs {
+        SimInputs::PerRank(m) => m,
+        SimInputs::Full { program, inputs } => scatter_inputs(program, inputs)?,
+    };
+    let fabric = Arc::new(Fabric::new());
+    let start = Instant::now();
+    let eval = EvalOptions {
+        trace_epoch: options.trace.then_some(start),
+    };
+    let empty = BTreeMap::new();
+    let results: Vec<Result<RankResult, LaunchError>> = std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(world);
+        for rank in 0..world {
+            let inputs = per_rank.get(&rank).unwrap_or(&empty);
+            let (fabric, config, eval) = (&fabric, &options.config, &eval);
+            let spawned = std::thread::Builder::new()
+                .name(format!("meshflow-sim-rank-{rank}"))
+                .spawn_scoped(scope, move || {
+                    run_rank(host, rank, inputs, fabric, config, eval)
+                });
+            match spawned {
+                Ok(h) => handles.push((rank, Some(h))),
+                Err(e) => {
+                    fabric.fail(rank, format!("could not start its thread: {e}"));
+                    handles.push((rank, None));
+                    tracing::error!(rank, "could not start rank thread: {e}");
+                }
+            }
+        }
+        handles
+            .into_iter()
+            .map(|(rank, h)| match h {
+                Some(h) => h.join().map_err(|p| LaunchError::Spawn {
+                    rank,
+                    message: panic_message(p.as_ref()),
+                }),
+                None => Err(LaunchError::Spawn {
+                    rank,
+                    message: "thread not started".into(),
+                }),
+            })
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let mut outputs = BTreeMap::new();
+    let mut errors = Vec::new();
+    let mut events = Vec::new();
+    for (rank, r) in results.into_iter().enumerate() {
+        let (result, trace) = r?;
+        events.extend(trace);
+        match result {
+            Ok(o) => {
+                outputs.insert(rank, o);
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    let undelivered: Vec<String> = fabric
+        .undelivered()
+        .into_iter()
+        .map(|(src, dst, _, seq)| format!("rank {src} -> rank {dst} (team operation #{seq})"))
+        .collect();
+    if !errors.is_empty() || !undelivered.is_empty() {
+        return Err(LaunchError::Failed(RunFailure {
+            first: fabric.failure(),
+            errors,
+            undelivered: if fabric.aborted() {
+                Vec::new()
+            } else {
+                undelivered
+            },
+        }));
+    }
+    events.sort_by(|a, b| {
+        (a.rank, a.start_us)
+            .partial_cmp(&(b.rank, b.start_us))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    Ok(RunOutcome {
+        outputs,
+        trace: options.trace.then_some(Trace { events }),
+        elapsed,
+    })
+}

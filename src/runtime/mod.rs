@@ -1,0 +1,33 @@
+//! Execution of host programs: the [`Evaluator`] over a [`Backend`], the embedded CPU backend
+//! [`SimBackend`], the level-1 [`reference`](mod@reference) interpreter, and the helpers that scatter, run,
+//! gather and compare.
+//!
+//! - [`data`], [`view`]: host tensors and strided views.
+//! - [`cpu_ops`]: numeric kernels (sim backend and reference).
+//! - [`mod@reference`]: the level-1 interpreter on full tensors.
+//! - [`shard`]: scatter/gather by a level-1 tensor's layout.
+//! - [`backend`]: the [`Backend`] trait (shaped for CUDA streams, events and NCCL).
+//! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.
+//! - [`sim`]: [`SimBackend`], N ranks as threads with race checking.
+//! - [`launch`]: fault-tolerant multi-rank runs ([`run_sim`]).
+//! - [`trace`]: Chrome/Perfetto traces.
+//! - [`compare`]: [`run_and_compare`] and per-output comparisons.
+
+pub mod backend;
+pub mod compare;
+pub mod cpu_ops;
+pub mod data;
+pub mod evaluator;
+pub mod launch;
+pub mod reference;
+pub mod shard;
+pub mod sim;
+pub mod trace;
+pub mod view;
+
+pub use backend::Backend;
+pub use compare::{run_and_compare, Comparison};
+pub use data::TensorData;
+pub use evaluator::{EvalOptions, Evaluator, RuntimeError};
+pub use launch::{run_sim, LaunchError, RunOutcome, SimInputs, SimOptions};
+pub use sim::{SimBackend, SimConfig};

@@ -1,0 +1,636 @@
+//! Communications on the sim fabric, in two phases: [`start`] reads the send buffers and
+//! delivers every outgoing message (never blocking); [`finish`] receives the incoming ones and
+//! writes the receive buffers. A coalescing group starts all its members before finishing
+//! any, like an NCCL group. Reductions combine contributions in team order (accumulating in
+//! `f32`, or `i64` for integers, and rounding once), so every member gets the same bits.
+
+use meshflow_ir::{CommKind, DeviceId, ReduceOp};
+
+use super::fabric::{MailKey, Payload};
+use super::{SimBackend, SimBuffer};
+use crate::runtime::backend::{BackendError, CommRequest, TensorView};
+use crate::runtime::cpu_ops::{self, MoeRows};
+use crate::runtime::data::{Storage, TensorData};
+use crate::runtime::view::View;
+
+type TV = TensorView<SimBuffer>;
+
+/// Where one piece of a result comes from.
+#[derive(Debug)]
+enum Src {
+    Local(Payload),
+    Remote(usize),
+}
+
+/// Which part of the receive buffer a piece fills.
+#[derive(Copy, Clone, Debug)]
+enum Part {
+    Whole,
+    /// Chunk `index` of `parts` along axis 0.
+    Chunk(u64, u64),
+}
+
+#[derive(Debug)]
+enum Finish {
+    Nothing,
+    Write {
+        out: TV,
+        parts: Vec<(Part, Src)>,
+    },
+    Reduce {
+        out: TV,
+        sources: Vec<Src>,
+        op: ReduceOp,
+    },
+    Dispatch {
+        outs: [TV; 3],
+        sources: Vec<Src>,
+    },
+    Combine {
+        weights: TensorData,
+        out: TV,
+        sources: Vec<Src>,
+    },
+}
+
+/// A started communication waiting for its incoming messages.
+#[derive(Debug)]
+pub(super) struct Exchange {
+    name: &'static str,
+    members: Vec<DeviceId>,
+    tag: (u64, u64),
+    finish: Finish,
+}
+
+/// The buffers a request reads and writes.
+pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>, Vec<&'r TV>) {
+    match req {
+        CommRequest::Collective { input, output, .. } => (
+            input.iter().copied().collect(),
+            output.iter().copied().collect(),
+        ),
+        CommRequest::Permute { input, output, .. } => (vec![*input], vec![*output]),
+        CommRequest::MoeDispatch {
+            x,
+            topk_idx,
+            expert_x,
+            expert_counts,
+            routing,
+            ..
+        } => (
+            vec![*x, *topk_idx],
+            vec![*expert_x, *expert_counts, *routing],
+        ),
+        CommRequest::MoeCombine {
+            expert_y,
+            expert_counts,
+            routing,
+            topk_weights,
+            out,
+            ..
+        } => (
+            vec![*expert_y, *expert_counts, *routing, *topk_weights],
+            vec![*out],
+        ),
+    }
+}
+
+fn invalid(name: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Invalid(format!("{name}: {message}"))
+}
+
+fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, BackendError> {
+    v.ok_or_else(|| {
+        invalid(
+            name,
+            format!("this rank takes part but does not hold the {what} buffer"),
+        )
+    })
+}
+
+fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
+    match v.shape.first() {
+        Some(&n) if n % d as u64 == 0 => Ok(()),
+        _ => Err(invalid(
+            name,
+            format!(
+                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
+                v.shape
+            ),
+        )),
+    }
+}
+
+fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError> {
+    if a == b {
+        Ok(())
+    } else {
+        Err(invalid(name, format!("{how}: {a} elements vs {b}")))
+    }
+}
+
+/// Reads `v` (or chunk `k` of `d` along axis 0).
+fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
+    let view = be.view(v)?;
+    match chunk {
+        None => Ok(view.to_storage()),
+        Some((k, d)) => view
+            .chunk(0, d, k)
+            .map(|c| c.to_storage())
+            .ok_or_else(|| BackendError::Invalid(format!("chunk {k} of {d} of {:?}", v.shape))),
+    }
+}
+
+/// Starts a communication: reads the send buffers and delivers the outgoing messages.
+pub(super) fn start(
+    be: &mut SimBackend,
+    req: &CommRequest<'_, SimBuffer>,
+    tag: (u64, u64),
+) -> Result<Exchange, BackendError> {
+    let name = req.name();
+    let team = req.team();
+    let (d, my) = (team.members.len(), team.my_index);
+    let me = be.device;
+    let send = |be: &SimBackend, k: usize, p: Payload| -> Result<(), BackendError> {
+        be.fabric.send((me, team.members[k], tag.0, tag.1), p)
+    };
+    let others = (0..d).filter(|&k| k != my);
+    let finish = match req {
+        CommRequest::Collective {
+            kind,
+            input,
+            output,
+            root,
+            op,
+            ..
+        } => {
+            let r = root.unwrap_or(0);
+            match kind {
+                CommKind::AllGather => {
+                    let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
+                    first_axis_divisible(name, o, d, "receive")?;
+                    same_numel(
+                        name,
+                        o.numel(),
+                        i.numel() * d as u64,
+                        "receive = team size x send",
+                    )?;
+                    let data = read(be, i, None)?;
+                    for k in others {
+                        send(be, k, Payload::Data(data.clone()))?;
+                    }
+                    let mut local = Some(Payload::Data(data));
+                    let parts = (0..d)
+                        .map(|k| {
+                            let src = match (k == my).then(|| local.take()).flatten() {
+                                Some(p) => Src::Local(p),
+                                None => Src::Remote(k),
+                            };
+                            (Part::Chunk(k as u64, d as u64), src)
+                        })
+                        .collect();
+                    Finish::Write {
+                        out: o.clone(),
+                        parts,
+                    }
+                }
+                CommKind::ReduceScatter | CommKind::AllReduce => {
+                    let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
+                    let scatter = *kind == CommKind::ReduceScatter;
+                    let mut own = None;
+                    if scatter {
+                        first_axis_divisible(name, i, d, "send")?;
+                        same_numel(
+                            name,
+                            i.numel(),
+                            o.numel() * d as u64,
+                            "send = team size x receive",
+                        )?;
+                        for k in 0..d {
+                            let chunk = read(be, i, Some((k as u64, d as u64)))?;
+                            if k == my {
+                                own = Some(chunk);
+                            } else {
+                                send(be, k, Payload::Data(chunk))?;
+                            }
+                        }
+                    } else {
+                        same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
+                        let data = read(be, i, None)?;
+                        for k in others {
+                            send(be, k, Payload::Data(data.clone()))?;
+                        }
+                        own = Some(data);
+                    }
+                    let mut own = own.map(Payload::Data);
+                    let sources = (0..d)
+                        .map(|k| match (k == my).then(|| own.take()).flatten() {
+                            Some(p) => Src::Local(p),
+                            None => Src::Remote(k),
+                        })
+                        .collect();
+                    Finish::Reduce {
+                        out: o.clone(),
+                        sources,
+                        op: *op,
+                    }
+                }
+                CommKind::Broadcast => {
+                    if my == r {
+                        let i = need(name, *input, "send")?;
+                        let data = read(be, i, None)?;
+                        for k in others {
+                            send(be, k, Payload::Data(data.clone()))?;
+                        }
+                        match output {
+                            Some(o) => Finish::Write {
+                                out: (*o).clone(),
+                                parts: vec![(Part::Whole, Src::Local(Payload::Data(data)))],
+                            },
+                            None => Finish::Nothing,
+                        }
+                    } else {
+                        let o = need(name, *output, "receive")?;
+                        Finish::Write {
+                            out: o.clone(),
+                            parts: vec![(Part::Whole, Src::Remote(r))],
+                        }
+                    }
+                }
+                CommKind::Gather | CommKind::Reduce => {
+                    let i = need(name, *input, "send")?;
+                    let data = read(be, i, None)?;
+                    if my != r {
+                        send(be, r, Payload::Data(data))?;
+                        Finish::Nothing
+                    } else {
+                        let o = need(name, *output, "receive")?;
+                        let mut own = Some(Payload::Data(data));
+                        let mut src = |k: usize| match (k == my).then(|| own.take()).flatten() {
+                            Some(p) => Src::Local(p),
+                            None => Src::Remote(k),
+                        };
+                        if *kind == CommKind::Gather {
+                            first_axis_divisible(name, o, d, "receive")?;
+                            same_numel(
+                                name,
+                                o.numel(),
+                                i.numel() * d as u64,
+                                "receive = team size x send",
+                            )?;
+                            let parts = (0..d)
+                                .map(|k| (Part::Chunk(k as u64, d as u64), src(k)))
+                                .collect();
+                            Finish::Write {
+                                out: o.clone(),
+                                parts,
+                            }
+                        } else {
+                            let sources = (0..d).map(src).collect();
+                            Finish::Reduce {
+                                out: o.clone(),
+                                sources,
+                                op: *op,
+                            }
+                        }
+                    }
+                }
+                CommKind::Scatter => {
+                    if my == r {
+                        let i = need(name, *input, "send")?;
+                        first_axis_divisible(name, i, d, "send")?;
+                        let mut own = None;
+                        for k in 0..d {
+                            let chunk = read(be, i, Some((k as u64, d as u64)))?;
+                            if k == my {
+                                own = Some(chunk);
+                            } else {
+                                send(be, k, Payload::Data(chunk))?;
+                            }
+                        }
+                        match (output, own) {
+                            (Some(o), Some(c)) => Finish::Write {
+                                out: (*o).clone(),
+                                parts: vec![(Part::Whole, Src::Local(Payload::Data(c)))],
+                            },
+                            _ => Finish::Nothing,
+                        }
+                    } else {
+                        let o = need(name, *output, "receive")?;
+                        Finish::Write {
+                            out: o.clone(),
+                            parts: vec![(Part::Whole, Src::Remote(r))],
+                        }
+                    }
+                }
+                CommKind::SendRecv => {
+                    if d != 2 {
+                        return Err(invalid(
+                            name,
+                            format!("needs a team of two, has {d} members"),
+                        ));
+                    }
+                    if my == r {
+                        let i = need(name, *input, "send")?;
+                        send(be, 1 - my, Payload::Data(read(be, i, None)?))?;
+                        Finish::Nothing
+                    } else {
+                        let o = need(name, *output, "receive")?;
+                        Finish::Write {
+                            out: o.clone(),
+                            parts: vec![(Part::Whole, Src::Remote(r))],
+                        }
+                    }
+                }
+                CommKind::AllToAll => {
+                    let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
+                    first_axis_divisible(name, i, d, "send")?;
+                    first_axis_divisible(name, o, d, "receive")?;
+                    same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
+                    let mut own = None;
+                    for k in 0..d {
+                        let chunk = read(be, i, Some((k as u64, d as u64)))?;
+                        if k == my {
+                            own = Some(chunk);
+                        } else {
+                            send(be, k, Payload::Data(chunk))?;
+                        }
+                    }
+                    let mut own = own.map(Payload::Data);
+                    let parts = (0..d)
+                        .map(|k| {
+                            let src = match (k == my).then(|| own.take()).flatten() {
+                                Some(p) => Src::Local(p),
+                                None => Src::Remote(k),
+                            };
+                            (Part::Chunk(k as u64, d as u64), src)
+                        })
+                        .collect();
+                    Finish::Write {
+                        out: o.clone(),
+                        parts,
+                    }
+                }
+            }
+        }
+        CommRequest::Permute {
+            send_peer,
+            recv_peer,
+            input,
+            output,
+            ..
+        } => {
+            same_numel(
+                name,
+                input.numel(),
+                output.numel(),
+                "send and receive sizes differ",
+            )?;
+            if *send_peer == my && *recv_peer == my {
+                copy_local(be, input, output)?;
+                Finish::Nothing
+            } else {
+                send(be, *send_peer, Payload::Data(read(be, input, None)?))?;
+                Finish::Write {
+                    out: (*output).clone(),
+                    parts: vec![(Part::Whole, Src::Remote(*recv_peer))],
+                }
+            }
+        }
+        CommRequest::MoeDispatch {
+            x,
+            topk_idx,
+            expert_x,
+            expert_counts,
+            routing,
+            ..
+        } => {
+            let s = &expert_x.shape;
+            let local_experts = s
+                .len()
+                .checked_sub(3)
+                .map(|nb| s[nb])
+                .filter(|&l| l > 0)
+                .ok_or_else(|| {
+                    invalid(name, format!("expert_x must be [B.., L, C, H], has {s:?}"))
+                })?;
+            let msgs =
+                cpu_ops::pack_dispatch(&be.view(x)?, &be.view(topk_idx)?, my, d, local_experts)?;
+            let sources = distribute(be, msgs, my, &send)?;
+            Finish::Dispatch {
+                outs: [
+                    (*expert_x).clone(),
+                    (*expert_counts).clone(),
+                    (*routing).clone(),
+                ],
+                sources,
+            }
+        }
+        CommRequest::MoeCombine {
+            expert_y,
+            expert_counts,
+            routing,
+            topk_weights,
+            out,
+            ..
+        } => {
+            let s = &out.shape;
+            let tokens = s
+                .len()
+                .checked_sub(2)
+                .map(|nb| s[nb])
+                .filter(|&t| t > 0)
+                .ok_or_else(|| invalid(name, format!("out must be [B.., T, F], has {s:?}")))?;
+            let msgs = cpu_ops::pack_combine(
+                &be.view(expert_y)?,
+                &be.view(expert_counts)?,
+                &be.view(routing)?,
+                d,
+                tokens,
+            )?;
+            let weights = be.view(topk_weights)?.to_tensor();
+            let sources = distribute(be, msgs, my, &send)?;
+            Finish::Combine {
+                weights,
+                out: (*out).clone(),
+                sources,
+            }
+        }
+    };
+    Ok(Exchange {
+        name,
+        members: team.members.clone(),
+        tag,
+        finish,
+    })
+}
+
+/// Sends `msgs[k]` to member `k` (keeping its own), returning the sources in team order.
+fn distribute(
+    be: &SimBackend,
+    msgs: Vec<MoeRows>,
+    my: usize,
+    send: &dyn Fn(&SimBackend, usize, Payload) -> Result<(), BackendError>,
+) -> Result<Vec<Src>, BackendError> {
+    let mut sources = Vec::with_capacity(msgs.len());
+    for (k, m) in msgs.into_iter().enumerate() {
+        if k == my {
+            sources.push(Src::Local(Payload::Moe(m)));
+        } else {
+            send(be, k, Payload::Moe(m))?;
+            sources.push(Src::Remote(k));
+        }
+    }
+    Ok(sources)
+}
+
+fn copy_local(be: &mut SimBackend, input: &TV, output: &TV) -> Result<(), BackendError> {
+    let data = read(be, input, None)?;
+    be.write_views(&[output], |outs| {
+        outs[0]
+            .assign_storage(&data)
+            .map_err(|e| BackendError::Invalid(e.to_string()))
+    })
+}
+
+fn receive(be: &SimBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendError> {
+    match src {
+        Src::Local(p) => Ok(p),
+        Src::Remote(k) => {
+            let key: MailKey = (ex.members[k], be.device, ex.tag.0, ex.tag.1);
+            let what = format!("{} on team {:?}", ex.name, ex.members);
+            be.fabric.recv(key, be.timeout, &what)
+        }
+    }
+}
+
+fn data(ex: &Exchange, p: Payload) -> Result<Storage, BackendError> {
+    match p {
+        Payload::Data(s) => Ok(s),
+        Payload::Moe(_) => Err(invalid(
+            ex.name,
+            "a peer sent MoE rows for this collective (the ranks run different programs)",
+        )),
+    }
+}
+
+fn moe(ex: &Exchange, p: Payload) -> Result<MoeRows, BackendError> {
+    match p {
+        Payload::Moe(m) => Ok(m),
+        Payload::Data(_) => Err(invalid(
+            ex.name,
+            "a peer sent tensor data for this MoE op (the ranks run different programs)",
+        )),
+    }
+}
+
+/// Receives the incoming messages of a started communication and writes its outputs.
+pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), BackendError> {
+    let name = ex.name;
+    match std::mem::replace(&mut ex.finish, Finish::Nothing) {
+        Finish::Nothing => Ok(()),
+        Finish::Write { out, parts } => {
+            let mut pieces = Vec::with_capacity(parts.len());
+            for (part, src) in parts {
+                let p = receive(be, &ex, src)?;
+                pieces.push((part, data(&ex, p)?));
+            }
+            be.write_views(&[&out], |outs| {
+                for (part, piece) in &pieces {
+                    let r = match *part {
+                        Part::Whole => outs[0].assign_storage(piece),
+                        Part::Chunk(k, d) => match outs[0].chunk_mut(0, d, k) {
+                            Some(mut c) => c.assign_storage(piece),
+                            None => return Err(invalid(name, "receive buffer cannot be chunked")),
+                        },
+                    };
+                    r.map_err(|e| invalid(name, format!("received data does not fit: {e}")))?;
+                }
+                Ok(())
+            })
+        }
+        Finish::Reduce { out, sources, op } => {
+            let mut parts = Vec::with_capacity(sources.len());
+            for src in sources {
+                let p = receive(be, &ex, src)?;
+                parts.push(data(&ex, p)?);
+            }
+            for p in &parts {
+                same_numel(
+                    name,
+                    p.len() as u64,
+                    out.numel(),
+                    "a contribution does not fit the receive buffer",
+                )?;
+            }
+            be.write_views(&[&out], |outs| {
+                let r = if out.dtype.is_float() {
+                    outs[0].assign_f32(&reduce_f32(&parts, op))
+                } else {
+                    outs[0].assign_i64(&reduce_i64(&parts, op))
+                };
+                r.map_err(|e| invalid(name, e))
+            })
+        }
+        Finish::Dispatch { outs, sources } => {
+            let mut msgs = Vec::with_capacity(sources.len());
+            for src in sources {
+                let p = receive(be, &ex, src)?;
+                msgs.push(moe(&ex, p)?);
+            }
+            let my = ex.members.iter().position(|&m| m == be.device).unwrap_or(0);
+            let [a, b, c] = &outs;
+            be.write_views(&[a, b, c], |v| match v {
+                [ex_x, counts, routing] => {
+                    cpu_ops::unpack_dispatch(&msgs, my, ex_x, counts, routing).map_err(Into::into)
+                }
+                _ => Err(invalid(name, "three outputs expected")),
+            })
+        }
+        Finish::Combine {
+            weights,
+            out,
+            sources,
+        } => {
+            let mut msgs = Vec::with_capacity(sources.len());
+            for src in sources {
+                let p = receive(be, &ex, src)?;
+                msgs.push(moe(&ex, p)?);
+            }
+            be.write_views(&[&out], |outs| {
+                cpu_ops::unpack_combine(&msgs, &View::of(&weights), &mut outs[0])
+                    .map_err(Into::into)
+            })
+        }
+    }
+}
+
+fn reduce_f32(parts: &[Storage], op: ReduceOp) -> Vec<f32> {
+    let mut it = parts.iter();
+    let mut acc = it.next().map(Storage::to_f32_vec).unwrap_or_default();
+    for p in it {
+        for (a, b) in acc.iter_mut().zip(p.to_f32_vec()) {
+            *a = match op {
+                ReduceOp::Sum => *a + b,
+                ReduceOp::Max => a.max(b),
+                ReduceOp::Min => a.min(b),
+            };
+        }
+    }
+    acc
+}
+
+fn reduce_i64(parts: &[Storage], op: ReduceOp) -> Vec<i64> {
+    let mut it = parts.iter();
+    let mut acc = it.next().map(Storage::to_i64_vec).unwrap_or_default();
+    for p in it {
+        for (a, b) in acc.iter_mut().zip(p.to_i64_vec()) {
+            *a = match op {
+                ReduceOp::Sum => a.wrapping_add(b),
+                ReduceOp::Max => (*a).max(b),
+                ReduceOp::Min => (*a).min(b),
+            };
+        }
+    }
+    acc
+}

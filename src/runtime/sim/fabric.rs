@@ -1,0 +1,176 @@
+//! The message fabric between sim rank threads.
+//!
+//! Messages are keyed by `(source, destination, team fingerprint, team sequence number)`:
+//! every member of a team numbers the communications it enters on that team, so matching
+//! operations of a collective get the same key on every member. Sends never block; a receive
+//! blocks until its message arrives, the timeout passes, or the run is aborted because some
+//! rank failed (checked every few milliseconds).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use meshflow_ir::DeviceId;
+
+use crate::runtime::backend::BackendError;
+use crate::runtime::cpu_ops::MoeRows;
+use crate::runtime::data::Storage;
+
+/// A message body.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Payload {
+    /// Tensor elements.
+    Data(Storage),
+    /// MoE rows with their routing metadata.
+    Moe(MoeRows),
+}
+
+/// A message key: `(src, dst, team fingerprint, sequence number)`.
+pub type MailKey = (DeviceId, DeviceId, u64, u64);
+
+/// The first failure of a run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    /// The rank that failed.
+    pub rank: DeviceId,
+    /// Its error, printed.
+    pub reason: String,
+}
+
+/// Shared mailboxes, an abort flag and the first failure of a run.
+#[derive(Debug, Default)]
+pub struct Fabric {
+    mail: Mutex<HashMap<MailKey, Payload>>,
+    arrived: Condvar,
+    abort: AtomicBool,
+    failure: Mutex<Option<Failure>>,
+}
+
+/// How often a blocked receive re-checks the abort flag.
+const POLL: Duration = Duration::from_millis(10);
+
+impl Fabric {
+    /// An empty fabric.
+    pub fn new() -> Fabric {
+        Fabric::default()
+    }
+
+    fn lock_mail(&self) -> MutexGuard<'_, HashMap<MailKey, Payload>> {
+        // A panicking rank never holds this lock while panicking (no user code runs under
+        // it), so a poisoned lock still holds consistent data.
+        self.mail.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Delivers a message (never blocks). A second message under the same key is an error.
+    pub fn send(&self, key: MailKey, payload: Payload) -> Result<(), BackendError> {
+        let mut mail = self.lock_mail();
+        if mail.contains_key(&key) {
+            return Err(BackendError::Invalid(format!(
+                "rank {} sent two messages to rank {} for the same team operation (sequence {})",
+                key.0, key.1, key.3
+            )));
+        }
+        mail.insert(key, payload);
+        drop(mail);
+        self.arrived.notify_all();
+        Ok(())
+    }
+
+    /// Takes the message under `key`, waiting up to `timeout`.
+    pub fn recv(
+        &self,
+        key: MailKey,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<Payload, BackendError> {
+        let start = Instant::now();
+        let mut mail = self.lock_mail();
+        loop {
+            if let Some(p) = mail.remove(&key) {
+                return Ok(p);
+            }
+            if self.aborted() {
+                return Err(self.abort_error());
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(BackendError::Timeout {
+                    peer: key.0,
+                    waited,
+                    what: what.to_string(),
+                });
+            }
+            let slice = POLL.min(timeout - waited);
+            mail = self
+                .arrived
+                .wait_timeout(mail, slice)
+                .map(|(g, _)| g)
+                .unwrap_or_else(|e| e.into_inner().0);
+        }
+    }
+
+    /// True once some rank failed.
+    pub fn aborted(&self) -> bool {
+        self.abort.load(Ordering::Acquire)
+    }
+
+    /// The error a rank returns when it stops because of another rank's failure.
+    pub fn abort_error(&self) -> BackendError {
+        match self.failure() {
+            Some(f) => BackendError::Aborted {
+                failed_rank: f.rank,
+                reason: f.reason,
+            },
+            None => BackendError::Invalid("the run was aborted".into()),
+        }
+    }
+
+    /// Records a failure (the first one wins) and wakes every blocked rank.
+    pub fn fail(&self, rank: DeviceId, reason: String) {
+        {
+            let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
+            if f.is_none() {
+                *f = Some(Failure { rank, reason });
+            }
+        }
+        self.abort.store(true, Ordering::Release);
+        let _guard = self.lock_mail();
+        self.arrived.notify_all();
+    }
+
+    /// The first failure, if any.
+    pub fn failure(&self) -> Option<Failure> {
+        self.failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Keys of messages sent but never received.
+    pub fn undelivered(&self) -> Vec<MailKey> {
+        let mut keys: Vec<MailKey> = self.lock_mail().keys().copied().collect();
+        keys.sort_unstable();
+        keys
+    }
+
+    /// Sleeps in short slices until the run is aborted or `limit` passes (fault injection).
+    pub fn stall(&self, limit: Duration) {
+        let start = Instant::now();
+        while !self.aborted() && start.elapsed() < limit {
+            std::thread::sleep(POLL);
+        }
+    }
+}
+
+/// A fingerprint of a team's member list (FNV-1a), the same on every member.
+pub fn team_fingerprint(members: &[DeviceId]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &d in members {
+        for b in (d as u64).to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    h
+}

@@ -1,0 +1,666 @@
+//! [`SimBackend`]: the embedded CPU backend. N ranks run as threads of one process on host
+//! memory, with real data movement (a shared [`Fabric`] of mailboxes) and real arithmetic
+//! ([`cpu_ops`]).
+//!
+//! Execution is eager and in host order, but the asynchronous semantics of the host IR are
+//! modelled and checked: streams, `synchronize`, posting and `wait` maintain vector clocks
+//! (module `race`), and every buffer access is checked against happens-before. Reading a
+//! communication's output (or overwriting its input) before the matching `wait`, or using a
+//! chunk written on another stream without `synchronize`, is a race error naming both
+//! instructions. Race checking can be switched off ([`SimConfig::race_check`]).
+
+mod comm;
+pub mod fabric;
+mod race;
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshflow_ir::{ComputeOp, DType, DeviceId};
+
+pub use fabric::{Fabric, Payload};
+
+use super::backend::{
+    AccessSite, Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, RaceReport,
+    StreamIndex, TensorView,
+};
+use super::cpu_ops;
+use super::data::{Storage, TensorData};
+use super::view::{View, ViewMut};
+use race::{Access, Clocks, Region};
+
+/// A kernel an embedder registers for `launch_kernel` on the sim backend: inputs, outputs
+/// (written in place) and scalar arguments.
+pub type SimKernelFn =
+    dyn Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String> + Send + Sync;
+
+/// Named kernels for `launch_kernel`.
+#[derive(Clone, Default)]
+pub struct SimKernels {
+    names: Vec<String>,
+    kernels: Vec<Arc<SimKernelFn>>,
+}
+
+impl fmt::Debug for SimKernels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SimKernels")
+            .field("names", &self.names)
+            .finish()
+    }
+}
+
+impl SimKernels {
+    /// No kernels.
+    pub fn new() -> SimKernels {
+        SimKernels::default()
+    }
+
+    /// Registers (or replaces) the kernel called `name`.
+    pub fn register(
+        &mut self,
+        name: impl Into<String>,
+        kernel: impl Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String>
+            + Send
+            + Sync
+            + 'static,
+    ) {
+        let name = name.into();
+        match self.names.iter().position(|n| *n == name) {
+            Some(i) => self.kernels[i] = Arc::new(kernel),
+            None => {
+                self.names.push(name);
+                self.kernels.push(Arc::new(kernel));
+            }
+        }
+    }
+}
+
+/// What an injected fault does.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// The communication returns an error.
+    Error,
+    /// The rank thread panics.
+    Panic,
+    /// The rank stops (blocks) until the run is aborted.
+    Stall,
+}
+
+/// A fault injected for testing: rank `rank` fails when it posts its `at_comm`-th
+/// communication (0-based, counting every collective, permute and MoE op it posts).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// The rank.
+    pub rank: DeviceId,
+    /// Which communication (0-based).
+    pub at_comm: usize,
+    /// What happens.
+    pub kind: FaultKind,
+}
+
+/// Settings of the sim backend.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Worker streams per rank.
+    pub stream_pool: usize,
+    /// How long a receive waits for its peer.
+    pub timeout: Duration,
+    /// Check every buffer access against happens-before.
+    pub race_check: bool,
+    /// Fill fresh buffers with NaN / [`INT_POISON`](crate::runtime::data::INT_POISON).
+    pub poison: bool,
+    /// Injected faults.
+    pub faults: Vec<Fault>,
+    /// Kernels for `launch_kernel`.
+    pub kernels: SimKernels,
+}
+
+impl Default for SimConfig {
+    fn default() -> SimConfig {
+        SimConfig {
+            stream_pool: 4,
+            timeout: Duration::from_secs(5),
+            race_check: true,
+            poison: true,
+            faults: Vec::new(),
+            kernels: SimKernels::new(),
+        }
+    }
+}
+
+/// A sim buffer handle: a slot and its generation (so a stale handle is detected).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub struct SimBuffer {
+    slot: u32,
+    generation: u32,
+}
+
+#[derive(Debug)]
+struct SimBuf {
+    storage: Storage,
+    shape: Vec<u64>,
+    accesses: Vec<Access>,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    generation: u32,
+    buf: Option<SimBuf>,
+}
+
+/// A posted sim communication: the clock its completion stands for (when race checking).
+#[derive(Clone, Debug)]
+pub struct SimComm {
+    clock: Option<Arc<[u32]>>,
+}
+
+#[derive(Debug)]
+struct SimTeam {
+    fingerprint: u64,
+    seq: u64,
+}
+
+/// A started member of a coalescing group and its completion clock.
+type GroupMember = (comm::Exchange, Option<Arc<[u32]>>);
+
+/// The embedded CPU backend for one rank.
+#[derive(Debug)]
+pub struct SimBackend {
+    device: DeviceId,
+    fabric: Arc<Fabric>,
+    pool: usize,
+    timeout: Duration,
+    race_check: bool,
+    poison: bool,
+    faults: Vec<Fault>,
+    kernels: SimKernels,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    current: StreamIndex,
+    teams: Vec<SimTeam>,
+    clocks: Option<Clocks>,
+    group: Option<Vec<GroupMember>>,
+    posted: usize,
+}
+
+impl SimBackend {
+    /// The backend of rank `device` on a shared fabric.
+    pub fn new(device: DeviceId, fabric: Arc<Fabric>, config: &SimConfig) -> SimBackend {
+        SimBackend {
+            device,
+            fabric,
+            pool: config.stream_pool.max(1),
+            timeout: config.timeout,
+            race_check: config.race_check,
+            poison: config.poison,
+            faults: config
+                .faults
+                .iter()
+                .filter(|f| f.rank == device)
+                .copied()
+                .collect(),
+            kernels: config.kernels.clone(),
+            slots: Vec::new(),
+            free: Vec::new(),
+            current: StreamIndex::MAIN,
+            teams: Vec::new(),
+            clocks: None,
+            group: None,
+            posted: 0,
+        }
+    }
+
+    /// The fabric this rank uses.
+    pub fn fabric(&self) -> &Arc<Fabric> {
+        &self.fabric
+    }
+
+    fn buf(&self, b: SimBuffer) -> Result<&SimBuf, BackendError> {
+        self.slots
+            .get(b.slot as usize)
+            .filter(|s| s.generation == b.generation)
+            .and_then(|s| s.buf.as_ref())
+            .ok_or_else(|| BackendError::Invalid(format!("use of a released buffer {b:?}")))
+    }
+
+    fn buf_mut(&mut self, b: SimBuffer) -> Result<&mut SimBuf, BackendError> {
+        self.slots
+            .get_mut(b.slot as usize)
+            .filter(|s| s.generation == b.generation)
+            .and_then(|s| s.buf.as_mut())
+            .ok_or_else(|| BackendError::Invalid(format!("use of a released buffer {b:?}")))
+    }
+
+    fn view<'a>(&'a self, v: &'a TensorView<SimBuffer>) -> Result<View<'a>, BackendError> {
+        let b = self.buf(v.buffer)?;
+        View::new(
+            &b.storage,
+            v.offset,
+            Cow::Borrowed(&v.shape),
+            Cow::Borrowed(&v.strides),
+        )
+        .map_err(|e| BackendError::Invalid(e.to_string()))
+    }
+
+    /// Takes the storages of `views`' buffers out of their slots (they must be distinct).
+    fn take_storages(
+        &mut self,
+        views: &[&TensorView<SimBuffer>],
+    ) -> Result<Vec<Storage>, BackendError> {
+        for (i, a) in views.iter().enumerate() {
+            if views[..i].iter().any(|b| b.buffer == a.buffer) {
+                return Err(BackendError::Invalid(
+                    "two outputs of one instruction share a buffer".into(),
+                ));
+            }
+        }
+        let mut out = Vec::with_capacity(views.len());
+        for v in views {
+            let b = self.buf_mut(v.buffer)?;
+            out.push(std::mem::replace(&mut b.storage, Storage::F32(Vec::new())));
+        }
+        Ok(out)
+    }
+
+    fn put_storages(&mut self, views: &[&TensorView<SimBuffer>], storages: Vec<Storage>) {
+        for (v, s) in views.iter().zip(storages) {
+            if let Ok(b) = self.buf_mut(v.buffer) {
+                b.storage = s;
+            }
+        }
+    }
+
+    /// Runs `f` on writable views of `outputs` (distinct buffers).
+    fn write_views<R>(
+        &mut self,
+        outputs: &[&TensorView<SimBuffer>],
+        f: impl FnOnce(&mut [ViewMut<'_>]) -> Result<R, BackendError>,
+    ) -> Result<R, BackendError> {
+        let mut storages = self.take_storages(outputs)?;
+        let r = (|| {
+            let mut muts = Vec::with_capacity(outputs.len());
+            for (s, v) in storages.iter_mut().zip(outputs) {
+                muts.push(
+                    ViewMut::new(
+                        s,
+                        v.offset,
+                        Cow::Borrowed(&v.shape),
+                        Cow::Borrowed(&v.strides),
+                    )
+                    .map_err(|e| BackendError::Invalid(e.to_string()))?,
+                );
+            }
+            f(&mut muts)
+        })();
+        self.put_storages(outputs, storages);
+        r
+    }
+
+    /// Checks and records accesses (reads then writes) under `clock` on `timeline`/`epoch`.
+    #[allow(clippy::too_many_arguments)]
+    fn check_accesses(
+        &mut self,
+        reads: &[&TensorView<SimBuffer>],
+        writes: &[&TensorView<SimBuffer>],
+        timeline: usize,
+        epoch: u32,
+        clock: &[u32],
+        site: AccessSite,
+    ) -> Result<(), BackendError> {
+        let all = reads
+            .iter()
+            .map(|v| (*v, false))
+            .chain(writes.iter().map(|v| (*v, true)));
+        let mut regions = Vec::new();
+        for (v, write) in all {
+            let b = self.buf(v.buffer)?;
+            let region = Region::of(&b.shape, v);
+            if let Some(r) = race::conflict(&b.accesses, &b.shape, &region, write, clock) {
+                let mut later = site.clone();
+                later.write = write;
+                return Err(BackendError::Race(Box::new(RaceReport {
+                    tensor: v.tensor,
+                    earlier: r.site.clone(),
+                    later,
+                })));
+            }
+            regions.push((v.buffer, region, write));
+        }
+        for (buffer, region, write) in regions {
+            let mut s = site.clone();
+            s.write = write;
+            let access = Access {
+                region,
+                write,
+                timeline,
+                epoch,
+                site: s,
+            };
+            race::record(&mut self.buf_mut(buffer)?.accesses, access, clock);
+        }
+        Ok(())
+    }
+
+    /// Race-checks a compute op on the current stream.
+    fn check_compute(
+        &mut self,
+        reads: &[&TensorView<SimBuffer>],
+        writes: &[&TensorView<SimBuffer>],
+        ctx: InstCtx<'_>,
+    ) -> Result<(), BackendError> {
+        let current = self.current;
+        let Some(clocks) = self.clocks.as_mut() else {
+            return Ok(());
+        };
+        let (timeline, epoch, clock) = clocks.tick(current);
+        let clock = clock.to_vec();
+        let site = AccessSite {
+            inst: ctx.inst,
+            iteration: ctx.iteration.into(),
+            write: false,
+            comm_label: None,
+            stream: current,
+        };
+        self.check_accesses(reads, writes, timeline, epoch, &clock, site)
+    }
+
+    fn inject_fault(&mut self) -> Result<(), BackendError> {
+        let n = self.posted;
+        self.posted += 1;
+        let Some(fault) = self.faults.iter().find(|f| f.at_comm == n).copied() else {
+            return Ok(());
+        };
+        match fault.kind {
+            FaultKind::Error => Err(BackendError::InjectedFault { n, kind: "error" }),
+            FaultKind::Panic => panic!(
+                "injected panic on rank {} at communication #{n}",
+                self.device
+            ),
+            FaultKind::Stall => {
+                tracing::debug!(rank = self.device, "injected stall at communication #{n}");
+                // Stop until the others give up (bounded so a lone rank cannot hang).
+                self.fabric.stall(self.timeout.saturating_mul(20));
+                Err(BackendError::InjectedFault { n, kind: "stall" })
+            }
+        }
+    }
+}
+
+impl Backend for SimBackend {
+    type Buffer = SimBuffer;
+    type Comm = SimComm;
+
+    fn device(&self) -> DeviceId {
+        self.device
+    }
+
+    fn stream_pool_size(&self) -> usize {
+        self.pool
+    }
+
+    fn prepare(&mut self, info: &PlanInfo<'_>) -> Result<(), BackendError> {
+        self.teams = info
+            .teams
+            .iter()
+            .map(|t| SimTeam {
+                fingerprint: fabric::team_fingerprint(&t.members),
+                seq: 0,
+            })
+            .collect();
+        self.clocks = self
+            .race_check
+            .then(|| Clocks::new(self.pool, info.comm_labels));
+        self.current = StreamIndex::MAIN;
+        self.group = None;
+        Ok(())
+    }
+
+    fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<SimBuffer, BackendError> {
+        let n = super::data::numel_of(shape).map_err(|e| BackendError::Invalid(e.to_string()))?;
+        let storage = if self.poison {
+            Storage::poison(dtype, n as usize)
+        } else {
+            Storage::zeros(dtype, n as usize)
+        };
+        let buf = SimBuf {
+            storage,
+            shape: shape.to_vec(),
+            accesses: Vec::new(),
+        };
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot::default());
+                u32::try_from(self.slots.len() - 1)
+                    .map_err(|_| BackendError::Invalid("too many buffers".into()))?
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.buf = Some(buf);
+        Ok(SimBuffer {
+            slot,
+            generation: s.generation,
+        })
+    }
+
+    fn deallocate(&mut self, buffer: SimBuffer) -> Result<(), BackendError> {
+        // Execution is eager, so the work enqueued on the buffer is already done.
+        self.buf(buffer)?;
+        let s = &mut self.slots[buffer.slot as usize];
+        s.buf = None;
+        s.generation = s.generation.wrapping_add(1);
+        self.free.push(buffer.slot);
+        Ok(())
+    }
+
+    fn upload(&mut self, buffer: SimBuffer, data: &TensorData) -> Result<(), BackendError> {
+        let b = self.buf_mut(buffer)?;
+        if b.storage.len() != data.storage().len() || b.storage.dtype() != data.dtype() {
+            return Err(BackendError::Invalid(format!(
+                "uploading {} into a buffer of {} {}",
+                data.type_string(),
+                b.storage.len(),
+                b.storage.dtype()
+            )));
+        }
+        b.storage = data.storage().clone();
+        b.accesses.clear();
+        Ok(())
+    }
+
+    fn download(&mut self, view: &TensorView<SimBuffer>) -> Result<TensorData, BackendError> {
+        Ok(self.view(view)?.to_tensor())
+    }
+
+    fn set_current_stream(&mut self, stream: StreamIndex) -> Result<(), BackendError> {
+        if stream.0 > self.pool {
+            return Err(BackendError::Invalid(format!("no stream {}", stream.0)));
+        }
+        self.current = stream;
+        Ok(())
+    }
+
+    fn synchronize(&mut self, stream: StreamIndex, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
+        if stream.0 > self.pool {
+            return Err(BackendError::Invalid(format!("no stream {}", stream.0)));
+        }
+        let current = self.current;
+        if let Some(c) = self.clocks.as_mut() {
+            c.sync(current, stream);
+        }
+        Ok(())
+    }
+
+    fn compute(
+        &mut self,
+        op: &ComputeOp,
+        inputs: &[&TensorView<SimBuffer>],
+        outputs: &[&TensorView<SimBuffer>],
+        ctx: InstCtx<'_>,
+    ) -> Result<(), BackendError> {
+        self.check_compute(inputs, outputs, ctx)?;
+        let [out] = outputs else {
+            return Err(BackendError::Invalid(format!(
+                "{} has one output",
+                op.name()
+            )));
+        };
+        // Inputs in the output's buffer are copied first (in-place ops).
+        let copies = inputs
+            .iter()
+            .map(|v| {
+                (v.buffer == out.buffer)
+                    .then(|| self.view(v).map(|x| x.to_tensor()))
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut storages = self.take_storages(&[out])?;
+        let r = (|| {
+            let mut ins = Vec::with_capacity(inputs.len());
+            for (v, copy) in inputs.iter().zip(&copies) {
+                ins.push(match copy {
+                    Some(t) => View::of(t),
+                    None => self.view(v)?,
+                });
+            }
+            let mut o = ViewMut::new(
+                &mut storages[0],
+                out.offset,
+                Cow::Borrowed(&out.shape),
+                Cow::Borrowed(&out.strides),
+            )
+            .map_err(|e| BackendError::Invalid(e.to_string()))?;
+            cpu_ops::run_compute(op, &ins, &mut o).map_err(BackendError::from)
+        })();
+        self.put_storages(&[out], storages);
+        r
+    }
+
+    fn kernel(&self, name: &str) -> Option<KernelId> {
+        self.kernels
+            .names
+            .iter()
+            .position(|n| n == name)
+            .map(KernelId)
+    }
+
+    fn launch_kernel(
+        &mut self,
+        kernel: KernelId,
+        inputs: &[&TensorView<SimBuffer>],
+        outputs: &[&TensorView<SimBuffer>],
+        args: &[i64],
+        ctx: InstCtx<'_>,
+    ) -> Result<(), BackendError> {
+        let (Some(name), Some(f)) = (
+            self.kernels.names.get(kernel.0).cloned(),
+            self.kernels.kernels.get(kernel.0).cloned(),
+        ) else {
+            return Err(BackendError::Invalid(format!("unknown kernel {kernel:?}")));
+        };
+        self.check_compute(inputs, outputs, ctx)?;
+        let copies: Vec<TensorData> = inputs
+            .iter()
+            .map(|v| self.view(v).map(|x| x.to_tensor()))
+            .collect::<Result<_, _>>()?;
+        self.write_views(outputs, |outs| {
+            let ins: Vec<View<'_>> = copies.iter().map(View::of).collect();
+            f(&ins, outs, args).map_err(|message| BackendError::Kernel { name, message })
+        })
+    }
+
+    fn post(
+        &mut self,
+        request: &CommRequest<'_, SimBuffer>,
+        ctx: InstCtx<'_>,
+    ) -> Result<SimComm, BackendError> {
+        if self.fabric.aborted() {
+            return Err(self.fabric.abort_error());
+        }
+        self.inject_fault()?;
+        let slot = request.team().slot;
+        let team = self
+            .teams
+            .get_mut(slot)
+            .ok_or_else(|| BackendError::Invalid(format!("unknown team slot {slot}")))?;
+        team.seq += 1;
+        let tag = (team.fingerprint, team.seq);
+        let current = self.current;
+        let label = request.label();
+        let clock = match self.clocks.as_mut() {
+            Some(c) => {
+                let clock = c.post(current, label);
+                let timeline = c.comm_timeline(label);
+                let epoch = clock[timeline];
+                let (reads, writes) = comm::accesses(request);
+                let site = AccessSite {
+                    inst: ctx.inst,
+                    iteration: ctx.iteration.into(),
+                    write: false,
+                    comm_label: Some(label),
+                    stream: current,
+                };
+                self.check_accesses(&reads, &writes, timeline, epoch, &clock, site)?;
+                Some(clock)
+            }
+            None => None,
+        };
+        let exchange = comm::start(self, request, tag)?;
+        match self.group.as_mut() {
+            Some(g) => g.push((exchange, clock.clone())),
+            None => comm::finish(self, exchange)?,
+        }
+        Ok(SimComm { clock })
+    }
+
+    fn begin_group(&mut self) -> Result<(), BackendError> {
+        if self.group.is_some() {
+            return Err(BackendError::Invalid("nested coalescing group".into()));
+        }
+        self.group = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_group(&mut self, label: usize, _ctx: InstCtx<'_>) -> Result<SimComm, BackendError> {
+        let members = self
+            .group
+            .take()
+            .ok_or_else(|| BackendError::Invalid("end_coalescing without a group".into()))?;
+        let current = self.current;
+        let mut clock: Option<Vec<u32>> = self
+            .clocks
+            .as_mut()
+            .map(|c| c.post(current, label).to_vec());
+        for (exchange, member_clock) in members {
+            comm::finish(self, exchange)?;
+            if let (Some(c), Some(m)) = (clock.as_mut(), member_clock) {
+                race::join_into(c, &m);
+            }
+        }
+        Ok(SimComm {
+            clock: clock.map(Into::into),
+        })
+    }
+
+    fn wait(&mut self, comm: &SimComm, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
+        if self.fabric.aborted() {
+            return Err(self.fabric.abort_error());
+        }
+        let current = self.current;
+        if let (Some(c), Some(clock)) = (self.clocks.as_mut(), comm.clock.as_ref()) {
+            c.join(current, clock);
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self) -> Result<(), BackendError> {
+        if self.group.is_some() {
+            return Err(BackendError::Invalid(
+                "a coalescing group was never ended".into(),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,78 @@
+//! Chrome/Perfetto traces of a run: one `"X"` (complete) event per executed instruction, with
+//! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`.
+//! Open the JSON in `chrome://tracing` or <https://ui.perfetto.dev>.
+
+use std::fmt::Write as _;
+
+use meshflow_ir::DeviceId;
+
+/// One executed instruction.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TraceEvent {
+    /// The rank.
+    pub rank: DeviceId,
+    /// The stream index (0 = main, `1 + w` = worker `w`).
+    pub stream: usize,
+    /// The instruction kind.
+    pub name: &'static str,
+    /// The instruction text.
+    pub text: String,
+    /// Values of the enclosing loop variables.
+    pub iteration: Vec<i64>,
+    /// Start, in microseconds since the run started.
+    pub start_us: f64,
+    /// Duration in microseconds (host time spent issuing/executing the instruction).
+    pub dur_us: f64,
+}
+
+/// The events of every rank of a run.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Trace {
+    /// The events, ordered by rank then start time.
+    pub events: Vec<TraceEvent>,
+}
+
+fn escape(s: &str, out: &mut String) {
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+}
+
+impl Trace {
+    /// The trace as Chrome trace-event JSON.
+    pub fn to_json(&self) -> String {
+        let mut out = String::from("{\"traceEvents\":[");
+        for (i, e) in self.events.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            out.push_str("\n{\"ph\":\"X\",\"name\":\"");
+            escape(e.name, &mut out);
+            let _ = write!(
+                out,
+                "\",\"pid\":{},\"tid\":{},\"ts\":{:.3},\"dur\":{:.3},\"args\":{{\"inst\":\"",
+                e.rank, e.stream, e.start_us, e.dur_us
+            );
+            escape(&e.text, &mut out);
+            out.push_str("\",\"iteration\":\"");
+            let it: Vec<String> = e.iteration.iter().map(i64::to_string).collect();
+            escape(&it.join(","), &mut out);
+            out.push_str("\"}}");
+        }
+        out.push_str("\n],\"displayTimeUnit\":\"ns\"}\n");
+        out
+    }
+
+    /// Writes the JSON to `path`.
+    pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
+        std::fs::write(path, self.to_json())
+    }
+}
