@@ -144,7 +144,7 @@ impl DeviceBuffer {
 
     /// Number of `dtype` elements, or an error when the length is not a multiple of its size.
     pub fn elems(&self, dtype: DType) -> Result<usize> {
-        if self.len % dtype.size_bytes() != 0 {
+        if !self.len.is_multiple_of(dtype.size_bytes()) {
             return Err(KernelError::InvalidArgument(format!(
                 "buffer of {} bytes is not a whole number of {dtype} elements",
                 self.len
@@ -170,7 +170,7 @@ impl DeviceBuffer {
 
     /// Chunk `index` of `count` equal chunks (the length must divide evenly).
     pub fn chunk(&self, index: usize, count: usize) -> Result<DeviceBuffer> {
-        if count == 0 || index >= count || self.len % count != 0 {
+        if count == 0 || index >= count || !self.len.is_multiple_of(count) {
             return Err(KernelError::InvalidArgument(format!(
                 "chunk {index} of {count} of a buffer of {} bytes",
                 self.len

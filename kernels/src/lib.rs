@@ -8,7 +8,9 @@
 //! - CUDA C kernels in `kernels/cuda/*.cu`, compiled by NVRTC for the device's architecture and
 //!   cached: [`Kernels`] (elementwise add/sub/mul, gelu/silu, casts, strided copy / permute,
 //!   sum over an axis, fill);
-//! - NCCL through checked-in bindgen bindings loaded with libloading: [`nccl`].
+//! - NCCL through checked-in bindgen bindings loaded with libloading: [`nccl`];
+//! - MoE expert-parallel dispatch / combine over NCCL or NVLink peer memory: [`moe`] (its shape,
+//!   status and CPU reference exist without the `cuda` feature too).
 //!
 //! Every library is loaded at run time, so the `cuda` build compiles anywhere; a missing driver,
 //! GPU or library is a [`KernelError`] value, never a panic. Without the `cuda` feature only the
@@ -71,6 +73,7 @@ mod event;
 mod gemm;
 #[cfg(feature = "cuda")]
 mod kernels;
+pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 #[cfg(feature = "cuda")]

@@ -1,2 +1,38 @@
-//! meshflow-passes: the pass manager and every pass that lowers a sharded program to host IR.
+//! meshflow-passes: the pass manager and every pass that lowers a sharded level-1 program to
+//! the host IR.
+//!
+//! - [`manager`]: [`PassManager`], the pass traits ([`ProgramPass`], [`LowerPass`],
+//!   [`HostPass`]) and the shared [`PassContext`].
+//! - [`passes`]: one type per pass, named by a verb phrase (`PropagateShardings`,
+//!   `DecomposeReshardings`, `ChooseDecompositions`, `LowerToHost`, `SimplifyIndices`,
+//!   `AssignStreams`, `InsertAllocations`, `DeferWaits`, and the verifiers).
+//! - Analyses: [`analysis`] (shardings on top of `Layout`, op axis maps),
+//!   [`resharding`] (does a consumer need data its producer's device lacks),
+//!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
+//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (dominators of the
+//!   structured host program, with petgraph).
+//!
+//! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
+pub mod analysis;
+pub mod cost_model;
+pub mod decision;
+pub mod edit;
+pub mod error;
+pub mod explain;
+pub mod host_util;
+pub mod index;
+pub mod manager;
+pub mod passes;
+pub mod resharding;
+pub mod scope_tree;
+
+pub use cost_model::{CostModel, Transport};
+pub use error::PassError;
+pub use explain::{ExplainRecord, VariantCost};
+pub use manager::{
+    Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
+    PassOutput, PassTiming, ProgramPass,
+};

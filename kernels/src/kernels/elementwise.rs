@@ -211,7 +211,7 @@ impl Kernels {
                 )))
             }
         };
-        if dst.len() % elem_bytes != 0 {
+        if !dst.len().is_multiple_of(elem_bytes) {
             return Err(KernelError::InvalidArgument(format!(
                 "fill: {} bytes is not a whole number of {elem_bytes}-byte elements",
                 dst.len()

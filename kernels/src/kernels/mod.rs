@@ -20,6 +20,7 @@ use cudarc::driver::{result, sys};
 
 pub use elementwise::{fill_pattern, poison_bits};
 pub use layout::{StridedLayout, MAX_RANK};
+pub(crate) use sources::moe_reduce_name;
 pub use sources::Source;
 pub use user::{KernelArg, UserKernel};
 
@@ -188,7 +189,7 @@ impl Kernels {
     ///
     /// Callers guarantee that `args` match the kernel's parameters and that every address and
     /// extent they pass lies inside live buffers (each launcher checks this before calling).
-    fn launch(
+    pub(crate) fn launch(
         &self,
         stream: &Stream,
         source: Source,

@@ -22,6 +22,8 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
+    /// `moe.cu`: MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]).
+    Moe,
 }
 
 /// The float types the elementwise, cast and reduction kernels are instantiated for.
@@ -38,12 +40,13 @@ pub(crate) const SUM_TYPES: [(DType, DType); 5] = [
 
 impl Source {
     /// Every source.
-    pub const ALL: [Source; 5] = [
+    pub const ALL: [Source; 6] = [
         Source::Elementwise,
         Source::Cast,
         Source::Copy,
         Source::Reduce,
         Source::Fill,
+        Source::Moe,
     ];
 
     /// File name under `kernels/cuda/`.
@@ -54,6 +57,7 @@ impl Source {
             Source::Copy => "copy.cu",
             Source::Reduce => "reduce.cu",
             Source::Fill => "fill.cu",
+            Source::Moe => "moe.cu",
         }
     }
 
@@ -65,6 +69,7 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
+            Source::Moe => include_str!("../../cuda/moe.cu"),
         }
     }
 
@@ -111,8 +116,37 @@ impl Source {
                 .flat_map(|(i, o)| [sum_name("axis", *i, *o), sum_name("rows", *i, *o)])
                 .collect(),
             Source::Fill => [1, 2, 4, 8].iter().map(|b| format!("fill_b{b}")).collect(),
+            Source::Moe => moe_functions(),
         }
     }
+}
+
+/// The kernels of `moe.cu`: dtype-free row movers plus the typed combine reductions.
+fn moe_functions() -> Vec<String> {
+    let mut v: Vec<String> = [
+        "moe_route",
+        "moe_nccl_dispatch_pack",
+        "moe_nvl_dispatch_send",
+        "moe_nvl_dispatch_recv",
+        "moe_nccl_dispatch_scan",
+        "moe_nccl_dispatch_unpack",
+        "moe_nvl_combine_send",
+        "moe_nccl_combine_pack",
+        "moe_nccl_combine_index",
+    ]
+    .iter()
+    .map(|s| (*s).to_owned())
+    .collect();
+    for d in FLOATS {
+        v.push(moe_reduce_name("nvl_combine_recv", d));
+        v.push(moe_reduce_name("nccl_combine_reduce", d));
+    }
+    v
+}
+
+/// Name of a typed MoE combine reduction (`moe_<kind>_<dtype>`).
+pub(crate) fn moe_reduce_name(kind: &str, d: DType) -> String {
+    format!("moe_{kind}_{}", d.name())
 }
 
 pub(crate) fn binary_name(op: BinaryOp, d: DType) -> String {
@@ -157,6 +191,14 @@ mod tests {
             assert!(text(Source::Copy).contains(&format!("MF_COPY({b},")));
             assert!(text(Source::Fill).contains(&format!("MF_FILL({b},")));
         }
+        for f in Source::Moe.functions() {
+            let literal = text(Source::Moe).contains(&format!(" {f}("));
+            let typed = ["f32", "bf16", "f16"].iter().any(|d| {
+                f.ends_with(&format!("_{d}"))
+                    && text(Source::Moe).contains(&format!("MOE_REDUCE({d})"))
+            });
+            assert!(literal || typed, "{f} missing from moe.cu");
+        }
     }
 
     #[test]
@@ -166,7 +208,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + 15);
     }
 
     #[test]

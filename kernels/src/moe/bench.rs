@@ -1,0 +1,295 @@
+//! Latency of dispatch and combine on the GPUs of this process, for `meshflow bench moe`.
+//!
+//! Every rank runs in its own thread. After warm-up the ranks synchronize once, then queue
+//! `iters` steps back to back (no host synchronization inside the timed loop, so the GPUs run in
+//! lockstep through the transport's own waits); CUDA events around `dispatch` (send + recv) and
+//! `combine` (send + recv) time each step on each rank. A step's time is the slowest rank's;
+//! the result is the median over steps. The expert computation is the identity (`expert_y` is
+//! `expert_x`, so `F = H`).
+
+use std::sync::Barrier;
+
+use super::{MoeShape, MoeTransport, NcclMoe, NvlinkMoe, TransportKind};
+use crate::buffer::DeviceBuffer;
+use crate::device::Device;
+use crate::dtype::DType;
+use crate::error::{KernelError, Result};
+use crate::event::Event;
+use crate::nccl::{Comm, NcclLib};
+use crate::stream::Stream;
+
+/// One benchmark configuration (per rank).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BenchCase {
+    /// Tokens per rank `T`.
+    pub tokens: usize,
+    /// Token width `H` (= `F`).
+    pub hidden: usize,
+    /// Experts per token `K`.
+    pub top_k: usize,
+    /// Experts `E`.
+    pub experts: usize,
+    /// Element type.
+    pub dtype: DType,
+    /// Timed steps.
+    pub iters: usize,
+    /// Untimed steps first.
+    pub warmup: usize,
+}
+
+impl BenchCase {
+    /// The DeepSeek-V3-like decode case of DESIGN.md §8 at `tokens` tokens per rank: H = 7168,
+    /// K = 8, E = 256, bf16, 50 timed steps after 10 warm-up steps.
+    pub fn deepseek(tokens: usize) -> BenchCase {
+        BenchCase {
+            tokens,
+            hidden: 7168,
+            top_k: 8,
+            experts: 256,
+            dtype: DType::BF16,
+            iters: 50,
+            warmup: 10,
+        }
+    }
+}
+
+/// The measured latency of one transport on one case.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BenchResult {
+    /// The transport.
+    pub transport: TransportKind,
+    /// The layer shape run (capacity chosen from the generated routing).
+    pub shape: MoeShape,
+    /// Median over steps of the slowest rank's dispatch (send + recv), in µs.
+    pub dispatch_us: f64,
+    /// Median over steps of the slowest rank's combine (send + recv), in µs.
+    pub combine_us: f64,
+    /// Whether every rank's status word stayed clean (no overflow, no timeout).
+    pub status_ok: bool,
+}
+
+/// Small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+}
+
+/// Uniform routing: `K` distinct experts per token, for every rank.
+fn routing(case: &BenchCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
+    let mut rng = Rng(seed | 1);
+    (0..world)
+        .map(|_| {
+            let mut idx = Vec::with_capacity(case.tokens * case.top_k);
+            for _ in 0..case.tokens {
+                let start = idx.len();
+                while idx.len() - start < case.top_k {
+                    let e = rng.below(case.experts) as i32;
+                    if !idx[start..].contains(&e) {
+                        idx.push(e);
+                    }
+                }
+            }
+            idx
+        })
+        .collect()
+}
+
+/// Runs `case` on `devices` (one rank per device) with each of `transports`.
+pub fn bench_moe(
+    devices: &[Device],
+    case: &BenchCase,
+    transports: &[TransportKind],
+) -> Result<Vec<BenchResult>> {
+    let world = devices.len();
+    if world == 0 || case.iters == 0 {
+        return Err(KernelError::InvalidArgument(
+            "MoE bench needs devices and iterations".into(),
+        ));
+    }
+    let idx = routing(case, world, 0x5EED ^ case.tokens as u64);
+    let mut per_expert = vec![0usize; case.experts];
+    for e in idx.iter().flatten() {
+        per_expert[*e as usize] += 1;
+    }
+    let max = per_expert.iter().copied().max().unwrap_or(0);
+    let shape = MoeShape {
+        world,
+        experts: case.experts,
+        top_k: case.top_k,
+        tokens: case.tokens,
+        hidden: case.hidden,
+        out_hidden: case.hidden,
+        capacity: (max + max / 8 + 4).div_ceil(16) * 16,
+        dtype: case.dtype,
+    };
+    shape.validate()?;
+    let mut results = Vec::new();
+    for &kind in transports {
+        let (dispatch_us, combine_us, status_ok) = match kind {
+            TransportKind::Nvlink => {
+                let ranks = NvlinkMoe::team(devices, &shape)?;
+                run(devices, case, &idx, ranks)?
+            }
+            TransportKind::Nccl => {
+                let lib = NcclLib::load()?;
+                let comms = Comm::init_all(&lib, devices)?;
+                let ranks = comms
+                    .into_iter()
+                    .map(|c| NcclMoe::new(c, &shape))
+                    .collect::<Result<Vec<_>>>()?;
+                run(devices, case, &idx, ranks)?
+            }
+        };
+        results.push(BenchResult {
+            transport: kind,
+            shape,
+            dispatch_us,
+            combine_us,
+            status_ok,
+        });
+    }
+    Ok(results)
+}
+
+/// Per-rank timings: `(dispatch ms, combine ms)` per step, and whether the status stayed clean.
+type RankTimes = (Vec<(f32, f32)>, bool);
+
+fn run<T: MoeTransport>(
+    devices: &[Device],
+    case: &BenchCase,
+    idx: &[Vec<i32>],
+    ranks: Vec<T>,
+) -> Result<(f64, f64, bool)> {
+    let barrier = Barrier::new(devices.len());
+    let times: Vec<Result<RankTimes>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ranks
+            .into_iter()
+            .zip(devices)
+            .zip(idx)
+            .map(|((t, dev), idx)| {
+                let barrier = &barrier;
+                scope.spawn(move || rank_loop(t, dev, case, idx, barrier))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(KernelError::InvalidArgument("bench thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let times = times.into_iter().collect::<Result<Vec<_>>>()?;
+    let status_ok = times.iter().all(|(_, ok)| *ok);
+    let step_max = |pick: fn(&(f32, f32)) -> f32| -> f64 {
+        let mut v: Vec<f64> = (0..case.iters)
+            .map(|i| {
+                times
+                    .iter()
+                    .map(|(t, _)| pick(&t[i]) as f64)
+                    .fold(0.0, f64::max)
+                    * 1e3
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    Ok((step_max(|t| t.0), step_max(|t| t.1), status_ok))
+}
+
+/// One rank's bench: warm-up, then the timed steps. Both team-wide barriers are always reached
+/// (an error is returned after them), so one failing rank cannot leave the others waiting.
+fn rank_loop<T: MoeTransport>(
+    mut t: T,
+    dev: &Device,
+    case: &BenchCase,
+    idx: &[i32],
+    barrier: &Barrier,
+) -> Result<RankTimes> {
+    let s = *t.shape();
+    let stream = Stream::new(dev)?;
+    let x = DeviceBuffer::alloc(dev, s.tokens * s.x_row_bytes())?;
+    let topk = DeviceBuffer::from_slice(&stream, idx)?;
+    let w = DeviceBuffer::from_slice(&stream, &vec![1.0f32 / s.top_k as f32; s.tokens * s.top_k])?;
+    let out = DeviceBuffer::alloc(dev, s.tokens * s.y_row_bytes())?;
+    let (ex, counts, routing) = (
+        t.expert_x().clone(),
+        t.expert_counts().clone(),
+        t.routing().clone(),
+    );
+    let warm = (|| -> Result<()> {
+        x.memset(&stream, 0x3C)?;
+        for _ in 0..case.warmup {
+            t.dispatch(&stream, &x, &topk)?;
+            t.combine(&stream, &ex, &counts, &routing, &w, &out)?;
+        }
+        stream.synchronize()
+    })();
+    barrier.wait();
+    let timed = warm.and_then(|()| {
+        let mut events = Vec::with_capacity(case.iters);
+        for _ in 0..case.iters {
+            let e = [
+                Event::timing(dev)?,
+                Event::timing(dev)?,
+                Event::timing(dev)?,
+            ];
+            e[0].record(&stream)?;
+            t.dispatch(&stream, &x, &topk)?;
+            e[1].record(&stream)?;
+            t.combine(&stream, &ex, &counts, &routing, &w, &out)?;
+            e[2].record(&stream)?;
+            events.push(e);
+        }
+        stream.synchronize()?;
+        let times = events
+            .iter()
+            .map(|e| {
+                Ok((
+                    Event::elapsed_ms(&e[0], &e[1])?,
+                    Event::elapsed_ms(&e[1], &e[2])?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok((times, t.status(&stream)?.is_ok()))
+    });
+    // Every rank must be done with its peers' memory before any transport is dropped.
+    let _ = stream.synchronize();
+    barrier.wait();
+    timed
+}
+
+/// The results as a text table (one line per transport and case).
+pub fn format_bench_table(results: &[BenchResult]) -> String {
+    let mut s = String::from(
+        "transport  W     T     H  K    E   C  dtype  dispatch_us  combine_us  status\n",
+    );
+    for r in results {
+        let sh = &r.shape;
+        s.push_str(&format!(
+            "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>3}  {:<5} {:>11.1} {:>11.1}  {}\n",
+            r.transport.name(),
+            sh.world,
+            sh.tokens,
+            sh.hidden,
+            sh.top_k,
+            sh.experts,
+            sh.capacity,
+            sh.dtype.name(),
+            r.dispatch_us,
+            r.combine_us,
+            if r.status_ok { "ok" } else { "FLAGGED" }
+        ));
+    }
+    s
+}

@@ -1,0 +1,280 @@
+//! MoE expert-parallel dispatch and combine (DESIGN.md §6; the host IR's `moe_dispatch` /
+//! `moe_combine`).
+//!
+//! A team of `W` ranks holds `E` experts, `L = E / W` per rank; expert `e` lives on rank `e / L`
+//! as local expert `e % L`. Every rank has `T` tokens `x[T, H]`, their top-k expert ids
+//! `topk_idx[T, K]` (i32, distinct per token) and weights `w[T, K]` (f32).
+//!
+//! - **Dispatch** sends row `x[t]` of every `(t, k)` to expert `topk_idx[t, k]` and produces on
+//!   each rank `expert_counts[L]` (i32), `expert_x[L, C, H]` (rows past a count are zero) and
+//!   `routing[L, C, 2]` (i32: team-global token `src_rank * T + t`, and `k`; zero past a count).
+//!   The row order inside an expert is unspecified (it comes from atomics); counts and the row
+//!   multiset are exact. `C` (the capacity) is a host-known upper bound: rows past it are
+//!   dropped on the device and [`MoeStatus::overflow`] is raised, never a memory corruption.
+//! - **Combine** takes `expert_y[L, C, F]` with the dispatch's counts and routing, returns every
+//!   valid row to its token's rank and computes `out[t] = Σ_k w[t, k] · y(t, k)` in f32, in `k`
+//!   order without FMA contraction, rounded once (bit-identical to [`reference_combine`]). A
+//!   `(t, k)` whose row was dropped contributes nothing.
+//!
+//! Two transports implement [`MoeTransport`] (feature `cuda`):
+//! - [`NcclMoe`]: counts by a device histogram, exchanged with NCCL; rows packed into padded
+//!   per-destination blocks (sized by the bound `T · min(K, L)` rows) and moved with grouped
+//!   send/recv, unpacked on the device. No host reads of counts.
+//! - [`NvlinkMoe`]: peer-mapped receive buffers; senders reserve each row in the receiver's
+//!   per-expert counter with a system-scope atomic, store it straight into the peer's `expert_x`
+//!   with 16-byte stores and raise epoch flags (release, system scope) that receivers acquire. Ranks live in
+//!   one process ([`NvlinkMoe::team`]) or in several (CUDA IPC: [`NvlinkMoe::new_ipc`],
+//!   [`NvlinkMoe::export_handles`], [`NvlinkMoe::import_handles`]).
+//!
+//! Every method only enqueues work on the given stream: there is no GPU→CPU synchronization in
+//! dispatch or combine. The device-side status ([`MoeTransport::status`]) is read separately,
+//! outside the hot path.
+//!
+//! **Protocol contract.** Each rank calls, per step and in this order, `dispatch_send`,
+//! `dispatch_recv`, `combine_send`, `combine_recv` (the object checks the order), on streams of
+//! its device that the caller keeps in this order (one stream is simplest; other work may run in
+//! between). Every rank of the team takes part in every step. Reading `expert_x` (the expert
+//! computation) must be ordered before this rank's `combine_send`, and reading `out` after
+//! `combine_recv`: peers reuse the buffers in the next step, and the ordering chain
+//! `combine_send(s)` → peers' `combine_recv(s)` → peers' `dispatch_send(s + 1)` is what makes
+//! that safe without extra round trips.
+
+mod reference;
+
+pub use reference::{reference_combine, reference_dispatch, round_to, ReferenceDispatch};
+
+#[cfg(feature = "cuda")]
+mod bench;
+#[cfg(feature = "cuda")]
+mod ipc;
+#[cfg(feature = "cuda")]
+mod launch;
+#[cfg(feature = "cuda")]
+mod nccl;
+#[cfg(feature = "cuda")]
+mod nvlink;
+#[cfg(feature = "cuda")]
+mod transport;
+
+#[cfg(feature = "cuda")]
+pub use bench::{bench_moe, format_bench_table, BenchCase, BenchResult};
+#[cfg(feature = "cuda")]
+pub use nccl::NcclMoe;
+#[cfg(feature = "cuda")]
+pub use nvlink::NvlinkMoe;
+#[cfg(feature = "cuda")]
+pub use transport::MoeTransport;
+
+use crate::dtype::DType;
+use crate::error::{KernelError, Result};
+
+/// The shape of one MoE layer on an expert-parallel team; identical on every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Team size `W`.
+    pub world: usize,
+    /// Experts `E` (a multiple of `W`).
+    pub experts: usize,
+    /// Experts per token `K` (`1 ..= E`).
+    pub top_k: usize,
+    /// Tokens per rank `T` (may be 0).
+    pub tokens: usize,
+    /// Token width `H` (elements of `x` and `expert_x` rows).
+    pub hidden: usize,
+    /// Expert output width `F` (elements of `expert_y` and `out` rows).
+    pub out_hidden: usize,
+    /// Rows per local expert `C` (the host-known upper bound).
+    pub capacity: usize,
+    /// Element type of `x`, `expert_x`, `expert_y` and `out` (f32, bf16 or f16).
+    pub dtype: DType,
+}
+
+impl MoeShape {
+    /// Local experts per rank, `L = E / W`.
+    pub fn local_experts(&self) -> usize {
+        self.experts / self.world.max(1)
+    }
+
+    /// The most rows one rank can send to one other rank in a dispatch: `T · min(K, L)` (top-k
+    /// ids are distinct per token).
+    pub fn pair_rows(&self) -> usize {
+        self.tokens * self.top_k.min(self.local_experts())
+    }
+
+    /// The most rows one rank can return to one other rank in a combine: `min(L · C, T · K)`.
+    pub fn combine_pair_rows(&self) -> usize {
+        (self.local_experts() * self.capacity).min(self.pair_rows())
+    }
+
+    /// Bytes of one `x` row.
+    pub fn x_row_bytes(&self) -> usize {
+        self.hidden * self.dtype.size_bytes()
+    }
+
+    /// Bytes of one `expert_y` / `out` row.
+    pub fn y_row_bytes(&self) -> usize {
+        self.out_hidden * self.dtype.size_bytes()
+    }
+
+    /// Checks the invariants (sizes, divisibility, dtype, index ranges that must fit in i32).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: String| {
+            Err(KernelError::InvalidArgument(format!(
+                "MoE shape {self:?}: {why}"
+            )))
+        };
+        if self.world == 0 {
+            return bad("the team is empty".into());
+        }
+        if self.experts < self.world || !self.experts.is_multiple_of(self.world) {
+            return bad(format!(
+                "{} experts cannot be split evenly over {} ranks",
+                self.experts, self.world
+            ));
+        }
+        if self.top_k == 0 || self.top_k > self.experts {
+            return bad(format!(
+                "top-k {} is outside 1..={}",
+                self.top_k, self.experts
+            ));
+        }
+        if !matches!(self.dtype, DType::F32 | DType::BF16 | DType::F16) {
+            return bad(format!("dtype {} is not a float type", self.dtype));
+        }
+        if self.hidden == 0 || self.out_hidden == 0 || self.capacity == 0 {
+            return bad("hidden, out_hidden and capacity must be positive".into());
+        }
+        let limit = i32::MAX as usize;
+        let fits = |v: Option<usize>| v.is_some_and(|v| v < limit);
+        if !fits(
+            self.world
+                .checked_mul(self.tokens)
+                .and_then(|v| v.checked_mul(self.top_k)),
+        ) || !fits(self.local_experts().checked_mul(self.capacity))
+            || !fits(self.world.checked_mul(self.pair_rows()))
+        {
+            return bad("row counts do not fit in i32".into());
+        }
+        Ok(())
+    }
+}
+
+/// The device-side status word of a transport: sticky error bits raised by its kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MoeStatus(pub u32);
+
+impl MoeStatus {
+    /// An expert received more than `C` rows; the extra rows were dropped.
+    pub const OVERFLOW: u32 = 1;
+    /// A `topk_idx` entry was not an expert id; its row was skipped.
+    pub const BAD_EXPERT: u32 = 2;
+    /// Combine met counts or routing that no dispatch of this shape produces; rows skipped.
+    pub const BAD_ROUTING: u32 = 4;
+    /// A receiver waited longer than the timeout for a peer's flag (a dead or absent peer).
+    pub const TIMEOUT: u32 = 8;
+
+    /// Whether no bit is set.
+    pub fn is_ok(self) -> bool {
+        self.0 == 0
+    }
+    /// [`Self::OVERFLOW`] is set.
+    pub fn overflow(self) -> bool {
+        self.0 & Self::OVERFLOW != 0
+    }
+    /// [`Self::BAD_EXPERT`] is set.
+    pub fn bad_expert(self) -> bool {
+        self.0 & Self::BAD_EXPERT != 0
+    }
+    /// [`Self::BAD_ROUTING`] is set.
+    pub fn bad_routing(self) -> bool {
+        self.0 & Self::BAD_ROUTING != 0
+    }
+    /// [`Self::TIMEOUT`] is set.
+    pub fn timeout(self) -> bool {
+        self.0 & Self::TIMEOUT != 0
+    }
+}
+
+/// Which transport moves the rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportKind {
+    /// NCCL grouped send/recv of padded per-destination blocks ([`NcclMoe`]).
+    Nccl,
+    /// Direct stores into peer-mapped memory with device-side flags ([`NvlinkMoe`]).
+    Nvlink,
+}
+
+impl TransportKind {
+    /// Short name (`nccl`, `nvlink`).
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Nccl => "nccl",
+            TransportKind::Nvlink => "nvlink",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> MoeShape {
+        MoeShape {
+            world: 2,
+            experts: 256,
+            top_k: 8,
+            tokens: 128,
+            hidden: 7168,
+            out_hidden: 7168,
+            capacity: 32,
+            dtype: DType::BF16,
+        }
+    }
+
+    #[test]
+    fn derived_sizes() {
+        let s = shape();
+        assert_eq!(s.local_experts(), 128);
+        assert_eq!(s.pair_rows(), 1024);
+        assert_eq!(s.combine_pair_rows(), 1024);
+        assert_eq!(s.x_row_bytes(), 14336);
+        let few = MoeShape {
+            experts: 2,
+            top_k: 2,
+            ..s
+        };
+        assert_eq!(few.pair_rows(), 128);
+        assert_eq!(few.combine_pair_rows(), 32);
+        assert!(s.validate().is_ok());
+    }
+
+    #[test]
+    fn invalid_shapes_are_errors() {
+        let s = shape();
+        for bad in [
+            MoeShape { world: 0, ..s },
+            MoeShape { experts: 255, ..s },
+            MoeShape { experts: 1, ..s },
+            MoeShape { top_k: 0, ..s },
+            MoeShape { top_k: 257, ..s },
+            MoeShape {
+                dtype: DType::I32,
+                ..s
+            },
+            MoeShape { capacity: 0, ..s },
+            MoeShape {
+                tokens: usize::MAX / 4,
+                ..s
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn status_bits() {
+        let s = MoeStatus(MoeStatus::OVERFLOW | MoeStatus::TIMEOUT);
+        assert!(s.overflow() && s.timeout() && !s.bad_expert() && !s.bad_routing() && !s.is_ok());
+        assert!(MoeStatus::default().is_ok());
+    }
+}

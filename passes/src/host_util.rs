@@ -1,0 +1,223 @@
+//! Helpers over host programs: tensor references, views, communications, compaction.
+
+use std::collections::{BTreeSet, HashMap};
+
+use meshflow_ir::host::{Block, CommId, HostTensorId, Inst, InstKind};
+use meshflow_ir::{Arena, EntityRef, HostProgram};
+
+/// Calls `f` on every instruction of `block` (pre-order), with its path of indices.
+pub fn walk_paths(block: &Block, f: &mut impl FnMut(&Inst, &[usize])) {
+    fn rec(block: &Block, prefix: &mut Vec<usize>, f: &mut impl FnMut(&Inst, &[usize])) {
+        for (k, inst) in block.iter().enumerate() {
+            prefix.push(k);
+            f(inst, prefix);
+            if let InstKind::ForLoop { body, .. } = &inst.kind {
+                rec(body, prefix, f);
+            }
+            prefix.pop();
+        }
+    }
+    rec(block, &mut Vec::new(), f);
+}
+
+/// View -> the tensor it views (from every `shard_by_stream`).
+pub fn view_inputs(host: &HostProgram) -> HashMap<HostTensorId, HostTensorId> {
+    let mut out = HashMap::new();
+    host.walk(&mut |inst, _| {
+        if let InstKind::ShardByStream { out: v, input, .. } = &inst.kind {
+            out.insert(*v, *input);
+        }
+    });
+    out
+}
+
+/// The buffer a tensor (or view of a view ...) lives in.
+pub fn base_of(views: &HashMap<HostTensorId, HostTensorId>, mut t: HostTensorId) -> HostTensorId {
+    let mut guard = 0;
+    while let Some(&b) = views.get(&t) {
+        t = b;
+        guard += 1;
+        if guard > views.len() {
+            break;
+        }
+    }
+    t
+}
+
+/// Per communication label: the tensors it reads and the tensors it writes.
+pub fn comm_io(host: &HostProgram) -> HashMap<CommId, (Vec<HostTensorId>, Vec<HostTensorId>)> {
+    let mut out: HashMap<CommId, (Vec<HostTensorId>, Vec<HostTensorId>)> = HashMap::new();
+    host.walk(&mut |inst, _| {
+        if inst.kind.is_communication() {
+            if let Some(id) = inst.kind.comm_id() {
+                let e = out.entry(id).or_default();
+                e.0.extend(inst.kind.reads());
+                e.1.extend(inst.kind.writes());
+            }
+        }
+    });
+    out
+}
+
+/// Rewrites every tensor handle of `kind` (and of a loop body) with `f`.
+pub fn map_tensors(kind: &mut InstKind, f: &mut impl FnMut(HostTensorId) -> HostTensorId) {
+    let mut m = |t: &mut HostTensorId| *t = f(*t);
+    match kind {
+        InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => m(tensor),
+        InstKind::ForLoop { body, .. } => {
+            for inst in body {
+                map_tensors(&mut inst.kind, f);
+            }
+        }
+        InstKind::ShardByStream { out, input, .. } => {
+            m(out);
+            m(input);
+        }
+        InstKind::Communication { input, output, .. }
+        | InstKind::CollectivePermute { input, output, .. } => {
+            m(input);
+            m(output);
+        }
+        InstKind::MoeDispatch {
+            x,
+            topk_idx,
+            expert_x,
+            expert_counts,
+            routing,
+            ..
+        } => {
+            for t in [x, topk_idx, expert_x, expert_counts, routing] {
+                m(t);
+            }
+        }
+        InstKind::MoeCombine {
+            expert_y,
+            expert_counts,
+            routing,
+            topk_weights,
+            out,
+            ..
+        } => {
+            for t in [expert_y, expert_counts, routing, topk_weights, out] {
+                m(t);
+            }
+        }
+        InstKind::Compute {
+            inputs, outputs, ..
+        }
+        | InstKind::LaunchKernel {
+            inputs, outputs, ..
+        } => {
+            for t in inputs.iter_mut().chain(outputs.iter_mut()) {
+                m(t);
+            }
+        }
+        InstKind::GetCurrentStream { .. }
+        | InstKind::SetCurrentStream { .. }
+        | InstKind::Synchronize { .. }
+        | InstKind::Wait { .. }
+        | InstKind::StartCoalescing
+        | InstKind::EndCoalescing { .. } => {}
+    }
+}
+
+/// Drops internal tensors no instruction names (renumbering the rest).
+pub fn compact_tensors(host: &mut HostProgram) {
+    let mut used = BTreeSet::new();
+    host.walk(&mut |inst, _| used.extend(inst.kind.tensors()));
+    let keep = |id: HostTensorId, role: meshflow_ir::Role| {
+        role != meshflow_ir::Role::Internal || used.contains(&id)
+    };
+    if host.tensors.iter().all(|(id, t)| keep(id, t.role)) {
+        return;
+    }
+    let mut remap = vec![None; host.tensors.len()];
+    let mut tensors = Arena::new();
+    for (id, t) in host.tensors.iter() {
+        if keep(id, t.role) {
+            remap[id.index()] = Some(tensors.push(t.clone()));
+        }
+    }
+    host.tensors = tensors;
+    let mut f = |t: HostTensorId| remap.get(t.index()).copied().flatten().unwrap_or(t);
+    for inst in &mut host.body {
+        map_tensors(&mut inst.kind, &mut f);
+    }
+}
+
+/// True when the block (recursively) holds an instruction satisfying `pred`.
+pub fn any_deep(block: &Block, pred: &impl Fn(&InstKind) -> bool) -> bool {
+    block.iter().any(|inst| {
+        pred(&inst.kind)
+            || matches!(&inst.kind, InstKind::ForLoop { body, .. } if any_deep(body, pred))
+    })
+}
+
+/// The block at `path` (a list of loop indices from the top), mutably.
+pub fn block_at_mut<'a>(body: &'a mut Block, path: &[usize]) -> Option<&'a mut Block> {
+    let mut block = body;
+    for &k in path {
+        match &mut block.get_mut(k)?.kind {
+            InstKind::ForLoop { body, .. } => block = body,
+            _ => return None,
+        }
+    }
+    Some(block)
+}
+
+/// The block at `path`.
+pub fn block_at<'a>(body: &'a Block, path: &[usize]) -> Option<&'a Block> {
+    let mut block = body;
+    for &k in path {
+        match &block.get(k)?.kind {
+            InstKind::ForLoop { body, .. } => block = body,
+            _ => return None,
+        }
+    }
+    Some(block)
+}
+
+/// True for the join loop `assign_streams` emits after a stream loop.
+pub fn is_join_loop(inst: &Inst) -> bool {
+    matches!(&inst.kind, InstKind::ForLoop { body, .. }
+        if !body.is_empty() && body.iter().all(|i| matches!(i.kind, InstKind::Synchronize { .. })))
+}
+
+/// Index to insert before so as to come before the loop at `k` and its stream prologue.
+pub fn before_prologue(block: &Block, k: usize) -> usize {
+    let is_loop = matches!(
+        block.get(k).map(|i| &i.kind),
+        Some(InstKind::ForLoop { .. })
+    );
+    let prologue = k > 0
+        && matches!(
+            block.get(k - 1).map(|i| &i.kind),
+            Some(InstKind::GetCurrentStream { .. })
+        );
+    if is_loop && prologue {
+        k - 1
+    } else {
+        k
+    }
+}
+
+/// Index to insert at so as to come after the instruction at `k` and, for a stream loop, its
+/// epilogue (`set_current_stream s; for .. { synchronize worker(..) }`).
+pub fn after_epilogue(block: &Block, k: usize) -> usize {
+    let is_loop = matches!(
+        block.get(k).map(|i| &i.kind),
+        Some(InstKind::ForLoop { .. })
+    );
+    let restore = matches!(
+        block.get(k + 1).map(|i| &i.kind),
+        Some(InstKind::SetCurrentStream {
+            stream: meshflow_ir::StreamRef::Var(_)
+        })
+    );
+    let join = block.get(k + 2).is_some_and(is_join_loop);
+    if is_loop && restore && join {
+        k + 3
+    } else {
+        k + 1
+    }
+}

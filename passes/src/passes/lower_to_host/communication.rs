@@ -1,0 +1,429 @@
+//! Communication lowering: one resharding `set` to the communication of its decision-table
+//! row. Teams are mesh slices along the parallel type (`slice(m, pt)`), so 2-D meshes work;
+//! transfers between meshes use explicit device teams. Collectives exchange chunks along axis
+//! 0: when the exchanged axis is not outermost (or a view is not contiguous), the data is
+//! staged through a `permute` (or `copy`) into a temporary and back.
+
+use meshflow_ir::host::{CommKind, ComputeOp, Expr, HostTensorId, Inst, InstKind, ReduceOp, Team};
+use meshflow_ir::{DeviceId, TensorId};
+
+use super::loop_nest::LoopCtx;
+use super::Lowering;
+use crate::decision::{decide, Decision};
+use crate::error::PassError;
+
+/// `[a, 0, 1, .., a-1, a+1, ..]`.
+fn to_front(rank: usize, a: usize) -> Vec<usize> {
+    std::iter::once(a)
+        .chain((0..rank).filter(|&v| v != a))
+        .collect()
+}
+
+fn inverse(perm: &[usize]) -> Vec<usize> {
+    let mut inv = vec![0; perm.len()];
+    for (k, &p) in perm.iter().enumerate() {
+        if let Some(slot) = inv.get_mut(p) {
+            *slot = k;
+        }
+    }
+    inv
+}
+
+fn permute_op(perm: Vec<usize>) -> ComputeOp {
+    if perm.iter().enumerate().all(|(k, &p)| k == p) {
+        ComputeOp::Copy
+    } else {
+        ComputeOp::Permute { perm }
+    }
+}
+
+fn compute(op: ComputeOp, input: HostTensorId, output: HostTensorId) -> Inst {
+    Inst::new(InstKind::Compute {
+        op,
+        inputs: vec![input],
+        outputs: vec![output],
+    })
+}
+
+/// Arguments of one collective.
+struct Collective {
+    kind: CommKind,
+    team: Team,
+    input: HostTensorId,
+    output: HostTensorId,
+    root: Option<Expr>,
+    op: Option<ReduceOp>,
+    /// The axis whose chunks are exchanged (must be outermost).
+    exchanged: Option<usize>,
+}
+
+impl Lowering<'_> {
+    fn permuted_shape(&self, t: HostTensorId, perm: &[usize]) -> Vec<u64> {
+        let shape = &self.host.tensors[t].shape;
+        perm.iter()
+            .map(|&p| shape.get(p).copied().unwrap_or(1))
+            .collect()
+    }
+
+    fn collective(&mut self, block: &mut Vec<Inst>, c: Collective) {
+        let rank_in = self.host.tensors[c.input].shape.len();
+        let rank_out = self.host.tensors[c.output].shape.len();
+        let perm_in = c
+            .exchanged
+            .map_or_else(|| (0..rank_in).collect(), |a| to_front(rank_in, a));
+        let perm_out = c
+            .exchanged
+            .map_or_else(|| (0..rank_out).collect(), |a| to_front(rank_out, a));
+        let stage_in =
+            !self.contiguous(c.input) || c.exchanged.is_some_and(|a| !self.outermost(c.input, a));
+        let stage_out =
+            !self.contiguous(c.output) || c.exchanged.is_some_and(|a| !self.outermost(c.output, a));
+        let input = if stage_in {
+            let shape = self.permuted_shape(c.input, &perm_in);
+            let t = self.derived(c.input, "perm", shape);
+            block.push(compute(permute_op(perm_in), c.input, t));
+            t
+        } else {
+            c.input
+        };
+        let output = if stage_out {
+            let shape = self.permuted_shape(c.output, &perm_out);
+            self.derived(c.output, "perm", shape)
+        } else {
+            c.output
+        };
+        let (kind, team, root, op) = (c.kind, c.team, c.root, c.op);
+        self.push_comm(block, |id| InstKind::Communication {
+            id,
+            kind,
+            team,
+            input,
+            output,
+            root,
+            op,
+        });
+        if stage_out {
+            block.push(compute(permute_op(inverse(&perm_out)), output, c.output));
+        }
+    }
+
+    pub(crate) fn emit_set(
+        &mut self,
+        i: usize,
+        mut lp: Option<&mut LoopCtx>,
+        block: &mut Vec<Inst>,
+    ) -> Result<(), PassError> {
+        let op = self.program.ops[i].clone();
+        let (&[p], &[c]) = (op.inputs.as_slice(), op.outputs.as_slice()) else {
+            return Err(PassError::op(
+                self.program,
+                i,
+                "a set has one input and one output",
+            ));
+        };
+        let (ps, cs) = (self.sharding(p).clone(), self.sharding(c).clone());
+        let (pm, cm) = (self.mesh(ps.mesh)?.clone(), self.mesh(cs.mesh)?.clone());
+        let decision = decide(&ps, &pm, &cs, &cm);
+        let unsupported = |l: &Self, why: String| Err(PassError::op(l.program, i, why));
+        match decision {
+            Decision::Unsupported(why) => unsupported(self, why),
+            Decision::Ring { pt, axis } | Decision::StreamBroadcast { pt, axis } => {
+                let Some(lp) = lp else {
+                    return Err(PassError::internal(
+                        "lower_to_host",
+                        "a stream decomposition outside a loop",
+                    ));
+                };
+                let view = self.chunk_view(lp, block, self.host_of(c), axis, "gathered tensor")?;
+                let out = if self.contiguous(view) {
+                    view
+                } else {
+                    let shape = self.host.tensors[view].shape.clone();
+                    self.derived(view, "recv", shape)
+                };
+                let input = self.host_of(p);
+                let team = Team::Slice { mesh: cs.mesh, pt };
+                let d = Expr::c(lp.chunks as i64);
+                let my = Expr::my(cs.mesh, pt);
+                let step = Expr::var(lp.var);
+                if matches!(decision, Decision::Ring { .. }) {
+                    let send_peer = d.clone().add(my.clone()).sub(step.clone()).rem(d.clone());
+                    let recv_peer = step.add(my).rem(d);
+                    self.push_comm(block, |id| InstKind::CollectivePermute {
+                        id,
+                        team,
+                        send_peer,
+                        recv_peer,
+                        input,
+                        output: out,
+                    });
+                } else {
+                    self.push_comm(block, |id| InstKind::Communication {
+                        id,
+                        kind: CommKind::Broadcast,
+                        team,
+                        input,
+                        output: out,
+                        root: Some(step),
+                        op: None,
+                    });
+                }
+                if out != view {
+                    block.push(compute(ComputeOp::Copy, out, view));
+                }
+                Ok(())
+            }
+            other => {
+                // Inside a loop every other row runs per chunk of the consumer's Stream axis.
+                let axis = match (&lp, cs.stream()) {
+                    (Some(_), Some(s)) => cs.value_index(s.axis),
+                    _ => None,
+                };
+                if let Some(a) = axis {
+                    let (pl, cl) = (ps.local_value_shape(), cs.local_value_shape());
+                    if pl.get(a) != cl.get(a) {
+                        return unsupported(
+                            self,
+                            format!(
+                                "the Stream split of `{}` cuts axis {a}, which the resharding changes \
+                                 on the producer `{}` (local extents {:?} and {:?})",
+                                self.name(c),
+                                self.name(p),
+                                pl.get(a),
+                                cl.get(a)
+                            ),
+                        );
+                    }
+                }
+                let what = "resharding";
+                let pin = self.maybe_chunk(lp.as_deref_mut(), block, p, axis, what)?;
+                let cout = self.maybe_chunk(lp, block, c, axis, what)?;
+                self.emit_row(i, other, (p, pin), (c, cout), block)
+            }
+        }
+    }
+
+    fn emit_row(
+        &mut self,
+        i: usize,
+        decision: Decision,
+        (p, pin): (TensorId, HostTensorId),
+        (c, cout): (TensorId, HostTensorId),
+        block: &mut Vec<Inst>,
+    ) -> Result<(), PassError> {
+        let (pmesh, cmesh) = (self.sharding(p).mesh, self.sharding(c).mesh);
+        let (pm, cm) = (self.mesh(pmesh)?.clone(), self.mesh(cmesh)?.clone());
+        let slice = |pt| Team::Slice { mesh: cmesh, pt };
+        let sum = Some(ReduceOp::Sum);
+        let coll = |kind, team, root, op, exchanged| Collective {
+            kind,
+            team,
+            input: pin,
+            output: cout,
+            root,
+            op,
+            exchanged,
+        };
+        match decision {
+            Decision::LocalCopy => block.push(compute(ComputeOp::Copy, pin, cout)),
+            Decision::AllGather { pt, axis } => self.collective(
+                block,
+                coll(CommKind::AllGather, slice(pt), None, None, Some(axis)),
+            ),
+            Decision::AllReduce { pt } => {
+                self.collective(block, coll(CommKind::AllReduce, slice(pt), None, sum, None))
+            }
+            Decision::ReduceScatter { pt, axis } => self.collective(
+                block,
+                coll(CommKind::ReduceScatter, slice(pt), None, sum, Some(axis)),
+            ),
+            Decision::LocalSlice { pt, axis } => {
+                let parts = self.sharding(c).split(pt).map_or(1, |s| s.parts);
+                let mut shape = self.host.tensors[pin].shape.clone();
+                if let Some(e) = shape.get_mut(axis) {
+                    *e /= parts.max(1);
+                }
+                let v = self.derived(pin, "slice", shape);
+                self.views.insert(v, (pin, axis));
+                block.push(Inst::new(InstKind::ShardByStream {
+                    out: v,
+                    input: pin,
+                    axis,
+                    chunks: parts,
+                    index: Expr::my(cmesh, pt),
+                }));
+                block.push(compute(ComputeOp::Copy, v, cout));
+            }
+            Decision::AllToAll { pt, from, to } => {
+                let d = pm.size_of(pt).unwrap_or(1) as u64;
+                self.all_to_all(block, slice(pt), d, (from, to), pin, cout)?;
+            }
+            Decision::SendRecv => {
+                for (&src, &dst) in pm.devices().iter().zip(cm.devices()) {
+                    if src == dst {
+                        return Err(PassError::tensor(
+                            self.name(c),
+                            format!(
+                                "device {src} would send its shard of `{}` to itself; overlapping \
+                                 meshes are not supported for mesh-to-mesh transfers",
+                                self.name(p)
+                            ),
+                        ));
+                    }
+                    self.collective(
+                        block,
+                        coll(
+                            CommKind::SendRecv,
+                            Team::Devices(vec![src, dst]),
+                            Some(Expr::c(0)),
+                            None,
+                            None,
+                        ),
+                    );
+                }
+            }
+            Decision::Broadcast => {
+                let root = pm
+                    .devices()
+                    .iter()
+                    .copied()
+                    .find(|&d| cm.contains(d))
+                    .unwrap_or(pm.devices()[0]);
+                let (team, r) = with_member(cm.devices(), root);
+                self.collective(
+                    block,
+                    coll(
+                        CommKind::Broadcast,
+                        Team::Devices(team),
+                        Some(Expr::c(r)),
+                        None,
+                        None,
+                    ),
+                );
+            }
+            Decision::Gather { .. } | Decision::Reduce { .. } => {
+                let (kind, op, exchanged) = match decision {
+                    Decision::Gather { axis, .. } => (CommKind::Gather, None, Some(axis)),
+                    _ => (CommKind::Reduce, sum, None),
+                };
+                for &r in cm.devices() {
+                    let root = pm.devices().iter().position(|&d| d == r).ok_or_else(|| {
+                        PassError::internal("lower_to_host", "a receiver outside the sender mesh")
+                    })?;
+                    self.collective(
+                        block,
+                        coll(
+                            kind,
+                            Team::Mesh(pmesh),
+                            Some(Expr::c(root as i64)),
+                            op,
+                            exchanged,
+                        ),
+                    );
+                }
+            }
+            Decision::Scatter { axis, .. } => {
+                let root = cm
+                    .devices()
+                    .iter()
+                    .position(|&d| pm.contains(d))
+                    .ok_or_else(|| {
+                        PassError::internal("lower_to_host", "no sender inside the receiving mesh")
+                    })?;
+                self.collective(
+                    block,
+                    coll(
+                        CommKind::Scatter,
+                        Team::Mesh(cmesh),
+                        Some(Expr::c(root as i64)),
+                        None,
+                        Some(axis),
+                    ),
+                );
+            }
+            Decision::Ring { .. } | Decision::StreamBroadcast { .. } | Decision::Unsupported(_) => {
+                return Err(PassError::internal(
+                    "lower_to_host",
+                    format!("row {decision:?} in emit_row"),
+                ))
+            }
+        }
+        let _ = i;
+        Ok(())
+    }
+
+    /// Split on `from` to split on `to` over a team of `d`: chunks of `to` go to their
+    /// owners; what arrives is ordered by source member (= `from` chunk) and rearranged.
+    fn all_to_all(
+        &mut self,
+        block: &mut Vec<Inst>,
+        team: Team,
+        d: u64,
+        (from, to): (usize, usize),
+        pin: HostTensorId,
+        cout: HostTensorId,
+    ) -> Result<(), PassError> {
+        let pshape = self.host.tensors[pin].shape.clone();
+        let rank = pshape.len();
+        let tin = if self.outermost(pin, to) && self.contiguous(pin) {
+            pin
+        } else {
+            let perm = to_front(rank, to);
+            let shape = self.permuted_shape(pin, &perm);
+            let t = self.derived(pin, "perm", shape);
+            block.push(compute(permute_op(perm), pin, t));
+            t
+        };
+        let rest: Vec<usize> = (0..rank).filter(|&v| v != to).collect();
+        let mut shape = vec![d, pshape.get(to).copied().unwrap_or(0) / d.max(1)];
+        shape.extend(rest.iter().map(|&v| pshape[v]));
+        let tout = self.derived(cout, "a2a", shape);
+        self.push_comm(block, |id| InstKind::Communication {
+            id,
+            kind: CommKind::AllToAll,
+            team,
+            input: tin,
+            output: tout,
+            root: None,
+            op: None,
+        });
+        let pos = |v: usize| 2 + rest.iter().position(|&r| r == v).unwrap_or(0);
+        let mut perm = Vec::with_capacity(rank + 1);
+        for v in 0..rank {
+            if v == from {
+                perm.push(0);
+                perm.push(pos(v));
+            } else if v == to {
+                perm.push(1);
+            } else {
+                perm.push(pos(v));
+            }
+        }
+        match permute_op(perm) {
+            ComputeOp::Copy => block.push(compute(ComputeOp::Copy, tout, cout)),
+            op => {
+                let ComputeOp::Permute { perm } = &op else {
+                    return Err(PassError::internal("lower_to_host", "permute expected"));
+                };
+                let shape = self.permuted_shape(tout, perm);
+                let t2 = self.derived(cout, "a2a_perm", shape);
+                block.push(compute(op, tout, t2));
+                block.push(compute(ComputeOp::Copy, t2, cout));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `devices` with `member` appended when it is not in it, and `member`'s index.
+fn with_member(devices: &[DeviceId], member: DeviceId) -> (Vec<DeviceId>, i64) {
+    let mut team = devices.to_vec();
+    let index = match team.iter().position(|&d| d == member) {
+        Some(k) => k,
+        None => {
+            team.push(member);
+            team.len() - 1
+        }
+    };
+    (team, index as i64)
+}

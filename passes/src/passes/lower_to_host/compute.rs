@@ -1,0 +1,196 @@
+//! Compute lowering: local ops (on chunk views inside a stream loop) and the MoE
+//! communication ops.
+
+use meshflow_ir::host::{ComputeOp, Inst, InstKind, Team};
+use meshflow_ir::{OpKind, ParallelType, TensorId};
+
+use super::loop_nest::LoopCtx;
+use super::Lowering;
+use crate::analysis::op_axis_map;
+use crate::decision::{placements, Placement};
+use crate::error::PassError;
+use crate::passes::decompose_reshardings::local_mismatch;
+
+impl Lowering<'_> {
+    pub(crate) fn emit_compute(
+        &mut self,
+        i: usize,
+        mut lp: Option<&mut LoopCtx>,
+        block: &mut Vec<Inst>,
+    ) -> Result<(), PassError> {
+        let op = self.program.ops[i].clone();
+        if let Some(why) = local_mismatch(self.program, i)? {
+            return Err(PassError::op(self.program, i, why));
+        }
+        let host_op = match op.kind {
+            OpKind::Set => ComputeOp::Copy,
+            OpKind::Matmul => ComputeOp::Matmul,
+            OpKind::Linear => ComputeOp::Linear,
+            OpKind::Add => ComputeOp::Add,
+            OpKind::Sub => ComputeOp::Sub,
+            OpKind::Mul => ComputeOp::Mul,
+            OpKind::Gelu => ComputeOp::Gelu,
+            OpKind::Silu => ComputeOp::Silu,
+            OpKind::Cast => ComputeOp::Cast,
+            OpKind::Sum { axis } => ComputeOp::Sum { axis },
+            OpKind::GroupedMatmul => ComputeOp::GroupedMatmul,
+            OpKind::MoeDispatch | OpKind::MoeCombine => {
+                return Err(PassError::internal(
+                    "lower_to_host",
+                    "MoE op lowered as compute",
+                ))
+            }
+        };
+        let &[out] = op.outputs.as_slice() else {
+            return Err(PassError::op(
+                self.program,
+                i,
+                "expected exactly one output",
+            ));
+        };
+        let stream_axis = if lp.is_some() {
+            self.sharding(out).stream().map(|s| s.axis)
+        } else {
+            None
+        };
+        let map = op_axis_map(self.program, &op);
+        let mut inputs = Vec::with_capacity(op.inputs.len());
+        for (j, &t) in op.inputs.iter().enumerate() {
+            let axis = stream_axis
+                .and_then(|k| map.first()?.get(k)?.iter().find(|(jj, _)| *jj == j))
+                .and_then(|&(_, a)| self.sharding(t).value_index(a));
+            let what = format!("input of `{}`", op.kind.name());
+            inputs.push(self.maybe_chunk(lp.as_deref_mut(), block, t, axis, &what)?);
+        }
+        let out_axis = stream_axis.and_then(|k| self.sharding(out).value_index(k));
+        let what = format!("output of `{}`", op.kind.name());
+        let output = self.maybe_chunk(lp, block, out, out_axis, &what)?;
+        block.push(Inst::new(InstKind::Compute {
+            op: host_op,
+            inputs,
+            outputs: vec![output],
+        }));
+        Ok(())
+    }
+
+    /// The device parallel type splitting value axis `axis` of `t`; every other device split
+    /// of `t` is an error.
+    fn only_split(&self, t: TensorId, axis: usize, role: &str) -> Result<ParallelType, PassError> {
+        let pl = placements(self.sharding(t));
+        let found = pl.iter().find_map(|(&pt, p)| match p {
+            Placement::Split { axis: a, .. } if *a == axis => Some(pt),
+            _ => None,
+        });
+        match found {
+            Some(pt) if pl.len() == 1 => Ok(pt),
+            _ => Err(PassError::tensor(
+                self.name(t),
+                format!(
+                    "as the {role} it must be split over exactly one device parallel type, on \
+                     its axis {axis}, and nothing else"
+                ),
+            )),
+        }
+    }
+
+    pub(crate) fn emit_moe(&mut self, i: usize, block: &mut Vec<Inst>) -> Result<(), PassError> {
+        let op = self.program.ops[i].clone();
+        let vrank = |l: &Self, t: TensorId| l.sharding(t).value_axes.len();
+        // (tensor, axis that must carry the expert-parallel split, role)
+        let (experts, checks): (TensorId, Vec<(TensorId, usize, &str)>) = match op.kind {
+            OpKind::MoeDispatch => {
+                let (x, idx) = (op.inputs[0], op.inputs[1]);
+                let (ex, counts, routing) = (op.outputs[0], op.outputs[1], op.outputs[2]);
+                let nb = vrank(self, ex).saturating_sub(3);
+                let t = vrank(self, x).saturating_sub(2);
+                (
+                    ex,
+                    vec![
+                        (ex, nb, "expert rows (expert axis)"),
+                        (counts, nb, "expert counts (expert axis)"),
+                        (routing, nb, "routing (expert axis)"),
+                        (x, t, "tokens (token axis)"),
+                        (idx, t, "top-k indices (token axis)"),
+                    ],
+                )
+            }
+            _ => {
+                let (ey, counts, routing, w) =
+                    (op.inputs[0], op.inputs[1], op.inputs[2], op.inputs[3]);
+                let out = op.outputs[0];
+                let nb = vrank(self, ey).saturating_sub(3);
+                let t = vrank(self, w).saturating_sub(2);
+                (
+                    ey,
+                    vec![
+                        (ey, nb, "expert outputs (expert axis)"),
+                        (counts, nb, "expert counts (expert axis)"),
+                        (routing, nb, "routing (expert axis)"),
+                        (w, t, "top-k weights (token axis)"),
+                        (out, t, "combined tokens (token axis)"),
+                    ],
+                )
+            }
+        };
+        let mesh = self.sharding(experts).mesh;
+        let mut ep = None;
+        for (t, axis, role) in checks {
+            let pt = self.only_split(t, axis, role)?;
+            if self.sharding(t).mesh != mesh {
+                return Err(PassError::tensor(
+                    self.name(t),
+                    format!("`{}` needs all its tensors on one mesh", op.kind.name()),
+                ));
+            }
+            match ep {
+                None => ep = Some(pt),
+                Some(p) if p != pt => {
+                    return Err(PassError::tensor(
+                        self.name(t),
+                        format!(
+                            "split over {pt} but the expert-parallel type of `{}` is {p}",
+                            op.kind.name()
+                        ),
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let pt = ep.ok_or_else(|| PassError::internal("lower_to_host", "no MoE tensors"))?;
+        let team = Team::Slice { mesh, pt };
+        let h = |t: TensorId| self.host_of(t);
+        let kind = if op.kind == OpKind::MoeDispatch {
+            let (x, topk_idx) = (h(op.inputs[0]), h(op.inputs[1]));
+            let (expert_x, expert_counts, routing) =
+                (h(op.outputs[0]), h(op.outputs[1]), h(op.outputs[2]));
+            Box::new(move |id| InstKind::MoeDispatch {
+                id,
+                team,
+                x,
+                topk_idx,
+                expert_x,
+                expert_counts,
+                routing,
+            }) as Box<dyn FnOnce(_) -> InstKind>
+        } else {
+            let (expert_y, expert_counts, routing, topk_weights) = (
+                h(op.inputs[0]),
+                h(op.inputs[1]),
+                h(op.inputs[2]),
+                h(op.inputs[3]),
+            );
+            let out = h(op.outputs[0]);
+            Box::new(move |id| InstKind::MoeCombine {
+                id,
+                team,
+                expert_y,
+                expert_counts,
+                routing,
+                topk_weights,
+                out,
+            })
+        };
+        self.push_comm(block, kind);
+        Ok(())
+    }
+}

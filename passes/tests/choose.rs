@@ -1,0 +1,112 @@
+//! `choose_decompositions`: the cost model decides for unannotated consumers, user
+//! annotations win, overrides force a variant, and every decision is explained.
+
+mod common;
+
+use meshflow_ir::host::{CommKind, InstKind};
+use meshflow_ir::{DType, ParallelType::*, Program};
+use meshflow_passes::{Decomposition, PassContext, PassError, PassManager};
+
+/// `y = linear(x, w)`: x sequence-parallel (M split), w column-parallel; nothing else
+/// annotated, so x must be gathered before the GEMM.
+fn column_parallel(d: u64, m: u64, k: u64, n: u64) -> Program {
+    let (mut b, mesh) = common::builder("cp", d as usize);
+    let x = b.input("x", DType::BF16, &[m, k], mesh).unwrap();
+    let w = b.input("w", DType::BF16, &[n, k], mesh).unwrap();
+    b.schedule(x).outer_split(0, d).parallelize(0, DIDx);
+    b.schedule(w).outer_split(0, d).parallelize(0, DIDx);
+    let y = b.linear(x, w).unwrap();
+    b.rename(y, "y").unwrap();
+    b.output(y);
+    b.build().unwrap()
+}
+
+fn run(
+    p: &Program,
+    forced: &[(&str, Decomposition)],
+) -> Result<(meshflow_ir::HostProgram, PassContext), PassError> {
+    let mut cx = PassContext::new(p);
+    for (t, d) in forced {
+        cx.decompositions.insert(t.to_string(), *d);
+    }
+    let out = PassManager::new(common::all_passes()).run(p.clone(), &mut cx)?;
+    Ok((out.host, cx))
+}
+
+fn has_permute(h: &meshflow_ir::HostProgram) -> bool {
+    common::insts(h)
+        .iter()
+        .any(|(i, _)| matches!(i.kind, InstKind::CollectivePermute { .. }))
+}
+
+#[test]
+fn small_gathers_stay_collective() {
+    let (host, cx) = run(&column_parallel(4, 64, 32, 48), &[]).unwrap();
+    assert_eq!(common::comms(&host, CommKind::AllGather).len(), 1);
+    let r = &cx.explain[0];
+    assert_eq!(r.tensor, "x_gathered");
+    assert_eq!(r.chosen, "collective(s=1)");
+    assert_eq!(r.variants.len(), 3);
+    assert!(r.variants.iter().all(|v| v.cost_us.is_some()));
+}
+
+#[test]
+fn large_gathers_feeding_a_gemm_become_a_ring() {
+    let (host, cx) = run(&column_parallel(4, 16384, 8192, 8192), &[]).unwrap();
+    assert!(has_permute(&host), "{host}");
+    assert!(common::comms(&host, CommKind::AllGather).is_empty());
+    let r = &cx.explain[0];
+    assert_eq!(r.chosen, "ring(s=4)", "{r}");
+    // The consumer joined the loop: the GEMM is inside it.
+    assert!(common::insts(&host)
+        .iter()
+        .any(|(i, d)| *d == 1 && i.kind.name() == "linear"));
+    meshflow_ir::verify_host(&host).unwrap();
+}
+
+#[test]
+fn overrides_force_a_variant() {
+    let p = column_parallel(4, 64, 32, 48);
+    let (host, cx) = run(&p, &[("x_gathered", Decomposition::StreamBroadcast)]).unwrap();
+    assert_eq!(common::comms(&host, CommKind::Broadcast).len(), 1);
+    assert_eq!(cx.explain[0].reason, "forced by the options");
+    let (host, _) = run(&p, &[("x_gathered", Decomposition::Ring)]).unwrap();
+    assert!(has_permute(&host));
+}
+
+#[test]
+fn overrides_of_unknown_or_annotated_tensors_are_errors() {
+    let p = column_parallel(4, 64, 32, 48);
+    let e = run(&p, &[("nope", Decomposition::Ring)]).unwrap_err();
+    assert!(
+        e.to_string().contains("`nope`") && e.to_string().contains("x_gathered"),
+        "{e}"
+    );
+    // An annotated consumer: the user's choice wins and cannot be overridden.
+    let (mut b, mesh) = common::builder("cp", 4);
+    let x = b.input("x", DType::F32, &[16, 4], mesh).unwrap();
+    b.schedule(x).outer_split(0, 4).parallelize(0, DIDx);
+    let ag = b.set(x).unwrap();
+    b.rename(ag, "ag").unwrap();
+    b.replicate(ag);
+    b.output(ag);
+    let p = b.build().unwrap();
+    let e = run(&p, &[("ag", Decomposition::Ring)]).unwrap_err();
+    assert!(e.to_string().contains("annotated by the user"), "{e}");
+    let (host, cx) = run(&p, &[]).unwrap();
+    assert_eq!(common::comms(&host, CommKind::AllGather).len(), 1);
+    assert_eq!(cx.explain[0].reason, "annotated by the user");
+}
+
+#[test]
+fn copy_engine_transport_changes_the_estimates() {
+    let p = column_parallel(4, 4096, 4096, 4096);
+    let nccl = run(&p, &[]).unwrap().1.explain[0].clone();
+    let mut cx = PassContext::new(&p);
+    cx.cost_model.transport = meshflow_passes::Transport::CopyEngine;
+    PassManager::new(common::all_passes())
+        .run(p.clone(), &mut cx)
+        .unwrap();
+    let ce = cx.explain[0].clone();
+    assert_ne!(nccl.variants, ce.variants);
+}

@@ -1,0 +1,145 @@
+//! Unsupported input: an error that names the tensor (or op) and the reason, never a panic.
+
+mod common;
+
+use meshflow_ir::{DType, DeviceMesh, ParallelType::*, Program, ProgramBuilder};
+use meshflow_passes::PassError;
+
+fn lower_err(p: &Program) -> String {
+    match common::run(p, common::all_passes()) {
+        Ok((out, _)) => panic!("expected an error, got:\n{}", out.host),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn a_stream_gather_needs_one_chunk_per_member() {
+    let (mut b, m) = common::builder("bad", 4);
+    let x = b.input("x", DType::F32, &[16, 4], m).unwrap();
+    b.schedule(x).outer_split(0, 4).parallelize(0, DIDx);
+    let ag = b.set(x).unwrap();
+    b.rename(ag, "ag").unwrap();
+    b.schedule(ag).outer_split(0, 2).parallelize(0, Stream);
+    b.output(ag);
+    let e = lower_err(&b.build().unwrap());
+    assert!(
+        e.contains("`ag = set(x)`") && e.contains("one chunk per team member"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_swizzle_along_another_type_is_rejected() {
+    let mut b = ProgramBuilder::new("bad");
+    let m = b
+        .mesh("m", DeviceMesh::iota(vec![2, 2], 0).unwrap())
+        .unwrap();
+    let x = b.input("x", DType::F32, &[8, 4], m).unwrap();
+    b.schedule(x).outer_split(0, 2).parallelize(0, DIDx);
+    let ag = b.set(x).unwrap();
+    b.rename(ag, "ag").unwrap();
+    b.schedule(ag)
+        .outer_split(0, 2)
+        .swizzle1d(0, DIDy)
+        .parallelize(0, Stream);
+    b.output(ag);
+    let e = lower_err(&b.build().unwrap());
+    assert!(
+        e.contains("`ag = set(x)`") && e.contains("swizzle1d along DIDy"),
+        "{e}"
+    );
+}
+
+#[test]
+fn inner_device_splits_name_the_tensor() {
+    let (mut b, m) = common::builder("bad", 2);
+    let x = b.input("x", DType::F32, &[8, 4], m).unwrap();
+    b.schedule(x).inner_split(0, 2).parallelize(1, DIDx);
+    let y = b.gelu(x).unwrap();
+    b.output(y);
+    let e = lower_err(&b.build().unwrap());
+    assert!(
+        e.starts_with("tensor `x`") && e.contains("not its outermost piece"),
+        "{e}"
+    );
+}
+
+#[test]
+fn moe_dispatch_needs_experts_split_over_the_team() {
+    let (mut b, m) = common::builder("moe", 2);
+    let x = b.input("x", DType::F32, &[4, 8], m).unwrap();
+    let idx = b.input("topk_idx", DType::I32, &[4, 2], m).unwrap();
+    b.schedule(x).outer_split(0, 2).parallelize(0, DIDx);
+    b.schedule(idx).outer_split(0, 2).parallelize(0, DIDx);
+    let (ex, counts, routing) = b.moe_dispatch(x, idx, 4, 8).unwrap();
+    b.rename(ex, "expert_x").unwrap();
+    b.replicate(ex);
+    b.output(ex);
+    b.output(counts);
+    b.output(routing);
+    let e = lower_err(&b.build().unwrap());
+    assert!(
+        e.contains("tensor `expert_x`") && e.contains("expert axis"),
+        "{e}"
+    );
+}
+
+#[test]
+fn moe_tensors_cannot_be_streamed() {
+    let (mut b, m) = common::builder("moe", 2);
+    let x = b.input("x", DType::F32, &[4, 8], m).unwrap();
+    let idx = b.input("topk_idx", DType::I32, &[4, 2], m).unwrap();
+    b.schedule(x)
+        .outer_split(0, 2)
+        .parallelize(0, DIDx)
+        .outer_split(1, 2)
+        .parallelize(1, Stream);
+    b.schedule(idx).outer_split(0, 2).parallelize(0, DIDx);
+    let (ex, _, _) = b.moe_dispatch(x, idx, 4, 8).unwrap();
+    b.schedule(ex).outer_split(0, 2).parallelize(0, DIDx);
+    b.output(ex);
+    let e = lower_err(&b.build().unwrap());
+    assert!(e.contains("tensor `x`") && e.contains("Stream"), "{e}");
+}
+
+#[test]
+fn overlapping_meshes_cannot_send_to_themselves() {
+    let mut b = ProgramBuilder::new("overlap");
+    let ma = b.mesh("a", DeviceMesh::iota(vec![2], 0).unwrap()).unwrap();
+    let mb = b
+        .mesh("b", DeviceMesh::new(vec![2], vec![0, 2]).unwrap())
+        .unwrap();
+    let x = b.input("x", DType::F32, &[4, 4], ma).unwrap();
+    b.schedule(x).outer_split(0, 2).parallelize(0, DIDx);
+    let y = b.set(x).unwrap();
+    b.rename(y, "y").unwrap();
+    b.place(y, mb);
+    b.schedule(y).outer_split(0, 2).parallelize(0, DIDx);
+    b.output(y);
+    let e = lower_err(&b.build().unwrap());
+    assert!(e.contains("tensor `y`") && e.contains("to itself"), "{e}");
+}
+
+#[test]
+fn lowering_without_decomposition_reports_the_resharding_op() {
+    let (mut b, m) = common::builder("cp", 2);
+    let x = b.input("x", DType::F32, &[8, 4], m).unwrap();
+    let w = b.input("w", DType::F32, &[6, 4], m).unwrap();
+    b.schedule(x).outer_split(0, 2).parallelize(0, DIDx);
+    b.schedule(w).outer_split(0, 2).parallelize(0, DIDx);
+    let y = b.linear(x, w).unwrap();
+    b.rename(y, "y").unwrap();
+    b.output(y);
+    let p = b.build().unwrap();
+    let mut m = meshflow_passes::PassManager::new(common::all_passes());
+    m.disable("decompose_reshardings").unwrap();
+    let e = m
+        .run(p.clone(), &mut meshflow_passes::PassContext::new(&p))
+        .unwrap_err();
+    assert!(matches!(e, PassError::UnsupportedOp { .. }), "{e}");
+    let text = e.to_string();
+    assert!(
+        text.contains("`y = linear(x, w)`") && text.contains("input `x`"),
+        "{text}"
+    );
+}

@@ -1,0 +1,106 @@
+//! What several subcommands share: loading a program with parameters, errors, output.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::Args;
+use meshflow::ir::{parse_program_with, verify_program, Params, Program};
+
+/// Errors of the command line (printed as `error: ...`).
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    /// A file could not be read.
+    #[error("cannot read `{path}`: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The program text does not parse.
+    #[error("{path}:{source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// The parse error (line:col: message).
+        source: meshflow::ir::ParseError,
+    },
+    /// The program does not verify.
+    #[error("{path}: the program does not verify:\n{source}")]
+    Verify {
+        /// The file.
+        path: PathBuf,
+        /// Every diagnostic.
+        source: meshflow::ir::VerifyErrors,
+    },
+    /// A bad argument value.
+    #[error("{0}")]
+    Usage(String),
+    /// Compilation failed.
+    #[error(transparent)]
+    Compile(#[from] meshflow::pipeline::PipelineError),
+    /// Writing the output failed.
+    #[error("cannot write the output: {0}")]
+    Write(std::io::Error),
+}
+
+/// The program file and its parameters.
+#[derive(Debug, Args)]
+pub struct ProgramArgs {
+    /// The level-1 program (`.mf`).
+    pub file: PathBuf,
+    /// Sets the `ranks` parameter.
+    #[arg(long)]
+    pub ranks: Option<i64>,
+    /// Overrides a parameter: `--param name=value` (repeatable).
+    #[arg(long = "param", value_name = "NAME=VALUE")]
+    pub params: Vec<String>,
+}
+
+impl ProgramArgs {
+    /// Reads, parses and verifies the program.
+    pub fn load(&self) -> Result<Program, CliError> {
+        let text = std::fs::read_to_string(&self.file).map_err(|source| CliError::Read {
+            path: self.file.clone(),
+            source,
+        })?;
+        let mut params = Params::new();
+        if let Some(r) = self.ranks {
+            params.insert("ranks".to_string(), r);
+        }
+        for p in &self.params {
+            let (name, value) = p
+                .split_once('=')
+                .ok_or_else(|| CliError::Usage(format!("--param `{p}`: expected NAME=VALUE")))?;
+            let value: i64 = value.trim().parse().map_err(|_| {
+                CliError::Usage(format!("--param `{p}`: `{value}` is not an integer"))
+            })?;
+            params.insert(name.trim().to_string(), value);
+        }
+        let program = parse_program_with(&text, &params).map_err(|source| CliError::Parse {
+            path: self.file.clone(),
+            source,
+        })?;
+        verify_program(&program).map_err(|source| CliError::Verify {
+            path: self.file.clone(),
+            source,
+        })?;
+        Ok(program)
+    }
+}
+
+/// Writes `text` to stdout.
+pub fn print_out(text: &str) -> Result<(), CliError> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())
+        .and_then(|()| out.flush())
+        .map_err(CliError::Write)
+}
+
+/// Writes `text` to stderr.
+pub fn print_err(text: &str) -> Result<(), CliError> {
+    std::io::stderr()
+        .lock()
+        .write_all(text.as_bytes())
+        .map_err(CliError::Write)
+}

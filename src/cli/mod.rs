@@ -1,0 +1,35 @@
+//! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
+
+mod common;
+mod lower;
+mod parse;
+
+use clap::{Parser, Subcommand};
+
+pub use common::CliError;
+
+/// Lower sharded tensor programs to host IR and run them.
+#[derive(Debug, Parser)]
+#[command(name = "meshflow", version, about)]
+pub struct Cli {
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Parse and verify a level-1 program and print it in canonical form.
+    Parse(parse::ParseArgs),
+    /// Compile a level-1 program and print the host IR.
+    Lower(lower::LowerArgs),
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Parse(args) => parse::run(args),
+        Command::Lower(args) => lower::run(args),
+    }
+}
