@@ -11,11 +11,10 @@ mod support;
 use std::collections::BTreeMap;
 
 use meshflow::bench::programs::{
-    agmm_host, agmm_program, gemm_alone_host, rsmm_host, rsmm_program, AgVariant, Gemm3, Parts,
-    RsVariant,
+    agmm_lowered, gemm_alone_host, rsmm_lowered, AgVariant, Gemm3, Parts, RsVariant,
 };
 use meshflow::bench::Timing;
-use meshflow::ir::{DType, HostProgram, Program};
+use meshflow::ir::{DType, HostProgram};
 use meshflow::runtime::cuda::{run_cuda_timed, Interval, IntervalKind, TimedRun};
 use meshflow::runtime::data::{SplitMix64, TensorData};
 use meshflow::runtime::shard::scatter_inputs;
@@ -26,6 +25,8 @@ type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
 
 const WARMUP: usize = 3;
 const ITERS: usize = 10;
+/// Worker streams (the pipeline's default).
+const STREAMS: usize = 2;
 
 fn timed(what: &str, host: &HostProgram, d: usize, inputs: PerRank, profile: bool) -> TimedRun {
     let mut o = cuda_options();
@@ -149,40 +150,19 @@ fn column_parallel(variant: AgVariant) {
             k: 8192,
             n: 4096 * du,
         };
-        let l1: Program = agmm_program(d, s, DType::BF16);
+        let lower = |parts| agmm_lowered(d, s, DType::BF16, variant, STREAMS, parts).unwrap();
+        let l = lower(Parts::Both);
         let full = random_full(s, 1);
-        let per_rank = scatter_inputs(&l1, &full).unwrap();
+        let per_rank = scatter_inputs(&l.program, &full).unwrap();
         let name = format!("agmm {}", variant.name());
-        let run = timed(
-            &name,
-            &agmm_host(d, s, DType::BF16, variant, Parts::Both),
-            d,
-            per_rank.clone(),
-            true,
-        );
-        let out = run.outcome.gather(&l1).unwrap();
+        let run = timed(&name, &l.host, d, per_rank.clone(), true);
+        let out = run.outcome.gather(&l.program).unwrap();
         let err = sampled_error(&full, &out["y"], s);
         assert!(err < 1e-2, "{name} d={d}: sampled rel err {err:.3e}");
         assert_intervals_intersect(&name, d, &run.intervals);
-        let both = Timing::from_times(
-            &timed(
-                &name,
-                &agmm_host(d, s, DType::BF16, variant, Parts::Both),
-                d,
-                per_rank.clone(),
-                false,
-            )
-            .times_us,
-        );
+        let both = Timing::from_times(&timed(&name, &l.host, d, per_rank.clone(), false).times_us);
         let comm = Timing::from_times(
-            &timed(
-                &name,
-                &agmm_host(d, s, DType::BF16, variant, Parts::CommOnly),
-                d,
-                per_rank,
-                false,
-            )
-            .times_us,
+            &timed(&name, &lower(Parts::CommOnly).host, d, per_rank, false).times_us,
         );
         let gemm_in = replicated(d, &[("a", vec![s.m, s.k]), ("w", vec![s.n / du, s.k])]);
         let compute = Timing::from_times(
@@ -225,35 +205,21 @@ fn row_parallel_chunked_overlaps() {
             n: 8192,
         };
         let v = RsVariant::Chunked(4);
-        let l1 = rsmm_program(d, s, DType::BF16, Some(4));
+        let lower = |v, parts| rsmm_lowered(d, s, DType::BF16, v, STREAMS, parts).unwrap();
+        let l = lower(v, Parts::Both);
         let full = random_full(s, 2);
-        let per_rank = scatter_inputs(&l1, &full).unwrap();
+        let per_rank = scatter_inputs(&l.program, &full).unwrap();
         let name = "rsmm chunked s=4";
-        let run = timed(
-            name,
-            &rsmm_host(d, s, DType::BF16, v, Parts::Both),
-            d,
-            per_rank.clone(),
-            true,
-        );
-        let out = run.outcome.gather(&l1).unwrap();
+        let run = timed(name, &l.host, d, per_rank.clone(), true);
+        let out = run.outcome.gather(&l.program).unwrap();
         let err = sampled_error(&full, &out["z"], s);
         assert!(err < 1e-2, "{name} d={d}: sampled rel err {err:.3e}");
         assert_intervals_intersect(name, d, &run.intervals);
-        let both = Timing::from_times(
-            &timed(
-                name,
-                &rsmm_host(d, s, DType::BF16, v, Parts::Both),
-                d,
-                per_rank.clone(),
-                false,
-            )
-            .times_us,
-        );
+        let both = Timing::from_times(&timed(name, &l.host, d, per_rank.clone(), false).times_us);
         let comm = Timing::from_times(
             &timed(
                 name,
-                &rsmm_host(d, s, DType::BF16, v, Parts::CommOnly),
+                &lower(v, Parts::CommOnly).host,
                 d,
                 per_rank.clone(),
                 false,
@@ -263,7 +229,7 @@ fn row_parallel_chunked_overlaps() {
         let compute = Timing::from_times(
             &timed(
                 name,
-                &rsmm_host(d, s, DType::BF16, RsVariant::Collective, Parts::ComputeOnly),
+                &lower(RsVariant::Collective, Parts::ComputeOnly).host,
                 d,
                 per_rank,
                 false,

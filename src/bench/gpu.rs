@@ -6,8 +6,8 @@ use std::time::Duration;
 use meshflow_ir::{DType, HostProgram, Program};
 
 use super::programs::{
-    agmm_host, agmm_program, gemm_alone_host, rs_alone_host, rsmm_host, rsmm_program, AgVariant,
-    Gemm3, Parts, RsVariant,
+    agmm_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered, AgVariant, Gemm3, Lowered, Parts,
+    RsVariant,
 };
 use super::stats::{CaseResult, Timing, VariantResult};
 use crate::runtime::cuda::{
@@ -39,6 +39,14 @@ pub enum BenchError {
     /// Bad options or data.
     #[error("{0}")]
     Invalid(String),
+    /// A program could not be lowered.
+    #[error("{what}: {source}")]
+    Lower {
+        /// The program.
+        what: String,
+        /// Why.
+        source: crate::pipeline::PipelineError,
+    },
     /// A variant's sampled outputs differ from the reference.
     #[error("{variant}: sampled outputs differ from the reference (rel err {error:.3e} > 1e-2)")]
     Wrong {
@@ -257,13 +265,21 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 s.m, s.n
             )));
         }
-        let l1 = agmm_program(d, s, DTYPE);
         let full = full_inputs(s, opts.seed)?;
-        let per_rank = r.scatter("agmm inputs", &l1, &full)?;
         let tag = format!("agmm {}x{}x{} d={d}", s.m, s.k, s.n);
+        let lower = |v: AgVariant, parts: Parts| -> Result<Lowered, BenchError> {
+            agmm_lowered(d, s, DTYPE, v, opts.stream_pool, parts).map_err(|source| {
+                BenchError::Lower {
+                    what: format!("{tag}: {}", v.name()),
+                    source,
+                }
+            })
+        };
+        let collective_comm = lower(AgVariant::Collective, Parts::CommOnly)?;
+        let per_rank = r.scatter("agmm inputs", &collective_comm.program, &full)?;
         let (comm, _) = r.time(
             &format!("{tag}: all_gather alone"),
-            &agmm_host(d, s, DTYPE, AgVariant::Collective, Parts::CommOnly),
+            &collective_comm.host,
             per_rank.clone(),
         )?;
         let gemm_in = r.replicated(&[("a", &[s.m, s.k], 11), ("w", &[s.n / du, s.k], 12)])?;
@@ -276,15 +292,14 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         let mut variants = Vec::new();
         for v in AgVariant::ALL {
             let what = format!("{tag}: {}", v.name());
-            let (timing, outcome) = r.time(
-                &what,
-                &agmm_host(d, s, DTYPE, v, Parts::Both),
-                per_rank.clone(),
-            )?;
-            let out = outcome.gather(&l1).map_err(|source| BenchError::Shard {
-                what: what.clone(),
-                source,
-            })?;
+            let l = lower(v, Parts::Both)?;
+            let (timing, outcome) = r.time(&what, &l.host, per_rank.clone())?;
+            let out = outcome
+                .gather(&l.program)
+                .map_err(|source| BenchError::Shard {
+                    what: what.clone(),
+                    source,
+                })?;
             let err = sampled_error(&full, &out["y"], s, opts.seed ^ 7);
             variants.push(finish_variant(v.name().to_string(), timing, bound, err)?);
         }
@@ -346,19 +361,22 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             }
         }
         for v in list {
-            let chunks = match v {
-                RsVariant::Collective => None,
-                RsVariant::Chunked(c) => Some(c),
-            };
-            let l1 = rsmm_program(d, s, DTYPE, chunks);
-            let per_rank = r.scatter("rsmm inputs", &l1, &full)?;
             let what = format!("{tag}: {}", v.name());
-            let (timing, outcome) =
-                r.time(&what, &rsmm_host(d, s, DTYPE, v, Parts::Both), per_rank)?;
-            let out = outcome.gather(&l1).map_err(|source| BenchError::Shard {
-                what: what.clone(),
-                source,
-            })?;
+            let l =
+                rsmm_lowered(d, s, DTYPE, v, opts.stream_pool, Parts::Both).map_err(|source| {
+                    BenchError::Lower {
+                        what: what.clone(),
+                        source,
+                    }
+                })?;
+            let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
+            let (timing, outcome) = r.time(&what, &l.host, per_rank)?;
+            let out = outcome
+                .gather(&l.program)
+                .map_err(|source| BenchError::Shard {
+                    what: what.clone(),
+                    source,
+                })?;
             let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
             variants.push(finish_variant(v.name(), timing, bound, err)?);
         }

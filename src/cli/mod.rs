@@ -1,6 +1,8 @@
 //! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
 
+mod bench;
 mod common;
+mod launch;
 mod lower;
 mod parse;
 
@@ -24,6 +26,10 @@ pub enum Command {
     Parse(parse::ParseArgs),
     /// Compile a level-1 program and print the host IR.
     Lower(lower::LowerArgs),
+    /// GPU benchmarks: overlapped AG+GEMM (`agmm`) and GEMM+RS (`rsmm`) next to the bound.
+    Bench(bench::BenchCommand),
+    /// Start N ranks of a command on this host (torchrun variables, `[rank r]` output).
+    Launch(launch::LaunchArgs),
 }
 
 /// Runs a parsed command line.
@@ -31,5 +37,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Parse(args) => parse::run(args),
         Command::Lower(args) => lower::run(args),
+        Command::Bench(args) => bench::run(args),
+        Command::Launch(args) => launch::run(args),
     }
 }

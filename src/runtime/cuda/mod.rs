@@ -15,7 +15,9 @@
 //!   ([`CudaBackend::last_run_us`]).
 //! - [`run_cuda`] / [`run_cuda_timed`] run a host program in-process, one thread per GPU (rank `r`
 //!   on GPU `r`); [`run_rank`] runs one rank of a multi-process run (torchrun variables, TCP
-//!   rendezvous); [`run_and_compare_cuda`] compares a run with the level-1 reference.
+//!   rendezvous); [`run_program_cuda`] does either from full inputs and returns full outputs
+//!   (what `meshflow run --backend cuda` does); [`run_and_compare_cuda`] compares a run with
+//!   the level-1 reference.
 //!
 //! A missing driver, GPU or library is an error value naming the rank and the call, never a
 //! panic. A rank that fails sets a shared [`AbortSignal`]; the others stop waiting for the
@@ -33,6 +35,7 @@ mod layout;
 mod memory;
 mod operands;
 mod profile;
+mod program;
 mod teams;
 mod user_kernels;
 
@@ -44,5 +47,6 @@ pub use launch::{
 };
 pub use memory::CudaBuffer;
 pub use profile::{Interval, IntervalKind};
+pub use program::{run_program_cuda, ProgramRun};
 pub use teams::clear_communicator_cache;
 pub use user_kernels::{CudaKernels, DimsFn, LaunchDims};
