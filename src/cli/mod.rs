@@ -1,8 +1,10 @@
 //! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
 
+mod check;
 mod common;
 mod lower;
 mod parse;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +26,10 @@ pub enum Command {
     Parse(parse::ParseArgs),
     /// Compile a level-1 program and print the host IR.
     Lower(lower::LowerArgs),
+    /// Check a program across ranks: matching communications, no deadlock.
+    Check(check::CheckArgs),
+    /// Lower, check and run a program on every rank; compare with an unsharded reference.
+    Run(run::RunArgs),
 }
 
 /// Runs a parsed command line.
@@ -31,5 +37,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
     match cli.command {
         Command::Parse(args) => parse::run(args),
         Command::Lower(args) => lower::run(args),
+        Command::Check(args) => check::run(args),
+        Command::Run(args) => run::run(args),
     }
 }
