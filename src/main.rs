@@ -31,6 +31,7 @@ fn main() -> ExitCode {
     init_logging();
     match cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
+        Err(cli::CliError::Mismatch) => ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(1)

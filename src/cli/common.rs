@@ -42,6 +42,15 @@ pub enum CliError {
     /// Writing the output failed.
     #[error("cannot write the output: {0}")]
     Write(std::io::Error),
+    /// The cross-rank check rejected the program.
+    #[error("the cross-rank check rejects the program:\n{0}")]
+    Check(String),
+    /// A run failed.
+    #[error("{0}")]
+    Run(String),
+    /// The run finished but an output differs from the reference (already reported on stdout).
+    #[error("an output differs from the reference")]
+    Mismatch,
 }
 
 /// The program file and its parameters.

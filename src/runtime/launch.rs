@@ -173,8 +173,14 @@ fn run_rank(
         }),
     };
     if let Err(e) = &result {
-        if !e.is_abort() {
-            fabric.fail(rank, e.to_string());
+        match e.unresponsive_peer() {
+            // Blame the rank that stopped responding, not the one that noticed first.
+            Some(peer) if peer != rank => fabric.fail(
+                peer,
+                format!("rank {peer} stopped responding (detected by rank {rank}: {e})"),
+            ),
+            _ if !e.is_abort() => fabric.fail(rank, e.to_string()),
+            _ => {}
         }
     }
     (result, ev.take_trace())

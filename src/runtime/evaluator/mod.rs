@@ -122,6 +122,21 @@ impl RuntimeError {
         ) || matches!(self, RuntimeError::At { source, .. }
             if matches!(**source, StepError::Backend(BackendError::Aborted { .. })))
     }
+
+    /// For a timeout, the rank that stopped responding (the end of the wait-for chain).
+    pub fn unresponsive_peer(&self) -> Option<DeviceId> {
+        match self {
+            RuntimeError::Backend {
+                source: BackendError::Timeout { peer, .. },
+                ..
+            } => Some(*peer),
+            RuntimeError::At { source, .. } => match &**source {
+                StepError::Backend(BackendError::Timeout { peer, .. }) => Some(*peer),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
 }
 
 /// Options of one evaluator.
@@ -299,7 +314,14 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         for id in self.program.outputs() {
             let t = meshflow_ir::EntityRef::index(id);
             if let Some(view) = &self.state.views[t] {
-                let data = self.backend.download(view).map_err(be)?;
+                let name = &self.program.tensors[id].name;
+                let data = self
+                    .backend
+                    .download(view)
+                    .map_err(|e| RuntimeError::Backend {
+                        rank,
+                        source: BackendError::Invalid(format!("output `{name}`: {e}")),
+                    })?;
                 out.insert(self.program.tensors[id].name.clone(), data);
             }
         }

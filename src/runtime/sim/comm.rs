@@ -4,7 +4,7 @@
 //! any, like an NCCL group. Reductions combine contributions in team order (accumulating in
 //! `f32`, or `i64` for integers, and rounding once), so every member gets the same bits.
 
-use meshflow_ir::{CommKind, DeviceId, ReduceOp};
+use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 
 use super::fabric::{MailKey, Payload};
 use super::{SimBackend, SimBuffer};
@@ -504,6 +504,35 @@ fn receive(be: &SimBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendE
     }
 }
 
+/// The device a source of an exchange is (this rank for local data).
+fn src_rank(be: &SimBackend, ex: &Exchange, src: &Src) -> usize {
+    match src {
+        Src::Local(_) => be.device,
+        Src::Remote(k) => ex.members[*k],
+    }
+}
+
+/// Data from a peer must have the element type of the receive buffer: real transports move
+/// bytes, so peers that disagree on the dtype would corrupt data or hang.
+fn same_dtype(
+    name: &'static str,
+    peer: usize,
+    got: DType,
+    want: DType,
+) -> Result<(), BackendError> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(invalid(
+            name,
+            format!(
+                "rank {peer} sent {got} data for a {want} receive buffer (the ranks disagree \
+                 on the element type)"
+            ),
+        ))
+    }
+}
+
 fn data(ex: &Exchange, p: Payload) -> Result<Storage, BackendError> {
     match p {
         Payload::Data(s) => Ok(s),
@@ -532,8 +561,11 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
         Finish::Write { out, parts } => {
             let mut pieces = Vec::with_capacity(parts.len());
             for (part, src) in parts {
+                let peer = src_rank(be, &ex, &src);
                 let p = receive(be, &ex, src)?;
-                pieces.push((part, data(&ex, p)?));
+                let piece = data(&ex, p)?;
+                same_dtype(name, peer, piece.dtype(), out.dtype)?;
+                pieces.push((part, piece));
             }
             be.write_views(&[&out], |outs| {
                 for (part, piece) in &pieces {
@@ -552,8 +584,11 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
         Finish::Reduce { out, sources, op } => {
             let mut parts = Vec::with_capacity(sources.len());
             for src in sources {
+                let peer = src_rank(be, &ex, &src);
                 let p = receive(be, &ex, src)?;
-                parts.push(data(&ex, p)?);
+                let part = data(&ex, p)?;
+                same_dtype(name, peer, part.dtype(), out.dtype)?;
+                parts.push(part);
             }
             for p in &parts {
                 same_numel(

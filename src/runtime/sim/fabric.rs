@@ -45,6 +45,8 @@ pub struct Fabric {
     arrived: Condvar,
     abort: AtomicBool,
     failure: Mutex<Option<Failure>>,
+    /// Which rank each blocked rank is receiving from, to blame the right rank on a timeout.
+    waiting: Mutex<HashMap<DeviceId, DeviceId>>,
 }
 
 /// How often a blocked receive re-checks the abort flag.
@@ -85,20 +87,29 @@ impl Fabric {
         what: &str,
     ) -> Result<Payload, BackendError> {
         let start = Instant::now();
+        let (me, peer) = (key.1, key.0);
+        self.set_waiting(me, Some(peer));
         let mut mail = self.lock_mail();
         loop {
             if let Some(p) = mail.remove(&key) {
+                drop(mail);
+                self.set_waiting(me, None);
                 return Ok(p);
             }
             if self.aborted() {
+                drop(mail);
+                self.set_waiting(me, None);
                 return Err(self.abort_error());
             }
             let waited = start.elapsed();
             if waited >= timeout {
+                drop(mail);
+                let (culprit, chain) = self.blame(me, peer);
+                self.set_waiting(me, None);
                 return Err(BackendError::Timeout {
-                    peer: key.0,
+                    peer: culprit,
                     waited,
-                    what: what.to_string(),
+                    what: format!("{what}{chain}"),
                 });
             }
             let slice = POLL.min(timeout - waited);
@@ -111,6 +122,48 @@ impl Fabric {
     }
 
     /// True once some rank failed.
+    fn set_waiting(&self, me: DeviceId, peer: Option<DeviceId>) {
+        let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        match peer {
+            Some(p) => w.insert(me, p),
+            None => w.remove(&me),
+        };
+    }
+
+    /// Follows the wait-for chain from `peer` (whom `me` waits for) to the rank that is not
+    /// itself waiting in a receive: that rank stalled (or is stuck outside communication).
+    /// Returns it and a description of the chain; a cycle is reported as a deadlock.
+    fn blame(&self, me: DeviceId, peer: DeviceId) -> (DeviceId, String) {
+        let w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+        let mut chain = vec![me, peer];
+        let mut at = peer;
+        while let Some(&next) = w.get(&at) {
+            if chain.contains(&next) {
+                let cycle: Vec<String> = chain.iter().map(|r| format!("rank {r}")).collect();
+                return (
+                    peer,
+                    format!(
+                        "; deadlock: {} waits for rank {next}",
+                        cycle.join(" waits for ")
+                    ),
+                );
+            }
+            chain.push(next);
+            at = next;
+        }
+        if at == peer {
+            return (peer, String::new());
+        }
+        let path: Vec<String> = chain[1..].iter().map(|r| format!("rank {r}")).collect();
+        (
+            at,
+            format!(
+                "; {} waits for rank {at}, which is not in a communication (stalled)",
+                path[..path.len() - 1].join(" waits for ")
+            ),
+        )
+    }
+
     pub fn aborted(&self) -> bool {
         self.abort.load(Ordering::Acquire)
     }

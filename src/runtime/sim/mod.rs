@@ -109,7 +109,9 @@ pub struct SimConfig {
     pub timeout: Duration,
     /// Check every buffer access against happens-before.
     pub race_check: bool,
-    /// Fill fresh buffers with NaN / [`INT_POISON`](crate::runtime::data::INT_POISON).
+    /// Fill fresh buffers with NaN / [`INT_POISON`](crate::runtime::data::INT_POISON) and
+    /// track which elements get written: reading back a program output with elements the
+    /// program never wrote on a rank that holds it is then an error naming the output.
     pub poison: bool,
     /// Injected faults.
     pub faults: Vec<Fault>,
@@ -142,6 +144,33 @@ struct SimBuf {
     storage: Storage,
     shape: Vec<u64>,
     accesses: Vec<Access>,
+    /// Which elements have been written (tracked when allocations are poisoned), so that
+    /// reading back an output the program never wrote is an error, not silent garbage.
+    written: Option<Vec<bool>>,
+}
+
+/// Calls `f` on the element offset of every element of a strided view.
+fn for_each_offset(offset: u64, shape: &[u64], strides: &[u64], f: &mut impl FnMut(u64)) {
+    if shape.contains(&0) {
+        return;
+    }
+    let mut index = vec![0u64; shape.len()];
+    loop {
+        let off = offset + index.iter().zip(strides).map(|(i, s)| i * s).sum::<u64>();
+        f(off);
+        let mut k = shape.len();
+        loop {
+            if k == 0 {
+                return;
+            }
+            k -= 1;
+            index[k] += 1;
+            if index[k] < shape[k] {
+                break;
+            }
+            index[k] = 0;
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -264,10 +293,18 @@ impl SimBackend {
         Ok(out)
     }
 
+    /// Puts back the storages taken for writing and records which elements were written.
     fn put_storages(&mut self, views: &[&TensorView<SimBuffer>], storages: Vec<Storage>) {
         for (v, s) in views.iter().zip(storages) {
             if let Ok(b) = self.buf_mut(v.buffer) {
                 b.storage = s;
+                if let Some(written) = b.written.as_mut() {
+                    for_each_offset(v.offset, &v.shape, &v.strides, &mut |o| {
+                        if let Some(w) = written.get_mut(o as usize) {
+                            *w = true;
+                        }
+                    });
+                }
             }
         }
     }
@@ -428,6 +465,7 @@ impl Backend for SimBackend {
             storage,
             shape: shape.to_vec(),
             accesses: Vec::new(),
+            written: self.poison.then(|| vec![false; n as usize]),
         };
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -467,10 +505,28 @@ impl Backend for SimBackend {
         }
         b.storage = data.storage().clone();
         b.accesses.clear();
+        if let Some(written) = b.written.as_mut() {
+            written.iter_mut().for_each(|w| *w = true);
+        }
         Ok(())
     }
 
     fn download(&mut self, view: &TensorView<SimBuffer>) -> Result<TensorData, BackendError> {
+        if let Some(written) = self.buf_mut(view.buffer)?.written.as_ref() {
+            let (mut total, mut unwritten) = (0u64, 0u64);
+            for_each_offset(view.offset, &view.shape, &view.strides, &mut |o| {
+                total += 1;
+                if !written.get(o as usize).copied().unwrap_or(false) {
+                    unwritten += 1;
+                }
+            });
+            if unwritten > 0 {
+                return Err(BackendError::Invalid(format!(
+                    "{unwritten} of the {total} elements of this output were never written by \
+                     the program on this rank"
+                )));
+            }
+        }
         Ok(self.view(view)?.to_tensor())
     }
 

@@ -1,0 +1,186 @@
+//! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
+//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check]`: lowers the program,
+//! checks the host program across ranks, runs it on every rank with random inputs, compares
+//! the gathered outputs with an unsharded reference, and prints a summary whose last line
+//! starts with `ok` or `mismatch`. Exits 0 only when every output matches.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use clap::{Args, ValueEnum};
+use meshflow::check::check_program;
+use meshflow::pipeline::{compile, CompileOptions};
+use meshflow::runtime::compare::{compare_outputs, random_inputs};
+use meshflow::runtime::launch::{run_sim, SimInputs, SimOptions};
+use meshflow::runtime::reference::evaluate;
+use meshflow::runtime::sim::SimConfig;
+
+use super::common::{print_out, CliError, ProgramArgs};
+
+/// Where the ranks run.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// The embedded CPU backend: one thread per rank, host memory.
+    Sim,
+    /// GPUs over CUDA and NCCL (needs the `cuda` feature).
+    Cuda,
+}
+
+/// Arguments of `run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    program: ProgramArgs,
+    /// The backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Sim)]
+    backend: BackendKind,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Write a Chrome/Perfetto trace (one track per rank and stream).
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Size of the worker stream pool.
+    #[arg(long, default_value_t = 2)]
+    streams: usize,
+    /// How long a rank waits for a peer before the run fails, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    timeout_ms: u64,
+    /// Do not check stream ordering (races) while running (sim backend).
+    #[arg(long)]
+    no_race_check: bool,
+}
+
+/// Runs `run`.
+pub fn run(args: RunArgs) -> Result<(), CliError> {
+    let program = args.program.load()?;
+    let options = CompileOptions {
+        num_streams: args.streams.max(1),
+        ..CompileOptions::default()
+    };
+    let started = Instant::now();
+    let compiled = compile(&program, &options)?;
+    let world = compiled.host.world_size();
+    let ranks = match args.program.ranks {
+        Some(r) => usize::try_from(r)
+            .map_err(|_| CliError::Usage(format!("--ranks {r}: must be positive")))?,
+        None => world,
+    };
+    if ranks < world {
+        return Err(CliError::Usage(format!(
+            "the program's meshes use {world} devices but only {ranks} ranks were requested"
+        )));
+    }
+    let mut summary = format!(
+        "{}: lowered in {:.1} ms ({} host instructions)\n",
+        program.name,
+        started.elapsed().as_secs_f64() * 1e3,
+        count_insts(&compiled.host)
+    );
+    let report = check_program(&compiled.host, ranks)
+        .map_err(|e| CliError::Usage(format!("the cross-rank check rejects the program:\n{e}")))?;
+    summary.push_str(&format!("cross-rank check: {report}\n"));
+    if ranks > world {
+        summary.push_str(&format!(
+            "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
+        ));
+    }
+    let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
+    let got = match args.backend {
+        BackendKind::Sim => {
+            let sim = SimOptions {
+                ranks: Some(ranks),
+                config: SimConfig {
+                    stream_pool: args.streams.max(1),
+                    timeout: Duration::from_millis(args.timeout_ms),
+                    race_check: !args.no_race_check,
+                    ..SimConfig::default()
+                },
+                trace: args.trace.is_some(),
+            };
+            let outcome = run_sim(
+                &compiled.host,
+                SimInputs::Full {
+                    program: &compiled.program,
+                    inputs: &inputs,
+                },
+                &sim,
+            )
+            .map_err(|e| CliError::Run(e.to_string()))?;
+            summary.push_str(&format!(
+                "ran on {ranks} sim ranks in {:.1} ms (seed {})\n",
+                outcome.elapsed.as_secs_f64() * 1e3,
+                args.seed
+            ));
+            if let (Some(path), Some(trace)) = (&args.trace, &outcome.trace) {
+                trace.write(path).map_err(|source| {
+                    CliError::Run(format!(
+                        "cannot write the trace `{}`: {source}",
+                        path.display()
+                    ))
+                })?;
+                summary.push_str(&format!("trace written to {}\n", path.display()));
+            }
+            outcome
+                .gather(&compiled.program)
+                .map_err(|e| CliError::Run(e.to_string()))?
+        }
+        BackendKind::Cuda => match run_cuda(&args, &compiled, &inputs, ranks, &mut summary)? {
+            Some(gathered) => gathered,
+            // A rank other than 0 of a multi-process run: rank 0 compares.
+            None => return print_out(&summary),
+        },
+    };
+    let want = evaluate(&program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
+    let comparison =
+        compare_outputs(&program, &got, &want).map_err(|e| CliError::Run(e.to_string()))?;
+    summary.push_str(&format!("{comparison}\n"));
+    print_out(&summary)?;
+    if comparison.passed() {
+        Ok(())
+    } else {
+        Err(CliError::Mismatch)
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(
+    _args: &RunArgs,
+    _compiled: &meshflow::pipeline::Compiled,
+    _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
+    _ranks: usize,
+    _summary: &mut String,
+) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
+{
+    Err(CliError::Usage(
+        "this meshflow was built without the `cuda` feature; rebuild with \
+         `cargo build --release --features cuda` to use --backend cuda"
+            .to_string(),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(
+    args: &RunArgs,
+    compiled: &meshflow::pipeline::Compiled,
+    inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
+    ranks: usize,
+    summary: &mut String,
+) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
+{
+    super::run_cuda::run(
+        compiled,
+        inputs,
+        ranks,
+        args.streams,
+        Duration::from_millis(args.timeout_ms),
+        args.trace.as_deref(),
+        summary,
+    )
+}
+
+fn count_insts(host: &meshflow::ir::HostProgram) -> usize {
+    let mut n = 0;
+    host.walk(&mut |_, _| n += 1);
+    n
+}
