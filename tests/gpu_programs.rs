@@ -1,7 +1,7 @@
 //! The end-to-end programs of the CPU backend on GPUs: the hand-written host programs (ring and
 //! broadcast all-gather + linear, chunked row-parallel linear) on 1, 2 and 4 GPUs against the
 //! level-1 reference; every compute op (packed and strided operands, in place) against the sim
-//! backend; MoE's error until its transport lands.
+//! backend; the MoE layer through the NCCL MoE transport.
 
 #[path = "data/runtime/common.rs"]
 mod common;
@@ -53,29 +53,82 @@ fn chunked_all_reduce_matches_reference() {
     }
 }
 
+/// Rows of every expert as a sorted list of `(routing token, k, row bits)`.
+fn expert_rows(out: &BTreeMap<String, TensorData>) -> Vec<Vec<(i64, i64, Vec<u64>)>> {
+    let (ex, counts, routing) = (&out["expert_x"], &out["expert_counts"], &out["routing"]);
+    let s = ex.shape().to_vec();
+    let (e, c, h) = (s[0] as usize, s[1] as usize, s[2] as usize);
+    (0..e)
+        .map(|x| {
+            let n = counts.storage().get_i64(x).unwrap() as usize;
+            let mut rows: Vec<(i64, i64, Vec<u64>)> = (0..n.min(c))
+                .map(|j| {
+                    let r = (x * c + j) * 2;
+                    let row = (0..h)
+                        .map(|q| ex.storage().bits((x * c + j) * h + q).unwrap())
+                        .collect();
+                    (
+                        routing.storage().get_i64(r).unwrap(),
+                        routing.storage().get_i64(r + 1).unwrap(),
+                        row,
+                    )
+                })
+                .collect();
+            rows.sort();
+            rows
+        })
+        .collect()
+}
+
 #[test]
-fn moe_needs_its_transport_and_says_so() {
-    for d in rank_counts("moe_needs_its_transport_and_says_so") {
-        let host = common::moe_host(d as i64, 6, 2, 2, 16, 8);
-        let l1 = common::level1(
-            "moe_layer.mf",
-            &[
-                ("d", d as i64),
-                ("t", 6),
-                ("e", 2),
-                ("k", 2),
-                ("h", 16),
-                ("f", 8),
-            ],
-        );
-        let err = run_and_compare_cuda(&l1, &host, d, 1, &cuda_options())
-            .expect_err("MoE has no CUDA transport in this build");
-        let text = err.to_string();
-        assert!(
-            text.contains("moe_dispatch") && text.contains("MoE"),
-            "{text}"
-        );
-        eprintln!("moe d={d}: {text}");
+fn moe_layer_matches_reference_with_expert_rows_as_multisets() {
+    use meshflow::runtime::compare::random_inputs;
+    use meshflow::runtime::cuda::run_cuda;
+    use meshflow::runtime::reference::evaluate;
+    use meshflow::runtime::SimInputs;
+    for d in rank_counts("moe_layer_matches_reference_with_expert_rows_as_multisets") {
+        for (t, e, k) in [(6, 2, 2), (5, 1, 1), (4, 3, 3)] {
+            let host = common::moe_host(d as i64, t, e, k, 16, 8);
+            let l1 = common::level1(
+                "moe_layer.mf",
+                &[
+                    ("d", d as i64),
+                    ("t", t),
+                    ("e", e),
+                    ("k", k),
+                    ("h", 16),
+                    ("f", 8),
+                ],
+            );
+            let inputs = random_inputs(&l1, 3).unwrap();
+            let mut o = cuda_options();
+            o.ranks = Some(d);
+            let out = run_cuda(
+                &host,
+                SimInputs::Full {
+                    program: &l1,
+                    inputs: &inputs,
+                },
+                &o,
+            )
+            .unwrap_or_else(|err| panic!("moe d={d} t={t} e={e} k={k}: {err}"));
+            let got = out.gather(&l1).unwrap();
+            let want = evaluate(&l1, &inputs).unwrap();
+            let err = got["y"].rel_error(&want["y"]).unwrap();
+            assert!(err < 1e-5, "moe d={d}: y rel err {err:.3e}");
+            assert!(
+                got["expert_counts"].bit_eq(&want["expert_counts"]),
+                "moe d={d}: counts differ"
+            );
+            assert_eq!(
+                expert_rows(&got),
+                expert_rows(&want),
+                "moe d={d} t={t} e={e} k={k}: expert rows differ"
+            );
+            eprintln!(
+                "moe d={d} t={t} e={e} k={k}: y rel err {err:.2e}, expert rows equal as multisets"
+            );
+        }
     }
 }
 

@@ -132,6 +132,10 @@ pub struct CudaBackend {
     pub(super) scratch: Vec<DeviceBuffer>,
     pub(super) timeline: Timeline,
     user: Vec<Option<UserKernel>>,
+    pub(super) moe: Vec<super::moe::MoeEngine>,
+    pub(super) moe_last: Option<usize>,
+    start_barrier: Option<usize>,
+    runs: u64,
     failed: bool,
 }
 
@@ -180,6 +184,10 @@ impl CudaBackend {
             group: None,
             scratch: Vec::new(),
             timeline,
+            moe: Vec::new(),
+            moe_last: None,
+            start_barrier: None,
+            runs: 0,
             failed: false,
         })
     }
@@ -189,8 +197,10 @@ impl CudaBackend {
         &self.device
     }
 
-    /// Device time of the last finished run in µs, from an event at its start (the last input
-    /// upload, or its first instruction) to one after all its streams were done.
+    /// Device time of the last finished run in µs, from an event at its start (its first
+    /// instruction that reaches the device, after the inputs are uploaded and, with
+    /// [`set_start_barrier`](Self::set_start_barrier), after every rank got there) to one after
+    /// all its streams were done.
     pub fn last_run_us(&self) -> Option<f64> {
         self.timeline.last_run_us
     }
@@ -209,6 +219,19 @@ impl CudaBackend {
     /// dropped, and nothing waits for its pending device work.
     pub fn mark_failed(&mut self) {
         self.failed = true;
+    }
+
+    /// The rendezvous namespace (keys the communicator cache).
+    pub(super) fn namespace(&self) -> String {
+        self.rendezvous
+            .as_ref()
+            .map(|r| r.namespace().to_owned())
+            .unwrap_or_else(|| "local".into())
+    }
+
+    /// The rendezvous, if any.
+    pub(super) fn rendezvous(&self) -> Option<&Arc<dyn Rendezvous>> {
+        self.rendezvous.as_ref()
     }
 
     pub(super) fn stream(&self) -> &Stream {
@@ -263,11 +286,42 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Marks the start of the run's device work (once per run, at its first instruction that
+    /// reaches the device, or at its end): with a start barrier, first waits for every rank to
+    /// get there (so that uploads of different lengths do not skew the ranks' clocks), then
+    /// records the start event on the main stream.
     fn step_started(&mut self) -> Result<(), BackendError> {
+        if self.timeline.is_started() {
+            return Ok(());
+        }
+        if let (Some(parties), Some(rdv)) = (self.start_barrier, self.rendezvous.clone()) {
+            let name = format!("meshflow/start/{}", self.runs);
+            rdv.barrier(&name, parties, self.config.timeout)
+                .map_err(|e| match e {
+                    crate::runtime::rendezvous::RendezvousError::Aborted(reason) => {
+                        BackendError::Aborted {
+                            failed_rank: self
+                                .abort
+                                .as_ref()
+                                .and_then(|a| a.first())
+                                .map_or(self.rank, |f| f.0),
+                            reason,
+                        }
+                    }
+                    e => BackendError::Invalid(format!("rank {}: start barrier: {e}", self.rank)),
+                })?;
+        }
         let main = self.streams[0].clone();
         self.timeline
             .ensure_started(&main)
             .map_err(self.err("cuEventRecord"))
+    }
+
+    /// Makes every run start with a barrier of `parties` ranks (all ranks of the run, each with
+    /// such a backend on the same rendezvous), so that device times of different ranks start
+    /// together; used for timing.
+    pub fn set_start_barrier(&mut self, parties: usize) {
+        self.start_barrier = Some(parties);
     }
 
     /// The abort error when another rank failed.
@@ -331,6 +385,7 @@ impl CudaBackend {
     /// failed.
     fn abort_comms(&mut self) {
         self.failed = true;
+        self.moe_release(false);
         self.team_comm.clear();
         for (key, c) in self.comms.drain(..) {
             if let Err(e) = c.abort() {
@@ -381,6 +436,7 @@ impl Drop for CudaBackend {
             // Abort first: device work waiting for a peer must stop before memory is freed.
             self.abort_comms();
         } else {
+            self.moe_release(true);
             for (key, c) in self.comms.drain(..) {
                 teams::checkin(key, c);
             }
@@ -502,11 +558,7 @@ impl Backend for CudaBackend {
             )));
         }
         let dst = entry.data.clone();
-        self.host_data(data, &dst)?;
-        let main = self.streams[0].clone();
-        self.timeline
-            .restart(&main)
-            .map_err(self.err("cuEventRecord"))
+        self.host_data(data, &dst)
     }
 
     fn download(&mut self, view: &TensorView<CudaBuffer>) -> Result<TensorData, BackendError> {
@@ -785,6 +837,8 @@ impl Backend for CudaBackend {
                 "a coalescing group was never ended".into(),
             ));
         }
+        self.step_started()?;
+        self.runs += 1;
         let main = self.streams[0].clone();
         for w in &self.streams[1..] {
             main.join(w).map_err(self.err("cuStreamWaitEvent"))?;
@@ -798,6 +852,7 @@ impl Backend for CudaBackend {
             self.timeline.reset();
             return Err(e);
         }
+        self.moe_check_status()?;
         self.timeline
             .collect(self.rank, end)
             .map_err(self.err("cuEventElapsedTime"))

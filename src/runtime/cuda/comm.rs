@@ -77,13 +77,24 @@ impl CudaBackend {
                 output,
                 ..
             } => self.permute_comm(team, *send_peer, *recv_peer, input, output),
-            CommRequest::MoeDispatch { .. } | CommRequest::MoeCombine { .. } => {
-                Err(BackendError::Invalid(format!(
-                    "rank {}: {name} on the CUDA backend needs the MoE NVLink/NCCL transport \
-                     (meshflow-kernels `moe`), which this build does not have yet",
-                    self.rank
-                )))
-            }
+            CommRequest::MoeDispatch {
+                team,
+                x,
+                topk_idx,
+                expert_x,
+                expert_counts,
+                routing,
+                ..
+            } => self.moe_dispatch(team, x, topk_idx, expert_x, expert_counts, routing),
+            CommRequest::MoeCombine {
+                team,
+                expert_y,
+                expert_counts,
+                routing,
+                topk_weights,
+                out,
+                ..
+            } => self.moe_combine(team, expert_y, expert_counts, routing, topk_weights, out),
         }
     }
 

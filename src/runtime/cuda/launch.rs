@@ -182,7 +182,10 @@ fn rank_main(
     )
     .map_err(|source| RuntimeError::Backend { rank, source });
     let backend = match backend {
-        Ok(b) => b,
+        Ok(mut b) => {
+            b.set_start_barrier(world);
+            b
+        }
         Err(e) => {
             fail(&e);
             return Err(e);

@@ -23,8 +23,8 @@
 //! panic. A rank that fails sets a shared [`AbortSignal`]; the others stop waiting for the
 //! device, abort their communicators and report the failed rank.
 //!
-//! MoE dispatch/combine need the MoE transport of `meshflow-kernels`; until it lands they fail
-//! with an error saying so.
+//! MoE dispatch/combine run through the NCCL MoE transport of `meshflow-kernels` (see the
+//! `moe` module for its limits on GPUs).
 
 mod backend;
 mod comm;
@@ -33,6 +33,7 @@ mod compute;
 mod launch;
 mod layout;
 mod memory;
+mod moe;
 mod operands;
 mod profile;
 mod program;

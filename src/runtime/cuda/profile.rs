@@ -110,18 +110,17 @@ impl Timeline {
         }
     }
 
-    /// (Re)starts the run clock on `main` (at every upload: the last one wins).
-    pub(super) fn restart(&mut self, main: &Stream) -> Result<(), KernelError> {
-        let e = Event::timing(main.device())?;
-        e.record(main)?;
-        self.start = Some(e);
-        Ok(())
+    /// Whether the run clock runs.
+    pub(super) fn is_started(&self) -> bool {
+        self.start.is_some()
     }
 
     /// Starts the run clock on `main` unless it runs already.
     pub(super) fn ensure_started(&mut self, main: &Stream) -> Result<(), KernelError> {
         if self.start.is_none() {
-            self.restart(main)?;
+            let e = Event::timing(main.device())?;
+            e.record(main)?;
+            self.start = Some(e);
         }
         Ok(())
     }

@@ -99,7 +99,7 @@ pub(super) fn create(
             ))
         })?;
         let names: Vec<String> = members.iter().map(|m| m.to_string()).collect();
-        let base = format!("nccl/{}/{generation}", names.join(","));
+        let base = format!("nccl/{}/{}/{generation}", key.namespace, names.join(","));
         let rdv_err = |e: crate::runtime::rendezvous::RendezvousError| match e {
             crate::runtime::rendezvous::RendezvousError::Aborted(reason) => BackendError::Aborted {
                 failed_rank: members.first().copied().unwrap_or(rank),
