@@ -33,13 +33,22 @@ fn one(
     )
 }
 
+/// (name, kind, in shape, out shape, extra arguments, the only rank that writes the output)
+type Case = (
+    String,
+    &'static str,
+    Vec<u64>,
+    Vec<u64>,
+    String,
+    Option<usize>,
+);
+
 #[test]
 fn collectives_match_the_sim_backend() {
     for d in rank_counts("collectives_match_the_sim_backend") {
         let n = d as u64;
         for dtype in ["f32", "bf16"] {
-            // (name, kind, in shape, out shape, extra, the only rank that writes the output)
-            let mut cases: Vec<(String, &str, Vec<u64>, Vec<u64>, String, Option<usize>)> = vec![
+            let mut cases: Vec<Case> = vec![
                 (
                     "all_gather".into(),
                     "all_gather",
@@ -125,7 +134,7 @@ fn send_recv_between_the_ends_of_the_mesh() {
     if skip_unless(2, "send_recv_between_the_ends_of_the_mesh") {
         return;
     }
-    let d = gpus().unwrap_or(2).min(4).max(2);
+    let d = gpus().unwrap_or(2).clamp(2, 4);
     let h = host(
         "host sr {\n  mesh m0 = $MESH\n  in a: f32[3, 5] on m0\n  out b: f32[3, 5] on m0\n  c0 = send_recv(a -> b, team=devices(0, $LAST), root=0)\n  wait c0\n}\n",
         &[("MESH", iota(d)), ("LAST", (d - 1).to_string())],

@@ -86,9 +86,9 @@ fn rank_process() {
         Some(got) => {
             let want = evaluate(&l1, &inputs).unwrap();
             let cmp = compare_outputs(&l1, &got, &want).unwrap();
-            println!("rank {}: {cmp}", env.rank);
+            eprintln!("rank {}: {cmp}", env.rank);
             assert!(cmp.passed(), "{cmp}");
         }
-        None => println!("rank {}: outputs sent to rank 0", env.rank),
+        None => eprintln!("rank {}: outputs sent to rank 0", env.rank),
     }
 }

@@ -160,9 +160,9 @@ pub fn results_json(cases: &[CaseResult]) -> String {
                 )
             })
             .collect();
-        let _ = write!(
+        let _ = writeln!(
             out,
-            "  {{\"bench\": {}, \"m\": {}, \"k\": {}, \"n\": {}, \"dtype\": {}, \"world\": {}, \"device\": {}, \"comm_name\": {}, \"comm\": {}, \"gemm\": {}, \"bound_us\": {}, \"variants\": [{}]}}{}\n",
+            "  {{\"bench\": {}, \"m\": {}, \"k\": {}, \"n\": {}, \"dtype\": {}, \"world\": {}, \"device\": {}, \"comm_name\": {}, \"comm\": {}, \"gemm\": {}, \"bound_us\": {}, \"variants\": [{}]}}{}",
             json_s(c.bench),
             c.shape.m,
             c.shape.k,
@@ -216,7 +216,7 @@ mod tests {
                 sampled_rel_err: f64::NAN,
             }],
         };
-        let j = results_json(&[c.clone()]);
+        let j = results_json(std::slice::from_ref(&c));
         assert!(j.contains("\"device\": \"GPU \\\"x\\\"\""), "{j}");
         assert!(j.contains("\"sampled_rel_err\": null"), "{j}");
         assert!(c.table().contains("| ring | 10.0 | 1.00 |"));

@@ -162,20 +162,20 @@ pub fn launch_processes(
     }
     let mut failure = None;
     while children.iter().any(Option::is_some) {
-        for rank in 0..children.len() {
-            let Some(child) = children[rank].as_mut() else {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot.as_mut() else {
                 continue;
             };
             match child.try_wait() {
                 Ok(Some(status)) => {
-                    children[rank] = None;
+                    *slot = None;
                     if !status.success() && failure.is_none() {
                         failure = Some((rank, describe(status)));
                     }
                 }
                 Ok(None) => {}
                 Err(e) => {
-                    children[rank] = None;
+                    *slot = None;
                     if failure.is_none() {
                         failure = Some((rank, format!("could not be waited for: {e}")));
                     }

@@ -351,7 +351,7 @@ impl CudaBackend {
                 continue;
             }
             std::thread::sleep(Duration::from_micros(200));
-            if spins % 50 == 0 {
+            if spins.is_multiple_of(50) {
                 if let Some(e) = self.aborted() {
                     self.abort_comms();
                     return Err(e);
