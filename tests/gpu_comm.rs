@@ -1,6 +1,9 @@
 //! Every communication kind on 1, 2 and 4 GPUs (those present), f32 and bf16, against the sim
 //! backend with the same inputs; strided (non-packed) send and receive views; coalescing
 //! groups; collective-permute rings.
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
 
 #[path = "data/gpu/support.rs"]
 mod support;

@@ -1,6 +1,9 @@
 //! Failures on GPUs are error values: no GPU or too few GPUs, a rank that fails while its peer
 //! waits in a collective (the peer stops with an error naming it, no hang), and a registered
 //! PTX kernel through `launch_kernel`.
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
 
 #[path = "data/gpu/support.rs"]
 mod support;

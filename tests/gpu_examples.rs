@@ -1,6 +1,9 @@
 //! Every `examples/programs/*.mf`, lowered with the pipeline, on 1, 2 and 4 GPUs (those the
 //! machine has and the program supports), compared with the level-1 reference on the CPU
 //! (f32 rel err < 1e-5, bf16 < 1e-2).
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
 
 #[path = "data/gpu/support.rs"]
 mod support;

@@ -2,6 +2,9 @@
 //! (torchrun variables), each runs its rank of the ring all-gather + linear program through
 //! the TCP rendezvous and NCCL, and rank 0 gathers the outputs and compares them with the
 //! level-1 reference.
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
 
 #[path = "data/runtime/common.rs"]
 mod common;

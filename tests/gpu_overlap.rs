@@ -4,6 +4,9 @@
 //! checks the outputs (sampled against an f32 CPU reference), that communication and compute
 //! intervals intersect on every rank, and that the overlapped time is below 0.85 x (the same
 //! schedule's communication alone + its compute alone).
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
 
 #[path = "data/gpu/support.rs"]
 mod support;

@@ -2,6 +2,9 @@
 //! broadcast all-gather + linear, chunked row-parallel linear) on 1, 2 and 4 GPUs against the
 //! level-1 reference; every compute op (packed and strided operands, in place) against the sim
 //! backend; the MoE layer through the NCCL MoE transport.
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
 
 #[path = "data/runtime/common.rs"]
 mod common;
