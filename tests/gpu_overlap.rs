@@ -1,9 +1,14 @@
 //! Overlap on 2 (and 4) GPUs, measured from per-stream CUDA event timestamps: the column-
-//! parallel linear's ring and broadcast all-gathers and the row-parallel linear's chunked
-//! reduce-scatter, at sizes where communication and compute take comparable time. Each test
-//! checks the outputs (sampled against an f32 CPU reference), that communication and compute
-//! intervals intersect on every rank, and that the overlapped time is below 0.85 x (the same
-//! schedule's communication alone + its compute alone).
+//! parallel linear's ring and broadcast all-gathers (copy-engine transport, the default between
+//! in-process ranks) and the row-parallel linear's chunked reduce-scatter (NCCL), at sizes
+//! where communication and compute take comparable time. Each test checks the outputs
+//! (sampled against an f32 CPU reference), that communication and compute intervals intersect
+//! on every rank, and that the overlapped time is below 0.85 x (the same schedule's
+//! communication alone + its compute alone). Times are per step of [`STEPS`] steps run back to
+//! back on warm GPUs (the median over iterations per rank, then the maximum over ranks).
+//!
+//! The ring test also proves the deferred waits and the double-buffered receive chunks: on
+//! every rank, the transfer of chunk `i + 1` runs while the GEMM of chunk `i` runs.
 //!
 //! Built with the `cuda` feature only (`cargo test --features cuda`).
 #![cfg(feature = "cuda")]
@@ -30,11 +35,14 @@ const WARMUP: usize = 3;
 const ITERS: usize = 10;
 /// Worker streams (the pipeline's default).
 const STREAMS: usize = 2;
+/// Host program steps per timed iteration (back to back; the profiled run has one).
+const STEPS: usize = 8;
 
 fn timed(what: &str, host: &HostProgram, d: usize, inputs: PerRank, profile: bool) -> TimedRun {
     let mut o = cuda_options();
     o.ranks = Some(d);
     o.config.profile = profile;
+    o.config.steps = if profile { 1 } else { STEPS };
     run_cuda_timed(host, SimInputs::PerRank(inputs), &o, WARMUP, ITERS)
         .unwrap_or_else(|e| panic!("{what} on {d} GPUs: {e}"))
 }
@@ -135,6 +143,37 @@ fn assert_faster(name: &str, d: usize, both: &Timing, comm: &Timing, compute: &T
     );
 }
 
+/// On every rank, for every chunk `i + 1` that arrives from another rank, its communication
+/// interval (iteration `i + 1`) intersects the GEMM interval of chunk `i` (iteration `i`) on
+/// another stream: the transfer of the next chunk runs under the GEMM of this one.
+fn assert_next_transfer_under_gemm(name: &str, d: usize, iv: &[Interval]) {
+    for rank in 0..d {
+        for i in 0..d as i64 - 1 {
+            let comm = iv
+                .iter()
+                .find(|c| c.rank == rank && c.kind == IntervalKind::Comm && c.iteration == [i + 1]);
+            let gemm = iv
+                .iter()
+                .find(|g| g.rank == rank && g.kind == IntervalKind::Compute && g.iteration == [i]);
+            let (Some(c), Some(g)) = (comm, gemm) else {
+                panic!(
+                    "{name}: rank {rank}: no transfer {} or GEMM {i}: {iv:#?}",
+                    i + 1
+                );
+            };
+            eprintln!(
+                "{name} d={d} rank {rank}: transfer of chunk {} [{:.0}, {:.0}] µs on stream {}, GEMM of chunk {i} [{:.0}, {:.0}] µs on stream {}",
+                i + 1, c.start_us, c.end_us, c.stream, g.start_us, g.end_us, g.stream
+            );
+            assert!(
+                c.stream != g.stream && c.intersects(g),
+                "{name}: rank {rank}: the transfer of chunk {} does not run under the GEMM of chunk {i}",
+                i + 1
+            );
+        }
+    }
+}
+
 fn overlap_counts(test: &str) -> Vec<usize> {
     rank_counts(test).into_iter().filter(|&d| d >= 2).collect()
 }
@@ -147,11 +186,13 @@ fn column_parallel(variant: AgVariant) {
     }
     for d in counts {
         let du = d as u64;
-        // AG of 128 MiB of bf16 and a GEMM of 8192 x 8192 x 4096 per rank: comparable times.
+        // AG of 128 MiB of bf16 (64 MiB from each peer at d = 2: ~180 µs over the copy engine,
+        // plus the local chunk's copy) and a GEMM of 8192 x 8192 x 1024 per rank (~200 µs):
+        // comparable times.
         let s = Gemm3 {
             m: 8192,
             k: 8192,
-            n: 4096 * du,
+            n: 1024 * du,
         };
         let lower = |parts| agmm_lowered(d, s, DType::BF16, variant, STREAMS, parts).unwrap();
         let l = lower(Parts::Both);
@@ -163,6 +204,9 @@ fn column_parallel(variant: AgVariant) {
         let err = sampled_error(&full, &out["y"], s);
         assert!(err < 1e-2, "{name} d={d}: sampled rel err {err:.3e}");
         assert_intervals_intersect(&name, d, &run.intervals);
+        if variant == AgVariant::Ring {
+            assert_next_transfer_under_gemm(&name, d, &run.intervals);
+        }
         let both = Timing::from_times(&timed(&name, &l.host, d, per_rank.clone(), false).times_us);
         let comm = Timing::from_times(
             &timed(&name, &lower(Parts::CommOnly).host, d, per_rank, false).times_us,

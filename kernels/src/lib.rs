@@ -72,6 +72,8 @@ mod event;
 #[cfg(feature = "cuda")]
 mod gemm;
 #[cfg(feature = "cuda")]
+mod graph;
+#[cfg(feature = "cuda")]
 mod kernels;
 pub mod moe;
 #[cfg(feature = "cuda")]
@@ -89,6 +91,8 @@ pub use device::Device;
 pub use event::Event;
 #[cfg(feature = "cuda")]
 pub use gemm::{Gemm, GemmLayout};
+#[cfg(feature = "cuda")]
+pub use graph::Graph;
 #[cfg(feature = "cuda")]
 pub use kernels::{
     fill_pattern, poison_bits, KernelArg, Kernels, Source, StridedLayout, UserKernel, MAX_RANK,

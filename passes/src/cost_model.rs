@@ -17,8 +17,11 @@
 //! SMs. `λ`, `B` and `κ` come from the transport table below; compute time is
 //! `launch + max(flops / P, bytes / HBM)`.
 //!
-//! **Every constant is a placeholder to be calibrated on the GPU machines** (NCCL figures are
-//! rough H200 NVLink numbers; the copy-engine row is a guess).
+//! The transport rows are calibrated on 2× H200 (NV18) with `meshflow bench permute` (a ring
+//! permute of 64 and 256 MiB per rank, many steps back to back; `λ` and `B` from the line
+//! through the two sizes) and `κ` from the GEMM of the ring's first chunk next to the transfer
+//! of the second (bench results of 2026-11-22, `bench/results/`). The compute constants are
+//! rough H200 figures (a bf16 GEMM of 8192³ runs at about 800 TFLOP/s alone).
 
 use meshflow_ir::DType;
 
@@ -42,22 +45,25 @@ pub struct TransportParams {
     pub sm_contention: f64,
 }
 
-/// The transport table (to be calibrated on GPUs).
+/// The transport table, measured on 2× H200 (NVLink 4, NV18): NCCL grouped send/recv moves
+/// 64 MiB in 264 µs and 256 MiB in 898 µs per rank (both directions at once); a copy-engine
+/// pull 64 MiB in 214 µs and 256 MiB in 727 µs. An NCCL kernel next to a cuBLAS GEMM slows
+/// the GEMM by about a fifth (and is itself starved of SMs); copy engines leave the SMs alone.
 pub const TRANSPORTS: [(Transport, TransportParams); 2] = [
     (
         Transport::Nccl,
         TransportParams {
-            latency_us: 8.0,
-            bandwidth_gb_s: 350.0,
-            sm_contention: 0.15,
+            latency_us: 53.0,
+            bandwidth_gb_s: 318.0,
+            sm_contention: 0.2,
         },
     ),
     (
         Transport::CopyEngine,
         TransportParams {
-            latency_us: 4.0,
-            bandwidth_gb_s: 400.0,
-            sm_contention: 0.0,
+            latency_us: 43.0,
+            bandwidth_gb_s: 393.0,
+            sm_contention: 0.05,
         },
     ),
 ];

@@ -5,13 +5,16 @@ use std::time::Duration;
 
 use meshflow_ir::{DType, HostProgram, Program};
 
+use super::programs::permute_host;
 use super::programs::{
     agmm_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered, AgVariant, Gemm3, Lowered, Parts,
     RsVariant,
 };
-use super::stats::{CaseResult, Timing, VariantResult};
+use super::stats::{CaseResult, PermuteResult, Timing, VariantResult};
+use super::torch::TorchBaselines;
 use crate::runtime::cuda::{
-    device_count, run_cuda_timed, CudaConfig, CudaLaunchError, CudaOptions,
+    device_count, run_cuda_timed, CopyStream, CudaConfig, CudaLaunchError, CudaOptions,
+    CudaTransport,
 };
 use crate::runtime::data::{SplitMix64, TensorData};
 use crate::runtime::shard::{scatter_inputs, ShardError};
@@ -66,6 +69,14 @@ pub struct BenchOptions {
     pub warmup: usize,
     /// Timed iterations (at least 1).
     pub iterations: usize,
+    /// Host program steps per iteration, run back to back on warm GPUs (the time of an
+    /// iteration is divided by it).
+    pub steps: usize,
+    /// Also time graph-recorded variants (one step recorded as a CUDA graph, replayed `steps`
+    /// times; NCCL transport).
+    pub graph: bool,
+    /// Time only the graph-recorded variants (with the parts alone).
+    pub graph_only: bool,
     /// The cases.
     pub shapes: Vec<Gemm3>,
     /// Chunk counts of the chunked GEMM+RS variant.
@@ -74,14 +85,23 @@ pub struct BenchOptions {
     pub stream_pool: usize,
     /// Seed of the random inputs.
     pub seed: u64,
+    /// PyTorch's figures from the same machine (ratios in the tables).
+    pub torch: Option<TorchBaselines>,
+    /// Sizes of `bench permute`, MiB per rank.
+    pub permute_mib: Vec<u64>,
+    /// Write profiled traces (Perfetto JSON and SVG timelines) of the ring variants here.
+    pub trace_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for BenchOptions {
     fn default() -> BenchOptions {
         BenchOptions {
             ranks: None,
-            warmup: 5,
-            iterations: 20,
+            warmup: 3,
+            iterations: 10,
+            steps: 10,
+            graph: false,
+            graph_only: false,
             shapes: vec![
                 Gemm3 {
                     m: 16384,
@@ -95,13 +115,45 @@ impl Default for BenchOptions {
                 },
             ],
             chunks: vec![4],
-            stream_pool: 4,
+            stream_pool: 2,
             seed: 2024,
+            torch: None,
+            permute_mib: vec![64, 256],
+            trace_dir: None,
         }
     }
 }
 
 const DTYPE: DType = DType::BF16;
+
+/// How one variant runs on the backend.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+struct Setup {
+    transport: CudaTransport,
+    copy_stream: CopyStream,
+    graph: bool,
+}
+
+const NCCL: Setup = Setup {
+    transport: CudaTransport::Nccl,
+    copy_stream: CopyStream::Current,
+    graph: false,
+};
+const CE: Setup = Setup {
+    transport: CudaTransport::CopyEngine,
+    copy_stream: CopyStream::Current,
+    graph: false,
+};
+const CE_COPY_STREAM: Setup = Setup {
+    transport: CudaTransport::CopyEngine,
+    copy_stream: CopyStream::Dedicated,
+    graph: false,
+};
+const NCCL_GRAPH: Setup = Setup {
+    transport: CudaTransport::Nccl,
+    copy_stream: CopyStream::Current,
+    graph: true,
+};
 
 struct Runner {
     opts: BenchOptions,
@@ -110,6 +162,13 @@ struct Runner {
 }
 
 type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
+
+/// A timed variant: device time, host time per step, last outputs.
+struct Measured {
+    timing: Timing,
+    host_us: Option<f64>,
+    outcome: crate::runtime::RunOutcome,
+}
 
 impl Runner {
     fn new(opts: &BenchOptions) -> Result<Runner, BenchError> {
@@ -131,6 +190,7 @@ impl Runner {
                 config: CudaConfig {
                     stream_pool: opts.stream_pool.max(1),
                     timeout: Duration::from_secs(300),
+                    steps: opts.steps.max(1),
                     ..CudaConfig::default()
                 },
             },
@@ -143,18 +203,23 @@ impl Runner {
             .unwrap_or_else(|e| format!("unknown GPU ({e})"))
     }
 
-    /// Times `host` with per-rank inputs; returns the timing and the last outputs.
+    /// Times `host` with per-rank inputs on the backend set up as `setup`.
     fn time(
         &self,
         what: &str,
         host: &HostProgram,
         inputs: PerRank,
-    ) -> Result<(Timing, crate::runtime::RunOutcome), BenchError> {
+        setup: Setup,
+    ) -> Result<Measured, BenchError> {
         tracing::info!("bench: {what}");
+        let mut cuda = self.cuda.clone();
+        cuda.config.transport = setup.transport;
+        cuda.config.copy_stream = setup.copy_stream;
+        cuda.config.graph = setup.graph;
         let run = run_cuda_timed(
             host,
             SimInputs::PerRank(inputs),
-            &self.cuda,
+            &cuda,
             self.opts.warmup,
             self.opts.iterations,
         )
@@ -162,7 +227,46 @@ impl Runner {
             what: what.to_owned(),
             source,
         })?;
-        Ok((Timing::from_times(&run.times_us), run.outcome))
+        let host_us = Timing::from_times(&run.host_us).us;
+        Ok(Measured {
+            timing: Timing::from_times(&run.times_us),
+            host_us: host_us.is_finite().then_some(host_us),
+            outcome: run.outcome,
+        })
+    }
+
+    /// One profiled step of `host` (after two warm-up runs), written as `dir/name.json` and
+    /// `dir/name.svg`.
+    fn trace(
+        &self,
+        dir: &std::path::Path,
+        name: &str,
+        host: &HostProgram,
+        inputs: PerRank,
+        setup: Setup,
+    ) -> Result<(), BenchError> {
+        let mut cuda = self.cuda.clone();
+        cuda.config.transport = setup.transport;
+        cuda.config.copy_stream = setup.copy_stream;
+        cuda.config.profile = true;
+        cuda.config.steps = 1;
+        let run =
+            run_cuda_timed(host, SimInputs::PerRank(inputs), &cuda, 2, 1).map_err(|source| {
+                BenchError::Run {
+                    what: format!("trace of {name}"),
+                    source,
+                }
+            })?;
+        let trace = run.outcome.trace.unwrap_or_default();
+        let io = |e: std::io::Error| BenchError::Invalid(format!("writing the trace {name}: {e}"));
+        std::fs::create_dir_all(dir).map_err(io)?;
+        std::fs::write(dir.join(format!("{name}.json")), trace.to_json()).map_err(io)?;
+        std::fs::write(
+            dir.join(format!("{name}.svg")),
+            trace.to_svg(name, Some(self.opts.stream_pool.max(1))),
+        )
+        .map_err(io)?;
+        Ok(())
     }
 
     /// The same random tensor on every rank.
@@ -231,24 +335,83 @@ fn sampled_error(
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
-fn finish_variant(
+/// A variant's result; a failed run or wrong outputs give a failed entry (NaN time, the
+/// reason in its `failure`) so that the other variants are still measured.
+fn variant_result(
     name: String,
-    timing: Timing,
+    measured: Result<(Measured, f64), BenchError>,
     bound: f64,
-    err: f64,
-) -> Result<VariantResult, BenchError> {
-    if err.is_nan() || err > 1e-2 {
-        return Err(BenchError::Wrong {
-            variant: name,
-            error: err,
-        });
+) -> VariantResult {
+    if let Ok((m, err)) = &measured {
+        tracing::info!(
+            "bench: {name}: {:.1} µs per step ({:.2} of the bound), host {:?} µs/step, rel err {err:.2e}",
+            m.timing.us,
+            m.timing.us / bound,
+            m.host_us
+        );
     }
-    Ok(VariantResult {
-        ratio_to_bound: timing.us / bound,
+    match measured {
+        Ok((m, err)) if !err.is_nan() && err <= 1e-2 => VariantResult {
+            ratio_to_bound: m.timing.us / bound,
+            name,
+            timing: m.timing,
+            sampled_rel_err: err,
+            host_us: m.host_us,
+            failure: None,
+        },
+        Ok((_, err)) => failed(
+            name.clone(),
+            BenchError::Wrong {
+                variant: name,
+                error: err,
+            },
+        ),
+        Err(e) => failed(name, e),
+    }
+}
+
+fn failed(name: String, e: BenchError) -> VariantResult {
+    tracing::warn!("bench variant `{name}` failed: {e}");
+    VariantResult {
         name,
-        timing,
-        sampled_rel_err: err,
-    })
+        timing: Timing::from_times(&[]),
+        ratio_to_bound: f64::NAN,
+        sampled_rel_err: f64::NAN,
+        host_us: None,
+        failure: Some(e.to_string()),
+    }
+}
+
+/// The AG+GEMM variants: schedule, backend setup, name.
+fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static str)> {
+    let mut v = vec![
+        (AgVariant::Collective, NCCL, "collective (NCCL all_gather)"),
+        (AgVariant::Broadcast, NCCL, "broadcast (NCCL)"),
+        (AgVariant::Broadcast, CE, "broadcast (copy engine)"),
+        (AgVariant::Ring, NCCL, "ring (NCCL send/recv)"),
+        (AgVariant::Ring, CE, "ring (copy engine)"),
+        (
+            AgVariant::Ring,
+            CE_COPY_STREAM,
+            "ring (copy engine, copy stream)",
+        ),
+    ];
+    if graph_only {
+        v.clear();
+    }
+    if graph || graph_only {
+        v.push((
+            AgVariant::Collective,
+            NCCL_GRAPH,
+            "collective (NCCL all_gather, CUDA graph)",
+        ));
+        v.push((
+            AgVariant::Ring,
+            NCCL_GRAPH,
+            "ring (NCCL send/recv, CUDA graph)",
+        ));
+    }
+    v
 }
 
 /// `meshflow bench agmm`: column-parallel linear (all-gather + GEMM) in bf16.
@@ -277,31 +440,84 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         };
         let collective_comm = lower(AgVariant::Collective, Parts::CommOnly)?;
         let per_rank = r.scatter("agmm inputs", &collective_comm.program, &full)?;
-        let (comm, _) = r.time(
-            &format!("{tag}: all_gather alone"),
-            &collective_comm.host,
-            per_rank.clone(),
-        )?;
+        let comm = r
+            .time(
+                &format!("{tag}: all_gather alone"),
+                &collective_comm.host,
+                per_rank.clone(),
+                NCCL,
+            )?
+            .timing;
         let gemm_in = r.replicated(&[("a", &[s.m, s.k], 11), ("w", &[s.n / du, s.k], 12)])?;
-        let (gemm, _) = r.time(
-            &format!("{tag}: GEMM alone"),
-            &gemm_alone_host(d, s.m, s.k, s.n / du, DTYPE),
-            gemm_in,
-        )?;
+        let gemm = r
+            .time(
+                &format!("{tag}: GEMM alone"),
+                &gemm_alone_host(d, s.m, s.k, s.n / du, DTYPE),
+                gemm_in,
+                NCCL,
+            )?
+            .timing;
         let bound = comm.us.max(gemm.us);
+        tracing::info!(
+            "bench: {tag}: all_gather alone {:.1} µs, GEMM alone {:.1} µs",
+            comm.us,
+            gemm.us
+        );
+        let mut parts = Vec::new();
+        if d > 1 && !opts.graph_only {
+            let ring_comm = lower(AgVariant::Ring, Parts::CommOnly)?;
+            for (setup, name) in [
+                (NCCL, "ring permutes alone (NCCL)"),
+                (CE, "ring permutes alone (copy engine)"),
+            ] {
+                if let Ok(m) = r.time(
+                    &format!("{tag}: {name}"),
+                    &ring_comm.host,
+                    per_rank.clone(),
+                    setup,
+                ) {
+                    tracing::info!("bench: {tag}: {name} {:.1} µs", m.timing.us);
+                    parts.push((name.to_string(), m.timing));
+                }
+            }
+            let ring_gemm = lower(AgVariant::Ring, Parts::ComputeOnly)?;
+            if let Ok(m) = r.time(
+                &format!("{tag}: ring chunk GEMMs alone"),
+                &ring_gemm.host,
+                per_rank.clone(),
+                NCCL,
+            ) {
+                parts.push(("ring chunk GEMMs alone".to_string(), m.timing));
+            }
+        }
         let mut variants = Vec::new();
-        for v in AgVariant::ALL {
-            let what = format!("{tag}: {}", v.name());
-            let l = lower(v, Parts::Both)?;
-            let (timing, outcome) = r.time(&what, &l.host, per_rank.clone())?;
-            let out = outcome
-                .gather(&l.program)
-                .map_err(|source| BenchError::Shard {
-                    what: what.clone(),
-                    source,
-                })?;
-            let err = sampled_error(&full, &out["y"], s, opts.seed ^ 7);
-            variants.push(finish_variant(v.name().to_string(), timing, bound, err)?);
+        for (v, setup, name) in ag_variants(opts.graph, opts.graph_only) {
+            if d == 1 && v != AgVariant::Collective {
+                continue;
+            }
+            let what = format!("{tag}: {name}");
+            let measured = lower(v, Parts::Both).and_then(|l| {
+                let m = r.time(&what, &l.host, per_rank.clone(), setup)?;
+                let out = m
+                    .outcome
+                    .gather(&l.program)
+                    .map_err(|source| BenchError::Shard {
+                        what: what.clone(),
+                        source,
+                    })?;
+                let err = sampled_error(&full, &out["y"], s, opts.seed ^ 7);
+                Ok((m, err))
+            });
+            variants.push(variant_result(name.to_string(), measured, bound));
+        }
+        if let (Some(dir), true) = (&opts.trace_dir, d > 1) {
+            let l = lower(AgVariant::Ring, Parts::Both)?;
+            for (setup, suffix) in [(CE, "ring_ce"), (NCCL, "ring_nccl")] {
+                let name = format!("agmm_{}x{}x{}_{suffix}", s.m, s.k, s.n);
+                if let Err(e) = r.trace(dir, &name, &l.host, per_rank.clone(), setup) {
+                    tracing::warn!("{e}");
+                }
+            }
         }
         cases.push(CaseResult {
             bench: "agmm",
@@ -313,6 +529,8 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             comm,
             gemm,
             bound_us: bound,
+            parts,
+            torch: opts.torch.as_ref().and_then(|t| t.case("agmm", s)).cloned(),
             variants,
         });
     }
@@ -336,23 +554,60 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         let tag = format!("rsmm {}x{}x{} d={d}", s.m, s.k, s.n);
         let full = full_inputs(s, opts.seed)?;
         let rs_in = r.replicated(&[("y", &[s.m, s.n], 21)])?;
-        let (comm, _) = r.time(
-            &format!("{tag}: reduce_scatter alone"),
-            &rs_alone_host(d, s.m, s.n, DTYPE),
-            rs_in,
-        )?;
+        let comm = r
+            .time(
+                &format!("{tag}: reduce_scatter alone"),
+                &rs_alone_host(d, s.m, s.n, DTYPE),
+                rs_in,
+                NCCL,
+            )?
+            .timing;
         let gemm_in = r.replicated(&[("a", &[s.m, s.k / du], 22), ("w", &[s.n, s.k / du], 23)])?;
-        let (gemm, _) = r.time(
-            &format!("{tag}: GEMM alone"),
-            &gemm_alone_host(d, s.m, s.k / du, s.n, DTYPE),
-            gemm_in,
-        )?;
+        let gemm = r
+            .time(
+                &format!("{tag}: GEMM alone"),
+                &gemm_alone_host(d, s.m, s.k / du, s.n, DTYPE),
+                gemm_in,
+                NCCL,
+            )?
+            .timing;
         let bound = comm.us.max(gemm.us);
         let mut variants = Vec::new();
-        let mut list = vec![RsVariant::Collective];
-        for &c in &opts.chunks {
+        let mut parts = Vec::new();
+        if d > 1 && !opts.graph_only {
+            let rs_in = r.replicated(&[("y", &[s.m, s.n], 21)])?;
+            if let Ok(m) = r.time(
+                &format!("{tag}: reduce_scatter alone (copy engine)"),
+                &rs_alone_host(d, s.m, s.n, DTYPE),
+                rs_in,
+                CE,
+            ) {
+                tracing::info!(
+                    "bench: {tag}: reduce_scatter alone (copy engine) {:.1} µs",
+                    m.timing.us
+                );
+                parts.push(("reduce_scatter alone (copy engine)".to_string(), m.timing));
+            }
+        }
+        let mut list = vec![
+            (RsVariant::Collective, NCCL, "collective (NCCL)".to_string()),
+            (
+                RsVariant::Collective,
+                CE,
+                "collective (copy engine)".to_string(),
+            ),
+        ];
+        if opts.graph_only {
+            list.clear();
+        }
+        for &c in opts.chunks.iter().filter(|_| !opts.graph_only) {
             if c > 0 && s.m % (c * du) == 0 {
-                list.push(RsVariant::Chunked(c));
+                list.push((RsVariant::Chunked(c), NCCL, format!("chunked s={c} (NCCL)")));
+                list.push((
+                    RsVariant::Chunked(c),
+                    CE,
+                    format!("chunked s={c} (copy engine)"),
+                ));
             } else {
                 return Err(BenchError::Invalid(format!(
                     "M={} is not a multiple of {c} chunks x d={d}",
@@ -360,25 +615,34 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 )));
             }
         }
-        for v in list {
-            let what = format!("{tag}: {}", v.name());
-            let l =
-                rsmm_lowered(d, s, DTYPE, v, opts.stream_pool, Parts::Both).map_err(|source| {
-                    BenchError::Lower {
-                        what: what.clone(),
-                        source,
-                    }
-                })?;
-            let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
-            let (timing, outcome) = r.time(&what, &l.host, per_rank)?;
-            let out = outcome
-                .gather(&l.program)
-                .map_err(|source| BenchError::Shard {
+        if opts.graph || opts.graph_only {
+            list.push((
+                RsVariant::Collective,
+                NCCL_GRAPH,
+                "collective (NCCL, CUDA graph)".to_string(),
+            ));
+        }
+        for (v, setup, name) in list {
+            let what = format!("{tag}: {name}");
+            let measured = rsmm_lowered(d, s, DTYPE, v, opts.stream_pool, Parts::Both)
+                .map_err(|source| BenchError::Lower {
                     what: what.clone(),
                     source,
-                })?;
-            let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
-            variants.push(finish_variant(v.name(), timing, bound, err)?);
+                })
+                .and_then(|l| {
+                    let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
+                    let m = r.time(&what, &l.host, per_rank, setup)?;
+                    let out = m
+                        .outcome
+                        .gather(&l.program)
+                        .map_err(|source| BenchError::Shard {
+                            what: what.clone(),
+                            source,
+                        })?;
+                    let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
+                    Ok((m, err))
+                });
+            variants.push(variant_result(name, measured, bound));
         }
         cases.push(CaseResult {
             bench: "rsmm",
@@ -390,8 +654,67 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             comm,
             gemm,
             bound_us: bound,
+            parts,
+            torch: opts.torch.as_ref().and_then(|t| t.case("rsmm", s)).cloned(),
             variants,
         });
     }
     Ok(cases)
+}
+
+/// `meshflow bench permute`: a collective permute (every rank sends to rank + 1) of
+/// `opts.permute_mib` MiB per rank, NCCL send/recv against the copy engine; outputs are checked
+/// against the inputs. Returns the results and the GPU name.
+pub fn bench_permute(opts: &BenchOptions) -> Result<(Vec<PermuteResult>, String), BenchError> {
+    let r = Runner::new(opts)?;
+    let d = r.world;
+    if d < 2 {
+        return Err(BenchError::Invalid(
+            "bench permute needs at least 2 GPUs".into(),
+        ));
+    }
+    let mut out = Vec::new();
+    for &mib in &opts.permute_mib {
+        let n = (mib << 20) / 2;
+        let host = permute_host(d, n, DTYPE);
+        let inputs: PerRank = (0..d)
+            .map(|rank| {
+                TensorData::random(DTYPE, &[n], opts.seed + rank as u64)
+                    .map(|t| (rank, BTreeMap::from([("a".to_string(), t)])))
+                    .map_err(|e| BenchError::Invalid(e.to_string()))
+            })
+            .collect::<Result<_, _>>()?;
+        let mut timings = Vec::new();
+        for (setup, name) in [(NCCL, "NCCL"), (CE, "copy engine")] {
+            let what = format!("permute {mib} MiB ({name})");
+            let m = r.time(&what, &host, inputs.clone(), setup)?;
+            for rank in 0..d {
+                let from = (rank + d - 1) % d;
+                let got = m.outcome.outputs.get(&rank).and_then(|o| o.get("b"));
+                let want = inputs.get(&from).and_then(|o| o.get("a"));
+                let same = matches!((got, want), (Some(g), Some(w)) if g == w);
+                if !same {
+                    return Err(BenchError::Wrong {
+                        variant: format!("{what}: rank {rank}"),
+                        error: f64::NAN,
+                    });
+                }
+            }
+            timings.push(m.timing);
+        }
+        let copy_engine = timings.pop().unwrap_or_else(|| Timing::from_times(&[]));
+        let nccl = timings.pop().unwrap_or_else(|| Timing::from_times(&[]));
+        out.push(PermuteResult {
+            bytes: mib << 20,
+            world: d,
+            nccl,
+            copy_engine,
+            torch_us: opts
+                .torch
+                .as_ref()
+                .and_then(|t| t.sendrecv.get(&mib))
+                .map(|x| x.0),
+        });
+    }
+    Ok((out, r.device_name()))
 }

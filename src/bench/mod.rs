@@ -6,10 +6,15 @@
 
 pub mod programs;
 pub mod stats;
+pub mod torch;
 
 #[cfg(feature = "cuda")]
 mod gpu;
 
 #[cfg(feature = "cuda")]
-pub use gpu::{bench_agmm, bench_rsmm, BenchError, BenchOptions};
-pub use stats::{median, results_json, CaseResult, Timing, VariantResult};
+pub use gpu::{bench_agmm, bench_permute, bench_rsmm, BenchError, BenchOptions};
+pub use stats::{
+    median, permute_json, permute_table, results_json, CaseResult, PermuteResult, Timing,
+    VariantResult,
+};
+pub use torch::{TorchBaselines, TorchCase};

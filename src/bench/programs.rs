@@ -348,6 +348,17 @@ pub fn gemm_alone_host(d: usize, m: u64, k: u64, n: u64, dtype: DType) -> HostPr
     ))
 }
 
+/// A collective permute of `a[n]` to `b[n]` in which every rank sends to rank + 1 and
+/// receives from rank - 1 (the peer at d = 2).
+pub fn permute_host(d: usize, n: u64, dtype: DType) -> HostProgram {
+    let t = dtype.name();
+    parse(&format!(
+        "host permute {{\n  mesh m0 = {mesh}\n  in a: {t}[{n}] on m0\n  out b: {t}[{n}] on m0\n  c0 = collective_permute(a -> b, team=slice(m0, DIDx), send=(my(m0, DIDx) + 1) % {d}, recv=(my(m0, DIDx) + {dm1}) % {d})\n  wait c0\n}}\n",
+        mesh = mesh_text(d),
+        dm1 = d.saturating_sub(1),
+    ))
+}
+
 /// A reduce-scatter alone of an uploaded (random) `y[M, N]` over rows.
 pub fn rs_alone_host(d: usize, m: u64, n: u64, dtype: DType) -> HostProgram {
     let t = dtype.name();

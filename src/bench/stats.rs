@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 
 use super::programs::Gemm3;
+use super::torch::TorchCase;
 
 /// The median of `v` (mean of the middle two for an even count; NaN when empty).
 pub fn median(v: &[f64]) -> f64 {
@@ -55,6 +56,10 @@ pub struct VariantResult {
     pub ratio_to_bound: f64,
     /// Relative error of sampled outputs against an f32 CPU reference.
     pub sampled_rel_err: f64,
+    /// Host time to issue one step, µs (max over ranks of the per-rank median).
+    pub host_us: Option<f64>,
+    /// Why the variant could not be measured (its time is then NaN).
+    pub failure: Option<String>,
 }
 
 /// One benchmark case: a shape on `world` GPUs.
@@ -76,7 +81,11 @@ pub struct CaseResult {
     pub comm: Timing,
     /// The GEMM alone.
     pub gemm: Timing,
-    /// max(comm, GEMM), µs.
+    /// Other parts timed alone (e.g. a variant's communications alone), by name.
+    pub parts: Vec<(String, Timing)>,
+    /// PyTorch's figures for the same case, when given.
+    pub torch: Option<TorchCase>,
+    /// `max(comm, gemm)`, µs.
     pub bound_us: f64,
     /// The variants.
     pub variants: Vec<VariantResult>,
@@ -92,21 +101,144 @@ impl CaseResult {
         )
     }
 
-    /// A markdown table: the parts alone, the bound, each variant and its ratio to the bound.
+    /// The case as a markdown table: the parts alone, the bound, every variant with its ratio
+    /// to the bound, to PyTorch's sequential time and to PyTorch's async TP (when given), and
+    /// the host time per step; then PyTorch's own figures and their ratio to this bound.
     pub fn table(&self) -> String {
-        let mut s = format!("### {}\n\n| what | µs (max over ranks of per-rank median) | / bound |\n|---|---:|---:|\n", self.title());
-        let _ = writeln!(s, "| {} alone | {:.1} | |", self.comm_name, self.comm.us);
-        let _ = writeln!(s, "| GEMM alone | {:.1} | |", self.gemm.us);
-        let _ = writeln!(s, "| bound max(comm, GEMM) | {:.1} | 1.00 |", self.bound_us);
+        let t = self.torch.clone().unwrap_or_default();
+        let ratio = |us: f64, other: Option<f64>| {
+            other.map_or_else(String::new, |o| format!("{:.2}", us / o))
+        };
+        let mut s = format!(
+            "### {}\n\n| what | µs | / bound | / torch sequential | / torch async-TP | host µs/step |\n|---|---:|---:|---:|---:|---:|\n",
+            self.title()
+        );
+        let _ = writeln!(
+            s,
+            "| {} alone | {:.1} | | | | |",
+            self.comm_name, self.comm.us
+        );
+        let _ = writeln!(s, "| GEMM alone | {:.1} | | | | |", self.gemm.us);
+        for (name, timing) in &self.parts {
+            let _ = writeln!(s, "| {name} | {:.1} | | | | |", timing.us);
+        }
+        let _ = writeln!(
+            s,
+            "| **bound** max(comm, GEMM) | {:.1} | 1.00 | | | |",
+            self.bound_us
+        );
         for v in &self.variants {
+            if let Some(why) = &v.failure {
+                let _ = writeln!(
+                    s,
+                    "| {} | failed: {} | | | | |",
+                    v.name,
+                    why.replace('|', "/")
+                );
+                continue;
+            }
             let _ = writeln!(
                 s,
-                "| {} | {:.1} | {:.2} |",
-                v.name, v.timing.us, v.ratio_to_bound
+                "| {} | {:.1} | {:.2} | {} | {} | {} |",
+                v.name,
+                v.timing.us,
+                v.ratio_to_bound,
+                ratio(v.timing.us, t.sequential_us),
+                ratio(v.timing.us, t.async_tp_us),
+                v.host_us.map_or_else(String::new, |h| format!("{h:.1}"))
             );
+        }
+        let torch = [
+            ("torch comm alone", t.comm_us),
+            ("torch GEMM alone", t.gemm_us),
+            ("torch sequential", t.sequential_us),
+            ("torch async-TP", t.async_tp_us),
+        ];
+        for (name, us) in torch {
+            if let Some(us) = us {
+                let _ = writeln!(s, "| {name} | {us:.1} | {:.2} | | | |", us / self.bound_us);
+            }
         }
         s
     }
+}
+
+/// Collective-permute bandwidth at one size: NCCL send/recv against the copy engine.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PermuteResult {
+    /// Bytes each rank sends (and receives).
+    pub bytes: u64,
+    /// Ranks.
+    pub world: usize,
+    /// NCCL grouped send/recv.
+    pub nccl: Timing,
+    /// Copy-engine pull.
+    pub copy_engine: Timing,
+    /// PyTorch's send/recv ring at this size (µs), when given.
+    pub torch_us: Option<f64>,
+}
+
+impl PermuteResult {
+    /// GB/s per rank and direction for a time in µs.
+    pub fn gb_s(&self, us: f64) -> f64 {
+        self.bytes as f64 / us / 1e3
+    }
+}
+
+/// The permute results as a markdown table.
+pub fn permute_table(results: &[PermuteResult], device: &str) -> String {
+    let mut s = format!(
+        "### collective permute, ring (send to rank + 1), bf16 ({device})\n\n| MiB per rank | NCCL µs | NCCL GB/s | copy engine µs | copy engine GB/s | CE / NCCL bandwidth | torch send/recv µs | torch GB/s |\n|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in results {
+        let torch = r.torch_us.map_or_else(
+            || " | ".to_string(),
+            |t| format!("{t:.1} | {:.1}", r.gb_s(t)),
+        );
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {torch} |",
+            r.bytes >> 20,
+            r.nccl.us,
+            r.gb_s(r.nccl.us),
+            r.copy_engine.us,
+            r.gb_s(r.copy_engine.us),
+            r.nccl.us / r.copy_engine.us
+        );
+    }
+    s
+}
+
+/// The permute results as JSON.
+pub fn permute_json(results: &[PermuteResult]) -> String {
+    let rows: Vec<String> = results
+        .iter()
+        .map(|r| {
+            format!(
+                "  {{\"bytes\": {}, \"world\": {}, \"nccl\": {}, \"nccl_gb_s\": {}, \"copy_engine\": {}, \"copy_engine_gb_s\": {}, \"ce_over_nccl\": {}, \"torch_us\": {}}}",
+                r.bytes,
+                r.world,
+                timing_json(&r.nccl),
+                json_f(r.gb_s(r.nccl.us)),
+                timing_json(&r.copy_engine),
+                json_f(r.gb_s(r.copy_engine.us)),
+                json_f(r.nccl.us / r.copy_engine.us),
+                r.torch_us.map_or_else(|| "null".to_string(), json_f)
+            )
+        })
+        .collect();
+    format!("{{\"permute\": [\n{}\n]}}\n", rows.join(",\n"))
+}
+
+fn torch_json(t: &TorchCase) -> String {
+    let f = |v: Option<f64>| json_f(v.unwrap_or(f64::NAN));
+    format!(
+        "{{\"comm_us\": {}, \"gemm_us\": {}, \"sequential_us\": {}, \"async_tp_us\": {}}}",
+        f(t.comm_us),
+        f(t.gemm_us),
+        f(t.sequential_us),
+        f(t.async_tp_us)
+    )
 }
 
 fn json_f(v: f64) -> String {
@@ -152,17 +284,19 @@ pub fn results_json(cases: &[CaseResult]) -> String {
             .iter()
             .map(|v| {
                 format!(
-                    "{{\"name\": {}, \"timing\": {}, \"ratio_to_bound\": {}, \"sampled_rel_err\": {}}}",
+                    "{{\"name\": {}, \"timing\": {}, \"ratio_to_bound\": {}, \"sampled_rel_err\": {}, \"host_us\": {}, \"failure\": {}}}",
                     json_s(&v.name),
                     timing_json(&v.timing),
                     json_f(v.ratio_to_bound),
-                    json_f(v.sampled_rel_err)
+                    json_f(v.sampled_rel_err),
+                    json_f(v.host_us.unwrap_or(f64::NAN)),
+                    v.failure.as_deref().map_or_else(|| "null".to_string(), json_s)
                 )
             })
             .collect();
         let _ = writeln!(
             out,
-            "  {{\"bench\": {}, \"m\": {}, \"k\": {}, \"n\": {}, \"dtype\": {}, \"world\": {}, \"device\": {}, \"comm_name\": {}, \"comm\": {}, \"gemm\": {}, \"bound_us\": {}, \"variants\": [{}]}}{}",
+            "  {{\"bench\": {}, \"m\": {}, \"k\": {}, \"n\": {}, \"dtype\": {}, \"world\": {}, \"device\": {}, \"comm_name\": {}, \"comm\": {}, \"gemm\": {}, \"bound_us\": {}, \"parts\": {{{}}}, \"torch\": {}, \"variants\": [{}]}}{}",
             json_s(c.bench),
             c.shape.m,
             c.shape.k,
@@ -174,6 +308,12 @@ pub fn results_json(cases: &[CaseResult]) -> String {
             timing_json(&c.comm),
             timing_json(&c.gemm),
             json_f(c.bound_us),
+            c.parts
+                .iter()
+                .map(|(n, t)| format!("{}: {}", json_s(n), timing_json(t)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            c.torch.as_ref().map_or_else(|| "null".to_string(), torch_json),
             variants.join(", "),
             if i + 1 < cases.len() { "," } else { "" }
         );
@@ -209,16 +349,41 @@ mod tests {
             comm: t.clone(),
             gemm: t.clone(),
             bound_us: 10.0,
+            parts: vec![("ring permutes alone".into(), t.clone())],
+            torch: Some(TorchCase {
+                sequential_us: Some(20.0),
+                ..TorchCase::default()
+            }),
             variants: vec![VariantResult {
                 name: "ring".into(),
                 timing: t,
                 ratio_to_bound: 1.0,
                 sampled_rel_err: f64::NAN,
+                host_us: Some(3.0),
+                failure: None,
             }],
         };
         let j = results_json(std::slice::from_ref(&c));
         assert!(j.contains("\"device\": \"GPU \\\"x\\\"\""), "{j}");
         assert!(j.contains("\"sampled_rel_err\": null"), "{j}");
-        assert!(c.table().contains("| ring | 10.0 | 1.00 |"));
+        assert!(
+            c.table().contains("| ring | 10.0 | 1.00 | 0.50 |  | 3.0 |"),
+            "{}",
+            c.table()
+        );
+        assert!(j.contains("\"sequential_us\": 20.000"), "{j}");
+        let p = PermuteResult {
+            bytes: 64 << 20,
+            world: 2,
+            nccl: Timing::from_times(&[vec![300.0]]),
+            copy_engine: Timing::from_times(&[vec![200.0]]),
+            torch_us: None,
+        };
+        let table = permute_table(std::slice::from_ref(&p), "GPU");
+        assert!(
+            table.contains("| 64 | 300.0 | 223.7 | 200.0 | 335.5 | 1.50 |"),
+            "{table}"
+        );
+        assert!(permute_json(&[p]).contains("\"ce_over_nccl\": 1.500"));
     }
 }

@@ -9,6 +9,7 @@ mod parse;
 mod run;
 #[cfg(feature = "cuda")]
 mod run_cuda;
+mod trace;
 
 use clap::{Parser, Subcommand};
 
@@ -34,10 +35,13 @@ pub enum Command {
     Check(check::CheckArgs),
     /// Lower, check and run a program on every rank; compare with an unsharded reference.
     Run(run::RunArgs),
-    /// GPU benchmarks: overlapped AG+GEMM (`agmm`) and GEMM+RS (`rsmm`) next to the bound.
+    /// GPU benchmarks: overlapped AG+GEMM (`agmm`), GEMM+RS (`rsmm`) next to the bound, and
+    /// collective-permute bandwidth (`permute`).
     Bench(bench::BenchCommand),
     /// Start N ranks of a command on this host (torchrun variables, `[rank r]` output).
     Launch(launch::LaunchArgs),
+    /// Run a program once and write a Perfetto trace and an SVG timeline of its streams.
+    Trace(trace::TraceArgs),
 }
 
 /// Runs a parsed command line.
@@ -49,5 +53,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::Trace(args) => trace::run(args),
     }
 }

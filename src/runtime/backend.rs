@@ -361,4 +361,20 @@ pub trait Backend {
     fn wait(&mut self, comm: &Self::Comm, ctx: InstCtx<'_>) -> Result<(), BackendError>;
     /// Blocks the host until all enqueued work is done.
     fn finish(&mut self) -> Result<(), BackendError>;
+
+    /// Starts recording the device work of one step of the program as a replayable graph
+    /// (the evaluator then issues the step once and calls [`Backend::end_graph`]). Returns
+    /// false when the backend does not record graphs (the default); the step then runs as is.
+    fn begin_graph(&mut self) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// Ends the recording started by [`Backend::begin_graph`] and enqueues `replays` replays
+    /// of it (0: the step failed; drop the recording).
+    fn end_graph(&mut self, replays: usize) -> Result<(), BackendError> {
+        let _ = replays;
+        Err(BackendError::Invalid(
+            "this backend does not record graphs".into(),
+        ))
+    }
 }

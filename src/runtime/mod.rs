@@ -28,6 +28,7 @@ pub mod rendezvous;
 pub mod shard;
 pub mod sim;
 pub mod trace;
+mod trace_svg;
 pub mod view;
 
 pub use backend::Backend;

@@ -11,6 +11,7 @@ use meshflow_kernels::nccl::{self, Comm, NcclLib};
 use meshflow_kernels::{Device, DeviceBuffer, Event, KernelError, Kernels, Stream, UserKernel};
 
 use super::memory::{CudaBuffer, Memory};
+use super::peer::{CopyStream, CudaTransport, PeerHub};
 use super::profile::{Interval, IntervalKind, Timeline};
 use super::teams::{self, TeamKey};
 use super::user_kernels::CudaKernels;
@@ -32,6 +33,18 @@ pub struct CudaConfig {
     pub profile: bool,
     /// Kernels for `launch_kernel`.
     pub kernels: CudaKernels,
+    /// How collective permutes and broadcasts move (copy engine between in-process ranks by
+    /// default, NCCL otherwise).
+    pub transport: CudaTransport,
+    /// Which stream runs copy-engine pulls.
+    pub copy_stream: CopyStream,
+    /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
+    /// the program body runs this many times back to back between one upload of the inputs
+    /// and one download of the outputs, and the run's device time is divided by it (at least 1).
+    pub steps: usize,
+    /// Record one step as a CUDA graph per run and replay it `steps` times (NCCL transport
+    /// only; see [`Backend::begin_graph`]).
+    pub graph: bool,
 }
 
 impl Default for CudaConfig {
@@ -41,6 +54,10 @@ impl Default for CudaConfig {
             timeout: Duration::from_secs(120),
             profile: false,
             kernels: CudaKernels::new(),
+            transport: CudaTransport::Auto,
+            copy_stream: CopyStream::Current,
+            steps: 1,
+            graph: false,
         }
     }
 }
@@ -103,6 +120,21 @@ pub(super) struct Group {
     pub temps: Vec<DeviceBuffer>,
 }
 
+/// The views a communication writes.
+fn request_outputs<'a>(request: &CommRequest<'a, CudaBuffer>) -> Vec<&'a TensorView<CudaBuffer>> {
+    match request {
+        CommRequest::Collective { output, .. } => output.iter().copied().collect(),
+        CommRequest::Permute { output, .. } => vec![*output],
+        CommRequest::MoeDispatch {
+            expert_x,
+            expert_counts,
+            routing,
+            ..
+        } => vec![*expert_x, *expert_counts, *routing],
+        CommRequest::MoeCombine { out, .. } => vec![*out],
+    }
+}
+
 /// Turns a kernels-crate error into a backend error naming the rank and the operation.
 pub(super) fn dev_err(rank: DeviceId, call: &str, e: KernelError) -> BackendError {
     BackendError::Device {
@@ -137,6 +169,29 @@ pub struct CudaBackend {
     start_barrier: Option<usize>,
     runs: u64,
     failed: bool,
+    /// The copy-engine hub of an in-process launch.
+    pub(super) hub: Option<Arc<PeerHub>>,
+    /// Per team slot: the team moves permutes and broadcasts over the copy engine.
+    pub(super) team_ce: Vec<bool>,
+    /// Per communication label: instances posted so far over the copy engine.
+    pub(super) ce_seq: std::collections::HashMap<usize, u64>,
+    /// The stream of copy-engine pulls ([`CopyStream::Dedicated`]).
+    pub(super) copy_stream: Stream,
+    /// A stream that only waits for peers' reads of this rank's memory (copy-engine sends), so
+    /// that releases and the end of a run are ordered after them.
+    pub(super) peer_reads: Stream,
+    /// Per buffer: peers' reads of it (copy-engine sends) that later writes must wait for.
+    #[allow(clippy::type_complexity)]
+    pub(super) pending_reads: std::collections::HashMap<CudaBuffer, Vec<((u64, u64), Rc<Event>)>>,
+    /// The graph being recorded or replayed in this run, and whether profiling was on before.
+    graph: Option<GraphState>,
+}
+
+/// A step recorded as a graph: recording (`exec` empty) or replayed (until the run ends).
+#[derive(Debug)]
+struct GraphState {
+    exec: Option<meshflow_kernels::Graph>,
+    profile: bool,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -167,6 +222,8 @@ impl CudaBackend {
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| dev_err(rank, "cuStreamCreate", e))?;
         let timeline = Timeline::new(config.profile);
+        let copy_stream = Stream::new(&device).map_err(|e| dev_err(rank, "cuStreamCreate", e))?;
+        let peer_reads = Stream::new(&device).map_err(|e| dev_err(rank, "cuStreamCreate", e))?;
         Ok(CudaBackend {
             rank,
             kernels: Kernels::new(&device),
@@ -189,6 +246,13 @@ impl CudaBackend {
             start_barrier: None,
             runs: 0,
             failed: false,
+            hub: None,
+            team_ce: Vec::new(),
+            ce_seq: std::collections::HashMap::new(),
+            copy_stream,
+            peer_reads,
+            pending_reads: std::collections::HashMap::new(),
+            graph: None,
         })
     }
 
@@ -260,6 +324,7 @@ impl CudaBackend {
     fn events_on_all_streams(&self) -> Result<Vec<Event>, BackendError> {
         self.streams
             .iter()
+            .chain([&self.copy_stream, &self.peer_reads])
             .map(|s| s.record_event())
             .collect::<Result<_, _>>()
             .map_err(self.err("cuEventRecord"))
@@ -324,8 +389,30 @@ impl CudaBackend {
         self.start_barrier = Some(parties);
     }
 
+    /// After a run's device work is done: drops its graph and returns the memory the graph
+    /// used to the allocator.
+    fn end_graph_run(&mut self) -> Result<(), BackendError> {
+        let Some(state) = self.graph.take() else {
+            return Ok(());
+        };
+        drop(state.exec);
+        self.timeline.profile = state.profile;
+        let streams: Vec<Stream> = self.streams.clone();
+        self.memory
+            .end_hold(|| streams.iter().map(|s| s.record_event()).collect())
+            .map_err(self.err("cuEventRecord"))
+    }
+
+    /// Joins the copy-engine hub of an in-process launch (every rank of the launch joins the
+    /// same hub): teams whose members all joined move permutes and broadcasts over the copy
+    /// engine (see [`CudaConfig::transport`]).
+    pub fn set_peer_hub(&mut self, hub: Arc<PeerHub>) {
+        hub.register(self.rank, &self.device);
+        self.hub = Some(hub);
+    }
+
     /// The abort error when another rank failed.
-    fn aborted(&self) -> Option<BackendError> {
+    pub(super) fn aborted(&self) -> Option<BackendError> {
         let a = self.abort.as_ref()?;
         if !a.is_aborted() {
             return None;
@@ -460,6 +547,7 @@ impl Backend for CudaBackend {
         self.current = 0;
         self.group = None;
         self.team_comm.clear();
+        self.team_ce.clear();
         if info.teams.is_empty() {
             return Ok(());
         }
@@ -521,7 +609,7 @@ impl Backend for CudaBackend {
             }
             self.team_comm[t.slot] = i;
         }
-        Ok(())
+        self.prepare_peer(info.teams)
     }
 
     fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<CudaBuffer, BackendError> {
@@ -637,6 +725,7 @@ impl Backend for CudaBackend {
                 ctx.iteration,
             )
             .map_err(self.err("cuEventRecord"))?;
+        self.before_writes(outputs)?;
         let r = self.compute_op(op, inputs, outputs);
         let retired = self.retire_scratch();
         r?;
@@ -677,6 +766,7 @@ impl Backend for CudaBackend {
                 ctx.iteration,
             )
             .map_err(self.err("cuEventRecord"))?;
+        self.before_writes(outputs)?;
         let r = self.launch_user(&k, &def, inputs, outputs, args);
         let retired = self.retire_scratch();
         r?;
@@ -695,6 +785,15 @@ impl Backend for CudaBackend {
             return Err(e);
         }
         self.step_started()?;
+        self.before_writes(&request_outputs(request))?;
+        if let Some(events) = self.post_ce(request, ctx)? {
+            self.retire_scratch()?;
+            return Ok(CudaComm {
+                events: Rc::new(RefCell::new(Some(
+                    events.into_iter().map(Rc::new).collect(),
+                ))),
+            });
+        }
         let opened = match self.group {
             Some(_) => None,
             None => self
@@ -813,6 +912,58 @@ impl Backend for CudaBackend {
         })
     }
 
+    fn begin_graph(&mut self) -> Result<bool, BackendError> {
+        if self.team_ce.iter().any(|&c| c) {
+            return Err(BackendError::Invalid(format!(
+                "rank {}: graph recording with the copy-engine transport is not supported \
+                 (cross-GPU events do not order replays); use the NCCL transport",
+                self.rank
+            )));
+        }
+        if self.graph.is_some() {
+            return Err(BackendError::Invalid(
+                "a graph is already being recorded".into(),
+            ));
+        }
+        self.step_started()?;
+        let profile = self.timeline.profile;
+        // Timing events cannot be read back from inside a graph.
+        self.timeline.profile = false;
+        self.streams[0]
+            .begin_capture()
+            .map_err(self.err("cuStreamBeginCapture"))?;
+        self.memory.begin_hold();
+        self.graph = Some(GraphState {
+            exec: None,
+            profile,
+        });
+        Ok(true)
+    }
+
+    fn end_graph(&mut self, replays: usize) -> Result<(), BackendError> {
+        let Some(state) = self.graph.as_mut() else {
+            return Err(BackendError::Invalid(
+                "end_graph without begin_graph".into(),
+            ));
+        };
+        let made = self.streams[0].end_capture();
+        if replays == 0 {
+            // Nothing will replay: forget the recording now.
+            drop(made);
+            return self.end_graph_run();
+        }
+        let exec = match made {
+            Ok(g) => g,
+            Err(e) => return Err(dev_err(self.rank, "cuStreamEndCapture", e)),
+        };
+        for _ in 0..replays {
+            exec.launch(&self.streams[0])
+                .map_err(|e| dev_err(self.rank, "cuGraphLaunch", e))?;
+        }
+        state.exec = Some(exec);
+        Ok(())
+    }
+
     fn wait(&mut self, comm: &CudaComm, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
         if let Some(e) = self.aborted() {
             return Err(e);
@@ -840,7 +991,10 @@ impl Backend for CudaBackend {
         self.step_started()?;
         self.runs += 1;
         let main = self.streams[0].clone();
-        for w in &self.streams[1..] {
+        for w in self.streams[1..]
+            .iter()
+            .chain([&self.copy_stream, &self.peer_reads])
+        {
             main.join(w).map_err(self.err("cuStreamWaitEvent"))?;
         }
         let end = self
@@ -852,6 +1006,8 @@ impl Backend for CudaBackend {
             self.timeline.reset();
             return Err(e);
         }
+        self.end_graph_run()?;
+        self.pending_reads.clear();
         self.moe_check_status()?;
         self.timeline
             .collect(self.rank, end)

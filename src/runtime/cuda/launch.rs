@@ -15,6 +15,7 @@ use meshflow_ir::{DeviceId, HostProgram};
 use meshflow_kernels::{Device, KernelError};
 
 use super::backend::{AbortSignal, CudaBackend, CudaConfig};
+use super::peer::PeerHub;
 use super::profile::Interval;
 use super::teams::clear_communicator_cache;
 use crate::runtime::data::TensorData;
@@ -61,10 +62,14 @@ pub enum CudaLaunchError {
 pub struct TimedRun {
     /// Outputs of the last iteration (and its intervals as a trace in profiling mode).
     pub outcome: RunOutcome,
-    /// Device time of every timed iteration, µs, per rank (`times_us[rank][iteration]`).
+    /// Device time of every timed iteration, µs, per rank (`times_us[rank][iteration]`); with
+    /// [`CudaConfig::steps`] > 1, the time of one step (the iteration's time / steps).
     pub times_us: Vec<Vec<f64>>,
     /// Intervals of the last iteration, every rank (profiling mode; empty otherwise).
     pub intervals: Vec<Interval>,
+    /// Host time per step of every timed iteration, µs, per rank (issuing the step's work,
+    /// without waiting for the device; see [`Evaluator::host_us_per_step`]).
+    pub host_us: Vec<Vec<f64>>,
 }
 
 /// One rank's result of [`run_rank`].
@@ -115,8 +120,9 @@ fn iterate(
     config: &CudaConfig,
     warmup: usize,
     iterations: usize,
-) -> Result<(BTreeMap<String, TensorData>, Vec<f64>), RuntimeError> {
+) -> Result<(BTreeMap<String, TensorData>, Vec<f64>, Vec<f64>), RuntimeError> {
     let mut times = Vec::with_capacity(iterations);
+    let mut host = Vec::with_capacity(iterations);
     let mut last = BTreeMap::new();
     for it in 0..warmup + iterations.max(1) {
         rdv.barrier(&format!("meshflow/iteration/{it}"), world, config.timeout)
@@ -144,14 +150,25 @@ fn iterate(
         };
         if it >= warmup {
             if let Some(t) = ev.backend().last_run_us() {
-                times.push(t);
+                times.push(t / config.steps.max(1) as f64);
+            }
+            if let Some(h) = ev.host_us_per_step() {
+                host.push(h);
             }
         }
     }
-    Ok((last, times))
+    Ok((last, times, host))
 }
 
-type RankResult = Result<(BTreeMap<String, TensorData>, Vec<f64>, Vec<Interval>), RuntimeError>;
+type RankResult = Result<
+    (
+        BTreeMap<String, TensorData>,
+        Vec<f64>,
+        Vec<Interval>,
+        Vec<f64>,
+    ),
+    RuntimeError,
+>;
 
 /// Runs one rank: backend, evaluator, iterations. On failure, tells the others.
 #[allow(clippy::too_many_arguments)]
@@ -166,6 +183,7 @@ fn rank_main(
     config: &CudaConfig,
     warmup: usize,
     iterations: usize,
+    hub: Option<Arc<PeerHub>>,
 ) -> RankResult {
     let fail = |e: &RuntimeError| {
         if !e.is_abort() {
@@ -184,6 +202,9 @@ fn rank_main(
     let backend = match backend {
         Ok(mut b) => {
             b.set_start_barrier(world);
+            if let Some(h) = hub {
+                b.set_peer_hub(h);
+            }
             b
         }
         Err(e) => {
@@ -192,7 +213,11 @@ fn rank_main(
         }
     };
     let mut ev = match Evaluator::new(host, backend, EvalOptions::default()) {
-        Ok(ev) => ev,
+        Ok(mut ev) => {
+            ev.set_steps(config.steps);
+            ev.set_graph(config.graph);
+            ev
+        }
         Err(e) => {
             fail(&e);
             return Err(e);
@@ -208,9 +233,9 @@ fn rank_main(
         warmup,
         iterations,
     ) {
-        Ok((out, times)) => {
+        Ok((out, times, host)) => {
             let intervals = ev.backend().intervals().to_vec();
-            Ok((out, times, intervals))
+            Ok((out, times, intervals, host))
         }
         Err(e) => {
             fail(&e);
@@ -266,6 +291,7 @@ pub fn run_cuda_timed(
     let _guard = run_lock();
     let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("inproc"));
     let abort = AbortSignal::new();
+    let hub = PeerHub::new();
     let start = Instant::now();
     let empty = BTreeMap::new();
     let config = &options.config;
@@ -273,13 +299,22 @@ pub fn run_cuda_timed(
         let mut handles = Vec::with_capacity(world);
         for rank in 0..world {
             let inputs = per_rank.get(&rank).unwrap_or(&empty);
-            let (rank_rdv, abort) = (rdv.clone(), &abort);
+            let (rank_rdv, abort, hub) = (rdv.clone(), &abort, hub.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("meshflow-cuda-rank-{rank}"))
                 .spawn_scoped(scope, move || {
                     rank_main(
-                        host, rank, rank, world, inputs, rank_rdv, abort, config, warmup,
+                        host,
+                        rank,
+                        rank,
+                        world,
+                        inputs,
+                        rank_rdv,
+                        abort,
+                        config,
+                        warmup,
                         iterations,
+                        Some(hub),
                     )
                 });
             match spawned {
@@ -300,13 +335,15 @@ pub fn run_cuda_timed(
     let mut outputs = BTreeMap::new();
     let mut times_us = Vec::with_capacity(world);
     let mut intervals = Vec::new();
+    let mut host_us = Vec::with_capacity(world);
     let mut errors = Vec::new();
     for (rank, r) in results {
         match r {
-            Some(Ok((out, times, iv))) => {
+            Some(Ok((out, times, iv, host))) => {
                 outputs.insert(rank, out);
                 times_us.push(times);
                 intervals.extend(iv);
+                host_us.push(host);
             }
             Some(Err(e)) => errors.push(e),
             None => errors.push(RuntimeError::Panic {
@@ -343,6 +380,7 @@ pub fn run_cuda_timed(
         },
         times_us,
         intervals,
+        host_us,
     })
 }
 
@@ -364,9 +402,9 @@ pub fn run_rank(
 ) -> Result<RankRun, CudaLaunchError> {
     let abort = AbortSignal::new();
     rank_main(
-        host, rank, ordinal, world, inputs, rendezvous, &abort, config, warmup, iterations,
+        host, rank, ordinal, world, inputs, rendezvous, &abort, config, warmup, iterations, None,
     )
-    .map(|(outputs, times_us, intervals)| RankRun {
+    .map(|(outputs, times_us, intervals, _)| RankRun {
         outputs,
         times_us,
         intervals,

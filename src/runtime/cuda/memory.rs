@@ -65,6 +65,10 @@ pub(super) struct Memory {
     slots: Vec<Slot>,
     free_slots: Vec<u32>,
     cache: Vec<Cached>,
+    /// While a graph is recorded: allocations released meanwhile, held (not reusable) until
+    /// the graph's replays are done ([`Memory::end_hold`]), since the graph uses their
+    /// addresses.
+    held: Option<Vec<DeviceBuffer>>,
 }
 
 impl Memory {
@@ -74,6 +78,7 @@ impl Memory {
             slots: Vec::new(),
             free_slots: Vec::new(),
             cache: Vec::new(),
+            held: None,
         }
     }
 
@@ -111,7 +116,28 @@ impl Memory {
 
     /// Returns an allocation to the cache once `pending` have completed.
     pub(super) fn retire(&mut self, whole: DeviceBuffer, pending: Vec<Event>) {
-        self.cache.push(Cached { whole, pending });
+        match self.held.as_mut() {
+            Some(h) => h.push(whole),
+            None => self.cache.push(Cached { whole, pending }),
+        }
+    }
+
+    /// Starts holding released allocations (a graph is being recorded).
+    pub(super) fn begin_hold(&mut self) {
+        self.held.get_or_insert_with(Vec::new);
+    }
+
+    /// Returns the held allocations to the cache, reusable once `pending` (events after the
+    /// graph's last replay) have completed; `pending` is made once per allocation.
+    pub(super) fn end_hold(
+        &mut self,
+        mut pending: impl FnMut() -> Result<Vec<Event>, KernelError>,
+    ) -> Result<(), KernelError> {
+        for whole in self.held.take().unwrap_or_default() {
+            let p = pending()?;
+            self.cache.push(Cached { whole, pending: p });
+        }
+        Ok(())
     }
 
     /// Allocates a buffer of `count` elements of `dtype`.
@@ -162,10 +188,7 @@ impl Memory {
         };
         s.generation = s.generation.wrapping_add(1);
         self.free_slots.push(b.slot);
-        self.cache.push(Cached {
-            whole: entry.whole,
-            pending,
-        });
+        self.retire(entry.whole, pending);
         true
     }
 }

@@ -35,6 +35,7 @@ mod layout;
 mod memory;
 mod moe;
 mod operands;
+mod peer;
 mod profile;
 mod program;
 mod teams;
@@ -47,6 +48,7 @@ pub use launch::{
     TimedRun,
 };
 pub use memory::CudaBuffer;
+pub use peer::{CopyStream, CudaTransport, PeerHub};
 pub use profile::{Interval, IntervalKind};
 pub use program::{run_program_cuda, ProgramRun};
 pub use teams::clear_communicator_cache;

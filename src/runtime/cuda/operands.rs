@@ -16,6 +16,13 @@ pub(super) struct OutSlot {
     unstage: Option<(DeviceBuffer, TensorView<CudaBuffer>)>,
 }
 
+impl OutSlot {
+    /// Whether the op writes the view's own bytes (no temporary to copy back).
+    pub(super) fn is_direct(&self) -> bool {
+        self.unstage.is_none()
+    }
+}
+
 impl CudaBackend {
     /// The whole buffer behind a view, checked against the view's element type.
     pub(super) fn backing(&self, v: &TensorView<CudaBuffer>) -> Result<DeviceBuffer, BackendError> {

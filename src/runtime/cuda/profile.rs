@@ -135,13 +135,26 @@ impl Timeline {
         inst: u32,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
-        if !self.profile {
+        match streams.get(stream) {
+            Some(s) => self.open_on(s, stream, kind, name, inst, iteration),
+            None => Ok(None),
+        }
+    }
+
+    /// Opens an interval on stream `s`, reported as stream number `stream` (the run clock must
+    /// be running; profiling mode only).
+    pub(super) fn open_on(
+        &mut self,
+        s: &Stream,
+        stream: usize,
+        kind: IntervalKind,
+        name: &'static str,
+        inst: u32,
+        iteration: &[i64],
+    ) -> Result<Option<Opened>, KernelError> {
+        if !self.profile || self.start.is_none() {
             return Ok(None);
         }
-        let Some(s) = streams.get(stream) else {
-            return Ok(None);
-        };
-        self.ensure_started(&streams[0])?;
         let start = Event::timing(s.device())?;
         start.record(s)?;
         Ok(Some(Opened {
@@ -160,10 +173,19 @@ impl Timeline {
         streams: &[Stream],
         opened: Option<Opened>,
     ) -> Result<(), KernelError> {
-        let Some(o) = opened else {
+        let Some(s) = opened.as_ref().and_then(|o| streams.get(o.stream)) else {
             return Ok(());
         };
-        let Some(s) = streams.get(o.stream) else {
+        self.close_on(s, opened)
+    }
+
+    /// Closes an interval at the current end of stream `s`.
+    pub(super) fn close_on(
+        &mut self,
+        s: &Stream,
+        opened: Option<Opened>,
+    ) -> Result<(), KernelError> {
+        let Some(o) = opened else {
             return Ok(());
         };
         let end = Event::timing(s.device())?;

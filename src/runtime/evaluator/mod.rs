@@ -171,6 +171,9 @@ pub struct Evaluator<'p, B: Backend> {
     state: State<B>,
     options: EvalOptions,
     texts: Vec<String>,
+    steps: usize,
+    graph: bool,
+    host_us_per_step: Option<f64>,
 }
 
 impl<'p, B: Backend> Evaluator<'p, B> {
@@ -218,6 +221,9 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             state,
             options,
             texts,
+            steps: 1,
+            graph: false,
+            host_us_per_step: None,
         })
     }
 
@@ -239,6 +245,27 @@ impl<'p, B: Backend> Evaluator<'p, B> {
     /// Takes the trace events recorded so far.
     pub fn take_trace(&mut self) -> Vec<TraceEvent> {
         std::mem::take(&mut self.state.trace)
+    }
+
+    /// Makes every [`run`](Self::run) execute the program body `steps` times back to back
+    /// (at least once) between binding the inputs and reading the outputs: one upload, `steps`
+    /// executions on the same buffers, one wait for the device. Used to time steady-state
+    /// steps on busy devices; the outputs are those of the last step.
+    pub fn set_steps(&mut self, steps: usize) {
+        self.steps = steps.max(1);
+    }
+
+    /// Makes every run record one step as a device graph and replay it (see
+    /// [`Backend::begin_graph`]; backends that do not record graphs run the steps as usual).
+    pub fn set_graph(&mut self, on: bool) {
+        self.graph = on;
+    }
+
+    /// Host time of one step of the last run, µs: from the first instruction of the first step
+    /// to the end of the last step's issue (recording and replay launches included with a
+    /// graph), divided by the steps; device work still running is not waited for.
+    pub fn host_us_per_step(&self) -> Option<f64> {
+        self.host_us_per_step
     }
 
     /// The instruction being executed and its loop iteration (for reports after a panic),
@@ -298,9 +325,30 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             trace_epoch: self.options.trace_epoch,
             texts: &self.texts,
         };
-        if let Err((at, iteration, err)) = cx.block(&plan.steps) {
-            return Err(self.step_error(at, &iteration, err));
+        let steps = self.steps.max(1);
+        let host_start = Instant::now();
+        let recorded = if self.graph {
+            cx.backend
+                .begin_graph()
+                .map_err(|source| RuntimeError::Backend { rank, source })?
+        } else {
+            false
+        };
+        for _ in 0..if recorded { 1 } else { steps } {
+            if let Err((at, iteration, err)) = cx.block(&plan.steps) {
+                if recorded {
+                    // Drop the half-made recording; the step's error is what counts.
+                    let _ = cx.backend.end_graph(0);
+                }
+                return Err(self.step_error(at, &iteration, err));
+            }
         }
+        if recorded {
+            cx.backend
+                .end_graph(steps)
+                .map_err(|source| RuntimeError::Backend { rank, source })?;
+        }
+        self.host_us_per_step = Some(host_start.elapsed().as_secs_f64() * 1e6 / steps as f64);
         self.state.at = None;
         if self.state.in_group {
             return Err(RuntimeError::Backend {

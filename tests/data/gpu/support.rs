@@ -137,6 +137,18 @@ pub fn sim_vs_cuda_on(
     inputs: BTreeMap<usize, BTreeMap<String, TensorData>>,
     written: &dyn Fn(usize) -> bool,
 ) -> f64 {
+    sim_vs_cuda_with(name, host, d, inputs, written, &cuda_options().config)
+}
+
+/// [`sim_vs_cuda_on`] with the GPU run's backend settings (transport, copy stream, steps).
+pub fn sim_vs_cuda_with(
+    name: &str,
+    host: &HostProgram,
+    d: usize,
+    inputs: BTreeMap<usize, BTreeMap<String, TensorData>>,
+    written: &dyn Fn(usize) -> bool,
+    config: &CudaConfig,
+) -> f64 {
     let mut so = sim_options();
     so.ranks = Some(d);
     so.config.poison = (0..d).all(written);
@@ -144,6 +156,7 @@ pub fn sim_vs_cuda_on(
         .unwrap_or_else(|e| panic!("{name} on {d} sim ranks: {e}"));
     let mut co = cuda_options();
     co.ranks = Some(d);
+    co.config = config.clone();
     let got = run_cuda(host, SimInputs::PerRank(inputs), &co)
         .unwrap_or_else(|e| panic!("{name} on {d} GPUs: {e}"));
     let mut worst = 0f64;
