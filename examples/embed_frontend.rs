@@ -13,6 +13,8 @@
 //! cargo run --example embed_frontend --features cuda  # then on the GPUs, if there are
 //! ```
 
+#![allow(clippy::print_stdout)] // an example binary prints its result
+
 use std::process::ExitCode;
 
 use meshflow::ir::{DType, DeviceMesh, ParallelType::DIDx, Program, ProgramBuilder, TensorType};
