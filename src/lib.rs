@@ -77,8 +77,10 @@
 pub use meshflow_ir as ir;
 pub use meshflow_passes as passes;
 
+pub mod bench;
 pub mod check;
 pub mod embed;
+pub mod launch;
 pub mod pipeline;
 pub mod runtime;
 
