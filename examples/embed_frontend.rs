@@ -213,3 +213,113 @@ mod gpu {
         Ok(true)
     }
 }
+
+/// The same model on GPUs, on the front end's own resources: its streams, its device buffers
+/// (bound in place) and its NCCL communicators (handed in borrowed), with the fused kernel as
+/// PTX.
+#[cfg(feature = "cuda")]
+mod gpu {
+    use meshflow::ir::DType;
+    use meshflow::kernels::nccl::{Comm, NcclLib};
+    use meshflow::kernels::{Device, DeviceBuffer, Stream};
+    use meshflow::{
+        compile, Bindings, CudaConfig, CudaJob, CudaResources, CudaTensor, Executor, LaunchDims,
+        Options,
+    };
+
+    /// The fused kernel: `(h, b, y, rows, cols)`.
+    const BIAS_GELU_PTX: &str = include_str!("kernels/bias_gelu.ptx");
+
+    pub fn run(mlp: &super::Mlp, want: &[f32]) -> Result<bool, meshflow::Error> {
+        let ranks = mlp.ranks as usize;
+        match Device::count() {
+            Ok(n) if n >= ranks => {}
+            Ok(n) => {
+                println!("gpu: skipped (needs {ranks} GPUs, this machine has {n})");
+                return Ok(true);
+            }
+            Err(e) => {
+                println!("gpu: skipped ({e})");
+                return Ok(true);
+            }
+        }
+        let compiled = compile(&mlp.program()?, &Options::for_ranks(ranks))?;
+        let mut config = CudaConfig::default();
+        config.kernels.register(
+            "bias_gelu",
+            BIAS_GELU_PTX,
+            "bias_gelu",
+            |_ins, outs, _args| LaunchDims::linear(outs[0].iter().product(), 256),
+        );
+        let job = CudaJob::for_program(&compiled, config);
+        // The front end's own GPUs and communicators (one per rank, created together).
+        let devices = (0..ranks).map(Device::new).collect::<Result<Vec<_>, _>>()?;
+        let lib = NcclLib::load()?;
+        let comms = Comm::init_all(&lib, &devices)?;
+        let parts = mlp
+            .inputs()?
+            .into_iter()
+            .map(|(name, full)| Ok((name, compiled.scatter(name, &full)?)))
+            .collect::<Result<Vec<_>, meshflow::Error>>()?;
+        let y_shape = vec![mlp.tokens, mlp.model];
+        let ys = std::thread::scope(|s| {
+            let threads: Vec<_> = comms
+                .into_iter()
+                .enumerate()
+                .map(|(rank, comm)| {
+                    let (compiled, job, parts, lib) = (&compiled, &job, &parts, &lib);
+                    let (device, y_shape) = (devices[rank].clone(), y_shape.clone());
+                    s.spawn(move || -> Result<Vec<f32>, meshflow::Error> {
+                        let stream = Stream::new(&device)?;
+                        // SAFETY: `comm` is this thread's and outlives the executor (dropped
+                        // first, at the end of this closure); nothing else uses it meanwhile.
+                        let borrowed =
+                            unsafe { Comm::from_raw_borrowed(lib, comm.as_raw(), &device)? };
+                        let resources = CudaResources {
+                            device: device.clone(),
+                            stream: Some(stream.clone()),
+                            comms: vec![((0..ranks).collect(), borrowed)],
+                        };
+                        let mut exec =
+                            Executor::new(compiled, rank, job.backend(rank, resources)?)?;
+                        let mut bindings = Bindings::new();
+                        for (name, per_rank) in parts {
+                            if let Some(local) = per_rank.get(&rank) {
+                                let values = local.storage().to_f32_vec();
+                                let buffer = DeviceBuffer::from_slice(&stream, &values)?;
+                                let shape = local.shape().to_vec();
+                                bindings.device(
+                                    *name,
+                                    CudaTensor {
+                                        buffer,
+                                        dtype: DType::F32,
+                                        shape,
+                                    },
+                                );
+                            }
+                        }
+                        let bytes = (y_shape.iter().product::<u64>() * 4) as usize;
+                        let y = DeviceBuffer::alloc(&device, bytes)?;
+                        bindings.device(
+                            "y",
+                            CudaTensor {
+                                buffer: y.clone(),
+                                dtype: DType::F32,
+                                shape: y_shape,
+                            },
+                        );
+                        exec.run(&mut bindings)?;
+                        exec.run(&mut bindings)?;
+                        drop(exec);
+                        Ok(y.to_vec::<f32>(&stream)?)
+                    })
+                })
+                .collect();
+            threads
+                .into_iter()
+                .map(|t| t.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect::<Result<Vec<_>, _>>()
+        })?;
+        Ok(super::check("gpu", want, &ys))
+    }
+}

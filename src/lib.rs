@@ -70,11 +70,17 @@
 //! }
 //! ```
 //!
-//! With feature `cuda`, the same executor runs on the caller's GPU resources (see
-//! [`embed`]).
+//! With feature `cuda`, the same executor runs on GPUs, on the caller's resources: its
+//! stream, its device buffers (bound in place) and its NCCL communicators (`CudaJob`,
+//! `CudaResources`, `CudaTensor`; see [`embed`]), with kernels registered as PTX or CUBIN
+//! images plus their launch geometry (`CudaKernels`).
 #![forbid(unsafe_code)]
 
 pub use meshflow_ir as ir;
+/// The CUDA, cuBLAS and NCCL layer (feature `cuda`): devices, streams, device buffers and
+/// communicators, including the `unsafe` constructors that wrap an embedder's raw handles.
+#[cfg(feature = "cuda")]
+pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 
 pub mod bench;
@@ -87,6 +93,10 @@ pub mod runtime;
 pub use embed::{
     compile, parse, Bind, Bindings, Compiled, CpuJob, CpuTensor, Error, Executor, Options,
     TensorInfo,
+};
+#[cfg(feature = "cuda")]
+pub use embed::{
+    CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, LaunchDims,
 };
 pub use meshflow_passes::{CostModel, Decomposition, Transport};
 pub use runtime::sim::SimKernels;

@@ -106,6 +106,10 @@ pub enum Error {
     /// No level-1 tensor (or host input/output) of that name.
     #[error("no tensor `{0}` in the program")]
     UnknownTensor(String),
+    /// A CUDA, cuBLAS or NCCL call of the kernels layer failed (e.g. wrapping a raw handle).
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Device(#[from] meshflow_kernels::KernelError),
     /// Setting up the CUDA backend on the caller's resources failed.
     #[cfg(feature = "cuda")]
     #[error("rank {rank}: {source}")]

@@ -30,6 +30,17 @@
 //!    ([`reference::evaluate_with`](crate::runtime::reference::evaluate_with)), so
 //!    [`run_and_compare`](crate::runtime::run_and_compare) checks programs with custom ops.
 //!
+//! **On GPUs** (feature `cuda`), the same [`Executor`] runs on a `CudaBackend` made by
+//! `CudaJob::backend(rank, CudaResources { device, stream, comms })`: the caller's stream is
+//! the rank's main stream (the program runs in order with the caller's work), its NCCL
+//! communicators serve the teams they are given for (handed in borrowed with
+//! `Comm::from_raw_borrowed`: never destroyed, aborted or cached), and its device memory is
+//! bound as `CudaTensor`s (wrapped with `DeviceBuffer::from_raw_borrowed`; used in place, no
+//! copy in or out). Kernels are registered in `CudaKernels` as a PTX or CUBIN image, a
+//! function name and a closure giving the launch geometry; their parameters are a pointer per
+//! input, a pointer per output, then the scalar arguments as 64-bit integers.
+//! `examples/embed_frontend.rs` shows both backends.
+//!
 //! Every failure is one [`Error`].
 //!
 //! See the crate docs for a complete example and `examples/embed_frontend.rs` for a front end
@@ -37,12 +48,18 @@
 
 mod compiled;
 mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod error;
 mod executor;
 mod options;
 
+#[cfg(feature = "cuda")]
+pub use crate::runtime::cuda::{CudaBackend, CudaConfig, CudaKernels, CudaResources, LaunchDims};
 pub use compiled::{compile, Compiled, TensorInfo};
 pub use cpu::{CpuJob, CpuTensor};
+#[cfg(feature = "cuda")]
+pub use cuda::{CudaJob, CudaTensor};
 pub use error::Error;
 pub use executor::{Bind, Bindings, Executor};
 pub use options::{parse, Options};
