@@ -50,7 +50,9 @@
 //!   broadcast** whose root at step `i` is team index `i`.
 //!
 //! The meaning of a level-1 program is the unsharded computation: every op is defined on
-//! logical tensors. A `set` whose input and output are sharded differently is a
+//! logical tensors. An embedder's own op, `custom(inputs.., kernel="NAME", args=[..])`, is
+//! computed by the kernel it registers with the backend and lowers to `launch_kernel` (see
+//! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
 //! **resharding**, lowered to a communication.
 //!
 //! ## The host IR

@@ -218,7 +218,9 @@ pub enum OpKind {
 ///
 /// Lowering turns it into `launch_kernel(inputs -> outputs, kernel=KERNEL, args=[ARGS..,
 /// SHAPE..])`: the op's `args`, then the local (per-device, per-chunk) extents of the first
-/// output, outermost first, so a device kernel knows the sizes of the chunk it is given.
+/// output, outermost first, so a device kernel knows the sizes of the chunk it is given. On
+/// the CPU backend the registered closure also serves as the op's reference (the level-1
+/// interpreter calls it once on the full tensors, with the full output shape).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct CustomOp {
     /// The name the kernel is registered under with the backend.
