@@ -2,6 +2,8 @@
 #![forbid(unsafe_code)]
 
 pub use meshflow_ir as ir;
+/// The unsafe/FFI crate: CUDA, NCCL and the inter-node host proxy ([`kernels::proxy`]).
+pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 
 pub mod check;

@@ -3,6 +3,7 @@
 mod check;
 mod common;
 mod lower;
+mod node;
 mod parse;
 mod run;
 
@@ -30,6 +31,9 @@ pub enum Command {
     Check(check::CheckArgs),
     /// Lower, check and run a program on every rank; compare with an unsharded reference.
     Run(run::RunArgs),
+    /// One node of a multi-process run (started by `run --nodes`).
+    #[command(hide = true)]
+    Node(node::NodeArgs),
 }
 
 /// Runs a parsed command line.
@@ -39,5 +43,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Lower(args) => lower::run(args),
         Command::Check(args) => check::run(args),
         Command::Run(args) => run::run(args),
+        Command::Node(args) => node::run(args),
     }
 }

@@ -12,6 +12,8 @@
 //! - [`launch`]: fault-tolerant multi-rank runs ([`run_sim`]).
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
+//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - [`multinode`]: multi-process sim runs, nodes linked by the inter-node host proxy.
 
 pub mod backend;
 pub mod compare;
@@ -19,7 +21,9 @@ pub mod cpu_ops;
 pub mod data;
 pub mod evaluator;
 pub mod launch;
+pub mod multinode;
 pub mod reference;
+pub mod rendezvous;
 pub mod shard;
 pub mod sim;
 pub mod trace;

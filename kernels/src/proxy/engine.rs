@@ -371,6 +371,13 @@ impl Proxy {
             .flush(timeout.saturating_sub(start.elapsed()))
     }
 
+    /// Messages that arrived but were never received, as `(peer, tag)`, sorted.
+    pub fn undelivered(&self) -> Vec<(usize, Tag)> {
+        let mut v: Vec<(usize, Tag)> = self.shared.lock_mail().ready.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
     /// The failure that stopped this proxy, if any.
     pub fn failure(&self) -> Option<ProxyError> {
         self.shared.failure()
@@ -647,7 +654,7 @@ impl ProxyThread {
             }
             let s = self.s.clone();
             let word = s.layout.credit_offset(i);
-            let remote = s.layout.credit_offset(s.layout.slot_at_peer[i]);
+            let remote = s.layout.remote_credit_offset(i);
             let r = s
                 .wire
                 .stage(word, &self.released[i].to_le_bytes())

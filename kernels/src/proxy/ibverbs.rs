@@ -294,11 +294,12 @@ impl IbvWire {
             let left = deadline.saturating_duration_since(Instant::now());
             let theirs = store.fetch(&format!("{namespace}/ibv/{peer}/{}", layout.me), left)?;
             let theirs = QpInfo::decode(&theirs, peer)?;
-            if theirs.len != recv.len() as u64 {
+            let needed = layout.ring_base(layout.slot_at_peer[i] + 1) as u64;
+            if theirs.len < needed {
                 return Err(ProxyError::Setup(format!(
-                    "rank {peer} has a receive region of {} bytes, this rank {}",
-                    theirs.len,
-                    recv.len()
+                    "rank {peer} has a receive region of {} bytes, this rank writes up to byte \
+                     {needed} (different ring sizes)",
+                    theirs.len
                 )));
             }
             modify_rtr_rts(qp, &port, gid_index, psn, &theirs)?;

@@ -52,6 +52,9 @@ pub struct Layout {
     pub ring: usize,
     /// For each peer (same order): this rank's slot in that peer's layout.
     pub slot_at_peer: Vec<usize>,
+    /// For each peer (same order): the number of that peer's peers (its regions hold that many
+    /// rings before the credit words).
+    pub peers_of_peer: Vec<usize>,
 }
 
 impl Layout {
@@ -86,11 +89,16 @@ impl Layout {
                     })
             })
             .collect::<Result<_, _>>()?;
+        let peers_of_peer = peers
+            .iter()
+            .map(|&p| topology.remote_peers(p).len())
+            .collect();
         Ok(Layout {
             me,
             peers,
             ring,
             slot_at_peer,
+            peers_of_peer,
         })
     }
 
@@ -109,9 +117,14 @@ impl Layout {
         slot * self.ring
     }
 
-    /// Offset of credit word `slot`.
+    /// Offset of credit word `slot` in this rank's regions.
     pub fn credit_offset(&self, slot: usize) -> usize {
         self.peers.len() * self.ring + slot * 8
+    }
+
+    /// Offset of this rank's credit word in the regions of peer index `i`.
+    pub fn remote_credit_offset(&self, i: usize) -> usize {
+        self.peers_of_peer[i] * self.ring + self.slot_at_peer[i] * 8
     }
 
     /// The largest data payload of one chunk (a quarter of the ring, so several chunks are in
@@ -276,6 +289,15 @@ mod tests {
         assert_eq!(l2.slot_at_peer, vec![0, 0]);
         assert_eq!(l2.region_len(), 2 * 4096 + 64);
         assert_eq!(l2.credit_offset(1), 2 * 4096 + 8);
+        // Uneven nodes: rank 2 alone on node 1 has two peers, ranks 0 and 1 one each.
+        let t = Topology::contiguous(3, 2).unwrap();
+        let l2 = Layout::new(&t, 2, 4096).unwrap();
+        assert_eq!(l2.peers_of_peer, vec![1, 1]);
+        assert_eq!(l2.remote_credit_offset(1), 4096);
+        assert_eq!(
+            Layout::new(&t, 1, 4096).unwrap().remote_credit_offset(0),
+            2 * 4096 + 8
+        );
         assert!(Layout::new(&t, 1, 100).is_err());
         assert!(Layout::new(&t, 9, 4096).is_err());
     }

@@ -38,15 +38,15 @@ fn io_setup(what: &str, e: io::Error) -> ProxyError {
     ProxyError::Setup(format!("{what}: {e}"))
 }
 
-fn hello(rank: usize, region: usize) -> [u8; 20] {
+fn hello(rank: usize, ring: usize) -> [u8; 20] {
     let mut b = [0u8; 20];
     b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
     b[4..12].copy_from_slice(&(rank as u64).to_le_bytes());
-    b[12..20].copy_from_slice(&(region as u64).to_le_bytes());
+    b[12..20].copy_from_slice(&(ring as u64).to_le_bytes());
     b
 }
 
-/// Parses a hello: `(rank, region length)`.
+/// Parses a hello: `(rank, ring size)`.
 fn parse_hello(b: &[u8; 20]) -> Result<(usize, usize), String> {
     let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     if magic != HELLO_MAGIC {
@@ -77,6 +77,7 @@ impl TcpWire {
         let deadline = Instant::now() + timeout;
         let me = layout.me;
         let region = layout.region_len();
+        let ring = layout.ring;
         let listener = TcpListener::bind((host, 0)).map_err(|e| io_setup("bind", e))?;
         let port = listener
             .local_addr()
@@ -99,13 +100,13 @@ impl TcpWire {
                     .saturating_duration_since(Instant::now())
                     .max(Duration::from_millis(1)),
             ))
-            .and_then(|()| s.write_all(&hello(me, region)))
+            .and_then(|()| s.write_all(&hello(me, ring)))
             .map_err(|e| io_setup(&format!("hello to rank {peer}"), e))?;
             let mut b = [0u8; 20];
             s.read_exact(&mut b)
                 .map_err(|e| io_setup(&format!("hello from rank {peer}"), e))?;
             let (r, len) = parse_hello(&b).map_err(ProxyError::Setup)?;
-            check_peer(peer, r, region, len)?;
+            check_peer(peer, r, ring, len)?;
             streams[i] = Some(s);
         }
         let lower = layout.peers.iter().filter(|&&p| p < me).count();
@@ -129,11 +130,11 @@ impl TcpWire {
                     let i = layout.index_of(r).filter(|_| r < me).ok_or_else(|| {
                         ProxyError::Setup(format!("rank {r} connected but is not a lower peer"))
                     })?;
-                    check_peer(r, r, region, len)?;
+                    check_peer(r, r, ring, len)?;
                     if streams[i].is_some() {
                         return Err(ProxyError::Setup(format!("rank {r} connected twice")));
                     }
-                    s.write_all(&hello(me, region))
+                    s.write_all(&hello(me, ring))
                         .map_err(|e| io_setup(&format!("hello to rank {r}"), e))?;
                     streams[i] = Some(s);
                     accepted += 1;
@@ -190,15 +191,15 @@ impl TcpWire {
     }
 }
 
-fn check_peer(want: usize, got: usize, region: usize, len: usize) -> Result<(), ProxyError> {
+fn check_peer(want: usize, got: usize, ring: usize, theirs: usize) -> Result<(), ProxyError> {
     if want != got {
         return Err(ProxyError::Setup(format!(
             "expected rank {want} at its address, found rank {got}"
         )));
     }
-    if region != len {
+    if ring != theirs {
         return Err(ProxyError::Setup(format!(
-            "rank {got} has regions of {len} bytes, this rank {region} (different ring sizes)"
+            "rank {got} has rings of {theirs} bytes, this rank {ring} (MESHFLOW_PROXY_RING differs)"
         )));
     }
     Ok(())

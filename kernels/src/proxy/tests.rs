@@ -85,6 +85,34 @@ fn four_ranks_on_two_nodes_exchange_all_to_all_concurrently() {
 }
 
 #[test]
+fn uneven_nodes_return_credits_to_the_right_words() {
+    // Rank 2 alone on node 1 has two peers; ranks 0 and 1 have one each.
+    let t = Topology::contiguous(3, 2).unwrap();
+    let p = start(&t, 1024);
+    let msg = bytes(10_000, 5);
+    for r in [0, 1] {
+        p[r].as_ref()
+            .unwrap()
+            .send(2, (r as u64, 0), &msg, T)
+            .unwrap();
+        p[2].as_ref()
+            .unwrap()
+            .send(r, (9, r as u64), &msg, T)
+            .unwrap();
+    }
+    for r in [0, 1] {
+        assert_eq!(
+            p[2].as_ref().unwrap().recv(r, (r as u64, 0), T).unwrap(),
+            msg
+        );
+        assert_eq!(
+            p[r].as_ref().unwrap().recv(2, (9, r as u64), T).unwrap(),
+            msg
+        );
+    }
+}
+
+#[test]
 fn a_lost_peer_fails_waiting_receivers_at_once_naming_it() {
     let t = Topology::contiguous(3, 1).unwrap();
     let mut p = start(&t, 4096);
@@ -146,6 +174,7 @@ fn a_frame_outside_the_receive_region_is_a_protocol_failure() {
     // Rank 1 is a real proxy; rank 0 is a hand-written peer that breaks the protocol.
     let layout = Layout::new(&t, 1, 4096).unwrap();
     let region = layout.region_len() as u64;
+    let ring = layout.ring as u64;
     let real = std::thread::spawn({
         let store = store.clone();
         move || {
@@ -157,7 +186,7 @@ fn a_frame_outside_the_receive_region_is_a_protocol_failure() {
     let mut s = std::net::TcpStream::connect(String::from_utf8(addr).unwrap()).unwrap();
     let mut hello = 0x4D46_5443u32.to_le_bytes().to_vec();
     hello.extend_from_slice(&0u64.to_le_bytes());
-    hello.extend_from_slice(&region.to_le_bytes());
+    hello.extend_from_slice(&ring.to_le_bytes());
     s.write_all(&hello).unwrap();
     let mut reply = [0u8; 20];
     s.read_exact(&mut reply).unwrap();
