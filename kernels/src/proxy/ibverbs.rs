@@ -121,11 +121,12 @@ impl Drop for Verbs {
 /// The proxy's ibverbs wire of one rank.
 #[derive(Debug)]
 pub struct IbvWire {
+    /// Declared (so dropped) before the regions: the registrations go before the memory.
+    verbs: Mutex<Verbs>,
     me: usize,
     peers: Vec<usize>,
     send: Arc<HostRegion>,
     recv: Arc<HostRegion>,
-    verbs: Mutex<Verbs>,
     woken: AtomicBool,
 }
 
@@ -211,9 +212,10 @@ impl IbvWire {
             outstanding: vec![0; n],
             backlog: VecDeque::new(),
         };
+        // SAFETY: all-zero is a valid port attribute struct (plain integers).
+        let mut port: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: `ctx` is an open context; `port` is a valid out-pointer of the full struct,
         // of which the exported (compat) symbol fills a prefix.
-        let mut port: ffi::ibv_port_attr = unsafe { std::mem::zeroed() };
         let rc = unsafe {
             ffi::ibv_query_port(ctx, PORT, (&mut port as *mut ffi::ibv_port_attr).cast())
         };
@@ -307,11 +309,11 @@ impl IbvWire {
         }
         tracing::debug!(rank = layout.me, "ibverbs wire on {name}: {n} queue pairs");
         Ok(IbvWire {
+            verbs: Mutex::new(v),
             me: layout.me,
             peers: layout.peers.clone(),
             send,
             recv,
-            verbs: Mutex::new(v),
             woken: AtomicBool::new(false),
         })
     }
@@ -520,14 +522,6 @@ impl Wire for IbvWire {
         self.recv.read(offset, out)
     }
 
-    fn read_received_into(
-        &self,
-        offset: usize,
-        len: usize,
-        out: &mut Vec<u8>,
-    ) -> Result<(), ProxyError> {
-        self.recv.read_into(offset, len, out)
-    }
 
     fn post_write(
         &self,

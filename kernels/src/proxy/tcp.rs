@@ -290,14 +290,6 @@ impl Wire for TcpWire {
         self.recv.read(offset, out)
     }
 
-    fn read_received_into(
-        &self,
-        offset: usize,
-        len: usize,
-        out: &mut Vec<u8>,
-    ) -> Result<(), ProxyError> {
-        self.recv.read_into(offset, len, out)
-    }
 
     fn post_write(
         &self,

@@ -49,13 +49,6 @@ pub trait Wire: Send + Sync + fmt::Debug {
     fn read_staged(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError>;
     /// Copies bytes of our receive region at `offset` into `out`.
     fn read_received(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError>;
-    /// Appends `len` bytes of our receive region at `offset` to `out`.
-    fn read_received_into(
-        &self,
-        offset: usize,
-        len: usize,
-        out: &mut Vec<u8>,
-    ) -> Result<(), ProxyError>;
     /// Posts a one-sided write of `len` bytes of our send region at `local_offset` into `peer`'s
     /// receive region at `remote_offset`, delivering `imm` to the peer once the bytes are there.
     fn post_write(
