@@ -6,6 +6,8 @@ pub use meshflow_ir as ir;
 pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 
+pub mod bench;
 pub mod check;
+pub mod launch;
 pub mod pipeline;
 pub mod runtime;

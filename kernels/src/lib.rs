@@ -93,6 +93,8 @@ pub use event::Event;
 #[cfg(feature = "cuda")]
 pub use gemm::{Gemm, GemmLayout};
 #[cfg(feature = "cuda")]
-pub use kernels::{fill_pattern, poison_bits, Kernels, Source, StridedLayout, MAX_RANK};
+pub use kernels::{
+    fill_pattern, poison_bits, KernelArg, Kernels, Source, StridedLayout, UserKernel, MAX_RANK,
+};
 #[cfg(feature = "cuda")]
 pub use stream::Stream;

@@ -144,7 +144,11 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
                 .gather(&compiled.program)
                 .map_err(|e| CliError::Run(e.to_string()))?
         }
-        BackendKind::Cuda => run_cuda(&args, &compiled, &inputs, ranks, &mut summary)?,
+        BackendKind::Cuda => match run_cuda(&args, &compiled, &inputs, ranks, &mut summary)? {
+            Some(gathered) => gathered,
+            // A rank other than 0 of a multi-process run: rank 0 compares.
+            None => return print_out(&summary),
+        },
     };
     let want = evaluate(&program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
     let comparison =
@@ -165,7 +169,8 @@ fn run_cuda(
     _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
     _ranks: usize,
     _summary: &mut String,
-) -> Result<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>, CliError> {
+) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
+{
     Err(CliError::Usage(
         "this meshflow was built without the `cuda` feature; rebuild with \
          `cargo build --release --features cuda` to use --backend cuda"
@@ -175,15 +180,22 @@ fn run_cuda(
 
 #[cfg(feature = "cuda")]
 fn run_cuda(
-    _args: &RunArgs,
-    _compiled: &meshflow::pipeline::Compiled,
-    _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
-    _ranks: usize,
-    _summary: &mut String,
-) -> Result<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>, CliError> {
-    Err(CliError::Usage(
-        "--backend cuda is not wired into `run` yet".to_string(),
-    ))
+    args: &RunArgs,
+    compiled: &meshflow::pipeline::Compiled,
+    inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
+    ranks: usize,
+    summary: &mut String,
+) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
+{
+    super::run_cuda::run(
+        compiled,
+        inputs,
+        ranks,
+        args.streams,
+        Duration::from_millis(args.timeout_ms),
+        args.trace.as_deref(),
+        summary,
+    )
 }
 
 fn count_insts(host: &meshflow::ir::HostProgram) -> usize {

@@ -10,6 +10,8 @@
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.
 //! - [`sim`]: [`SimBackend`], N ranks as threads with race checking.
 //! - [`launch`]: fault-tolerant multi-rank runs ([`run_sim`]).
+//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - `cuda` (feature `cuda`): the CUDA backend over NCCL and its launchers.
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
 //! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
@@ -18,6 +20,8 @@
 pub mod backend;
 pub mod compare;
 pub mod cpu_ops;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod evaluator;
 pub mod launch;

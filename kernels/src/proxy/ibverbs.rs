@@ -522,7 +522,6 @@ impl Wire for IbvWire {
         self.recv.read(offset, out)
     }
 
-
     fn post_write(
         &self,
         peer: usize,

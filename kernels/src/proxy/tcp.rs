@@ -290,7 +290,6 @@ impl Wire for TcpWire {
         self.recv.read(offset, out)
     }
 
-
     fn post_write(
         &self,
         peer: usize,
