@@ -77,9 +77,9 @@
 #![forbid(unsafe_code)]
 
 pub use meshflow_ir as ir;
-/// The CUDA, cuBLAS and NCCL layer (feature `cuda`): devices, streams, device buffers and
-/// communicators, including the `unsafe` constructors that wrap an embedder's raw handles.
-#[cfg(feature = "cuda")]
+/// The unsafe/FFI crate: CUDA, NCCL and the inter-node host proxy ([`kernels::proxy`]); with
+/// feature `cuda`, the `unsafe` constructors that wrap an embedder's raw handles (streams,
+/// device memory, communicators).
 pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 

@@ -1,10 +1,12 @@
 //! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
 
 mod bench;
+mod bench_moe;
 mod check;
 mod common;
 mod launch;
 mod lower;
+mod node;
 mod parse;
 mod run;
 #[cfg(feature = "cuda")]
@@ -38,6 +40,9 @@ pub enum Command {
     Bench(bench::BenchCommand),
     /// Start N ranks of a command on this host (torchrun variables, `[rank r]` output).
     Launch(launch::LaunchArgs),
+    /// One node of a multi-process run (started by `run --nodes`).
+    #[command(hide = true)]
+    Node(node::NodeArgs),
 }
 
 /// Runs a parsed command line.
@@ -49,5 +54,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Launch(args) => launch::run(args),
+        Command::Node(args) => node::run(args),
     }
 }
