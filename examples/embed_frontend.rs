@@ -192,7 +192,20 @@ fn main() -> ExitCode {
         println!("{}", compiled.host_text());
         let want = mlp.reference();
         let mut ok = check("cpu", &want, &run_cpu(&mlp, &compiled)?);
-        ok &= gpu::run(&mlp, &want)?;
+        // On GPUs: as many ranks as there are GPUs, up to 4 (the same model, split fewer ways).
+        if let Some(ranks) = gpu::ranks() {
+            let mlp = Mlp::new(8, 16, 64, ranks);
+            let want = mlp.reference();
+            ok &= check(
+                "cpu",
+                &want,
+                &run_cpu(
+                    &mlp,
+                    &compile(&mlp.program()?, &Options::for_ranks(ranks as usize))?,
+                )?,
+            );
+            ok &= gpu::run(&mlp, &want)?;
+        }
         Ok(ok)
     })();
     match result {
@@ -208,8 +221,13 @@ fn main() -> ExitCode {
 #[cfg(not(feature = "cuda"))]
 mod gpu {
     /// Without feature `cuda` there is nothing to run on GPUs.
-    pub fn run(_: &super::Mlp, _: &[f32]) -> Result<bool, meshflow::Error> {
+    pub fn ranks() -> Option<u64> {
         println!("gpu: skipped (build with --features cuda)");
+        None
+    }
+
+    /// Never called without feature `cuda`.
+    pub fn run(_: &super::Mlp, _: &[f32]) -> Result<bool, meshflow::Error> {
         Ok(true)
     }
 }
@@ -230,19 +248,24 @@ mod gpu {
     /// The fused kernel: `(h, b, y, rows, cols)`.
     const BIAS_GELU_PTX: &str = include_str!("kernels/bias_gelu.ptx");
 
-    pub fn run(mlp: &super::Mlp, want: &[f32]) -> Result<bool, meshflow::Error> {
-        let ranks = mlp.ranks as usize;
+    /// How many GPU ranks to run: every GPU, up to 4; `None` (with the reason printed) when
+    /// there is no GPU.
+    pub fn ranks() -> Option<u64> {
         match Device::count() {
-            Ok(n) if n >= ranks => {}
-            Ok(n) => {
-                println!("gpu: skipped (needs {ranks} GPUs, this machine has {n})");
-                return Ok(true);
+            Ok(0) => {
+                println!("gpu: skipped (no CUDA device)");
+                None
             }
+            Ok(n) => Some(n.min(4) as u64),
             Err(e) => {
                 println!("gpu: skipped ({e})");
-                return Ok(true);
+                None
             }
         }
+    }
+
+    pub fn run(mlp: &super::Mlp, want: &[f32]) -> Result<bool, meshflow::Error> {
+        let ranks = mlp.ranks as usize;
         let compiled = compile(&mlp.program()?, &Options::for_ranks(ranks))?;
         let mut config = CudaConfig::default();
         config.kernels.register(
