@@ -186,13 +186,13 @@ fn column_parallel(variant: AgVariant) {
     }
     for d in counts {
         let du = d as u64;
-        // AG of 128 MiB of bf16 (64 MiB from each peer at d = 2: ~180 µs over the copy engine,
-        // plus the local chunk's copy) and a GEMM of 8192 x 8192 x 1024 per rank (~200 µs):
-        // comparable times.
+        // AG of 128 MiB of bf16 (64 MiB from each peer at d = 2: ~200 µs over the copy engine,
+        // with the local chunk's copy) and a GEMM of 8192 x 8192 x 2048 per rank (~340 µs, two
+        // chunks of ~170 µs): comparable times.
         let s = Gemm3 {
             m: 8192,
             k: 8192,
-            n: 1024 * du,
+            n: 2048 * du,
         };
         let lower = |parts| agmm_lowered(d, s, DType::BF16, variant, STREAMS, parts).unwrap();
         let l = lower(Parts::Both);

@@ -45,16 +45,18 @@ pub struct TransportParams {
     pub sm_contention: f64,
 }
 
-/// The transport table, measured on 2× H200 (NVLink 4, NV18): NCCL grouped send/recv moves
-/// 64 MiB in 264 µs and 256 MiB in 898 µs per rank (both directions at once); a copy-engine
-/// pull 64 MiB in 214 µs and 256 MiB in 727 µs. An NCCL kernel next to a cuBLAS GEMM slows
-/// the GEMM by about a fifth (and is itself starved of SMs); copy engines leave the SMs alone.
+/// The transport table, measured on 2× H200 (NVLink 4, NV18) on 2026-11-22: NCCL grouped
+/// send/recv moves 64 MiB in 254 µs and 256 MiB in 899 µs per rank (both directions at once,
+/// steps back to back); a copy-engine pull 64 MiB in 212 µs and 256 MiB in 719 µs. Next to a
+/// cuBLAS GEMM, an NCCL kernel slows the GEMM by about a fifth (and is itself starved of SMs:
+/// 630 µs instead of 295 for 64 MiB); a copy-engine pull slows it by about an eighth (its HBM
+/// traffic) and leaves the SMs alone.
 pub const TRANSPORTS: [(Transport, TransportParams); 2] = [
     (
         Transport::Nccl,
         TransportParams {
-            latency_us: 53.0,
-            bandwidth_gb_s: 318.0,
+            latency_us: 39.0,
+            bandwidth_gb_s: 312.0,
             sm_contention: 0.2,
         },
     ),
@@ -62,8 +64,8 @@ pub const TRANSPORTS: [(Transport, TransportParams); 2] = [
         Transport::CopyEngine,
         TransportParams {
             latency_us: 43.0,
-            bandwidth_gb_s: 393.0,
-            sm_contention: 0.05,
+            bandwidth_gb_s: 398.0,
+            sm_contention: 0.12,
         },
     ),
 ];
@@ -89,7 +91,7 @@ impl Default for CostModel {
     fn default() -> CostModel {
         CostModel {
             transport: Transport::Nccl,
-            gemm_tflops_16bit: 700.0,
+            gemm_tflops_16bit: 800.0,
             gemm_tflops_32bit: 50.0,
             hbm_gb_s: 4000.0,
             launch_us: 5.0,

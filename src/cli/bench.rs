@@ -26,6 +26,8 @@ pub enum BenchCase {
     Rsmm(BenchArgs),
     /// Collective-permute bandwidth: copy engine against NCCL send/recv.
     Permute(BenchArgs),
+    /// MoE dispatch and combine latency, NCCL and NVLink transports.
+    Moe(super::bench_moe::MoeBenchArgs),
 }
 
 /// Arguments of `bench`.
@@ -110,12 +112,13 @@ fn parse_shape(s: &str) -> Result<meshflow::bench::programs::Gemm3, CliError> {
 
 /// Runs `bench`.
 pub fn run(cmd: BenchCommand) -> Result<(), CliError> {
-    let (name, args) = match &cmd.case {
+    let (name, args) = match cmd.case {
         BenchCase::Agmm(a) => ("agmm", a),
         BenchCase::Rsmm(a) => ("rsmm", a),
         BenchCase::Permute(a) => ("permute", a),
+        BenchCase::Moe(a) => return super::bench_moe::run(a),
     };
-    measure(name, args)
+    measure(name, &args)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1,10 +1,12 @@
 //! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
 
 mod bench;
+mod bench_moe;
 mod check;
 mod common;
 mod launch;
 mod lower;
+mod node;
 mod parse;
 mod run;
 #[cfg(feature = "cuda")]
@@ -42,6 +44,9 @@ pub enum Command {
     Launch(launch::LaunchArgs),
     /// Run a program once and write a Perfetto trace and an SVG timeline of its streams.
     Trace(trace::TraceArgs),
+    /// One node of a multi-process run (started by `run --nodes`).
+    #[command(hide = true)]
+    Node(node::NodeArgs),
 }
 
 /// Runs a parsed command line.
@@ -54,5 +59,6 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Bench(args) => bench::run(args),
         Command::Launch(args) => launch::run(args),
         Command::Trace(args) => trace::run(args),
+        Command::Node(args) => node::run(args),
     }
 }

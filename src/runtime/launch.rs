@@ -186,35 +186,43 @@ fn run_rank(
     (result, ev.take_trace())
 }
 
-/// Runs `host` on sim ranks `0..ranks`, one thread each, and returns every rank's outputs.
-pub fn run_sim(
+/// What the rank threads of [`run_ranks`] produced.
+pub(crate) struct RanksResult {
+    /// Outputs of the ranks that succeeded.
+    pub outputs: BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
+    /// Errors of the ranks that failed.
+    pub errors: Vec<RuntimeError>,
+    /// Trace events of every rank.
+    pub events: Vec<TraceEvent>,
+}
+
+/// Orders trace events by rank, then start time.
+pub(crate) fn sort_events(events: &mut [TraceEvent]) {
+    events.sort_by(|a, b| {
+        (a.rank, a.start_us)
+            .partial_cmp(&(b.rank, b.start_us))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+}
+
+/// Runs `host` on `ranks` of `fabric`, one thread each, and joins every thread.
+pub(crate) fn run_ranks(
     host: &HostProgram,
-    inputs: SimInputs<'_>,
+    ranks: &[DeviceId],
+    per_rank: &BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
+    fabric: &Arc<Fabric>,
     options: &SimOptions,
-) -> Result<RunOutcome, LaunchError> {
-    let needed = host.world_size();
-    let world = options.ranks.unwrap_or(needed);
-    if world < needed || world == 0 {
-        return Err(LaunchError::TooFewRanks {
-            needed: needed.max(1),
-            given: world,
-        });
-    }
-    let per_rank = match inputs {
-        SimInputs::PerRank(m) => m,
-        SimInputs::Full { program, inputs } => scatter_inputs(program, inputs)?,
-    };
-    let fabric = Arc::new(Fabric::new());
-    let start = Instant::now();
+    start: Instant,
+) -> Result<RanksResult, LaunchError> {
     let eval = EvalOptions {
         trace_epoch: options.trace.then_some(start),
     };
     let empty = BTreeMap::new();
     let results: Vec<Result<RankResult, LaunchError>> = std::thread::scope(|scope| {
-        let mut handles = Vec::with_capacity(world);
-        for rank in 0..world {
+        let mut handles = Vec::with_capacity(ranks.len());
+        for &rank in ranks {
             let inputs = per_rank.get(&rank).unwrap_or(&empty);
-            let (fabric, config, eval) = (&fabric, &options.config, &eval);
+            let (fabric, config, eval) = (fabric, &options.config, &eval);
             let spawned = std::thread::Builder::new()
                 .name(format!("meshflow-sim-rank-{rank}"))
                 .spawn_scoped(scope, move || {
@@ -243,11 +251,10 @@ pub fn run_sim(
             })
             .collect()
     });
-    let elapsed = start.elapsed();
     let mut outputs = BTreeMap::new();
     let mut errors = Vec::new();
     let mut events = Vec::new();
-    for (rank, r) in results.into_iter().enumerate() {
+    for (&rank, r) in ranks.iter().zip(results) {
         let (result, trace) = r?;
         events.extend(trace);
         match result {
@@ -257,6 +264,40 @@ pub fn run_sim(
             Err(e) => errors.push(e),
         }
     }
+    Ok(RanksResult {
+        outputs,
+        errors,
+        events,
+    })
+}
+
+/// Runs `host` on sim ranks `0..ranks`, one thread each, and returns every rank's outputs.
+pub fn run_sim(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &SimOptions,
+) -> Result<RunOutcome, LaunchError> {
+    let needed = host.world_size();
+    let world = options.ranks.unwrap_or(needed);
+    if world < needed || world == 0 {
+        return Err(LaunchError::TooFewRanks {
+            needed: needed.max(1),
+            given: world,
+        });
+    }
+    let per_rank = match inputs {
+        SimInputs::PerRank(m) => m,
+        SimInputs::Full { program, inputs } => scatter_inputs(program, inputs)?,
+    };
+    let fabric = Arc::new(Fabric::new());
+    let start = Instant::now();
+    let ranks: Vec<DeviceId> = (0..world).collect();
+    let RanksResult {
+        outputs,
+        errors,
+        mut events,
+    } = run_ranks(host, &ranks, &per_rank, &fabric, options, start)?;
+    let elapsed = start.elapsed();
     let undelivered: Vec<String> = fabric
         .undelivered()
         .into_iter()
@@ -273,11 +314,7 @@ pub fn run_sim(
             },
         }));
     }
-    events.sort_by(|a, b| {
-        (a.rank, a.start_us)
-            .partial_cmp(&(b.rank, b.start_us))
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
+    sort_events(&mut events);
     Ok(RunOutcome {
         outputs,
         trace: options.trace.then_some(Trace { events }),

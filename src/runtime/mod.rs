@@ -14,6 +14,8 @@
 //! - `cuda` (feature `cuda`): the CUDA backend over NCCL and its launchers.
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
+//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - [`multinode`]: multi-process sim runs, nodes linked by the inter-node host proxy.
 
 pub mod backend;
 pub mod compare;
@@ -23,6 +25,7 @@ pub mod cuda;
 pub mod data;
 pub mod evaluator;
 pub mod launch;
+pub mod multinode;
 pub mod reference;
 pub mod rendezvous;
 pub mod shard;

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use meshflow_ir::{ComputeOp, DType, DeviceId};
 
-pub use fabric::{Fabric, Payload};
+pub use fabric::{Fabric, Payload, RemoteLink};
 
 use super::backend::{
     AccessSite, Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, RaceReport,
@@ -77,6 +77,19 @@ impl SimKernels {
     }
 }
 
+impl SimKernels {
+    /// The kernel registered as `name`.
+    pub fn get(&self, name: &str) -> Option<&SimKernelFn> {
+        let i = self.names.iter().position(|n| n == name)?;
+        self.kernels.get(i).map(|k| &**k)
+    }
+
+    /// The registered names, in registration order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.names.iter().map(String::as_str)
+    }
+}
+
 /// What an injected fault does.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FaultKind {
@@ -86,7 +99,13 @@ pub enum FaultKind {
     Panic,
     /// The rank stops (blocks) until the run is aborted.
     Stall,
+    /// The whole process exits at once with status [`FAULT_EXIT_STATUS`], as if it were
+    /// killed (for multi-process tests: the other nodes lose this node mid-run).
+    Exit,
 }
+
+/// The exit status of a process stopped by [`FaultKind::Exit`].
+pub const FAULT_EXIT_STATUS: i32 = 86;
 
 /// A fault injected for testing: rank `rank` fails when it posts its `at_comm`-th
 /// communication (0-based, counting every collective, permute and MoE op it posts).
@@ -244,6 +263,70 @@ impl SimBackend {
     /// The fabric this rank uses.
     pub fn fabric(&self) -> &Arc<Fabric> {
         &self.fabric
+    }
+
+    fn insert(&mut self, buf: SimBuf) -> Result<SimBuffer, BackendError> {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot::default());
+                u32::try_from(self.slots.len() - 1)
+                    .map_err(|_| BackendError::Invalid("too many buffers".into()))?
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.buf = Some(buf);
+        Ok(SimBuffer {
+            slot,
+            generation: s.generation,
+        })
+    }
+
+    /// Makes a buffer of `data`'s storage, moved in without a copy (used for caller-owned
+    /// tensors; give it back with [`SimBackend::export`]). `data` is left empty meanwhile.
+    /// With poisoning on, its elements count as written when `written` (an input) and as not
+    /// yet written otherwise (an output).
+    pub fn import(
+        &mut self,
+        data: &mut TensorData,
+        written: bool,
+    ) -> Result<SimBuffer, BackendError> {
+        let storage = std::mem::replace(data.storage_mut(), Storage::F32(Vec::new()));
+        let n = storage.len();
+        let buf = SimBuf {
+            storage,
+            shape: data.shape().to_vec(),
+            accesses: Vec::new(),
+            written: self.poison.then(|| vec![written; n]),
+        };
+        self.insert(buf)
+    }
+
+    /// Moves the storage of a buffer made by [`SimBackend::import`] back into `data` (no copy)
+    /// and releases the buffer. With poisoning on and `check_written`, an element the program
+    /// never wrote is an error (reported after the storage is back in `data`).
+    pub fn export(
+        &mut self,
+        buffer: SimBuffer,
+        data: &mut TensorData,
+        check_written: bool,
+    ) -> Result<(), BackendError> {
+        let b = self.buf_mut(buffer)?;
+        let storage = std::mem::replace(&mut b.storage, Storage::F32(Vec::new()));
+        let unwritten = b
+            .written
+            .as_ref()
+            .map_or(0, |w| w.iter().filter(|&&x| !x).count());
+        *data.storage_mut() = storage;
+        self.deallocate(buffer)?;
+        if check_written && unwritten > 0 {
+            return Err(BackendError::Invalid(format!(
+                "{unwritten} of the {} elements of this output were never written by the \
+                 program on this rank",
+                data.numel()
+            )));
+        }
+        Ok(())
     }
 
     fn buf(&self, b: SimBuffer) -> Result<&SimBuf, BackendError> {
@@ -415,6 +498,13 @@ impl SimBackend {
                 "injected panic on rank {} at communication #{n}",
                 self.device
             ),
+            FaultKind::Exit => {
+                tracing::warn!(
+                    rank = self.device,
+                    "injected process exit at communication #{n}"
+                );
+                std::process::exit(FAULT_EXIT_STATUS)
+            }
             FaultKind::Stall => {
                 tracing::debug!(rank = self.device, "injected stall at communication #{n}");
                 // Stop until the others give up (bounded so a lone rank cannot hang).
@@ -467,20 +557,7 @@ impl Backend for SimBackend {
             accesses: Vec::new(),
             written: self.poison.then(|| vec![false; n as usize]),
         };
-        let slot = match self.free.pop() {
-            Some(s) => s,
-            None => {
-                self.slots.push(Slot::default());
-                u32::try_from(self.slots.len() - 1)
-                    .map_err(|_| BackendError::Invalid("too many buffers".into()))?
-            }
-        };
-        let s = &mut self.slots[slot as usize];
-        s.buf = Some(buf);
-        Ok(SimBuffer {
-            slot,
-            generation: s.generation,
-        })
+        self.insert(buf)
     }
 
     fn deallocate(&mut self, buffer: SimBuffer) -> Result<(), BackendError> {
