@@ -49,7 +49,10 @@ fn the_ring_on_four_sim_ranks_gives_a_trace_and_a_timeline() {
     }
     // Boxes for compute (blue), communication (orange) and waits (grey).
     for colour in ["#4c78a8", "#f58518", "#b0b0b0"] {
-        assert!(svg.contains(&format!("fill=\"{colour}\" stroke")), "{colour}");
+        assert!(
+            svg.contains(&format!("fill=\"{colour}\" stroke")),
+            "{colour}"
+        );
     }
     std::fs::remove_dir_all(&dir).ok();
 }

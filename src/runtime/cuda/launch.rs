@@ -108,6 +108,10 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic with a non-string payload".into())
 }
 
+/// What [`iterate`] returns: the last outputs, device µs per step and host µs per step of
+/// every timed iteration.
+type Iterated = (BTreeMap<String, TensorData>, Vec<f64>, Vec<f64>);
+
 /// The iterations of one rank on a live evaluator: a barrier before each so the ranks start
 /// together, then the run; device times of the timed ones.
 #[allow(clippy::too_many_arguments)]
@@ -120,7 +124,7 @@ fn iterate(
     config: &CudaConfig,
     warmup: usize,
     iterations: usize,
-) -> Result<(BTreeMap<String, TensorData>, Vec<f64>, Vec<f64>), RuntimeError> {
+) -> Result<Iterated, RuntimeError> {
     let mut times = Vec::with_capacity(iterations);
     let mut host = Vec::with_capacity(iterations);
     let mut last = BTreeMap::new();

@@ -528,8 +528,7 @@ impl CudaBackend {
                     if *s >= end || start >= *e {
                         continue;
                     }
-                    let e = ev;
-                    self.streams[self.current].wait(e).map_err(|err| {
+                    self.streams[self.current].wait(ev).map_err(|err| {
                         super::backend::dev_err(self.rank, "cuStreamWaitEvent", err)
                     })?;
                 }
