@@ -18,7 +18,7 @@ use super::data::TensorData;
 use super::evaluator::{EvalOptions, Evaluator, RuntimeError};
 use super::shard::{gather_tensor, scatter_inputs, ShardError};
 use super::sim::fabric::Failure;
-use super::sim::{Fabric, SimBackend, SimConfig};
+use super::sim::{BufferStats, Fabric, SimBackend, SimConfig};
 use super::trace::{Trace, TraceEvent};
 
 /// Inputs of a run.
@@ -143,9 +143,26 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic with a non-string payload".into())
 }
 
+/// What a run left behind, for leak checks ([`run_sim_observed`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunResources {
+    /// Buffers each rank's backend still held when its evaluator returned, after the
+    /// evaluator's cleanup (a rank that panicked is cleaned up too). Empty on every rank when
+    /// nothing leaks, failed runs included.
+    pub held_at_exit: BTreeMap<DeviceId, BufferStats>,
+    /// Messages sent but never received when every rank had stopped (a failed run leaves
+    /// some); they are dropped before the run returns.
+    pub undelivered: BufferStats,
+    /// Rank threads started.
+    pub threads_started: usize,
+    /// Rank threads joined (always all of them).
+    pub threads_joined: usize,
+}
+
 type RankResult = (
     Result<BTreeMap<String, TensorData>, RuntimeError>,
     Vec<TraceEvent>,
+    BufferStats,
 );
 
 fn run_rank(
@@ -161,17 +178,23 @@ fn run_rank(
         Ok(ev) => ev,
         Err(e) => {
             fabric.fail(rank, e.to_string());
-            return (Err(e), Vec::new());
+            return (Err(e), Vec::new(), BufferStats::default());
         }
     };
     let result = match catch_unwind(AssertUnwindSafe(|| ev.run(inputs))) {
         Ok(r) => r,
-        Err(p) => Err(RuntimeError::Panic {
-            rank,
-            position: ev.position(),
-            message: panic_message(p.as_ref()),
-        }),
+        Err(p) => {
+            let error = RuntimeError::Panic {
+                rank,
+                position: ev.position(),
+                message: panic_message(p.as_ref()),
+            };
+            // The panic skipped `run`'s own cleanup.
+            ev.release_buffers();
+            Err(error)
+        }
     };
+    let held = ev.backend().live_buffers();
     if let Err(e) = &result {
         match e.unresponsive_peer() {
             // Blame the rank that stopped responding, not the one that noticed first.
@@ -183,7 +206,7 @@ fn run_rank(
             _ => {}
         }
     }
-    (result, ev.take_trace())
+    (result, ev.take_trace(), held)
 }
 
 /// Runs `host` on sim ranks `0..ranks`, one thread each, and returns every rank's outputs.
@@ -191,6 +214,27 @@ pub fn run_sim(
     host: &HostProgram,
     inputs: SimInputs<'_>,
     options: &SimOptions,
+) -> Result<RunOutcome, LaunchError> {
+    run_sim_observed(host, inputs, options).0
+}
+
+/// [`run_sim`], also reporting what the run left behind (buffers held per rank, messages
+/// never received, threads started and joined), for leak checks.
+pub fn run_sim_observed(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &SimOptions,
+) -> (Result<RunOutcome, LaunchError>, RunResources) {
+    let mut resources = RunResources::default();
+    let result = run_ranks(host, inputs, options, &mut resources);
+    (result, resources)
+}
+
+fn run_ranks(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &SimOptions,
+    resources: &mut RunResources,
 ) -> Result<RunOutcome, LaunchError> {
     let needed = host.world_size();
     let world = options.ranks.unwrap_or(needed);
@@ -229,13 +273,18 @@ pub fn run_sim(
                 }
             }
         }
+        resources.threads_started = handles.iter().filter(|(_, h)| h.is_some()).count();
         handles
             .into_iter()
             .map(|(rank, h)| match h {
-                Some(h) => h.join().map_err(|p| LaunchError::Spawn {
-                    rank,
-                    message: panic_message(p.as_ref()),
-                }),
+                Some(h) => {
+                    let joined = h.join();
+                    resources.threads_joined += 1;
+                    joined.map_err(|p| LaunchError::Spawn {
+                        rank,
+                        message: panic_message(p.as_ref()),
+                    })
+                }
                 None => Err(LaunchError::Spawn {
                     rank,
                     message: "thread not started".into(),
@@ -247,8 +296,9 @@ pub fn run_sim(
     let mut outputs = BTreeMap::new();
     let mut errors = Vec::new();
     let mut events = Vec::new();
-    for (rank, r) in results.into_iter().enumerate() {
-        let (result, trace) = r?;
+    let rank_results: Vec<RankResult> = results.into_iter().collect::<Result<_, _>>()?;
+    for (rank, (result, trace, held)) in rank_results.into_iter().enumerate() {
+        resources.held_at_exit.insert(rank, held);
         events.extend(trace);
         match result {
             Ok(o) => {
@@ -262,6 +312,7 @@ pub fn run_sim(
         .into_iter()
         .map(|(src, dst, _, seq)| format!("rank {src} -> rank {dst} (team operation #{seq})"))
         .collect();
+    resources.undelivered = fabric.discard_undelivered();
     if !errors.is_empty() || !undelivered.is_empty() {
         return Err(LaunchError::Failed(RunFailure {
             first: fabric.failure(),

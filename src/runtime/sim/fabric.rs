@@ -26,6 +26,19 @@ pub enum Payload {
     Moe(MoeRows),
 }
 
+impl Payload {
+    /// Bytes the message body occupies (elements plus MoE row metadata).
+    pub fn size_bytes(&self) -> u64 {
+        match self {
+            Payload::Data(s) => s.size_bytes(),
+            Payload::Moe(m) => m
+                .rows
+                .size_bytes()
+                .saturating_add((m.meta.len() as u64).saturating_mul(32)),
+        }
+    }
+}
+
 /// A message key: `(src, dst, team fingerprint, sequence number)`.
 pub type MailKey = (DeviceId, DeviceId, u64, u64);
 
@@ -205,6 +218,28 @@ impl Fabric {
         let mut keys: Vec<MailKey> = self.lock_mail().keys().copied().collect();
         keys.sort_unstable();
         keys
+    }
+
+    /// Messages sent but not (yet) received, and their bytes.
+    pub fn in_flight(&self) -> super::BufferStats {
+        let mail = self.lock_mail();
+        super::BufferStats {
+            buffers: mail.len(),
+            bytes: mail.values().map(Payload::size_bytes).sum(),
+        }
+    }
+
+    /// Drops every message sent but never received (after a failed run) and returns what was
+    /// dropped.
+    pub fn discard_undelivered(&self) -> super::BufferStats {
+        let mut mail = self.lock_mail();
+        let dropped = super::BufferStats {
+            buffers: mail.len(),
+            bytes: mail.values().map(Payload::size_bytes).sum(),
+        };
+        mail.clear();
+        mail.shrink_to_fit();
+        dropped
     }
 
     /// Sleeps in short slices until the run is aborted or `limit` passes (fault injection).

@@ -117,6 +117,10 @@ pub struct SimConfig {
     pub faults: Vec<Fault>,
     /// Kernels for `launch_kernel`.
     pub kernels: SimKernels,
+    /// Most bytes of buffers one rank may hold allocated at once (`None`: no limit beyond
+    /// what the host can allocate). An allocation beyond it, or one the host cannot satisfy,
+    /// is an error naming its size, never an abort.
+    pub memory_limit: Option<u64>,
 }
 
 impl Default for SimConfig {
@@ -128,7 +132,30 @@ impl Default for SimConfig {
             poison: true,
             faults: Vec::new(),
             kernels: SimKernels::new(),
+            memory_limit: None,
         }
+    }
+}
+
+/// Buffers held, and their bytes (see [`SimBackend::live_buffers`], [`Fabric::in_flight`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct BufferStats {
+    /// Number of buffers (or messages).
+    pub buffers: usize,
+    /// Their total size in bytes.
+    pub bytes: u64,
+}
+
+impl BufferStats {
+    /// True when nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.buffers == 0 && self.bytes == 0
+    }
+}
+
+impl fmt::Display for BufferStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} buffer(s), {} bytes", self.buffers, self.bytes)
     }
 }
 
@@ -205,6 +232,9 @@ pub struct SimBackend {
     poison: bool,
     faults: Vec<Fault>,
     kernels: SimKernels,
+    memory_limit: Option<u64>,
+    live: BufferStats,
+    comm_labels: usize,
     slots: Vec<Slot>,
     free: Vec<u32>,
     current: StreamIndex,
@@ -231,6 +261,9 @@ impl SimBackend {
                 .copied()
                 .collect(),
             kernels: config.kernels.clone(),
+            memory_limit: config.memory_limit,
+            live: BufferStats::default(),
+            comm_labels: 0,
             slots: Vec::new(),
             free: Vec::new(),
             current: StreamIndex::MAIN,
@@ -244,6 +277,12 @@ impl SimBackend {
     /// The fabric this rank uses.
     pub fn fabric(&self) -> &Arc<Fabric> {
         &self.fabric
+    }
+
+    /// The buffers this rank holds allocated now. The [`Evaluator`](crate::runtime::Evaluator)
+    /// releases every buffer at the end of each run, so between runs this is empty.
+    pub fn live_buffers(&self) -> BufferStats {
+        self.live
     }
 
     fn buf(&self, b: SimBuffer) -> Result<&SimBuf, BackendError> {
@@ -446,6 +485,7 @@ impl Backend for SimBackend {
                 seq: 0,
             })
             .collect();
+        self.comm_labels = info.comm_labels;
         self.clocks = self
             .race_check
             .then(|| Clocks::new(self.pool, info.comm_labels));
@@ -455,17 +495,34 @@ impl Backend for SimBackend {
     }
 
     fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<SimBuffer, BackendError> {
-        let n = super::data::numel_of(shape).map_err(|e| BackendError::Invalid(e.to_string()))?;
+        let invalid = |e: super::data::DataError| BackendError::Invalid(e.to_string());
+        let n = super::data::numel_of(shape).map_err(invalid)?;
+        let bytes = n.saturating_mul(dtype.size_bytes() as u64);
+        if let Some(limit) = self.memory_limit {
+            let total = self.live.bytes.saturating_add(bytes);
+            if total > limit {
+                return Err(BackendError::Invalid(format!(
+                    "allocating {dtype}{shape:?} ({bytes} bytes) would hold {total} bytes on \
+                     rank {}, over the memory limit of {limit} bytes",
+                    self.device
+                )));
+            }
+        }
         let storage = if self.poison {
-            Storage::poison(dtype, n as usize)
+            Storage::try_poison(dtype, n as usize)
         } else {
-            Storage::zeros(dtype, n as usize)
+            Storage::try_zeros(dtype, n as usize)
+        }
+        .map_err(invalid)?;
+        let written = match self.poison {
+            true => Some(super::data::try_filled(false, n as usize).map_err(invalid)?),
+            false => None,
         };
         let buf = SimBuf {
             storage,
             shape: shape.to_vec(),
             accesses: Vec::new(),
-            written: self.poison.then(|| vec![false; n as usize]),
+            written,
         };
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -477,6 +534,8 @@ impl Backend for SimBackend {
         };
         let s = &mut self.slots[slot as usize];
         s.buf = Some(buf);
+        self.live.buffers += 1;
+        self.live.bytes += bytes;
         Ok(SimBuffer {
             slot,
             generation: s.generation,
@@ -485,9 +544,11 @@ impl Backend for SimBackend {
 
     fn deallocate(&mut self, buffer: SimBuffer) -> Result<(), BackendError> {
         // Execution is eager, so the work enqueued on the buffer is already done.
-        self.buf(buffer)?;
+        let bytes = self.buf(buffer)?.storage.size_bytes();
         let s = &mut self.slots[buffer.slot as usize];
         s.buf = None;
+        self.live.buffers -= 1;
+        self.live.bytes = self.live.bytes.saturating_sub(bytes);
         s.generation = s.generation.wrapping_add(1);
         self.free.push(buffer.slot);
         Ok(())
@@ -716,6 +777,12 @@ impl Backend for SimBackend {
             return Err(BackendError::Invalid(
                 "a coalescing group was never ended".into(),
             ));
+        }
+        // Every communication is complete and every buffer is released after the run, so the
+        // next run starts from fresh vector clocks (they would otherwise grow without bound,
+        // and a `u32` clock overflows after ~4e9 operations of an embedder's long run).
+        if let Some(c) = self.clocks.as_mut() {
+            *c = Clocks::new(self.pool, self.comm_labels);
         }
         Ok(())
     }
