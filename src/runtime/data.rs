@@ -51,7 +51,7 @@ pub fn try_filled<T: Clone>(value: T, n: usize) -> Result<Vec<T>, DataError> {
 }
 
 /// Collects `n` values of `f` into a vector allocated fallibly (see [`try_filled`]).
-fn try_collect<T>(n: usize, f: impl FnMut(usize) -> T) -> Result<Vec<T>, DataError> {
+pub fn try_collect<T>(n: usize, f: impl FnMut(usize) -> T) -> Result<Vec<T>, DataError> {
     let mut v = Vec::new();
     v.try_reserve_exact(n).map_err(|_| DataError::OutOfMemory {
         bytes: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
@@ -548,6 +548,26 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (fuzzing): absurd shapes aborted the process; they are errors now.
+    #[test]
+    fn absurd_shapes_are_errors_not_aborts() {
+        let shape = [999_999_999_999, 9];
+        let oom = |r: Result<TensorData, DataError>| {
+            assert!(
+                matches!(r, Err(DataError::OutOfMemory { bytes }) if bytes >= 9 * 999_999_999_999),
+                "{r:?}"
+            );
+        };
+        oom(TensorData::zeros(DType::F32, &shape));
+        oom(TensorData::poison(DType::BF16, &shape));
+        oom(TensorData::random(DType::F32, &shape, 1));
+        oom(TensorData::random(DType::I32, &shape, 1));
+        assert!(matches!(
+            TensorData::zeros(DType::F32, &[u64::MAX, 2]),
+            Err(DataError::TooLarge(_))
+        ));
+    }
 
     #[test]
     fn rel_error_basics() {
