@@ -84,6 +84,8 @@ fn kind_name(kind: FaultKind) -> &'static str {
         FaultKind::Error => "error",
         FaultKind::Panic => "panic",
         FaultKind::Stall => "stall",
+        // Ends the whole process: tested by the multi-process runs, not in-process.
+        FaultKind::Exit => "exit",
     }
 }
 
@@ -144,7 +146,7 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
             own.contains(&format!("rank {failed} panicked at `")) && own.contains(case.inst),
             "{cell}: {own}"
         ),
-        FaultKind::Stall => assert!(
+        FaultKind::Stall | FaultKind::Exit => assert!(
             failure
                 .errors
                 .iter()

@@ -10,7 +10,9 @@
 //!   sum over an axis, fill);
 //! - NCCL through checked-in bindgen bindings loaded with libloading: [`nccl`];
 //! - MoE expert-parallel dispatch / combine over NCCL or NVLink peer memory: [`moe`] (its shape,
-//!   status and CPU reference exist without the `cuda` feature too).
+//!   status and CPU reference exist without the `cuda` feature too);
+//! - the inter-node host proxy ([`proxy`]): one-sided writes with immediates over TCP, or over
+//!   ibverbs RC queue pairs with the `rdma` feature. It needs no CUDA and exists in every build.
 //!
 //! Every library is loaded at run time, so the `cuda` build compiles anywhere; a missing driver,
 //! GPU or library is a [`KernelError`] value, never a panic. Without the `cuda` feature only the
@@ -78,6 +80,7 @@ pub mod moe;
 pub mod nccl;
 #[cfg(feature = "cuda")]
 mod probe;
+pub mod proxy;
 #[cfg(feature = "cuda")]
 mod stream;
 
@@ -90,6 +93,8 @@ pub use event::Event;
 #[cfg(feature = "cuda")]
 pub use gemm::{Gemm, GemmLayout};
 #[cfg(feature = "cuda")]
-pub use kernels::{fill_pattern, poison_bits, Kernels, Source, StridedLayout, MAX_RANK};
+pub use kernels::{
+    fill_pattern, poison_bits, KernelArg, Kernels, Source, StridedLayout, UserKernel, MAX_RANK,
+};
 #[cfg(feature = "cuda")]
 pub use stream::Stream;

@@ -1,10 +1,15 @@
 //! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
 
+mod bench;
 mod check;
 mod common;
+mod launch;
 mod lower;
+mod node;
 mod parse;
 mod run;
+#[cfg(feature = "cuda")]
+mod run_cuda;
 
 use clap::{Parser, Subcommand};
 
@@ -30,6 +35,13 @@ pub enum Command {
     Check(check::CheckArgs),
     /// Lower, check and run a program on every rank; compare with an unsharded reference.
     Run(run::RunArgs),
+    /// GPU benchmarks: overlapped AG+GEMM (`agmm`) and GEMM+RS (`rsmm`) next to the bound.
+    Bench(bench::BenchCommand),
+    /// Start N ranks of a command on this host (torchrun variables, `[rank r]` output).
+    Launch(launch::LaunchArgs),
+    /// One node of a multi-process run (started by `run --nodes`).
+    #[command(hide = true)]
+    Node(node::NodeArgs),
 }
 
 /// Runs a parsed command line.
@@ -39,5 +51,8 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Lower(args) => lower::run(args),
         Command::Check(args) => check::run(args),
         Command::Run(args) => run::run(args),
+        Command::Bench(args) => bench::run(args),
+        Command::Launch(args) => launch::run(args),
+        Command::Node(args) => node::run(args),
     }
 }

@@ -1,8 +1,10 @@
 //! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
-//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check]`: lowers the program,
-//! checks the host program across ranks, runs it on every rank with random inputs, compares
-//! the gathered outputs with an unsharded reference, and prints a summary whose last line
-//! starts with `ok` or `mismatch`. Exits 0 only when every output matches.
+//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
+//! program, checks the host program across ranks, runs it on every rank with random inputs,
+//! compares the gathered outputs with an unsharded reference, and prints a summary whose last
+//! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
+//! (or `MESHFLOW_NODE_SIZE`) the sim ranks run in M processes linked by the host proxy (see
+//! [`node`](super::node)).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -49,6 +51,10 @@ pub struct RunArgs {
     /// Do not check stream ordering (races) while running (sim backend).
     #[arg(long)]
     no_race_check: bool,
+    /// Split the sim ranks into this many node processes linked by the host proxy over TCP
+    /// (default: `MESHFLOW_NODE_SIZE` ranks per node when set, else one process).
+    #[arg(long)]
+    nodes: Option<usize>,
 }
 
 /// Runs `run`.
@@ -84,6 +90,19 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         summary.push_str(&format!(
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
+    }
+    let nodes = super::node::nodes_of(ranks, args.nodes)?;
+    if nodes > 1 && args.backend == BackendKind::Sim {
+        if args.trace.is_some() {
+            summary.push_str("note: --trace is not recorded in multi-process runs\n");
+        }
+        let sim = super::node::SimArgs {
+            seed: args.seed,
+            streams: args.streams,
+            timeout_ms: args.timeout_ms,
+            no_race_check: args.no_race_check,
+        };
+        return super::node::launch(&args.program, &sim, ranks, nodes, &summary);
     }
     let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
     let got = match args.backend {
@@ -125,7 +144,11 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
                 .gather(&compiled.program)
                 .map_err(|e| CliError::Run(e.to_string()))?
         }
-        BackendKind::Cuda => run_cuda(&args, &compiled, &inputs, ranks, &mut summary)?,
+        BackendKind::Cuda => match run_cuda(&args, &compiled, &inputs, ranks, &mut summary)? {
+            Some(gathered) => gathered,
+            // A rank other than 0 of a multi-process run: rank 0 compares.
+            None => return print_out(&summary),
+        },
     };
     let want = evaluate(&program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
     let comparison =
@@ -146,7 +169,8 @@ fn run_cuda(
     _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
     _ranks: usize,
     _summary: &mut String,
-) -> Result<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>, CliError> {
+) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
+{
     Err(CliError::Usage(
         "this meshflow was built without the `cuda` feature; rebuild with \
          `cargo build --release --features cuda` to use --backend cuda"
@@ -156,15 +180,22 @@ fn run_cuda(
 
 #[cfg(feature = "cuda")]
 fn run_cuda(
-    _args: &RunArgs,
-    _compiled: &meshflow::pipeline::Compiled,
-    _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
-    _ranks: usize,
-    _summary: &mut String,
-) -> Result<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>, CliError> {
-    Err(CliError::Usage(
-        "--backend cuda is not wired into `run` yet".to_string(),
-    ))
+    args: &RunArgs,
+    compiled: &meshflow::pipeline::Compiled,
+    inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
+    ranks: usize,
+    summary: &mut String,
+) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
+{
+    super::run_cuda::run(
+        compiled,
+        inputs,
+        ranks,
+        args.streams,
+        Duration::from_millis(args.timeout_ms),
+        args.trace.as_deref(),
+        summary,
+    )
 }
 
 fn count_insts(host: &meshflow::ir::HostProgram) -> usize {

@@ -279,6 +279,16 @@ pub enum BackendError {
     /// Invalid use (wrong buffers, sizes, handles).
     #[error("{0}")]
     Invalid(String),
+    /// A device runtime call failed (a GPU backend: CUDA driver, cuBLAS, NVRTC, NCCL).
+    #[error("rank {rank}: {call} failed: {message}")]
+    Device {
+        /// The rank.
+        rank: DeviceId,
+        /// The operation or library call (`ncclAllGather`, `cublasGemmEx`, `cuMemAlloc`, ...).
+        call: String,
+        /// The library's error text.
+        message: String,
+    },
     /// A kernel registered by the embedder failed.
     #[error("kernel `{name}` failed: {message}")]
     Kernel {

@@ -209,6 +209,108 @@ fn run_rank(
     (result, ev.take_trace(), held)
 }
 
+/// What the rank threads of [`run_ranks`] produced.
+pub(crate) struct RanksResult {
+    /// Outputs of the ranks that succeeded.
+    pub outputs: BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
+    /// Errors of the ranks that failed.
+    pub errors: Vec<RuntimeError>,
+    /// Trace events of every rank.
+    pub events: Vec<TraceEvent>,
+    /// Buffers each rank still held when its evaluator returned.
+    pub held_at_exit: BTreeMap<DeviceId, BufferStats>,
+    /// Rank threads started.
+    pub threads_started: usize,
+    /// Rank threads joined.
+    pub threads_joined: usize,
+}
+
+/// Orders trace events by rank, then start time.
+pub(crate) fn sort_events(events: &mut [TraceEvent]) {
+    events.sort_by(|a, b| {
+        (a.rank, a.start_us)
+            .partial_cmp(&(b.rank, b.start_us))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+}
+
+/// Runs `host` on `ranks` of `fabric`, one thread each, and joins every thread.
+pub(crate) fn run_ranks(
+    host: &HostProgram,
+    ranks: &[DeviceId],
+    per_rank: &BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
+    fabric: &Arc<Fabric>,
+    options: &SimOptions,
+    start: Instant,
+) -> Result<RanksResult, LaunchError> {
+    let eval = EvalOptions {
+        trace_epoch: options.trace.then_some(start),
+    };
+    let empty = BTreeMap::new();
+    let (mut threads_started, mut threads_joined) = (0, 0);
+    let results: Vec<Result<RankResult, LaunchError>> = std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(ranks.len());
+        for &rank in ranks {
+            let inputs = per_rank.get(&rank).unwrap_or(&empty);
+            let (fabric, config, eval) = (fabric, &options.config, &eval);
+            let spawned = std::thread::Builder::new()
+                .name(format!("meshflow-sim-rank-{rank}"))
+                .spawn_scoped(scope, move || {
+                    run_rank(host, rank, inputs, fabric, config, eval)
+                });
+            match spawned {
+                Ok(h) => handles.push((rank, Some(h))),
+                Err(e) => {
+                    fabric.fail(rank, format!("could not start its thread: {e}"));
+                    handles.push((rank, None));
+                    tracing::error!(rank, "could not start rank thread: {e}");
+                }
+            }
+        }
+        threads_started = handles.iter().filter(|(_, h)| h.is_some()).count();
+        handles
+            .into_iter()
+            .map(|(rank, h)| match h {
+                Some(h) => {
+                    let joined = h.join();
+                    threads_joined += 1;
+                    joined.map_err(|p| LaunchError::Spawn {
+                        rank,
+                        message: panic_message(p.as_ref()),
+                    })
+                }
+                None => Err(LaunchError::Spawn {
+                    rank,
+                    message: "thread not started".into(),
+                }),
+            })
+            .collect()
+    });
+    let mut outputs = BTreeMap::new();
+    let mut errors = Vec::new();
+    let mut events = Vec::new();
+    let mut held_at_exit = BTreeMap::new();
+    let results: Vec<RankResult> = results.into_iter().collect::<Result<_, _>>()?;
+    for (&rank, (result, trace, held)) in ranks.iter().zip(results) {
+        held_at_exit.insert(rank, held);
+        events.extend(trace);
+        match result {
+            Ok(o) => {
+                outputs.insert(rank, o);
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    Ok(RanksResult {
+        outputs,
+        errors,
+        events,
+        held_at_exit,
+        threads_started,
+        threads_joined,
+    })
+}
+
 /// Runs `host` on sim ranks `0..ranks`, one thread each, and returns every rank's outputs.
 pub fn run_sim(
     host: &HostProgram,
@@ -226,11 +328,11 @@ pub fn run_sim_observed(
     options: &SimOptions,
 ) -> (Result<RunOutcome, LaunchError>, RunResources) {
     let mut resources = RunResources::default();
-    let result = run_ranks(host, inputs, options, &mut resources);
+    let result = run_sim_into(host, inputs, options, &mut resources);
     (result, resources)
 }
 
-fn run_ranks(
+fn run_sim_into(
     host: &HostProgram,
     inputs: SimInputs<'_>,
     options: &SimOptions,
@@ -250,63 +352,19 @@ fn run_ranks(
     };
     let fabric = Arc::new(Fabric::new());
     let start = Instant::now();
-    let eval = EvalOptions {
-        trace_epoch: options.trace.then_some(start),
-    };
-    let empty = BTreeMap::new();
-    let results: Vec<Result<RankResult, LaunchError>> = std::thread::scope(|scope| {
-        let mut handles = Vec::with_capacity(world);
-        for rank in 0..world {
-            let inputs = per_rank.get(&rank).unwrap_or(&empty);
-            let (fabric, config, eval) = (&fabric, &options.config, &eval);
-            let spawned = std::thread::Builder::new()
-                .name(format!("meshflow-sim-rank-{rank}"))
-                .spawn_scoped(scope, move || {
-                    run_rank(host, rank, inputs, fabric, config, eval)
-                });
-            match spawned {
-                Ok(h) => handles.push((rank, Some(h))),
-                Err(e) => {
-                    fabric.fail(rank, format!("could not start its thread: {e}"));
-                    handles.push((rank, None));
-                    tracing::error!(rank, "could not start rank thread: {e}");
-                }
-            }
-        }
-        resources.threads_started = handles.iter().filter(|(_, h)| h.is_some()).count();
-        handles
-            .into_iter()
-            .map(|(rank, h)| match h {
-                Some(h) => {
-                    let joined = h.join();
-                    resources.threads_joined += 1;
-                    joined.map_err(|p| LaunchError::Spawn {
-                        rank,
-                        message: panic_message(p.as_ref()),
-                    })
-                }
-                None => Err(LaunchError::Spawn {
-                    rank,
-                    message: "thread not started".into(),
-                }),
-            })
-            .collect()
-    });
+    let ranks: Vec<DeviceId> = (0..world).collect();
+    let RanksResult {
+        outputs,
+        errors,
+        mut events,
+        held_at_exit,
+        threads_started,
+        threads_joined,
+    } = run_ranks(host, &ranks, &per_rank, &fabric, options, start)?;
+    resources.held_at_exit = held_at_exit;
+    resources.threads_started = threads_started;
+    resources.threads_joined = threads_joined;
     let elapsed = start.elapsed();
-    let mut outputs = BTreeMap::new();
-    let mut errors = Vec::new();
-    let mut events = Vec::new();
-    let rank_results: Vec<RankResult> = results.into_iter().collect::<Result<_, _>>()?;
-    for (rank, (result, trace, held)) in rank_results.into_iter().enumerate() {
-        resources.held_at_exit.insert(rank, held);
-        events.extend(trace);
-        match result {
-            Ok(o) => {
-                outputs.insert(rank, o);
-            }
-            Err(e) => errors.push(e),
-        }
-    }
     let undelivered: Vec<String> = fabric
         .undelivered()
         .into_iter()
@@ -324,11 +382,7 @@ fn run_ranks(
             },
         }));
     }
-    events.sort_by(|a, b| {
-        (a.rank, a.start_us)
-            .partial_cmp(&(b.rank, b.start_us))
-            .unwrap_or(std::cmp::Ordering::Equal)
-    });
+    sort_events(&mut events);
     Ok(RunOutcome {
         outputs,
         trace: options.trace.then_some(Trace { events }),

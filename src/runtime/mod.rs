@@ -10,16 +10,24 @@
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.
 //! - [`sim`]: [`SimBackend`], N ranks as threads with race checking.
 //! - [`launch`]: fault-tolerant multi-rank runs ([`run_sim`]).
+//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - `cuda` (feature `cuda`): the CUDA backend over NCCL and its launchers.
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
+//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - [`multinode`]: multi-process sim runs, nodes linked by the inter-node host proxy.
 
 pub mod backend;
 pub mod compare;
 pub mod cpu_ops;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod data;
 pub mod evaluator;
 pub mod launch;
+pub mod multinode;
 pub mod reference;
+pub mod rendezvous;
 pub mod shard;
 pub mod sim;
 pub mod trace;

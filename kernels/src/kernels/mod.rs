@@ -8,6 +8,7 @@ mod compile;
 mod elementwise;
 mod layout;
 mod sources;
+mod user;
 
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
@@ -21,6 +22,7 @@ pub use elementwise::{fill_pattern, poison_bits};
 pub use layout::{StridedLayout, MAX_RANK};
 pub(crate) use sources::moe_reduce_name;
 pub use sources::Source;
+pub use user::{KernelArg, UserKernel};
 
 use crate::device::{drv, Device};
 use crate::error::{KernelError, Result};

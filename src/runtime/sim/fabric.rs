@@ -5,9 +5,16 @@
 //! operations of a collective get the same key on every member. Sends never block; a receive
 //! blocks until its message arrives, the timeout passes, or the run is aborted because some
 //! rank failed (checked every few milliseconds).
+//!
+//! In a multi-process run ([`multinode`](crate::runtime::multinode)) a fabric holds the ranks
+//! of one node and a [`RemoteLink`] to the ranks of the other nodes: messages to and from
+//! those travel through the link (the host proxy) under the same keys, so every kind of
+//! communication works unchanged. Without a link (the default) nothing changes.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -51,6 +58,20 @@ pub struct Failure {
     pub reason: String,
 }
 
+/// The ranks of other nodes, reached through a transport (the host proxy).
+pub trait RemoteLink: Send + Sync + fmt::Debug {
+    /// True when `rank` lives on another node.
+    fn is_remote(&self, rank: DeviceId) -> bool;
+    /// Delivers a message whose destination `key.1` is remote (never waits for the receiver).
+    fn send(&self, key: MailKey, payload: Payload) -> Result<(), BackendError>;
+    /// Receives the message whose source `key.0` is remote.
+    fn recv(&self, key: MailKey, timeout: Duration, what: &str) -> Result<Payload, BackendError>;
+    /// A local rank failed: tell the other nodes (best effort).
+    fn fail(&self, rank: DeviceId, reason: &str);
+    /// A failure seen by the link (a lost node, another node's failure notice), if any.
+    fn failure(&self) -> Option<Failure>;
+}
+
 /// Shared mailboxes, an abort flag and the first failure of a run.
 #[derive(Debug, Default)]
 pub struct Fabric {
@@ -60,6 +81,8 @@ pub struct Fabric {
     failure: Mutex<Option<Failure>>,
     /// Which rank each blocked rank is receiving from, to blame the right rank on a timeout.
     waiting: Mutex<HashMap<DeviceId, DeviceId>>,
+    /// The ranks of other nodes (multi-process runs).
+    remote: Option<Arc<dyn RemoteLink>>,
 }
 
 /// How often a blocked receive re-checks the abort flag.
@@ -71,6 +94,31 @@ impl Fabric {
         Fabric::default()
     }
 
+    /// A fabric for the ranks of one node that reaches the other nodes through `link`.
+    pub fn with_remote(link: Arc<dyn RemoteLink>) -> Fabric {
+        Fabric {
+            remote: Some(link),
+            ..Fabric::default()
+        }
+    }
+
+    /// The link to other nodes, if any.
+    pub fn remote(&self) -> Option<&Arc<dyn RemoteLink>> {
+        self.remote.as_ref()
+    }
+
+    /// The remote link when `rank` is on another node.
+    fn remote_for(&self, rank: DeviceId) -> Option<&Arc<dyn RemoteLink>> {
+        self.remote.as_ref().filter(|l| l.is_remote(rank))
+    }
+
+    /// Turns a failure the link has seen into this fabric's failure.
+    fn check_remote(&self) {
+        if let Some(f) = self.remote.as_ref().and_then(|l| l.failure()) {
+            self.fail(f.rank, f.reason);
+        }
+    }
+
     fn lock_mail(&self) -> MutexGuard<'_, HashMap<MailKey, Payload>> {
         // A panicking rank never holds this lock while panicking (no user code runs under
         // it), so a poisoned lock still holds consistent data.
@@ -79,6 +127,9 @@ impl Fabric {
 
     /// Delivers a message (never blocks). A second message under the same key is an error.
     pub fn send(&self, key: MailKey, payload: Payload) -> Result<(), BackendError> {
+        if let Some(link) = self.remote_for(key.1) {
+            return link.send(key, payload).inspect_err(|_| self.check_remote());
+        }
         let mut mail = self.lock_mail();
         if mail.contains_key(&key) {
             return Err(BackendError::Invalid(format!(
@@ -99,6 +150,11 @@ impl Fabric {
         timeout: Duration,
         what: &str,
     ) -> Result<Payload, BackendError> {
+        if let Some(link) = self.remote_for(key.0) {
+            return link
+                .recv(key, timeout, what)
+                .inspect_err(|_| self.check_remote());
+        }
         let start = Instant::now();
         let (me, peer) = (key.1, key.0);
         self.set_waiting(me, Some(peer));
@@ -108,6 +164,16 @@ impl Fabric {
                 drop(mail);
                 self.set_waiting(me, None);
                 return Ok(p);
+            }
+            if self.remote.is_some() {
+                drop(mail);
+                self.check_remote();
+                mail = self.lock_mail();
+                if let Some(p) = mail.remove(&key) {
+                    drop(mail);
+                    self.set_waiting(me, None);
+                    return Ok(p);
+                }
             }
             if self.aborted() {
                 drop(mail);
@@ -134,7 +200,7 @@ impl Fabric {
         }
     }
 
-    /// True once some rank failed.
+    /// Records which rank `me` is blocked on (`None`: not blocked).
     fn set_waiting(&self, me: DeviceId, peer: Option<DeviceId>) {
         let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         match peer {
@@ -177,7 +243,11 @@ impl Fabric {
         )
     }
 
+    /// True once some rank failed (on this node, or reported by the remote link).
     pub fn aborted(&self) -> bool {
+        if self.remote.is_some() && !self.abort.load(Ordering::Acquire) {
+            self.check_remote();
+        }
         self.abort.load(Ordering::Acquire)
     }
 
@@ -194,10 +264,21 @@ impl Fabric {
 
     /// Records a failure (the first one wins) and wakes every blocked rank.
     pub fn fail(&self, rank: DeviceId, reason: String) {
-        {
+        let first = {
             let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
-            if f.is_none() {
-                *f = Some(Failure { rank, reason });
+            let first = f.is_none();
+            if first {
+                *f = Some(Failure {
+                    rank,
+                    reason: reason.clone(),
+                });
+            }
+            first
+        };
+        if let Some(link) = self.remote.as_ref() {
+            // A failure of one of this node's ranks is news to the other nodes.
+            if first && !link.is_remote(rank) {
+                link.fail(rank, &reason);
             }
         }
         self.abort.store(true, Ordering::Release);

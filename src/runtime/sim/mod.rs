@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use meshflow_ir::{ComputeOp, DType, DeviceId};
 
-pub use fabric::{Fabric, Payload};
+pub use fabric::{Fabric, Payload, RemoteLink};
 
 use super::backend::{
     AccessSite, Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, RaceReport,
@@ -86,7 +86,13 @@ pub enum FaultKind {
     Panic,
     /// The rank stops (blocks) until the run is aborted.
     Stall,
+    /// The whole process exits at once with status [`FAULT_EXIT_STATUS`], as if it were
+    /// killed (for multi-process tests: the other nodes lose this node mid-run).
+    Exit,
 }
+
+/// The exit status of a process stopped by [`FaultKind::Exit`].
+pub const FAULT_EXIT_STATUS: i32 = 86;
 
 /// A fault injected for testing: rank `rank` fails when it posts its `at_comm`-th
 /// communication (0-based, counting every collective, permute and MoE op it posts).
@@ -454,6 +460,13 @@ impl SimBackend {
                 "injected panic on rank {} at communication #{n}",
                 self.device
             ),
+            FaultKind::Exit => {
+                tracing::warn!(
+                    rank = self.device,
+                    "injected process exit at communication #{n}"
+                );
+                std::process::exit(FAULT_EXIT_STATUS)
+            }
             FaultKind::Stall => {
                 tracing::debug!(rank = self.device, "injected stall at communication #{n}");
                 // Stop until the others give up (bounded so a lone rank cannot hang).

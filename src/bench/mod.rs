@@ -1,0 +1,15 @@
+//! GPU benchmarks (`meshflow bench agmm`, `meshflow bench rsmm`): overlapped AG+GEMM and
+//! GEMM+RS variants next to their parts timed alone and the bound max(comm, GEMM).
+//!
+//! [`programs`] builds the programs (also used by the GPU overlap tests and checked on the sim
+//! backend in CI); the measurement itself needs the `cuda` feature.
+
+pub mod programs;
+pub mod stats;
+
+#[cfg(feature = "cuda")]
+mod gpu;
+
+#[cfg(feature = "cuda")]
+pub use gpu::{bench_agmm, bench_rsmm, BenchError, BenchOptions};
+pub use stats::{median, results_json, CaseResult, Timing, VariantResult};

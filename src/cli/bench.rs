@@ -1,0 +1,158 @@
+//! `meshflow bench agmm|rsmm [--json FILE] [--ranks N] [--warmup W] [--iters I]
+//! [--shape MxKxN]... [--chunks S]... [--streams P] [--seed S]`: GPU benchmarks of the
+//! overlapped column-parallel (all-gather + GEMM) and row-parallel (GEMM + reduce-scatter)
+//! linear layers in bf16, next to the communication and the GEMM timed alone and the bound
+//! max(comm, GEMM). Prints one table per case; `--json` also writes the results.
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+#[cfg(feature = "cuda")]
+use super::common::print_out;
+use super::common::CliError;
+
+/// Which benchmark.
+#[derive(Debug, Subcommand)]
+pub enum BenchCase {
+    /// Column-parallel linear: all-gather + GEMM (collective, broadcast and ring variants).
+    Agmm(BenchArgs),
+    /// Row-parallel linear: GEMM + reduce-scatter (collective and chunked variants).
+    Rsmm(BenchArgs),
+}
+
+/// Arguments of `bench`.
+#[derive(Debug, Args)]
+pub struct BenchCommand {
+    /// The benchmark.
+    #[command(subcommand)]
+    pub case: BenchCase,
+}
+
+/// Options shared by the benchmarks.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Also write the results as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+    /// Number of GPUs (ranks); default: every GPU.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Untimed iterations.
+    #[arg(long, default_value_t = 5)]
+    warmup: usize,
+    /// Timed iterations (CUDA events; the median per rank, then the maximum over ranks).
+    #[arg(long, default_value_t = 20)]
+    iters: usize,
+    /// A case `MxKxN` (repeatable); default: 16384x8192x8192 and 8192x8192x8192.
+    #[arg(long = "shape", value_name = "MxKxN")]
+    shapes: Vec<String>,
+    /// Row chunks of the chunked GEMM + reduce-scatter (repeatable; default 4).
+    #[arg(long = "chunks")]
+    chunks: Vec<u64>,
+    /// Worker streams.
+    #[arg(long, default_value_t = 2)]
+    streams: usize,
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 2024)]
+    seed: u64,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn parse_shape(s: &str) -> Result<meshflow::bench::programs::Gemm3, CliError> {
+    let parts: Vec<&str> = s.split(['x', 'X']).collect();
+    let bad = || {
+        CliError::Usage(format!(
+            "--shape `{s}`: expected MxKxN, e.g. 8192x8192x8192"
+        ))
+    };
+    let [m, k, n] = parts.as_slice() else {
+        return Err(bad());
+    };
+    let p = |v: &str| {
+        v.trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&x| x > 0)
+            .ok_or_else(bad)
+    };
+    Ok(meshflow::bench::programs::Gemm3 {
+        m: p(m)?,
+        k: p(k)?,
+        n: p(n)?,
+    })
+}
+
+/// Runs `bench`.
+pub fn run(cmd: BenchCommand) -> Result<(), CliError> {
+    let (name, args) = match &cmd.case {
+        BenchCase::Agmm(a) => ("agmm", a),
+        BenchCase::Rsmm(a) => ("rsmm", a),
+    };
+    measure(name, args)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn measure(_name: &str, _args: &BenchArgs) -> Result<(), CliError> {
+    Err(CliError::Usage(
+        "this meshflow was built without the `cuda` feature; rebuild with \
+         `cargo build --release --features cuda` to run GPU benchmarks"
+            .to_string(),
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
+    use meshflow::bench::{bench_agmm, bench_rsmm, results_json, BenchOptions};
+
+    let mut opts = BenchOptions {
+        ranks: args.ranks,
+        warmup: args.warmup,
+        iterations: args.iters.max(1),
+        stream_pool: args.streams.max(1),
+        seed: args.seed,
+        ..BenchOptions::default()
+    };
+    if !args.shapes.is_empty() {
+        opts.shapes = args
+            .shapes
+            .iter()
+            .map(|s| parse_shape(s))
+            .collect::<Result<_, _>>()?;
+    }
+    if !args.chunks.is_empty() {
+        opts.chunks = args.chunks.clone();
+    }
+    let cases = if name == "agmm" {
+        bench_agmm(&opts)
+    } else {
+        bench_rsmm(&opts)
+    }
+    .map_err(|e| CliError::Usage(format!("bench {name} failed: {e}")))?;
+    let mut text = String::new();
+    for c in &cases {
+        text.push_str(&c.table());
+        text.push('\n');
+    }
+    print_out(&text)?;
+    if let Some(path) = &args.json {
+        std::fs::write(path, results_json(&cases)).map_err(|source| {
+            CliError::Usage(format!("cannot write `{}`: {source}", path.display()))
+        })?;
+        print_out(&format!("results written to {}\n", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_parse() {
+        let g = parse_shape("16384x8192X4096").unwrap();
+        assert_eq!((g.m, g.k, g.n), (16384, 8192, 4096));
+        assert!(parse_shape("1x2").is_err());
+        assert!(parse_shape("0x2x3").is_err());
+    }
+}

@@ -1,0 +1,335 @@
+//! Multi-process sim runs. `meshflow run FILE --ranks N --nodes M` (or with
+//! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`launch`]), each running
+//! the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads, the other
+//! nodes reached through the host proxy over TCP. Node 0 serves the rendezvous, gathers every
+//! rank's outputs, compares them with the reference and prints the summary, which the launcher
+//! relays. `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` makes the process of `RANK` exit at its `N`-th
+//! communication (fault tests); `MESHFLOW_PROXY_ADDR` sets the address the proxies listen on and
+//! `MESHFLOW_PROXY_RING` the bytes per proxy ring.
+
+use std::collections::BTreeMap;
+use std::net::TcpListener;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use meshflow::kernels::proxy::{ProxyStats, Topology};
+use meshflow::pipeline::{compile, CompileOptions};
+use meshflow::runtime::compare::{compare_outputs, random_inputs};
+use meshflow::runtime::launch::{RunOutcome, SimOptions};
+use meshflow::runtime::multinode::{
+    local_address_toward, run_node, supervise, NodeCommand, NodeSpec, DEFAULT_RING,
+};
+use meshflow::runtime::reference::evaluate;
+use meshflow::runtime::rendezvous::{Rendezvous, TcpRendezvous, TorchrunEnv};
+use meshflow::runtime::shard::scatter_inputs;
+use meshflow::runtime::sim::{Fault, FaultKind, SimConfig, FAULT_EXIT_STATUS};
+
+use super::common::{print_out, CliError, ProgramArgs};
+
+/// Settings of the sim ranks, shared by `run` and `node`.
+#[derive(Clone, Debug, Args)]
+pub struct SimArgs {
+    /// Seed of the random inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Size of the worker stream pool.
+    #[arg(long, default_value_t = 2)]
+    pub streams: usize,
+    /// How long a rank waits for a peer before the run fails, in milliseconds.
+    #[arg(long, default_value_t = 10_000)]
+    pub timeout_ms: u64,
+    /// Do not check stream ordering (races) while running (sim backend).
+    #[arg(long)]
+    pub no_race_check: bool,
+}
+
+/// Arguments of the hidden `node` subcommand (started by `run --nodes`).
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    program: ProgramArgs,
+    #[command(flatten)]
+    sim: SimArgs,
+    /// This node.
+    #[arg(long)]
+    node: usize,
+    /// Ranks per node (consecutive ranks share a node).
+    #[arg(long)]
+    node_size: usize,
+    /// `host:port` of node 0's rendezvous store.
+    #[arg(long)]
+    master: String,
+}
+
+/// How long proxy connection setup and rendezvous steps may take.
+fn setup_timeout(sim: &SimArgs) -> Duration {
+    Duration::from_millis(sim.timeout_ms).max(Duration::from_secs(30))
+}
+
+/// Faults from `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]`.
+fn faults_from_env() -> Result<Vec<Fault>, CliError> {
+    let Ok(spec) = std::env::var("MESHFLOW_FAULT_EXIT") else {
+        return Ok(Vec::new());
+    };
+    spec.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|item| {
+            let parsed = item
+                .split_once(':')
+                .and_then(|(r, n)| Some((r.trim().parse().ok()?, n.trim().parse().ok()?)));
+            let (rank, at_comm) = parsed.ok_or_else(|| {
+                CliError::Usage(format!("MESHFLOW_FAULT_EXIT: `{item}` is not RANK:N"))
+            })?;
+            Ok(Fault {
+                rank,
+                at_comm,
+                kind: FaultKind::Exit,
+            })
+        })
+        .collect()
+}
+
+fn sum_stats(stats: &BTreeMap<usize, ProxyStats>) -> ProxyStats {
+    stats
+        .values()
+        .fold(ProxyStats::default(), |a, s| ProxyStats {
+            chunk_writes: a.chunk_writes + s.chunk_writes,
+            chunk_immediates: a.chunk_immediates + s.chunk_immediates,
+            credit_writes: a.credit_writes + s.credit_writes,
+            messages_received: a.messages_received + s.messages_received,
+            bytes_written: a.bytes_written + s.bytes_written,
+        })
+}
+
+/// Runs one node of a multi-process run (the `node` subcommand).
+pub fn run(args: NodeArgs) -> Result<(), CliError> {
+    let program = args.program.load()?;
+    let options = CompileOptions {
+        num_streams: args.sim.streams.max(1),
+        ..CompileOptions::default()
+    };
+    let compiled = compile(&program, &options)?;
+    let world = compiled.host.world_size();
+    let ranks = match args.program.ranks {
+        Some(r) => usize::try_from(r)
+            .map_err(|_| CliError::Usage(format!("--ranks {r}: must be positive")))?,
+        None => world,
+    };
+    let topology = Topology::contiguous(ranks, args.node_size)
+        .map_err(|e| CliError::Usage(format!("--node-size: {e}")))?;
+    let nodes = topology.nodes();
+    if args.node >= nodes {
+        return Err(CliError::Usage(format!(
+            "--node {}: the run has {nodes} nodes",
+            args.node
+        )));
+    }
+    let mut summary = String::new();
+    let inputs =
+        random_inputs(&program, args.sim.seed).map_err(|e| CliError::Run(e.to_string()))?;
+    let per_rank =
+        scatter_inputs(&compiled.program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
+    let (addr, port) = args
+        .master
+        .rsplit_once(':')
+        .and_then(|(a, p)| Some((a.to_string(), p.parse::<u16>().ok()?)))
+        .ok_or_else(|| {
+            CliError::Usage(format!("--master `{}`: expected HOST:PORT", args.master))
+        })?;
+    let env = TorchrunEnv {
+        rank: args.node,
+        world_size: nodes,
+        local_rank: args.node,
+        master_addr: addr,
+        master_port: port,
+    };
+    let setup = setup_timeout(&args.sim);
+    let rendezvous: Arc<dyn Rendezvous> =
+        Arc::new(TcpRendezvous::connect(&env, setup).map_err(|e| CliError::Run(e.to_string()))?);
+    let host =
+        std::env::var("MESHFLOW_PROXY_ADDR").unwrap_or_else(|_| local_address_toward(&args.master));
+    let ring = match std::env::var("MESHFLOW_PROXY_RING") {
+        Ok(v) => v.trim().parse().map_err(|_| {
+            CliError::Usage(format!(
+                "MESHFLOW_PROXY_RING=`{v}`: expected a number of bytes"
+            ))
+        })?,
+        Err(_) => DEFAULT_RING,
+    };
+    let spec = NodeSpec {
+        node: args.node,
+        topology,
+        host,
+        ring,
+        setup_timeout: setup,
+    };
+    let sim = SimOptions {
+        ranks: Some(ranks),
+        config: SimConfig {
+            stream_pool: args.sim.streams.max(1),
+            timeout: Duration::from_millis(args.sim.timeout_ms),
+            race_check: !args.sim.no_race_check,
+            faults: faults_from_env()?,
+            ..SimConfig::default()
+        },
+        trace: false,
+    };
+    let outcome = run_node(&compiled.host, &per_rank, &spec, rendezvous, &sim)
+        .map_err(|e| CliError::Run(e.to_string()))?;
+    let stats = sum_stats(&outcome.proxy_stats);
+    let Some(outputs) = outcome.outputs else {
+        return Ok(());
+    };
+    summary.push_str(&format!(
+        "ran on {ranks} sim ranks in {nodes} node processes in {:.1} ms (seed {})\n",
+        outcome.elapsed.as_secs_f64() * 1e3,
+        args.sim.seed
+    ));
+    summary.push_str(&format!(
+        "proxy over {} (node 0): {} chunk writes, {} chunk immediates, {} messages, {} credit writes, {} bytes\n",
+        outcome.wire,
+        stats.chunk_writes,
+        stats.chunk_immediates,
+        stats.messages_received,
+        stats.credit_writes,
+        stats.bytes_written
+    ));
+    let run = RunOutcome {
+        outputs,
+        trace: None,
+        elapsed: outcome.elapsed,
+    };
+    let got = run
+        .gather(&compiled.program)
+        .map_err(|e| CliError::Run(e.to_string()))?;
+    let want = evaluate(&program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
+    let comparison =
+        compare_outputs(&program, &got, &want).map_err(|e| CliError::Run(e.to_string()))?;
+    summary.push_str(&format!("{comparison}\n"));
+    print_out(&summary)?;
+    if comparison.passed() {
+        Ok(())
+    } else {
+        Err(CliError::Mismatch)
+    }
+}
+
+/// The number of nodes of a run of `ranks`: `--nodes`, else `MESHFLOW_NODE_SIZE`, else 1.
+pub fn nodes_of(ranks: usize, nodes: Option<usize>) -> Result<usize, CliError> {
+    let size = match nodes {
+        Some(0) => return Err(CliError::Usage("--nodes must be at least 1".into())),
+        Some(n) => ranks.div_ceil(n),
+        None => match meshflow::kernels::proxy::node_size_from_env()
+            .map_err(|e| CliError::Usage(e.to_string()))?
+        {
+            Some(size) => size,
+            None => return Ok(1),
+        },
+    };
+    Ok(ranks.div_ceil(size.max(1)).max(1))
+}
+
+/// Starts the node processes of a run of `ranks` split into `nodes` and relays node 0's
+/// summary. `summary` is printed first.
+pub fn launch(
+    program: &ProgramArgs,
+    sim: &SimArgs,
+    ranks: usize,
+    nodes: usize,
+    summary: &str,
+) -> Result<(), CliError> {
+    let node_size = ranks.div_ceil(nodes.max(1));
+    let topology =
+        Topology::contiguous(ranks, node_size).map_err(|e| CliError::Usage(e.to_string()))?;
+    let exe = std::env::current_exe()
+        .map_err(|e| CliError::Run(format!("cannot find this executable: {e}")))?;
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| CliError::Run(format!("no free port for the rendezvous: {e}")))?
+        .port();
+    let master = format!("127.0.0.1:{port}");
+    let commands = (0..topology.nodes())
+        .map(|node| {
+            let mut c = Command::new(&exe);
+            c.arg("node")
+                .arg(&program.file)
+                .args(["--ranks", &ranks.to_string()])
+                .args(program.params.iter().flat_map(|p| ["--param", p.as_str()]))
+                .args(["--seed", &sim.seed.to_string()])
+                .args(["--streams", &sim.streams.to_string()])
+                .args(["--timeout-ms", &sim.timeout_ms.to_string()])
+                .args(["--node", &node.to_string()])
+                .args(["--node-size", &node_size.to_string()])
+                .args(["--master", &master]);
+            if sim.no_race_check {
+                c.arg("--no-race-check");
+            }
+            NodeCommand {
+                node,
+                ranks: topology.ranks_of(node),
+                command: c,
+            }
+        })
+        .collect();
+    let timeout = Duration::from_millis(sim.timeout_ms);
+    let started = Instant::now();
+    let exits = supervise(
+        commands,
+        setup_timeout(sim) * 2 + timeout * 4,
+        timeout + Duration::from_secs(5),
+    );
+    let mut out = summary.to_string();
+    out.push_str(&format!(
+        "{} node processes of {node_size} ranks, finished in {:.1} ms\n",
+        exits.len(),
+        started.elapsed().as_secs_f64() * 1e3
+    ));
+    let mut errors = Vec::new();
+    for e in &exits {
+        for line in e.stderr.lines() {
+            eprintln!("[node {}] {line}", e.node);
+        }
+        if e.node == 0 {
+            out.push_str(&e.stdout);
+        }
+        if !e.success() {
+            let last = e
+                .stderr
+                .lines()
+                .rev()
+                .find(|l| l.starts_with("error:"))
+                .unwrap_or("");
+            let injected = e.status.and_then(|s| s.code()) == Some(FAULT_EXIT_STATUS);
+            errors.push(format!(
+                "node {} (ranks {:?}) {}{}{}",
+                e.node,
+                e.ranks,
+                e.describe(),
+                if injected { " (injected fault)" } else { "" },
+                if last.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {last}")
+                }
+            ));
+        }
+    }
+    print_out(&out)?;
+    let mismatch = exits.iter().any(|e| {
+        e.node == 0
+            && e.stdout
+                .lines()
+                .last()
+                .is_some_and(|l| l.starts_with("mismatch"))
+    });
+    match (errors.is_empty(), mismatch) {
+        (true, _) => Ok(()),
+        (false, true) if errors.len() == 1 => Err(CliError::Mismatch),
+        _ => Err(CliError::Run(format!(
+            "the multi-process run failed:\n  {}",
+            errors.join("\n  ")
+        ))),
+    }
+}

@@ -1,0 +1,385 @@
+//! Running host programs on GPUs: in-process with one thread per GPU ([`run_cuda`],
+//! [`run_cuda_timed`]), or one rank of a multi-process run ([`run_rank`]).
+//!
+//! Multi-process runs follow torchrun: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the GPU),
+//! `MASTER_ADDR` and `MASTER_PORT` (rank 0's TCP rendezvous store). The same variables on
+//! several hosts, with `MASTER_ADDR` naming rank 0's host, give a multi-node run: NCCL finds
+//! the inter-node transport itself (set `NCCL_SOCKET_IFNAME` / `NCCL_IB_HCA` as usual).
+
+use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use meshflow_ir::{DeviceId, HostProgram};
+use meshflow_kernels::{Device, KernelError};
+
+use super::backend::{AbortSignal, CudaBackend, CudaConfig};
+use super::profile::Interval;
+use super::teams::clear_communicator_cache;
+use crate::runtime::data::TensorData;
+use crate::runtime::evaluator::{EvalOptions, Evaluator, RuntimeError};
+use crate::runtime::launch::{LaunchError, RunFailure, RunOutcome, SimInputs};
+use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous, RendezvousError};
+use crate::runtime::shard::scatter_inputs;
+use crate::runtime::sim::fabric::Failure;
+use crate::runtime::trace::Trace;
+
+/// Options of an in-process GPU run.
+#[derive(Clone, Debug, Default)]
+pub struct CudaOptions {
+    /// Number of ranks (one GPU each); at least the program's world size (the default).
+    pub ranks: Option<usize>,
+    /// Backend settings (stream pool, timeout, profiling, kernels).
+    pub config: CudaConfig,
+}
+
+/// Why a GPU run could not be made or failed.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum CudaLaunchError {
+    /// Scattering inputs, rank counts, or a rank's failure (as for the sim backend).
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// No CUDA driver or GPU.
+    #[error("no GPU: {0}")]
+    NoDevice(String),
+    /// More ranks than GPUs.
+    #[error("the run needs {needed} GPUs (one per rank), this machine has {available}")]
+    TooFewDevices {
+        /// Ranks requested.
+        needed: usize,
+        /// GPUs visible.
+        available: usize,
+    },
+    /// The rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+}
+
+/// A timed in-process run.
+#[derive(Clone, Debug)]
+pub struct TimedRun {
+    /// Outputs of the last iteration (and its intervals as a trace in profiling mode).
+    pub outcome: RunOutcome,
+    /// Device time of every timed iteration, µs, per rank (`times_us[rank][iteration]`).
+    pub times_us: Vec<Vec<f64>>,
+    /// Intervals of the last iteration, every rank (profiling mode; empty otherwise).
+    pub intervals: Vec<Interval>,
+}
+
+/// One rank's result of [`run_rank`].
+#[derive(Clone, Debug)]
+pub struct RankRun {
+    /// Outputs this rank holds (last iteration).
+    pub outputs: BTreeMap<String, TensorData>,
+    /// Device time of every timed iteration, µs.
+    pub times_us: Vec<f64>,
+    /// Intervals of the last iteration (profiling mode).
+    pub intervals: Vec<Interval>,
+}
+
+/// Number of visible GPUs, or why there are none.
+pub fn device_count() -> Result<usize, CudaLaunchError> {
+    match Device::count() {
+        Ok(0) => Err(CudaLaunchError::NoDevice(
+            "the CUDA driver sees no GPU".into(),
+        )),
+        Ok(n) => Ok(n),
+        Err(e @ KernelError::NoDevice(_)) => Err(CudaLaunchError::NoDevice(e.to_string())),
+        Err(e) => Err(CudaLaunchError::NoDevice(e.to_string())),
+    }
+}
+
+/// In-process GPU runs use every GPU of the process: one at a time.
+fn run_lock() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "panic with a non-string payload".into())
+}
+
+/// The iterations of one rank on a live evaluator: a barrier before each so the ranks start
+/// together, then the run; device times of the timed ones.
+#[allow(clippy::too_many_arguments)]
+fn iterate(
+    ev: &mut Evaluator<'_, CudaBackend>,
+    rank: DeviceId,
+    world: usize,
+    inputs: &BTreeMap<String, TensorData>,
+    rdv: &dyn Rendezvous,
+    config: &CudaConfig,
+    warmup: usize,
+    iterations: usize,
+) -> Result<(BTreeMap<String, TensorData>, Vec<f64>), RuntimeError> {
+    let mut times = Vec::with_capacity(iterations);
+    let mut last = BTreeMap::new();
+    for it in 0..warmup + iterations.max(1) {
+        rdv.barrier(&format!("meshflow/iteration/{it}"), world, config.timeout)
+            .map_err(|e| RuntimeError::Backend {
+                rank,
+                source: match e {
+                    RendezvousError::Aborted(reason) => {
+                        crate::runtime::backend::BackendError::Aborted {
+                            failed_rank: rank,
+                            reason,
+                        }
+                    }
+                    e => crate::runtime::backend::BackendError::Invalid(e.to_string()),
+                },
+            })?;
+        last = match catch_unwind(AssertUnwindSafe(|| ev.run(inputs))) {
+            Ok(r) => r?,
+            Err(p) => {
+                return Err(RuntimeError::Panic {
+                    rank,
+                    position: ev.position(),
+                    message: panic_message(p.as_ref()),
+                })
+            }
+        };
+        if it >= warmup {
+            if let Some(t) = ev.backend().last_run_us() {
+                times.push(t);
+            }
+        }
+    }
+    Ok((last, times))
+}
+
+type RankResult = Result<(BTreeMap<String, TensorData>, Vec<f64>, Vec<Interval>), RuntimeError>;
+
+/// Runs one rank: backend, evaluator, iterations. On failure, tells the others.
+#[allow(clippy::too_many_arguments)]
+fn rank_main(
+    host: &HostProgram,
+    rank: DeviceId,
+    ordinal: usize,
+    world: usize,
+    inputs: &BTreeMap<String, TensorData>,
+    rdv: Arc<dyn Rendezvous>,
+    abort: &AbortSignal,
+    config: &CudaConfig,
+    warmup: usize,
+    iterations: usize,
+) -> RankResult {
+    let fail = |e: &RuntimeError| {
+        if !e.is_abort() {
+            abort.abort(rank, e.to_string());
+            rdv.abort(&format!("rank {rank} failed: {e}"));
+        }
+    };
+    let backend = CudaBackend::new(
+        rank,
+        ordinal,
+        config.clone(),
+        Some(rdv.clone()),
+        Some(abort.clone()),
+    )
+    .map_err(|source| RuntimeError::Backend { rank, source });
+    let backend = match backend {
+        Ok(mut b) => {
+            b.set_start_barrier(world);
+            b
+        }
+        Err(e) => {
+            fail(&e);
+            return Err(e);
+        }
+    };
+    let mut ev = match Evaluator::new(host, backend, EvalOptions::default()) {
+        Ok(ev) => ev,
+        Err(e) => {
+            fail(&e);
+            return Err(e);
+        }
+    };
+    match iterate(
+        &mut ev,
+        rank,
+        world,
+        inputs,
+        rdv.as_ref(),
+        config,
+        warmup,
+        iterations,
+    ) {
+        Ok((out, times)) => {
+            let intervals = ev.backend().intervals().to_vec();
+            Ok((out, times, intervals))
+        }
+        Err(e) => {
+            fail(&e);
+            ev.backend_mut().mark_failed();
+            Err(e)
+        }
+    }
+}
+
+/// Runs `host` on GPUs `0..ranks` of this process, one thread per GPU (rank `r` on GPU `r`),
+/// and returns every rank's outputs, like [`run_sim`](crate::runtime::run_sim). With
+/// [`CudaConfig::profile`] the trace holds one event per compute op and communication, with
+/// device timestamps.
+pub fn run_cuda(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &CudaOptions,
+) -> Result<RunOutcome, CudaLaunchError> {
+    run_cuda_timed(host, inputs, options, 0, 1).map(|t| t.outcome)
+}
+
+/// [`run_cuda`] repeated: `warmup` untimed iterations, then `iterations` timed ones, on the
+/// same backends (buffers and communicators are reused), with a barrier before each.
+pub fn run_cuda_timed(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &CudaOptions,
+    warmup: usize,
+    iterations: usize,
+) -> Result<TimedRun, CudaLaunchError> {
+    let needed = host.world_size();
+    let world = options.ranks.unwrap_or(needed);
+    if world < needed || world == 0 {
+        return Err(LaunchError::TooFewRanks {
+            needed: needed.max(1),
+            given: world,
+        }
+        .into());
+    }
+    let available = device_count()?;
+    if world > available {
+        return Err(CudaLaunchError::TooFewDevices {
+            needed: world,
+            available,
+        });
+    }
+    let per_rank = match inputs {
+        SimInputs::PerRank(m) => m,
+        SimInputs::Full { program, inputs } => {
+            scatter_inputs(program, inputs).map_err(LaunchError::from)?
+        }
+    };
+    let _guard = run_lock();
+    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("inproc"));
+    let abort = AbortSignal::new();
+    let start = Instant::now();
+    let empty = BTreeMap::new();
+    let config = &options.config;
+    let results: Vec<(DeviceId, Option<RankResult>)> = std::thread::scope(|scope| {
+        let mut handles = Vec::with_capacity(world);
+        for rank in 0..world {
+            let inputs = per_rank.get(&rank).unwrap_or(&empty);
+            let (rank_rdv, abort) = (rdv.clone(), &abort);
+            let spawned = std::thread::Builder::new()
+                .name(format!("meshflow-cuda-rank-{rank}"))
+                .spawn_scoped(scope, move || {
+                    rank_main(
+                        host, rank, rank, world, inputs, rank_rdv, abort, config, warmup,
+                        iterations,
+                    )
+                });
+            match spawned {
+                Ok(h) => handles.push((rank, Some(h))),
+                Err(e) => {
+                    abort.abort(rank, format!("could not start its thread: {e}"));
+                    rdv.abort(&format!("rank {rank} could not start"));
+                    handles.push((rank, None));
+                }
+            }
+        }
+        handles
+            .into_iter()
+            .map(|(rank, h)| (rank, h.and_then(|h| h.join().ok())))
+            .collect()
+    });
+    let elapsed = start.elapsed();
+    let mut outputs = BTreeMap::new();
+    let mut times_us = Vec::with_capacity(world);
+    let mut intervals = Vec::new();
+    let mut errors = Vec::new();
+    for (rank, r) in results {
+        match r {
+            Some(Ok((out, times, iv))) => {
+                outputs.insert(rank, out);
+                times_us.push(times);
+                intervals.extend(iv);
+            }
+            Some(Err(e)) => errors.push(e),
+            None => errors.push(RuntimeError::Panic {
+                rank,
+                position: String::new(),
+                message: "the rank thread did not start or could not be joined".into(),
+            }),
+        }
+    }
+    if !errors.is_empty() {
+        // The ranks may disagree about which communicators are healthy: start afresh.
+        clear_communicator_cache();
+        let first = abort.first().map(|(rank, reason)| Failure { rank, reason });
+        return Err(LaunchError::Failed(RunFailure {
+            first,
+            errors,
+            undelivered: Vec::new(),
+        })
+        .into());
+    }
+    intervals.sort_by(|a, b| {
+        (a.rank, a.start_us)
+            .partial_cmp(&(b.rank, b.start_us))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    let trace = config.profile.then(|| Trace {
+        events: intervals.iter().map(Interval::to_trace_event).collect(),
+    });
+    Ok(TimedRun {
+        outcome: RunOutcome {
+            outputs,
+            trace,
+            elapsed,
+        },
+        times_us,
+        intervals,
+    })
+}
+
+/// Runs one rank of a multi-process run: this process is `rank` of `world` and uses GPU
+/// `ordinal`; `inputs` are the local tensors of this rank. On failure the rendezvous is
+/// aborted so the other ranks stop waiting at their next rendezvous operation (a launcher such
+/// as `meshflow launch` also terminates them).
+#[allow(clippy::too_many_arguments)]
+pub fn run_rank(
+    host: &HostProgram,
+    rank: DeviceId,
+    world: usize,
+    ordinal: usize,
+    inputs: &BTreeMap<String, TensorData>,
+    rendezvous: Arc<dyn Rendezvous>,
+    config: &CudaConfig,
+    warmup: usize,
+    iterations: usize,
+) -> Result<RankRun, CudaLaunchError> {
+    let abort = AbortSignal::new();
+    rank_main(
+        host, rank, ordinal, world, inputs, rendezvous, &abort, config, warmup, iterations,
+    )
+    .map(|(outputs, times_us, intervals)| RankRun {
+        outputs,
+        times_us,
+        intervals,
+    })
+    .map_err(|e| {
+        LaunchError::Failed(RunFailure {
+            first: Some(Failure {
+                rank,
+                reason: e.to_string(),
+            }),
+            errors: vec![e],
+            undelivered: Vec::new(),
+        })
+        .into()
+    })
+}

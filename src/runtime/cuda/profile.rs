@@ -1,0 +1,231 @@
+//! Device-side timing of a run: the run's duration from CUDA events on the main stream, and
+//! (in profiling mode) one interval per compute op and communication, read from events
+//! recorded before and after it on its stream.
+
+use meshflow_ir::DeviceId;
+use meshflow_kernels::{Event, KernelError, Stream};
+
+use crate::runtime::trace::TraceEvent;
+
+/// What an [`Interval`] measured.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+pub enum IntervalKind {
+    /// A compute op or launched kernel.
+    Compute,
+    /// A communication (or a whole coalescing group).
+    Comm,
+}
+
+/// One op as the GPU ran it: from the moment its stream reached it to the moment it finished,
+/// in microseconds since the rank's run started (its first upload or instruction).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Interval {
+    /// The rank.
+    pub rank: DeviceId,
+    /// The stream (0 = main, `1 + w` = worker `w`).
+    pub stream: usize,
+    /// Compute or communication.
+    pub kind: IntervalKind,
+    /// The instruction name (`linear`, `all_gather`, `coalesced`, ...).
+    pub name: &'static str,
+    /// Pre-order index of the instruction.
+    pub inst: u32,
+    /// Loop variable values.
+    pub iteration: Vec<i64>,
+    /// Start, µs.
+    pub start_us: f64,
+    /// End, µs.
+    pub end_us: f64,
+}
+
+impl Interval {
+    /// `end_us - start_us`.
+    pub fn duration_us(&self) -> f64 {
+        self.end_us - self.start_us
+    }
+
+    /// Whether two intervals share some time.
+    pub fn intersects(&self, other: &Interval) -> bool {
+        self.start_us < other.end_us && other.start_us < self.end_us
+    }
+
+    /// The interval as a trace event (`text` says compute or comm).
+    pub fn to_trace_event(&self) -> TraceEvent {
+        TraceEvent {
+            rank: self.rank,
+            stream: self.stream,
+            name: self.name,
+            text: match self.kind {
+                IntervalKind::Compute => "compute (GPU time)".into(),
+                IntervalKind::Comm => "communication (GPU time)".into(),
+            },
+            iteration: self.iteration.clone(),
+            start_us: self.start_us,
+            dur_us: self.duration_us(),
+        }
+    }
+}
+
+/// An op whose interval is being recorded.
+#[derive(Debug)]
+struct Pending {
+    stream: usize,
+    kind: IntervalKind,
+    name: &'static str,
+    inst: u32,
+    iteration: Vec<i64>,
+    start: Event,
+    end: Event,
+}
+
+/// A started interval: close it with [`Timeline::close`].
+#[derive(Debug)]
+pub(super) struct Opened {
+    stream: usize,
+    kind: IntervalKind,
+    name: &'static str,
+    inst: u32,
+    iteration: Vec<i64>,
+    start: Event,
+}
+
+/// The timing state of one rank.
+#[derive(Debug, Default)]
+pub(super) struct Timeline {
+    /// Record intervals.
+    pub profile: bool,
+    start: Option<Event>,
+    pending: Vec<Pending>,
+    /// Duration of the last finished run, µs.
+    pub last_run_us: Option<f64>,
+    /// Intervals of the last finished run (profiling mode).
+    pub intervals: Vec<Interval>,
+}
+
+impl Timeline {
+    pub(super) fn new(profile: bool) -> Timeline {
+        Timeline {
+            profile,
+            ..Timeline::default()
+        }
+    }
+
+    /// Whether the run clock runs.
+    pub(super) fn is_started(&self) -> bool {
+        self.start.is_some()
+    }
+
+    /// Starts the run clock on `main` unless it runs already.
+    pub(super) fn ensure_started(&mut self, main: &Stream) -> Result<(), KernelError> {
+        if self.start.is_none() {
+            let e = Event::timing(main.device())?;
+            e.record(main)?;
+            self.start = Some(e);
+        }
+        Ok(())
+    }
+
+    /// Opens an interval on `stream` (profiling mode only; `None` otherwise).
+    pub(super) fn open(
+        &mut self,
+        streams: &[Stream],
+        stream: usize,
+        kind: IntervalKind,
+        name: &'static str,
+        inst: u32,
+        iteration: &[i64],
+    ) -> Result<Option<Opened>, KernelError> {
+        if !self.profile {
+            return Ok(None);
+        }
+        let Some(s) = streams.get(stream) else {
+            return Ok(None);
+        };
+        self.ensure_started(&streams[0])?;
+        let start = Event::timing(s.device())?;
+        start.record(s)?;
+        Ok(Some(Opened {
+            stream,
+            kind,
+            name,
+            inst,
+            iteration: iteration.to_vec(),
+            start,
+        }))
+    }
+
+    /// Closes an interval at the current end of `streams[opened.stream]`.
+    pub(super) fn close(
+        &mut self,
+        streams: &[Stream],
+        opened: Option<Opened>,
+    ) -> Result<(), KernelError> {
+        let Some(o) = opened else {
+            return Ok(());
+        };
+        let Some(s) = streams.get(o.stream) else {
+            return Ok(());
+        };
+        let end = Event::timing(s.device())?;
+        end.record(s)?;
+        self.pending.push(Pending {
+            stream: o.stream,
+            kind: o.kind,
+            name: o.name,
+            inst: o.inst,
+            iteration: o.iteration,
+            start: o.start,
+            end,
+        });
+        Ok(())
+    }
+
+    /// Ends the run: records the end on `main` (which has joined every stream). Call
+    /// [`Timeline::collect`] once the device has finished.
+    pub(super) fn end_event(&mut self, main: &Stream) -> Result<Option<Event>, KernelError> {
+        if self.start.is_none() {
+            return Ok(None);
+        }
+        let e = Event::timing(main.device())?;
+        e.record(main)?;
+        Ok(Some(e))
+    }
+
+    /// Reads the finished run's duration and intervals (all events have completed).
+    pub(super) fn collect(
+        &mut self,
+        rank: DeviceId,
+        end: Option<Event>,
+    ) -> Result<(), KernelError> {
+        let Some(start) = self.start.take() else {
+            self.pending.clear();
+            self.last_run_us = None;
+            return Ok(());
+        };
+        if let Some(end) = end {
+            self.last_run_us = Some(f64::from(Event::elapsed_ms(&start, &end)?) * 1e3);
+        }
+        self.intervals.clear();
+        for p in self.pending.drain(..) {
+            let s = f64::from(Event::elapsed_ms(&start, &p.start)?) * 1e3;
+            let e = f64::from(Event::elapsed_ms(&start, &p.end)?) * 1e3;
+            self.intervals.push(Interval {
+                rank,
+                stream: p.stream,
+                kind: p.kind,
+                name: p.name,
+                inst: p.inst,
+                iteration: p.iteration,
+                start_us: s,
+                end_us: e,
+            });
+        }
+        Ok(())
+    }
+
+    /// Forgets an unfinished run (after an error).
+    pub(super) fn reset(&mut self) {
+        self.start = None;
+        self.pending.clear();
+    }
+}

@@ -1,0 +1,138 @@
+//! [`run_program_cuda`]: runs a lowered program on GPUs from full inputs and returns the full
+//! outputs, in-process (one thread per GPU) or as one rank of a multi-process run, where rank
+//! 0 collects every rank's outputs through the rendezvous. This is what
+//! `meshflow run --backend cuda` does.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use meshflow_ir::{HostProgram, Program};
+
+use super::launch::{run_cuda, run_rank, CudaLaunchError, CudaOptions};
+use crate::runtime::data::TensorData;
+use crate::runtime::launch::{LaunchError, SimInputs};
+use crate::runtime::rendezvous::{
+    decode_tensors, encode_tensors, Rendezvous, RendezvousError, TcpRendezvous, TorchrunEnv,
+};
+use crate::runtime::shard::{gather_tensor, scatter_inputs};
+use crate::runtime::trace::Trace;
+
+/// What a GPU run of a program produced on this process.
+#[derive(Clone, Debug)]
+pub struct ProgramRun {
+    /// The full outputs, by name: in-process, and on rank 0 of a multi-process run; `None` on
+    /// the other ranks (they sent theirs to rank 0).
+    pub outputs: Option<BTreeMap<String, TensorData>>,
+    /// This process's rank in a multi-process run.
+    pub rank: Option<usize>,
+    /// Number of ranks.
+    pub world: usize,
+    /// Wall time of the run (launch to outputs).
+    pub elapsed: Duration,
+    /// Device-time intervals as a trace (profiling mode, in-process runs).
+    pub trace: Option<Trace>,
+}
+
+fn gather_all(
+    program: &Program,
+    per_rank: &BTreeMap<usize, BTreeMap<String, TensorData>>,
+) -> Result<BTreeMap<String, TensorData>, CudaLaunchError> {
+    program
+        .outputs
+        .iter()
+        .map(|&t| {
+            let name = program.tensors[t].name.clone();
+            gather_tensor(program, t, per_rank)
+                .map(|d| (name, d))
+                .map_err(|e| CudaLaunchError::Launch(LaunchError::Shard(e)))
+        })
+        .collect()
+}
+
+/// Runs `host` (lowered from `program`) on `ranks` GPUs with the full `inputs`.
+///
+/// With `env` (the torchrun variables of this process) this process runs rank `env.rank` on
+/// GPU `env.local_rank`; the ranks meet through a [`TcpRendezvous`] on
+/// `MASTER_ADDR:MASTER_PORT`, each sends its outputs there, and rank 0 gathers them. Every
+/// process must be given the same `inputs` (e.g. generated from the same seed).
+pub fn run_program_cuda(
+    program: &Program,
+    host: &HostProgram,
+    inputs: &BTreeMap<String, TensorData>,
+    ranks: usize,
+    options: &CudaOptions,
+    env: Option<&TorchrunEnv>,
+) -> Result<ProgramRun, CudaLaunchError> {
+    let start = Instant::now();
+    let Some(env) = env else {
+        let mut o = options.clone();
+        o.ranks = Some(ranks);
+        let outcome = run_cuda(host, SimInputs::Full { program, inputs }, &o)?;
+        return Ok(ProgramRun {
+            outputs: Some(
+                outcome
+                    .gather(program)
+                    .map_err(|e| CudaLaunchError::Launch(LaunchError::Shard(e)))?,
+            ),
+            rank: None,
+            world: ranks,
+            elapsed: start.elapsed(),
+            trace: outcome.trace,
+        });
+    };
+    let needed = host.world_size();
+    if env.world_size < needed {
+        return Err(LaunchError::TooFewRanks {
+            needed,
+            given: env.world_size,
+        }
+        .into());
+    }
+    let timeout = options.config.timeout;
+    let rdv: Arc<TcpRendezvous> = Arc::new(TcpRendezvous::connect(env, timeout)?);
+    let per_rank = scatter_inputs(program, inputs).map_err(LaunchError::from)?;
+    let empty = BTreeMap::new();
+    let mine = per_rank.get(&env.rank).unwrap_or(&empty);
+    let shared: Arc<dyn Rendezvous> = rdv.clone();
+    let run = run_rank(
+        host,
+        env.rank,
+        env.world_size,
+        env.local_rank,
+        mine,
+        shared,
+        &options.config,
+        0,
+        1,
+    )?;
+    rdv.publish(
+        &format!("meshflow/outputs/{}", env.rank),
+        &encode_tensors(&run.outputs),
+    )?;
+    let outputs = if env.rank == 0 {
+        let mut all = BTreeMap::new();
+        for r in 0..env.world_size {
+            let bytes = rdv.fetch(&format!("meshflow/outputs/{r}"), timeout)?;
+            let outs = decode_tensors(&bytes).map_err(|e| {
+                CudaLaunchError::Rendezvous(RendezvousError::Io {
+                    address: format!("rank {r}'s outputs"),
+                    message: e.to_string(),
+                })
+            })?;
+            all.insert(r, outs);
+        }
+        Some(gather_all(program, &all)?)
+    } else {
+        None
+    };
+    // Rank 0 serves the store: nobody leaves before it has everything.
+    rdv.barrier("meshflow/done", env.world_size, timeout)?;
+    Ok(ProgramRun {
+        outputs,
+        rank: Some(env.rank),
+        world: env.world_size,
+        elapsed: start.elapsed(),
+        trace: None,
+    })
+}

@@ -1,0 +1,287 @@
+//! Bytes of fabric messages ([`Payload`]) for the proxy, and of a node's results for the
+//! rendezvous.
+//!
+//! Payload layout (little endian): `kind: u8` (0 data, 1 MoE rows), then for data a storage,
+//! for MoE rows `rows: u64, meta: [i64; 4] * rows, width: u64, storage`. A storage is
+//! `dtype: u8, len: u64, elements` (raw bits). Node results: `ok: u8`, then either the error
+//! text or `ranks: u32` and per rank `rank: u64, len: u64, tensors` in the rendezvous wire form.
+
+use std::collections::BTreeMap;
+
+use half::{bf16, f16};
+use meshflow_ir::{DType, DeviceId};
+
+use crate::runtime::cpu_ops::MoeRows;
+use crate::runtime::data::{Storage, TensorData};
+use crate::runtime::rendezvous::{decode_tensors, encode_tensors};
+use crate::runtime::sim::Payload;
+
+fn dtype_code(d: DType) -> u8 {
+    match d {
+        DType::F32 => 0,
+        DType::BF16 => 1,
+        DType::F16 => 2,
+        DType::I32 => 3,
+        DType::I64 => 4,
+    }
+}
+
+fn put_storage(out: &mut Vec<u8>, s: &Storage) {
+    out.push(dtype_code(s.dtype()));
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    match s {
+        Storage::F32(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        Storage::BF16(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+        Storage::F16(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
+        Storage::I32(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        Storage::I64(v) => v
+            .iter()
+            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+    }
+}
+
+/// A cursor over bytes that fails with a message instead of panicking.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        let end = self
+            .at
+            .checked_add(n)
+            .filter(|&e| e <= self.bytes.len())
+            .ok_or_else(|| {
+                format!(
+                    "truncated: {n} bytes wanted at offset {} of {}",
+                    self.at,
+                    self.bytes.len()
+                )
+            })?;
+        let s = &self.bytes[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    /// A count of items of `size` bytes each that must fit in what is left.
+    fn count(&mut self, size: usize) -> Result<usize, String> {
+        let n = self.u64()?;
+        let left = (self.bytes.len() - self.at) as u64;
+        if n.saturating_mul(size.max(1) as u64) > left {
+            return Err(format!(
+                "{n} items of {size} bytes do not fit in {left} bytes"
+            ));
+        }
+        Ok(n as usize)
+    }
+
+    fn storage(&mut self) -> Result<Storage, String> {
+        let code = self.u8()?;
+        let size = match code {
+            0 | 3 => 4,
+            1 | 2 => 2,
+            4 => 8,
+            c => return Err(format!("unknown dtype code {c}")),
+        };
+        let n = self.count(size)?;
+        let raw = self.take(n * size)?;
+        let chunks = raw.chunks_exact(size);
+        Ok(match code {
+            0 => Storage::F32(
+                chunks
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            1 => Storage::BF16(
+                chunks
+                    .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+            ),
+            2 => Storage::F16(
+                chunks
+                    .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                    .collect(),
+            ),
+            3 => Storage::I32(
+                chunks
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect(),
+            ),
+            _ => Storage::I64(
+                chunks
+                    .map(|c| {
+                        let mut a = [0u8; 8];
+                        a.copy_from_slice(c);
+                        i64::from_le_bytes(a)
+                    })
+                    .collect(),
+            ),
+        })
+    }
+
+    fn done(&self) -> Result<(), String> {
+        if self.at == self.bytes.len() {
+            Ok(())
+        } else {
+            Err(format!("{} trailing bytes", self.bytes.len() - self.at))
+        }
+    }
+}
+
+/// Encodes a fabric message.
+pub fn encode_payload(p: &Payload) -> Vec<u8> {
+    let mut out = Vec::new();
+    match p {
+        Payload::Data(s) => {
+            out.push(0);
+            put_storage(&mut out, s);
+        }
+        Payload::Moe(m) => {
+            out.push(1);
+            out.extend_from_slice(&(m.meta.len() as u64).to_le_bytes());
+            for row in &m.meta {
+                for v in row {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            out.extend_from_slice(&m.width.to_le_bytes());
+            put_storage(&mut out, &m.rows);
+        }
+    }
+    out
+}
+
+/// Decodes what [`encode_payload`] wrote.
+pub fn decode_payload(bytes: &[u8]) -> Result<Payload, String> {
+    let mut r = Reader { bytes, at: 0 };
+    let p = match r.u8()? {
+        0 => Payload::Data(r.storage()?),
+        1 => {
+            let n = r.count(32)?;
+            let mut meta = Vec::with_capacity(n);
+            for _ in 0..n {
+                let mut row = [0i64; 4];
+                for v in &mut row {
+                    *v = r.u64()? as i64;
+                }
+                meta.push(row);
+            }
+            let width = r.u64()?;
+            let rows = r.storage()?;
+            Payload::Moe(MoeRows { meta, rows, width })
+        }
+        k => return Err(format!("unknown message kind {k}")),
+    };
+    r.done()?;
+    Ok(p)
+}
+
+/// Outputs of one node's ranks, or the node's error.
+pub type NodeResult = Result<BTreeMap<DeviceId, BTreeMap<String, TensorData>>, String>;
+
+/// Encodes a node's result for the rendezvous.
+pub fn encode_result(result: &NodeResult) -> Vec<u8> {
+    let mut out = Vec::new();
+    match result {
+        Err(e) => {
+            out.push(0);
+            out.extend_from_slice(e.as_bytes());
+        }
+        Ok(ranks) => {
+            out.push(1);
+            out.extend_from_slice(&(ranks.len() as u64).to_le_bytes());
+            for (&rank, tensors) in ranks {
+                let t = encode_tensors(tensors);
+                out.extend_from_slice(&(rank as u64).to_le_bytes());
+                out.extend_from_slice(&(t.len() as u64).to_le_bytes());
+                out.extend_from_slice(&t);
+            }
+        }
+    }
+    out
+}
+
+/// Decodes what [`encode_result`] wrote (the outer error is a malformed message).
+pub fn decode_result(bytes: &[u8]) -> Result<NodeResult, String> {
+    let mut r = Reader { bytes, at: 0 };
+    match r.u8()? {
+        0 => Ok(Err(String::from_utf8_lossy(&bytes[1..]).into_owned())),
+        1 => {
+            let n = r.count(16)?;
+            let mut ranks = BTreeMap::new();
+            for _ in 0..n {
+                let rank = r.u64()? as DeviceId;
+                let len = r.count(1)?;
+                let t = decode_tensors(r.take(len)?).map_err(|e| e.to_string())?;
+                ranks.insert(rank, t);
+            }
+            r.done()?;
+            Ok(Ok(ranks))
+        }
+        k => Err(format!("unknown result kind {k}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip_bit_exactly_and_garbage_is_an_error() {
+        let cases = [
+            Payload::Data(Storage::F32(vec![1.5, -0.0, f32::NAN])),
+            Payload::Data(Storage::BF16(vec![bf16::from_f32(3.0)])),
+            Payload::Data(Storage::F16(vec![])),
+            Payload::Data(Storage::I32(vec![i32::MIN, 7])),
+            Payload::Moe(MoeRows {
+                meta: vec![[1, 2, 3, -4], [5, 6, 7, 8]],
+                rows: Storage::I64(vec![i64::MAX, 1, 2, 3]),
+                width: 2,
+            }),
+        ];
+        for p in &cases {
+            let b = encode_payload(p);
+            let back = decode_payload(&b).unwrap();
+            assert_eq!(encode_payload(&back), b);
+            assert!(decode_payload(&b[..b.len() - 1]).is_err());
+        }
+        assert!(decode_payload(&[9]).is_err());
+        assert!(decode_payload(&[0, 0, 255, 255, 255, 255, 255, 255, 255, 255]).is_err());
+    }
+
+    #[test]
+    fn node_results_round_trip() {
+        let t = TensorData::from_f32(DType::F32, &[2], &[1.0, 2.0]).unwrap();
+        let ok: NodeResult = Ok(BTreeMap::from([(
+            3,
+            BTreeMap::from([("y".to_string(), t)]),
+        )]));
+        let back = decode_result(&encode_result(&ok)).unwrap().unwrap();
+        assert!(back[&3]["y"].bit_eq(&ok.as_ref().unwrap()[&3]["y"]));
+        let err: NodeResult = Err("rank 2 failed".into());
+        assert_eq!(decode_result(&encode_result(&err)).unwrap(), err);
+    }
+}

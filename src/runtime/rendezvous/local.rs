@@ -1,0 +1,172 @@
+//! [`LocalRendezvous`]: a store shared by the threads of one process, and the [`Store`] that
+//! the TCP server also uses.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::{Rendezvous, RendezvousError};
+
+#[derive(Debug, Default)]
+struct State {
+    values: HashMap<String, Vec<u8>>,
+    arrivals: HashMap<String, usize>,
+    aborted: Option<String>,
+}
+
+/// Values, barrier counters and an abort flag behind one lock, with a condition variable that
+/// wakes waiters on every change.
+#[derive(Debug, Default)]
+pub(super) struct Store {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Store {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves plain data behind: keep using it.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn publish(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        let mut s = self.lock();
+        if let Some(reason) = &s.aborted {
+            return Err(RendezvousError::Aborted(reason.clone()));
+        }
+        s.values.insert(key.to_owned(), value.to_vec());
+        self.changed.notify_all();
+        Ok(())
+    }
+
+    /// Waits until `ready` holds (or the timeout / an abort), then maps the state.
+    fn wait_for<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut ready: impl FnMut(&State) -> Option<T>,
+    ) -> Result<T, RendezvousError> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.lock();
+        loop {
+            if let Some(reason) = &s.aborted {
+                return Err(RendezvousError::Aborted(reason.clone()));
+            }
+            if let Some(v) = ready(&s) {
+                return Ok(v);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(RendezvousError::Timeout {
+                    what: what.to_owned(),
+                    waited: timeout,
+                });
+            }
+            s = self
+                .changed
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+
+    pub(super) fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
+        self.wait_for(&format!("key `{key}`"), timeout, |s| {
+            s.values.get(key).cloned()
+        })
+    }
+
+    pub(super) fn barrier(
+        &self,
+        name: &str,
+        parties: usize,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
+        {
+            let mut s = self.lock();
+            *s.arrivals.entry(name.to_owned()).or_insert(0) += 1;
+            self.changed.notify_all();
+        }
+        let what = format!("barrier `{name}` ({parties} parties)");
+        self.wait_for(&what, timeout, |s| {
+            (s.arrivals.get(name).copied().unwrap_or(0) >= parties).then_some(())
+        })
+    }
+
+    pub(super) fn abort(&self, reason: &str) {
+        let mut s = self.lock();
+        if s.aborted.is_none() {
+            s.aborted = Some(reason.to_owned());
+        }
+        self.changed.notify_all();
+    }
+}
+
+/// A rendezvous for ranks that are threads of one process. Cheap to clone; clones share the
+/// store.
+#[derive(Clone, Debug)]
+pub struct LocalRendezvous {
+    store: Arc<Store>,
+    namespace: String,
+}
+
+impl LocalRendezvous {
+    /// A fresh, empty store named `namespace`.
+    pub fn new(namespace: impl Into<String>) -> LocalRendezvous {
+        LocalRendezvous {
+            store: Arc::new(Store::default()),
+            namespace: namespace.into(),
+        }
+    }
+}
+
+impl Rendezvous for LocalRendezvous {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    fn publish(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        self.store.publish(key, value)
+    }
+
+    fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
+        self.store.fetch(key, timeout)
+    }
+
+    fn barrier(
+        &self,
+        name: &str,
+        parties: usize,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
+        self.store.barrier(name, parties, timeout)
+    }
+
+    fn abort(&self, reason: &str) {
+        self.store.abort(reason);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_fetch_barrier_and_abort() {
+        let r = LocalRendezvous::new("t");
+        let t = Duration::from_secs(2);
+        std::thread::scope(|s| {
+            let r2 = r.clone();
+            s.spawn(move || {
+                r2.publish("k", b"v").unwrap();
+                r2.barrier("b", 2, t).unwrap();
+            });
+            assert_eq!(r.fetch("k", t).unwrap(), b"v");
+            r.barrier("b", 2, t).unwrap();
+        });
+        let err = r.fetch("missing", Duration::from_millis(20)).unwrap_err();
+        assert!(matches!(err, RendezvousError::Timeout { .. }), "{err}");
+        r.abort("rank 1 failed");
+        let err = r.barrier("c", 2, t).unwrap_err();
+        assert_eq!(err, RendezvousError::Aborted("rank 1 failed".into()));
+    }
+}

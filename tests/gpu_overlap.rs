@@ -1,0 +1,244 @@
+//! Overlap on 2 (and 4) GPUs, measured from per-stream CUDA event timestamps: the column-
+//! parallel linear's ring and broadcast all-gathers and the row-parallel linear's chunked
+//! reduce-scatter, at sizes where communication and compute take comparable time. Each test
+//! checks the outputs (sampled against an f32 CPU reference), that communication and compute
+//! intervals intersect on every rank, and that the overlapped time is below 0.85 x (the same
+//! schedule's communication alone + its compute alone).
+//!
+//! Built with the `cuda` feature only (`cargo test --features cuda`).
+#![cfg(feature = "cuda")]
+
+#[path = "data/gpu/support.rs"]
+mod support;
+
+use std::collections::BTreeMap;
+
+use meshflow::bench::programs::{
+    agmm_lowered, gemm_alone_host, rsmm_lowered, AgVariant, Gemm3, Parts, RsVariant,
+};
+use meshflow::bench::Timing;
+use meshflow::ir::{DType, HostProgram};
+use meshflow::runtime::cuda::{run_cuda_timed, Interval, IntervalKind, TimedRun};
+use meshflow::runtime::data::{SplitMix64, TensorData};
+use meshflow::runtime::shard::scatter_inputs;
+use meshflow::runtime::SimInputs;
+use support::*;
+
+type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
+
+const WARMUP: usize = 3;
+const ITERS: usize = 10;
+/// Worker streams (the pipeline's default).
+const STREAMS: usize = 2;
+
+fn timed(what: &str, host: &HostProgram, d: usize, inputs: PerRank, profile: bool) -> TimedRun {
+    let mut o = cuda_options();
+    o.ranks = Some(d);
+    o.config.profile = profile;
+    run_cuda_timed(host, SimInputs::PerRank(inputs), &o, WARMUP, ITERS)
+        .unwrap_or_else(|e| panic!("{what} on {d} GPUs: {e}"))
+}
+
+fn random_full(s: Gemm3, seed: u64) -> BTreeMap<String, TensorData> {
+    BTreeMap::from([
+        (
+            "x".to_string(),
+            TensorData::random(DType::BF16, &[s.m, s.k], seed).unwrap(),
+        ),
+        (
+            "w".to_string(),
+            TensorData::random(DType::BF16, &[s.n, s.k], seed + 1).unwrap(),
+        ),
+    ])
+}
+
+fn replicated(d: usize, entries: &[(&str, Vec<u64>)]) -> PerRank {
+    let m: BTreeMap<String, TensorData> = entries
+        .iter()
+        .enumerate()
+        .map(|(i, (n, s))| {
+            (
+                n.to_string(),
+                TensorData::random(DType::BF16, s, 77 + i as u64).unwrap(),
+            )
+        })
+        .collect();
+    (0..d).map(|r| (r, m.clone())).collect()
+}
+
+/// Relative error of 256 sampled elements of `out = x @ w^T`.
+fn sampled_error(full: &BTreeMap<String, TensorData>, out: &TensorData, s: Gemm3) -> f64 {
+    let (x, w) = (&full["x"], &full["w"]);
+    let (k, n) = (s.k as usize, s.n as usize);
+    let mut rng = SplitMix64::new(5);
+    let (mut num, mut den) = (0f64, 0f64);
+    for _ in 0..256 {
+        let (i, j) = (rng.below(s.m) as usize, rng.below(s.n) as usize);
+        let acc: f64 = (0..k)
+            .map(|kk| {
+                f64::from(x.storage().get_f32(i * k + kk).unwrap())
+                    * f64::from(w.storage().get_f32(j * k + kk).unwrap())
+            })
+            .sum();
+        let got = f64::from(out.storage().get_f32(i * n + j).unwrap());
+        num += (got - acc).powi(2);
+        den += acc * acc;
+    }
+    (num / den).sqrt()
+}
+
+/// Every rank has a communication and a compute interval that intersect.
+fn assert_intervals_intersect(name: &str, d: usize, iv: &[Interval]) {
+    for rank in 0..d {
+        let mine: Vec<&Interval> = iv.iter().filter(|i| i.rank == rank).collect();
+        let comms: Vec<&&Interval> = mine
+            .iter()
+            .filter(|i| i.kind == IntervalKind::Comm)
+            .collect();
+        let computes: Vec<&&Interval> = mine
+            .iter()
+            .filter(|i| i.kind == IntervalKind::Compute)
+            .collect();
+        assert!(
+            !comms.is_empty() && !computes.is_empty(),
+            "{name}: rank {rank} intervals {mine:?}"
+        );
+        let hit = comms
+            .iter()
+            .flat_map(|c| computes.iter().map(move |p| (c, p)))
+            .find(|(c, p)| c.stream != p.stream && c.intersects(p));
+        let (c, p) = hit.unwrap_or_else(|| {
+            panic!("{name}: rank {rank}: no communication overlaps compute: {mine:#?}")
+        });
+        eprintln!(
+            "{name} d={d} rank {rank}: {} [{:.0}, {:.0}] µs on stream {} overlaps {} [{:.0}, {:.0}] µs on stream {}",
+            c.name, c.start_us, c.end_us, c.stream, p.name, p.start_us, p.end_us, p.stream
+        );
+    }
+}
+
+fn assert_faster(name: &str, d: usize, both: &Timing, comm: &Timing, compute: &Timing) {
+    let limit = 0.85 * (comm.us + compute.us);
+    eprintln!(
+        "{name} d={d}: overlapped {:.1} µs, comm alone {:.1} µs, compute alone {:.1} µs, ratio to the sum {:.3} (limit 0.85)",
+        both.us,
+        comm.us,
+        compute.us,
+        both.us / (comm.us + compute.us)
+    );
+    assert!(
+        both.us < limit,
+        "{name} d={d}: {:.1} µs is not below 0.85 x ({:.1} + {:.1}) = {limit:.1} µs",
+        both.us,
+        comm.us,
+        compute.us
+    );
+}
+
+fn overlap_counts(test: &str) -> Vec<usize> {
+    rank_counts(test).into_iter().filter(|&d| d >= 2).collect()
+}
+
+fn column_parallel(variant: AgVariant) {
+    let test = format!("column_parallel_{}_overlaps", variant.name());
+    let counts = overlap_counts(&test);
+    if counts.is_empty() {
+        eprintln!("skipped: {test} needs 2 GPUs");
+    }
+    for d in counts {
+        let du = d as u64;
+        // AG of 128 MiB of bf16 and a GEMM of 8192 x 8192 x 4096 per rank: comparable times.
+        let s = Gemm3 {
+            m: 8192,
+            k: 8192,
+            n: 4096 * du,
+        };
+        let lower = |parts| agmm_lowered(d, s, DType::BF16, variant, STREAMS, parts).unwrap();
+        let l = lower(Parts::Both);
+        let full = random_full(s, 1);
+        let per_rank = scatter_inputs(&l.program, &full).unwrap();
+        let name = format!("agmm {}", variant.name());
+        let run = timed(&name, &l.host, d, per_rank.clone(), true);
+        let out = run.outcome.gather(&l.program).unwrap();
+        let err = sampled_error(&full, &out["y"], s);
+        assert!(err < 1e-2, "{name} d={d}: sampled rel err {err:.3e}");
+        assert_intervals_intersect(&name, d, &run.intervals);
+        let both = Timing::from_times(&timed(&name, &l.host, d, per_rank.clone(), false).times_us);
+        let comm = Timing::from_times(
+            &timed(&name, &lower(Parts::CommOnly).host, d, per_rank, false).times_us,
+        );
+        let gemm_in = replicated(d, &[("a", vec![s.m, s.k]), ("w", vec![s.n / du, s.k])]);
+        let compute = Timing::from_times(
+            &timed(
+                "GEMM alone",
+                &gemm_alone_host(d, s.m, s.k, s.n / du, DType::BF16),
+                d,
+                gemm_in,
+                false,
+            )
+            .times_us,
+        );
+        assert_faster(&name, d, &both, &comm, &compute);
+    }
+}
+
+#[test]
+fn column_parallel_ring_overlaps() {
+    column_parallel(AgVariant::Ring);
+}
+
+#[test]
+fn column_parallel_broadcast_overlaps() {
+    column_parallel(AgVariant::Broadcast);
+}
+
+#[test]
+fn row_parallel_chunked_overlaps() {
+    let test = "row_parallel_chunked_overlaps";
+    let counts = overlap_counts(test);
+    if counts.is_empty() {
+        eprintln!("skipped: {test} needs 2 GPUs");
+    }
+    for d in counts {
+        let du = d as u64;
+        // Per rank a GEMM of 8192 x 2048 x 8192 and a reduce-scatter of 128 MiB: comparable.
+        let s = Gemm3 {
+            m: 8192,
+            k: 2048 * du,
+            n: 8192,
+        };
+        let v = RsVariant::Chunked(4);
+        let lower = |v, parts| rsmm_lowered(d, s, DType::BF16, v, STREAMS, parts).unwrap();
+        let l = lower(v, Parts::Both);
+        let full = random_full(s, 2);
+        let per_rank = scatter_inputs(&l.program, &full).unwrap();
+        let name = "rsmm chunked s=4";
+        let run = timed(name, &l.host, d, per_rank.clone(), true);
+        let out = run.outcome.gather(&l.program).unwrap();
+        let err = sampled_error(&full, &out["z"], s);
+        assert!(err < 1e-2, "{name} d={d}: sampled rel err {err:.3e}");
+        assert_intervals_intersect(name, d, &run.intervals);
+        let both = Timing::from_times(&timed(name, &l.host, d, per_rank.clone(), false).times_us);
+        let comm = Timing::from_times(
+            &timed(
+                name,
+                &lower(v, Parts::CommOnly).host,
+                d,
+                per_rank.clone(),
+                false,
+            )
+            .times_us,
+        );
+        let compute = Timing::from_times(
+            &timed(
+                name,
+                &lower(RsVariant::Collective, Parts::ComputeOnly).host,
+                d,
+                per_rank,
+                false,
+            )
+            .times_us,
+        );
+        assert_faster(name, d, &both, &comm, &compute);
+    }
+}
