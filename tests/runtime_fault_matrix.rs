@@ -113,7 +113,9 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
         &opts,
     );
     let elapsed = start.elapsed();
-    let err = result.err().unwrap_or_else(|| panic!("{cell}: the run succeeded"));
+    let err = result
+        .err()
+        .unwrap_or_else(|| panic!("{cell}: the run succeeded"));
     let LaunchError::Failed(failure) = err else {
         panic!("{cell}: expected a run failure, got {err}");
     };
@@ -178,7 +180,10 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
             d.to_string(),
             kind_name(kind).into(),
             format!("{:.0} ms", elapsed.as_secs_f64() * 1e3),
-            format!("{} undelivered message(s) dropped", resources.undelivered.buffers),
+            format!(
+                "{} undelivered message(s) dropped",
+                resources.undelivered.buffers
+            ),
             "survived".into(),
         ],
     );

@@ -101,7 +101,8 @@ fn embedder_loop(
     std::thread::scope(|scope| {
         let mut handles = Vec::new();
         for rank in 0..world {
-            let (fabric, config, barrier, live, first) = (&fabric, &config, &barrier, &live, &first);
+            let (fabric, config, barrier, live, first) =
+                (&fabric, &config, &barrier, &live, &first);
             let inputs = inputs.get(&rank).unwrap_or(&empty);
             let handle = std::thread::Builder::new()
                 .name(format!("embedder-rank-{rank}"))
@@ -113,7 +114,10 @@ fn embedder_loop(
                             .run(inputs)
                             .unwrap_or_else(|e| panic!("step {step}: {e}"));
                         let held = ev.backend().live_buffers();
-                        assert!(held.is_empty(), "rank {rank} holds {held} after step {step}");
+                        assert!(
+                            held.is_empty(),
+                            "rank {rank} holds {held} after step {step}"
+                        );
                         live.lock().unwrap()[rank] = held;
                         if step == 1 {
                             first.lock().unwrap().insert(rank, out);
@@ -157,10 +161,23 @@ fn a_reused_evaluator_holds_after_1000_steps_what_it_held_after_10() {
     let _serial = serial();
     for (name, l1, host) in examples() {
         let (warm, end, _) = embedder_loop(&l1, &host);
-        eprintln!("{name}: after {WARMUP}: {warm:?}\n{name}: after {}: {end:?}", steps());
-        assert_eq!(threads_left("embedder-rank"), 0, "{name}: rank threads left");
-        assert!(warm.live.is_empty() && end.live.is_empty(), "{name}: buffers held");
-        assert!(warm.in_flight.is_empty() && end.in_flight.is_empty(), "{name}: messages left");
+        eprintln!(
+            "{name}: after {WARMUP}: {warm:?}\n{name}: after {}: {end:?}",
+            steps()
+        );
+        assert_eq!(
+            threads_left("embedder-rank"),
+            0,
+            "{name}: rank threads left"
+        );
+        assert!(
+            warm.live.is_empty() && end.live.is_empty(),
+            "{name}: buffers held"
+        );
+        assert!(
+            warm.in_flight.is_empty() && end.in_flight.is_empty(),
+            "{name}: messages left"
+        );
         assert_eq!(end.fds, warm.fds, "{name}: file descriptors leaked");
         assert!(
             end.rss_kib <= warm.rss_kib + RSS_SLACK_KIB,
@@ -189,7 +206,7 @@ fn one_shot_runs_leave_no_threads_descriptors_or_buffers() {
     for (name, l1, host) in examples() {
         let inputs = random_inputs(&l1, 5).unwrap();
         let options = SimOptions::default();
-        let mut run = || {
+        let run = || {
             let (result, resources) = run_sim_observed(
                 &host,
                 SimInputs::Full {
@@ -211,7 +228,10 @@ fn one_shot_runs_leave_no_threads_descriptors_or_buffers() {
         for _ in 0..100 {
             run();
         }
-        eprintln!("{name}: one-shot runs: {rss} KiB -> {} KiB", status("VmRSS"));
+        eprintln!(
+            "{name}: one-shot runs: {rss} KiB -> {} KiB",
+            status("VmRSS")
+        );
         assert_eq!(open_fds(), fds, "{name}: file descriptors leaked");
         assert!(
             status("VmRSS") <= rss + RSS_SLACK_KIB,

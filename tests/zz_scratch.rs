@@ -1,6 +1,4 @@
 mod hardening_support;
-use std::collections::BTreeMap;
-use std::sync::{Arc, Barrier};
 use hardening_support::*;
 use meshflow::ir::parse_program;
 use meshflow::pipeline::{compile, CompileOptions};
@@ -8,6 +6,8 @@ use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::sim::Fabric;
 use meshflow::runtime::{EvalOptions, Evaluator, SimBackend, SimConfig};
+use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier};
 
 fn go(race: bool, poison: bool, steps: usize) {
     let text = std::fs::read_to_string("examples/programs/pipeline_two_meshes.mf").unwrap();
@@ -16,7 +16,11 @@ fn go(race: bool, poison: bool, steps: usize) {
     let inputs = scatter_inputs(&l1, &random_inputs(&l1, 5).unwrap()).unwrap();
     let empty = BTreeMap::new();
     let fabric = Arc::new(Fabric::new());
-    let config = SimConfig { race_check: race, poison, ..SimConfig::default() };
+    let config = SimConfig {
+        race_check: race,
+        poison,
+        ..SimConfig::default()
+    };
     let barrier = Barrier::new(5);
     let (mut a, mut b) = (0, 0);
     std::thread::scope(|s| {
@@ -24,11 +28,27 @@ fn go(race: bool, poison: bool, steps: usize) {
             let (fabric, config, barrier, host) = (&fabric, &config, &barrier, &host);
             let inputs = inputs.get(&rank).unwrap_or(&empty);
             s.spawn(move || {
-                let mut ev = Evaluator::new(host, SimBackend::new(rank, fabric.clone(), config), EvalOptions::default()).unwrap();
-                for step in 1..=steps { ev.run(inputs).unwrap(); if step == 10 || step == steps { barrier.wait(); barrier.wait(); } }
+                let mut ev = Evaluator::new(
+                    host,
+                    SimBackend::new(rank, fabric.clone(), config),
+                    EvalOptions::default(),
+                )
+                .unwrap();
+                for step in 1..=steps {
+                    ev.run(inputs).unwrap();
+                    if step == 10 || step == steps {
+                        barrier.wait();
+                        barrier.wait();
+                    }
+                }
             });
         }
-        barrier.wait(); a = status("VmRSS"); barrier.wait(); barrier.wait(); b = status("VmRSS"); barrier.wait();
+        barrier.wait();
+        a = status("VmRSS");
+        barrier.wait();
+        barrier.wait();
+        b = status("VmRSS");
+        barrier.wait();
     });
     eprintln!("race {race} poison {poison} steps {steps}: {a} -> {b} KiB");
 }

@@ -53,7 +53,9 @@ pub fn sim_threads() -> usize {
 
 /// Open file descriptors of this process.
 pub fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").count()
+    std::fs::read_dir("/proc/self/fd")
+        .expect("/proc/self/fd")
+        .count()
 }
 
 /// Prints a `HARDENING` row that `scripts/hardening.sh` collects into the table.

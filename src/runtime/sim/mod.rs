@@ -127,6 +127,12 @@ pub struct SimConfig {
     /// what the host can allocate). An allocation beyond it, or one the host cannot satisfy,
     /// is an error naming its size, never an abort.
     pub memory_limit: Option<u64>,
+    /// Most messages one rank may have sent to another that the receiver has not taken yet;
+    /// a further send waits for room (up to [`timeout`](Self::timeout)), like NCCL's bounded
+    /// buffers. Without a bound, a rank that only sends (a pipeline's first stage, run step
+    /// after step by an embedder) runs ahead of its receivers and its messages pile up
+    /// without limit. At least 1.
+    pub max_in_flight: usize,
 }
 
 impl Default for SimConfig {
@@ -139,6 +145,7 @@ impl Default for SimConfig {
             faults: Vec::new(),
             kernels: SimKernels::new(),
             memory_limit: None,
+            max_in_flight: 256,
         }
     }
 }
@@ -239,6 +246,7 @@ pub struct SimBackend {
     faults: Vec<Fault>,
     kernels: SimKernels,
     memory_limit: Option<u64>,
+    max_in_flight: usize,
     live: BufferStats,
     comm_labels: usize,
     slots: Vec<Slot>,
@@ -268,6 +276,7 @@ impl SimBackend {
                 .collect(),
             kernels: config.kernels.clone(),
             memory_limit: config.memory_limit,
+            max_in_flight: config.max_in_flight,
             live: BufferStats::default(),
             comm_labels: 0,
             slots: Vec::new(),
