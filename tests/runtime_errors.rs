@@ -107,3 +107,17 @@ fn absurd_and_over_limit_allocations_are_errors() {
         "{err}"
     );
 }
+
+/// Regression (fuzzing): seeded routing ids for an absurd top-k (`topk_idx: i32[4, 2^61]`)
+/// panicked ("capacity overflow" reserving the ids); an error naming the input now.
+#[test]
+fn seeded_inputs_for_absurd_shapes_are_errors() {
+    use meshflow::runtime::compare::random_inputs;
+    let params = [("t", 1), ("h", 1), ("e", 1 << 60), ("k", 1 << 61)];
+    let l1 = common::level1("moe_layer.mf", &params);
+    let err = random_inputs(&l1, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("topk_idx") && err.contains("cannot allocate"),
+        "{err}"
+    );
+}

@@ -28,11 +28,10 @@ const MAX_RUN_ELEMENTS: u64 = 1 << 16;
 /// Total elements of every level-1 tensor (None on overflow).
 fn total_elements(program: &Program) -> Option<u64> {
     program.tensors.iter().try_fold(0u64, |acc, (_, t)| {
-        let n = t
-            .ty
-            .axes
-            .iter()
-            .try_fold(1u64, |n, a| n.checked_mul(a.extent))?;
+        let n =
+            t.ty.axes
+                .iter()
+                .try_fold(1u64, |n, a| n.checked_mul(a.extent))?;
         acc.checked_add(n)
     })
 }
