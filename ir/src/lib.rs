@@ -50,7 +50,9 @@
 //!   broadcast** whose root at step `i` is team index `i`.
 //!
 //! The meaning of a level-1 program is the unsharded computation: every op is defined on
-//! logical tensors. A `set` whose input and output are sharded differently is a
+//! logical tensors. An embedder's own op, `custom(inputs.., kernel="NAME", args=[..])`, is
+//! computed by the kernel it registers with the backend and lowers to `launch_kernel` (see
+//! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
 //! **resharding**, lowered to a communication.
 //!
 //! ## The host IR
@@ -141,8 +143,8 @@ pub use host::{
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
 pub use parse::{parse_host, parse_program, parse_program_with, Params, ParseError};
 pub use program::{
-    Axis, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId, TensorType,
-    Transform,
+    Axis, CustomOp, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId,
+    TensorType, Transform,
 };
 pub use span::{SourceLoc, Span};
 pub use verify::{verify_host, verify_program, Diagnostic, Location, VerifyErrors};

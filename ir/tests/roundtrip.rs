@@ -6,9 +6,9 @@ use meshflow_ir::host::{BinOp, Expr, LoopVar};
 use meshflow_ir::program::MeshDecl;
 use meshflow_ir::{
     parse_host, parse_program, verify_host, verify_program, Axis, CommId, CommKind, ComputeOp,
-    DType, DeviceMesh, EntityRef, HostProgram, HostTensor, HostTensorId, Inst, InstKind, MeshId,
-    Op, OpKind, ParallelType, Program, ReduceOp, Role, SourceLoc, StreamRef, StreamVar, Team,
-    TensorDecl, TensorId, TensorType, Transform,
+    CustomOp, DType, DeviceMesh, EntityRef, HostProgram, HostTensor, HostTensorId, Inst, InstKind,
+    MeshId, Op, OpKind, ParallelType, Program, ReduceOp, Role, SourceLoc, StreamRef, StreamVar,
+    Team, TensorDecl, TensorId, TensorType, Transform,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -99,6 +99,14 @@ fn op_kind() -> impl Strategy<Value = OpKind> {
             OpKind::MoeCombine,
         ]),
         small_or_any_usize().prop_map(|axis| OpKind::Sum { axis }),
+        ("\\PC{1,8}", vec(any::<i64>(), 0..3), 0usize..3, 1usize..3).prop_map(
+            |(kernel, args, inputs, outputs)| OpKind::Custom(CustomOp {
+                kernel,
+                args,
+                inputs,
+                outputs,
+            })
+        ),
     ]
 }
 

@@ -17,11 +17,13 @@ struct Allocation {
     device: Device,
     /// `Some`: allocated with `cuMemAllocAsync` and freed on this stream; `None`: `cuMemAlloc`.
     free_stream: Option<Stream>,
+    /// Memory of the caller ([`DeviceBuffer::from_raw_borrowed`]): never freed here.
+    borrowed: bool,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        if self.bytes == 0 {
+        if self.bytes == 0 || self.borrowed {
             return;
         }
         let r = match &self.free_stream {
@@ -116,10 +118,54 @@ impl DeviceBuffer {
                 bytes,
                 device,
                 free_stream,
+                borrowed: false,
             }),
             offset: 0,
             len: bytes,
         }
+    }
+
+    /// Wraps `bytes` bytes of device memory the caller allocated (e.g. the storage of a PyTorch
+    /// tensor) at device address `ptr` on `device`. Kernels and copies then read and write that
+    /// memory in place; it is never freed here. Checks that the range lies inside one
+    /// allocation of `device`'s primary context.
+    ///
+    /// # Safety
+    /// The memory must stay allocated, and must not be used by others in ways that race with
+    /// it, while the returned buffer (or any view or clone of it) is alive and while device
+    /// work enqueued on it has not completed.
+    pub unsafe fn from_raw_borrowed(
+        device: &Device,
+        ptr: u64,
+        bytes: usize,
+    ) -> Result<DeviceBuffer> {
+        if bytes > 0 {
+            device.bind()?;
+            let (mut base, mut size) = (0u64, 0usize);
+            // SAFETY: a query; the out-pointers are valid locals.
+            drv("cuMemGetAddressRange", unsafe {
+                sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr).result()
+            })?;
+            let end = ptr.checked_add(bytes as u64);
+            if end.is_none_or(|end| end > base + size as u64) {
+                return Err(KernelError::InvalidArgument(format!(
+                    "{bytes} bytes at the caller's device address do not fit in its allocation \
+                     of {size} bytes ({} bytes from its start)",
+                    ptr - base
+                )));
+            }
+        }
+        Ok(DeviceBuffer {
+            alloc: Arc::new(Allocation {
+                ptr,
+                bytes,
+                device: device.clone(),
+                free_stream: None,
+                borrowed: true,
+            }),
+            offset: 0,
+            len: bytes,
+        })
     }
 
     /// Length in bytes.
@@ -326,5 +372,35 @@ impl fmt::Debug for DeviceBuffer {
             .field("len", &self.len)
             .field("allocation_bytes", &self.alloc.bytes)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn borrowed_memory_is_used_in_place_and_never_freed() {
+        let device = match Device::count() {
+            Ok(n) if n > 0 => Device::new(0).expect("open device 0"),
+            other => {
+                eprintln!("skipped: no CUDA device ({other:?})");
+                return;
+            }
+        };
+        let stream = Stream::new(&device).expect("stream");
+        let owner = DeviceBuffer::from_slice(&stream, &[1.0f32; 64]).expect("alloc");
+        // SAFETY: `owner` keeps the memory allocated longer than `borrowed` lives.
+        let borrowed = unsafe { DeviceBuffer::from_raw_borrowed(&device, owner.addr() + 64, 128) }
+            .expect("inside the allocation");
+        borrowed.upload(&stream, &[2.0f32; 32]).expect("upload");
+        drop(borrowed);
+        let all = owner.to_vec::<f32>(&stream).expect("read back");
+        assert_eq!(&all[..16], &[1.0; 16]);
+        assert_eq!(&all[16..48], &[2.0; 32]);
+        assert_eq!(&all[48..], &[1.0; 16]);
+        // SAFETY: only checked, never used: the range is refused.
+        let e = unsafe { DeviceBuffer::from_raw_borrowed(&device, owner.addr() + 64, 1 << 30) };
+        assert!(e.is_err(), "a range past the allocation must be refused");
     }
 }

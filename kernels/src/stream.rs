@@ -59,6 +59,36 @@ impl Stream {
         Ok(Stream::wrap(device, cu))
     }
 
+    /// Wraps a stream the caller created (e.g. PyTorch's current stream) on `device`: work
+    /// enqueued here runs in order with the caller's. It is never destroyed here. Checks that
+    /// the stream belongs to `device`'s primary context (the one the CUDA runtime uses).
+    ///
+    /// # Safety
+    /// `raw` must be a live `CUstream` that outlives the returned `Stream` and all its clones.
+    pub unsafe fn from_raw_borrowed(device: &Device, raw: *mut std::ffi::c_void) -> Result<Stream> {
+        let cu_stream = raw as cudarc::driver::sys::CUstream;
+        let ctx = device.inner.ctx.clone();
+        if !cu_stream.is_null() {
+            device.bind()?;
+            let mut owner = std::ptr::null_mut();
+            // SAFETY: a query on the caller's live stream; `owner` is a valid out-pointer.
+            drv("cuStreamGetCtx", unsafe {
+                cudarc::driver::sys::cuStreamGetCtx(cu_stream, &mut owner).result()
+            })?;
+            if owner != ctx.cu_ctx() {
+                return Err(KernelError::InvalidArgument(format!(
+                    "the caller's stream belongs to another CUDA context than the primary \
+                     context of device {}",
+                    device.ordinal()
+                )));
+            }
+        }
+        // SAFETY: the stream is live and belongs to this context (checked above; the null
+        // stream is the context's legacy default stream); the caller keeps it alive.
+        let cu = unsafe { ctx.wrap_borrowed_stream(cu_stream) };
+        Ok(Stream::wrap(device, cu))
+    }
+
     /// The legacy default (null) stream of `device`.
     pub fn default_stream(device: &Device) -> Stream {
         Stream::wrap(device, device.inner.ctx.default_stream())

@@ -19,6 +19,8 @@ pub enum BenchCase {
     Agmm(BenchArgs),
     /// Row-parallel linear: GEMM + reduce-scatter (collective and chunked variants).
     Rsmm(BenchArgs),
+    /// MoE dispatch and combine latency, NCCL and NVLink transports.
+    Moe(super::bench_moe::MoeBenchArgs),
 }
 
 /// Arguments of `bench`.
@@ -85,11 +87,12 @@ fn parse_shape(s: &str) -> Result<meshflow::bench::programs::Gemm3, CliError> {
 
 /// Runs `bench`.
 pub fn run(cmd: BenchCommand) -> Result<(), CliError> {
-    let (name, args) = match &cmd.case {
+    let (name, args) = match cmd.case {
         BenchCase::Agmm(a) => ("agmm", a),
         BenchCase::Rsmm(a) => ("rsmm", a),
+        BenchCase::Moe(a) => return super::bench_moe::run(a),
     };
-    measure(name, args)
+    measure(name, &args)
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -1,6 +1,7 @@
 //! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
 
 mod bench;
+mod bench_moe;
 mod check;
 mod common;
 mod launch;

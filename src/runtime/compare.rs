@@ -8,7 +8,7 @@ use meshflow_ir::{DType, HostProgram, OpKind, Program};
 
 use super::data::{numel_of, try_collect, try_filled, DataError, SplitMix64, TensorData};
 use super::launch::{run_sim, LaunchError, SimInputs, SimOptions};
-use super::reference::{evaluate, ReferenceError};
+use super::reference::{evaluate_with, ReferenceError};
 use super::shard::ShardError;
 
 /// Why a comparison could not be made.
@@ -161,7 +161,8 @@ pub fn random_inputs(
 }
 
 /// Generates seeded inputs, runs `host` on `ranks` sim ranks, gathers the outputs of
-/// `level1`, evaluates the reference and compares every output.
+/// `level1`, evaluates the reference and compares every output. The kernels of
+/// `options.config` serve the run's `launch_kernel`s and the reference's `custom` ops alike.
 pub fn run_and_compare(
     level1: &Program,
     host: &HostProgram,
@@ -181,7 +182,7 @@ pub fn run_and_compare(
         &options,
     )?;
     let got = outcome.gather(level1)?;
-    let want = evaluate(level1, &inputs)?;
+    let want = evaluate_with(level1, &inputs, &options.config.kernels)?;
     compare_outputs(level1, &got, &want)
 }
 

@@ -4,6 +4,12 @@
 //! [`cpu_ops`]. Reduction axes are dropped from values (a consumer sees only
 //! the non-reduction axes). `moe_dispatch` orders each expert's rows by ascending `(token, k)`
 //! and numbers tokens globally; a capacity overflow is an error naming the expert.
+//!
+//! A `custom` op runs the closure registered under its kernel name in the [`SimKernels`] given
+//! to [`evaluate_with`] — the same closure the CPU backend launches on chunks, here called once
+//! on the full tensors (a custom op is chunk-wise by contract, so both agree), with the op's
+//! `args` followed by the full output shape. [`evaluate`] has no kernels: a program with a
+//! `custom` op is an error there ([`ReferenceError::NoKernel`]).
 
 use std::collections::BTreeMap;
 
@@ -11,6 +17,7 @@ use meshflow_ir::{EntityRef, OpKind, Program, TensorId};
 
 use super::cpu_ops::{self, Binary, OpError, Unary};
 use super::data::TensorData;
+use super::sim::SimKernels;
 use super::view::{View, ViewMut};
 
 /// Why the reference could not evaluate a program.
@@ -43,6 +50,25 @@ pub enum ReferenceError {
         /// The op, printed.
         op: String,
     },
+    /// A `custom` op's kernel is not among the reference kernels.
+    #[error(
+        "`{op}`: no reference kernel `{kernel}` (register it in the kernels given to \
+         `evaluate_with`)"
+    )]
+    NoKernel {
+        /// The op, printed.
+        op: String,
+        /// The kernel name.
+        kernel: String,
+    },
+    /// A `custom` op's reference kernel failed.
+    #[error("`{op}`: {message}")]
+    Kernel {
+        /// The op, printed.
+        op: String,
+        /// The kernel's message.
+        message: String,
+    },
     /// A kernel failed.
     #[error("`{op}`: {source}")]
     Op {
@@ -65,8 +91,12 @@ fn op_text(program: &Program, op: &meshflow_ir::Op) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     };
+    let kernel = match &op.kind {
+        OpKind::Custom(c) => format!(", kernel=\"{}\"", c.kernel.escape_default()),
+        _ => String::new(),
+    };
     format!(
-        "{} = {}({})",
+        "{} = {}({}{kernel})",
         names(&op.outputs),
         op.kind.name(),
         names(&op.inputs)
@@ -77,6 +107,15 @@ fn op_text(program: &Program, op: &meshflow_ir::Op) -> String {
 pub fn evaluate(
     program: &Program,
     inputs: &BTreeMap<String, TensorData>,
+) -> Result<BTreeMap<String, TensorData>, ReferenceError> {
+    evaluate_with(program, inputs, &SimKernels::new())
+}
+
+/// [`evaluate`], with `kernels` computing the `custom` ops (see the module docs).
+pub fn evaluate_with(
+    program: &Program,
+    inputs: &BTreeMap<String, TensorData>,
+    kernels: &SimKernels,
 ) -> Result<BTreeMap<String, TensorData>, ReferenceError> {
     let mut values: Vec<Option<TensorData>> = vec![None; program.tensors.len()];
     for t in program.inputs() {
@@ -123,10 +162,14 @@ pub fn evaluate(
                     })
                 })
                 .collect::<Result<_, _>>()?;
-            run_op(&op.kind, &ins, &mut outs).map_err(|source| ReferenceError::Op {
-                op: text.clone(),
-                source,
-            })?;
+            if let OpKind::Custom(c) = &op.kind {
+                run_custom(c, kernels, &ins, &mut outs, &text)?;
+            } else {
+                run_op(&op.kind, &ins, &mut outs).map_err(|source| ReferenceError::Op {
+                    op: text.clone(),
+                    source,
+                })?;
+            }
         }
         for (&o, data) in op.outputs.iter().zip(outs) {
             values[o.index()] = Some(data);
@@ -147,6 +190,30 @@ pub fn evaluate(
     Ok(result)
 }
 
+fn run_custom(
+    op: &meshflow_ir::CustomOp,
+    kernels: &SimKernels,
+    ins: &[View<'_>],
+    outs: &mut [TensorData],
+    text: &str,
+) -> Result<(), ReferenceError> {
+    let kernel = kernels
+        .get(&op.kernel)
+        .ok_or_else(|| ReferenceError::NoKernel {
+            op: text.to_string(),
+            kernel: op.kernel.clone(),
+        })?;
+    let mut args = op.args.clone();
+    if let Some(first) = outs.first() {
+        args.extend(first.shape().iter().map(|&e| e as i64));
+    }
+    let mut views: Vec<ViewMut<'_>> = outs.iter_mut().map(ViewMut::of).collect();
+    kernel(ins, &mut views, &args).map_err(|message| ReferenceError::Kernel {
+        op: text.to_string(),
+        message,
+    })
+}
+
 fn run_op(kind: &OpKind, ins: &[View<'_>], outs: &mut [TensorData]) -> Result<(), OpError> {
     let [first, rest @ ..] = outs else {
         return Err(cpu_ops::shape_err(kind.name(), "no output"));
@@ -165,6 +232,10 @@ fn run_op(kind: &OpKind, ins: &[View<'_>], outs: &mut [TensorData]) -> Result<()
         OpKind::Cast => cpu_ops::cast(&ins[0], &mut out),
         OpKind::GroupedMatmul => cpu_ops::grouped_matmul(&ins[0], &ins[1], &ins[2], &mut out),
         OpKind::MoeCombine => cpu_ops::moe_combine(&ins[0], &ins[1], &ins[2], &ins[3], &mut out),
+        OpKind::Custom(c) => Err(cpu_ops::shape_err(
+            "custom",
+            format!("kernel `{}` runs through `run_custom`", c.kernel),
+        )),
         OpKind::MoeDispatch => {
             let [counts, routing] = rest else {
                 return Err(cpu_ops::shape_err("moe_dispatch", "needs three outputs"));

@@ -12,7 +12,8 @@ use super::mesh::parse_mesh;
 use super::{Params, ParseError};
 use crate::dtype::DType;
 use crate::program::{
-    Axis, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId, TensorType, Transform,
+    Axis, CustomOp, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId, TensorType,
+    Transform,
 };
 use crate::span::SourceLoc;
 
@@ -297,33 +298,18 @@ impl ProgramParser<'_> {
         self.cur.expect_punct("=")?;
         let (name, name_pos) = self.cur.expect_ident("an op name")?;
         // Reject unknown ops at their name, before their arguments.
-        op_kind(&name, name_pos, Some(0), name_pos)?;
+        op_kind(&name, name_pos, None, name_pos)?;
         self.cur.expect_punct("(")?;
         let mut inputs = Vec::new();
-        let mut axis: Option<usize> = None;
+        let mut attrs = OpAttrs::default();
         if !self.cur.is_punct(")") {
             loop {
                 if matches!(self.cur.peek().tok, Tok::Ident(_)) && self.cur.is_punct_at(1, "=") {
                     let (key, key_pos) = self.cur.expect_ident("an attribute")?;
                     self.cur.bump();
-                    if name != "sum" {
-                        return Err(error_at(
-                            key_pos,
-                            format!("`{name}` takes no attribute `{key}`"),
-                        ));
-                    }
-                    if key != "axis" {
-                        return Err(error_at(
-                            key_pos,
-                            format!("unknown attribute `{key}` of `sum` (expected `axis`)"),
-                        ));
-                    }
-                    if axis.is_some() {
-                        return Err(error_at(key_pos, "`axis` is given twice"));
-                    }
-                    axis = Some(self.usize_number("the summed axis")?);
+                    self.attribute(&name, &key, key_pos, &mut attrs)?;
                 } else {
-                    if axis.is_some() {
+                    if attrs.any() {
                         return Err(self.cur.unexpected("`)` (attributes come last)"));
                     }
                     inputs.push(self.tensors.expect(&mut self.cur)?.0);
@@ -334,13 +320,81 @@ impl ProgramParser<'_> {
             }
         }
         let close = self.cur.expect_punct(")")?;
-        let kind = op_kind(&name, name_pos, axis, close)?;
+        let mut kind = op_kind(&name, name_pos, Some(attrs), close)?;
+        if let OpKind::Custom(c) = &mut kind {
+            c.inputs = inputs.len();
+            c.outputs = outputs.len();
+        }
         self.program.ops.push(Op {
             kind,
             inputs,
             outputs,
             loc: loc(start),
         });
+        Ok(())
+    }
+
+    /// One `key=value` attribute of op `op` (`sum`: `axis`; `custom`: `kernel`, `args`).
+    fn attribute(
+        &mut self,
+        op: &str,
+        key: &str,
+        key_pos: Pos,
+        attrs: &mut OpAttrs,
+    ) -> Result<(), ParseError> {
+        let expected = match op {
+            "sum" => "`axis`",
+            "custom" => "`kernel` or `args`",
+            _ => {
+                return Err(error_at(
+                    key_pos,
+                    format!("`{op}` takes no attribute `{key}`"),
+                ))
+            }
+        };
+        let twice = || error_at(key_pos, format!("`{key}` is given twice"));
+        match (op, key) {
+            ("sum", "axis") => {
+                if attrs.axis.is_some() {
+                    return Err(twice());
+                }
+                attrs.axis = Some(self.usize_number("the summed axis")?);
+            }
+            ("custom", "kernel") => {
+                if attrs.kernel.is_some() {
+                    return Err(twice());
+                }
+                attrs.kernel = Some(self.cur.expect_str("a kernel name string")?.0);
+            }
+            ("custom", "args") => {
+                if attrs.args.is_some() {
+                    return Err(twice());
+                }
+                let mut args = Vec::new();
+                self.cur.expect_punct("[")?;
+                if !self.cur.is_punct("]") {
+                    loop {
+                        let e = parse_expr(&mut self.cur)?;
+                        let v = eval(&e, &self.params)?;
+                        let v = i64::try_from(v).map_err(|_| {
+                            error_at(e.start(), "a kernel argument must fit in 64 bits")
+                        })?;
+                        args.push(v);
+                        if !self.cur.eat_punct(",") {
+                            break;
+                        }
+                    }
+                }
+                self.cur.expect_punct("]")?;
+                attrs.args = Some(args);
+            }
+            _ => {
+                return Err(error_at(
+                    key_pos,
+                    format!("unknown attribute `{key}` of `{op}` (expected {expected})"),
+                ))
+            }
+        }
         Ok(())
     }
 
@@ -357,7 +411,25 @@ impl ProgramParser<'_> {
     }
 }
 
-fn op_kind(name: &str, pos: Pos, axis: Option<usize>, close: Pos) -> Result<OpKind, ParseError> {
+/// The attributes written after an op's inputs.
+#[derive(Default)]
+struct OpAttrs {
+    axis: Option<usize>,
+    kernel: Option<String>,
+    args: Option<Vec<i64>>,
+}
+
+impl OpAttrs {
+    fn any(&self) -> bool {
+        self.axis.is_some() || self.kernel.is_some() || self.args.is_some()
+    }
+}
+
+/// The op called `name` with its attributes; `None` checks the name alone (required
+/// attributes are not known yet).
+fn op_kind(name: &str, pos: Pos, attrs: Option<OpAttrs>, close: Pos) -> Result<OpKind, ParseError> {
+    let early = attrs.is_none();
+    let attrs = attrs.unwrap_or_default();
     let kind = match name {
         "set" => OpKind::Set,
         "matmul" => OpKind::Matmul,
@@ -367,20 +439,41 @@ fn op_kind(name: &str, pos: Pos, axis: Option<usize>, close: Pos) -> Result<OpKi
         "mul" => OpKind::Mul,
         "gelu" => OpKind::Gelu,
         "silu" => OpKind::Silu,
-        "sum" => {
-            let axis = axis.ok_or_else(|| error_at(close, "`sum` needs `axis=`"))?;
-            OpKind::Sum { axis }
-        }
+        "sum" => match attrs.axis {
+            Some(axis) => OpKind::Sum { axis },
+            None if early => OpKind::Sum { axis: 0 },
+            None => return Err(error_at(close, "`sum` needs `axis=`")),
+        },
         "cast" => OpKind::Cast,
         "moe_dispatch" => OpKind::MoeDispatch,
         "grouped_matmul" => OpKind::GroupedMatmul,
         "moe_combine" => OpKind::MoeCombine,
+        "custom" => match attrs.kernel {
+            Some(kernel) => OpKind::Custom(CustomOp {
+                kernel,
+                args: attrs.args.unwrap_or_default(),
+                inputs: 0,
+                outputs: 0,
+            }),
+            None if early => OpKind::Custom(CustomOp {
+                kernel: String::new(),
+                args: Vec::new(),
+                inputs: 0,
+                outputs: 0,
+            }),
+            None => {
+                return Err(error_at(
+                    close,
+                    "`custom` needs `kernel=\"NAME\"` (the registered kernel)",
+                ))
+            }
+        },
         _ => {
             return Err(error_at(
                 pos,
                 format!(
                     "unknown op `{name}` (expected set, matmul, linear, add, sub, mul, gelu, \
-                     silu, sum, cast, moe_dispatch, grouped_matmul or moe_combine)"
+                     silu, sum, cast, moe_dispatch, grouped_matmul, moe_combine or custom)"
                 ),
             ))
         }

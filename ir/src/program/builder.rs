@@ -334,6 +334,25 @@ impl ProgramBuilder {
         )
     }
 
+    /// `custom(inputs.., kernel=KERNEL, args=[ARGS])`: an embedder's own op with the declared
+    /// output types (see [`CustomOp`](super::CustomOp) for the contract). Outputs are placed on
+    /// the mesh of the first input.
+    pub fn custom(
+        &mut self,
+        kernel: &str,
+        inputs: &[TensorRef],
+        outputs: &[TensorType],
+        args: &[i64],
+    ) -> Result<Vec<TensorRef>, BuildError> {
+        let kind = OpKind::Custom(super::CustomOp {
+            kernel: kernel.to_string(),
+            args: args.to_vec(),
+            inputs: inputs.len(),
+            outputs: outputs.len(),
+        });
+        self.op(kind, inputs, outputs)
+    }
+
     /// The program built so far, unverified.
     pub fn program(&self) -> &Program {
         &self.program

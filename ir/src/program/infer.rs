@@ -327,6 +327,61 @@ pub fn infer_output_types(
             axes.extend([Axis::iter(w[nb]), Axis::iter(f)]);
             vec![TensorType { dtype: d[0], axes }]
         }
+        OpKind::Custom(_) => custom_types(kind, &v, declared)?,
     };
     Ok(out)
+}
+
+/// The output types of a custom op: the declared ones, checked against the contract of
+/// [`CustomOp`](super::CustomOp) (one value shape for every output, no reduction axes, each
+/// input's shape a suffix of it).
+fn custom_types(
+    kind: &OpKind,
+    inputs: &[Vec<u64>],
+    declared: &[&TensorType],
+) -> Result<Vec<TensorType>, InferError> {
+    if let OpKind::Custom(c) = kind {
+        if c.kernel.is_empty() {
+            return Err(err(kind, "the kernel name is empty"));
+        }
+    }
+    let Some(first) = declared.first() else {
+        return Err(err(
+            kind,
+            "produces at least one output, whose type must be declared",
+        ));
+    };
+    let shape = first.value_shape();
+    for (k, t) in declared.iter().enumerate() {
+        if t.axes.iter().any(|a| a.reduction) {
+            return Err(err(
+                kind,
+                format!("output #{k} has a reduction axis ({t}); custom outputs have none"),
+            ));
+        }
+        if t.value_shape() != shape {
+            return Err(err(
+                kind,
+                format!(
+                    "output #{k} has shape {} but output #0 has {}; every output has one shape",
+                    shape_str(&t.value_shape()),
+                    shape_str(&shape)
+                ),
+            ));
+        }
+    }
+    for (j, v) in inputs.iter().enumerate() {
+        if !shape.ends_with(v) {
+            return Err(err(
+                kind,
+                format!(
+                    "input #{j} has shape {}, which is not a suffix of the output shape {} \
+                     (inputs align with the outputs from the last axis)",
+                    shape_str(v),
+                    shape_str(&shape)
+                ),
+            ));
+        }
+    }
+    Ok(declared.iter().map(|&t| t.clone()).collect())
 }

@@ -11,7 +11,7 @@ pub mod schedule;
 
 use std::fmt;
 
-pub use builder::{ProgramBuilder, TensorRef};
+pub use builder::{BuildError, ProgramBuilder, TensorRef};
 pub use infer::{infer_output_types, InferError};
 pub use schedule::{
     AxisLayout, DeviceSplit, IdDef, IterDomain, Layout, LayoutError, Leaf, LoopDomain,
@@ -198,6 +198,39 @@ pub enum OpKind {
     /// topk_weights[B.., T, K] -> out[B.., T, F]` with `out[t] = sum_k w[t, k] * y(t, k)`,
     /// accumulated in f32 and rounded once.
     MoeCombine,
+    /// An embedder's own op, computed by the kernel it registers under [`CustomOp::kernel`]
+    /// (see [`CustomOp`] for the contract).
+    Custom(CustomOp),
+}
+
+/// An embedder's own level-1 op: `y = custom(x, b, kernel="bias_gelu", args=[1])`.
+///
+/// The embedder declares the output types (every output has the same value shape `S`, dtypes
+/// may differ, no reduction axes) and each input's value shape is a **suffix** of `S`: inputs
+/// are aligned with the outputs from the last axis, numpy-style, without size-1 expansion
+/// (`x[M, N]` and a bias `b[N]` give `y[M, N]`). The op is **chunk-wise along every axis**:
+/// for any aligned chunk of the outputs (rows, columns, any device or Stream split), the
+/// kernel computes that chunk from the aligned chunks of the inputs alone. Sharding
+/// propagation and resharding treat it like an elementwise op with these aligned axes, so a
+/// device split of an output axis requires the same split of every input axis aligned with it.
+/// An op that mixes elements along an axis (a softmax over rows, a reduction) is still
+/// correct as long as that axis is never split; meshflow cannot check this.
+///
+/// Lowering turns it into `launch_kernel(inputs -> outputs, kernel=KERNEL, args=[ARGS..,
+/// SHAPE..])`: the op's `args`, then the local (per-device, per-chunk) extents of the first
+/// output, outermost first, so a device kernel knows the sizes of the chunk it is given. On
+/// the CPU backend the registered closure also serves as the op's reference (the level-1
+/// interpreter calls it once on the full tensors, with the full output shape).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct CustomOp {
+    /// The name the kernel is registered under with the backend.
+    pub kernel: String,
+    /// Integer attributes, passed first among the kernel's scalar arguments.
+    pub args: Vec<i64>,
+    /// The number of inputs.
+    pub inputs: usize,
+    /// The number of outputs (at least 1).
+    pub outputs: usize,
 }
 
 impl OpKind {
@@ -217,6 +250,7 @@ impl OpKind {
             OpKind::MoeDispatch => "moe_dispatch",
             OpKind::GroupedMatmul => "grouped_matmul",
             OpKind::MoeCombine => "moe_combine",
+            OpKind::Custom(_) => "custom",
         }
     }
 
@@ -228,6 +262,7 @@ impl OpKind {
             OpKind::MoeDispatch => (2, 3),
             OpKind::GroupedMatmul => (3, 1),
             OpKind::MoeCombine => (4, 1),
+            OpKind::Custom(c) => (c.inputs, c.outputs),
         }
     }
 

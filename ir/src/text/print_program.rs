@@ -58,8 +58,19 @@ pub fn write_program(f: &mut dyn fmt::Write, program: &Program) -> fmt::Result {
             }
             f.write_str(&tensor_name(t))?;
         }
-        if let OpKind::Sum { axis } = op.kind {
-            write!(f, ", axis={axis}")?;
+        match &op.kind {
+            OpKind::Sum { axis } => write!(f, ", axis={axis}")?,
+            OpKind::Custom(c) => {
+                if !op.inputs.is_empty() {
+                    f.write_str(", ")?;
+                }
+                write!(f, "kernel=\"{}\"", c.kernel.escape_default())?;
+                if !c.args.is_empty() {
+                    let args: Vec<String> = c.args.iter().map(i64::to_string).collect();
+                    write!(f, ", args=[{}]", args.join(", "))?;
+                }
+            }
+            _ => {}
         }
         f.write_str(")\n")?;
     }

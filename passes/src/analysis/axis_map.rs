@@ -3,7 +3,8 @@
 //! For `y = linear(x[M, K], w[N, K])` with `y[M, N, rK]`: `y.M <- x.M`, `y.N <- w.N` and the
 //! reduction axis `y.rK <- x.K, w.K`. Propagation pushes splits along these maps, the
 //! decomposition derives the sharding an op needs from its inputs through them, and the
-//! lowering uses them to find which input axis a Stream chunk of the output cuts.
+//! lowering uses them to find which input axis a Stream chunk of the output cuts. A `custom`
+//! op maps each output axis to the input axes aligned with it from the last axis.
 
 use meshflow_ir::{Op, OpKind, Program, TensorId};
 
@@ -126,6 +127,18 @@ pub fn op_axis_map(program: &Program, op: &Op) -> AxisMap {
             }
             put(0, nb, 3, nb); // T
             put(0, nb + 1, 0, nb + 2); // F
+        }
+        OpKind::Custom(_) => {
+            // Inputs align with the outputs from the last axis (see `CustomOp`).
+            for o in 0..op.outputs.len() {
+                let r = out_rank(o);
+                for j in 0..op.inputs.len() {
+                    let offset = r.saturating_sub(vrank(j));
+                    for k in offset..r {
+                        put(o, k, j, k - offset);
+                    }
+                }
+            }
         }
     }
     map

@@ -45,6 +45,20 @@ impl Default for CudaConfig {
     }
 }
 
+/// GPU resources the caller owns, for [`CudaBackend::with_resources`].
+#[derive(Debug)]
+pub struct CudaResources {
+    /// The GPU (its primary context, the one the CUDA runtime and PyTorch use).
+    pub device: Device,
+    /// The caller's stream (see `Stream::from_raw_borrowed`): the rank's main stream, so the
+    /// program runs in order with the caller's work on it. `None`: a stream of meshflow's.
+    pub stream: Option<Stream>,
+    /// Communicators the caller created (see `Comm::from_raw_borrowed`), each with the team it
+    /// serves: the team's members (global ranks) in team order, its rank in the communicator
+    /// being this rank's index there.
+    pub comms: Vec<(Vec<DeviceId>, Comm)>,
+}
+
 /// A flag the ranks of one run share: set by the first rank that fails, so that the others
 /// stop waiting for it (and abort their NCCL communicators) instead of hanging.
 #[derive(Clone, Debug, Default)]
@@ -161,11 +175,102 @@ impl CudaBackend {
         abort: Option<AbortSignal>,
     ) -> Result<CudaBackend, BackendError> {
         let device = Device::new(ordinal).map_err(|e| dev_err(rank, "cuDeviceGet", e))?;
+        CudaBackend::on_device(rank, device, None, config, rendezvous, abort)
+    }
+
+    /// The backend of `rank` on the caller's resources (see [`CudaResources`]): its stream is
+    /// the main stream, its communicators serve their teams (borrowed ones are never aborted,
+    /// destroyed or cached here), and caller-owned buffers are lent with
+    /// [`CudaBackend::import`]. Teams without a communicator are created through `rendezvous`
+    /// as with [`CudaBackend::new`].
+    pub fn with_resources(
+        rank: DeviceId,
+        resources: CudaResources,
+        config: CudaConfig,
+        rendezvous: Option<Arc<dyn Rendezvous>>,
+        abort: Option<AbortSignal>,
+    ) -> Result<CudaBackend, BackendError> {
+        let CudaResources {
+            device,
+            stream,
+            comms,
+        } = resources;
+        let mut b = CudaBackend::on_device(rank, device, stream, config, rendezvous, abort)?;
+        let namespace = b.namespace();
+        for (members, comm) in comms {
+            let invalid = |m: String| BackendError::Invalid(format!("rank {rank}: {m}"));
+            let my_index = members.iter().position(|&m| m == rank).ok_or_else(|| {
+                invalid(format!(
+                    "a communicator is given for team {members:?}, without this rank"
+                ))
+            })?;
+            if comm.size() != members.len() || comm.rank() != my_index {
+                return Err(invalid(format!(
+                    "the communicator given for team {members:?} has rank {} of {}, not {my_index} \
+                     of {}",
+                    comm.rank(),
+                    comm.size(),
+                    members.len()
+                )));
+            }
+            if !comm.device().same_as(&b.device) {
+                return Err(invalid(format!(
+                    "the communicator given for team {members:?} is on GPU {}, not {}",
+                    comm.device().ordinal(),
+                    b.device.ordinal()
+                )));
+            }
+            b.nccl.get_or_insert_with(|| comm.lib().clone());
+            let key = TeamKey {
+                namespace: namespace.clone(),
+                ordinal: b.device.ordinal(),
+                members,
+            };
+            b.comms.retain(|(k, _)| *k != key);
+            b.comms.push((key, comm));
+        }
+        Ok(b)
+    }
+
+    /// Lends the caller's device memory `data` (elements of `dtype`) to the program as a
+    /// buffer, used in place; [`Backend::deallocate`] ends the loan (nothing is freed).
+    pub fn import(&mut self, data: DeviceBuffer, dtype: DType) -> Result<CudaBuffer, BackendError> {
+        if !data.device().same_as(&self.device) {
+            return Err(BackendError::Invalid(format!(
+                "rank {}: a caller buffer on GPU {} lent to the backend of GPU {}",
+                self.rank,
+                data.device().ordinal(),
+                self.device.ordinal()
+            )));
+        }
+        self.memory
+            .import(data, dtype)
+            .map_err(self.err("importing a caller buffer"))
+    }
+
+    fn on_device(
+        rank: DeviceId,
+        device: Device,
+        main: Option<Stream>,
+        config: CudaConfig,
+        rendezvous: Option<Arc<dyn Rendezvous>>,
+        abort: Option<AbortSignal>,
+    ) -> Result<CudaBackend, BackendError> {
         let pool = config.stream_pool.max(1);
-        let streams = (0..=pool)
-            .map(|_| Stream::new(&device))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| dev_err(rank, "cuStreamCreate", e))?;
+        let mut streams = Vec::with_capacity(pool + 1);
+        if let Some(main) = main {
+            if !main.device().same_as(&device) {
+                return Err(BackendError::Invalid(format!(
+                    "rank {rank}: the caller's stream is on GPU {}, not {}",
+                    main.device().ordinal(),
+                    device.ordinal()
+                )));
+            }
+            streams.push(main);
+        }
+        while streams.len() <= pool {
+            streams.push(Stream::new(&device).map_err(|e| dev_err(rank, "cuStreamCreate", e))?);
+        }
         let timeline = Timeline::new(config.profile);
         Ok(CudaBackend {
             rank,
@@ -219,6 +324,18 @@ impl CudaBackend {
     /// dropped, and nothing waits for its pending device work.
     pub fn mark_failed(&mut self) {
         self.failed = true;
+    }
+
+    /// Marks this rank as failed and tells the other ranks of the run, through the abort
+    /// signal and the rendezvous it was given, so that they stop instead of waiting for it.
+    pub fn signal_failure(&mut self, reason: &str) {
+        self.failed = true;
+        if let Some(a) = &self.abort {
+            a.abort(self.rank, reason.to_string());
+        }
+        if let Some(r) = &self.rendezvous {
+            r.abort(&format!("rank {} failed: {reason}", self.rank));
+        }
     }
 
     /// The rendezvous namespace (keys the communicator cache).
@@ -388,6 +505,10 @@ impl CudaBackend {
         self.moe_release(false);
         self.team_comm.clear();
         for (key, c) in self.comms.drain(..) {
+            if c.is_borrowed() {
+                // Never aborted here: the caller owns it.
+                continue;
+            }
             if let Err(e) = c.abort() {
                 tracing::warn!(rank = self.rank, ?key.members, "ncclCommAbort failed: {e}");
             }
@@ -438,7 +559,10 @@ impl Drop for CudaBackend {
         } else {
             self.moe_release(true);
             for (key, c) in self.comms.drain(..) {
-                teams::checkin(key, c);
+                // The caller's communicators go back to the caller, not to the cache.
+                if !c.is_borrowed() {
+                    teams::checkin(key, c);
+                }
             }
         }
     }

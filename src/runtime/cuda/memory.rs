@@ -27,6 +27,8 @@ pub(super) struct Entry {
     pub(super) data: DeviceBuffer,
     /// Element type.
     pub(super) dtype: DType,
+    /// The caller's memory ([`Memory::import`]): never cached or reused.
+    external: bool,
 }
 
 #[derive(Debug, Default)]
@@ -133,7 +135,40 @@ impl Memory {
             }
         };
         let s = &mut self.slots[slot as usize];
-        s.entry = Some(Entry { whole, data, dtype });
+        s.entry = Some(Entry {
+            whole,
+            data,
+            dtype,
+            external: false,
+        });
+        Ok(CudaBuffer {
+            slot,
+            generation: s.generation,
+        })
+    }
+
+    /// A handle for the caller's memory `data` (holding elements of `dtype`), used in place
+    /// until [`Memory::release`] forgets it (never cached, never freed here).
+    pub(super) fn import(
+        &mut self,
+        data: DeviceBuffer,
+        dtype: DType,
+    ) -> Result<CudaBuffer, KernelError> {
+        let slot = match self.free_slots.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot::default());
+                u32::try_from(self.slots.len() - 1)
+                    .map_err(|_| KernelError::InvalidArgument("too many buffers".into()))?
+            }
+        };
+        let s = &mut self.slots[slot as usize];
+        s.entry = Some(Entry {
+            whole: data.clone(),
+            data,
+            dtype,
+            external: true,
+        });
         Ok(CudaBuffer {
             slot,
             generation: s.generation,
@@ -162,10 +197,12 @@ impl Memory {
         };
         s.generation = s.generation.wrapping_add(1);
         self.free_slots.push(b.slot);
-        self.cache.push(Cached {
-            whole: entry.whole,
-            pending,
-        });
+        if !entry.external {
+            self.cache.push(Cached {
+                whole: entry.whole,
+                pending,
+            });
+        }
         true
     }
 }

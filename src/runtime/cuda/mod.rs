@@ -40,7 +40,7 @@ mod program;
 mod teams;
 mod user_kernels;
 
-pub use backend::{AbortSignal, CudaBackend, CudaComm, CudaConfig};
+pub use backend::{AbortSignal, CudaBackend, CudaComm, CudaConfig, CudaResources};
 pub use compare::{run_and_compare_cuda, CudaCompareError};
 pub use launch::{
     device_count, run_cuda, run_cuda_timed, run_rank, CudaLaunchError, CudaOptions, RankRun,

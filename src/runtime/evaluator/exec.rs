@@ -369,7 +369,8 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                     decl.name
                 )))
             }
-            meshflow_ir::Role::Output if self.state.owned[t].is_some() => return Ok(()),
+            // Bound at the start of the run (allocated there, or a caller-owned buffer).
+            meshflow_ir::Role::Output if self.state.views[t].is_some() => return Ok(()),
             _ => {}
         }
         if let Some(old) = self.state.owned[t].take() {

@@ -273,7 +273,20 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         &mut self,
         inputs: &BTreeMap<String, TensorData>,
     ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
-        let result = self.run_inner(inputs);
+        self.run_with(inputs, &BTreeMap::new())
+    }
+
+    /// [`Evaluator::run`] with caller-owned buffers: an input or output named in `external`
+    /// uses that buffer as is (no allocation, upload or download, never released): inputs are
+    /// read from it and outputs written into it in place. The returned map holds only the
+    /// outputs not in `external`. Names this rank does not hold are ignored; naming a tensor
+    /// that is neither an input nor an output is an error.
+    pub fn run_with(
+        &mut self,
+        inputs: &BTreeMap<String, TensorData>,
+        external: &BTreeMap<String, B::Buffer>,
+    ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
+        let result = self.run_inner(inputs, external);
         // Release every buffer, whatever happened (errors during cleanup are secondary).
         self.release_all();
         result
@@ -282,6 +295,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
     fn run_inner(
         &mut self,
         inputs: &BTreeMap<String, TensorData>,
+        external: &BTreeMap<String, B::Buffer>,
     ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
         let rank = self.rank();
         // Buffers left by an interrupted (panicked) run.
@@ -290,7 +304,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         self.backend
             .set_current_stream(StreamIndex::MAIN)
             .map_err(|source| RuntimeError::Backend { rank, source })?;
-        self.bind_inputs_and_outputs(inputs)?;
+        self.bind_inputs_and_outputs(inputs, external)?;
         let plan = &self.plan;
         let mut cx = exec::Cx {
             program: self.program,
@@ -315,6 +329,9 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         let mut out = BTreeMap::new();
         for id in self.program.outputs() {
             let t = meshflow_ir::EntityRef::index(id);
+            if external.contains_key(&self.program.tensors[id].name) {
+                continue;
+            }
             if let Some(view) = &self.state.views[t] {
                 let name = &self.program.tensors[id].name;
                 let data = self
@@ -344,11 +361,41 @@ impl<'p, B: Backend> Evaluator<'p, B> {
     fn bind_inputs_and_outputs(
         &mut self,
         inputs: &BTreeMap<String, TensorData>,
+        external: &BTreeMap<String, B::Buffer>,
     ) -> Result<(), RuntimeError> {
         let rank = self.rank();
+        for name in external.keys() {
+            let role = self
+                .program
+                .tensors
+                .values()
+                .find(|d| d.name == *name)
+                .map(|d| d.role);
+            if !matches!(
+                role,
+                Some(meshflow_ir::Role::Input | meshflow_ir::Role::Output)
+            ) {
+                return Err(RuntimeError::Input {
+                    rank,
+                    name: name.clone(),
+                    message: "a caller-owned buffer names no input or output of the program".into(),
+                });
+            }
+        }
         for (id, decl) in self.program.tensors.iter() {
             let t = meshflow_ir::EntityRef::index(id);
             if !self.plan.held[t] || decl.role == meshflow_ir::Role::Internal {
+                continue;
+            }
+            if let Some(&buffer) = external.get(&decl.name) {
+                self.state.views[t] = Some(TensorView {
+                    tensor: id,
+                    buffer,
+                    dtype: decl.dtype,
+                    offset: 0,
+                    strides: super::view::contiguous_strides(&decl.shape),
+                    shape: decl.shape.clone(),
+                });
                 continue;
             }
             let input = decl.role == meshflow_ir::Role::Input;

@@ -77,6 +77,19 @@ impl SimKernels {
     }
 }
 
+impl SimKernels {
+    /// The kernel registered as `name`.
+    pub fn get(&self, name: &str) -> Option<&SimKernelFn> {
+        let i = self.names.iter().position(|n| n == name)?;
+        self.kernels.get(i).map(|k| &**k)
+    }
+
+    /// The registered names, in registration order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.names.iter().map(String::as_str)
+    }
+}
+
 /// What an injected fault does.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub enum FaultKind {
@@ -187,6 +200,9 @@ struct SimBuf {
     /// Which elements have been written (tracked when allocations are poisoned), so that
     /// reading back an output the program never wrote is an error, not silent garbage.
     written: Option<Vec<bool>>,
+    /// Bytes counted in [`SimBackend::live_buffers`] for this buffer (its storage when made;
+    /// an exported buffer's storage is moved out before it is released).
+    bytes: u64,
 }
 
 /// Calls `f` on the element offset of every element of a strided view.
@@ -298,6 +314,73 @@ impl SimBackend {
     /// releases every buffer at the end of each run, so between runs this is empty.
     pub fn live_buffers(&self) -> BufferStats {
         self.live
+    }
+
+    fn insert(&mut self, buf: SimBuf) -> Result<SimBuffer, BackendError> {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot::default());
+                u32::try_from(self.slots.len() - 1)
+                    .map_err(|_| BackendError::Invalid("too many buffers".into()))?
+            }
+        };
+        self.live.buffers += 1;
+        self.live.bytes += buf.bytes;
+        let s = &mut self.slots[slot as usize];
+        s.buf = Some(buf);
+        Ok(SimBuffer {
+            slot,
+            generation: s.generation,
+        })
+    }
+
+    /// Makes a buffer of `data`'s storage, moved in without a copy (used for caller-owned
+    /// tensors; give it back with [`SimBackend::export`]). `data` is left empty meanwhile.
+    /// With poisoning on, its elements count as written when `written` (an input) and as not
+    /// yet written otherwise (an output).
+    pub fn import(
+        &mut self,
+        data: &mut TensorData,
+        written: bool,
+    ) -> Result<SimBuffer, BackendError> {
+        let storage = std::mem::replace(data.storage_mut(), Storage::F32(Vec::new()));
+        let n = storage.len();
+        let buf = SimBuf {
+            bytes: storage.size_bytes(),
+            storage,
+            shape: data.shape().to_vec(),
+            accesses: Vec::new(),
+            written: self.poison.then(|| vec![written; n]),
+        };
+        self.insert(buf)
+    }
+
+    /// Moves the storage of a buffer made by [`SimBackend::import`] back into `data` (no copy)
+    /// and releases the buffer. With poisoning on and `check_written`, an element the program
+    /// never wrote is an error (reported after the storage is back in `data`).
+    pub fn export(
+        &mut self,
+        buffer: SimBuffer,
+        data: &mut TensorData,
+        check_written: bool,
+    ) -> Result<(), BackendError> {
+        let b = self.buf_mut(buffer)?;
+        let storage = std::mem::replace(&mut b.storage, Storage::F32(Vec::new()));
+        let unwritten = b
+            .written
+            .as_ref()
+            .map_or(0, |w| w.iter().filter(|&&x| !x).count());
+        *data.storage_mut() = storage;
+        self.deallocate(buffer)?;
+        if check_written && unwritten > 0 {
+            return Err(BackendError::Invalid(format!(
+                "{unwritten} of the {} elements of this output were never written by the \
+                 program on this rank",
+                data.numel()
+            )));
+        }
+        Ok(())
     }
 
     fn buf(&self, b: SimBuffer) -> Result<&SimBuf, BackendError> {
@@ -545,31 +628,17 @@ impl Backend for SimBackend {
             shape: shape.to_vec(),
             accesses: Vec::new(),
             written,
+            bytes,
         };
-        let slot = match self.free.pop() {
-            Some(s) => s,
-            None => {
-                self.slots.push(Slot::default());
-                u32::try_from(self.slots.len() - 1)
-                    .map_err(|_| BackendError::Invalid("too many buffers".into()))?
-            }
-        };
-        let s = &mut self.slots[slot as usize];
-        s.buf = Some(buf);
-        self.live.buffers += 1;
-        self.live.bytes += bytes;
-        Ok(SimBuffer {
-            slot,
-            generation: s.generation,
-        })
+        self.insert(buf)
     }
 
     fn deallocate(&mut self, buffer: SimBuffer) -> Result<(), BackendError> {
         // Execution is eager, so the work enqueued on the buffer is already done.
-        let bytes = self.buf(buffer)?.storage.size_bytes();
+        let bytes = self.buf(buffer)?.bytes;
         let s = &mut self.slots[buffer.slot as usize];
         s.buf = None;
-        self.live.buffers -= 1;
+        self.live.buffers = self.live.buffers.saturating_sub(1);
         self.live.bytes = self.live.bytes.saturating_sub(bytes);
         s.generation = s.generation.wrapping_add(1);
         self.free.push(buffer.slot);
@@ -803,8 +872,13 @@ impl Backend for SimBackend {
         // Every communication is complete and every buffer is released after the run, so the
         // next run starts from fresh vector clocks (they would otherwise grow without bound,
         // and a `u32` clock overflows after ~4e9 operations of an embedder's long run).
+        // Buffers that outlive the run (caller-owned ones) forget their accesses: everything
+        // is complete, so nothing recorded so far can race with what comes later.
         if let Some(c) = self.clocks.as_mut() {
             *c = Clocks::new(self.pool, self.comm_labels);
+            for b in self.slots.iter_mut().filter_map(|s| s.buf.as_mut()) {
+                b.accesses.clear();
+            }
         }
         Ok(())
     }

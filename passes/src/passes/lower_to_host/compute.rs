@@ -1,7 +1,7 @@
-//! Compute lowering: local ops (on chunk views inside a stream loop) and the MoE
-//! communication ops.
+//! Compute lowering: local ops (on chunk views inside a stream loop; `custom` ops become
+//! `launch_kernel`) and the MoE communication ops.
 
-use meshflow_ir::host::{ComputeOp, Inst, InstKind, Team};
+use meshflow_ir::host::{ComputeOp, Expr, Inst, InstKind, Team};
 use meshflow_ir::{OpKind, ParallelType, TensorId};
 
 use super::loop_nest::LoopCtx;
@@ -10,6 +10,14 @@ use crate::analysis::op_axis_map;
 use crate::decision::{placements, Placement};
 use crate::error::PassError;
 use crate::passes::decompose_reshardings::local_mismatch;
+
+/// What a local op lowers to.
+enum Local {
+    /// A built-in compute op.
+    Compute(ComputeOp),
+    /// `launch_kernel` of an embedder's kernel (a `custom` op).
+    Kernel { kernel: String, args: Vec<i64> },
+}
 
 impl Lowering<'_> {
     pub(crate) fn emit_compute(
@@ -22,18 +30,22 @@ impl Lowering<'_> {
         if let Some(why) = local_mismatch(self.program, i)? {
             return Err(PassError::op(self.program, i, why));
         }
-        let host_op = match op.kind {
-            OpKind::Set => ComputeOp::Copy,
-            OpKind::Matmul => ComputeOp::Matmul,
-            OpKind::Linear => ComputeOp::Linear,
-            OpKind::Add => ComputeOp::Add,
-            OpKind::Sub => ComputeOp::Sub,
-            OpKind::Mul => ComputeOp::Mul,
-            OpKind::Gelu => ComputeOp::Gelu,
-            OpKind::Silu => ComputeOp::Silu,
-            OpKind::Cast => ComputeOp::Cast,
-            OpKind::Sum { axis } => ComputeOp::Sum { axis },
-            OpKind::GroupedMatmul => ComputeOp::GroupedMatmul,
+        let local = match &op.kind {
+            OpKind::Set => Local::Compute(ComputeOp::Copy),
+            OpKind::Matmul => Local::Compute(ComputeOp::Matmul),
+            OpKind::Linear => Local::Compute(ComputeOp::Linear),
+            OpKind::Add => Local::Compute(ComputeOp::Add),
+            OpKind::Sub => Local::Compute(ComputeOp::Sub),
+            OpKind::Mul => Local::Compute(ComputeOp::Mul),
+            OpKind::Gelu => Local::Compute(ComputeOp::Gelu),
+            OpKind::Silu => Local::Compute(ComputeOp::Silu),
+            OpKind::Cast => Local::Compute(ComputeOp::Cast),
+            OpKind::Sum { axis } => Local::Compute(ComputeOp::Sum { axis: *axis }),
+            OpKind::GroupedMatmul => Local::Compute(ComputeOp::GroupedMatmul),
+            OpKind::Custom(c) => Local::Kernel {
+                kernel: c.kernel.clone(),
+                args: c.args.clone(),
+            },
             OpKind::MoeDispatch | OpKind::MoeCombine => {
                 return Err(PassError::internal(
                     "lower_to_host",
@@ -41,13 +53,36 @@ impl Lowering<'_> {
                 ))
             }
         };
-        let &[out] = op.outputs.as_slice() else {
-            return Err(PassError::op(
-                self.program,
-                i,
-                "expected exactly one output",
-            ));
+        let Some(&out) = op.outputs.first() else {
+            return Err(PassError::op(self.program, i, "expected an output"));
         };
+        match local {
+            Local::Compute(_) if op.outputs.len() != 1 => {
+                return Err(PassError::op(
+                    self.program,
+                    i,
+                    "expected exactly one output",
+                ))
+            }
+            Local::Kernel { .. } => {
+                // One launch computes every output chunk: they must be cut alike.
+                let first = self.sharding(out);
+                for &o in &op.outputs[1..] {
+                    let sh = self.sharding(o);
+                    if sh.mesh != first.mesh || sh.spec != first.spec {
+                        return Err(PassError::tensor(
+                            self.name(o),
+                            format!(
+                                "every output of a `custom` op must be sharded like its first \
+                                 output `{}`",
+                                self.name(out)
+                            ),
+                        ));
+                    }
+                }
+            }
+            Local::Compute(_) => {}
+        }
         let stream_axis = if lp.is_some() {
             self.sharding(out).stream().map(|s| s.axis)
         } else {
@@ -62,14 +97,40 @@ impl Lowering<'_> {
             let what = format!("input of `{}`", op.kind.name());
             inputs.push(self.maybe_chunk(lp.as_deref_mut(), block, t, axis, &what)?);
         }
-        let out_axis = stream_axis.and_then(|k| self.sharding(out).value_index(k));
-        let what = format!("output of `{}`", op.kind.name());
-        let output = self.maybe_chunk(lp, block, out, out_axis, &what)?;
-        block.push(Inst::new(InstKind::Compute {
-            op: host_op,
-            inputs,
-            outputs: vec![output],
-        }));
+        let mut outputs = Vec::with_capacity(op.outputs.len());
+        for &o in &op.outputs {
+            let out_axis = stream_axis.and_then(|k| self.sharding(o).value_index(k));
+            let what = format!("output of `{}`", op.kind.name());
+            outputs.push(self.maybe_chunk(lp.as_deref_mut(), block, o, out_axis, &what)?);
+        }
+        let kind = match local {
+            Local::Compute(op) => InstKind::Compute {
+                op,
+                inputs,
+                outputs,
+            },
+            Local::Kernel { kernel, mut args } => {
+                // The local extents of the first output's chunk follow the op's own args.
+                let shape = outputs
+                    .first()
+                    .and_then(|&o| self.host.tensors.get(o))
+                    .map(|d| d.shape.clone())
+                    .unwrap_or_default();
+                for e in shape {
+                    let e = i64::try_from(e).map_err(|_| {
+                        PassError::op(self.program, i, "an output extent does not fit in i64")
+                    })?;
+                    args.push(e);
+                }
+                InstKind::LaunchKernel {
+                    kernel,
+                    inputs,
+                    outputs,
+                    args: args.into_iter().map(Expr::c).collect(),
+                }
+            }
+        };
+        block.push(Inst::new(kind));
         Ok(())
     }
 

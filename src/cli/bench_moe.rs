@@ -1,0 +1,216 @@
+//! `meshflow bench moe [--ranks N] [--tokens T]... [--hidden H] [--top-k K] [--experts E]
+//! [--transport nccl|nvlink]... [--warmup W] [--iters I] [--torch torch.json] [--json FILE]`:
+//! MoE dispatch and combine latency on the GPUs of this machine (one thread per GPU), for the
+//! NCCL transport (grouped send/recv of capacity-padded blocks, counts exchanged on the
+//! device) and the NVLink transport (stores into peer-mapped memory, device-side flags).
+//! Reported per case: the median over steps of the slowest rank, in µs. With `--torch`, the
+//! PyTorch figures of `../shared/bench/torch_baselines.py` from the same machine are printed
+//! next to ours.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+
+use super::common::CliError;
+
+/// A MoE transport.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Transport {
+    /// NCCL grouped send/recv.
+    Nccl,
+    /// Peer-mapped stores over NVLink.
+    Nvlink,
+}
+
+/// Arguments of `bench moe`.
+#[derive(Debug, Args)]
+pub struct MoeBenchArgs {
+    /// Number of GPUs (the expert-parallel team); default: every GPU.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Tokens per rank (repeatable); default 128 and 4096.
+    #[arg(long = "tokens")]
+    tokens: Vec<usize>,
+    /// Token width H.
+    #[arg(long, default_value_t = 7168)]
+    hidden: usize,
+    /// Experts per token K.
+    #[arg(long = "top-k", default_value_t = 8)]
+    top_k: usize,
+    /// Experts E (a multiple of the number of ranks).
+    #[arg(long, default_value_t = 256)]
+    experts: usize,
+    /// Transports (repeatable); default both.
+    #[arg(long = "transport", value_enum)]
+    transports: Vec<Transport>,
+    /// Untimed steps.
+    #[arg(long, default_value_t = 10)]
+    warmup: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// PyTorch baselines (JSON written by `torch_baselines.py`) to print next to ours.
+    #[arg(long, value_name = "FILE")]
+    torch: Option<PathBuf>,
+    /// Also write the results as JSON.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+}
+
+/// PyTorch's dispatch and combine times for a case, from its baseline JSON.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn torch_figures(json: &str, t: usize, h: usize, k: usize, e: usize) -> Option<(f64, f64)> {
+    let key = format!("\"moe_T{t}_H{h}_K{k}_E{e}\"");
+    let rest = &json[json.find(&key)? + key.len()..];
+    let field = |name: &str| -> Option<f64> {
+        let f = format!("\"{name}\"");
+        let after = &rest[rest.find(&f)? + f.len()..];
+        let after = after.trim_start().strip_prefix(':')?.trim_start();
+        let end = after
+            .find(|c: char| !(c.is_ascii_digit() || c == '.' || c == '-' || c == 'e'))
+            .unwrap_or(after.len());
+        after[..end].parse().ok()
+    };
+    Some((field("torch_dispatch_us")?, field("torch_combine_us")?))
+}
+
+/// Runs `bench moe`.
+#[cfg(not(feature = "cuda"))]
+pub fn run(_args: MoeBenchArgs) -> Result<(), CliError> {
+    Err(CliError::Usage(
+        "this meshflow was built without the `cuda` feature; rebuild with \
+         `cargo build --release --features cuda` to run GPU benchmarks"
+            .to_string(),
+    ))
+}
+
+/// Runs `bench moe`.
+#[cfg(feature = "cuda")]
+pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
+    use meshflow::kernels::moe::{bench_moe, format_bench_table, BenchCase, TransportKind};
+    use meshflow::kernels::Device;
+
+    use super::common::print_out;
+
+    let err = |e: meshflow::kernels::KernelError| CliError::Usage(format!("bench moe: {e}"));
+    let mut devices = Device::all().map_err(err)?;
+    if let Some(n) = args.ranks {
+        if n == 0 || n > devices.len() {
+            return Err(CliError::Usage(format!(
+                "--ranks {n}: this machine has {} GPU(s)",
+                devices.len()
+            )));
+        }
+        devices.truncate(n);
+    }
+    if args.experts == 0 || !args.experts.is_multiple_of(devices.len()) {
+        return Err(CliError::Usage(format!(
+            "--experts {}: must be a positive multiple of the {} ranks",
+            args.experts,
+            devices.len()
+        )));
+    }
+    let transports: Vec<TransportKind> = if args.transports.is_empty() {
+        vec![TransportKind::Nvlink, TransportKind::Nccl]
+    } else {
+        args.transports
+            .iter()
+            .map(|t| match t {
+                Transport::Nccl => TransportKind::Nccl,
+                Transport::Nvlink => TransportKind::Nvlink,
+            })
+            .collect()
+    };
+    let torch = match &args.torch {
+        Some(path) => Some(
+            std::fs::read_to_string(path).map_err(|source| CliError::Read {
+                path: path.clone(),
+                source,
+            })?,
+        ),
+        None => None,
+    };
+    let tokens = if args.tokens.is_empty() {
+        vec![128, 4096]
+    } else {
+        args.tokens.clone()
+    };
+    let mut all = Vec::new();
+    let mut text = String::new();
+    for &t in &tokens {
+        let case = BenchCase {
+            hidden: args.hidden,
+            top_k: args.top_k,
+            experts: args.experts,
+            iters: args.iters.max(1),
+            warmup: args.warmup,
+            ..BenchCase::deepseek(t)
+        };
+        let results = bench_moe(&devices, &case, &transports).map_err(err)?;
+        text.push_str(&format!(
+            "MoE dispatch/combine, {} GPU(s), T={t} tokens/rank, H={}, K={}, E={}, bf16\n",
+            devices.len(),
+            args.hidden,
+            args.top_k,
+            args.experts
+        ));
+        text.push_str(&format_bench_table(&results));
+        if let Some((d, c)) = torch
+            .as_deref()
+            .and_then(|j| torch_figures(j, t, args.hidden, args.top_k, args.experts))
+        {
+            text.push_str(&format!(
+                "torch all_to_all_single (same machine): dispatch {d:.1} us, combine {c:.1} us\n"
+            ));
+            for r in &results {
+                text.push_str(&format!(
+                    "  {} vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
+                    r.transport.name(),
+                    d / r.dispatch_us,
+                    c / r.combine_us
+                ));
+            }
+        }
+        text.push('\n');
+        all.extend(results.into_iter().map(|r| (t, r)));
+    }
+    print_out(&text)?;
+    if let Some(path) = &args.json {
+        let rows: Vec<String> = all
+            .iter()
+            .map(|(t, r)| {
+                format!(
+                    "  {{\"transport\": \"{}\", \"ranks\": {}, \"tokens\": {t}, \"hidden\": {}, \
+                     \"top_k\": {}, \"experts\": {}, \"capacity\": {}, \"dispatch_us\": {:.1}, \
+                     \"combine_us\": {:.1}, \"status_ok\": {}}}",
+                    r.transport.name(),
+                    r.shape.world,
+                    r.shape.hidden,
+                    r.shape.top_k,
+                    r.shape.experts,
+                    r.shape.capacity,
+                    r.dispatch_us,
+                    r.combine_us,
+                    r.status_ok
+                )
+            })
+            .collect();
+        std::fs::write(path, format!("[\n{}\n]\n", rows.join(",\n"))).map_err(|source| {
+            CliError::Usage(format!("cannot write `{}`: {source}", path.display()))
+        })?;
+        print_out(&format!("results written to {}\n", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::torch_figures;
+
+    #[test]
+    fn torch_figures_are_read_from_the_baseline_json() {
+        let json = r#"{"world": 2, "moe_T128_H7168_K8_E256": {"torch_dispatch_us": 647.5, "torch_combine_us": 84.1, "bytes_per_rank_dispatch": 1}}"#;
+        assert_eq!(torch_figures(json, 128, 7168, 8, 256), Some((647.5, 84.1)));
+        assert_eq!(torch_figures(json, 4096, 7168, 8, 256), None);
+    }
+}

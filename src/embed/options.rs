@@ -1,0 +1,168 @@
+//! [`Options`] of [`compile`](super::compile) and [`parse`].
+
+use meshflow_ir::{parse_program_with, Params, Program};
+use meshflow_passes::{CostModel, Decomposition, Transport};
+
+use super::Error;
+use crate::pipeline::CompileOptions;
+
+/// How to compile: the job's size, pass-list changes, the worker-stream count, decomposition
+/// and transport choices, and whether to run the static cross-rank check.
+///
+/// ```
+/// use meshflow::{Decomposition, Options};
+///
+/// let options = Options::for_ranks(8)
+///     .streams(3)
+///     .decomposition("ag", Decomposition::Ring)
+///     .disable_pass("defer_waits");
+/// assert_eq!(options.ranks(), Some(8));
+/// assert_eq!(options.compile_options().num_streams, 3);
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Options {
+    ranks: Option<usize>,
+    params: Params,
+    compile: CompileOptions,
+    check: bool,
+}
+
+impl Default for Options {
+    fn default() -> Options {
+        Options {
+            ranks: None,
+            params: Params::new(),
+            compile: CompileOptions::default(),
+            check: true,
+        }
+    }
+}
+
+impl Options {
+    /// The defaults: the program's own world size, 2 worker streams, every pass, decompositions
+    /// chosen by the cost model over NCCL, the cross-rank check on.
+    pub fn new() -> Options {
+        Options::default()
+    }
+
+    /// Options for a job of `ranks` ranks: [`parse`] sets the program's `ranks` parameter
+    /// (when it declares one), and [`compile`](super::compile) fails with
+    /// [`Error::WorldSize`] when the program's meshes span more ranks. Ranks the meshes do not
+    /// cover hold nothing and run an empty program.
+    pub fn for_ranks(ranks: usize) -> Options {
+        Options {
+            ranks: Some(ranks),
+            ..Options::default()
+        }
+    }
+
+    /// The job's size, when set.
+    pub fn ranks(&self) -> Option<usize> {
+        self.ranks
+    }
+
+    /// Overrides a `param` of program text read by [`parse`].
+    pub fn param(mut self, name: impl Into<String>, value: i64) -> Options {
+        self.params.insert(name.into(), value);
+        self
+    }
+
+    /// The size of the worker-stream pool the host program uses (`assign_streams`; default 2,
+    /// at least 1).
+    pub fn streams(mut self, streams: usize) -> Options {
+        self.compile.num_streams = streams;
+        self
+    }
+
+    /// Skips a pass by name (see [`pass_names`](crate::pipeline::pass_names); the verifiers
+    /// and `lower_to_host` cannot be disabled).
+    pub fn disable_pass(mut self, name: impl Into<String>) -> Options {
+        self.compile.disabled_passes.push(name.into());
+        self
+    }
+
+    /// Forces how the resharding into the level-1 tensor `tensor` is decomposed (one
+    /// collective, a stream loop of broadcasts, or a ring of collective permutes) instead of
+    /// letting the cost model choose.
+    pub fn decomposition(mut self, tensor: impl Into<String>, how: Decomposition) -> Options {
+        self.compile.decompositions.insert(tensor.into(), how);
+        self
+    }
+
+    /// The transport the cost model assumes for decomposed communications.
+    pub fn transport(mut self, transport: Transport) -> Options {
+        self.compile.cost_model.transport = transport;
+        self
+    }
+
+    /// The whole cost model of `choose_decompositions`.
+    pub fn cost_model(mut self, model: CostModel) -> Options {
+        self.compile.cost_model = model;
+        self
+    }
+
+    /// Verifies the IR after every pass (default: on in debug builds).
+    pub fn verify_each_pass(mut self, on: bool) -> Options {
+        self.compile.verify = on;
+        self
+    }
+
+    /// Keeps a dump of the IR after pass `pass` (or `all`), in
+    /// [`Compiled::dumps`](super::Compiled::dumps).
+    pub fn dump_after(mut self, pass: impl Into<String>) -> Options {
+        self.compile.dump_after = Some(pass.into());
+        self
+    }
+
+    /// Runs the static cross-rank check on the host program (default on).
+    pub fn check(mut self, on: bool) -> Options {
+        self.check = on;
+        self
+    }
+
+    /// True when the cross-rank check runs.
+    pub fn checks(&self) -> bool {
+        self.check
+    }
+
+    /// The pipeline options these stand for.
+    pub fn compile_options(&self) -> &CompileOptions {
+        &self.compile
+    }
+
+    /// The pipeline options, mutably (every knob of [`CompileOptions`]).
+    pub fn compile_options_mut(&mut self) -> &mut CompileOptions {
+        &mut self.compile
+    }
+
+    /// The ranks a program needs, checked against [`Options::ranks`]; returns the job size.
+    pub(super) fn job_size(&self, needed: usize) -> Result<usize, Error> {
+        match self.ranks {
+            Some(ranks) if ranks < needed => Err(Error::WorldSize { needed, ranks }),
+            Some(ranks) => Ok(ranks),
+            None => Ok(needed),
+        }
+    }
+}
+
+/// Parses level-1 program text with the parameters of `options`: its `param`s, and `ranks`
+/// from [`Options::for_ranks`] when the program declares `param ranks` (a program that does
+/// not is parsed with its own sizes, and [`compile`](super::compile) checks its world size).
+pub fn parse(text: &str, options: &Options) -> Result<Program, Error> {
+    let Some(ranks) = options.ranks else {
+        return Ok(parse_program_with(text, &options.params)?);
+    };
+    let mut params = options.params.clone();
+    params
+        .entry("ranks".to_string())
+        .or_insert(i64::try_from(ranks).unwrap_or(i64::MAX));
+    match parse_program_with(text, &params) {
+        Ok(p) => Ok(p),
+        // The only error the extra override can add is "not declared", reported after the
+        // whole text parsed: then parse without it.
+        Err(e) if e.message.starts_with("parameter `ranks` is not declared") => {
+            Ok(parse_program_with(text, &options.params)?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}
