@@ -372,3 +372,44 @@ fn text_programs_pass() {
     }
     assert!(checked >= 4, "only {checked} text programs");
 }
+
+/// Regression (fuzzing): checking was quadratic in the world size (every rank resolved its
+/// team, searched the mesh and copied the member list; the deadlock simulation listed every
+/// member as a need of every other) and took hours on a `iota(1048576)` mesh. It is linear
+/// now: a quarter-million ranks in one team, and a 512 x 512 mesh with row and column teams.
+#[test]
+fn checking_a_huge_world_is_linear() {
+    let d = 1usize << 18;
+    let mut b = Builder::new("huge_1d");
+    let m = b.mesh("m0", (0..d).collect());
+    let a = b.tensor("a", DType::F32, vec![8], m);
+    let r = b.tensor("r", DType::F32, vec![8], m);
+    b.push(comm(0, CommKind::AllReduce, slice(m), a, r, None));
+    let one_team = b.finish();
+
+    let (rows, cols) = (512usize, 512usize);
+    let mut b = Builder::new("huge_2d");
+    let m = b.mesh_nd("m0", vec![rows, cols]);
+    let a = b.tensor("a", DType::F32, vec![8], m);
+    let r = b.tensor("r", DType::F32, vec![8], m);
+    let col = b.tensor("col", DType::F32, vec![8 * rows as u64], m);
+    b.push(comm(0, CommKind::AllReduce, slice(m), a, r, None));
+    let by_column = Team::Slice {
+        mesh: m,
+        pt: ParallelType::DIDy,
+    };
+    b.push(comm(1, CommKind::AllGather, by_column, r, col, None));
+    let rows_and_columns = b.finish();
+
+    for (program, world, teams) in [
+        (one_team, d, 1),
+        (rows_and_columns, rows * cols, rows + cols),
+    ] {
+        let start = Instant::now();
+        let report = passes(&program, world);
+        let elapsed = start.elapsed();
+        eprintln!("checked {} on {world} ranks in {elapsed:?}", program.name);
+        assert_eq!(report.teams.len(), teams);
+        assert!(elapsed.as_secs() < 30, "checking took {elapsed:?}");
+    }
+}

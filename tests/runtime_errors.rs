@@ -79,3 +79,45 @@ fn shape_mismatches_in_compute_are_errors() {
         "{err}"
     );
 }
+
+/// Regression (fuzzing): an absurd extent (`f32[999999999999, 9]`) aborted the process
+/// ("memory allocation failed"); it is now an error naming the allocation, as is exceeding
+/// the sim backend's per-rank memory limit.
+#[test]
+fn absurd_and_over_limit_allocations_are_errors() {
+    let huge = "host e {\n  mesh m0 = [0]\n  in x: f32[4, 2] on m0\n  out y: f32[4, 2] on m0\n  tensor big: f32[999999999999, 9] on m0\n  allocate big\n  copy(x -> y)\n  deallocate big\n}\n";
+    let err = run(huge, &[4, 2]);
+    assert!(
+        err.contains("`allocate big`") && err.contains("cannot allocate"),
+        "{err}"
+    );
+
+    let big = huge.replace("999999999999, 9", "1024, 1024");
+    assert_eq!(run(&big, &[4, 2]), "ok");
+    let host = parse_host(&big).unwrap();
+    let x = TensorData::zeros(DType::F32, &[4, 2]).unwrap();
+    let inputs = BTreeMap::from([(0, BTreeMap::from([("x".to_string(), x)]))]);
+    let mut opts = options();
+    opts.config.memory_limit = Some(1 << 20);
+    let err = run_sim(&host, SimInputs::PerRank(inputs), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`allocate big`") && err.contains("over the memory limit of 1048576 bytes"),
+        "{err}"
+    );
+}
+
+/// Regression (fuzzing): seeded routing ids for an absurd top-k (`topk_idx: i32[4, 2^61]`)
+/// panicked ("capacity overflow" reserving the ids); an error naming the input now.
+#[test]
+fn seeded_inputs_for_absurd_shapes_are_errors() {
+    use meshflow::runtime::compare::random_inputs;
+    let params = [("t", 1), ("h", 1), ("e", 1 << 60), ("k", 1 << 61)];
+    let l1 = common::level1("moe_layer.mf", &params);
+    let err = random_inputs(&l1, 0).unwrap_err().to_string();
+    assert!(
+        err.contains("topk_idx") && err.contains("cannot allocate"),
+        "{err}"
+    );
+}

@@ -1,7 +1,7 @@
 //! Instantiating a host program on every rank: unroll loops, evaluate roots and peers, keep
 //! the communications the rank takes part in.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 
 use meshflow_ir::host::ExprEnv;
 use meshflow_ir::text::inst_to_string;
@@ -12,6 +12,7 @@ use meshflow_ir::{
 
 use super::error::{CheckError, CheckErrors, Site};
 use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration};
+use super::teams::TeamTable;
 
 /// The most loop iterations plus communications instantiated over all ranks.
 pub const MAX_INSTANCES: usize = 1_000_000;
@@ -114,6 +115,11 @@ struct Walker<'h, 'o> {
     /// is reported for its first iteration only.
     reported: &'o mut HashSet<(DeviceId, usize, &'static str)>,
     budget: &'o mut usize,
+    /// Team tables by communication instruction (`ord`), shared by all ranks.
+    tables: &'o mut HashMap<usize, TeamTable>,
+    /// Per mesh, whether each rank of the world is in it (`DeviceMesh::contains` is a linear
+    /// search, quadratic over every rank).
+    in_mesh: &'o HashMap<MeshId, Vec<bool>>,
     rank: DeviceId,
     loops: Vec<(LoopVar, i64)>,
     group: Option<(u32, usize)>,
@@ -221,8 +227,8 @@ impl Walker<'_, '_> {
 
     fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
         let t = self.host.tensors.get(tensor)?;
-        let mesh = self.host.meshes.get(t.mesh)?;
-        mesh.mesh.contains(self.rank).then_some(Buffer {
+        let member = self.in_mesh.get(&t.mesh)?.get(self.rank).copied();
+        member.unwrap_or(false).then_some(Buffer {
             tensor,
             dtype: t.dtype,
             numel: t.numel(),
@@ -359,11 +365,17 @@ impl Walker<'_, '_> {
 
     fn communication(&mut self, ord: usize, inst: &Inst) {
         let Some(team) = inst.kind.team() else { return };
-        let Some(members) = team.resolve(&self.host.meshes, self.rank) else {
+        let (meshes, world_size) = (&self.host.meshes, self.out.world_size);
+        let table = self
+            .tables
+            .entry(ord)
+            .or_insert_with(|| TeamTable::build(team, meshes, world_size));
+        let Some((team_id, resolved)) = table.team_of(self.rank, self.out) else {
             self.not_in_team(ord, inst);
             return;
         };
-        if let Some(&device) = members.iter().find(|&&d| d >= self.out.world_size) {
+        let (members, outside) = (resolved.members.clone(), resolved.outside);
+        if let Some(device) = outside {
             let error = CheckError::WorldTooSmall {
                 what: self.site(ord).to_string(),
                 device,
@@ -376,7 +388,7 @@ impl Walker<'_, '_> {
         let rank = self.rank;
         let mut event = CommEvent {
             kind: EventKind::CollectivePermute,
-            team: self.out.intern_team(members.clone()),
+            team: team_id,
             root_index: None,
             root: None,
             send_peer: None,
@@ -586,6 +598,20 @@ pub(crate) fn instantiate_all(
     let mut errors = Vec::new();
     let mut reported = HashSet::new();
     let mut budget = MAX_INSTANCES;
+    let mut tables = HashMap::new();
+    let in_mesh: HashMap<MeshId, Vec<bool>> = host
+        .meshes
+        .iter()
+        .map(|(id, decl)| {
+            let mut member = vec![false; world_size];
+            for &d in decl.mesh.devices() {
+                if let Some(m) = member.get_mut(d) {
+                    *m = true;
+                }
+            }
+            (id, member)
+        })
+        .collect();
     for rank in 0..world_size {
         let mut walker = Walker {
             host,
@@ -593,6 +619,8 @@ pub(crate) fn instantiate_all(
             errors: &mut errors,
             reported: &mut reported,
             budget: &mut budget,
+            tables: &mut tables,
+            in_mesh: &in_mesh,
             rank,
             loops: Vec::new(),
             group: None,

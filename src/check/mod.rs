@@ -42,6 +42,7 @@ pub mod events;
 mod instantiate;
 mod p2p;
 mod sequence;
+mod teams;
 
 use std::fmt;
 
@@ -110,16 +111,13 @@ pub fn check_program(host: &HostProgram, world_size: usize) -> Result<CheckRepor
     if !errors.is_empty() {
         return Err(CheckErrors::capped(errors));
     }
-    let collectives_per_team = (0..instances.teams.len())
-        .map(|t| {
-            aligned
-                .seqs
-                .iter()
-                .filter_map(|s| s.get(&TeamId(t)).map(Vec::len))
-                .max()
-                .unwrap_or(0)
-        })
-        .collect();
+    // One pass over the ranks (not one per team: teams x ranks is quadratic in the world).
+    let mut collectives_per_team = vec![0usize; instances.teams.len()];
+    for (&TeamId(t), seq) in aligned.seqs.iter().flatten() {
+        if let Some(n) = collectives_per_team.get_mut(t) {
+            *n = (*n).max(seq.len());
+        }
+    }
     let groups = instances
         .events
         .iter()

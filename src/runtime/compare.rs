@@ -6,7 +6,7 @@ use std::fmt;
 
 use meshflow_ir::{DType, HostProgram, OpKind, Program};
 
-use super::data::{DataError, SplitMix64, TensorData};
+use super::data::{numel_of, try_collect, try_filled, DataError, SplitMix64, TensorData};
 use super::launch::{run_sim, LaunchError, SimInputs, SimOptions};
 use super::reference::{evaluate_with, ReferenceError};
 use super::shard::ShardError;
@@ -132,9 +132,11 @@ pub fn random_inputs(
                     message: format!("top-{k} routing needs at least {k} experts, has {experts}"),
                 });
             }
-            let tokens = shape.iter().product::<u64>() / k.max(1);
+            let n = numel_of(&shape).map_err(err)?;
+            let tokens = n / k.max(1);
             let mut rng = SplitMix64::new(s);
-            let mut ids = Vec::with_capacity((tokens * k) as usize);
+            let mut ids = try_filled(0i64, n as usize).map_err(err)?;
+            ids.clear();
             for _ in 0..tokens {
                 let start = ids.len();
                 while ids.len() - start < k as usize {
@@ -147,8 +149,8 @@ pub fn random_inputs(
             TensorData::from_i64(dtype, &shape, &ids).map_err(err)?
         } else if weights {
             let mut rng = SplitMix64::new(s);
-            let n = shape.iter().product::<u64>() as usize;
-            let v: Vec<f32> = (0..n).map(|_| 0.1 + 0.9 * rng.next_f32()).collect();
+            let n = numel_of(&shape).map_err(err)? as usize;
+            let v = try_collect(n, |_| 0.1 + 0.9 * rng.next_f32()).map_err(err)?;
             TensorData::from_f32(dtype, &shape, &v).map_err(err)?
         } else {
             TensorData::random(dtype, &shape, s).map_err(err)?

@@ -31,6 +31,33 @@ pub enum DataError {
     /// The shape's element count overflows.
     #[error("shape {0:?} has too many elements")]
     TooLarge(Vec<u64>),
+    /// The host could not allocate the elements.
+    #[error("cannot allocate {bytes} bytes of host memory")]
+    OutOfMemory {
+        /// Bytes requested.
+        bytes: u64,
+    },
+}
+
+/// `n` copies of `value`, or [`DataError::OutOfMemory`] when the allocation fails (an absurd
+/// extent must be an error, not an abort).
+pub fn try_filled<T: Clone>(value: T, n: usize) -> Result<Vec<T>, DataError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| DataError::OutOfMemory {
+        bytes: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+    })?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// Collects `n` values of `f` into a vector allocated fallibly (see [`try_filled`]).
+pub fn try_collect<T>(n: usize, f: impl FnMut(usize) -> T) -> Result<Vec<T>, DataError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| DataError::OutOfMemory {
+        bytes: (n as u64).saturating_mul(std::mem::size_of::<T>() as u64),
+    })?;
+    v.extend((0..n).map(f));
+    Ok(v)
 }
 
 /// A flat, typed element vector.
@@ -90,6 +117,28 @@ impl Storage {
         }
     }
 
+    /// [`Storage::zeros`], or [`DataError::OutOfMemory`] when the host cannot allocate it.
+    pub fn try_zeros(dtype: DType, n: usize) -> Result<Storage, DataError> {
+        Ok(match dtype {
+            DType::F32 => Storage::F32(try_filled(0.0, n)?),
+            DType::BF16 => Storage::BF16(try_filled(bf16::ZERO, n)?),
+            DType::F16 => Storage::F16(try_filled(f16::ZERO, n)?),
+            DType::I32 => Storage::I32(try_filled(0, n)?),
+            DType::I64 => Storage::I64(try_filled(0, n)?),
+        })
+    }
+
+    /// [`Storage::poison`], or [`DataError::OutOfMemory`] when the host cannot allocate it.
+    pub fn try_poison(dtype: DType, n: usize) -> Result<Storage, DataError> {
+        Ok(match dtype {
+            DType::F32 => Storage::F32(try_filled(f32::NAN, n)?),
+            DType::BF16 => Storage::BF16(try_filled(bf16::NAN, n)?),
+            DType::F16 => Storage::F16(try_filled(f16::NAN, n)?),
+            DType::I32 => Storage::I32(try_filled(INT_POISON as i32, n)?),
+            DType::I64 => Storage::I64(try_filled(INT_POISON, n)?),
+        })
+    }
+
     /// Elements of `dtype` converted from `f32` (rounded to nearest; integers truncated).
     pub fn from_f32(dtype: DType, values: &[f32]) -> Storage {
         match dtype {
@@ -123,6 +172,11 @@ impl Storage {
             Storage::I32(_) => DType::I32,
             Storage::I64(_) => DType::I64,
         }
+    }
+
+    /// Bytes the elements occupy.
+    pub fn size_bytes(&self) -> u64 {
+        (self.len() as u64).saturating_mul(self.dtype().size_bytes() as u64)
     }
 
     /// Number of elements.
@@ -343,13 +397,13 @@ impl TensorData {
     /// Zeros.
     pub fn zeros(dtype: DType, shape: &[u64]) -> Result<TensorData, DataError> {
         let n = numel_of(shape)? as usize;
-        TensorData::new(shape.to_vec(), Storage::zeros(dtype, n))
+        TensorData::new(shape.to_vec(), Storage::try_zeros(dtype, n)?)
     }
 
     /// Poison values (see [`Storage::poison`]).
     pub fn poison(dtype: DType, shape: &[u64]) -> Result<TensorData, DataError> {
         let n = numel_of(shape)? as usize;
-        TensorData::new(shape.to_vec(), Storage::poison(dtype, n))
+        TensorData::new(shape.to_vec(), Storage::try_poison(dtype, n)?)
     }
 
     /// A tensor of `dtype` from `f32` values.
@@ -368,10 +422,10 @@ impl TensorData {
         let n = numel_of(shape)? as usize;
         let mut rng = SplitMix64::new(seed);
         if dtype.is_float() {
-            let v: Vec<f32> = (0..n).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
+            let v = try_collect(n, |_| rng.next_f32() * 2.0 - 1.0)?;
             TensorData::from_f32(dtype, shape, &v)
         } else {
-            let v: Vec<i64> = (0..n).map(|_| rng.below(16) as i64).collect();
+            let v = try_collect(n, |_| rng.below(16) as i64)?;
             TensorData::from_i64(dtype, shape, &v)
         }
     }
@@ -494,6 +548,26 @@ impl SplitMix64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Regression (fuzzing): absurd shapes aborted the process; they are errors now.
+    #[test]
+    fn absurd_shapes_are_errors_not_aborts() {
+        let shape = [999_999_999_999, 9];
+        let oom = |r: Result<TensorData, DataError>| {
+            assert!(
+                matches!(r, Err(DataError::OutOfMemory { bytes }) if bytes >= 9 * 999_999_999_999),
+                "{r:?}"
+            );
+        };
+        oom(TensorData::zeros(DType::F32, &shape));
+        oom(TensorData::poison(DType::BF16, &shape));
+        oom(TensorData::random(DType::F32, &shape, 1));
+        oom(TensorData::random(DType::I32, &shape, 1));
+        assert!(matches!(
+            TensorData::zeros(DType::F32, &[u64::MAX, 2]),
+            Err(DataError::TooLarge(_))
+        ));
+    }
 
     #[test]
     fn rel_error_basics() {

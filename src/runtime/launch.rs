@@ -18,7 +18,7 @@ use super::data::TensorData;
 use super::evaluator::{EvalOptions, Evaluator, RuntimeError};
 use super::shard::{gather_tensor, scatter_inputs, ShardError};
 use super::sim::fabric::Failure;
-use super::sim::{Fabric, SimBackend, SimConfig};
+use super::sim::{BufferStats, Fabric, SimBackend, SimConfig};
 use super::trace::{Trace, TraceEvent};
 
 /// Inputs of a run.
@@ -143,9 +143,26 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic with a non-string payload".into())
 }
 
+/// What a run left behind, for leak checks ([`run_sim_observed`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RunResources {
+    /// Buffers each rank's backend still held when its evaluator returned, after the
+    /// evaluator's cleanup (a rank that panicked is cleaned up too). Empty on every rank when
+    /// nothing leaks, failed runs included.
+    pub held_at_exit: BTreeMap<DeviceId, BufferStats>,
+    /// Messages sent but never received when every rank had stopped (a failed run leaves
+    /// some); they are dropped before the run returns.
+    pub undelivered: BufferStats,
+    /// Rank threads started.
+    pub threads_started: usize,
+    /// Rank threads joined (always all of them).
+    pub threads_joined: usize,
+}
+
 type RankResult = (
     Result<BTreeMap<String, TensorData>, RuntimeError>,
     Vec<TraceEvent>,
+    BufferStats,
 );
 
 fn run_rank(
@@ -161,17 +178,23 @@ fn run_rank(
         Ok(ev) => ev,
         Err(e) => {
             fabric.fail(rank, e.to_string());
-            return (Err(e), Vec::new());
+            return (Err(e), Vec::new(), BufferStats::default());
         }
     };
     let result = match catch_unwind(AssertUnwindSafe(|| ev.run(inputs))) {
         Ok(r) => r,
-        Err(p) => Err(RuntimeError::Panic {
-            rank,
-            position: ev.position(),
-            message: panic_message(p.as_ref()),
-        }),
+        Err(p) => {
+            let error = RuntimeError::Panic {
+                rank,
+                position: ev.position(),
+                message: panic_message(p.as_ref()),
+            };
+            // The panic skipped `run`'s own cleanup.
+            ev.release_buffers();
+            Err(error)
+        }
     };
+    let held = ev.backend().live_buffers();
     if let Err(e) = &result {
         match e.unresponsive_peer() {
             // Blame the rank that stopped responding, not the one that noticed first.
@@ -183,7 +206,7 @@ fn run_rank(
             _ => {}
         }
     }
-    (result, ev.take_trace())
+    (result, ev.take_trace(), held)
 }
 
 /// What the rank threads of [`run_ranks`] produced.
@@ -194,6 +217,12 @@ pub(crate) struct RanksResult {
     pub errors: Vec<RuntimeError>,
     /// Trace events of every rank.
     pub events: Vec<TraceEvent>,
+    /// Buffers each rank still held when its evaluator returned.
+    pub held_at_exit: BTreeMap<DeviceId, BufferStats>,
+    /// Rank threads started.
+    pub threads_started: usize,
+    /// Rank threads joined.
+    pub threads_joined: usize,
 }
 
 /// Orders trace events by rank, then start time.
@@ -218,6 +247,7 @@ pub(crate) fn run_ranks(
         trace_epoch: options.trace.then_some(start),
     };
     let empty = BTreeMap::new();
+    let (mut threads_started, mut threads_joined) = (0, 0);
     let results: Vec<Result<RankResult, LaunchError>> = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(ranks.len());
         for &rank in ranks {
@@ -237,13 +267,18 @@ pub(crate) fn run_ranks(
                 }
             }
         }
+        threads_started = handles.iter().filter(|(_, h)| h.is_some()).count();
         handles
             .into_iter()
             .map(|(rank, h)| match h {
-                Some(h) => h.join().map_err(|p| LaunchError::Spawn {
-                    rank,
-                    message: panic_message(p.as_ref()),
-                }),
+                Some(h) => {
+                    let joined = h.join();
+                    threads_joined += 1;
+                    joined.map_err(|p| LaunchError::Spawn {
+                        rank,
+                        message: panic_message(p.as_ref()),
+                    })
+                }
                 None => Err(LaunchError::Spawn {
                     rank,
                     message: "thread not started".into(),
@@ -254,8 +289,10 @@ pub(crate) fn run_ranks(
     let mut outputs = BTreeMap::new();
     let mut errors = Vec::new();
     let mut events = Vec::new();
-    for (&rank, r) in ranks.iter().zip(results) {
-        let (result, trace) = r?;
+    let mut held_at_exit = BTreeMap::new();
+    let results: Vec<RankResult> = results.into_iter().collect::<Result<_, _>>()?;
+    for (&rank, (result, trace, held)) in ranks.iter().zip(results) {
+        held_at_exit.insert(rank, held);
         events.extend(trace);
         match result {
             Ok(o) => {
@@ -268,6 +305,9 @@ pub(crate) fn run_ranks(
         outputs,
         errors,
         events,
+        held_at_exit,
+        threads_started,
+        threads_joined,
     })
 }
 
@@ -276,6 +316,27 @@ pub fn run_sim(
     host: &HostProgram,
     inputs: SimInputs<'_>,
     options: &SimOptions,
+) -> Result<RunOutcome, LaunchError> {
+    run_sim_observed(host, inputs, options).0
+}
+
+/// [`run_sim`], also reporting what the run left behind (buffers held per rank, messages
+/// never received, threads started and joined), for leak checks.
+pub fn run_sim_observed(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &SimOptions,
+) -> (Result<RunOutcome, LaunchError>, RunResources) {
+    let mut resources = RunResources::default();
+    let result = run_sim_into(host, inputs, options, &mut resources);
+    (result, resources)
+}
+
+fn run_sim_into(
+    host: &HostProgram,
+    inputs: SimInputs<'_>,
+    options: &SimOptions,
+    resources: &mut RunResources,
 ) -> Result<RunOutcome, LaunchError> {
     let needed = host.world_size();
     let world = options.ranks.unwrap_or(needed);
@@ -296,13 +357,20 @@ pub fn run_sim(
         outputs,
         errors,
         mut events,
+        held_at_exit,
+        threads_started,
+        threads_joined,
     } = run_ranks(host, &ranks, &per_rank, &fabric, options, start)?;
+    resources.held_at_exit = held_at_exit;
+    resources.threads_started = threads_started;
+    resources.threads_joined = threads_joined;
     let elapsed = start.elapsed();
     let undelivered: Vec<String> = fabric
         .undelivered()
         .into_iter()
         .map(|(src, dst, _, seq)| format!("rank {src} -> rank {dst} (team operation #{seq})"))
         .collect();
+    resources.undelivered = fabric.discard_undelivered();
     if !errors.is_empty() || !undelivered.is_empty() {
         return Err(LaunchError::Failed(RunFailure {
             first: fabric.failure(),

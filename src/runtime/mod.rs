@@ -38,5 +38,7 @@ pub use backend::Backend;
 pub use compare::{run_and_compare, Comparison};
 pub use data::TensorData;
 pub use evaluator::{EvalOptions, Evaluator, RuntimeError};
-pub use launch::{run_sim, LaunchError, RunOutcome, SimInputs, SimOptions};
+pub use launch::{
+    run_sim, run_sim_observed, LaunchError, RunOutcome, RunResources, SimInputs, SimOptions,
+};
 pub use sim::{SimBackend, SimConfig};

@@ -325,6 +325,8 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         external: &BTreeMap<String, B::Buffer>,
     ) -> Result<BTreeMap<String, TensorData>, RuntimeError> {
         let rank = self.rank();
+        // Buffers left by an interrupted (panicked) run.
+        self.release_all();
         self.reset_state();
         self.backend
             .set_current_stream(StreamIndex::MAIN)
@@ -483,6 +485,13 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             }
         }
         Ok(())
+    }
+
+    /// Releases every buffer the evaluator holds. [`run`](Self::run) does this itself at
+    /// its end; call it after catching a panic out of `run`, which skips that cleanup (the
+    /// next `run` would also release them first).
+    pub fn release_buffers(&mut self) {
+        self.release_all();
     }
 
     fn release_all(&mut self) {

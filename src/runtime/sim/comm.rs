@@ -152,7 +152,9 @@ pub(super) fn start(
     let (d, my) = (team.members.len(), team.my_index);
     let me = be.device;
     let send = |be: &SimBackend, k: usize, p: Payload| -> Result<(), BackendError> {
-        be.fabric.send((me, team.members[k], tag.0, tag.1), p)
+        let key = (me, team.members[k], tag.0, tag.1);
+        be.fabric
+            .send_bounded(key, p, be.max_in_flight, be.timeout, name)
     };
     let others = (0..d).filter(|&k| k != my);
     let finish = match req {

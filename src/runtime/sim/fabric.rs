@@ -33,6 +33,19 @@ pub enum Payload {
     Moe(MoeRows),
 }
 
+impl Payload {
+    /// Bytes the message body occupies (elements plus MoE row metadata).
+    pub fn size_bytes(&self) -> u64 {
+        match self {
+            Payload::Data(s) => s.size_bytes(),
+            Payload::Moe(m) => m
+                .rows
+                .size_bytes()
+                .saturating_add((m.meta.len() as u64).saturating_mul(32)),
+        }
+    }
+}
+
 /// A message key: `(src, dst, team fingerprint, sequence number)`.
 pub type MailKey = (DeviceId, DeviceId, u64, u64);
 
@@ -59,10 +72,63 @@ pub trait RemoteLink: Send + Sync + fmt::Debug {
     fn failure(&self) -> Option<Failure>;
 }
 
+/// The messages in flight, and how many each `(source, destination)` pair has in flight.
+#[derive(Debug, Default)]
+struct Mailbox {
+    messages: HashMap<MailKey, Payload>,
+    per_pair: HashMap<(DeviceId, DeviceId), usize>,
+}
+
+impl Mailbox {
+    fn contains_key(&self, key: &MailKey) -> bool {
+        self.messages.contains_key(key)
+    }
+
+    fn insert(&mut self, key: MailKey, payload: Payload) {
+        if self.messages.insert(key, payload).is_none() {
+            *self.per_pair.entry((key.0, key.1)).or_insert(0) += 1;
+        }
+    }
+
+    fn remove(&mut self, key: &MailKey) -> Option<Payload> {
+        let p = self.messages.remove(key)?;
+        if let Some(n) = self.per_pair.get_mut(&(key.0, key.1)) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_pair.remove(&(key.0, key.1));
+            }
+        }
+        Some(p)
+    }
+
+    fn pending(&self, src: DeviceId, dst: DeviceId) -> usize {
+        self.per_pair.get(&(src, dst)).copied().unwrap_or(0)
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &MailKey> {
+        self.messages.keys()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Payload> {
+        self.messages.values()
+    }
+
+    fn len(&self) -> usize {
+        self.messages.len()
+    }
+
+    fn clear(&mut self) {
+        self.messages.clear();
+        self.messages.shrink_to_fit();
+        self.per_pair.clear();
+        self.per_pair.shrink_to_fit();
+    }
+}
+
 /// Shared mailboxes, an abort flag and the first failure of a run.
 #[derive(Debug, Default)]
 pub struct Fabric {
-    mail: Mutex<HashMap<MailKey, Payload>>,
+    mail: Mutex<Mailbox>,
     arrived: Condvar,
     abort: AtomicBool,
     failure: Mutex<Option<Failure>>,
@@ -106,7 +172,7 @@ impl Fabric {
         }
     }
 
-    fn lock_mail(&self) -> MutexGuard<'_, HashMap<MailKey, Payload>> {
+    fn lock_mail(&self) -> MutexGuard<'_, Mailbox> {
         // A panicking rank never holds this lock while panicking (no user code runs under
         // it), so a poisoned lock still holds consistent data.
         self.mail.lock().unwrap_or_else(|e| e.into_inner())
@@ -114,10 +180,58 @@ impl Fabric {
 
     /// Delivers a message (never blocks). A second message under the same key is an error.
     pub fn send(&self, key: MailKey, payload: Payload) -> Result<(), BackendError> {
+        self.send_bounded(key, payload, usize::MAX, Duration::MAX, "")
+    }
+
+    /// Delivers a message once the destination holds fewer than `limit` messages from this
+    /// source that it has not taken yet (backpressure, like the bounded buffers of NCCL or the
+    /// host proxy's credits): a rank whose peers only receive from it, run step after step,
+    /// cannot run ahead without bound while its messages pile up. Waits up to `timeout`
+    /// (then blames the destination) and stops when the run is aborted.
+    pub fn send_bounded(
+        &self,
+        key: MailKey,
+        payload: Payload,
+        limit: usize,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<(), BackendError> {
         if let Some(link) = self.remote_for(key.1) {
             return link.send(key, payload).inspect_err(|_| self.check_remote());
         }
+        let (me, peer) = (key.0, key.1);
+        let start = Instant::now();
         let mut mail = self.lock_mail();
+        if mail.pending(me, peer) >= limit.max(1) {
+            self.set_waiting(me, Some(peer));
+            while mail.pending(me, peer) >= limit.max(1) {
+                if self.aborted() {
+                    drop(mail);
+                    self.set_waiting(me, None);
+                    return Err(self.abort_error());
+                }
+                let waited = start.elapsed();
+                if waited >= timeout {
+                    drop(mail);
+                    let (culprit, chain) = self.blame(me, peer);
+                    self.set_waiting(me, None);
+                    return Err(BackendError::Timeout {
+                        peer: culprit,
+                        waited,
+                        what: format!(
+                            "rank {peer} to take the {limit} messages already sent to it \
+                             before sending {what}{chain}"
+                        ),
+                    });
+                }
+                mail = self
+                    .arrived
+                    .wait_timeout(mail, POLL.min(timeout - waited))
+                    .map(|(g, _)| g)
+                    .unwrap_or_else(|e| e.into_inner().0);
+            }
+            self.set_waiting(me, None);
+        }
         if mail.contains_key(&key) {
             return Err(BackendError::Invalid(format!(
                 "rank {} sent two messages to rank {} for the same team operation (sequence {})",
@@ -149,6 +263,8 @@ impl Fabric {
         loop {
             if let Some(p) = mail.remove(&key) {
                 drop(mail);
+                // A sender may be waiting for room (`send_bounded`).
+                self.arrived.notify_all();
                 self.set_waiting(me, None);
                 return Ok(p);
             }
@@ -158,6 +274,7 @@ impl Fabric {
                 mail = self.lock_mail();
                 if let Some(p) = mail.remove(&key) {
                     drop(mail);
+                    self.arrived.notify_all();
                     self.set_waiting(me, None);
                     return Ok(p);
                 }
@@ -288,6 +405,27 @@ impl Fabric {
         keys
     }
 
+    /// Messages sent but not (yet) received, and their bytes.
+    pub fn in_flight(&self) -> super::BufferStats {
+        let mail = self.lock_mail();
+        super::BufferStats {
+            buffers: mail.len(),
+            bytes: mail.values().map(Payload::size_bytes).sum(),
+        }
+    }
+
+    /// Drops every message sent but never received (after a failed run) and returns what was
+    /// dropped.
+    pub fn discard_undelivered(&self) -> super::BufferStats {
+        let mut mail = self.lock_mail();
+        let dropped = super::BufferStats {
+            buffers: mail.len(),
+            bytes: mail.values().map(Payload::size_bytes).sum(),
+        };
+        mail.clear();
+        dropped
+    }
+
     /// Sleeps in short slices until the run is aborted or `limit` passes (fault injection).
     pub fn stall(&self, limit: Duration) {
         let start = Instant::now();
@@ -307,4 +445,74 @@ pub fn team_fingerprint(members: &[DeviceId]) -> u64 {
         }
     }
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::runtime::data::Storage;
+
+    fn msg() -> Payload {
+        Payload::Data(Storage::F32(vec![1.0; 4]))
+    }
+
+    /// Regression (resource checks): sends never blocked, so a rank that only sends (a
+    /// pipeline's first stage, run step after step) ran ahead of its receiver and its messages
+    /// piled up without bound. A send now waits while `limit` messages are in flight to the
+    /// same destination, and times out naming the destination.
+    #[test]
+    fn sends_wait_for_room_and_time_out_naming_the_receiver() {
+        let fabric = Fabric::new();
+        let timeout = Duration::from_millis(50);
+        for seq in 0..2 {
+            fabric
+                .send_bounded((0, 1, 7, seq), msg(), 2, timeout, "send_recv")
+                .unwrap();
+        }
+        assert_eq!(fabric.in_flight().buffers, 2);
+        let err = fabric
+            .send_bounded((0, 1, 7, 2), msg(), 2, timeout, "send_recv")
+            .unwrap_err();
+        match &err {
+            BackendError::Timeout { peer, what, .. } => {
+                assert_eq!(*peer, 1);
+                assert!(what.contains("rank 1 to take the 2 messages"), "{what}");
+            }
+            other => panic!("expected a timeout, got {other}"),
+        }
+        // Other destinations are not held up, and room frees up as the receiver takes.
+        fabric
+            .send_bounded((0, 2, 7, 0), msg(), 2, timeout, "send_recv")
+            .unwrap();
+        fabric.recv((0, 1, 7, 0), timeout, "send_recv").unwrap();
+        fabric
+            .send_bounded((0, 1, 7, 2), msg(), 2, timeout, "send_recv")
+            .unwrap();
+        assert_eq!(fabric.in_flight().buffers, 3);
+        assert_eq!(fabric.discard_undelivered().buffers, 3);
+        assert!(fabric.in_flight().is_empty());
+    }
+
+    #[test]
+    fn a_blocked_send_stops_when_the_run_is_aborted() {
+        let fabric = std::sync::Arc::new(Fabric::new());
+        fabric
+            .send_bounded((0, 1, 7, 0), msg(), 1, Duration::from_secs(5), "x")
+            .unwrap();
+        let f = fabric.clone();
+        let failer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            f.fail(1, "rank 1 failed".into());
+        });
+        let start = Instant::now();
+        let err = fabric
+            .send_bounded((0, 1, 7, 1), msg(), 1, Duration::from_secs(5), "x")
+            .unwrap_err();
+        failer.join().unwrap();
+        assert!(
+            matches!(err, BackendError::Aborted { failed_rank: 1, .. }),
+            "{err}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(2));
+    }
 }

@@ -136,6 +136,16 @@ pub struct SimConfig {
     pub faults: Vec<Fault>,
     /// Kernels for `launch_kernel`.
     pub kernels: SimKernels,
+    /// Most bytes of buffers one rank may hold allocated at once (`None`: no limit beyond
+    /// what the host can allocate). An allocation beyond it, or one the host cannot satisfy,
+    /// is an error naming its size, never an abort.
+    pub memory_limit: Option<u64>,
+    /// Most messages one rank may have sent to another that the receiver has not taken yet;
+    /// a further send waits for room (up to [`timeout`](Self::timeout)), like NCCL's bounded
+    /// buffers. Without a bound, a rank that only sends (a pipeline's first stage, run step
+    /// after step by an embedder) runs ahead of its receivers and its messages pile up
+    /// without limit. At least 1.
+    pub max_in_flight: usize,
 }
 
 impl Default for SimConfig {
@@ -147,7 +157,31 @@ impl Default for SimConfig {
             poison: true,
             faults: Vec::new(),
             kernels: SimKernels::new(),
+            memory_limit: None,
+            max_in_flight: 256,
         }
+    }
+}
+
+/// Buffers held, and their bytes (see [`SimBackend::live_buffers`], [`Fabric::in_flight`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct BufferStats {
+    /// Number of buffers (or messages).
+    pub buffers: usize,
+    /// Their total size in bytes.
+    pub bytes: u64,
+}
+
+impl BufferStats {
+    /// True when nothing is held.
+    pub fn is_empty(&self) -> bool {
+        self.buffers == 0 && self.bytes == 0
+    }
+}
+
+impl fmt::Display for BufferStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} buffer(s), {} bytes", self.buffers, self.bytes)
     }
 }
 
@@ -166,6 +200,9 @@ struct SimBuf {
     /// Which elements have been written (tracked when allocations are poisoned), so that
     /// reading back an output the program never wrote is an error, not silent garbage.
     written: Option<Vec<bool>>,
+    /// Bytes counted in [`SimBackend::live_buffers`] for this buffer (its storage when made;
+    /// an exported buffer's storage is moved out before it is released).
+    bytes: u64,
 }
 
 /// Calls `f` on the element offset of every element of a strided view.
@@ -224,6 +261,10 @@ pub struct SimBackend {
     poison: bool,
     faults: Vec<Fault>,
     kernels: SimKernels,
+    memory_limit: Option<u64>,
+    max_in_flight: usize,
+    live: BufferStats,
+    comm_labels: usize,
     slots: Vec<Slot>,
     free: Vec<u32>,
     current: StreamIndex,
@@ -250,6 +291,10 @@ impl SimBackend {
                 .copied()
                 .collect(),
             kernels: config.kernels.clone(),
+            memory_limit: config.memory_limit,
+            max_in_flight: config.max_in_flight,
+            live: BufferStats::default(),
+            comm_labels: 0,
             slots: Vec::new(),
             free: Vec::new(),
             current: StreamIndex::MAIN,
@@ -265,6 +310,12 @@ impl SimBackend {
         &self.fabric
     }
 
+    /// The buffers this rank holds allocated now. The [`Evaluator`](crate::runtime::Evaluator)
+    /// releases every buffer at the end of each run, so between runs this is empty.
+    pub fn live_buffers(&self) -> BufferStats {
+        self.live
+    }
+
     fn insert(&mut self, buf: SimBuf) -> Result<SimBuffer, BackendError> {
         let slot = match self.free.pop() {
             Some(s) => s,
@@ -274,6 +325,8 @@ impl SimBackend {
                     .map_err(|_| BackendError::Invalid("too many buffers".into()))?
             }
         };
+        self.live.buffers += 1;
+        self.live.bytes += buf.bytes;
         let s = &mut self.slots[slot as usize];
         s.buf = Some(buf);
         Ok(SimBuffer {
@@ -294,6 +347,7 @@ impl SimBackend {
         let storage = std::mem::replace(data.storage_mut(), Storage::F32(Vec::new()));
         let n = storage.len();
         let buf = SimBuf {
+            bytes: storage.size_bytes(),
             storage,
             shape: data.shape().to_vec(),
             accesses: Vec::new(),
@@ -536,6 +590,7 @@ impl Backend for SimBackend {
                 seq: 0,
             })
             .collect();
+        self.comm_labels = info.comm_labels;
         self.clocks = self
             .race_check
             .then(|| Clocks::new(self.pool, info.comm_labels));
@@ -545,26 +600,46 @@ impl Backend for SimBackend {
     }
 
     fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<SimBuffer, BackendError> {
-        let n = super::data::numel_of(shape).map_err(|e| BackendError::Invalid(e.to_string()))?;
+        let invalid = |e: super::data::DataError| BackendError::Invalid(e.to_string());
+        let n = super::data::numel_of(shape).map_err(invalid)?;
+        let bytes = n.saturating_mul(dtype.size_bytes() as u64);
+        if let Some(limit) = self.memory_limit {
+            let total = self.live.bytes.saturating_add(bytes);
+            if total > limit {
+                return Err(BackendError::Invalid(format!(
+                    "allocating {dtype}{shape:?} ({bytes} bytes) would hold {total} bytes on \
+                     rank {}, over the memory limit of {limit} bytes",
+                    self.device
+                )));
+            }
+        }
         let storage = if self.poison {
-            Storage::poison(dtype, n as usize)
+            Storage::try_poison(dtype, n as usize)
         } else {
-            Storage::zeros(dtype, n as usize)
+            Storage::try_zeros(dtype, n as usize)
+        }
+        .map_err(invalid)?;
+        let written = match self.poison {
+            true => Some(super::data::try_filled(false, n as usize).map_err(invalid)?),
+            false => None,
         };
         let buf = SimBuf {
             storage,
             shape: shape.to_vec(),
             accesses: Vec::new(),
-            written: self.poison.then(|| vec![false; n as usize]),
+            written,
+            bytes,
         };
         self.insert(buf)
     }
 
     fn deallocate(&mut self, buffer: SimBuffer) -> Result<(), BackendError> {
         // Execution is eager, so the work enqueued on the buffer is already done.
-        self.buf(buffer)?;
+        let bytes = self.buf(buffer)?.bytes;
         let s = &mut self.slots[buffer.slot as usize];
         s.buf = None;
+        self.live.buffers = self.live.buffers.saturating_sub(1);
+        self.live.bytes = self.live.bytes.saturating_sub(bytes);
         s.generation = s.generation.wrapping_add(1);
         self.free.push(buffer.slot);
         Ok(())
@@ -793,6 +868,17 @@ impl Backend for SimBackend {
             return Err(BackendError::Invalid(
                 "a coalescing group was never ended".into(),
             ));
+        }
+        // Every communication is complete and every buffer is released after the run, so the
+        // next run starts from fresh vector clocks (they would otherwise grow without bound,
+        // and a `u32` clock overflows after ~4e9 operations of an embedder's long run).
+        // Buffers that outlive the run (caller-owned ones) forget their accesses: everything
+        // is complete, so nothing recorded so far can race with what comes later.
+        if let Some(c) = self.clocks.as_mut() {
+            *c = Clocks::new(self.pool, self.comm_labels);
+            for b in self.slots.iter_mut().filter_map(|s| s.buf.as_mut()) {
+                b.accesses.clear();
+            }
         }
         Ok(())
     }

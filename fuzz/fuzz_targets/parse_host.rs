@@ -1,0 +1,18 @@
+//! Host parser: any text either parses or returns a `ParseError`; parsed programs print and
+//! parse back to the same text.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use meshflow::ir::parse_host;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(host) = parse_host(text) {
+        let printed = host.to_string();
+        let again = parse_host(&printed)
+            .unwrap_or_else(|e| panic!("printed host program does not parse back: {e}\n{printed}"));
+        assert_eq!(again.to_string(), printed, "print/parse is not a fixpoint");
+    }
+});

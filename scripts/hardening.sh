@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism.
+#
+#   scripts/hardening.sh                 # CPU (sim) rows; fuzzing 60 s per target
+#   FUZZ_SECONDS=300 scripts/hardening.sh
+#   NO_FUZZ=1 scripts/hardening.sh       # skip fuzzing (needs cargo-fuzz otherwise)
+#   scripts/hardening.sh --gpu           # also the GPU rows (needs GPUs and the CUDA libraries)
+#
+# Every row comes from a test or the fuzz script; the tests assert what the rows say:
+#   fuzz/run.sh SECONDS                                   fuzzing rows
+#   cargo test --release --test runtime_fault_matrix      fault rows (sim)
+#   cargo test --release --test runtime_resources         memory rows (sim)
+#   cargo test --release --test runtime_determinism       determinism rows (sim)
+#   cargo test --release --features cuda --test gpu_faults --test gpu_determinism   GPU rows
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+gpu=0
+[ "${1:-}" = "--gpu" ] && gpu=1
+status=0
+rows="$(mktemp)"
+trap 'rm -f "$rows"' EXIT
+
+echo "## Fuzzing"
+echo
+if [ -n "${NO_FUZZ:-}" ]; then
+  echo "(skipped: NO_FUZZ is set)"
+elif ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "(not run: cargo-fuzz is not installed; \`cargo install cargo-fuzz\`)"
+else
+  fuzz/run.sh "${FUZZ_SECONDS:-60}" || status=1
+fi
+echo
+
+run_tests() { # cargo test args...; collects HARDENING rows
+  local log
+  log="$(mktemp)"
+  if ! cargo test --release "$@" -- --nocapture --test-threads=1 >"$log" 2>&1; then
+    echo "FAILED: cargo test --release $*" >&2
+    grep -E "panicked|FAILED|error" "$log" | head -20 >&2
+    status=1
+  fi
+  grep -o 'HARDENING|.*' "$log" >>"$rows"
+  rm -f "$log"
+}
+run_tests --test runtime_fault_matrix --test runtime_resources --test runtime_determinism
+if [ "$gpu" = 1 ]; then
+  run_tests --features cuda --test gpu_faults --test gpu_determinism
+fi
+gpu_cmd='cargo test --release --features cuda --test gpu_faults --test gpu_determinism -- --nocapture --test-threads=1'
+
+table() { # name header separator [gpu placeholder]
+  local name="$1"
+  echo "$2"
+  echo "$3"
+  grep "^HARDENING|$name|" "$rows" | cut -d'|' -f3- |
+    awk -F'|' '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; print "" }'
+  if ! grep -q "^HARDENING|$name|cuda|" "$rows"; then
+    echo "| cuda | not run yet: \`$gpu_cmd\` (or \`scripts/hardening.sh --gpu\`) |"
+  fi
+  echo
+}
+
+echo "## Fault injection"
+echo
+table faults "| backend | operation | ranks | fault | every rank stopped after | undelivered messages | result |" \
+  "|---|---|---|---|---|---|---|"
+echo "## Memory (reused evaluator: after 10 steps / after 1000 steps)"
+echo
+table memory "| backend | example | ranks | VmRSS | VmHWM | sim buffers live | open fds |" \
+  "|---|---|---|---|---|---|---|"
+echo "## Determinism"
+echo
+table determinism "| backend | example | same seed | stream pool | lowering | other seed |" \
+  "|---|---|---|---|---|---|"
+exit $status
