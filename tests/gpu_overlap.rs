@@ -23,7 +23,7 @@ use meshflow::bench::programs::{
 };
 use meshflow::bench::Timing;
 use meshflow::ir::{DType, HostProgram};
-use meshflow::runtime::cuda::{run_cuda_timed, Interval, IntervalKind, TimedRun};
+use meshflow::runtime::cuda::{run_cuda_timed, CudaTransport, Interval, IntervalKind, TimedRun};
 use meshflow::runtime::data::{SplitMix64, TensorData};
 use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::SimInputs;
@@ -39,7 +39,20 @@ const STREAMS: usize = 2;
 const STEPS: usize = 8;
 
 fn timed(what: &str, host: &HostProgram, d: usize, inputs: PerRank, profile: bool) -> TimedRun {
+    timed_over(what, host, d, inputs, profile, CudaTransport::Auto)
+}
+
+/// Like [`timed`], with the transport fixed.
+fn timed_over(
+    what: &str,
+    host: &HostProgram,
+    d: usize,
+    inputs: PerRank,
+    profile: bool,
+    transport: CudaTransport,
+) -> TimedRun {
     let mut o = cuda_options();
+    o.config.transport = transport;
     o.ranks = Some(d);
     o.config.profile = profile;
     o.config.steps = if profile { 1 } else { STEPS };
@@ -257,6 +270,12 @@ fn row_parallel_chunked_overlaps() {
         let full = random_full(s, 2);
         let per_rank = scatter_inputs(&l.program, &full).unwrap();
         let name = "rsmm chunked s=4";
+        // Over NCCL, as documented above: the reduction needs SMs either way, and NCCL fuses it
+        // with the transfer. (The copy-engine reduce-scatter is faster in absolute time —
+        // `meshflow bench rsmm` — but its separate add kernel waits for the GEMM's SMs.)
+        let timed = |what: &str, host: &HostProgram, d, inputs, profile| {
+            timed_over(what, host, d, inputs, profile, CudaTransport::Nccl)
+        };
         let run = timed(name, &l.host, d, per_rank.clone(), true);
         let out = run.outcome.gather(&l.program).unwrap();
         let err = sampled_error(&full, &out["z"], s);

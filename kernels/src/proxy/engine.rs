@@ -324,11 +324,35 @@ impl Proxy {
     pub fn notify_failure(&self, rank: usize, reason: &str) {
         let mut payload = (rank as u64).to_le_bytes().to_vec();
         payload.extend_from_slice(reason.as_bytes());
+        // Another thread of this node may be mid-send to a peer (holding its cursor): retry
+        // for a bounded time rather than skip the peer, or it would only see the connection
+        // close and blame the wrong rank. A holder blocked on ring credits from a dead peer
+        // gives up the notice to that peer after the bound.
+        let lock_deadline = Instant::now() + Duration::from_millis(250);
+        let notice_deadline = Instant::now() + Duration::from_secs(1);
         for i in 0..self.shared.layout.peers.len() {
-            let Ok(cursor) = self.shared.cursors[i].try_lock() else {
+            let cursor = loop {
+                match self.shared.cursors[i].try_lock() {
+                    Ok(c) => break Some(c),
+                    Err(std::sync::TryLockError::Poisoned(e)) => break Some(e.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) if Instant::now() < lock_deadline => {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => break None,
+                }
+            };
+            let Some(cursor) = cursor else {
+                tracing::debug!(
+                    rank = self.rank(),
+                    "could not notify rank {} of the failure: its send cursor stayed busy",
+                    self.shared.layout.peers[i]
+                );
                 continue;
             };
-            if let Err(e) = self.stage_message(i, cursor, ABORT_TAG, &payload, None) {
+            // The receiving proxy drains its ring on its own, so a full ring frees up soon:
+            // wait for space (within one overall bound, in case that peer is gone too).
+            let left = notice_deadline.saturating_duration_since(Instant::now());
+            if let Err(e) = self.stage_message(i, cursor, ABORT_TAG, &payload, Some(left)) {
                 tracing::debug!(
                     rank = self.rank(),
                     "could not notify rank {} of the failure: {e}",
@@ -336,8 +360,9 @@ impl Proxy {
                 );
             }
         }
-        // Let the proxy thread post the notices before the local abort stops anything.
-        let deadline = Instant::now() + Duration::from_millis(200);
+        // Let the proxy thread post the notices before the local abort stops anything (this
+        // is the failure path: waiting a little longer on a loaded machine costs nothing).
+        let deadline = Instant::now() + Duration::from_secs(2);
         while Instant::now() < deadline && !self.all_posted() {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -399,6 +424,12 @@ impl Proxy {
 
 impl Drop for Proxy {
     fn drop(&mut self) {
+        // Give the proxy thread a moment to post what is already staged (e.g. a failure
+        // notice), so peers see it before the connection closes.
+        let deadline = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < deadline && !self.all_posted() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         self.shared.stop.store(true, Ordering::Release);
         self.shared.wire.wake();
         if let Some(t) = self.thread.take() {

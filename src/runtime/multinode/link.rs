@@ -104,6 +104,35 @@ fn failure_of(e: ProxyError, me: DeviceId, topology: &Topology) -> Failure {
     }
 }
 
+impl ProxyLink {
+    /// A failed node sends a failure notice on one connection and then closes all of them, and
+    /// connections are not ordered with each other: a connection may close here before the
+    /// notice has arrived on another. When a peer is lost, wait briefly for a notice and
+    /// report it instead, so the error names the rank that failed and why.
+    fn prefer_notice(&self, e: ProxyError) -> ProxyError {
+        if !matches!(e, ProxyError::PeerLost { .. }) {
+            return e;
+        }
+        let deadline = std::time::Instant::now() + NOTICE_GRACE;
+        loop {
+            let notice = self.proxies.values().find_map(|p| match p.failure() {
+                Some(n @ ProxyError::Aborted { .. }) => Some(n),
+                _ => None,
+            });
+            if let Some(n) = notice {
+                return n;
+            }
+            if std::time::Instant::now() >= deadline {
+                return e;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// How long a lost peer's error waits for that node's failure notice.
+const NOTICE_GRACE: Duration = Duration::from_millis(500);
+
 impl RemoteLink for ProxyLink {
     fn is_remote(&self, rank: DeviceId) -> bool {
         self.topology.node_of(rank).is_some_and(|n| n != self.node)
@@ -113,14 +142,17 @@ impl RemoteLink for ProxyLink {
         let bytes = encode_payload(&payload);
         self.proxy(key.0)?
             .send(key.1, (key.2, key.3), &bytes, self.send_timeout)
-            .map_err(|e| backend_error(e, &format!("sending to rank {}", key.1), &self.topology))
+            .map_err(|e| {
+                let e = self.prefer_notice(e);
+                backend_error(e, &format!("sending to rank {}", key.1), &self.topology)
+            })
     }
 
     fn recv(&self, key: MailKey, timeout: Duration, what: &str) -> Result<Payload, BackendError> {
         let bytes = self
             .proxy(key.1)?
             .recv(key.0, (key.2, key.3), timeout)
-            .map_err(|e| backend_error(e, what, &self.topology))?;
+            .map_err(|e| backend_error(self.prefer_notice(e), what, &self.topology))?;
         decode_payload(&bytes).map_err(|e| {
             BackendError::Invalid(format!(
                 "{what}: malformed message from rank {}: {e}",
@@ -143,9 +175,18 @@ impl RemoteLink for ProxyLink {
     }
 
     fn failure(&self) -> Option<Failure> {
-        self.proxies
+        // A failure notice (naming the rank that failed and why) beats a lost connection.
+        let all: Vec<(DeviceId, ProxyError)> = self
+            .proxies
             .iter()
-            .find_map(|(&r, p)| p.failure().map(|e| failure_of(e, r, &self.topology)))
+            .filter_map(|(&r, p)| p.failure().map(|e| (r, e)))
+            .collect();
+        let pick = all
+            .iter()
+            .position(|(_, e)| matches!(e, ProxyError::Aborted { .. }))
+            .or(if all.is_empty() { None } else { Some(0) })?;
+        let (r, e) = all.into_iter().nth(pick)?;
+        Some(failure_of(e, r, &self.topology))
     }
 }
 
