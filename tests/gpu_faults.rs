@@ -31,7 +31,7 @@ use meshflow::runtime::backend::{
     Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex, TensorView,
 };
 use meshflow::runtime::compare::random_inputs;
-use meshflow::runtime::cuda::{AbortSignal, CudaBackend, CudaConfig};
+use meshflow::runtime::cuda::{clear_communicator_cache, AbortSignal, CudaBackend, CudaConfig};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 use meshflow::runtime::shard::scatter_inputs;
@@ -273,6 +273,10 @@ fn run_cell(case: &str, d: usize, kind: Kind) {
             .collect()
     });
     let elapsed = start.elapsed();
+    // As the launcher does after a failed run (the ranks may disagree about which
+    // communicators are healthy): abort and forget the cached communicators, which ends
+    // NCCL's threads (they inherit the rank threads' names, so they would count below).
+    clear_communicator_cache();
     for (rank, r) in &errors {
         let text = r
             .as_ref()
