@@ -8,8 +8,9 @@
 //! `run_cuda` does (shared rendezvous and abort signal; a failing rank aborts both). Promises
 //! checked: every rank returns an error, within the timeout (a stall: within the timeout the
 //! peers wait in NCCL, plus slack); an error or a panic is named in every rank's error (NCCL
-//! cannot tell which peer stalled, so a stall is not); every rank thread is joined and none
-//! is left; every evaluator released its buffers.
+//! cannot tell which peer stalled, so a stall is not); no thread the cell started is left
+//! (rank threads, and NCCL's threads of aborted communicators); every evaluator released its
+//! buffers. Each rank count starts with a run without a fault, which must succeed.
 //!
 //! Built with the `cuda` feature only: `cargo test --features cuda --test gpu_faults`.
 #![cfg(feature = "cuda")]
@@ -20,12 +21,12 @@ mod hardening_support;
 #[path = "data/gpu/support.rs"]
 mod support;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use hardening_support::{open_fds, row, threads_left};
+use hardening_support::{open_fds, row};
 use meshflow::ir::{ComputeOp, DType, DeviceId, HostProgram, Program};
 use meshflow::runtime::backend::{
     Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex, TensorView,
@@ -237,22 +238,55 @@ fn build(case: &str, d: i64) -> (Program, HostProgram, usize, &'static str) {
     }
 }
 
-fn run_cell(case: &str, d: usize, kind: Kind) {
-    let (l1, host, at, inst) = build(case, d as i64);
-    let per_rank = scatter_inputs(&l1, &random_inputs(&l1, 9).unwrap()).unwrap();
+/// The ids of this process's threads (`/proc/self/task`).
+fn thread_ids() -> BTreeSet<u64> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| t.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// Threads that did not exist in `before`, waiting up to 2 s for exiting ones to go: each with
+/// its name and where it sleeps (`wchan`).
+fn new_threads(before: &BTreeSet<u64>) -> Vec<String> {
+    let start = Instant::now();
+    loop {
+        let extra: Vec<u64> = thread_ids().difference(before).copied().collect();
+        if extra.is_empty() || start.elapsed() > Duration::from_secs(2) {
+            return extra
+                .iter()
+                .map(|tid| {
+                    let read = |f: &str| {
+                        std::fs::read_to_string(format!("/proc/self/task/{tid}/{f}"))
+                            .map(|t| t.trim().to_string())
+                            .unwrap_or_else(|e| format!("({e})"))
+                    };
+                    format!("{tid} `{}` wchan={}", read("comm"), read("wchan"))
+                })
+                .collect();
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Runs the ranks of one cell (rank `failed` with `fault`), one thread each; their results.
+fn run_ranks(
+    l1: &Program,
+    host: &HostProgram,
+    d: usize,
+    fault: Option<(usize, Kind)>,
+) -> Vec<(DeviceId, Result<(), String>)> {
+    let per_rank = scatter_inputs(l1, &random_inputs(l1, 9).unwrap()).unwrap();
     let failed = d / 2;
-    let cell = format!("{case} / {d} GPUs / {kind:?}");
     let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new(format!("gpu-faults-{d}")));
     let abort = AbortSignal::new();
     let empty = BTreeMap::new();
-    let fds = open_fds();
-    let start = Instant::now();
-    let errors: Vec<(DeviceId, Result<(), String>)> = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = (0..d)
             .map(|rank| {
-                let (host, rdv, abort) = (&host, rdv.clone(), &abort);
+                let (rdv, abort) = (rdv.clone(), &abort);
                 let inputs = per_rank.get(&rank).unwrap_or(&empty);
-                let fault = (rank == failed).then_some((at, kind));
+                let fault = fault.filter(|_| rank == failed);
                 std::thread::Builder::new()
                     .name(format!("gpu-fault-rank-{rank}"))
                     .spawn_scoped(scope, move || {
@@ -271,11 +305,35 @@ fn run_cell(case: &str, d: usize, kind: Kind) {
                 )
             })
             .collect()
-    });
+    })
+}
+
+/// A run of `case` on `d` GPUs without a fault, which must succeed on every rank. It also
+/// starts whatever the process keeps for its life (CUDA contexts and their driver threads), so
+/// that the cells after it can count the threads they leave.
+fn warm_up(case: &str, d: usize) {
+    let (l1, host, _, _) = build(case, d as i64);
+    for (rank, r) in run_ranks(&l1, &host, d, None) {
+        if let Err(e) = r {
+            panic!("{case} / {d} GPUs without a fault: rank {rank}: {e}");
+        }
+    }
+    clear_communicator_cache();
+}
+
+fn run_cell(case: &str, d: usize, kind: Kind) {
+    let (l1, host, at, inst) = build(case, d as i64);
+    let failed = d / 2;
+    let cell = format!("{case} / {d} GPUs / {kind:?}");
+    eprintln!("{cell}: starting");
+    let threads_before = thread_ids();
+    let fds = open_fds();
+    let start = Instant::now();
+    let errors = run_ranks(&l1, &host, d, Some((at, kind)));
     let elapsed = start.elapsed();
     // As the launcher does after a failed run (the ranks may disagree about which
     // communicators are healthy): abort and forget the cached communicators, which ends
-    // NCCL's threads (they inherit the rank threads' names, so they would count below).
+    // NCCL's threads.
     clear_communicator_cache();
     for (rank, r) in &errors {
         let text = r
@@ -308,10 +366,11 @@ fn run_cell(case: &str, d: usize, kind: Kind) {
         SLACK
     };
     assert!(elapsed < bound, "{cell}: took {elapsed:?}");
-    assert_eq!(
-        threads_left("gpu-fault-rank"),
-        0,
-        "{cell}: a rank thread survived"
+    let left = new_threads(&threads_before);
+    assert!(
+        left.is_empty(),
+        "{cell}: threads started by the cell are still alive (rank threads, or NCCL/CUDA \
+         threads of communicators that were not torn down): {left:?}"
     );
     eprintln!("{cell}: descriptors {fds} -> {}", open_fds());
     row(
@@ -334,6 +393,7 @@ fn matrix(case: &str) {
         if support::skip_unless(d, &format!("{test} on {d} ranks")) {
             continue;
         }
+        warm_up(case, d);
         for kind in [Kind::Error, Kind::Panic, Kind::Stall] {
             run_cell(case, d, kind);
         }

@@ -321,18 +321,21 @@ pub fn rsmm_host(
             }
         }
         RsVariant::Chunked(_) => {
+            // The GEMMs of the chunks run one after the other on the main stream; the
+            // reduce-scatter of chunk i runs on worker 0 once the GEMM of chunk i is done, under
+            // the GEMM of chunk i + 1.
             p += &format!(
-                "  s0 = get_current_stream\n  for i0 in 0..{chunks} {{\n    set_current_stream worker(i0)\n    synchronize s0\n    x_chunk = shard_by_stream(x, axis=0, chunks={chunks}, index=i0)\n    y_chunk = shard_by_stream(y, axis=0, chunks={chunks}, index=i0)\n"
+                "  s0 = get_current_stream\n  for i0 in 0..{chunks} {{\n    x_chunk = shard_by_stream(x, axis=0, chunks={chunks}, index=i0)\n    y_chunk = shard_by_stream(y, axis=0, chunks={chunks}, index=i0)\n"
             );
             if compute {
                 p += "    linear(x_chunk, w -> y_chunk)\n";
             }
             if comm {
                 p += &format!(
-                    "    z_chunk = shard_by_stream(z, axis=0, chunks={chunks}, index=i0)\n    c0 = reduce_scatter(y_chunk -> z_chunk, team=slice(m0, DIDx), op=sum)\n    wait c0\n"
+                    "    set_current_stream worker(0)\n    synchronize s0\n    z_chunk = shard_by_stream(z, axis=0, chunks={chunks}, index=i0)\n    c0 = reduce_scatter(y_chunk -> z_chunk, team=slice(m0, DIDx), op=sum)\n    wait c0\n    set_current_stream s0\n"
                 );
             }
-            p += &format!("  }}\n  set_current_stream s0\n  for i1 in 0..{chunks} {{\n    synchronize worker(i1)\n  }}\n");
+            p += "  }\n  synchronize worker(0)\n";
         }
     }
     p += "  deallocate y\n}\n";

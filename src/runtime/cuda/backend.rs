@@ -547,6 +547,12 @@ impl CudaBackend {
         let mut spins = 0u32;
         loop {
             if done.is_complete().map_err(self.err("cuEventQuery"))? {
+                // A peer that failed during the run may have let this rank's collectives end
+                // early (aborted communicators): the device being done proves nothing then.
+                if let Some(e) = self.aborted() {
+                    self.abort_comms();
+                    return Err(e);
+                }
                 return Ok(());
             }
             spins += 1;
@@ -583,6 +589,35 @@ impl CudaBackend {
                 }
             }
         }
+    }
+
+    /// Connects NCCL's point-to-point channels between this rank and every other member of the
+    /// communicator `self.comms[i]` now, right after its creation, while every member is known
+    /// to be here: a one-byte send and receive with each peer in one group, waited for like a
+    /// program's end. NCCL otherwise connects a pair inside the first `ncclGroupEnd` of a
+    /// send/recv between them, which blocks the host thread until the peer posts its side, and
+    /// never returns if the peer has failed by then (no abort can reach a thread inside NCCL).
+    fn preconnect(&mut self, i: usize, lib: &Arc<NcclLib>) -> Result<(), BackendError> {
+        let Some((_, comm)) = self.comms.get(i) else {
+            return Ok(());
+        };
+        let (n, me) = (comm.size(), comm.rank());
+        if n < 2 {
+            return Ok(());
+        }
+        let bytes = DeviceBuffer::alloc(&self.device, 2 * n).map_err(self.err("cuMemAlloc"))?;
+        let s = self.streams[0].clone();
+        let e = self.err("NCCL point-to-point connection");
+        nccl::group(lib, || {
+            for p in (0..n).filter(|&p| p != me) {
+                comm.send(&bytes.view(p, 1)?, meshflow_kernels::DType::U8, p, &s)?;
+                comm.recv(&bytes.view(n + p, 1)?, meshflow_kernels::DType::U8, p, &s)?;
+            }
+            Ok(())
+        })
+        .map_err(e)?;
+        let done = s.record_event().map_err(self.err("cuEventRecord"))?;
+        self.wait_device(&done)
     }
 
     /// Aborts every communicator (unblocks device work waiting for a peer) and marks the rank
@@ -688,9 +723,10 @@ impl Backend for CudaBackend {
             .as_ref()
             .map(|r| r.namespace().to_owned())
             .unwrap_or_else(|| "local".into());
+        let ordinal = self.device.ordinal();
         let key_of = |members: &[DeviceId]| TeamKey {
             namespace: namespace.clone(),
-            ordinal: self.device.ordinal(),
+            ordinal,
             members: members.to_vec(),
         };
         // Teams not held yet, in the global order of their member lists.
@@ -720,6 +756,7 @@ impl Backend for CudaBackend {
                 self.config.timeout,
             )?;
             self.comms.push((key, comm));
+            self.preconnect(self.comms.len() - 1, &lib)?;
         }
         for t in info.teams {
             let key = key_of(&t.members);

@@ -719,17 +719,18 @@ impl CudaBackend {
         let seq = self.next_seq(label);
         let src = self.input_region(input)?;
         let send_temps = std::mem::take(&mut self.scratch);
-        let others: Vec<(usize, DeviceId)> = team
-            .members
-            .iter()
-            .copied()
-            .enumerate()
+        let my = team.my_index;
+        // Peers in ring order from this rank (my + 1, my + 2, ...): at every point of the
+        // sequence each rank's memory is read by one peer, instead of every rank pulling from
+        // member 0 first.
+        let others: Vec<(usize, DeviceId)> = (1..d)
+            .map(|k| (my + k) % d)
+            .filter_map(|i| Some((i, *team.members.get(i)?)))
             .filter(|&(_, m)| m != self.rank)
             .collect();
         for &(_, m) in &others {
             self.offer(&hub, label, seq, m, &src)?;
         }
-        let my = team.my_index;
         let mine = src.chunk(my, d).map_err(self.err("reduce_scatter chunk"))?;
         let chunk_bytes = mine.len();
         let slot = self.output_slot(output, &[input])?;
