@@ -77,9 +77,10 @@
 #![forbid(unsafe_code)]
 
 pub use meshflow_ir as ir;
-/// The unsafe/FFI crate: CUDA, NCCL and the inter-node host proxy ([`kernels::proxy`]); with
-/// feature `cuda`, the `unsafe` constructors that wrap an embedder's raw handles (streams,
-/// device memory, communicators).
+/// The FFI crate (all of the workspace's raw-pointer code): CUDA, NCCL and the inter-node
+/// host proxy ([`kernels::proxy`]); with feature `cuda`, the constructors that wrap an
+/// embedder's raw handles (streams, device memory, communicators; the caller vouches for
+/// them).
 pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 

@@ -3,7 +3,8 @@
 //! ([`CudaResources`]).
 //!
 //! The raw handles an embedder holds (a `CUstream`, a device address, an `ncclComm_t`) are
-//! wrapped with the `unsafe` constructors of the kernels crate —
+//! wrapped with the raw-handle constructors of the kernels crate (the caller vouches for
+//! the handle) —
 //! [`Stream::from_raw_borrowed`](meshflow_kernels::Stream::from_raw_borrowed),
 //! [`DeviceBuffer::from_raw_borrowed`] and
 //! [`Comm::from_raw_borrowed`](meshflow_kernels::nccl::Comm::from_raw_borrowed) — where the
