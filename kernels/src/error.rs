@@ -64,6 +64,9 @@ pub enum KernelError {
     /// The arguments do not fit together (buffer sizes, shapes, devices).
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A transfer through the inter-node host proxy failed (a lost peer, an abort, a timeout).
+    #[error("host proxy: {0}")]
+    Proxy(#[from] crate::proxy::ProxyError),
 }
 
 struct TriedList<'a>(&'a [(String, String)]);

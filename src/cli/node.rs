@@ -70,25 +70,14 @@ fn setup_timeout(sim: &SimArgs) -> Duration {
 
 /// Faults from `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]`.
 fn faults_from_env() -> Result<Vec<Fault>, CliError> {
-    let Ok(spec) = std::env::var("MESHFLOW_FAULT_EXIT") else {
-        return Ok(Vec::new());
-    };
-    spec.split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|item| {
-            let parsed = item
-                .split_once(':')
-                .and_then(|(r, n)| Some((r.trim().parse().ok()?, n.trim().parse().ok()?)));
-            let (rank, at_comm) = parsed.ok_or_else(|| {
-                CliError::Usage(format!("MESHFLOW_FAULT_EXIT: `{item}` is not RANK:N"))
-            })?;
-            Ok(Fault {
-                rank,
-                at_comm,
-                kind: FaultKind::Exit,
-            })
+    Ok(super::common::fault_exits_from_env()?
+        .into_iter()
+        .map(|(rank, at_comm)| Fault {
+            rank,
+            at_comm,
+            kind: FaultKind::Exit,
         })
-        .collect()
+        .collect())
 }
 
 fn sum_stats(stats: &BTreeMap<usize, ProxyStats>) -> ProxyStats {

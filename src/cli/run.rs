@@ -4,7 +4,8 @@
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
 //! (or `MESHFLOW_NODE_SIZE`) the sim ranks run in M processes linked by the host proxy (see
-//! [`node`](super::node)).
+//! [`node`](super::node)); GPU ranks (`--backend cuda`) stay in this process (or the processes
+//! of `meshflow launch`) and reach the ranks of other nodes through their host proxies.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -51,8 +52,10 @@ pub struct RunArgs {
     /// Do not check stream ordering (races) while running (sim backend).
     #[arg(long)]
     no_race_check: bool,
-    /// Split the sim ranks into this many node processes linked by the host proxy over TCP
-    /// (default: `MESHFLOW_NODE_SIZE` ranks per node when set, else one process).
+    /// Split the ranks into this many nodes linked by the host proxy over TCP (default:
+    /// `MESHFLOW_NODE_SIZE` ranks per node when set, else one node). Sim ranks run in one
+    /// process per node; GPU ranks move collective permutes and MoE rows between nodes
+    /// through the proxy.
     #[arg(long)]
     nodes: Option<usize>,
 }
@@ -144,7 +147,14 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
                 .gather(&compiled.program)
                 .map_err(|e| CliError::Run(e.to_string()))?
         }
-        BackendKind::Cuda => match run_cuda(&args, &compiled, &inputs, ranks, &mut summary)? {
+        BackendKind::Cuda => match run_cuda(
+            &args,
+            &compiled,
+            &inputs,
+            ranks,
+            (nodes > 1).then(|| ranks.div_ceil(nodes)),
+            &mut summary,
+        )? {
             Some(gathered) => gathered,
             // A rank other than 0 of a multi-process run: rank 0 compares.
             None => return print_out(&summary),
@@ -168,6 +178,7 @@ fn run_cuda(
     _compiled: &meshflow::pipeline::Compiled,
     _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
     _ranks: usize,
+    _node_size: Option<usize>,
     _summary: &mut String,
 ) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
 {
@@ -184,18 +195,18 @@ fn run_cuda(
     compiled: &meshflow::pipeline::Compiled,
     inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
     ranks: usize,
+    node_size: Option<usize>,
     summary: &mut String,
 ) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
 {
-    super::run_cuda::run(
-        compiled,
-        inputs,
+    let how = super::run_cuda::GpuRun {
         ranks,
-        args.streams,
-        Duration::from_millis(args.timeout_ms),
-        args.trace.as_deref(),
-        summary,
-    )
+        node_size,
+        streams: args.streams,
+        timeout: Duration::from_millis(args.timeout_ms),
+        trace: args.trace.as_deref(),
+    };
+    super::run_cuda::run(compiled, inputs, &how, summary)
 }
 
 fn count_insts(host: &meshflow::ir::HostProgram) -> usize {

@@ -3,6 +3,9 @@
 //! `MASTER_ADDR`, `MASTER_PORT`) are set, e.g. under `meshflow launch --nproc N -- meshflow run
 //! prog.mf --backend cuda`. Then every rank sends its outputs to rank 0 through the TCP
 //! rendezvous, and rank 0 alone compares them with the reference and prints `ok`/`mismatch`.
+//! With `--nodes M` or `MESHFLOW_NODE_SIZE` the ranks form nodes and reach the ranks of other
+//! nodes through the host proxy; `MESHFLOW_FAULT_EXIT=RANK:N` makes the process of `RANK` (of a
+//! multi-process run) exit at its `N`-th communication (fault tests).
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,24 +21,49 @@ use super::common::CliError;
 /// The least time a GPU rank waits for its peers (communicator setup can take seconds).
 const MIN_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// How a GPU run is made (from `meshflow run`'s arguments).
+#[derive(Clone, Copy)]
+pub(super) struct GpuRun<'a> {
+    /// Number of ranks.
+    pub ranks: usize,
+    /// Ranks per node, when the run is split into nodes.
+    pub node_size: Option<usize>,
+    /// Worker streams per rank.
+    pub streams: usize,
+    /// How long a rank waits for a peer (at least [`MIN_TIMEOUT`]).
+    pub timeout: Duration,
+    /// Where to write the trace.
+    pub trace: Option<&'a Path>,
+}
+
 /// Runs the compiled program on GPUs. Returns the gathered outputs, or `None` on a rank other
 /// than 0 of a multi-process run (rank 0 compares).
 pub(super) fn run(
     compiled: &Compiled,
     inputs: &BTreeMap<String, TensorData>,
-    ranks: usize,
-    streams: usize,
-    timeout: Duration,
-    trace: Option<&Path>,
+    how: &GpuRun<'_>,
     summary: &mut String,
 ) -> Result<Option<BTreeMap<String, TensorData>>, CliError> {
+    let GpuRun {
+        ranks,
+        node_size,
+        streams,
+        timeout,
+        trace,
+    } = *how;
     let env = TorchrunEnv::from_env().map_err(|e| CliError::Usage(e.to_string()))?;
+    let exit_at_comm = match &env {
+        Some(e) => exit_fault(e.rank)?,
+        None => None,
+    };
     let options = CudaOptions {
         ranks: Some(ranks),
         config: CudaConfig {
             stream_pool: streams.max(1),
             timeout: timeout.max(MIN_TIMEOUT),
             profile: trace.is_some() && env.is_none(),
+            node_size,
+            exit_at_comm,
             ..CudaConfig::default()
         },
     };
@@ -59,6 +87,15 @@ pub(super) fn run(
             e.rank, e.world_size, e.local_rank
         )),
     }
+    if !run.proxy_stats.is_empty() {
+        let bytes: u64 = run.proxy_stats.values().map(|p| p.bytes_written).sum();
+        let messages: u64 = run.proxy_stats.values().map(|p| p.messages_received).sum();
+        summary.push_str(&format!(
+            "between nodes through the host proxy (TCP): {bytes} bytes written, {messages} \
+             messages received ({} ranks with a peer on another node)\n",
+            run.proxy_stats.len()
+        ));
+    }
     if let Some(path) = trace {
         match &run.trace {
             Some(t) => {
@@ -80,4 +117,12 @@ pub(super) fn run(
         summary.push_str("outputs sent to rank 0, which compares them with the reference\n");
     }
     Ok(run.outputs)
+}
+
+/// The communication at which this process (rank `rank` of a multi-process run) exits, from
+/// `MESHFLOW_FAULT_EXIT` (fault tests).
+fn exit_fault(rank: usize) -> Result<Option<usize>, CliError> {
+    Ok(super::common::fault_exits_from_env()?
+        .into_iter()
+        .find_map(|(r, n)| (r == rank).then_some(n)))
 }

@@ -236,6 +236,40 @@ fn descendants(root: u32) -> Vec<u32> {
     out
 }
 
+/// Sends `signal` (e.g. `-KILL`) to `pids` with the system's `kill` (best effort).
+fn signal(signal: &str, pids: &[u32]) {
+    if pids.is_empty() {
+        return;
+    }
+    let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
+    if let Err(e) = Command::new("kill")
+        .arg(signal)
+        .args(&pids)
+        .stderr(Stdio::null())
+        .status()
+    {
+        tracing::debug!("kill {signal} of a rank's processes: {e}");
+    }
+}
+
+/// A rank and every process it started, frozen (`SIGSTOP`) so that none of them can start
+/// another one between the listing and the kill.
+fn freeze_tree(root: u32) -> Vec<u32> {
+    let mut frozen = vec![root];
+    signal("-STOP", &frozen);
+    loop {
+        let fresh: Vec<u32> = descendants(root)
+            .into_iter()
+            .filter(|p| !frozen.contains(p))
+            .collect();
+        if fresh.is_empty() {
+            return frozen;
+        }
+        signal("-STOP", &fresh);
+        frozen.extend(fresh);
+    }
+}
+
 /// Kills the ranks still running and every process they started (so that a rank run through
 /// a wrapper script goes too), and reaps them; returns how many ranks there were.
 fn terminate(children: &mut [Option<Child>]) -> usize {
@@ -243,20 +277,10 @@ fn terminate(children: &mut [Option<Child>]) -> usize {
     for c in children.iter_mut() {
         if let Some(mut child) = c.take() {
             n += 1;
-            let below = descendants(child.id());
+            let tree = freeze_tree(child.id());
+            signal("-KILL", &tree[1..]);
             if let Err(e) = child.kill() {
                 tracing::debug!("kill: {e}");
-            }
-            if !below.is_empty() {
-                let pids: Vec<String> = below.iter().map(u32::to_string).collect();
-                if let Err(e) = Command::new("kill")
-                    .arg("-KILL")
-                    .args(&pids)
-                    .stderr(Stdio::null())
-                    .status()
-                {
-                    tracing::debug!("kill of a rank's processes: {e}");
-                }
             }
             let _ = child.wait();
         }

@@ -12,6 +12,7 @@ use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::nccl::{self, Comm};
+use crate::proxy::StagedRoute;
 use crate::stream::Stream;
 
 /// One rank's NCCL MoE transport (see the [module docs](super)).
@@ -38,6 +39,8 @@ pub struct NcclMoe {
     cnt: DeviceBuffer,
     pos: DeviceBuffer,
     base: DeviceBuffer,
+    /// Peers on other nodes are reached through the host proxy instead of NCCL.
+    route: Option<StagedRoute>,
 }
 
 impl NcclMoe {
@@ -79,6 +82,7 @@ impl NcclMoe {
             send_meta,
             core,
             comm,
+            route: None,
         };
         stream.synchronize()?;
         Ok(t)
@@ -93,13 +97,23 @@ impl NcclMoe {
     pub fn into_comm(self) -> Comm {
         self.comm
     }
+
+    /// Reaches the team members `route` says are on other nodes through the host proxy
+    /// (blocks staged through host memory by this rank's thread; see [`StagedRoute`]); the
+    /// others stay on NCCL. The route's team must be this transport's team, in order.
+    pub fn set_route(&mut self, route: StagedRoute) {
+        self.route = Some(route);
+    }
 }
 
-/// One NCCL group exchanging, with every peer `p`, block `p` of each send buffer of `counts`
-/// (i32), `rows` (bytes) and `meta` (i32) for block `p` of the matching receive buffer (each
-/// tuple is `(send, recv, bytes per block)`). Nothing to do on a team of one.
+/// Exchanges, with every peer `p`, block `p` of each send buffer of `blocks` (`counts` (i32),
+/// `rows` (bytes) and `meta` (i32)) for block `p` of the matching receive buffer (each tuple
+/// is `(send, recv, bytes per block)`): one NCCL group with the peers of this node, and the
+/// three blocks as one message through `route` with peers on other nodes. Nothing to do on a
+/// team of one.
 fn exchange(
     comm: &Comm,
+    route: Option<&mut StagedRoute>,
     stream: &Stream,
     rank: usize,
     blocks: [(&DeviceBuffer, &DeviceBuffer, usize, DType); 3],
@@ -107,18 +121,46 @@ fn exchange(
     if comm.size() == 1 {
         return Ok(());
     }
-    nccl::group(comm.lib(), || {
-        for p in (0..comm.size()).filter(|p| *p != rank) {
-            for (send, recv, bytes, dtype) in blocks {
-                if bytes == 0 {
-                    continue;
-                }
-                comm.send(&send.view(p * bytes, bytes)?, dtype, p, stream)?;
-                comm.recv(&recv.view(p * bytes, bytes)?, dtype, p, stream)?;
-            }
+    let peers: Vec<usize> = (0..comm.size()).filter(|p| *p != rank).collect();
+    let remote = |p: usize| route.as_ref().is_some_and(|r| r.is_remote(p));
+    let (far, near): (Vec<usize>, Vec<usize>) = peers.iter().partition(|&&p| remote(p));
+    let block_views = |p: usize, send: bool| -> Result<Vec<DeviceBuffer>> {
+        blocks
+            .iter()
+            .filter(|b| b.2 > 0)
+            .map(|&(s, r, bytes, _)| (if send { s } else { r }).view(p * bytes, bytes))
+            .collect()
+    };
+    // The sends to other nodes first (they only wait for this rank's packing), then the NCCL
+    // group of this node, then the messages of the other nodes.
+    let tag = route.map(|r| (r.next_tag(), r));
+    if let Some((tag, r)) = &tag {
+        for &p in &far {
+            let parts = block_views(p, true)?;
+            r.send(stream, p, *tag, &parts.iter().collect::<Vec<_>>())?;
         }
-        Ok(())
-    })
+    }
+    if !near.is_empty() {
+        nccl::group(comm.lib(), || {
+            for &p in &near {
+                for (send, recv, bytes, dtype) in blocks {
+                    if bytes == 0 {
+                        continue;
+                    }
+                    comm.send(&send.view(p * bytes, bytes)?, dtype, p, stream)?;
+                    comm.recv(&recv.view(p * bytes, bytes)?, dtype, p, stream)?;
+                }
+            }
+            Ok(())
+        })?;
+    }
+    if let Some((tag, r)) = &tag {
+        for &p in &far {
+            let parts = block_views(p, false)?;
+            r.recv(stream, p, *tag, &parts.iter().collect::<Vec<_>>())?;
+        }
+    }
+    Ok(())
 }
 
 impl MoeTransport for NcclMoe {
@@ -156,6 +198,7 @@ impl MoeTransport for NcclMoe {
             cnt,
             pos,
             base,
+            route,
             ..
         } = self;
         core.step(
@@ -172,6 +215,7 @@ impl MoeTransport for NcclMoe {
                 let l = s.local_experts();
                 exchange(
                     comm,
+                    route.as_mut(),
                     stream,
                     c.rank,
                     [
@@ -240,6 +284,7 @@ impl MoeTransport for NcclMoe {
             recv_meta,
             comb_send_cnt,
             comb_recv_cnt,
+            route,
             ..
         } = self;
         core.step(
@@ -268,6 +313,7 @@ impl MoeTransport for NcclMoe {
                 let cpair = s.combine_pair_rows();
                 exchange(
                     comm,
+                    route.as_mut(),
                     stream,
                     c.rank,
                     [

@@ -15,8 +15,11 @@
 //! [`Topology`] says which ranks share a node: in-node peers use the in-node path (the sim's
 //! in-process fabric on CPU, NVLink on GPUs), ranks of other nodes are proxy peers.
 //!
-//! On GPUs the same proxy serves kernels that stage rows into pinned host (or registered device)
-//! memory and raise the flags in mapped host memory; that staging path is not written yet.
+//! On GPUs (feature `cuda`) [`StagedRoute`] moves device memory through the same proxy: the
+//! rank's thread stages the bytes in host memory after its stream's earlier work and copies
+//! received messages back in stream order (collective permutes and MoE dispatch/combine of the
+//! CUDA backend with cross-node peers). Kernels that stage rows into mapped host memory and
+//! raise the flags themselves, without the rank's thread, are not written yet.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -51,6 +54,8 @@ mod ibverbs;
 pub mod layout;
 mod qp_info;
 mod region;
+#[cfg(feature = "cuda")]
+mod staged;
 mod tcp;
 mod topology;
 mod wire;
@@ -62,6 +67,8 @@ pub use ibverbs::{device_names, IbvWire, DEVICE_ENV, GID_INDEX_ENV};
 pub use layout::{Layout, Tag};
 pub use qp_info::QpInfo;
 pub use region::HostRegion;
+#[cfg(feature = "cuda")]
+pub use staged::{CancelCheck, StagedRoute};
 pub use tcp::TcpWire;
 pub use topology::{node_size_from_env, Topology, NODE_SIZE_ENV};
 pub use wire::{Completion, MemoryStore, SetupStore, Wire};

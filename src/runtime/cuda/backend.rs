@@ -45,6 +45,15 @@ pub struct CudaConfig {
     /// Record one step as a CUDA graph per run and replay it `steps` times (NCCL transport
     /// only; see [`Backend::begin_graph`]).
     pub graph: bool,
+    /// Split the ranks of a launch into nodes of this many consecutive ranks: collective
+    /// permutes and MoE dispatch/combine between ranks of different nodes go through the
+    /// inter-node host proxy over TCP, the rest stays on NCCL. `None`: `MESHFLOW_NODE_SIZE`
+    /// when it is set, else one node.
+    pub node_size: Option<usize>,
+    /// Fault tests only: the process exits at once with
+    /// [`FAULT_EXIT_STATUS`](crate::runtime::sim::FAULT_EXIT_STATUS) when this rank posts its
+    /// n-th communication (0-based), as a killed process would.
+    pub exit_at_comm: Option<usize>,
 }
 
 impl Default for CudaConfig {
@@ -58,6 +67,8 @@ impl Default for CudaConfig {
             copy_stream: CopyStream::Current,
             steps: 1,
             graph: false,
+            node_size: None,
+            exit_at_comm: None,
         }
     }
 }
@@ -149,12 +160,29 @@ fn request_outputs<'a>(request: &CommRequest<'a, CudaBuffer>) -> Vec<&'a TensorV
     }
 }
 
-/// Turns a kernels-crate error into a backend error naming the rank and the operation.
+/// Turns a kernels-crate error into a backend error naming the rank and the operation; a lost
+/// or failed peer behind the host proxy is reported as that peer's failure.
 pub(super) fn dev_err(rank: DeviceId, call: &str, e: KernelError) -> BackendError {
-    BackendError::Device {
-        rank,
-        call: call.to_owned(),
-        message: e.to_string(),
+    use meshflow_kernels::proxy::ProxyError;
+    match e {
+        KernelError::Proxy(ProxyError::PeerLost { peer, reason }) => BackendError::Aborted {
+            failed_rank: peer,
+            reason: format!("rank {peer} (another node) was lost during {call}: {reason}"),
+        },
+        KernelError::Proxy(ProxyError::Aborted { rank, reason }) => BackendError::Aborted {
+            failed_rank: rank,
+            reason,
+        },
+        KernelError::Proxy(ProxyError::Timeout { peer, waited, what }) => BackendError::Timeout {
+            peer,
+            waited,
+            what: format!("{call} (through the host proxy: {what})"),
+        },
+        e => BackendError::Device {
+            rank,
+            call: call.to_owned(),
+            message: e.to_string(),
+        },
     }
 }
 
@@ -169,7 +197,7 @@ pub struct CudaBackend {
     pub(super) memory: Memory,
     pub(super) config: CudaConfig,
     rendezvous: Option<Arc<dyn Rendezvous>>,
-    abort: Option<AbortSignal>,
+    pub(super) abort: Option<AbortSignal>,
     pub(super) nccl: Option<Arc<NcclLib>>,
     pub(super) comms: Vec<(TeamKey, Comm)>,
     pub(super) team_comm: Vec<usize>,
@@ -182,6 +210,8 @@ pub struct CudaBackend {
     pub(super) moe_last: Option<usize>,
     start_barrier: Option<usize>,
     runs: u64,
+    /// Communications posted by this backend (for [`CudaConfig::exit_at_comm`]).
+    posted: usize,
     failed: bool,
     /// The copy-engine hub of an in-process launch.
     pub(super) hub: Option<Arc<PeerHub>>,
@@ -199,6 +229,10 @@ pub struct CudaBackend {
     pub(super) pending_reads: std::collections::HashMap<CudaBuffer, Vec<((u64, u64), Rc<Event>)>>,
     /// The graph being recorded or replayed in this run, and whether profiling was on before.
     graph: Option<GraphState>,
+    /// This rank's host proxy to ranks of other nodes, with the run's nodes.
+    pub(super) proxy: Option<super::proxy::ProxyAccess>,
+    /// Per team crossing nodes: this rank's route for its collective permutes.
+    pub(super) routes: Vec<(Vec<DeviceId>, meshflow_kernels::proxy::StagedRoute)>,
 }
 
 /// A step recorded as a graph: recording (`exec` empty) or replayed (until the run ends).
@@ -350,6 +384,7 @@ impl CudaBackend {
             moe_last: None,
             start_barrier: None,
             runs: 0,
+            posted: 0,
             failed: false,
             hub: None,
             team_ce: Vec::new(),
@@ -358,6 +393,8 @@ impl CudaBackend {
             peer_reads,
             pending_reads: std::collections::HashMap::new(),
             graph: None,
+            proxy: None,
+            routes: Vec::new(),
         })
     }
 
@@ -945,6 +982,15 @@ impl Backend for CudaBackend {
         if let Some(e) = self.aborted() {
             return Err(e);
         }
+        if self.config.exit_at_comm == Some(self.posted) {
+            tracing::warn!(
+                rank = self.rank,
+                "injected process exit at communication #{}",
+                self.posted
+            );
+            std::process::exit(crate::runtime::sim::FAULT_EXIT_STATUS);
+        }
+        self.posted += 1;
         self.step_started()?;
         self.before_writes(&request_outputs(request))?;
         if let Some(events) = self.post_ce(request, ctx)? {
@@ -1074,6 +1120,13 @@ impl Backend for CudaBackend {
     }
 
     fn begin_graph(&mut self) -> Result<bool, BackendError> {
+        if self.proxy.is_some() {
+            return Err(BackendError::Invalid(format!(
+                "rank {}: graph recording is not supported in runs split into nodes (transfers \
+                 through the host proxy are staged by the host)",
+                self.rank
+            )));
+        }
         if self.team_ce.iter().any(|&c| c) {
             return Err(BackendError::Invalid(format!(
                 "rank {}: graph recording with the copy-engine transport is not supported \

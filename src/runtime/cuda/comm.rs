@@ -1,6 +1,7 @@
 //! Communications over NCCL on the current stream (one communicator per team): every
 //! collective kind, collective permute as grouped send/recv (a device copy when a rank sends
-//! to itself), and a clear error for MoE until the MoE transport lands.
+//! to itself; through the host proxy when a peer is on another node, see [`super::proxy`]),
+//! and MoE dispatch/combine ([`super::moe`]).
 
 use meshflow_ir::{CommKind, ReduceOp};
 use meshflow_kernels::nccl::{self, Comm};
@@ -40,7 +41,7 @@ fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendErro
 }
 
 impl CudaBackend {
-    fn comm_of(&self, team: &TeamInfo) -> Result<&Comm, BackendError> {
+    pub(super) fn comm_of(&self, team: &TeamInfo) -> Result<&Comm, BackendError> {
         self.team_comm
             .get(team.slot)
             .and_then(|&i| self.comms.get(i))
@@ -278,6 +279,9 @@ impl CudaBackend {
                 .copy_from(&self.streams[self.current], &send)
                 .map_err(self.err("collective_permute (local copy)"))?;
             return self.finish_output(slot);
+        }
+        if self.permute_through_proxy(team, send_peer, recv_peer, input, output)? {
+            return Ok(());
         }
         let kd = kdtype(input.dtype);
         let send = self.input_region(input)?;

@@ -12,15 +12,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use meshflow_ir::{DeviceId, HostProgram};
+use meshflow_kernels::proxy::{node_size_from_env, Proxy, ProxyStats, Topology};
 use meshflow_kernels::{Device, KernelError};
 
 use super::backend::{AbortSignal, CudaBackend, CudaConfig};
-use super::peer::PeerHub;
+use super::peer::{CudaTransport, PeerHub};
 use super::profile::Interval;
 use super::teams::clear_communicator_cache;
 use crate::runtime::data::TensorData;
 use crate::runtime::evaluator::{EvalOptions, Evaluator, RuntimeError};
 use crate::runtime::launch::{LaunchError, RunFailure, RunOutcome, SimInputs};
+use crate::runtime::multinode::{connect_proxies, NodeSpec, DEFAULT_RING};
 use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous, RendezvousError};
 use crate::runtime::shard::scatter_inputs;
 use crate::runtime::sim::fabric::Failure;
@@ -55,6 +57,9 @@ pub enum CudaLaunchError {
     /// The rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
+    /// The split into nodes is invalid, or connecting the host proxies failed.
+    #[error("nodes: {0}")]
+    Nodes(String),
 }
 
 /// A timed in-process run.
@@ -70,6 +75,8 @@ pub struct TimedRun {
     /// Host time per step of every timed iteration, µs, per rank (issuing the step's work,
     /// without waiting for the device; see [`Evaluator::host_us_per_step`]).
     pub host_us: Vec<Vec<f64>>,
+    /// In runs split into nodes: the counters of every rank's host proxy (what crossed nodes).
+    pub proxy_stats: BTreeMap<DeviceId, ProxyStats>,
 }
 
 /// One rank's result of [`run_rank`].
@@ -81,6 +88,8 @@ pub struct RankRun {
     pub times_us: Vec<f64>,
     /// Intervals of the last iteration (profiling mode).
     pub intervals: Vec<Interval>,
+    /// In runs split into nodes: the counters of this rank's host proxy.
+    pub proxy_stats: Option<ProxyStats>,
 }
 
 /// Number of visible GPUs, or why there are none.
@@ -188,11 +197,16 @@ fn rank_main(
     warmup: usize,
     iterations: usize,
     hub: Option<Arc<PeerHub>>,
+    proxy: Option<(Arc<Proxy>, Topology)>,
 ) -> RankResult {
+    let notifier = proxy.as_ref().map(|(p, _)| p.clone());
     let fail = |e: &RuntimeError| {
         if !e.is_abort() {
             abort.abort(rank, e.to_string());
             rdv.abort(&format!("rank {rank} failed: {e}"));
+            if let Some(p) = &notifier {
+                p.notify_failure(rank, &e.to_string());
+            }
         }
     };
     let backend = CudaBackend::new(
@@ -208,6 +222,9 @@ fn rank_main(
             b.set_start_barrier(world);
             if let Some(h) = hub {
                 b.set_peer_hub(h);
+            }
+            if let Some((p, topology)) = proxy {
+                b.set_proxy(p, topology);
             }
             b
         }
@@ -247,6 +264,51 @@ fn rank_main(
             Err(e)
         }
     }
+}
+
+/// The nodes of a launch of `world` ranks: [`CudaConfig::node_size`], else
+/// `MESHFLOW_NODE_SIZE`; `None` when every rank is on one node.
+fn nodes_of(world: usize, config: &CudaConfig) -> Result<Option<Topology>, CudaLaunchError> {
+    let size = match config.node_size {
+        Some(n) => Some(n),
+        None => node_size_from_env().map_err(|e| CudaLaunchError::Nodes(e.to_string()))?,
+    };
+    let Some(size) = size else {
+        return Ok(None);
+    };
+    let topology =
+        Topology::contiguous(world, size).map_err(|e| CudaLaunchError::Nodes(e.to_string()))?;
+    if topology.nodes() < 2 {
+        return Ok(None);
+    }
+    if config.transport == CudaTransport::CopyEngine {
+        return Err(CudaLaunchError::Nodes(format!(
+            "the copy-engine transport cannot reach ranks of other nodes ({} ranks in nodes of \
+             {size}); use the NCCL or automatic transport",
+            world
+        )));
+    }
+    Ok(Some(topology))
+}
+
+/// Connects the host proxies of `ranks` (those with a peer on another node) through `rdv`,
+/// listening on `host`.
+fn connect_nodes(
+    topology: &Topology,
+    ranks: &[DeviceId],
+    host: &str,
+    rdv: &Arc<dyn Rendezvous>,
+    config: &CudaConfig,
+) -> Result<BTreeMap<DeviceId, Arc<Proxy>>, CudaLaunchError> {
+    let spec = NodeSpec {
+        node: 0,
+        topology: topology.clone(),
+        host: host.to_string(),
+        ring: DEFAULT_RING,
+        setup_timeout: config.timeout,
+    };
+    let proxies = connect_proxies(&spec, ranks, rdv).map_err(CudaLaunchError::Nodes)?;
+    Ok(proxies.into_iter().map(|(r, p)| (r, Arc::new(p))).collect())
 }
 
 /// Runs `host` on GPUs `0..ranks` of this process, one thread per GPU (rank `r` on GPU `r`),
@@ -295,7 +357,14 @@ pub fn run_cuda_timed(
     let _guard = run_lock();
     let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("inproc"));
     let abort = AbortSignal::new();
-    let hub = PeerHub::new();
+    let topology = nodes_of(world, &options.config)?;
+    let ranks: Vec<DeviceId> = (0..world).collect();
+    let proxies = match &topology {
+        Some(t) => connect_nodes(t, &ranks, "127.0.0.1", &rdv, &options.config)?,
+        None => BTreeMap::new(),
+    };
+    // The copy-engine hub serves runs on one node only.
+    let hub = topology.is_none().then(PeerHub::new);
     let start = Instant::now();
     let empty = BTreeMap::new();
     let config = &options.config;
@@ -304,21 +373,16 @@ pub fn run_cuda_timed(
         for rank in 0..world {
             let inputs = per_rank.get(&rank).unwrap_or(&empty);
             let (rank_rdv, abort, hub) = (rdv.clone(), &abort, hub.clone());
+            let proxy = proxies
+                .get(&rank)
+                .zip(topology.as_ref())
+                .map(|(p, t)| (p.clone(), t.clone()));
             let spawned = std::thread::Builder::new()
                 .name(format!("meshflow-cuda-rank-{rank}"))
                 .spawn_scoped(scope, move || {
                     rank_main(
-                        host,
-                        rank,
-                        rank,
-                        world,
-                        inputs,
-                        rank_rdv,
-                        abort,
-                        config,
-                        warmup,
-                        iterations,
-                        Some(hub),
+                        host, rank, rank, world, inputs, rank_rdv, abort, config, warmup,
+                        iterations, hub, proxy,
                     )
                 });
             match spawned {
@@ -376,6 +440,7 @@ pub fn run_cuda_timed(
     let trace = config.profile.then(|| Trace {
         events: intervals.iter().map(Interval::to_trace_event).collect(),
     });
+    let proxy_stats = proxies.iter().map(|(&r, p)| (r, p.stats())).collect();
     Ok(TimedRun {
         outcome: RunOutcome {
             outputs,
@@ -385,6 +450,7 @@ pub fn run_cuda_timed(
         times_us,
         intervals,
         host_us,
+        proxy_stats,
     })
 }
 
@@ -405,13 +471,43 @@ pub fn run_rank(
     iterations: usize,
 ) -> Result<RankRun, CudaLaunchError> {
     let abort = AbortSignal::new();
-    rank_main(
-        host, rank, ordinal, world, inputs, rendezvous, &abort, config, warmup, iterations, None,
-    )
-    .map(|(outputs, times_us, intervals, _)| RankRun {
+    let proxy = match nodes_of(world, config)? {
+        Some(topology) => {
+            let host_addr = proxy_host();
+            let mut p = connect_nodes(&topology, &[rank], &host_addr, &rendezvous, config)?;
+            p.remove(&rank).map(|p| (p, topology))
+        }
+        None => None,
+    };
+    let held = proxy.as_ref().map(|(p, _)| p.clone());
+    let ran = rank_main(
+        host,
+        rank,
+        ordinal,
+        world,
+        inputs,
+        rendezvous.clone(),
+        &abort,
+        config,
+        warmup,
+        iterations,
+        None,
+        proxy,
+    );
+    if let (Ok(_), Some(p)) = (&ran, &held) {
+        if let Err(e) = p.flush(config.timeout) {
+            tracing::warn!(rank, "proxy flush: {e}");
+        }
+        // Keep this rank's proxy up until every rank has run (a rank that leaves early would
+        // close links the others may still read from).
+        rendezvous.barrier("meshflow/proxy/ran", world, config.timeout)?;
+    }
+    let proxy_stats = held.as_ref().map(|p| p.stats());
+    ran.map(|(outputs, times_us, intervals, _)| RankRun {
         outputs,
         times_us,
         intervals,
+        proxy_stats,
     })
     .map_err(|e| {
         LaunchError::Failed(RunFailure {
@@ -424,4 +520,15 @@ pub fn run_rank(
         })
         .into()
     })
+}
+
+/// The address this process's proxy listens on in a multi-process run: the one that reaches
+/// `MASTER_ADDR` (another host's rank 0), else the loopback address.
+fn proxy_host() -> String {
+    match (std::env::var("MASTER_ADDR"), std::env::var("MASTER_PORT")) {
+        (Ok(addr), Ok(port)) => {
+            crate::runtime::multinode::local_address_toward(&format!("{addr}:{port}"))
+        }
+        _ => "127.0.0.1".to_string(),
+    }
 }

@@ -25,6 +25,10 @@
 //!
 //! MoE dispatch/combine run through the NCCL MoE transport of `meshflow-kernels` (see the
 //! `moe` module for its limits on GPUs).
+//!
+//! Runs split into nodes ([`CudaConfig::node_size`] or `MESHFLOW_NODE_SIZE`) move collective
+//! permutes and MoE rows between ranks of different nodes through the inter-node host proxy
+//! over TCP (staged in host memory by each rank's thread); see the `proxy` module.
 
 mod backend;
 mod comm;
@@ -38,6 +42,7 @@ mod operands;
 mod peer;
 mod profile;
 mod program;
+mod proxy;
 mod teams;
 mod user_kernels;
 

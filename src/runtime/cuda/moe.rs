@@ -1,7 +1,8 @@
 //! `moe_dispatch` / `moe_combine` on GPUs through the NCCL MoE transport of
 //! `meshflow-kernels` ([`NcclMoe`]): one engine per team and layer shape, created at the first
 //! dispatch over its own communicator (made through the rendezvous like the team ones) and
-//! reused by later steps and runs.
+//! reused by later steps and runs. In runs split into nodes, the blocks for team members on
+//! other nodes go through the host proxy (see [`super::proxy`]).
 //!
 //! The transport owns its outputs; after a dispatch they are copied (on the stream) into the
 //! program's `expert_x`, `expert_counts` and `routing`. The engine is sized at the dispatch,
@@ -95,8 +96,11 @@ impl CudaBackend {
                 self.config.timeout,
             )?,
         };
-        let transport =
+        let mut transport =
             NcclMoe::new(comm, &shape).map_err(self.err("creating the NCCL MoE transport"))?;
+        if let Some(route) = self.new_route(&team.members, super::proxy::MOE_ROUTE)? {
+            transport.set_route(route);
+        }
         self.moe.push(MoeEngine {
             key,
             shape,

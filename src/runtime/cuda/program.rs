@@ -7,9 +7,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use meshflow_ir::{HostProgram, Program};
+use meshflow_ir::{DeviceId, HostProgram, Program};
+use meshflow_kernels::proxy::ProxyStats;
 
-use super::launch::{run_cuda, run_rank, CudaLaunchError, CudaOptions};
+use super::launch::{run_cuda_timed, run_rank, CudaLaunchError, CudaOptions};
 use crate::runtime::data::TensorData;
 use crate::runtime::launch::{LaunchError, SimInputs};
 use crate::runtime::rendezvous::{
@@ -32,6 +33,8 @@ pub struct ProgramRun {
     pub elapsed: Duration,
     /// Device-time intervals as a trace (profiling mode, in-process runs).
     pub trace: Option<Trace>,
+    /// In runs split into nodes: the host-proxy counters of the ranks of this process.
+    pub proxy_stats: BTreeMap<DeviceId, ProxyStats>,
 }
 
 fn gather_all(
@@ -68,7 +71,8 @@ pub fn run_program_cuda(
     let Some(env) = env else {
         let mut o = options.clone();
         o.ranks = Some(ranks);
-        let outcome = run_cuda(host, SimInputs::Full { program, inputs }, &o)?;
+        let timed = run_cuda_timed(host, SimInputs::Full { program, inputs }, &o, 0, 1)?;
+        let outcome = timed.outcome;
         return Ok(ProgramRun {
             outputs: Some(
                 outcome
@@ -79,6 +83,7 @@ pub fn run_program_cuda(
             world: ranks,
             elapsed: start.elapsed(),
             trace: outcome.trace,
+            proxy_stats: timed.proxy_stats,
         });
     };
     let needed = host.world_size();
@@ -134,5 +139,9 @@ pub fn run_program_cuda(
         world: env.world_size,
         elapsed: start.elapsed(),
         trace: None,
+        proxy_stats: run
+            .proxy_stats
+            .map(|p| BTreeMap::from([(env.rank, p)]))
+            .unwrap_or_default(),
     })
 }

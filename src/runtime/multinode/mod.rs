@@ -22,5 +22,7 @@ mod node;
 mod supervise;
 
 pub use link::{ProxyLink, RendezvousStore};
+#[cfg(feature = "cuda")]
+pub(crate) use node::connect_proxies;
 pub use node::{local_address_toward, run_node, NodeError, NodeOutcome, NodeSpec, DEFAULT_RING};
 pub use supervise::{supervise, NodeCommand, NodeExit};

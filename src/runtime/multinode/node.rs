@@ -79,9 +79,10 @@ fn key(name: &str, node: usize) -> String {
     format!("meshflow/node/{name}/{node}")
 }
 
-/// Connects the proxies of `spec.node`'s ranks (one thread each: connections are made
-/// pairwise, so the ranks of a node must not wait for each other).
-fn connect_proxies(
+/// Connects the proxies of `local` ranks (one thread each: connections are made pairwise, so
+/// the ranks of a node must not wait for each other); ranks with no peer on another node get
+/// none. Only `spec`'s topology, host, ring and setup timeout are used.
+pub(crate) fn connect_proxies(
     spec: &NodeSpec,
     local: &[DeviceId],
     rendezvous: &Arc<dyn Rendezvous>,
