@@ -100,7 +100,7 @@ pub fn agmm_ring_lowered(
     } else {
         1
     };
-    if s.m % (du * halves) != 0 || s.n % du != 0 {
+    if !s.m.is_multiple_of(du * halves) || !s.n.is_multiple_of(du) {
         return Err(sizes_error(&format!(
             "agmm {}: M={} must be a multiple of {} and N={} of d={d}",
             variant.name(),
@@ -129,7 +129,7 @@ pub fn rsmm_ring_lowered(
     parts: Parts,
 ) -> Result<Lowered, PipelineError> {
     let du = d.max(1) as u64;
-    if s.m % du != 0 || s.k % du != 0 {
+    if !s.m.is_multiple_of(du) || !s.k.is_multiple_of(du) {
         return Err(sizes_error(&format!(
             "rsmm ring: M={} and K={} must be multiples of d={d}",
             s.m, s.k
