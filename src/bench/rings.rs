@@ -11,9 +11,10 @@
 //! - [`AgVariant::RingBidirectional`] (AG+GEMM): the same with every chunk cut into two row
 //!   halves, the first travelling clockwise (to rank + 1) on worker 0, the second
 //!   counter-clockwise (to rank − 1) on worker 1; each received half is GEMM'd on its own.
-//! - [`RsVariant::Ring`](super::programs::RsVariant::Ring) (GEMM+RS): at step `i` a rank GEMMs its partial product of row chunk
-//!   `(my − i − 1) mod d` while the running sum of the previous step travels to rank + 1, then
-//!   adds the sum received from rank − 1; the last step lands the full sum of chunk `my` in `z`.
+//! - [`RsVariant::Ring`](super::programs::RsVariant::Ring) (GEMM+RS): at step `i` a rank
+//!   GEMMs its partial product of row chunk `(my − i − 1) mod d` while the running sum of the
+//!   previous step travels to rank + 1, then adds the sum received from rank − 1; the last
+//!   step lands the full sum of chunk `my` in `z`.
 //!
 //! The schedules peel their first and last steps (the host IR has no conditionals), so each
 //! communication label is defined once and waited on in its own block.
@@ -79,14 +80,15 @@ impl Text {
     }
 }
 
-fn sizes_error(what: &str) -> PipelineError {
-    PassError::Options(what.to_string()).into()
+fn invalid(what: String) -> PipelineError {
+    PassError::Options(what).into()
 }
 
 /// Lowers a ring AG+GEMM variant ([`AgVariant::RingForward`] or
 /// [`AgVariant::RingBidirectional`]): the level-1 program is [`agmm_program`] of the variant
 /// (the gathered `ag` replicated), compiled for its layouts; the host program is
-/// [`agmm_ring_host`] cut down to `parts`. Fails when the sizes do not divide.
+/// [`agmm_ring_host`] cut down to `parts`. Fails for another variant, when `d` is 0 or when
+/// the sizes do not divide.
 pub fn agmm_ring_lowered(
     d: usize,
     s: Gemm3,
@@ -94,14 +96,19 @@ pub fn agmm_ring_lowered(
     variant: AgVariant,
     parts: Parts,
 ) -> Result<Lowered, PipelineError> {
-    let du = d.max(1) as u64;
-    let halves = if variant == AgVariant::RingBidirectional {
-        2
-    } else {
-        1
+    let halves = match variant {
+        AgVariant::RingForward => 1,
+        AgVariant::RingBidirectional => 2,
+        _ => {
+            return Err(invalid(format!(
+                "agmm {} is not a hand-written ring",
+                variant.name()
+            )))
+        }
     };
-    if !s.m.is_multiple_of(du * halves) || !s.n.is_multiple_of(du) {
-        return Err(sizes_error(&format!(
+    let du = d as u64;
+    if d == 0 || !s.m.is_multiple_of(du * halves) || !s.n.is_multiple_of(du) {
+        return Err(invalid(format!(
             "agmm {}: M={} must be a multiple of {} and N={} of d={d}",
             variant.name(),
             s.m,
@@ -120,17 +127,18 @@ pub fn agmm_ring_lowered(
     })
 }
 
-/// Lowers [`RsVariant::Ring`](super::programs::RsVariant::Ring): [`rsmm_program`] (`z` split on rows) and [`rsmm_ring_host`] cut
-/// down to `parts`. Fails when the sizes do not divide.
+/// Lowers [`RsVariant::Ring`](super::programs::RsVariant::Ring): [`rsmm_program`] (`z` split
+/// on rows) and [`rsmm_ring_host`] cut down to `parts`. Fails when `d` is 0 or the sizes do
+/// not divide.
 pub fn rsmm_ring_lowered(
     d: usize,
     s: Gemm3,
     dtype: DType,
     parts: Parts,
 ) -> Result<Lowered, PipelineError> {
-    let du = d.max(1) as u64;
-    if !s.m.is_multiple_of(du) || !s.k.is_multiple_of(du) {
-        return Err(sizes_error(&format!(
+    let du = d as u64;
+    if d == 0 || !s.m.is_multiple_of(du) || !s.k.is_multiple_of(du) {
+        return Err(invalid(format!(
             "rsmm ring: M={} and K={} must be multiples of d={d}",
             s.m, s.k
         )));
@@ -155,8 +163,9 @@ pub fn rsmm_ring_lowered(
 ///   counter-clockwise one the second half of chunk `my + i`, each GEMM'd into its half of
 ///   `y` (step 0 GEMMs the whole own chunk). Two permutes per step, in opposite directions.
 ///
-/// Panics when `M` is not a multiple of `d` (of `2d` for the bidirectional ring) or `N` of `d`
-/// ([`agmm_ring_lowered`] checks it).
+/// `variant` [`AgVariant::RingBidirectional`] builds the bidirectional ring, any other the
+/// forward one. Panics when `M` is not a multiple of `d` (of `2d` for the bidirectional ring)
+/// or `N` of `d` ([`agmm_ring_lowered`] checks it).
 pub fn agmm_ring_host(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> HostProgram {
     let d = d.max(1);
     let du = d as u64;
@@ -563,5 +572,7 @@ mod tests {
         );
         assert!(e.is_err());
         assert!(rsmm_lowered(4, s, DType::BF16, RsVariant::Ring, 2, Parts::Both).is_err());
+        assert!(rsmm_lowered(0, s, DType::BF16, RsVariant::Ring, 2, Parts::Both).is_err());
+        assert!(agmm_ring_lowered(2, s, DType::BF16, AgVariant::Ring, Parts::Both).is_err());
     }
 }
