@@ -104,7 +104,7 @@ pub enum RsVariant {
     /// `s` row chunks: GEMM and reduce-scatter per chunk on worker streams.
     Chunked(u64),
     /// A hand-written ring of neighbours: running sums of row chunks travel to rank + 1 under
-    /// the next chunk's GEMM (see [`rsmm_ring_host`](super::rings::rsmm_ring_host)).
+    /// the next chunk's GEMM (see [`rsmm_ring_host`]).
     Ring,
 }
 
@@ -320,7 +320,7 @@ pub fn keep_parts(host: &HostProgram, parts: Parts) -> HostProgram {
 /// `w[N, K/d]`, `z[M/d, N]`). The pipeline does not lower the chunked reduce-scatter's
 /// schedule (a Stream split outside the DIDx split of the scattered axis) yet, so the chunked
 /// variant is written here and checked against [`rsmm_program`] on the sim backend. The ring
-/// is [`rsmm_ring_host`](super::rings::rsmm_ring_host).
+/// is [`rsmm_ring_host`].
 pub fn rsmm_host(
     d: usize,
     s: Gemm3,
