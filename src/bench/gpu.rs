@@ -89,7 +89,8 @@ pub struct BenchOptions {
     pub torch: Option<TorchBaselines>,
     /// Sizes of `bench permute`, MiB per rank.
     pub permute_mib: Vec<u64>,
-    /// Write profiled traces (Perfetto JSON and SVG timelines) of the ring variants here.
+    /// Write profiled traces (Perfetto JSON and SVG timelines) of the AG+GEMM ring variants
+    /// (ring, ring forward, bidirectional ring) here.
     pub trace_dir: Option<std::path::PathBuf>,
 }
 
@@ -382,6 +383,24 @@ fn failed(name: String, e: BenchError) -> VariantResult {
     }
 }
 
+/// The rings whose permutes and chunk GEMMs are also timed alone: variant and name prefix.
+const AG_RINGS: [(AgVariant, &str); 3] = [
+    (AgVariant::Ring, "ring"),
+    (AgVariant::RingForward, "ring forward"),
+    (AgVariant::RingBidirectional, "bidirectional ring"),
+];
+
+/// Whether AG+GEMM `variant` can run `s` on `d` ranks (the bidirectional ring halves the
+/// chunks of `M`).
+fn ag_fits(variant: AgVariant, s: Gemm3, d: usize) -> bool {
+    match variant {
+        AgVariant::Collective => true,
+        _ if d == 1 => false,
+        AgVariant::RingBidirectional => s.m.is_multiple_of(2 * d as u64),
+        _ => true,
+    }
+}
+
 /// The AG+GEMM variants: schedule, backend setup, name.
 fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static str)> {
     let mut v = vec![
@@ -394,6 +413,22 @@ fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static
             AgVariant::Ring,
             CE_COPY_STREAM,
             "ring (copy engine, copy stream)",
+        ),
+        (
+            AgVariant::RingForward,
+            NCCL,
+            "ring forward (NCCL send/recv)",
+        ),
+        (AgVariant::RingForward, CE, "ring forward (copy engine)"),
+        (
+            AgVariant::RingBidirectional,
+            NCCL,
+            "bidirectional ring (NCCL send/recv)",
+        ),
+        (
+            AgVariant::RingBidirectional,
+            CE,
+            "bidirectional ring (copy engine)",
         ),
     ];
     if graph_only {
@@ -464,12 +499,11 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             gemm.us
         );
         let mut parts = Vec::new();
-        if d > 1 && !opts.graph_only {
-            let ring_comm = lower(AgVariant::Ring, Parts::CommOnly)?;
-            for (setup, name) in [
-                (NCCL, "ring permutes alone (NCCL)"),
-                (CE, "ring permutes alone (copy engine)"),
-            ] {
+        let timed_alone = |(v, _): &&(AgVariant, &str)| !opts.graph_only && ag_fits(*v, s, d);
+        for &(v, ring) in AG_RINGS.iter().filter(timed_alone) {
+            let ring_comm = lower(v, Parts::CommOnly)?;
+            for (setup, transport) in [(NCCL, "NCCL"), (CE, "copy engine")] {
+                let name = format!("{ring} permutes alone ({transport})");
                 if let Ok(m) = r.time(
                     &format!("{tag}: {name}"),
                     &ring_comm.host,
@@ -477,22 +511,26 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                     setup,
                 ) {
                     tracing::info!("bench: {tag}: {name} {:.1} µs", m.timing.us);
-                    parts.push((name.to_string(), m.timing));
+                    parts.push((name, m.timing));
                 }
             }
-            let ring_gemm = lower(AgVariant::Ring, Parts::ComputeOnly)?;
+            let ring_gemm = lower(v, Parts::ComputeOnly)?;
+            let name = format!("{ring} chunk GEMMs alone");
             if let Ok(m) = r.time(
-                &format!("{tag}: ring chunk GEMMs alone"),
+                &format!("{tag}: {name}"),
                 &ring_gemm.host,
                 per_rank.clone(),
                 NCCL,
             ) {
-                parts.push(("ring chunk GEMMs alone".to_string(), m.timing));
+                parts.push((name, m.timing));
             }
         }
         let mut variants = Vec::new();
         for (v, setup, name) in ag_variants(opts.graph, opts.graph_only) {
-            if d == 1 && v != AgVariant::Collective {
+            if !ag_fits(v, s, d) {
+                if d > 1 {
+                    tracing::warn!("bench: {tag}: {name} skipped: M is not a multiple of 2d");
+                }
                 continue;
             }
             let what = format!("{tag}: {name}");
@@ -510,12 +548,14 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             });
             variants.push(variant_result(name.to_string(), measured, bound));
         }
-        if let (Some(dir), true) = (&opts.trace_dir, d > 1) {
-            let l = lower(AgVariant::Ring, Parts::Both)?;
-            for (setup, suffix) in [(CE, "ring_ce"), (NCCL, "ring_nccl")] {
-                let name = format!("agmm_{}x{}x{}_{suffix}", s.m, s.k, s.n);
-                if let Err(e) = r.trace(dir, &name, &l.host, per_rank.clone(), setup) {
-                    tracing::warn!("{e}");
+        if let Some(dir) = &opts.trace_dir {
+            for &(v, _) in AG_RINGS.iter().filter(|(v, _)| ag_fits(*v, s, d)) {
+                let l = lower(v, Parts::Both)?;
+                for (setup, transport) in [(CE, "ce"), (NCCL, "nccl")] {
+                    let name = format!("agmm_{}x{}x{}_{}_{transport}", s.m, s.k, s.n, v.name());
+                    if let Err(e) = r.trace(dir, &name, &l.host, per_rank.clone(), setup) {
+                        tracing::warn!("{e}");
+                    }
                 }
             }
         }
@@ -588,6 +628,22 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 );
                 parts.push(("reduce_scatter alone (copy engine)".to_string(), m.timing));
             }
+            let lower =
+                |parts: Parts| rsmm_lowered(d, s, DTYPE, RsVariant::Ring, opts.stream_pool, parts);
+            if let (Ok(comm), Ok(compute)) = (lower(Parts::CommOnly), lower(Parts::ComputeOnly)) {
+                let per_rank = r.scatter("rsmm inputs", &comm.program, &full)?;
+                for (host, setup, name) in [
+                    (&comm.host, NCCL, "ring permutes alone (NCCL)"),
+                    (&comm.host, CE, "ring permutes alone (copy engine)"),
+                    (&compute.host, NCCL, "ring chunk GEMMs and adds alone"),
+                ] {
+                    if let Ok(m) = r.time(&format!("{tag}: {name}"), host, per_rank.clone(), setup)
+                    {
+                        tracing::info!("bench: {tag}: {name} {:.1} µs", m.timing.us);
+                        parts.push((name.to_string(), m.timing));
+                    }
+                }
+            }
         }
         let mut list = vec![
             (RsVariant::Collective, NCCL, "collective (NCCL)".to_string()),
@@ -614,6 +670,10 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                     s.m
                 )));
             }
+        }
+        if d > 1 && !opts.graph_only {
+            list.push((RsVariant::Ring, NCCL, "ring (NCCL send/recv)".to_string()));
+            list.push((RsVariant::Ring, CE, "ring (copy engine)".to_string()));
         }
         if opts.graph || opts.graph_only {
             list.push((

@@ -2,9 +2,11 @@
 //! GEMM+RS variants next to their parts timed alone and the bound max(comm, GEMM).
 //!
 //! [`programs`] builds the programs (also used by the GPU overlap tests and checked on the sim
-//! backend in CI); the measurement itself needs the `cuda` feature.
+//! backend in CI), [`rings`] the hand-written neighbour rings among them; the measurement
+//! itself needs the `cuda` feature.
 
 pub mod programs;
+pub mod rings;
 pub mod stats;
 pub mod torch;
 

@@ -1,15 +1,18 @@
 //! The benchmarked programs: level-1 programs built with [`ProgramBuilder`], lowered with the
 //! [pipeline](crate::pipeline) (the chunked reduce-scatter, whose schedule the pipeline does not
-//! lower yet, is a hand-written host program checked against the same level-1 program).
+//! lower yet, and the neighbour rings of [`rings`](super::rings) are hand-written host programs
+//! checked against the same level-1 programs).
 //!
 //! - Column-parallel linear (AG+GEMM): `x[M, K]` and `w[N, K]` split on rows over `d` ranks,
 //!   `y = x @ w^T` split on columns. Variants: one `all_gather` then one GEMM (`collective`), a
 //!   stream loop of broadcasts rooted at the loop index (`broadcast`), a ring of collective
-//!   permutes (`ring`).
+//!   permutes to distance `i` at step `i` (`ring`), a ring that forwards each chunk to the next
+//!   rank (`ring_forward`) and one that sends half of each chunk each way
+//!   (`ring_bidirectional`).
 //! - Row-parallel linear (GEMM+RS): `x[M, K]` and `w[N, K]` split on `K`; the partial products
 //!   are reduce-scattered over rows. Variants: one GEMM then one `reduce_scatter`
-//!   (`collective`), or `s` row chunks, each GEMM'd and reduce-scattered on its own stream
-//!   (`chunked`).
+//!   (`collective`), `s` row chunks, each GEMM'd and reduce-scattered on its own stream
+//!   (`chunked`), or running sums passed around a ring of neighbours (`ring`).
 //!
 //! Every host program can be cut down to only its communications or only its compute
 //! ([`Parts`], [`keep_parts`]), to time each part of the same schedule on its own.
@@ -19,6 +22,7 @@ use meshflow_ir::{
     ProgramBuilder,
 };
 
+use super::rings::{agmm_ring_lowered, rsmm_ring_host, rsmm_ring_lowered};
 use crate::pipeline::{compile, CompileOptions, PipelineError};
 
 /// A program and the host program it lowers to.
@@ -61,11 +65,24 @@ pub enum AgVariant {
     Broadcast,
     /// A stream loop of `d` collective permutes (a ring), each followed by its chunk's GEMM.
     Ring,
+    /// A hand-written ring of neighbours: each step forwards the chunk received last step to
+    /// rank + 1 while GEMM'ing it (see [`agmm_ring_host`](super::rings::agmm_ring_host)).
+    RingForward,
+    /// A hand-written ring of neighbours in both directions: half of each chunk travels to
+    /// rank + 1, the other half to rank − 1 (see
+    /// [`agmm_ring_host`](super::rings::agmm_ring_host)).
+    RingBidirectional,
 }
 
 impl AgVariant {
     /// Every variant.
-    pub const ALL: [AgVariant; 3] = [AgVariant::Collective, AgVariant::Broadcast, AgVariant::Ring];
+    pub const ALL: [AgVariant; 5] = [
+        AgVariant::Collective,
+        AgVariant::Broadcast,
+        AgVariant::Ring,
+        AgVariant::RingForward,
+        AgVariant::RingBidirectional,
+    ];
 
     /// Its name.
     pub fn name(self) -> &'static str {
@@ -73,6 +90,8 @@ impl AgVariant {
             AgVariant::Collective => "collective",
             AgVariant::Broadcast => "broadcast",
             AgVariant::Ring => "ring",
+            AgVariant::RingForward => "ring_forward",
+            AgVariant::RingBidirectional => "ring_bidirectional",
         }
     }
 }
@@ -84,19 +103,23 @@ pub enum RsVariant {
     Collective,
     /// `s` row chunks: GEMM and reduce-scatter per chunk on worker streams.
     Chunked(u64),
+    /// A hand-written ring of neighbours: running sums of row chunks travel to rank + 1 under
+    /// the next chunk's GEMM (see [`rsmm_ring_host`]).
+    Ring,
 }
 
 impl RsVariant {
-    /// Its name (`collective`, `chunked s=4`).
+    /// Its name (`collective`, `chunked s=4`, `ring`).
     pub fn name(self) -> String {
         match self {
             RsVariant::Collective => "collective".into(),
             RsVariant::Chunked(s) => format!("chunked s={s}"),
+            RsVariant::Ring => "ring".into(),
         }
     }
 }
 
-fn mesh_text(d: usize) -> String {
+pub(super) fn mesh_text(d: usize) -> String {
     let v: Vec<String> = (0..d).map(|i| i.to_string()).collect();
     format!("[{}]", v.join(", "))
 }
@@ -107,8 +130,8 @@ fn built(b: ProgramBuilder) -> Program {
 }
 
 /// Level-1 column-parallel linear over `d` ranks; `variant` picks the schedule of the gathered
-/// `ag` (replicated for `collective`, a Stream split for `broadcast`, a swizzled Stream split
-/// for `ring`).
+/// `ag` (replicated for `collective` and the hand-written rings, a Stream split for
+/// `broadcast`, a swizzled Stream split for `ring`).
 pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Program {
     let du = d as u64;
     let mut b = ProgramBuilder::new(format!("agmm_{}", variant.name()));
@@ -125,7 +148,7 @@ pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Pro
     let ag = b.set(x).expect("set");
     b.rename(ag, "ag").expect("fresh name");
     match variant {
-        AgVariant::Collective => {}
+        AgVariant::Collective | AgVariant::RingForward | AgVariant::RingBidirectional => {}
         AgVariant::Broadcast => {
             b.schedule(ag)
                 .outer_split(0, du)
@@ -186,12 +209,13 @@ pub fn rsmm_program(d: usize, s: Gemm3, dtype: DType, chunks: Option<u64>) -> Pr
     built(b)
 }
 
-fn parse(text: &str) -> HostProgram {
+pub(super) fn parse(text: &str) -> HostProgram {
     parse_host(text).unwrap_or_else(|e| panic!("bench host program does not parse: {e}\n{text}"))
 }
 
-/// Lowers an AG+GEMM variant with the pipeline (`streams` worker streams) and keeps `parts`.
-/// Local shapes: `x[M/d, K]`, `w[N/d, K]`, `y[M, N/d]`.
+/// Lowers an AG+GEMM variant with the pipeline (`streams` worker streams; the hand-written
+/// rings use workers 0 and 1, see [`agmm_ring_lowered`]) and keeps `parts`. Local shapes:
+/// `x[M/d, K]`, `w[N/d, K]`, `y[M, N/d]`.
 pub fn agmm_lowered(
     d: usize,
     s: Gemm3,
@@ -200,6 +224,12 @@ pub fn agmm_lowered(
     streams: usize,
     parts: Parts,
 ) -> Result<Lowered, PipelineError> {
+    if matches!(
+        variant,
+        AgVariant::RingForward | AgVariant::RingBidirectional
+    ) {
+        return agmm_ring_lowered(d, s, dtype, variant, parts);
+    }
     let program = agmm_program(d, s, dtype, variant);
     let options = CompileOptions {
         num_streams: streams.max(1),
@@ -212,8 +242,9 @@ pub fn agmm_lowered(
     })
 }
 
-/// Lowers a GEMM+RS variant: the collective one with the pipeline, the chunked one by hand (see
-/// [`rsmm_host`]). Local shapes: `x[M, K/d]`, `w[N, K/d]`, `z[M/d, N]`.
+/// Lowers a GEMM+RS variant: the collective one with the pipeline, the chunked one and the ring
+/// by hand (see [`rsmm_host`], [`rsmm_ring_lowered`]). Local shapes: `x[M, K/d]`, `w[N, K/d]`,
+/// `z[M/d, N]`.
 pub fn rsmm_lowered(
     d: usize,
     s: Gemm3,
@@ -239,6 +270,7 @@ pub fn rsmm_lowered(
             program: rsmm_program(d, s, dtype, Some(chunks)),
             host: rsmm_host(d, s, dtype, variant, parts),
         }),
+        RsVariant::Ring => rsmm_ring_lowered(d, s, dtype, parts),
     }
 }
 
@@ -287,7 +319,8 @@ pub fn keep_parts(host: &HostProgram, parts: Parts) -> HostProgram {
 /// The hand-written host program of a GEMM+RS variant (local shapes: `x[M, K/d]`,
 /// `w[N, K/d]`, `z[M/d, N]`). The pipeline does not lower the chunked reduce-scatter's
 /// schedule (a Stream split outside the DIDx split of the scattered axis) yet, so the chunked
-/// variant is written here and checked against [`rsmm_program`] on the sim backend.
+/// variant is written here and checked against [`rsmm_program`] on the sim backend. The ring
+/// is [`rsmm_ring_host`].
 pub fn rsmm_host(
     d: usize,
     s: Gemm3,
@@ -295,12 +328,16 @@ pub fn rsmm_host(
     variant: RsVariant,
     parts: Parts,
 ) -> HostProgram {
+    if variant == RsVariant::Ring {
+        return keep_parts(&rsmm_ring_host(d, s, dtype), parts);
+    }
     let du = d as u64;
     let kd = s.k / du;
     let (comm, compute) = (parts != Parts::ComputeOnly, parts != Parts::CommOnly);
     let t = dtype.name();
     let chunks = match variant {
-        RsVariant::Collective => 1,
+        // (The ring returned above.)
+        RsVariant::Collective | RsVariant::Ring => 1,
         RsVariant::Chunked(c) => c.max(1),
     };
     let (mc, zc) = (s.m / chunks, s.m / chunks / du);
@@ -312,7 +349,7 @@ pub fn rsmm_host(
         zm = s.m / du,
     );
     match variant {
-        RsVariant::Collective => {
+        RsVariant::Collective | RsVariant::Ring => {
             if compute {
                 p += "  linear(x, w -> y)\n";
             }
@@ -398,6 +435,7 @@ mod tests {
                     RsVariant::Collective,
                     RsVariant::Chunked(2),
                     RsVariant::Chunked(4),
+                    RsVariant::Ring,
                 ] {
                     let l = rsmm_lowered(d, SMALL, dtype, v, 2, Parts::Both)
                         .unwrap_or_else(|e| panic!("rsmm {} d={d}: {e}", v.name()));

@@ -20,9 +20,10 @@ use super::common::CliError;
 /// Which benchmark.
 #[derive(Debug, Subcommand)]
 pub enum BenchCase {
-    /// Column-parallel linear: all-gather + GEMM (collective, broadcast and ring variants).
+    /// Column-parallel linear: all-gather + GEMM (collective, broadcast, ring, ring forward and
+    /// bidirectional ring variants).
     Agmm(BenchArgs),
-    /// Row-parallel linear: GEMM + reduce-scatter (collective and chunked variants).
+    /// Row-parallel linear: GEMM + reduce-scatter (collective, chunked and ring variants).
     Rsmm(BenchArgs),
     /// Collective-permute bandwidth: copy engine against NCCL send/recv.
     Permute(BenchArgs),
@@ -68,7 +69,8 @@ pub struct BenchArgs {
     /// Sizes of `bench permute`, MiB per rank (repeatable; default 64 and 256).
     #[arg(long = "mib")]
     mib: Vec<u64>,
-    /// Write profiled traces (Perfetto JSON + SVG timeline) of the ring variants (`agmm`) here.
+    /// Write profiled traces (Perfetto JSON + SVG timeline) of the three ring variants (`agmm`)
+    /// here.
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<PathBuf>,
     /// A case `MxKxN` (repeatable); default: 16384x8192x8192 and 8192x8192x8192.
