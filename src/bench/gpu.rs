@@ -126,6 +126,8 @@ impl Default for BenchOptions {
 }
 
 const DTYPE: DType = DType::BF16;
+/// Row pieces per step of the GEMM+RS ring variant whose adds run under the next GEMM piece.
+const RING_PIECES: u64 = 4;
 
 /// How one variant runs on the backend.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -628,8 +630,9 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 );
                 parts.push(("reduce_scatter alone (copy engine)".to_string(), m.timing));
             }
-            let lower =
-                |parts: Parts| rsmm_lowered(d, s, DTYPE, RsVariant::Ring, opts.stream_pool, parts);
+            let lower = |parts: Parts| {
+                rsmm_lowered(d, s, DTYPE, RsVariant::Ring(1), opts.stream_pool, parts)
+            };
             if let (Ok(comm), Ok(compute)) = (lower(Parts::CommOnly), lower(Parts::ComputeOnly)) {
                 let per_rank = r.scatter("rsmm inputs", &comm.program, &full)?;
                 for (host, setup, name) in [
@@ -672,8 +675,20 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             }
         }
         if d > 1 && !opts.graph_only {
-            list.push((RsVariant::Ring, NCCL, "ring (NCCL send/recv)".to_string()));
-            list.push((RsVariant::Ring, CE, "ring (copy engine)".to_string()));
+            list.push((
+                RsVariant::Ring(1),
+                NCCL,
+                "ring (NCCL send/recv)".to_string(),
+            ));
+            list.push((RsVariant::Ring(1), CE, "ring (copy engine)".to_string()));
+            let pieces = RING_PIECES;
+            if (s.m / du).is_multiple_of(pieces) && opts.stream_pool >= 2 {
+                list.push((
+                    RsVariant::Ring(pieces),
+                    CE,
+                    format!("ring pieces={pieces} (copy engine)"),
+                ));
+            }
         }
         if opts.graph || opts.graph_only {
             list.push((

@@ -104,17 +104,20 @@ pub enum RsVariant {
     /// `s` row chunks: GEMM and reduce-scatter per chunk on worker streams.
     Chunked(u64),
     /// A hand-written ring of neighbours: running sums of row chunks travel to rank + 1 under
-    /// the next chunk's GEMM (see [`rsmm_ring_host`]).
-    Ring,
+    /// the next chunk's GEMM (see [`rsmm_ring_host`]); each step's GEMM and add are cut into
+    /// this many row pieces, the add of a piece running on a worker under the GEMM of the next
+    /// one (1: one GEMM, then one add on the main stream).
+    Ring(u64),
 }
 
 impl RsVariant {
-    /// Its name (`collective`, `chunked s=4`, `ring`).
+    /// Its name (`collective`, `chunked s=4`, `ring`, `ring pieces=4`).
     pub fn name(self) -> String {
         match self {
             RsVariant::Collective => "collective".into(),
             RsVariant::Chunked(s) => format!("chunked s={s}"),
-            RsVariant::Ring => "ring".into(),
+            RsVariant::Ring(1) => "ring".into(),
+            RsVariant::Ring(p) => format!("ring pieces={p}"),
         }
     }
 }
@@ -270,7 +273,7 @@ pub fn rsmm_lowered(
             program: rsmm_program(d, s, dtype, Some(chunks)),
             host: rsmm_host(d, s, dtype, variant, parts),
         }),
-        RsVariant::Ring => rsmm_ring_lowered(d, s, dtype, parts),
+        RsVariant::Ring(pieces) => rsmm_ring_lowered(d, s, dtype, pieces, parts),
     }
 }
 
@@ -328,8 +331,8 @@ pub fn rsmm_host(
     variant: RsVariant,
     parts: Parts,
 ) -> HostProgram {
-    if variant == RsVariant::Ring {
-        return keep_parts(&rsmm_ring_host(d, s, dtype), parts);
+    if let RsVariant::Ring(pieces) = variant {
+        return keep_parts(&rsmm_ring_host(d, s, dtype, pieces), parts);
     }
     let du = d as u64;
     let kd = s.k / du;
@@ -337,7 +340,7 @@ pub fn rsmm_host(
     let t = dtype.name();
     let chunks = match variant {
         // (The ring returned above.)
-        RsVariant::Collective | RsVariant::Ring => 1,
+        RsVariant::Collective | RsVariant::Ring(_) => 1,
         RsVariant::Chunked(c) => c.max(1),
     };
     let (mc, zc) = (s.m / chunks, s.m / chunks / du);
@@ -349,7 +352,7 @@ pub fn rsmm_host(
         zm = s.m / du,
     );
     match variant {
-        RsVariant::Collective | RsVariant::Ring => {
+        RsVariant::Collective | RsVariant::Ring(_) => {
             if compute {
                 p += "  linear(x, w -> y)\n";
             }
@@ -435,7 +438,8 @@ mod tests {
                     RsVariant::Collective,
                     RsVariant::Chunked(2),
                     RsVariant::Chunked(4),
-                    RsVariant::Ring,
+                    RsVariant::Ring(1),
+                    RsVariant::Ring(2),
                 ] {
                     let l = rsmm_lowered(d, SMALL, dtype, v, 2, Parts::Both)
                         .unwrap_or_else(|e| panic!("rsmm {} d={d}: {e}", v.name()));

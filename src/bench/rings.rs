@@ -14,7 +14,9 @@
 //! - [`RsVariant::Ring`](super::programs::RsVariant::Ring) (GEMM+RS): at step `i` a rank
 //!   GEMMs its partial product of row chunk `(my − i − 1) mod d` while the running sum of the
 //!   previous step travels to rank + 1, then adds the sum received from rank − 1; the last
-//!   step lands the full sum of chunk `my` in `z`.
+//!   step lands the full sum of chunk `my` in `z`. With `pieces` > 1 each step's GEMM and add
+//!   are cut into row pieces, and the add of a piece runs on worker 1 under the GEMM of the
+//!   next piece (only the last piece's add stays exposed).
 //!
 //! The schedules peel their first and last steps (the host IR has no conditionals), so each
 //! communication label is defined once and waited on in its own block.
@@ -134,6 +136,7 @@ pub fn rsmm_ring_lowered(
     d: usize,
     s: Gemm3,
     dtype: DType,
+    pieces: u64,
     parts: Parts,
 ) -> Result<Lowered, PipelineError> {
     let du = d as u64;
@@ -143,9 +146,15 @@ pub fn rsmm_ring_lowered(
             s.m, s.k
         )));
     }
+    if pieces == 0 || !(s.m / du).is_multiple_of(pieces) {
+        return Err(invalid(format!(
+            "rsmm ring: the M/d={} rows of a chunk cannot be cut into {pieces} pieces",
+            s.m / du
+        )));
+    }
     Ok(Lowered {
         program: rsmm_program(d, s, dtype, None),
-        host: keep_parts(&rsmm_ring_host(d, s, dtype), parts),
+        host: keep_parts(&rsmm_ring_host(d, s, dtype, pieces), parts),
     })
 }
 
@@ -310,14 +319,22 @@ pub fn agmm_ring_host(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> H
 /// permutes `acc` while GEMM'ing chunk `my` and writes `z = part + recv`. `d - 1` transfers of
 /// `[M/d, N]`, each under the next step's GEMM.
 ///
-/// Panics when `M` or `K` is not a multiple of `d` ([`rsmm_ring_lowered`] checks it).
-pub fn rsmm_ring_host(d: usize, s: Gemm3, dtype: DType) -> HostProgram {
+/// With `pieces` > 1 a step GEMMs its chunk in `pieces` row pieces on `s0`, and worker 1
+/// (after waiting for the transfer) adds each piece once `s0` has computed it, under the GEMM
+/// of the next piece; `s0` waits for worker 1 at the end of the step, before the running sum
+/// travels on.
+///
+/// Panics when `M` or `K` is not a multiple of `d`, or `M/d` of `pieces`
+/// ([`rsmm_ring_lowered`] checks both).
+pub fn rsmm_ring_host(d: usize, s: Gemm3, dtype: DType, pieces: u64) -> HostProgram {
     let d = d.max(1);
     let du = d as u64;
+    let pieces = pieces.max(1);
     let t = dtype.name();
     let (kd, zc) = (s.k / du, s.m / du);
+    let pc = zc / pieces;
     let mut p = Text::new(format!(
-        "host rsmm_ring {{\n  mesh m0 = {mesh}\n  in x: {t}[{m}, {kd}] on m0\n  in w: {t}[{n}, {kd}] on m0\n  out z: {t}[{zc}, {n}] on m0\n  tensor x_chunk: {t}[{zc}, {kd}] on m0\n  tensor part: {t}[{zc}, {n}] on m0\n  tensor acc: {t}[{zc}, {n}] on m0\n  tensor recv: {t}[{zc}, {n}] on m0\n",
+        "host rsmm_ring {{\n  mesh m0 = {mesh}\n  in x: {t}[{m}, {kd}] on m0\n  in w: {t}[{n}, {kd}] on m0\n  out z: {t}[{zc}, {n}] on m0\n  tensor x_chunk: {t}[{zc}, {kd}] on m0\n  tensor part: {t}[{zc}, {n}] on m0\n  tensor acc: {t}[{zc}, {n}] on m0\n  tensor recv: {t}[{zc}, {n}] on m0\n  tensor x_piece: {t}[{pc}, {kd}] on m0\n  tensor part_piece: {t}[{pc}, {n}] on m0\n  tensor recv_piece: {t}[{pc}, {n}] on m0\n  tensor sum_piece: {t}[{pc}, {n}] on m0\n",
         mesh = mesh_text(d),
         m = s.m,
         n = s.n,
@@ -342,10 +359,40 @@ pub fn rsmm_ring_host(d: usize, s: Gemm3, dtype: DType) -> HostProgram {
         p.on_worker(0);
         p.permute(id, "acc", "recv", d, 1);
         p.line("set_current_stream s0");
-        x_chunk(p, chunk);
-        p.line("linear(x_chunk, w -> part)");
+        if pieces == 1 {
+            x_chunk(p, chunk);
+            p.line("linear(x_chunk, w -> part)");
+            p.line(format!("wait {id}"));
+            p.line(format!("add(part, recv -> {out})"));
+            return;
+        }
+        // The adds run on worker 1: it waits for the transfer once, then for each GEMM piece,
+        // and adds that piece while the main stream computes the next one.
+        p.line("set_current_stream worker(1)");
         p.line(format!("wait {id}"));
-        p.line(format!("add(part, recv -> {out})"));
+        p.line("set_current_stream s0");
+        p.open(format!("for i1 in 0..{pieces}"));
+        p.line(format!(
+            "x_piece = shard_by_stream(x, axis=0, chunks={}, index=({chunk}) * {pieces} + i1)",
+            du * pieces
+        ));
+        for (view, of) in [
+            ("part_piece", "part"),
+            ("recv_piece", "recv"),
+            ("sum_piece", out),
+        ] {
+            p.line(format!(
+                "{view} = shard_by_stream({of}, axis=0, chunks={pieces}, index=i1)"
+            ));
+        }
+        p.line("linear(x_piece, w -> part_piece)");
+        p.line("set_current_stream worker(1)");
+        p.line("synchronize s0");
+        p.line("add(part_piece, recv_piece -> sum_piece)");
+        p.line("set_current_stream s0");
+        p.close();
+        // The next step sends `acc` (and the run ends) only after every add.
+        p.line("synchronize worker(1)");
     };
     if d > 2 {
         p.open(format!("for i0 in 1..{}", d - 1));
@@ -396,12 +443,15 @@ mod tests {
                         .unwrap_or_else(|e| panic!("agmm {} d={d}: {e}\n{}", v.name(), l.host));
                     assert!(cmp.passed(), "agmm {} d={d} {dtype}: {cmp}", v.name());
                 }
-                let l = rsmm_lowered(d, SIZES, dtype, RsVariant::Ring, 2, Parts::Both)
-                    .unwrap_or_else(|e| panic!("rsmm ring d={d}: {e}"));
-                check_program(&l.host, d).unwrap_or_else(|e| panic!("rsmm ring d={d}: {e}"));
-                let cmp = run_and_compare(&l.program, &l.host, d, 5, &SimOptions::default())
-                    .unwrap_or_else(|e| panic!("rsmm ring d={d}: {e}\n{}", l.host));
-                assert!(cmp.passed(), "rsmm ring d={d} {dtype}: {cmp}");
+                for pieces in [1, 2, 4] {
+                    let l = rsmm_lowered(d, SIZES, dtype, RsVariant::Ring(pieces), 2, Parts::Both)
+                        .unwrap_or_else(|e| panic!("rsmm ring/{pieces} d={d}: {e}"));
+                    check_program(&l.host, d)
+                        .unwrap_or_else(|e| panic!("rsmm ring/{pieces} d={d}: {e}"));
+                    let cmp = run_and_compare(&l.program, &l.host, d, 5, &SimOptions::default())
+                        .unwrap_or_else(|e| panic!("rsmm ring/{pieces} d={d}: {e}\n{}", l.host));
+                    assert!(cmp.passed(), "rsmm ring/{pieces} d={d} {dtype}: {cmp}");
+                }
             }
         }
     }
@@ -416,7 +466,7 @@ mod tests {
                     (format!("agmm {}", a.name()), l)
                 })
                 .collect();
-            let l = rsmm_lowered(d, SIZES, DType::BF16, RsVariant::Ring, 2, parts).unwrap();
+            let l = rsmm_lowered(d, SIZES, DType::BF16, RsVariant::Ring(2), 2, parts).unwrap();
             v.push(("rsmm ring".into(), l));
             v
         };
@@ -538,11 +588,13 @@ mod tests {
             for step in &steps {
                 assert_eq!(step, &[(1, di - 1), (di - 1, 1)], "{bi}");
             }
-            let rs = rsmm_ring_host(d, s, DType::BF16);
-            let steps = permute_offsets(&rs, di);
-            assert_eq!(steps.len(), d * (d - 1), "{rs}");
-            for step in &steps {
-                assert_eq!(step, &[(1, di - 1)], "{rs}");
+            for pieces in [1, 2] {
+                let rs = rsmm_ring_host(d, s, DType::BF16, pieces);
+                let steps = permute_offsets(&rs, di);
+                assert_eq!(steps.len(), d * (d - 1), "{rs}");
+                for step in &steps {
+                    assert_eq!(step, &[(1, di - 1)], "{rs}");
+                }
             }
             // The two permutes of a bidirectional step are issued together, on two workers,
             // before the step's GEMMs.
@@ -571,8 +623,11 @@ mod tests {
             Parts::Both,
         );
         assert!(e.is_err());
-        assert!(rsmm_lowered(4, s, DType::BF16, RsVariant::Ring, 2, Parts::Both).is_err());
-        assert!(rsmm_lowered(0, s, DType::BF16, RsVariant::Ring, 2, Parts::Both).is_err());
+        assert!(rsmm_lowered(4, s, DType::BF16, RsVariant::Ring(1), 2, Parts::Both).is_err());
+        assert!(rsmm_lowered(0, s, DType::BF16, RsVariant::Ring(1), 2, Parts::Both).is_err());
+        // 3 rows per chunk at d = 2 do not cut into 2 pieces.
+        assert!(rsmm_lowered(2, s, DType::BF16, RsVariant::Ring(2), 2, Parts::Both).is_err());
+        assert!(rsmm_lowered(2, s, DType::BF16, RsVariant::Ring(0), 2, Parts::Both).is_err());
         assert!(agmm_ring_lowered(2, s, DType::BF16, AgVariant::Ring, Parts::Both).is_err());
     }
 }
