@@ -81,6 +81,8 @@ pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod nccl;
 #[cfg(feature = "cuda")]
+mod pinned;
+#[cfg(feature = "cuda")]
 mod probe;
 pub mod proxy;
 #[cfg(feature = "cuda")]

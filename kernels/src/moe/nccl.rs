@@ -99,10 +99,16 @@ impl NcclMoe {
     }
 
     /// Reaches the team members `route` says are on other nodes through the host proxy
-    /// (blocks staged through host memory by this rank's thread; see [`StagedRoute`]); the
+    /// (blocks staged through pinned host memory in stream order; see [`StagedRoute`]); the
     /// others stay on NCCL. The route's team must be this transport's team, in order.
     pub fn set_route(&mut self, route: StagedRoute) {
         self.route = Some(route);
+    }
+
+    /// The first failure of a transfer through the host proxy, if any (see
+    /// [`StagedRoute::failure`]).
+    pub fn route_failure(&self) -> Option<KernelError> {
+        self.route.as_ref().and_then(|r| r.failure())
     }
 }
 
@@ -133,8 +139,8 @@ fn exchange(
     };
     // The sends to other nodes first (they only wait for this rank's packing), then the NCCL
     // group of this node, then the messages of the other nodes.
-    let tag = route.map(|r| (r.next_tag(), r));
-    if let Some((tag, r)) = &tag {
+    let mut tag = route.map(|r| (r.next_tag(), r));
+    if let Some((tag, r)) = &mut tag {
         for &p in &far {
             let parts = block_views(p, true)?;
             r.send(stream, p, *tag, &parts.iter().collect::<Vec<_>>())?;
@@ -154,7 +160,7 @@ fn exchange(
             Ok(())
         })?;
     }
-    if let Some((tag, r)) = &tag {
+    if let Some((tag, r)) = &mut tag {
         for &p in &far {
             let parts = block_views(p, false)?;
             r.recv(stream, p, *tag, &parts.iter().collect::<Vec<_>>())?;

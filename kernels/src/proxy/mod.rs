@@ -15,11 +15,13 @@
 //! [`Topology`] says which ranks share a node: in-node peers use the in-node path (the sim's
 //! in-process fabric on CPU, NVLink on GPUs), ranks of other nodes are proxy peers.
 //!
-//! On GPUs (feature `cuda`) [`StagedRoute`] moves device memory through the same proxy: the
-//! rank's thread stages the bytes in host memory after its stream's earlier work and copies
-//! received messages back in stream order (collective permutes and MoE dispatch/combine of the
-//! CUDA backend with cross-node peers). Kernels that stage rows into mapped host memory and
-//! raise the flags themselves, without the rank's thread, are not written yet.
+//! On GPUs (feature `cuda`) [`StagedRoute`] moves device memory through the same proxy, in
+//! stream order: the stream copies the bytes into pinned host memory and a staging thread hands
+//! them to the proxy once the copy's event completes; on the receiving side a staging thread
+//! copies the counted message into pinned memory and raises a flag the stream waits on
+//! (`cuStreamWaitValue32`) before copying it in (collective permutes and MoE dispatch/combine
+//! of the CUDA backend with cross-node peers). The staging is done by DMA copies and stream
+//! memory operations, not by custom kernels writing mapped memory.
 //!
 //! ```
 //! use std::sync::Arc;

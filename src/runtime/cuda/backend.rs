@@ -1220,6 +1220,10 @@ impl Backend for CudaBackend {
             self.timeline.reset();
             return Err(e);
         }
+        if let Some(e) = self.proxy_failure() {
+            self.timeline.reset();
+            return Err(e);
+        }
         self.end_graph_run()?;
         self.pending_reads.clear();
         self.moe_check_status()?;

@@ -30,6 +30,13 @@ pub(super) struct MoeEngine {
     transport: NcclMoe,
 }
 
+impl MoeEngine {
+    /// The first failure of a transfer through the host proxy, if any.
+    pub(super) fn route_failure(&self) -> Option<meshflow_kernels::KernelError> {
+        self.transport.route_failure()
+    }
+}
+
 impl std::fmt::Debug for MoeEngine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MoeEngine")

@@ -5,10 +5,12 @@
 //! `MESHFLOW_NODE_SIZE` (forced splits of one host) in [`run_cuda`](super::run_cuda) and
 //! [`run_rank`](super::run_rank).
 //!
-//! Every member of a team issues the team's permutes in the same order, so each rank numbers
-//! its messages per team; a rank that fails tells the other nodes through its proxy
-//! ([`CudaBackend::notify_proxy_failure`]), and a rank waiting for a message stops when the
-//! run's abort signal is raised.
+//! Transfers are ordered on the rank's streams (staging copies into pinned host memory, the
+//! device waits for a flag the route's receive thread raises), so the rank's thread never
+//! waits for a peer. Every member of a team issues the team's permutes in the same order, so
+//! each rank numbers its messages per team; a rank that fails tells the other nodes through its
+//! proxy ([`CudaBackend::notify_proxy_failure`]); a failed transfer releases the streams
+//! waiting for it and fails the run when it finishes.
 
 use std::sync::Arc;
 
@@ -75,6 +77,7 @@ impl CudaBackend {
         });
         StagedRoute::new(
             p.proxy.clone(),
+            &self.device,
             &p.topology,
             members.to_vec(),
             purpose,
@@ -160,5 +163,20 @@ impl CudaBackend {
         }
         self.finish_output(slot)?;
         Ok(true)
+    }
+
+    /// The first failure of a transfer through the host proxy in this run (permute routes
+    /// and MoE engines), as a backend error.
+    pub(super) fn proxy_failure(&self) -> Option<BackendError> {
+        let e = self
+            .routes
+            .iter()
+            .find_map(|(_, r)| r.failure())
+            .or_else(|| self.moe.iter().find_map(|m| m.route_failure()))?;
+        Some(super::backend::dev_err(
+            self.rank,
+            "a transfer through the host proxy",
+            e,
+        ))
     }
 }
