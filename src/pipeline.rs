@@ -7,11 +7,12 @@
 //! | 3 | `decompose_reshardings` | 1 | rfactors partial-sum outputs; inserts `set`s so each resharding is one decision-table row |
 //! | 4 | `choose_decompositions` | 1 | egg + cost model: collective / stream broadcast / ring for reshardings into unannotated tensors |
 //! | 5 | `lower_to_host` | 1 -> host | stream loops, communications, compute (cannot be disabled) |
-//! | 6 | `simplify_indices` | host | egg: affine-mod canonical index expressions; proves ring peers inverse |
-//! | 7 | `assign_streams` | host | worker-stream pool around loops with communication and compute |
-//! | 8 | `insert_allocations` | host | allocate/deallocate at the dominating block |
-//! | 9 | `defer_waits` | host | waits just before first use; ring buffers for per-iteration temporaries |
-//! | 10 | `verify_host` | host | checks the result (cannot be disabled) |
+//! | 6 | `prefetch_transfers` | host | with `StreamSchedule::Prefetch`: transfers one iteration ahead on a worker, compute on the main stream |
+//! | 7 | `simplify_indices` | host | egg: affine-mod canonical index expressions; proves ring peers inverse |
+//! | 8 | `assign_streams` | host | worker-stream pool around loops with communication and compute |
+//! | 9 | `insert_allocations` | host | allocate/deallocate at the dominating block |
+//! | 10 | `defer_waits` | host | waits just before first use; ring buffers for per-iteration temporaries |
+//! | 11 | `verify_host` | host | checks the result (cannot be disabled) |
 //!
 //! `choose_decompositions` runs at level 1 (after the decomposition, before lowering, unlike
 //! DESIGN.md's sketch) because what it decides is a schedule: the Stream split (and swizzle)
@@ -24,8 +25,9 @@ use std::collections::BTreeMap;
 use meshflow_ir::{HostProgram, Program};
 use meshflow_passes::passes::{
     AssignStreams, ChooseDecompositions, DecomposeReshardings, DeferWaits, InsertAllocations,
-    LowerToHost, PropagateShardings, SimplifyIndices, VerifyHost, VerifyProgram,
+    LowerToHost, PrefetchTransfers, PropagateShardings, SimplifyIndices, VerifyHost, VerifyProgram,
 };
+pub use meshflow_passes::StreamSchedule;
 use meshflow_passes::{
     CostModel, Decomposition, Dump, ExplainRecord, Pass, PassContext, PassError, PassManager,
     PassTiming,
@@ -39,6 +41,7 @@ pub fn passes() -> Vec<Pass> {
         Pass::Program(Box::new(DecomposeReshardings)),
         Pass::Program(Box::new(ChooseDecompositions)),
         Pass::Lower(Box::new(LowerToHost)),
+        Pass::Host(Box::new(PrefetchTransfers)),
         Pass::Host(Box::new(SimplifyIndices)),
         Pass::Host(Box::new(AssignStreams)),
         Pass::Host(Box::new(InsertAllocations)),
@@ -67,6 +70,8 @@ pub struct CompileOptions {
     pub decompositions: BTreeMap<String, Decomposition>,
     /// The cost model of `choose_decompositions`.
     pub cost_model: CostModel,
+    /// How stream loops use the stream pool (default: one worker per iteration, as nvFuser).
+    pub stream_schedule: StreamSchedule,
 }
 
 impl Default for CompileOptions {
@@ -78,6 +83,7 @@ impl Default for CompileOptions {
             verify: cfg!(debug_assertions),
             decompositions: BTreeMap::new(),
             cost_model: CostModel::default(),
+            stream_schedule: StreamSchedule::default(),
         }
     }
 }
@@ -121,6 +127,7 @@ pub fn compile(program: &Program, options: &CompileOptions) -> Result<Compiled, 
     cx.num_streams = options.num_streams;
     cx.decompositions = options.decompositions.clone();
     cx.cost_model = options.cost_model.clone();
+    cx.stream_schedule = options.stream_schedule;
     let out = manager.run(program.clone(), &mut cx)?;
     Ok(Compiled {
         program: out.program,

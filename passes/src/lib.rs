@@ -34,5 +34,5 @@ pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
 pub use manager::{
     Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
-    PassOutput, PassTiming, ProgramPass,
+    PassOutput, PassTiming, ProgramPass, StreamSchedule,
 };

@@ -69,6 +69,22 @@ pub struct PassContext {
     pub cost_model: CostModel,
     /// Decisions taken, for `--explain`.
     pub explain: Vec<ExplainRecord>,
+    /// How stream loops place their transfers and compute on streams.
+    pub stream_schedule: StreamSchedule,
+}
+
+/// How the iterations of a stream loop (transfer a chunk, compute on it) use streams.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StreamSchedule {
+    /// Every iteration on its own worker stream, round robin over the pool (nvFuser's
+    /// schedule; `assign_streams`): iteration i + 1's transfer overlaps iteration i's compute
+    /// on another stream.
+    #[default]
+    PerIteration,
+    /// Compute on the main stream, collective permutes one iteration ahead on a worker stream
+    /// (`prefetch_transfers`), for ring loops that move one chunk per iteration into its own
+    /// slot; other loops as [`StreamSchedule::PerIteration`].
+    Prefetch,
 }
 
 impl PassContext {
@@ -85,6 +101,7 @@ impl PassContext {
             decompositions: BTreeMap::new(),
             cost_model: CostModel::default(),
             explain: Vec::new(),
+            stream_schedule: StreamSchedule::default(),
         }
     }
 

@@ -423,6 +423,16 @@ fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static
         ),
         (AgVariant::RingForward, CE, "ring forward (copy engine)"),
         (
+            AgVariant::RingPrefetch,
+            CE,
+            "ring, prefetch schedule (copy engine)",
+        ),
+        (
+            AgVariant::BroadcastPrefetch,
+            CE,
+            "broadcast, prefetch schedule (copy engine)",
+        ),
+        (
             AgVariant::RingBidirectional,
             NCCL,
             "bidirectional ring (NCCL send/recv)",

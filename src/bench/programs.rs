@@ -23,7 +23,7 @@ use meshflow_ir::{
 };
 
 use super::rings::{agmm_ring_lowered, rsmm_ring_host, rsmm_ring_lowered};
-use crate::pipeline::{compile, CompileOptions, PipelineError};
+use crate::pipeline::{compile, CompileOptions, PipelineError, StreamSchedule};
 
 /// A program and the host program it lowers to.
 #[derive(Clone, Debug)]
@@ -72,16 +72,20 @@ pub enum AgVariant {
     /// rank + 1, the other half to rank − 1 (see
     /// [`agmm_ring_host`](super::rings::agmm_ring_host)).
     RingBidirectional,
+    /// [`AgVariant::Ring`] lowered with [`StreamSchedule::Prefetch`]: GEMMs on the main
+    /// stream, each permute one step ahead on a worker.
+    RingPrefetch,
 }
 
 impl AgVariant {
     /// Every variant.
-    pub const ALL: [AgVariant; 5] = [
+    pub const ALL: [AgVariant; 6] = [
         AgVariant::Collective,
         AgVariant::Broadcast,
         AgVariant::Ring,
         AgVariant::RingForward,
         AgVariant::RingBidirectional,
+        AgVariant::RingPrefetch,
     ];
 
     /// Its name.
@@ -92,6 +96,7 @@ impl AgVariant {
             AgVariant::Ring => "ring",
             AgVariant::RingForward => "ring_forward",
             AgVariant::RingBidirectional => "ring_bidirectional",
+            AgVariant::RingPrefetch => "ring_prefetch",
         }
     }
 }
@@ -157,7 +162,7 @@ pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Pro
                 .outer_split(0, du)
                 .parallelize(0, ParallelType::Stream);
         }
-        AgVariant::Ring => {
+        AgVariant::Ring | AgVariant::RingPrefetch => {
             b.schedule(ag)
                 .outer_split(0, du)
                 .swizzle1d(0, ParallelType::DIDx)
@@ -234,8 +239,13 @@ pub fn agmm_lowered(
         return agmm_ring_lowered(d, s, dtype, variant, parts);
     }
     let program = agmm_program(d, s, dtype, variant);
+    let stream_schedule = match variant {
+        AgVariant::RingPrefetch => StreamSchedule::Prefetch,
+        _ => StreamSchedule::PerIteration,
+    };
     let options = CompileOptions {
         num_streams: streams.max(1),
+        stream_schedule,
         ..CompileOptions::default()
     };
     let c = compile(&program, &options)?;

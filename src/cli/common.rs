@@ -132,3 +132,23 @@ pub fn fault_exits_from_env() -> Result<Vec<(usize, usize)>, CliError> {
         })
         .collect()
 }
+
+/// `--schedule`: how stream loops use the worker streams.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ScheduleArg {
+    /// Every iteration on its own worker stream (nvFuser's schedule).
+    #[default]
+    PerIteration,
+    /// Compute on the main stream, each transfer one iteration ahead on a worker stream.
+    Prefetch,
+}
+
+impl ScheduleArg {
+    /// The pipeline's setting.
+    pub fn schedule(self) -> meshflow::pipeline::StreamSchedule {
+        match self {
+            ScheduleArg::PerIteration => meshflow::pipeline::StreamSchedule::PerIteration,
+            ScheduleArg::Prefetch => meshflow::pipeline::StreamSchedule::Prefetch,
+        }
+    }
+}

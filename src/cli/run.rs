@@ -46,6 +46,11 @@ pub struct RunArgs {
     /// Size of the worker stream pool.
     #[arg(long, default_value_t = 2)]
     streams: usize,
+    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
+    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
+    /// ahead on a worker).
+    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
+    schedule: super::common::ScheduleArg,
     /// How long a rank waits for a peer before the run fails, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     timeout_ms: u64,
@@ -65,6 +70,7 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     let program = args.program.load()?;
     let options = CompileOptions {
         num_streams: args.streams.max(1),
+        stream_schedule: args.schedule.schedule(),
         ..CompileOptions::default()
     };
     let started = Instant::now();
@@ -96,6 +102,13 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
     if nodes > 1 && args.backend == BackendKind::Sim {
+        if args.schedule != super::common::ScheduleArg::PerIteration {
+            return Err(CliError::Usage(
+                "--schedule is not passed to the node processes of a multi-process sim run yet; \
+                 run without --nodes"
+                    .into(),
+            ));
+        }
         if args.trace.is_some() {
             summary.push_str("note: --trace is not recorded in multi-process runs\n");
         }

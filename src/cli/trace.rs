@@ -43,6 +43,11 @@ pub struct TraceArgs {
     /// Size of the worker stream pool.
     #[arg(long, default_value_t = 2)]
     streams: usize,
+    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
+    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
+    /// ahead on a worker).
+    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
+    schedule: super::common::ScheduleArg,
     /// Force a decomposition: `--decompose TENSOR=collective|broadcast|ring` (repeatable).
     #[arg(long = "decompose", value_name = "TENSOR=VARIANT")]
     decompose: Vec<String>,
@@ -67,6 +72,7 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
     let options = CompileOptions {
         num_streams: args.streams.max(1),
         decompositions,
+        stream_schedule: args.schedule.schedule(),
         ..CompileOptions::default()
     };
     let compiled = compile(&program, &options)?;

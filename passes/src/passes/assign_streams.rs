@@ -1,7 +1,8 @@
 //! `assign_streams`: runs the iterations of stream loops on a bounded pool of worker streams.
 //!
 //! Around each top-level `for` loop whose body holds both communication and compute (the only
-//! loops where overlap pays; nested loops are left alone):
+//! loops where overlap pays; nested loops, and loops whose body already sets streams, are left
+//! alone):
 //!
 //! ```text
 //! s0 = get_current_stream
@@ -55,7 +56,11 @@ impl HostPass for AssignStreams {
                 (Some(a), Some(b)) => Some(b - a),
                 _ => None,
             };
-            let worth = any_deep(&body, &|k| k.is_communication())
+            // Loops that already place their work on streams (`prefetch_transfers`) stay as
+            // they are.
+            let placed = any_deep(&body, &|k| matches!(k, InstKind::SetCurrentStream { .. }));
+            let worth = !placed
+                && any_deep(&body, &|k| k.is_communication())
                 && any_deep(&body, &|k| {
                     matches!(k, InstKind::Compute { .. } | InstKind::LaunchKernel { .. })
                 });
