@@ -5,6 +5,11 @@
 //! `MASTER_ADDR` and `MASTER_PORT` (rank 0's TCP rendezvous store). The same variables on
 //! several hosts, with `MASTER_ADDR` naming rank 0's host, give a multi-node run: NCCL finds
 //! the inter-node transport itself (set `NCCL_SOCKET_IFNAME` / `NCCL_IB_HCA` as usual).
+//!
+//! With [`CudaConfig::node_size`] or `MESHFLOW_NODE_SIZE` the ranks form nodes of that many
+//! consecutive ranks (also on one host, to test the inter-node path): every rank with a peer on
+//! another node gets a host proxy (TCP, connected through the rendezvous), and collective
+//! permutes and MoE dispatch/combine with such peers go through it.
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
