@@ -109,4 +109,3 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
         }
     }
 }
-
