@@ -428,11 +428,6 @@ fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static
             "ring, prefetch schedule (copy engine)",
         ),
         (
-            AgVariant::BroadcastPrefetch,
-            CE,
-            "broadcast, prefetch schedule (copy engine)",
-        ),
-        (
             AgVariant::RingBidirectional,
             NCCL,
             "bidirectional ring (NCCL send/recv)",

@@ -206,7 +206,7 @@ impl<'a> Candidate<'a> {
             stream: StreamRef::Var(saved),
         });
         let id = match &self.comm.kind {
-            InstKind::CollectivePermute { id, .. } | InstKind::Communication { id, .. } => *id,
+            InstKind::CollectivePermute { id, .. } => *id,
             _ => first,
         };
         out.push(Inst::new(InstKind::GetCurrentStream { dst: saved }));
@@ -247,9 +247,7 @@ impl<'a> Candidate<'a> {
 }
 
 fn set_id(inst: &mut Inst, new: CommId) {
-    if let InstKind::CollectivePermute { id, .. } | InstKind::Communication { id, .. } =
-        &mut inst.kind
-    {
+    if let InstKind::CollectivePermute { id, .. } = &mut inst.kind {
         *id = new;
     }
 }
@@ -268,11 +266,6 @@ fn with_var(inst: &Inst, var: LoopVar, value: &Expr) -> Inst {
         } => {
             *send_peer = sub(send_peer);
             *recv_peer = sub(recv_peer);
-        }
-        InstKind::Communication { root, .. } => {
-            if let Some(r) = root {
-                *r = sub(r);
-            }
         }
         InstKind::LaunchKernel { args, .. } => {
             for a in args.iter_mut() {
