@@ -132,6 +132,18 @@ fn stream_and_pass_options_change_the_lowering() {
     // Without assign_streams everything runs on the main stream.
     let none = compile(&program, &Options::new().disable_pass("assign_streams")).expect("ok");
     assert!(workers(&none).is_empty(), "{}", none.host_text());
+    // The prefetch schedule keeps the ring's compute on the main stream: one worker, fixed.
+    let prefetch = compile(
+        &program,
+        &Options::new().stream_schedule(meshflow::pipeline::StreamSchedule::Prefetch),
+    )
+    .expect("compiles");
+    assert_ne!(prefetch.host_text(), two.host_text());
+    assert!(
+        workers(&prefetch).iter().all(|w| !w.contains("worker(i")),
+        "{}",
+        prefetch.host_text()
+    );
     // Dumps and an unknown pass.
     let dumped = compile(&program, &Options::new().dump_after("lower_to_host")).expect("ok");
     assert_eq!(dumped.dumps().len(), 1);

@@ -74,6 +74,14 @@ impl Options {
         self
     }
 
+    /// How stream loops use the worker streams (default: one worker per iteration, as
+    /// nvFuser; [`StreamSchedule::Prefetch`](crate::pipeline::StreamSchedule::Prefetch): ring
+    /// loops compute on the main stream with each permute one iteration ahead on a worker).
+    pub fn stream_schedule(mut self, schedule: crate::pipeline::StreamSchedule) -> Options {
+        self.compile.stream_schedule = schedule;
+        self
+    }
+
     /// Skips a pass by name (see [`pass_names`](crate::pipeline::pass_names); the verifiers
     /// and `lower_to_host` cannot be disabled).
     pub fn disable_pass(mut self, name: impl Into<String>) -> Options {
