@@ -6,9 +6,10 @@
 #
 #   bash gpu/suite/run.sh [tests|bench|all]      # logs and JSON under $OUT (default /tmp/out)
 #
-# `tests` runs every GPU test binary (the fault matrix test by test) on the GPUs present (each
-# test prints what it skipped); `bench` runs PyTorch's baselines and then `meshflow bench agmm,
-# rsmm, permute, moe` against them in the same call; `all` does both.
+# `tests` runs every GPU test binary (the kernels crate's as kernels_gpu; the fault matrix test
+# by test) on the GPUs present (each test prints what it skipped); `bench` runs PyTorch's
+# baselines and then `meshflow bench agmm, rsmm, permute, moe` against them in the same call,
+# then the copy-engine probe (`kernels/examples/peer_bandwidth.rs`); `all` does both.
 #
 #   scripts/gpu-carry.sh            # needs ../shared/device/gpu-env.sh and
 #                                   # ../shared/bench/torch_baselines.py beside the checkout
@@ -17,17 +18,21 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 target="${CARGO_TARGET_DIR:-$root/target}"
 cargo build --release --features cuda
+cargo build --release --features cuda -p meshflow-kernels --example peer_bandwidth
 cargo test --release --features cuda --workspace --no-run 2>&1 | tee /tmp/gpu-carry-build.log |
   grep -E "^error" && exit 1
 dest="$root/gpu/suite"
 rm -rf "$dest"
 mkdir -p "$dest/bin"
-cp "$target/release/meshflow" "$dest/bin/"
+cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$dest/bin/"
 for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_faults gpu_multiprocess gpu_overlap \
          gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe; do
   f="$(grep -oE "\(.*/deps/$t-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
   [ -n "$f" ] && cp "$f" "$dest/bin/$t"
 done
+# The kernels crate's own GPU tests (kernels/tests/gpu.rs).
+f="$(grep -oE "\(.*/deps/gpu-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
+[ -n "$f" ] && cp "$f" "$dest/bin/kernels_gpu"
 strip "$dest"/bin/* 2>/dev/null || true
 cp "$root/../shared/device/gpu-env.sh" "$dest/"
 # Where the tests look for examples/ (their build root) and for the meshflow binary.
@@ -52,8 +57,8 @@ n="$(nvidia-smi -L | wc -l)"
 log() { echo "=== $* ($(date +%T))"; }
 step() { local t=$1; shift; log "$*"; timeout "$t" "$@"; echo "rc=$? for $*"; }
 tests() {
-  for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_multiprocess gpu_programs \
-           gpu_proxy gpu_transport embed_gpu gpu_moe gpu_overlap; do
+  for t in kernels_gpu gpu_comm gpu_determinism gpu_errors gpu_examples gpu_multiprocess \
+           gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe gpu_overlap; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done
   for t in gpu_faults_mid_collective gpu_faults_mid_collective_permute gpu_faults_mid_moe_dispatch; do
@@ -66,6 +71,7 @@ bench() {
   for b in agmm rsmm permute moe; do
     step 400 "$B/meshflow" bench "$b" --torch "$tj" --json "$OUT/$b-$n.json"
   done
+  [ "$n" -ge 2 ] && step 200 "$B/peer_bandwidth" 64 256
 }
 {
   log "start on $n GPU(s)"; nvidia-smi --query-gpu=name,driver_version --format=csv

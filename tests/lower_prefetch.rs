@@ -1,8 +1,9 @@
 //! `StreamSchedule::Prefetch` (`prefetch_transfers`): every example program, compiled with it
 //! for 1, 2, 3, 4 and 8 ranks (where the program parses), passes the cross-rank check and
 //! matches the unsharded reference on sim ranks with the race checker on; ring loops take the
-//! prefetch shape (compute on the main stream, permutes one iteration ahead on worker 0), other
-//! loops (broadcasts, for one) keep one worker per iteration.
+//! prefetch shape (compute on the main stream, permutes one iteration ahead on worker 0, the
+//! first chunk computed from the input), other loops (broadcasts, for one) keep one worker per
+//! iteration.
 
 use meshflow::check::check_program;
 use meshflow::ir::{parse_program_with, Params, Program};
@@ -78,25 +79,37 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
             let text = compile(&program, &prefetch()).unwrap().host.to_string();
             // The compute runs on the main stream: no worker per iteration.
             assert!(!text.contains("worker(i0"), "{name}:\n{text}");
-            // The loop body: the transfer of the next chunk on worker 0 first, then back to the
-            // main stream for the compute, then the wait for the transfer.
-            // The first chunk moves before the loop, which runs d - 1 times.
-            let at = text
-                .find(&format!("for i0 in 0..{} ", ranks - 1))
-                .expect("a loop of d - 1 iterations");
+            // Step 0 is a copy to itself: the first chunk is computed straight from the input,
+            // without waiting for any transfer, while the first real transfer runs on worker 0;
+            // the copy itself is left out (`ag` is a temporary nobody else reads).
+            let first = text.find("linear(x, w -> ").expect("the GEMM of the input");
+            let first_wait = text.find("wait c").expect("a wait");
+            assert!(first < first_wait, "{name}: the first GEMM waits:\n{text}");
+            assert_eq!(
+                text.matches("collective_permute(").count(),
+                if ranks == 2 { 1 } else { 2 },
+                "{name}: d - 1 transfers and no copy to itself:\n{text}"
+            );
             assert!(
-                text[..at].contains("collective_permute("),
-                "{name}: no transfer before the loop:\n{text}"
+                text[..first].contains("collective_permute("),
+                "{name}: the first transfer before the first GEMM:\n{text}"
             );
-            let body = &text[at..];
-            let (w, back, gemm, wait) = (
-                body.find("set_current_stream worker(0)").expect("worker 0"),
-                body.find("set_current_stream s")
-                    .expect("back to the main stream"),
-                body.find("linear(").expect("the GEMM"),
-                body.find("wait c").expect("the wait"),
-            );
-            assert!(w < back && back < gemm && gemm < wait, "{name}:\n{text}");
+            // The loop runs the remaining d - 2 transfers: the transfer of the next chunk on
+            // worker 0 first, then back to the main stream for the compute, then the wait.
+            match text.find(&format!("for i0 in 1..{} ", ranks - 1)) {
+                None => assert!(ranks == 2 && !text.contains("for i0"), "{name}:\n{text}"),
+                Some(at) => {
+                    let body = &text[at..];
+                    let (w, back, gemm, wait) = (
+                        body.find("set_current_stream worker(0)").expect("worker 0"),
+                        body.find("set_current_stream s")
+                            .expect("back to the main stream"),
+                        body.find("linear(").expect("the GEMM"),
+                        body.find("wait c").expect("the wait"),
+                    );
+                    assert!(w < back && back < gemm && gemm < wait, "{name}:\n{text}");
+                }
+            }
             // The default schedule is unchanged.
             let default = compile(&program, &CompileOptions::default())
                 .unwrap()
@@ -107,5 +120,41 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
                 "{name}:\n{default}"
             );
         }
+    }
+}
+
+#[test]
+fn a_gathered_output_keeps_the_copy_to_itself_and_matches_the_reference() {
+    // With `ag` an output its own chunk is read after the run: the copy to itself stays (on
+    // worker 0, after the first real transfer) and both outputs match the reference.
+    let path = format!(
+        "{}/examples/programs/column_parallel_linear_ring.mf",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("  output y\n", "  output y\n  output ag\n");
+    for ranks in [2i64, 3, 4, 8] {
+        let mut params = Params::new();
+        params.insert("ranks".into(), ranks);
+        let program = parse_program_with(&text, &params).expect("the variant parses");
+        let c = compile(&program, &prefetch()).unwrap();
+        let host = c.host.to_string();
+        let first = host.find("linear(x, w -> ").expect("the GEMM of the input");
+        let before = &host[..first];
+        let (transfer, copy) = (
+            before
+                .find("send=(my(m0, DIDx) + ")
+                .expect("the first transfer"),
+            before
+                .find("send=my(m0, DIDx), recv=my(m0, DIDx)")
+                .expect("the copy to itself"),
+        );
+        assert!(transfer < copy, "{host}");
+        let world = c.host.world_size();
+        check_program(&c.host, world).unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
+        let cmp = run_and_compare(&c.program, &c.host, world, 3, &SimOptions::default())
+            .unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
+        assert!(cmp.passed(), "{ranks} ranks: {cmp}\n{host}");
     }
 }

@@ -72,6 +72,8 @@ mod device;
 #[cfg(feature = "cuda")]
 mod event;
 #[cfg(feature = "cuda")]
+mod flag;
+#[cfg(feature = "cuda")]
 mod gemm;
 #[cfg(feature = "cuda")]
 mod graph;
@@ -94,6 +96,8 @@ pub use buffer::DeviceBuffer;
 pub use device::Device;
 #[cfg(feature = "cuda")]
 pub use event::Event;
+#[cfg(feature = "cuda")]
+pub use flag::DeviceFlag;
 #[cfg(feature = "cuda")]
 pub use gemm::{Gemm, GemmLayout};
 #[cfg(feature = "cuda")]

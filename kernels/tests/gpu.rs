@@ -6,8 +6,8 @@
 use half::{bf16, f16};
 use meshflow_kernels::nccl::{self, Comm, NcclLib};
 use meshflow_kernels::{
-    BinaryOp, DType, Device, DeviceBuffer, Element, Event, Gemm, KernelError, ReduceOp, Stream,
-    StridedLayout, UnaryOp,
+    BinaryOp, DType, Device, DeviceBuffer, DeviceFlag, Element, Event, Gemm, KernelError, ReduceOp,
+    Stream, StridedLayout, UnaryOp,
 };
 
 /// Opens `n` devices, or prints why the test is skipped and returns `None`.
@@ -182,6 +182,77 @@ fn events_order_streams_and_time() {
     assert!(ms >= 0.0, "{ms}");
     let plain = Event::new(dev).unwrap();
     assert!(Event::elapsed_ms(&plain, &end).is_err());
+}
+
+/// Raises a flag past every wait when dropped, so that a failing test cannot leave a stream
+/// blocked forever (dropping it would then hang).
+struct ReleaseOnDrop<'a>(&'a DeviceFlag, &'a Stream);
+
+impl Drop for ReleaseOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.signal(self.1, 1 << 30);
+        let _ = self.1.synchronize();
+    }
+}
+
+#[test]
+fn device_flags_hold_and_release_streams() {
+    let Some(devs) = devices(1) else { return };
+    let dev = &devs[0];
+    let (waiter, other) = (Stream::new(dev).unwrap(), Stream::new(dev).unwrap());
+    let flag = DeviceFlag::new(dev).unwrap();
+    let n = 1 << 16;
+    let buf = DeviceBuffer::alloc_elems(dev, DType::F32, n).unwrap();
+    // Load the fill kernel now: loading a module while a stream waits on a flag that only a
+    // later call raises may synchronize the context and never return.
+    dev.kernels().fill(&other, DType::F32, &buf, 0.0).unwrap();
+    other.synchronize().unwrap();
+    let _release = ReleaseOnDrop(&flag, &other);
+    // The waiter's fill must not run before the flag reaches 2.
+    flag.wait(&waiter, 2).unwrap();
+    dev.kernels().fill(&waiter, DType::F32, &buf, 4.0).unwrap();
+    let done = waiter.record_event().unwrap();
+    flag.signal(&other, 1).unwrap();
+    other.synchronize().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!done.is_complete().unwrap(), "the wait for 2 passed at 1");
+    assert!(buf.to_vec::<f32>(&other).unwrap().iter().all(|v| *v == 0.0));
+    flag.signal(&other, 2).unwrap();
+    done.synchronize().unwrap();
+    assert!(buf.to_vec::<f32>(&other).unwrap().iter().all(|v| *v == 4.0));
+    // A waiter behind the flag passes at once.
+    flag.wait(&waiter, 1).unwrap();
+    waiter.synchronize().unwrap();
+    // A wait on a stream of another device is refused.
+    let Some(two) = devices(2) else { return };
+    assert!(flag.wait(&Stream::new(&two[1]).unwrap(), 1).is_err());
+}
+
+#[test]
+fn device_flags_signal_across_devices() {
+    let Some(devs) = devices(2) else { return };
+    if !devs[1].can_access_peer(&devs[0]).unwrap() {
+        eprintln!("skipped: devices 0 and 1 have no peer access");
+        return;
+    }
+    devs[1].enable_peer_access(&devs[0]).unwrap();
+    devs[0].enable_peer_access(&devs[1]).unwrap();
+    let (s0, s1) = (
+        Stream::new(&devs[0]).unwrap(),
+        Stream::new(&devs[1]).unwrap(),
+    );
+    let flag = DeviceFlag::new(&devs[0]).unwrap();
+    let v = random(1 << 20, 5);
+    let src = DeviceBuffer::from_slice(&s1, &v).unwrap();
+    let landing = DeviceBuffer::alloc(&devs[0], src.len()).unwrap();
+    let out = DeviceBuffer::alloc(&devs[0], src.len()).unwrap();
+    // Device 0 copies `landing` once device 1's stream has pushed into it and raised the flag.
+    let _release = ReleaseOnDrop(&flag, &s1);
+    flag.wait(&s0, 1).unwrap();
+    out.copy_from(&s0, &landing).unwrap();
+    landing.copy_from_peer(&s1, &src).unwrap();
+    flag.signal(&s1, 1).unwrap();
+    assert_eq!(out.to_vec::<f32>(&s0).unwrap(), v);
 }
 
 #[test]

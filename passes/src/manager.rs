@@ -83,7 +83,8 @@ pub enum StreamSchedule {
     PerIteration,
     /// Compute on the main stream, collective permutes one iteration ahead on a worker stream
     /// (`prefetch_transfers`), for ring loops that move one chunk per iteration into its own
-    /// slot; other loops as [`StreamSchedule::PerIteration`].
+    /// slot; a ring whose first transfer is the rank's own chunk computes that chunk straight
+    /// from the input. Other loops as [`StreamSchedule::PerIteration`].
     Prefetch,
 }
 

@@ -195,3 +195,32 @@ fn per_iteration_temporaries_are_double_buffered() {
     meshflow_ir::verify_host(&h).unwrap();
     insta::assert_snapshot!(s);
 }
+
+#[test]
+fn defer_waits_moves_neighbouring_waits_once() {
+    // Two waits side by side that nothing blocks up to the end of the block: each moves once
+    // (a front-to-back pass used to swap them forever).
+    let h = meshflow_ir::parse_host(
+        "host adjacent {
+  mesh m0 = [0, 1]
+  in x: f32[4] on m0
+  out y: f32[4] on m0
+  out z: f32[4] on m0
+  out u: f32[4] on m0
+  c0 = collective_permute(x -> y, team=slice(m0, DIDx), send=(my(m0, DIDx) + 1) % 2, recv=(my(m0, DIDx) + 1) % 2)
+  c1 = collective_permute(x -> z, team=slice(m0, DIDx), send=my(m0, DIDx), recv=my(m0, DIDx))
+  wait c0
+  wait c1
+  gelu(x -> u)
+}
+",
+    )
+    .unwrap();
+    let p = ring(2);
+    let (text, out) = host_pass(&h, &DeferWaits, &p);
+    let s = out.to_string();
+    assert!(
+        s.contains("  gelu(x -> u)\n  wait c1\n  wait c0\n}"),
+        "{text}"
+    );
+}

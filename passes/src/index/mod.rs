@@ -390,3 +390,21 @@ pub fn loop_fact(facts: &mut Facts, v: LoopVar, start: i64, stop: i64) {
 pub fn my_fact(facts: &mut Facts, mesh: MeshId, pt: ParallelType, size: usize) {
     facts.set(my_atom(mesh, pt), 0, size as i64 - 1);
 }
+
+/// The facts every expression of `host` may use: `my(m, pt)` in `[0, team size)` for every
+/// mesh and device parallel type, `rank` in `[0, world size)`.
+pub fn host_facts(host: &meshflow_ir::HostProgram) -> Facts {
+    let mut facts = Facts::new();
+    for (id, m) in host.meshes.iter() {
+        for pt in ParallelType::DEVICE {
+            if let Some(size) = m.mesh.size_of(pt) {
+                my_fact(&mut facts, id, pt, size);
+            }
+        }
+    }
+    let world = host.world_size() as i64;
+    if world > 0 {
+        facts.set(rank_atom(), 0, world - 1);
+    }
+    facts
+}

@@ -93,23 +93,24 @@ fn defer_block(block: &mut Block, ctx: &WaitCtx) {
             defer_block(body, ctx);
         }
     }
-    let mut k = 0;
-    while k < block.len() {
-        if let InstKind::Wait { comm } = block[k].kind {
-            if let Some((r, w)) = ctx.io.get(&comm) {
-                let (reads, writes) = (ctx.bases(r), ctx.bases(w));
-                let mut j = k + 1;
-                while j < block.len() && !ctx.blocks(&block[j], &reads, &writes) {
-                    j += 1;
-                }
-                if j > k + 1 {
-                    let wait = block.remove(k);
-                    block.insert(j - 1, wait);
-                    continue;
-                }
-            }
+    // Last wait first, each moved once: the waits after it are already in place (a wait never
+    // blocks another, so a front-to-back pass could swap two neighbours forever).
+    for k in (0..block.len()).rev() {
+        let InstKind::Wait { comm } = block[k].kind else {
+            continue;
+        };
+        let Some((r, w)) = ctx.io.get(&comm) else {
+            continue;
+        };
+        let (reads, writes) = (ctx.bases(r), ctx.bases(w));
+        let mut j = k + 1;
+        while j < block.len() && !ctx.blocks(&block[j], &reads, &writes) {
+            j += 1;
         }
-        k += 1;
+        if j > k + 1 {
+            let wait = block.remove(k);
+            block.insert(j - 1, wait);
+        }
     }
 }
 

@@ -25,14 +25,38 @@
 //! pre(b-1); post(b-1)
 //! ```
 //!
+//! When the first transfer is a permute to the rank itself (a ring's step 0: the own chunk
+//! copied into the gathered buffer) and the compute reads the transferred chunk only through
+//! the transfer's output view, the first chunk is computed straight from the transfer's input,
+//! so that neither the copy nor the first real transfer waits in front of it:
+//!
+//! ```text
+//! s = get_current_stream
+//! set_current_stream worker(0); synchronize s
+//! pre(a+1); c2 = comm(a+1)                   // the first real transfer, at once
+//! pre(a); c1 = comm(a)                       // the copy to itself, off the critical path
+//! set_current_stream s; pre(a); post(a)[comm(a)'s output read as its input]
+//! wait c2; wait c1
+//! for i in a+1..b-1 { ... as above ... }
+//! synchronize worker(0)
+//! pre(b-1); post(b-1)
+//! ```
+//!
+//! The copy to itself is left out when the gathered buffer is a temporary that no instruction
+//! outside the loop names but its allocation (its own chunk is then read by nobody).
+//!
 //! Other loops are left to `assign_streams` (which skips loops that already place their work on
 //! streams). With the default [`StreamSchedule::PerIteration`] the pass does nothing.
 
-use meshflow_ir::host::{CommId, Expr, HostTensorId, Inst, InstKind, LoopVar, StreamRef};
+use std::collections::HashMap;
+
+use meshflow_ir::host::{
+    CommId, Expr, HostTensorId, Inst, InstKind, LoopVar, Role, StreamRef, StreamVar, Team,
+};
 use meshflow_ir::HostProgram;
 
 use crate::error::PassError;
-use crate::index::substitute;
+use crate::index::{host_facts, substitute, Simplifier};
 use crate::manager::{HostPass, PassContext, StreamSchedule};
 
 /// The pass.
@@ -49,18 +73,26 @@ impl HostPass for PrefetchTransfers {
         }
         let mut next_stream = host.fresh_stream_var().0;
         let mut next_comm = host.fresh_comm_id().0;
+        let mut simp = Simplifier::new(host_facts(host));
         let body = std::mem::take(&mut host.body);
+        let mut refs = HashMap::new();
+        count_refs(&body, &mut refs);
         let mut out = Vec::with_capacity(body.len());
         for inst in body {
             let Some(shape) = Candidate::of(&inst) else {
                 out.push(inst);
                 continue;
             };
-            let saved = meshflow_ir::host::StreamVar(next_stream);
+            let saved = StreamVar(next_stream);
             next_stream += 1;
-            let first = CommId(next_comm);
-            next_comm += 1;
-            shape.emit(saved, first, &mut out);
+            let mut fresh = || {
+                next_comm += 1;
+                CommId(next_comm - 1)
+            };
+            match shape.forwardable_first(host, &inst, &refs, &mut simp) {
+                Some(forward) => shape.emit_forwarded(saved, [fresh(), fresh()], forward, &mut out),
+                None => shape.emit(saved, fresh(), &mut out),
+            }
         }
         host.body = out;
         Ok(())
@@ -75,6 +107,34 @@ struct Candidate<'a> {
     pre: &'a [Inst],
     comm: &'a Inst,
     post: &'a [Inst],
+    /// The buffer the transfer's output view cuts.
+    out_base: HostTensorId,
+}
+
+/// The first transfer's input and output views, when the first chunk can be computed from the
+/// input (see the module docs).
+#[derive(Copy, Clone)]
+struct Forward {
+    input: HostTensorId,
+    output: HostTensorId,
+    /// Nothing else reads the chunk the copy to itself writes (the gathered buffer is a
+    /// temporary named nowhere outside the loop): the copy is left out.
+    copy_is_dead: bool,
+}
+
+/// How many instructions (at any depth) other than allocations name each tensor.
+fn count_refs(block: &[Inst], out: &mut HashMap<HostTensorId, usize>) {
+    for inst in block {
+        match &inst.kind {
+            InstKind::ForLoop { body, .. } => count_refs(body, out),
+            InstKind::Allocate { .. } | InstKind::Deallocate { .. } => {}
+            k => {
+                for t in k.tensors() {
+                    *out.entry(t).or_default() += 1;
+                }
+            }
+        }
+    }
 }
 
 /// The chunk views a block binds: view -> (viewed tensor, chunks, index).
@@ -184,59 +244,176 @@ impl<'a> Candidate<'a> {
             pre,
             comm,
             post,
+            out_base,
         })
     }
 
-    fn emit(&self, saved: meshflow_ir::host::StreamVar, first: CommId, out: &mut Vec<Inst>) {
+    /// Whether the first transfer is a permute to this rank itself whose output the compute
+    /// reads only through the transfer's output view (then that read can take the input).
+    fn forwardable_first(
+        &self,
+        host: &HostProgram,
+        the_loop: &Inst,
+        refs: &HashMap<HostTensorId, usize>,
+        simp: &mut Simplifier,
+    ) -> Option<Forward> {
+        let InstKind::CollectivePermute {
+            team: Team::Slice { mesh, pt },
+            send_peer,
+            recv_peer,
+            input,
+            output,
+            ..
+        } = &self.comm.kind
+        else {
+            return None;
+        };
+        let me = Expr::MyIndex {
+            mesh: *mesh,
+            pt: *pt,
+        };
+        let first = Expr::c(self.start);
+        let at_first = |e: &Expr| substitute(e, &Expr::var(self.var), &first);
+        if !simp.prove_equal(&at_first(send_peer), &me)
+            || !simp.prove_equal(&at_first(recv_peer), &me)
+        {
+            return None;
+        }
+        let (i, o) = (host.tensors.get(*input)?, host.tensors.get(*output)?);
+        if i.shape != o.shape || i.dtype != o.dtype {
+            return None;
+        }
+        // The only view of the gathered buffer is the transfer's output view, which the compute
+        // only reads, and the compute names the buffer only through it.
+        let cuts: Vec<_> = views(self.pre)
+            .into_iter()
+            .chain(views(self.post))
+            .filter(|(_, base, ..)| *base == self.out_base)
+            .map(|(v, ..)| v)
+            .collect();
+        let clean = cuts.iter().all(|v| v == output)
+            && self.post.iter().all(|inst| match &inst.kind {
+                InstKind::ShardByStream { out, .. } => *out != *output && *out != self.out_base,
+                k => !k.writes().contains(output) && !k.tensors().contains(&self.out_base),
+            });
+        if !clean {
+            return None;
+        }
+        let mut inside = HashMap::new();
+        count_refs(std::slice::from_ref(the_loop), &mut inside);
+        let named_outside = refs.get(&self.out_base).copied().unwrap_or(0)
+            != inside.get(&self.out_base).copied().unwrap_or(0);
+        let temporary = host
+            .tensors
+            .get(self.out_base)
+            .is_some_and(|t| t.role == Role::Internal);
+        Some(Forward {
+            input: *input,
+            output: *output,
+            copy_is_dead: temporary && !named_outside,
+        })
+    }
+
+    /// [`Self::emit`] with the first chunk computed from the first transfer's input (see the
+    /// module docs); `ids` label the copy to itself and the first real transfer.
+    fn emit_forwarded(
+        &self,
+        saved: StreamVar,
+        ids: [CommId; 2],
+        forward: Forward,
+        out: &mut Vec<Inst>,
+    ) {
         let at = |block: &[Inst], value: Expr| -> Vec<Inst> {
             block
                 .iter()
                 .map(|i| with_var(i, self.var, &value))
                 .collect()
         };
-        let on_worker = [
-            Inst::new(InstKind::SetCurrentStream {
-                stream: StreamRef::Worker(Expr::c(0)),
-            }),
-            Inst::new(InstKind::Synchronize {
-                stream: StreamRef::Var(saved),
-            }),
-        ];
-        let back = Inst::new(InstKind::SetCurrentStream {
-            stream: StreamRef::Var(saved),
-        });
+        let (a, b) = (self.start, self.stop);
+        out.push(Inst::new(InstKind::GetCurrentStream { dst: saved }));
+        out.extend(on_worker(saved));
+        // The first real transfer first: a copy to itself may be a kernel, which the GEMM
+        // below would starve, and the transfer must not queue behind it.
+        let [copy, transfer] = ids;
+        let mut firsts = vec![(transfer, a + 1)];
+        if !forward.copy_is_dead {
+            firsts.push((copy, a));
+        }
+        for &(id, i) in &firsts {
+            out.extend(at(self.pre, Expr::c(i)));
+            let mut c = with_var(self.comm, self.var, &Expr::c(i));
+            set_id(&mut c, id);
+            out.push(c);
+        }
+        out.push(back_to(saved));
+        out.extend(at(self.pre, Expr::c(a)));
+        out.extend(at(self.post, Expr::c(a)).into_iter().map(|mut inst| {
+            if let InstKind::Compute { inputs, .. } | InstKind::LaunchKernel { inputs, .. } =
+                &mut inst.kind
+            {
+                for t in inputs.iter_mut().filter(|t| **t == forward.output) {
+                    *t = forward.input;
+                }
+            }
+            inst
+        }));
+        for &(id, _) in &firsts {
+            out.push(Inst::new(InstKind::Wait { comm: id }));
+        }
+        if b - 1 > a + 1 {
+            out.push(self.steady_loop(saved, a + 1));
+        }
+        out.push(Inst::new(InstKind::Synchronize {
+            stream: StreamRef::Worker(Expr::c(0)),
+        }));
+        out.extend(at(self.pre, Expr::c(b - 1)));
+        out.extend(at(self.post, Expr::c(b - 1)));
+    }
+
+    /// `for i in from..stop-1`: the transfer of chunk i + 1 on the worker under the compute of
+    /// chunk i on the main stream (the worker first waits for the main stream up to the compute
+    /// of chunk i - 1, as measured; without that wait the transfers could run further ahead,
+    /// not measured yet).
+    fn steady_loop(&self, saved: StreamVar, from: i64) -> Inst {
         let id = match &self.comm.kind {
             InstKind::CollectivePermute { id, .. } => *id,
-            _ => first,
+            _ => CommId(0),
+        };
+        let next = Expr::var(self.var).add(Expr::c(1));
+        let mut body = Vec::with_capacity(self.pre.len() * 2 + self.post.len() + 6);
+        body.extend(on_worker(saved));
+        body.extend(self.pre.iter().map(|i| with_var(i, self.var, &next)));
+        body.push(with_var(self.comm, self.var, &next));
+        body.push(back_to(saved));
+        body.extend(self.pre.iter().cloned());
+        body.extend(self.post.iter().cloned());
+        body.push(Inst::new(InstKind::Wait { comm: id }));
+        Inst::new(InstKind::ForLoop {
+            index: self.var,
+            start: Expr::c(from),
+            stop: Expr::c(self.stop - 1),
+            body,
+        })
+    }
+
+    fn emit(&self, saved: StreamVar, first: CommId, out: &mut Vec<Inst>) {
+        let at = |block: &[Inst], value: Expr| -> Vec<Inst> {
+            block
+                .iter()
+                .map(|i| with_var(i, self.var, &value))
+                .collect()
         };
         out.push(Inst::new(InstKind::GetCurrentStream { dst: saved }));
         // Prologue: the first chunk, after everything the main stream did before the loop
         // (which produced the transfer's input).
-        out.extend(on_worker.iter().cloned());
+        out.extend(on_worker(saved));
         out.extend(at(self.pre, Expr::c(self.start)));
         let mut c0 = with_var(self.comm, self.var, &Expr::c(self.start));
         set_id(&mut c0, first);
         out.push(c0);
-        out.push(back.clone());
+        out.push(back_to(saved));
         out.push(Inst::new(InstKind::Wait { comm: first }));
-        // The loop: the transfer of chunk i + 1 under the compute of chunk i (the worker waits
-        // for the main stream up to the compute of chunk i - 1, as measured; without that wait
-        // the transfers could run further ahead, not measured yet).
-        let next = Expr::var(self.var).add(Expr::c(1));
-        let mut body = Vec::with_capacity(self.pre.len() * 2 + self.post.len() + 6);
-        body.extend(on_worker.iter().cloned());
-        body.extend(at(self.pre, next.clone()));
-        body.push(with_var(self.comm, self.var, &next));
-        body.push(back.clone());
-        body.extend(self.pre.iter().cloned());
-        body.extend(self.post.iter().cloned());
-        body.push(Inst::new(InstKind::Wait { comm: id }));
-        out.push(Inst::new(InstKind::ForLoop {
-            index: self.var,
-            start: Expr::c(self.start),
-            stop: Expr::c(self.stop - 1),
-            body,
-        }));
+        out.push(self.steady_loop(saved, self.start));
         // The worker is done (every transfer was waited for); the last chunk's compute.
         out.push(Inst::new(InstKind::Synchronize {
             stream: StreamRef::Worker(Expr::c(0)),
@@ -244,6 +421,24 @@ impl<'a> Candidate<'a> {
         out.extend(at(self.pre, Expr::c(self.stop - 1)));
         out.extend(at(self.post, Expr::c(self.stop - 1)));
     }
+}
+
+/// Switches to worker 0 and orders it after the main stream (`saved`) so far.
+fn on_worker(saved: StreamVar) -> [Inst; 2] {
+    [
+        Inst::new(InstKind::SetCurrentStream {
+            stream: StreamRef::Worker(Expr::c(0)),
+        }),
+        Inst::new(InstKind::Synchronize {
+            stream: StreamRef::Var(saved),
+        }),
+    ]
+}
+
+fn back_to(saved: StreamVar) -> Inst {
+    Inst::new(InstKind::SetCurrentStream {
+        stream: StreamRef::Var(saved),
+    })
 }
 
 fn set_id(inst: &mut Inst, new: CommId) {

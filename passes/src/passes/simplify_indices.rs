@@ -9,10 +9,10 @@
 //! member at team index `send(my)` receives from `my`), and fails if it cannot.
 
 use meshflow_ir::host::{Block, Expr, InstKind, StreamRef, Team};
-use meshflow_ir::{HostProgram, ParallelType};
+use meshflow_ir::HostProgram;
 
 use crate::error::PassError;
-use crate::index::{loop_fact, my_fact, rank_atom, Facts, Simplifier};
+use crate::index::{host_facts, loop_fact, Facts, Simplifier};
 use crate::manager::{HostPass, PassContext};
 
 /// The pass.
@@ -24,18 +24,7 @@ impl HostPass for SimplifyIndices {
     }
 
     fn run(&self, host: &mut HostProgram, _cx: &mut PassContext) -> Result<(), PassError> {
-        let mut facts = Facts::new();
-        for (id, m) in host.meshes.iter() {
-            for pt in ParallelType::DEVICE {
-                if let Some(size) = m.mesh.size_of(pt) {
-                    my_fact(&mut facts, id, pt, size);
-                }
-            }
-        }
-        let world = host.world_size() as i64;
-        if world > 0 {
-            facts.set(rank_atom(), 0, world - 1);
-        }
+        let facts = host_facts(host);
         let mut body = std::mem::take(&mut host.body);
         let result = simplify_block(&mut body, &facts);
         host.body = body;
