@@ -556,9 +556,14 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             variants.push(variant_result(name.to_string(), measured, bound));
         }
         if let Some(dir) = &opts.trace_dir {
-            for &(v, _) in AG_RINGS.iter().filter(|(v, _)| ag_fits(*v, s, d)) {
+            // The rings, and the pipeline's ring under the prefetch schedule (copy engine).
+            let traced = AG_RINGS
+                .iter()
+                .map(|&(v, _)| (v, [(CE, "ce"), (NCCL, "nccl")].as_slice()))
+                .chain([(AgVariant::RingPrefetch, [(CE, "ce")].as_slice())]);
+            for (v, setups) in traced.filter(|(v, _)| ag_fits(*v, s, d)) {
                 let l = lower(v, Parts::Both)?;
-                for (setup, transport) in [(CE, "ce"), (NCCL, "nccl")] {
+                for &(setup, transport) in setups {
                     let name = format!("agmm_{}x{}x{}_{}_{transport}", s.m, s.k, s.n, v.name());
                     if let Err(e) = r.trace(dir, &name, &l.host, per_rank.clone(), setup) {
                         tracing::warn!("{e}");

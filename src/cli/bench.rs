@@ -69,8 +69,8 @@ pub struct BenchArgs {
     /// Sizes of `bench permute`, MiB per rank (repeatable; default 64 and 256).
     #[arg(long = "mib")]
     mib: Vec<u64>,
-    /// Write profiled traces (Perfetto JSON + SVG timeline) of the three ring variants (`agmm`)
-    /// here.
+    /// Write profiled traces (Perfetto JSON + SVG timeline) of the three ring variants and of the
+    /// prefetch-scheduled ring (`agmm`) here.
     #[arg(long, value_name = "DIR")]
     trace_dir: Option<PathBuf>,
     /// A case `MxKxN` (repeatable); default: 16384x8192x8192 and 8192x8192x8192.
