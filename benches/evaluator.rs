@@ -1,4 +1,4 @@
-//! Evaluator overhead: one sim rank runs a 1000-iteration stream loop of no-op
+//! Evaluator overhead: one CPU rank runs a 1000-iteration stream loop of no-op
 //! communications (a collective permute on a one-device team, a local copy of 4 floats) with
 //! a stream switch and a wait per iteration. Reported per executed instruction.
 
@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use meshflow::ir::{parse_host, DType, HostProgram};
+use meshflow::runtime::cpu::{CpuBackend, CpuConfig, Fabric};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::sim::{Fabric, SimBackend, SimConfig};
 use meshflow::runtime::{EvalOptions, Evaluator};
 
 const ITERS: u64 = 1000;
@@ -45,11 +45,11 @@ fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("evaluator");
     group.throughput(Throughput::Elements(INSTS));
     for race_check in [false, true] {
-        let config = SimConfig {
+        let config = CpuConfig {
             race_check,
-            ..SimConfig::default()
+            ..CpuConfig::default()
         };
-        let backend = SimBackend::new(0, Arc::new(Fabric::new()), &config);
+        let backend = CpuBackend::new(0, Arc::new(Fabric::new()), &config);
         let mut ev = Evaluator::new(&host, backend, EvalOptions::default()).expect("plan");
         // A direct measurement, printed per instruction.
         let runs = 200;

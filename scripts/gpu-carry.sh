@@ -11,11 +11,17 @@
 # baselines and then `meshflow bench agmm, rsmm, permute, moe` against them in the same call,
 # then the copy-engine probe (`kernels/examples/peer_bandwidth.rs`); `all` does both.
 #
-#   scripts/gpu-carry.sh            # needs ../shared/device/gpu-env.sh and
-#                                   # ../shared/bench/torch_baselines.py beside the checkout
+#   GPU_ENV=path/gpu-env.sh TORCH_BASELINES=path/torch_baselines.py scripts/gpu-carry.sh
+#
+# gpu-env.sh (library paths of the GPU machine) and torch_baselines.py (PyTorch's figures) are
+# kept outside this repository; both default to the machine's shared folder next to the
+# checkout.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+shared="$(cd "$root/.." && pwd)/shared"
+gpu_env="${GPU_ENV:-$shared/device/gpu-env.sh}"
+torch_baselines="${TORCH_BASELINES:-$shared/bench/torch_baselines.py}"
 target="${CARGO_TARGET_DIR:-$root/target}"
 cargo build --release --features cuda
 cargo build --release --features cuda -p meshflow-kernels --example peer_bandwidth
@@ -34,11 +40,11 @@ done
 f="$(grep -oE "\(.*/deps/gpu-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
 [ -n "$f" ] && cp "$f" "$dest/bin/kernels_gpu"
 strip "$dest"/bin/* 2>/dev/null || true
-cp "$root/../shared/device/gpu-env.sh" "$dest/"
+cp "$gpu_env" "$dest/gpu-env.sh"
 # Where the tests look for examples/ (their build root) and for the meshflow binary.
 echo "$root" > "$dest/built-root"
 echo "$target/release/meshflow" > "$dest/built-exe"
-cp "$root/../shared/bench/torch_baselines.py" "$dest/"
+cp "$torch_baselines" "$dest/torch_baselines.py"
 cat > "$dest/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the carried GPU tests and/or benchmarks (see scripts/gpu-carry.sh).

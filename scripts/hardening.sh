@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism.
 #
-#   scripts/hardening.sh                 # CPU (sim) rows; fuzzing 60 s per target
+#   scripts/hardening.sh                 # CPU rows; fuzzing 60 s per target
 #   FUZZ_SECONDS=300 scripts/hardening.sh
 #   NO_FUZZ=1 scripts/hardening.sh       # skip fuzzing (needs cargo-fuzz otherwise)
 #   scripts/hardening.sh --gpu           # also the GPU rows (needs GPUs and the CUDA libraries)
 #
 # Every row comes from a test or the fuzz script; the tests assert what the rows say:
 #   fuzz/run.sh SECONDS                                   fuzzing rows
-#   cargo test --release --test runtime_fault_matrix      fault rows (sim)
-#   cargo test --release --test runtime_resources         memory rows (sim)
-#   cargo test --release --test runtime_determinism       determinism rows (sim)
+#   cargo test --release --test runtime_fault_matrix      fault rows (CPU)
+#   cargo test --release --test runtime_resources         memory rows (CPU)
+#   cargo test --release --test runtime_determinism       determinism rows (CPU)
 #   cargo test --release --features cuda --test gpu_faults --test gpu_determinism   GPU rows
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -67,7 +67,7 @@ table faults "| backend | operation | ranks | fault | every rank stopped after |
   "|---|---|---|---|---|---|---|"
 echo "## Memory (reused evaluator: after 10 steps / after 1000 steps)"
 echo
-table memory "| backend | example | ranks | VmRSS | VmHWM | sim buffers live | open fds |" \
+table memory "| backend | example | ranks | VmRSS | VmHWM | CPU buffers live | open fds |" \
   "|---|---|---|---|---|---|---|"
 echo "## Determinism"
 echo

@@ -14,8 +14,7 @@
 //! | 10 | `defer_waits` | host | waits just before first use; ring buffers for per-iteration temporaries |
 //! | 11 | `verify_host` | host | checks the result (cannot be disabled) |
 //!
-//! `choose_decompositions` runs at level 1 (after the decomposition, before lowering, unlike
-//! DESIGN.md's sketch) because what it decides is a schedule: the Stream split (and swizzle)
+//! `choose_decompositions` runs at level 1 (after the decomposition, before lowering) because what it decides is a schedule: the Stream split (and swizzle)
 //! of a resharding's output, which the lowering then turns into a loop. `simplify_indices`
 //! runs right after lowering so later passes see canonical indices, and `assign_streams` runs
 //! before `insert_allocations` so buffers are allocated outside the fork/join of a loop.

@@ -161,7 +161,7 @@ fn stream_and_pass_options_change_the_lowering() {
 fn host_text_round_trips() {
     let c = compile(&embed_support::mlp(4), &Options::for_ranks(4)).expect("compiles");
     let text = c.host_text();
-    assert!(text.contains("launch_kernel("), "{text}");
+    assert!(text.contains("call_kernel("), "{text}");
     let loaded = Compiled::from_host_text(&text, &Options::for_ranks(4)).expect("loads");
     assert_eq!(loaded.host(), c.host());
     assert_eq!(loaded.host_text(), text);

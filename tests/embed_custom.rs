@@ -1,4 +1,4 @@
-//! External compute: a `custom` op's kernel is called by `launch_kernel` with the local
+//! External compute: a `custom` op's kernel is called by `call_kernel` with the local
 //! chunks of its operands and the documented scalar arguments, and serves as the reference.
 
 mod embed_support;
@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use embed_support::{bias_gelu, inputs, kernels, mlp, run_ranks, this_rank};
 use meshflow::ir::{DType, DeviceMesh, ParallelType::*, Program, ProgramBuilder, TensorType};
 use meshflow::runtime::reference::{evaluate, evaluate_with, ReferenceError};
-use meshflow::runtime::{run_and_compare, SimOptions};
-use meshflow::{compile, Bindings, CpuJob, Options, SimConfig, SimKernels, TensorData};
+use meshflow::runtime::{run_and_compare, CpuOptions};
+use meshflow::{compile, Bindings, CpuConfig, CpuJob, CpuKernels, Options, TensorData};
 
 /// `y = bias_gelu(x, b)` over 2 ranks: `x[8, 6]` split on rows, `b[6]` replicated, `y`
 /// split on rows and Stream-split into 2 chunks of 2 rows per rank; op args `[7, -1]`.
@@ -51,7 +51,7 @@ fn the_kernel_gets_the_local_chunks_and_the_args() {
     let program = chunked();
     let compiled = compile(&program, &Options::for_ranks(2)).expect("compiles");
     let calls = Arc::new(Mutex::new(Vec::new()));
-    let mut k = SimKernels::new();
+    let mut k = CpuKernels::new();
     let log = calls.clone();
     k.register("bias_gelu", move |ins, outs, args| {
         let mut shapes: Vec<Vec<u64>> = ins.iter().map(|v| v.shape().to_vec()).collect();
@@ -67,9 +67,9 @@ fn the_kernel_gets_the_local_chunks_and_the_args() {
     });
     let job = CpuJob::for_program(
         &compiled,
-        SimConfig {
+        CpuConfig {
             kernels: k,
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
     );
     let xs: Vec<f32> = (0..48).map(|v| v as f32 / 48.0).collect();
@@ -126,14 +126,14 @@ fn the_cpu_kernel_is_the_reference_of_the_custom_op() {
     );
     let want = evaluate_with(&program, &full, &kernels()).expect("reference");
     assert_eq!(want["y"].shape(), [4, 6]);
-    // A sharded sim run of the compiled program agrees with it.
+    // A sharded CPU run of the compiled program agrees with it.
     let compiled = compile(&program, &Options::for_ranks(4)).expect("compiles");
-    let options = SimOptions {
-        config: SimConfig {
+    let options = CpuOptions {
+        config: CpuConfig {
             kernels: kernels(),
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
-        ..SimOptions::default()
+        ..CpuOptions::default()
     };
     let level1 = compiled.program().expect("compiled here");
     let cmp = run_and_compare(level1, compiled.host(), 4, 11, &options).expect("runs");

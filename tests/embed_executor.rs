@@ -11,13 +11,13 @@ use embed_support::{data_ptr, inputs, kernels, mlp, run_ranks};
 use meshflow::ir::DType;
 use meshflow::runtime::reference::evaluate_with;
 use meshflow::{
-    compile, Bindings, Compiled, CpuJob, Error, Executor, Options, SimConfig, TensorData,
+    compile, Bindings, Compiled, CpuConfig, CpuJob, Error, Executor, Options, TensorData,
 };
 
-fn config() -> SimConfig {
-    SimConfig {
+fn config() -> CpuConfig {
+    CpuConfig {
         kernels: kernels(),
-        ..SimConfig::default()
+        ..CpuConfig::default()
     }
 }
 
@@ -95,7 +95,7 @@ fn outputs_are_written_in_place_into_caller_buffers() {
     let compiled = ring(4);
     let program = compiled.program().expect("compiled here");
     let full = inputs(program, 1);
-    let job = CpuJob::for_program(&compiled, SimConfig::default());
+    let job = CpuJob::for_program(&compiled, CpuConfig::default());
     let (got, in_place) = step(&compiled, &job, &full);
     assert!(
         in_place,
@@ -159,7 +159,7 @@ fn unbound_outputs_are_returned() {
     let compiled = ring(2);
     let program = compiled.program().expect("compiled here");
     let full = inputs(program, 3);
-    let job = CpuJob::for_program(&compiled, SimConfig::default());
+    let job = CpuJob::for_program(&compiled, CpuConfig::default());
     let results = run_ranks(&compiled, &job, |exec| {
         let rank = exec.rank();
         let locals: Vec<(String, TensorData)> = full
@@ -190,8 +190,8 @@ fn unbound_outputs_are_returned() {
     );
 }
 
-fn binding_error(compiled: &Compiled, mut b: Bindings<'_, meshflow::SimBackend>) -> String {
-    let job = CpuJob::for_program(compiled, SimConfig::default());
+fn binding_error(compiled: &Compiled, mut b: Bindings<'_, meshflow::CpuBackend>) -> String {
+    let job = CpuJob::for_program(compiled, CpuConfig::default());
     let mut exec = Executor::new(compiled, 0, job.backend(0).expect("backend")).expect("exec");
     match exec.run(&mut b) {
         Err(e @ (Error::Binding { .. } | Error::Backend { .. })) => e.to_string(),
@@ -243,7 +243,7 @@ fn binding_errors_name_the_tensor_and_the_problem() {
 #[test]
 fn executors_check_ranks_and_kernels() {
     let compiled = compile(&mlp(4), &Options::for_ranks(4)).expect("compiles");
-    let job = CpuJob::new(4, SimConfig::default());
+    let job = CpuJob::new(4, CpuConfig::default());
     let e = Executor::new(&compiled, 1, job.backend(2).expect("backend")).expect_err("wrong rank");
     assert!(
         matches!(

@@ -17,7 +17,7 @@ use meshflow::kernels::nccl::{Comm, NcclLib};
 use meshflow::kernels::{Device, DeviceBuffer, Stream};
 use meshflow::runtime::reference::evaluate_with;
 use meshflow::{
-    compile, Bindings, CudaConfig, CudaJob, CudaResources, CudaTensor, Error, Executor, LaunchDims,
+    compile, Bindings, CudaConfig, CudaJob, CudaResources, CudaTensor, Error, Executor, GridDims,
     Options, TensorData,
 };
 
@@ -31,7 +31,7 @@ fn config() -> CudaConfig {
     config
         .kernels
         .register("bias_gelu", BIAS_GELU_PTX, "bias_gelu", |_, outs, _| {
-            LaunchDims::linear(outs[0].iter().product(), 128)
+            GridDims::linear(outs[0].iter().product(), 128)
         });
     config
 }

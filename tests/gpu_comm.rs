@@ -1,4 +1,4 @@
-//! Every communication kind on 1, 2 and 4 GPUs (those present), f32 and bf16, against the sim
+//! Every communication kind on 1, 2 and 4 GPUs (those present), f32 and bf16, against the CPU backend
 //! backend with the same inputs; strided (non-packed) send and receive views; coalescing
 //! groups; collective-permute rings.
 //!
@@ -47,8 +47,8 @@ type Case = (
 );
 
 #[test]
-fn collectives_match_the_sim_backend() {
-    for d in rank_counts("collectives_match_the_sim_backend") {
+fn collectives_match_the_cpu_backend() {
+    for d in rank_counts("collectives_match_the_cpu_backend") {
         let n = d as u64;
         for dtype in ["f32", "bf16"] {
             let mut cases: Vec<Case> = vec![
@@ -125,7 +125,7 @@ fn collectives_match_the_sim_backend() {
             for (name, kind, i, o, extra, only) in cases {
                 let h = one(d, dtype, kind, &i, &o, &extra);
                 let inputs = per_rank_inputs(&h, d, 11);
-                let err = sim_vs_cuda_on(&name, &h, d, inputs, &|r| only.is_none_or(|x| x == r));
+                let err = cpu_vs_cuda_on(&name, &h, d, inputs, &|r| only.is_none_or(|x| x == r));
                 eprintln!("{name} {dtype} d={d}: max rel err {err:.2e}");
             }
         }
@@ -144,7 +144,7 @@ fn send_recv_between_the_ends_of_the_mesh() {
     );
     let inputs = per_rank_inputs(&h, d, 3);
     // Only the receiver (the last device) writes `b`.
-    sim_vs_cuda_on("send_recv", &h, d, inputs, &|r| r == d - 1);
+    cpu_vs_cuda_on("send_recv", &h, d, inputs, &|r| r == d - 1);
 }
 
 #[test]
@@ -157,7 +157,7 @@ fn strided_send_and_receive_views_are_staged() {
             &[("MESH", iota(d)), ("R", (4 * d).to_string())],
         );
         let inputs = per_rank_inputs(&h, d, 5);
-        sim_vs_cuda("strided all_gather", &h, d, inputs);
+        cpu_vs_cuda("strided all_gather", &h, d, inputs);
     }
 }
 
@@ -170,7 +170,7 @@ fn permute_rings_and_coalescing_groups() {
                 &[("MESH", iota(d)), ("S", (s % d).to_string()), ("R", (r % d).to_string()), ("D", d.to_string())],
             );
             let inputs = per_rank_inputs(&h, d, 9);
-            sim_vs_cuda(&format!("permute +{s}/+{r}"), &h, d, inputs);
+            cpu_vs_cuda(&format!("permute +{s}/+{r}"), &h, d, inputs);
         }
         let dm1 = (d - 1).to_string();
         let h = host(
@@ -178,6 +178,6 @@ fn permute_rings_and_coalescing_groups() {
             &[("MESH", iota(d)), ("D", d.to_string()), ("DM1", dm1)],
         );
         let inputs = per_rank_inputs(&h, d, 13);
-        sim_vs_cuda("coalesced group", &h, d, inputs);
+        cpu_vs_cuda("coalesced group", &h, d, inputs);
     }
 }

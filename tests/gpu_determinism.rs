@@ -20,7 +20,7 @@ use meshflow::ir::{parse_program, HostProgram, Program};
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cuda::{run_cuda, run_cuda_timed};
-use meshflow::runtime::SimInputs;
+use meshflow::runtime::RunInputs;
 
 fn examples() -> Vec<(String, Program, HostProgram)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/programs");
@@ -51,7 +51,7 @@ fn gpu_examples_are_bit_identical_across_runs() {
         }
         let inputs = random_inputs(&l1, 11).unwrap();
         let run = || {
-            let full = SimInputs::Full {
+            let full = RunInputs::Full {
                 program: &l1,
                 inputs: &inputs,
             };
@@ -95,7 +95,7 @@ fn gpu_host_memory_after_1000_iterations_equals_after_10() {
         }
         let inputs = random_inputs(&l1, 5).unwrap();
         let run = |iterations| {
-            let full = SimInputs::Full {
+            let full = RunInputs::Full {
                 program: &l1,
                 inputs: &inputs,
             };

@@ -1,6 +1,6 @@
 //! Failures on GPUs are error values: no GPU or too few GPUs, a rank that fails while its peer
 //! waits in a collective (the peer stops with an error naming it, no hang), and a registered
-//! PTX kernel through `launch_kernel`.
+//! PTX kernel through `call_kernel`.
 //!
 //! Built with the `cuda` feature only (`cargo test --features cuda`).
 #![cfg(feature = "cuda")]
@@ -12,9 +12,9 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use meshflow::ir::DType;
-use meshflow::runtime::cuda::{run_cuda, CudaKernels, CudaLaunchError, LaunchDims};
+use meshflow::runtime::cuda::{run_cuda, CudaKernels, CudaRunError, GridDims};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::SimInputs;
+use meshflow::runtime::RunInputs;
 use support::*;
 
 #[test]
@@ -24,12 +24,12 @@ fn more_ranks_than_gpus_is_an_error_value() {
         &[("MESH", iota(64))],
     );
     let inputs = per_rank_inputs(&h, 64, 1);
-    match run_cuda(&h, SimInputs::PerRank(inputs), &cuda_options()) {
-        Err(CudaLaunchError::TooFewDevices { needed, available }) => {
+    match run_cuda(&h, RunInputs::PerRank(inputs), &cuda_options()) {
+        Err(CudaRunError::TooFewDevices { needed, available }) => {
             assert_eq!(needed, 64);
             eprintln!("64 ranks on {available} GPUs: refused");
         }
-        Err(CudaLaunchError::NoDevice(why)) => eprintln!("no GPU, as an error value: {why}"),
+        Err(CudaRunError::NoDevice(why)) => eprintln!("no GPU, as an error value: {why}"),
         other => panic!("expected TooFewDevices or NoDevice, got {other:?}"),
     }
 }
@@ -49,7 +49,7 @@ fn a_failing_rank_stops_its_peer_instead_of_hanging() {
     let mut opts = cuda_options();
     opts.config.timeout = Duration::from_secs(20);
     let t0 = Instant::now();
-    let err = run_cuda(&h, SimInputs::PerRank(inputs), &opts).expect_err("rank 1 has no input");
+    let err = run_cuda(&h, RunInputs::PerRank(inputs), &opts).expect_err("rank 1 has no input");
     let text = err.to_string();
     eprintln!("after {:?}: {text}", t0.elapsed());
     assert!(
@@ -63,21 +63,21 @@ fn a_failing_rank_stops_its_peer_instead_of_hanging() {
     );
     // The devices are usable again afterwards.
     let good = per_rank_inputs(&h, 2, 2);
-    sim_vs_cuda("all_gather after a failure", &h, 2, good);
+    cpu_vs_cuda("all_gather after a failure", &h, 2, good);
 }
 
 #[test]
-fn a_registered_ptx_kernel_runs_through_launch_kernel() {
-    if skip_unless(1, "a_registered_ptx_kernel_runs_through_launch_kernel") {
+fn a_registered_ptx_kernel_runs_through_call_kernel() {
+    if skip_unless(1, "a_registered_ptx_kernel_runs_through_call_kernel") {
         return;
     }
     let ptx = include_str!("data/gpu/scale_f32.ptx");
     let mut kernels = CudaKernels::new();
     kernels.register("scale", ptx, "scale_f32", |_, outs, _| {
-        LaunchDims::linear(outs[0].iter().product(), 128)
+        GridDims::linear(outs[0].iter().product(), 128)
     });
     let h = host(
-        "host k {\n  mesh m0 = [0]\n  in x: f32[3, 100] on m0\n  out y: f32[3, 100] on m0\n  out z: f32[3, 50] on m0\n  tensor xh: f32[3, 50] on m0\n  launch_kernel(x -> y, kernel=\"scale\", args=[300, 3])\n  xh = shard_by_stream(x, axis=1, chunks=2, index=1)\n  launch_kernel(xh -> z, kernel=\"scale\", args=[150, -2])\n}\n",
+        "host k {\n  mesh m0 = [0]\n  in x: f32[3, 100] on m0\n  out y: f32[3, 100] on m0\n  out z: f32[3, 50] on m0\n  tensor xh: f32[3, 50] on m0\n  call_kernel(x -> y, kernel=\"scale\", args=[300, 3])\n  xh = shard_by_stream(x, axis=1, chunks=2, index=1)\n  call_kernel(xh -> z, kernel=\"scale\", args=[150, -2])\n}\n",
         &[],
     );
     let x = TensorData::random(DType::F32, &[3, 100], 5).unwrap();
@@ -85,7 +85,7 @@ fn a_registered_ptx_kernel_runs_through_launch_kernel() {
     let inputs = BTreeMap::from([(0usize, BTreeMap::from([("x".to_string(), x)]))]);
     let mut opts = cuda_options();
     opts.config.kernels = kernels;
-    let out = run_cuda(&h, SimInputs::PerRank(inputs), &opts).expect("kernel runs");
+    let out = run_cuda(&h, RunInputs::PerRank(inputs), &opts).expect("kernel runs");
     let y = out.outputs[&0]["y"].storage().to_f32_vec();
     let z = out.outputs[&0]["z"].storage().to_f32_vec();
     for (i, v) in xv.iter().enumerate() {

@@ -124,7 +124,7 @@ impl<B: Backend> Backend for Faulty<B> {
     fn kernel(&self, name: &str) -> Option<KernelId> {
         self.inner.kernel(name)
     }
-    fn launch_kernel(
+    fn call_kernel(
         &mut self,
         kernel: KernelId,
         inputs: &[&TensorView<B::Buffer>],
@@ -132,7 +132,7 @@ impl<B: Backend> Backend for Faulty<B> {
         args: &[i64],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
-        self.inner.launch_kernel(kernel, inputs, outputs, args, ctx)
+        self.inner.call_kernel(kernel, inputs, outputs, args, ctx)
     }
     fn post(
         &mut self,

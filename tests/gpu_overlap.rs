@@ -30,7 +30,7 @@ use meshflow::ir::{DType, HostProgram};
 use meshflow::runtime::cuda::{run_cuda_timed, CudaTransport, Interval, IntervalKind, TimedRun};
 use meshflow::runtime::data::{SplitMix64, TensorData};
 use meshflow::runtime::shard::scatter_inputs;
-use meshflow::runtime::SimInputs;
+use meshflow::runtime::RunInputs;
 use support::*;
 
 type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
@@ -60,7 +60,7 @@ fn timed_over(
     o.ranks = Some(d);
     o.config.profile = profile;
     o.config.steps = if profile { 1 } else { STEPS };
-    run_cuda_timed(host, SimInputs::PerRank(inputs), &o, WARMUP, ITERS)
+    run_cuda_timed(host, RunInputs::PerRank(inputs), &o, WARMUP, ITERS)
         .unwrap_or_else(|e| panic!("{what} on {d} GPUs: {e}"))
 }
 

@@ -1,6 +1,6 @@
 //! The end-to-end programs of the CPU backend on GPUs: the hand-written host programs (ring and
 //! broadcast all-gather + linear, chunked row-parallel linear) on 1, 2 and 4 GPUs against the
-//! level-1 reference; every compute op (packed and strided operands, in place) against the sim
+//! level-1 reference; every compute op (packed and strided operands, in place) against the CPU backend
 //! backend; the MoE layer through the NCCL MoE transport.
 //!
 //! Built with the `cuda` feature only (`cargo test --features cuda`).
@@ -88,7 +88,7 @@ fn moe_layer_matches_reference_with_expert_rows_as_multisets() {
     use meshflow::runtime::compare::random_inputs;
     use meshflow::runtime::cuda::run_cuda;
     use meshflow::runtime::reference::evaluate;
-    use meshflow::runtime::SimInputs;
+    use meshflow::runtime::RunInputs;
     for d in rank_counts("moe_layer_matches_reference_with_expert_rows_as_multisets") {
         for (t, e, k) in [(6, 2, 2), (5, 1, 1), (4, 3, 3)] {
             let host = common::moe_host(d as i64, t, e, k, 16, 8);
@@ -108,7 +108,7 @@ fn moe_layer_matches_reference_with_expert_rows_as_multisets() {
             o.ranks = Some(d);
             let out = run_cuda(
                 &host,
-                SimInputs::Full {
+                RunInputs::Full {
                     program: &l1,
                     inputs: &inputs,
                 },
@@ -186,14 +186,14 @@ host compute {
 "#;
 
 #[test]
-fn every_compute_op_matches_the_sim_backend() {
-    if skip_unless(1, "every_compute_op_matches_the_sim_backend") {
+fn every_compute_op_matches_the_cpu_backend() {
+    if skip_unless(1, "every_compute_op_matches_the_cpu_backend") {
         return;
     }
     for t in ["f32", "bf16"] {
         let h = host(COMPUTE, &[("T", t.into())]);
         let inputs = per_rank_inputs(&h, 1, 21);
-        let err = sim_vs_cuda(&format!("compute {t}"), &h, 1, inputs);
+        let err = cpu_vs_cuda(&format!("compute {t}"), &h, 1, inputs);
         eprintln!("compute ops {t}: max rel err {err:.2e}");
     }
 }
@@ -234,5 +234,5 @@ fn grouped_matmul_over_zero_padded_rows_matches() {
             ),
         ]),
     )]);
-    sim_vs_cuda("grouped_matmul", &h, 1, inputs);
+    cpu_vs_cuda("grouped_matmul", &h, 1, inputs);
 }

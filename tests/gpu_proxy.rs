@@ -21,11 +21,11 @@ use std::time::{Duration, Instant};
 use meshflow::ir::parse_program_with;
 use meshflow::pipeline::{compile, CompileOptions, Compiled};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
+use meshflow::runtime::cpu::FAULT_EXIT_STATUS;
 use meshflow::runtime::cuda::{run_cuda_timed, CudaOptions, TimedRun};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::reference::evaluate;
-use meshflow::runtime::sim::FAULT_EXIT_STATUS;
-use meshflow::runtime::SimInputs;
+use meshflow::runtime::RunInputs;
 use support::*;
 
 const EXAMPLES: [&str; 2] = ["column_parallel_linear_ring", "moe_layer"];
@@ -57,7 +57,7 @@ fn run(
     options.config.node_size = Some(node_size);
     run_cuda_timed(
         &c.host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: &c.program,
             inputs,
         },
@@ -122,7 +122,7 @@ fn permutes_and_moe_cross_nodes_through_the_proxy() {
 
 /// Two back-to-back ring permutes of 16 MiB per rank (`b` = `a` of rank − 2) on GPUs split
 /// into 2 nodes, over 4 runs of the same backends (1 untimed + 3): staging buffers are reused
-/// and messages stay numbered across runs; the last run's outputs match the sim backend.
+/// and messages stay numbered across runs; the last run's outputs match the CPU backend.
 #[test]
 fn large_permutes_cross_nodes_over_several_runs() {
     let counts: Vec<usize> = rank_counts("large_permutes_cross_nodes_over_several_runs")
@@ -145,14 +145,14 @@ fn large_permutes_cross_nodes_over_several_runs() {
             ],
         );
         let inputs = per_rank_inputs(&hp, d, 5);
-        let mut so = sim_options();
+        let mut so = cpu_options();
         so.ranks = Some(d);
-        let want = meshflow::runtime::run_sim(&hp, SimInputs::PerRank(inputs.clone()), &so)
-            .unwrap_or_else(|e| panic!("sim: {e}"));
+        let want = meshflow::runtime::run_cpu(&hp, RunInputs::PerRank(inputs.clone()), &so)
+            .unwrap_or_else(|e| panic!("cpu: {e}"));
         let mut options: CudaOptions = cuda_options();
         options.ranks = Some(d);
         options.config.node_size = Some(d / 2);
-        let got = run_cuda_timed(&hp, SimInputs::PerRank(inputs), &options, 1, 3)
+        let got = run_cuda_timed(&hp, RunInputs::PerRank(inputs), &options, 1, 3)
             .unwrap_or_else(|e| panic!("{d} GPUs in 2 nodes: {e}"));
         assert_eq!(got.outcome.outputs, want.outputs, "d={d}");
         // Each rank receives one message per permute whose sender is on the other node.
@@ -167,7 +167,7 @@ fn large_permutes_cross_nodes_over_several_runs() {
             got.proxy_stats
         );
         eprintln!(
-            "16 MiB ring permutes x2 on {d} GPUs in 2 nodes, 4 runs: match the sim; {messages} \
+            "16 MiB ring permutes x2 on {d} GPUs in 2 nodes, 4 runs: match the CPU backend; {messages} \
              messages through the proxy; {:.1} µs per run (device time, median of rank 0)",
             {
                 let mut t = got.times_us[0].clone();

@@ -1,4 +1,4 @@
-//! The copy-engine transport against NCCL and the sim backend: collective permutes (rings in
+//! The copy-engine transport against NCCL and the CPU backend: collective permutes (rings in
 //! both directions, to itself, strided send and receive views), broadcasts from every root,
 //! and the lowered ring and broadcast AG+GEMM loops (double-buffered receive chunks, several
 //! steps back to back), on 2 and 4 GPUs (those present), with the pull on the posting stream
@@ -54,8 +54,8 @@ fn multi_gpu_counts(test: &str) -> Vec<usize> {
 }
 
 #[test]
-fn copy_engine_permutes_match_the_sim_backend() {
-    for d in multi_gpu_counts("copy_engine_permutes_match_the_sim_backend") {
+fn copy_engine_permutes_match_the_cpu_backend() {
+    for d in multi_gpu_counts("copy_engine_permutes_match_the_cpu_backend") {
         for (what, config) in configs() {
             for (s, r) in [(1, d - 1), (0, 0), (d - 1, 1)] {
                 let h = host(
@@ -63,7 +63,7 @@ fn copy_engine_permutes_match_the_sim_backend() {
                     &[("MESH", iota(d)), ("S", (s % d).to_string()), ("R", (r % d).to_string()), ("D", d.to_string())],
                 );
                 let inputs = per_rank_inputs(&h, d, 9);
-                sim_vs_cuda_with(
+                cpu_vs_cuda_with(
                     &format!("{what}: permute +{s}/+{r}"),
                     &h,
                     d,
@@ -78,7 +78,7 @@ fn copy_engine_permutes_match_the_sim_backend() {
                 &[("MESH", iota(d)), ("D", d.to_string()), ("DM1", (d - 1).to_string())],
             );
             let inputs = per_rank_inputs(&h, d, 11);
-            sim_vs_cuda_with(
+            cpu_vs_cuda_with(
                 &format!("{what}: strided permute"),
                 &h,
                 d,
@@ -91,8 +91,8 @@ fn copy_engine_permutes_match_the_sim_backend() {
 }
 
 #[test]
-fn copy_engine_broadcasts_match_the_sim_backend() {
-    for d in multi_gpu_counts("copy_engine_broadcasts_match_the_sim_backend") {
+fn copy_engine_broadcasts_match_the_cpu_backend() {
+    for d in multi_gpu_counts("copy_engine_broadcasts_match_the_cpu_backend") {
         for (what, config) in configs() {
             for root in 0..d {
                 let h = host(
@@ -100,7 +100,7 @@ fn copy_engine_broadcasts_match_the_sim_backend() {
                     &[("MESH", iota(d)), ("ROOT", root.to_string())],
                 );
                 let inputs = per_rank_inputs(&h, d, 17);
-                sim_vs_cuda_with(
+                cpu_vs_cuda_with(
                     &format!("{what}: broadcast root {root}"),
                     &h,
                     d,
@@ -114,8 +114,8 @@ fn copy_engine_broadcasts_match_the_sim_backend() {
 }
 
 #[test]
-fn lowered_ring_and_broadcast_loops_match_the_sim_backend() {
-    for d in multi_gpu_counts("lowered_ring_and_broadcast_loops_match_the_sim_backend") {
+fn lowered_ring_and_broadcast_loops_match_the_cpu_backend() {
+    for d in multi_gpu_counts("lowered_ring_and_broadcast_loops_match_the_cpu_backend") {
         let s = Gemm3 {
             m: 256 * d as u64,
             k: 128,
@@ -137,7 +137,7 @@ fn lowered_ring_and_broadcast_loops_match_the_sim_backend() {
                     ),
                 ]);
                 let inputs = scatter_inputs(&l.program, &full).unwrap();
-                sim_vs_cuda_with(
+                cpu_vs_cuda_with(
                     &format!("{what}: agmm {}", v.name()),
                     &l.host,
                     d,
@@ -170,7 +170,7 @@ fn a_failing_rank_stops_a_peer_waiting_for_its_copy_engine_data() {
     opts.config.timeout = std::time::Duration::from_secs(20);
     let t0 = std::time::Instant::now();
     let err =
-        meshflow::runtime::cuda::run_cuda(&h, meshflow::runtime::SimInputs::PerRank(inputs), &opts)
+        meshflow::runtime::cuda::run_cuda(&h, meshflow::runtime::RunInputs::PerRank(inputs), &opts)
             .expect_err("rank 1 has no input");
     let text = err.to_string();
     eprintln!("after {:?}: {text}", t0.elapsed());
@@ -184,12 +184,12 @@ fn a_failing_rank_stops_a_peer_waiting_for_its_copy_engine_data() {
         transport: CudaTransport::CopyEngine,
         ..cuda_options().config
     };
-    sim_vs_cuda_with("permute after a failure", &h, 2, good, &|_| true, &config);
+    cpu_vs_cuda_with("permute after a failure", &h, 2, good, &|_| true, &config);
 }
 
 #[test]
-fn copy_engine_reduce_scatters_match_the_sim_backend() {
-    for d in multi_gpu_counts("copy_engine_reduce_scatters_match_the_sim_backend") {
+fn copy_engine_reduce_scatters_match_the_cpu_backend() {
+    for d in multi_gpu_counts("copy_engine_reduce_scatters_match_the_cpu_backend") {
         for (what, config) in configs() {
             for dtype in ["f32", "bf16"] {
                 let h = host(
@@ -197,7 +197,7 @@ fn copy_engine_reduce_scatters_match_the_sim_backend() {
                     &[("MESH", iota(d)), ("T", dtype.into()), ("R", (8 * d).to_string())],
                 );
                 let inputs = per_rank_inputs(&h, d, 23);
-                sim_vs_cuda_with(
+                cpu_vs_cuda_with(
                     &format!("{what}: reduce_scatter {dtype}"),
                     &h,
                     d,
@@ -221,7 +221,7 @@ fn a_send_buffer_written_right_after_the_wait_is_not_raced() {
                 &[("MESH", iota(d)), ("D", d.to_string()), ("DM1", (d - 1).to_string())],
             );
             let inputs = per_rank_inputs(&h, d, 29);
-            sim_vs_cuda_with(
+            cpu_vs_cuda_with(
                 &format!("{what}: write after send"),
                 &h,
                 d,

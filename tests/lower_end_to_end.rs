@@ -1,6 +1,6 @@
 //! End to end: every example (and the programs of the decision-table rows that need no
 //! special mesh) is compiled, checked across ranks (`check_program`: team sequences, peers,
-//! send/recv matching, deadlocks), executed on the sim backend and compared with the
+//! send/recv matching, deadlocks), executed on the CPU backend and compared with the
 //! unsharded reference, at every rank count it supports and with 1, 2 and 3 worker streams.
 
 mod common;
@@ -8,7 +8,7 @@ mod common;
 use meshflow::check::check_program;
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::run_and_compare;
-use meshflow::runtime::launch::SimOptions;
+use meshflow::runtime::ranks::CpuOptions;
 
 fn run(name: &str, program: &meshflow::ir::Program, streams: usize) {
     let options = CompileOptions {
@@ -24,7 +24,7 @@ fn run(name: &str, program: &meshflow::ir::Program, streams: usize) {
         &compiled.host,
         world,
         7,
-        &SimOptions::default(),
+        &CpuOptions::default(),
     )
     .unwrap_or_else(|e| panic!("{name}: run failed: {e}\n{}", compiled.host));
     assert!(cmp.passed(), "{name}: {cmp}\n{}", compiled.host);

@@ -1,6 +1,6 @@
 //! `StreamSchedule::Prefetch` (`prefetch_transfers`): every example program, compiled with it
 //! for 1, 2, 3, 4 and 8 ranks (where the program parses), passes the cross-rank check and
-//! matches the unsharded reference on sim ranks with the race checker on; ring loops take the
+//! matches the unsharded reference on CPU ranks with the race checker on; ring loops take the
 //! prefetch shape (compute on the main stream, permutes one iteration ahead on worker 0, the
 //! first chunk computed from the input), other loops (broadcasts, for one) keep one worker per
 //! iteration.
@@ -8,7 +8,7 @@
 use meshflow::check::check_program;
 use meshflow::ir::{parse_program_with, Params, Program};
 use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
-use meshflow::runtime::{run_and_compare, SimOptions};
+use meshflow::runtime::{run_and_compare, CpuOptions};
 
 const EXAMPLES: [&str; 7] = [
     "column_parallel_linear_broadcast",
@@ -56,7 +56,7 @@ fn every_example_matches_the_reference_with_prefetched_transfers() {
             check_program(&c.host, world)
                 .unwrap_or_else(|e| panic!("{name} at {ranks} ranks:\n{e}\n{}", c.host));
             for seed in [1, 2] {
-                let cmp = run_and_compare(&c.program, &c.host, world, seed, &SimOptions::default())
+                let cmp = run_and_compare(&c.program, &c.host, world, seed, &CpuOptions::default())
                     .unwrap_or_else(|e| panic!("{name} at {ranks} ranks: {e}\n{}", c.host));
                 assert!(cmp.passed(), "{name} at {ranks} ranks: {cmp}\n{}", c.host);
             }
@@ -153,7 +153,7 @@ fn a_gathered_output_keeps_the_copy_to_itself_and_matches_the_reference() {
         assert!(transfer < copy, "{host}");
         let world = c.host.world_size();
         check_program(&c.host, world).unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
-        let cmp = run_and_compare(&c.program, &c.host, world, 3, &SimOptions::default())
+        let cmp = run_and_compare(&c.program, &c.host, world, 3, &CpuOptions::default())
             .unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
         assert!(cmp.passed(), "{ranks} ranks: {cmp}\n{host}");
     }

@@ -1,5 +1,5 @@
 //! Every decision-table row, end to end: a small program per row is compiled, checked across
-//! ranks, run on the sim backend and compared with the unsharded reference.
+//! ranks, run on the CPU backend and compared with the unsharded reference.
 
 use meshflow::check::check_program;
 use meshflow::ir::{
@@ -7,7 +7,7 @@ use meshflow::ir::{
 };
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::run_and_compare;
-use meshflow::runtime::launch::SimOptions;
+use meshflow::runtime::ranks::CpuOptions;
 
 /// How one side of `y = set(x)` is scheduled.
 #[derive(Clone, Copy)]
@@ -106,7 +106,7 @@ fn check(name: &str, program: &Program) {
         &compiled.host,
         world,
         11,
-        &SimOptions::default(),
+        &CpuOptions::default(),
     )
     .unwrap_or_else(|e| panic!("{name}: run failed: {e}\n{}", compiled.host));
     assert!(cmp.passed(), "{name}: {cmp}\n{}", compiled.host);

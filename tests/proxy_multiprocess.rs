@@ -57,7 +57,7 @@ fn assert_matches(file: &str, ranks: usize, nodes: usize, env: &[(&str, &str)]) 
     );
     assert!(
         out.contains(&format!(
-            "ran on {ranks} sim ranks in {nodes} node processes"
+            "ran on {ranks} CPU ranks in {nodes} node processes"
         )),
         "{out}"
     );
@@ -129,7 +129,7 @@ fn meshflow_node_size_splits_the_ranks_into_node_processes() {
     assert_eq!(o.status.code(), Some(0), "{out}{}", text(&o.stderr));
     assert!(out.contains("2 node processes of 2 ranks"), "{out}");
     assert!(
-        out.contains("ran on 4 sim ranks in 2 node processes"),
+        out.contains("ran on 4 CPU ranks in 2 node processes"),
         "{out}"
     );
 }

@@ -10,12 +10,12 @@ use meshflow::ir::{parse_program_with, Program};
 use meshflow::kernels::proxy::Topology;
 use meshflow::pipeline::{compile, CompileOptions, Compiled};
 use meshflow::runtime::compare::random_inputs;
+use meshflow::runtime::cpu::{CpuConfig, Fault, FaultKind};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::multinode::{run_node, NodeError, NodeOutcome, NodeSpec};
 use meshflow::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 use meshflow::runtime::shard::scatter_inputs;
-use meshflow::runtime::sim::{Fault, FaultKind, SimConfig};
-use meshflow::runtime::{run_sim, SimInputs, SimOptions};
+use meshflow::runtime::{run_cpu, CpuOptions, RunInputs};
 
 fn compiled(example: &str, ranks: i64) -> (Program, Compiled) {
     let path = format!(
@@ -29,13 +29,13 @@ fn compiled(example: &str, ranks: i64) -> (Program, Compiled) {
     (program, c)
 }
 
-fn options(faults: Vec<Fault>) -> SimOptions {
-    SimOptions {
+fn options(faults: Vec<Fault>) -> CpuOptions {
+    CpuOptions {
         ranks: None,
-        config: SimConfig {
+        config: CpuConfig {
             timeout: Duration::from_secs(10),
             faults,
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
         trace: false,
     }
@@ -47,7 +47,7 @@ fn run_nodes(
     inputs: &BTreeMap<String, TensorData>,
     topology: &Topology,
     ring: usize,
-    opts: &SimOptions,
+    opts: &CpuOptions,
 ) -> Vec<Result<NodeOutcome, NodeError>> {
     let per_rank = scatter_inputs(&c.program, inputs).expect("inputs scatter");
     let rendezvous: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("proxy-nodes"));
@@ -85,13 +85,13 @@ fn nodes_linked_by_the_proxy_compute_the_same_bits_as_one_process() {
         let (program, c) = compiled(example, ranks as i64);
         let inputs = random_inputs(&program, 3).expect("inputs");
         let opts = options(Vec::new());
-        let want = run_sim(
+        let want = run_cpu(
             &c.host,
-            SimInputs::Full {
+            RunInputs::Full {
                 program: &c.program,
                 inputs: &inputs,
             },
-            &SimOptions {
+            &CpuOptions {
                 ranks: Some(ranks),
                 ..opts.clone()
             },

@@ -1,5 +1,5 @@
 //! The cross-rank check's mutation corpus, forced to run: every broken host program that the
-//! static check rejects must also end in an error on the sim backend, within the timeout,
+//! static check rejects must also end in an error on the CPU backend, within the timeout,
 //! rather than hang or silently succeed.
 
 use std::collections::BTreeMap;
@@ -7,12 +7,12 @@ use std::time::{Duration, Instant};
 
 use meshflow::check::corpus::mutation_corpus;
 use meshflow::ir::{parse_host, HostProgram, Role};
+use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::launch::{run_sim, SimInputs, SimOptions};
-use meshflow::runtime::sim::SimConfig;
+use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 
 /// Random local inputs for every input tensor on every rank of its mesh.
-fn per_rank_inputs(host: &HostProgram) -> SimInputs<'static> {
+fn per_rank_inputs(host: &HostProgram) -> RunInputs<'static> {
     let mut per_rank: BTreeMap<usize, BTreeMap<String, TensorData>> = BTreeMap::new();
     for (i, (_, t)) in host.tensors.iter().enumerate() {
         if t.role != Role::Input {
@@ -27,7 +27,7 @@ fn per_rank_inputs(host: &HostProgram) -> SimInputs<'static> {
                 .insert(t.name.clone(), data);
         }
     }
-    SimInputs::PerRank(per_rank)
+    RunInputs::PerRank(per_rank)
 }
 
 #[test]
@@ -38,16 +38,16 @@ fn every_mutation_fails_at_run_time_within_the_timeout() {
     let mut unexpected = Vec::new();
     for m in &corpus {
         let host = parse_host(&m.text).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-        let options = SimOptions {
+        let options = CpuOptions {
             ranks: Some(m.ranks),
-            config: SimConfig {
+            config: CpuConfig {
                 timeout,
-                ..SimConfig::default()
+                ..CpuConfig::default()
             },
             trace: false,
         };
         let started = Instant::now();
-        let result = run_sim(&host, per_rank_inputs(&host), &options);
+        let result = run_cpu(&host, per_rank_inputs(&host), &options);
         let elapsed = started.elapsed();
         // A hang would be caught by the timeout: the run must end well within a few timeouts.
         assert!(
@@ -66,7 +66,7 @@ fn every_mutation_fails_at_run_time_within_the_timeout() {
     }
     assert!(
         unexpected.is_empty(),
-        "these broken programs ran to completion on the sim backend: {unexpected:?}"
+        "these broken programs ran to completion on the CPU backend: {unexpected:?}"
     );
 }
 

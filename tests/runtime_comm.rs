@@ -1,4 +1,4 @@
-//! Every communication kind on 1, 2, 3, 4 and 8 sim ranks against expected buffers, rings of
+//! Every communication kind on 1, 2, 3, 4 and 8 CPU ranks against expected buffers, rings of
 //! collective permutes, and coalescing groups.
 
 #[path = "data/runtime/common.rs"]
@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use common::*;
 use meshflow::ir::{DType, HostProgram};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::{run_sim, SimInputs};
+use meshflow::runtime::{run_cpu, RunInputs};
 
 const RANKS: [usize; 5] = [1, 2, 3, 4, 8];
 
@@ -22,8 +22,8 @@ fn input(r: usize, dtype: DType, shape: &[u64]) -> TensorData {
 
 /// Options for programs whose output some ranks leave unwritten by design (the non-roots of
 /// rooted collectives, the sender of a `send_recv`): those outputs are not checked, so the
-/// sim's "output never written" check is switched off with the poisoning that drives it.
-fn options_rooted() -> meshflow::runtime::SimOptions {
+/// CPU backend's "output never written" check is switched off with the poisoning that drives it.
+fn options_rooted() -> meshflow::runtime::CpuOptions {
     let mut o = options();
     o.config.poison = false;
     o
@@ -59,7 +59,7 @@ fn run_one(
             )
         })
         .collect();
-    let out = run_sim(&host, SimInputs::PerRank(inputs), &options_rooted())
+    let out = run_cpu(&host, RunInputs::PerRank(inputs), &options_rooted())
         .unwrap_or_else(|e| panic!("{kind} on {d}: {e}"));
     (0..d)
         .map(|r| out.outputs[&r]["b"].storage().to_f32_vec())
@@ -211,7 +211,7 @@ fn send_recv_between_two_devices_of_a_larger_mesh() {
                 )
             })
             .collect();
-        let out = run_sim(&host, SimInputs::PerRank(inputs), &options_rooted()).unwrap();
+        let out = run_cpu(&host, RunInputs::PerRank(inputs), &options_rooted()).unwrap();
         assert_eq!(
             out.outputs[&last]["b"].storage().to_f32_vec(),
             vals(0, 3),
@@ -242,7 +242,7 @@ fn collective_permute_rings_in_both_directions_and_self_copy() {
                     )
                 })
                 .collect();
-            let out = run_sim(&ring(d, shift), SimInputs::PerRank(inputs), &options()).unwrap();
+            let out = run_cpu(&ring(d, shift), RunInputs::PerRank(inputs), &options()).unwrap();
             for j in 0..d {
                 let src = (j as i64 - shift).rem_euclid(d as i64) as usize;
                 assert_eq!(
@@ -273,7 +273,7 @@ fn coalescing_group_posts_all_members_and_its_label_covers_them() {
             })
             .collect();
         let host = meshflow::ir::parse_host(&text.replace("$WAIT", "wait c3")).unwrap();
-        let out = run_sim(&host, SimInputs::PerRank(inputs.clone()), &options()).unwrap();
+        let out = run_cpu(&host, RunInputs::PerRank(inputs.clone()), &options()).unwrap();
         let sum: Vec<f32> = (0..4)
             .map(|i| (0..d).map(|r| vals(r, 4)[i]).sum::<f32>())
             .collect();
@@ -289,7 +289,7 @@ fn coalescing_group_posts_all_members_and_its_label_covers_them() {
         }
         // Without the wait, reading the all-reduce output is a race that names the group.
         let racy = meshflow::ir::parse_host(&text.replace("$WAIT", "")).unwrap();
-        let err = run_sim(&racy, SimInputs::PerRank(inputs), &options())
+        let err = run_cpu(&racy, RunInputs::PerRank(inputs), &options())
             .unwrap_err()
             .to_string();
         assert!(
@@ -311,7 +311,7 @@ fn mismatched_buffer_sizes_are_errors_not_panics() {
             )
         })
         .collect();
-    let err = run_sim(&host, SimInputs::PerRank(inputs), &options())
+    let err = run_cpu(&host, RunInputs::PerRank(inputs), &options())
         .unwrap_err()
         .to_string();
     assert!(err.contains("all_gather"), "{err}");

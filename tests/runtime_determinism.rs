@@ -1,4 +1,4 @@
-//! Determinism on the sim backend: every example gives bit-identical outputs on every rank
+//! Determinism on the CPU backend: every example gives bit-identical outputs on every rank
 //! across runs with the same seed, across stream-pool sizes of the backend (1, 2, 4, 8), and
 //! across the number of worker streams the lowering uses (1, 2, 4: only stream assignment
 //! changes, the chunks and the order of every reduction stay the same). Different seeds give
@@ -14,7 +14,7 @@ use meshflow::ir::{parse_program, DeviceId, HostProgram, Program};
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::{run_sim, SimConfig, SimInputs, SimOptions};
+use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunInputs};
 
 type Outputs = BTreeMap<DeviceId, BTreeMap<String, TensorData>>;
 
@@ -50,18 +50,18 @@ fn lower(l1: &Program, num_streams: usize) -> HostProgram {
 
 fn run(l1: &Program, host: &HostProgram, seed: u64, stream_pool: usize) -> Outputs {
     let inputs = random_inputs(l1, seed).unwrap();
-    let options = SimOptions {
-        config: SimConfig {
+    let options = CpuOptions {
+        config: CpuConfig {
             stream_pool,
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
-        ..SimOptions::default()
+        ..CpuOptions::default()
     };
-    let inputs = SimInputs::Full {
+    let inputs = RunInputs::Full {
         program: l1,
         inputs: &inputs,
     };
-    run_sim(host, inputs, &options)
+    run_cpu(host, inputs, &options)
         .unwrap_or_else(|e| panic!("{}: {e}", l1.name))
         .outputs
 }
@@ -114,7 +114,7 @@ fn examples_are_bit_identical_across_runs_stream_pools_and_lowerings() {
         row(
             "determinism",
             &[
-                "sim".into(),
+                "cpu".into(),
                 name.clone(),
                 "3 runs bit-identical".into(),
                 "stream pool 1/2/4/8 bit-identical".into(),

@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 use common::options;
 use meshflow::ir::{parse_host, DType};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::{run_sim, SimInputs};
+use meshflow::runtime::{run_cpu, RunInputs};
 
 fn run(text: &str, x_shape: &[u64]) -> String {
     let host = parse_host(text).unwrap_or_else(|e| panic!("{e}"));
     let x = TensorData::zeros(DType::F32, x_shape).unwrap();
     let inputs = BTreeMap::from([(0, BTreeMap::from([("x".to_string(), x)]))]);
-    match run_sim(&host, SimInputs::PerRank(inputs), &options()) {
+    match run_cpu(&host, RunInputs::PerRank(inputs), &options()) {
         Ok(_) => "ok".into(),
         Err(e) => e.to_string(),
     }
@@ -49,7 +49,7 @@ fn inputs_are_checked_by_name_and_type() {
         "{err}"
     );
     let host = parse_host(&text).unwrap();
-    let err = run_sim(&host, SimInputs::PerRank(BTreeMap::new()), &options())
+    let err = run_cpu(&host, RunInputs::PerRank(BTreeMap::new()), &options())
         .unwrap_err()
         .to_string();
     assert!(err.contains("input `x`: not supplied"), "{err}");
@@ -82,7 +82,7 @@ fn shape_mismatches_in_compute_are_errors() {
 
 /// Regression (fuzzing): an absurd extent (`f32[999999999999, 9]`) aborted the process
 /// ("memory allocation failed"); it is now an error naming the allocation, as is exceeding
-/// the sim backend's per-rank memory limit.
+/// the CPU backend's per-rank memory limit.
 #[test]
 fn absurd_and_over_limit_allocations_are_errors() {
     let huge = "host e {\n  mesh m0 = [0]\n  in x: f32[4, 2] on m0\n  out y: f32[4, 2] on m0\n  tensor big: f32[999999999999, 9] on m0\n  allocate big\n  copy(x -> y)\n  deallocate big\n}\n";
@@ -99,7 +99,7 @@ fn absurd_and_over_limit_allocations_are_errors() {
     let inputs = BTreeMap::from([(0, BTreeMap::from([("x".to_string(), x)]))]);
     let mut opts = options();
     opts.config.memory_limit = Some(1 << 20);
-    let err = run_sim(&host, SimInputs::PerRank(inputs), &opts)
+    let err = run_cpu(&host, RunInputs::PerRank(inputs), &opts)
         .unwrap_err()
         .to_string();
     assert!(

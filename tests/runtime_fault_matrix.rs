@@ -1,4 +1,4 @@
-//! The fault matrix on the sim (CPU) backend: a rank that returns an error, panics or stops
+//! The fault matrix on the CPU backend: a rank that returns an error, panics or stops
 //! responding in the middle of a collective (chunked all_reduce), a collective permute (ring
 //! all-gather) and an MoE dispatch, on 2, 4 and 8 ranks. In every case every rank returns
 //! an error naming the failed rank within the receive timeout (a stall: within the timeout
@@ -15,9 +15,9 @@ use common::*;
 use hardening_support::*;
 use meshflow::ir::{HostProgram, Program};
 use meshflow::runtime::compare::random_inputs;
-use meshflow::runtime::launch::LaunchError;
-use meshflow::runtime::sim::{Fault, FaultKind};
-use meshflow::runtime::{run_sim_observed, SimInputs};
+use meshflow::runtime::cpu::{Fault, FaultKind};
+use meshflow::runtime::ranks::RunError;
+use meshflow::runtime::{run_cpu_observed, RunInputs};
 
 const TIMEOUT: Duration = Duration::from_millis(500);
 /// Detection of a stall by the receive timeout, plus scheduling slack on a loaded machine.
@@ -104,9 +104,9 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
     let cell = format!("{} / {} ranks / {}", case.name, d, kind_name(kind));
     let fds = open_fds();
     let start = Instant::now();
-    let (result, resources) = run_sim_observed(
+    let (result, resources) = run_cpu_observed(
         &host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: &l1,
             inputs: &inputs,
         },
@@ -116,7 +116,7 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
     let err = result
         .err()
         .unwrap_or_else(|| panic!("{cell}: the run succeeded"));
-    let LaunchError::Failed(failure) = err else {
+    let RunError::Failed(failure) = err else {
         panic!("{cell}: expected a run failure, got {err}");
     };
     // Every rank returns an error naming the failed rank.
@@ -167,7 +167,7 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
     // Every thread joined, none left behind; every buffer released; no descriptor leaked.
     assert_eq!(resources.threads_started, d as usize, "{cell}");
     assert_eq!(resources.threads_joined, d as usize, "{cell}");
-    assert_eq!(sim_threads(), 0, "{cell}: a rank thread survived the run");
+    assert_eq!(cpu_threads(), 0, "{cell}: a rank thread survived the run");
     for (rank, held) in &resources.held_at_exit {
         assert!(held.is_empty(), "{cell}: rank {rank} still holds {held}");
     }
@@ -175,7 +175,7 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
     row(
         "faults",
         &[
-            "sim".into(),
+            "cpu".into(),
             case.name.into(),
             d.to_string(),
             kind_name(kind).into(),
@@ -191,7 +191,7 @@ fn run_cell(case: &Case, d: i64, kind: FaultKind) -> Duration {
 }
 
 fn run_matrix(case: &Case) {
-    // Serialized so that `sim_threads()` sees only this test's ranks (libtest's own threads
+    // Serialized so that `cpu_threads()` sees only this test's ranks (libtest's own threads
     // come and go, so the process-wide `Threads:` count is only printed).
     let _serial = serial();
     let threads_before = status("Threads");

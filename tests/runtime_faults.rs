@@ -1,6 +1,6 @@
 //! Fault handling: a rank that errors, panics or stalls (mid-collective, mid-collective-permute,
 //! mid-moe_dispatch) makes every other rank return an error naming it within the timeout; all
-//! threads are joined (run_sim returns).
+//! threads are joined (run_cpu returns).
 
 #[path = "data/runtime/common.rs"]
 mod common;
@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use common::*;
 use meshflow::ir::{HostProgram, Program};
 use meshflow::runtime::compare::random_inputs;
-use meshflow::runtime::launch::LaunchError;
-use meshflow::runtime::sim::{Fault, FaultKind};
-use meshflow::runtime::{run_sim, SimInputs};
+use meshflow::runtime::cpu::{Fault, FaultKind};
+use meshflow::runtime::ranks::RunError;
+use meshflow::runtime::{run_cpu, RunInputs};
 
 const TIMEOUT: Duration = Duration::from_millis(1000);
 
@@ -23,9 +23,9 @@ fn run_faulty(l1: &Program, host: &HostProgram, fault: Fault) -> (Vec<(usize, St
     opts.config.timeout = TIMEOUT;
     opts.config.faults = vec![fault];
     let start = Instant::now();
-    let err = run_sim(
+    let err = run_cpu(
         host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: l1,
             inputs: &inputs,
         },
@@ -33,7 +33,7 @@ fn run_faulty(l1: &Program, host: &HostProgram, fault: Fault) -> (Vec<(usize, St
     )
     .unwrap_err();
     let elapsed = start.elapsed();
-    let LaunchError::Failed(f) = err else {
+    let RunError::Failed(f) = err else {
         panic!("expected a run failure, got {err}");
     };
     eprintln!("{f}\n  elapsed {elapsed:?}");

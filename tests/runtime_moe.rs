@@ -1,4 +1,4 @@
-//! MoE dispatch/combine on sim ranks against the level-1 reference: top-k 1, 2, 8; E = W,
+//! MoE dispatch/combine on CPU ranks against the level-1 reference: top-k 1, 2, 8; E = W,
 //! E = 256 and E = 2048; ragged routing (experts receiving nothing, ranks sending nothing);
 //! capacity overflow. Output buffers are poisoned (NaN / INT_POISON) before every run, so
 //! padding that is not written shows up.
@@ -13,7 +13,7 @@ use meshflow::ir::DType;
 use meshflow::runtime::compare::compare_outputs;
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::reference::evaluate;
-use meshflow::runtime::{run_and_compare, run_sim, SimInputs};
+use meshflow::runtime::{run_and_compare, run_cpu, RunInputs};
 
 fn moe_level1(d: i64, t: i64, e: i64, k: i64) -> meshflow::ir::Program {
     level1(
@@ -92,9 +92,9 @@ fn ragged_routing_with_idle_experts_and_silent_ranks() {
     let l1 = moe_level1(d, t, e, 1);
     let host = moe_host(d, t, e, 1, 8, 4);
     let full = inputs(d, t, e, &routes);
-    let out = run_sim(
+    let out = run_cpu(
         &host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: &l1,
             inputs: &full,
         },
@@ -133,9 +133,9 @@ fn top_k_rows_of_one_token_go_to_several_ranks() {
     let routes: Vec<Vec<i64>> = (0..t * d).map(|g| vec![g % 4, (g + 1) % 4]).collect();
     let l1 = moe_level1(d, t, e, 2);
     let full = inputs(d, t, e, &routes);
-    let out = run_sim(
+    let out = run_cpu(
         &moe_host(d, t, e, 2, 8, 4),
-        SimInputs::Full {
+        RunInputs::Full {
             program: &l1,
             inputs: &full,
         },
@@ -155,9 +155,9 @@ fn capacity_overflow_is_an_error_naming_the_expert() {
     let l1 = moe_level1(d, t, e, 1);
     let full = inputs(d, t, e, &routes);
     let host = moe_host_cap(d, t, e, 1, 8, 4, 4);
-    let err = run_sim(
+    let err = run_cpu(
         &host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: &l1,
             inputs: &full,
         },
@@ -173,9 +173,9 @@ fn capacity_overflow_is_an_error_naming_the_expert() {
     // Invalid expert ids are rejected too.
     let bad: Vec<Vec<i64>> = vec![vec![2]; 6];
     let full = inputs(d, t, e, &bad);
-    let err = run_sim(
+    let err = run_cpu(
         &moe_host(d, t, e, 1, 8, 4),
-        SimInputs::Full {
+        RunInputs::Full {
             program: &l1,
             inputs: &full,
         },

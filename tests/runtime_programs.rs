@@ -1,5 +1,5 @@
 //! Hand-written host programs that mirror how the examples are lowered, run on several rank
-//! counts of the sim backend and compared with the level-1 reference.
+//! counts of the CPU backend and compared with the level-1 reference.
 
 #[path = "data/runtime/common.rs"]
 mod common;
@@ -10,7 +10,7 @@ use common::*;
 use meshflow::ir::parse_host;
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::reference::evaluate;
-use meshflow::runtime::{run_and_compare, run_sim, SimInputs};
+use meshflow::runtime::{run_and_compare, run_cpu, RunInputs};
 
 const RANKS: [i64; 5] = [1, 2, 3, 4, 8];
 
@@ -90,9 +90,9 @@ fn repeated_runs_are_bit_identical() {
     let host = row_parallel_host(4, 3);
     let inputs = random_inputs(&l1, 7).unwrap();
     let run = || {
-        let out = run_sim(
+        let out = run_cpu(
             &host,
-            SimInputs::Full {
+            RunInputs::Full {
                 program: &l1,
                 inputs: &inputs,
             },
@@ -120,9 +120,9 @@ fn trace_has_one_event_per_executed_instruction() {
     let inputs = random_inputs(&l1, 1).unwrap();
     let mut opts = options();
     opts.trace = true;
-    let out = run_sim(
+    let out = run_cpu(
         &host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: &l1,
             inputs: &inputs,
         },
@@ -212,7 +212,7 @@ fn every_compute_op_and_a_registered_kernel() {
         ]
     });
     // Without the kernel registered, the plan names it.
-    let err = run_sim(&host, SimInputs::PerRank(inputs.clone()), &options()).unwrap_err();
+    let err = run_cpu(&host, RunInputs::PerRank(inputs.clone()), &options()).unwrap_err();
     assert!(
         err.to_string()
             .contains("no kernel named `my_kernel\t\"v2\"`"),
@@ -229,7 +229,7 @@ fn every_compute_op_and_a_registered_kernel() {
             let n = outs[0].numel() as usize;
             outs[0].assign_f32(&vec![v; n]).map_err(|e| e.to_string())
         });
-    let out = run_sim(&host, SimInputs::PerRank(inputs.clone()), &opts).unwrap();
+    let out = run_cpu(&host, RunInputs::PerRank(inputs.clone()), &opts).unwrap();
     for r in 0..2usize {
         let o = &out.outputs[&r];
         let want_y = (r as i64 * 2 - 3 + r as i64 % 2) as f32;
@@ -283,7 +283,7 @@ fn coalesced_collectives_on_a_two_dimensional_mesh_and_a_pair() {
     // this program: turn off the poisoning that drives the "output never written" check.
     let mut opts = options();
     opts.config.poison = false;
-    let out = run_sim(&host, SimInputs::PerRank(inputs.clone()), &opts).unwrap();
+    let out = run_cpu(&host, RunInputs::PerRank(inputs.clone()), &opts).unwrap();
     let a = |r: usize| inputs[&r]["a"].storage().to_f32_vec();
     let b = |r: usize| inputs[&r]["b"].storage().to_f32_vec();
     // ga = gelu(all_gather_DIDx(a) of device 0), broadcast to the whole mesh.

@@ -8,11 +8,11 @@ use std::collections::BTreeMap;
 
 use common::*;
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::launch::LaunchError;
-use meshflow::runtime::{run_and_compare, run_sim, RuntimeError, SimInputs};
+use meshflow::runtime::ranks::RunError;
+use meshflow::runtime::{run_and_compare, run_cpu, RunInputs, RuntimeError};
 
-fn race_message(err: LaunchError) -> String {
-    let LaunchError::Failed(f) = err else {
+fn race_message(err: RunError) -> String {
+    let RunError::Failed(f) = err else {
         panic!("expected a run failure, got {err}");
     };
     let races: Vec<&RuntimeError> = f
@@ -96,15 +96,13 @@ $SYNC_WORKERS  }
     meshflow::ir::parse_host(&text).unwrap()
 }
 
-fn run_streams(
-    host: &meshflow::ir::HostProgram,
-) -> Result<BTreeMap<String, TensorData>, LaunchError> {
+fn run_streams(host: &meshflow::ir::HostProgram) -> Result<BTreeMap<String, TensorData>, RunError> {
     let x = TensorData::random(meshflow::ir::DType::F32, &[8, 4], 3).unwrap();
     let inputs = BTreeMap::from([
         (0, BTreeMap::from([("x".to_string(), x.clone())])),
         (1, BTreeMap::from([("x".to_string(), x)])),
     ]);
-    let out = run_sim(host, SimInputs::PerRank(inputs), &options())?;
+    let out = run_cpu(host, RunInputs::PerRank(inputs), &options())?;
     Ok(out.outputs[&0].clone())
 }
 
@@ -168,20 +166,20 @@ $WAIT  gelu(x -> a)
         (1, BTreeMap::from([("x".to_string(), x)])),
     ]);
     let racy = meshflow::ir::parse_host(&t.replace("$WAIT", "")).unwrap();
-    let err = run_sim(&racy, SimInputs::PerRank(per_rank.clone()), &options()).unwrap_err();
+    let err = run_cpu(&racy, RunInputs::PerRank(per_rank.clone()), &options()).unwrap_err();
     let msg = race_message(err);
     eprintln!("{msg}");
     assert!(msg.contains("c0 = all_reduce(a -> y"), "{msg}");
     assert!(msg.contains("`gelu(x -> a)` writes"), "{msg}");
     assert!(msg.contains("missing `wait c0`"), "{msg}");
     let fixed = meshflow::ir::parse_host(&t.replace("$WAIT", "  wait c0\n")).unwrap();
-    let out = run_sim(&fixed, SimInputs::PerRank(per_rank.clone()), &options()).unwrap();
+    let out = run_cpu(&fixed, RunInputs::PerRank(per_rank.clone()), &options()).unwrap();
     assert_eq!(
         out.outputs[&1]["y"].storage().to_f32_vec(),
         vec![2., 4., 6., 8.]
     );
-    // With race checking off the racy program runs (the sim executes eagerly).
+    // With race checking off the racy program runs (the CPU backend executes eagerly).
     let mut opts = options();
     opts.config.race_check = false;
-    assert!(run_sim(&racy, SimInputs::PerRank(per_rank), &opts).is_ok());
+    assert!(run_cpu(&racy, RunInputs::PerRank(per_rank), &opts).is_ok());
 }

@@ -1,7 +1,7 @@
-//! Resource checks on the sim backend: an embedder runs each example step after step with one
+//! Resource checks on the CPU backend: an embedder runs each example step after step with one
 //! reused `Evaluator` per rank; after 1000 steps the process holds what it held after 10
-//! (resident memory, sim buffers, messages in flight), and no thread or file descriptor is
-//! leaked. One-shot `run_sim` calls are checked the same way.
+//! (resident memory, CPU buffers, messages in flight), and no thread or file descriptor is
+//! leaked. One-shot `run_cpu` calls are checked the same way.
 
 #[path = "data/runtime/common.rs"]
 mod common;
@@ -15,11 +15,11 @@ use hardening_support::*;
 use meshflow::ir::{parse_program, DeviceId, HostProgram, Program};
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
+use meshflow::runtime::cpu::{BufferStats, Fabric};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::shard::scatter_inputs;
-use meshflow::runtime::sim::{BufferStats, Fabric};
 use meshflow::runtime::{
-    run_sim_observed, EvalOptions, Evaluator, SimBackend, SimConfig, SimInputs, SimOptions,
+    run_cpu_observed, CpuBackend, CpuConfig, CpuOptions, EvalOptions, Evaluator, RunInputs,
 };
 
 const WARMUP: usize = 10;
@@ -79,7 +79,7 @@ fn embedder_loop(
     let inputs = scatter_inputs(l1, &random_inputs(l1, 5).unwrap()).unwrap();
     let empty = BTreeMap::new();
     let fabric = Arc::new(Fabric::new());
-    let config = SimConfig::default();
+    let config = CpuConfig::default();
     let barrier = Barrier::new(world + 1);
     let live: Mutex<Vec<BufferStats>> = Mutex::new(vec![BufferStats::default(); world]);
     let first: Mutex<BTreeMap<DeviceId, Outputs>> = Mutex::new(BTreeMap::new());
@@ -107,7 +107,7 @@ fn embedder_loop(
             let handle = std::thread::Builder::new()
                 .name(format!("embedder-rank-{rank}"))
                 .spawn_scoped(scope, move || {
-                    let backend = SimBackend::new(rank, fabric.clone(), config);
+                    let backend = CpuBackend::new(rank, fabric.clone(), config);
                     let mut ev = Evaluator::new(host, backend, EvalOptions::default()).unwrap();
                     for step in 1..=steps {
                         let out = ev
@@ -188,7 +188,7 @@ fn a_reused_evaluator_holds_after_1000_steps_what_it_held_after_10() {
         row(
             "memory",
             &[
-                "sim".into(),
+                "cpu".into(),
                 name.clone(),
                 host.world_size().to_string(),
                 format!("{} KiB / {} KiB", warm.rss_kib, end.rss_kib),
@@ -205,11 +205,11 @@ fn one_shot_runs_leave_no_threads_descriptors_or_buffers() {
     let _serial = serial();
     for (name, l1, host) in examples() {
         let inputs = random_inputs(&l1, 5).unwrap();
-        let options = SimOptions::default();
+        let options = CpuOptions::default();
         let run = || {
-            let (result, resources) = run_sim_observed(
+            let (result, resources) = run_cpu_observed(
                 &host,
-                SimInputs::Full {
+                RunInputs::Full {
                     program: &l1,
                     inputs: &inputs,
                 },
@@ -219,7 +219,7 @@ fn one_shot_runs_leave_no_threads_descriptors_or_buffers() {
             assert_eq!(resources.threads_joined, resources.threads_started);
             assert!(resources.held_at_exit.values().all(BufferStats::is_empty));
             assert!(resources.undelivered.is_empty());
-            assert_eq!(sim_threads(), 0, "{name}: a rank thread survived");
+            assert_eq!(cpu_threads(), 0, "{name}: a rank thread survived");
         };
         for _ in 0..WARMUP {
             run();

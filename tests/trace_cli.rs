@@ -1,4 +1,4 @@
-//! `meshflow trace`: a Perfetto trace and an SVG timeline of a run on the sim backend (the GPU
+//! `meshflow trace`: a Perfetto trace and an SVG timeline of a run on the CPU backend (the GPU
 //! path, `--backend cuda`, writes the same files from CUDA event intervals).
 
 use std::process::{Command, Output};
@@ -13,7 +13,7 @@ fn meshflow(args: &[&str]) -> Output {
 }
 
 #[test]
-fn the_ring_on_four_sim_ranks_gives_a_trace_and_a_timeline() {
+fn the_ring_on_four_cpu_ranks_gives_a_trace_and_a_timeline() {
     let dir = std::env::temp_dir().join(format!("meshflow-trace-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("ring.json");

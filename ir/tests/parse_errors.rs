@@ -293,13 +293,13 @@ fn host_variables_of_the_wrong_form() {
 
 #[test]
 fn host_strings_and_structure() {
-    let text = host(&["launch_kernel(x -> y, kernel=\"abc)"]);
-    assert_error(host_error(&text), 5, 32, "unterminated string literal");
-    let text = host(&["launch_kernel(x -> y, kernel=\"a\\qb\")"]);
+    let text = host(&["call_kernel(x -> y, kernel=\"abc)"]);
+    assert_error(host_error(&text), 5, 30, "unterminated string literal");
+    let text = host(&["call_kernel(x -> y, kernel=\"a\\qb\")"]);
     assert_error(
         host_error(&text),
         5,
-        34,
+        32,
         "unknown escape `\\q` in string literal",
     );
     let text = host(&["for i0 in 0..2 {", "  tensor t: f32[4] on m0", "}"]);

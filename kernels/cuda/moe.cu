@@ -143,7 +143,7 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 // out[i] = in[0] + ... + in[i-1] for i < n, processed in chunks of blockDim.x (a multiple of 32);
 // returns the total to every thread. `in` is read with relaxed gpu-scope loads (it may have been
 // built with atomics). The barrier between reading the running total and advancing it is the one
-// pplx-garden PR #9 is missing (reference/moe-dispatch-combine.md section 1.8).
+// pplx-garden PR #9 is missing.
 __device__ int block_exclusive_scan(const int* in, int* out, i64 n) {
     __shared__ int warp_sums[32];
     __shared__ int running;

@@ -1,5 +1,5 @@
-//! The cost model of `choose_decompositions`: the alpha-beta formulas of
-//! `reference/overlap-and-egg.md` §3.2.
+//! The cost model of `choose_decompositions`: alpha-beta formulas (a latency plus bytes over a
+//! bandwidth per transfer) for each decomposition.
 //!
 //! For an all-gather of `S` bytes over a team of `d` feeding a compute op that takes `C` µs
 //! unsplit, cut into `s` chunks:

@@ -13,12 +13,11 @@ use super::programs::{
 use super::stats::{CaseResult, PermuteResult, Timing, VariantResult};
 use super::torch::TorchBaselines;
 use crate::runtime::cuda::{
-    device_count, run_cuda_timed, CopyStream, CudaConfig, CudaLaunchError, CudaOptions,
-    CudaTransport,
+    device_count, run_cuda_timed, CopyStream, CudaConfig, CudaOptions, CudaRunError, CudaTransport,
 };
 use crate::runtime::data::{SplitMix64, TensorData};
 use crate::runtime::shard::{scatter_inputs, ShardError};
-use crate::runtime::SimInputs;
+use crate::runtime::RunInputs;
 
 /// Why a benchmark failed.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -29,7 +28,7 @@ pub enum BenchError {
         /// The program.
         what: String,
         /// Why.
-        source: CudaLaunchError,
+        source: CudaRunError,
     },
     /// Inputs or outputs could not be cut or assembled.
     #[error("{what}: {source}")]
@@ -221,7 +220,7 @@ impl Runner {
         cuda.config.graph = setup.graph;
         let run = run_cuda_timed(
             host,
-            SimInputs::PerRank(inputs),
+            RunInputs::PerRank(inputs),
             &cuda,
             self.opts.warmup,
             self.opts.iterations,
@@ -254,7 +253,7 @@ impl Runner {
         cuda.config.profile = true;
         cuda.config.steps = 1;
         let run =
-            run_cuda_timed(host, SimInputs::PerRank(inputs), &cuda, 2, 1).map_err(|source| {
+            run_cuda_timed(host, RunInputs::PerRank(inputs), &cuda, 2, 1).map_err(|source| {
                 BenchError::Run {
                     what: format!("trace of {name}"),
                     source,

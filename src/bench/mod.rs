@@ -1,7 +1,7 @@
 //! GPU benchmarks (`meshflow bench agmm`, `meshflow bench rsmm`): overlapped AG+GEMM and
 //! GEMM+RS variants next to their parts timed alone and the bound max(comm, GEMM).
 //!
-//! [`programs`] builds the programs (also used by the GPU overlap tests and checked on the sim
+//! [`programs`] builds the programs (also used by the GPU overlap tests and checked on the CPU backend
 //! backend in CI), [`rings`] the hand-written neighbour rings among them; the measurement
 //! itself needs the `cuda` feature.
 

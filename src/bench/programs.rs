@@ -302,7 +302,7 @@ fn keep_block(b: &Block, parts: Parts) -> Block {
             );
             let compute = matches!(
                 inst.kind,
-                InstKind::Compute { .. } | InstKind::LaunchKernel { .. }
+                InstKind::Compute { .. } | InstKind::CallKernel { .. }
             );
             match parts {
                 Parts::CommOnly if compute => return None,
@@ -332,7 +332,7 @@ pub fn keep_parts(host: &HostProgram, parts: Parts) -> HostProgram {
 /// The hand-written host program of a GEMM+RS variant (local shapes: `x[M, K/d]`,
 /// `w[N, K/d]`, `z[M/d, N]`). The pipeline does not lower the chunked reduce-scatter's
 /// schedule (a Stream split outside the DIDx split of the scattered axis) yet, so the chunked
-/// variant is written here and checked against [`rsmm_program`] on the sim backend. The ring
+/// variant is written here and checked against [`rsmm_program`] on the CPU backend. The ring
 /// is [`rsmm_ring_host`].
 pub fn rsmm_host(
     d: usize,
@@ -425,7 +425,7 @@ pub fn rs_alone_host(d: usize, m: u64, n: u64, dtype: DType) -> HostProgram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::{run_and_compare, SimOptions};
+    use crate::runtime::{run_and_compare, CpuOptions};
 
     const SMALL: Gemm3 = Gemm3 {
         m: 32,
@@ -434,13 +434,13 @@ mod tests {
     };
 
     #[test]
-    fn every_variant_matches_the_reference_on_sim_ranks() {
+    fn every_variant_matches_the_reference_on_cpu_ranks() {
         for d in [1usize, 2, 4] {
             for dtype in [DType::F32, DType::BF16] {
                 for v in AgVariant::ALL {
                     let l = agmm_lowered(d, SMALL, dtype, v, 2, Parts::Both)
                         .unwrap_or_else(|e| panic!("agmm {} d={d}: {e}", v.name()));
-                    let cmp = run_and_compare(&l.program, &l.host, d, 3, &SimOptions::default())
+                    let cmp = run_and_compare(&l.program, &l.host, d, 3, &CpuOptions::default())
                         .unwrap_or_else(|e| panic!("agmm {} d={d}: {e}", v.name()));
                     assert!(cmp.passed(), "agmm {} d={d} {dtype}: {cmp}", v.name());
                 }
@@ -453,7 +453,7 @@ mod tests {
                 ] {
                     let l = rsmm_lowered(d, SMALL, dtype, v, 2, Parts::Both)
                         .unwrap_or_else(|e| panic!("rsmm {} d={d}: {e}", v.name()));
-                    let cmp = run_and_compare(&l.program, &l.host, d, 5, &SimOptions::default())
+                    let cmp = run_and_compare(&l.program, &l.host, d, 5, &CpuOptions::default())
                         .unwrap_or_else(|e| panic!("rsmm {} d={d}: {e}", v.name()));
                     assert!(cmp.passed(), "rsmm {} d={d} {dtype}: {cmp}", v.name());
                 }

@@ -1,5 +1,5 @@
 //! Hand-written ring schedules of the overlap benchmarks, checked against the same level-1
-//! programs as the pipeline-lowered variants ([`agmm_program`], [`rsmm_program`]) on the sim
+//! programs as the pipeline-lowered variants ([`agmm_program`], [`rsmm_program`]) on the CPU backend
 //! backend.
 //!
 //! Every ring only ever talks to its neighbours (team index `my ± 1`), one chunk per step, and
@@ -417,7 +417,7 @@ mod tests {
     use super::*;
     use crate::bench::programs::{agmm_lowered, rsmm_lowered, RsVariant};
     use crate::check::check_program;
-    use crate::runtime::{run_and_compare, SimOptions};
+    use crate::runtime::{run_and_compare, CpuOptions};
     use meshflow_ir::host::ExprEnv;
     use meshflow_ir::{DeviceId, Expr, InstKind, LoopVar, MeshId, ParallelType};
 
@@ -431,7 +431,7 @@ mod tests {
     const AG_RINGS: [AgVariant; 2] = [AgVariant::RingForward, AgVariant::RingBidirectional];
 
     #[test]
-    fn ring_variants_match_the_reference_on_sim_ranks() {
+    fn ring_variants_match_the_reference_on_cpu_ranks() {
         for d in 1..=4usize {
             for dtype in [DType::F32, DType::BF16] {
                 for v in AG_RINGS {
@@ -439,7 +439,7 @@ mod tests {
                         .unwrap_or_else(|e| panic!("agmm {} d={d}: {e}", v.name()));
                     check_program(&l.host, d)
                         .unwrap_or_else(|e| panic!("agmm {} d={d}: {e}", v.name()));
-                    let cmp = run_and_compare(&l.program, &l.host, d, 3, &SimOptions::default())
+                    let cmp = run_and_compare(&l.program, &l.host, d, 3, &CpuOptions::default())
                         .unwrap_or_else(|e| panic!("agmm {} d={d}: {e}\n{}", v.name(), l.host));
                     assert!(cmp.passed(), "agmm {} d={d} {dtype}: {cmp}", v.name());
                 }
@@ -448,7 +448,7 @@ mod tests {
                         .unwrap_or_else(|e| panic!("rsmm ring/{pieces} d={d}: {e}"));
                     check_program(&l.host, d)
                         .unwrap_or_else(|e| panic!("rsmm ring/{pieces} d={d}: {e}"));
-                    let cmp = run_and_compare(&l.program, &l.host, d, 5, &SimOptions::default())
+                    let cmp = run_and_compare(&l.program, &l.host, d, 5, &CpuOptions::default())
                         .unwrap_or_else(|e| panic!("rsmm ring/{pieces} d={d}: {e}\n{}", l.host));
                     assert!(cmp.passed(), "rsmm ring/{pieces} d={d} {dtype}: {cmp}");
                 }
@@ -492,9 +492,9 @@ mod tests {
                             "{what} {parts:?} {kind}\n{text}"
                         );
                     }
-                    // The parts run on the sim (no race, no hang); their outputs are not the
+                    // The parts run on the CPU backend (no race, no hang); their outputs are not the
                     // reference's (nor all written, for the communications alone).
-                    let mut options = SimOptions::default();
+                    let mut options = CpuOptions::default();
                     options.config.poison = false;
                     run_and_compare(&l.program, &l.host, d, 3, &options)
                         .unwrap_or_else(|e| panic!("{what} {parts:?} d={d}: {e}\n{text}"));

@@ -18,13 +18,13 @@ use super::teams::TeamTable;
 pub const MAX_INSTANCES: usize = 1_000_000;
 
 /// The instructions that matter to the check, with their index in [`Instances::insts`].
-enum Node<'a> {
+enum Step<'a> {
     Loop {
         ord: usize,
         index: LoopVar,
         start: &'a Expr,
         stop: &'a Expr,
-        body: Vec<Node<'a>>,
+        body: Vec<Step<'a>>,
     },
     Comm {
         ord: usize,
@@ -38,12 +38,12 @@ enum Node<'a> {
     },
 }
 
-fn build_nodes<'a>(
+fn build_steps<'a>(
     host: &HostProgram,
     block: &'a [Inst],
     insts: &mut Vec<InstInfo>,
-) -> Vec<Node<'a>> {
-    let mut nodes = Vec::new();
+) -> Vec<Step<'a>> {
+    let mut steps = Vec::new();
     for inst in block {
         let relevant = matches!(
             inst.kind,
@@ -57,25 +57,25 @@ fn build_nodes<'a>(
             text: inst_to_string(host, inst),
             loc: inst.loc,
         });
-        nodes.push(match &inst.kind {
+        steps.push(match &inst.kind {
             InstKind::ForLoop {
                 index,
                 start,
                 stop,
                 body,
-            } => Node::Loop {
+            } => Step::Loop {
                 ord,
                 index: *index,
                 start,
                 stop,
-                body: build_nodes(host, body, insts),
+                body: build_steps(host, body, insts),
             },
-            InstKind::StartCoalescing => Node::StartGroup { ord },
-            InstKind::EndCoalescing { .. } => Node::EndGroup { ord },
-            _ => Node::Comm { ord, inst },
+            InstKind::StartCoalescing => Step::StartGroup { ord },
+            InstKind::EndCoalescing { .. } => Step::EndGroup { ord },
+            _ => Step::Comm { ord, inst },
         });
     }
-    nodes
+    steps
 }
 
 /// Expression values on one rank.
@@ -176,10 +176,10 @@ impl Walker<'_, '_> {
         }
     }
 
-    fn walk(&mut self, nodes: &[Node<'_>]) -> Result<(), Abort> {
-        for node in nodes {
-            match node {
-                Node::Loop {
+    fn walk(&mut self, steps: &[Step<'_>]) -> Result<(), Abort> {
+        for step in steps {
+            match step {
+                Step::Loop {
                     ord,
                     index,
                     start,
@@ -199,7 +199,7 @@ impl Walker<'_, '_> {
                         self.loops.pop();
                     }
                 }
-                Node::StartGroup { ord } => {
+                Step::StartGroup { ord } => {
                     if self.group.is_some() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "start_coalescing inside an open coalescing group".into();
@@ -209,14 +209,14 @@ impl Walker<'_, '_> {
                         self.next_group += 1;
                     }
                 }
-                Node::EndGroup { ord } => {
+                Step::EndGroup { ord } => {
                     if self.group.take().is_none() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "end_coalescing without start_coalescing".into();
                         self.report(*ord, CheckError::Malformed { rank, site, detail });
                     }
                 }
-                Node::Comm { ord, inst } => {
+                Step::Comm { ord, inst } => {
                     self.spend()?;
                     self.communication(*ord, inst);
                 }
@@ -593,7 +593,7 @@ pub(crate) fn instantiate_all(
         return Err(CheckErrors::capped(fatal));
     }
     let mut insts = Vec::new();
-    let nodes = build_nodes(host, &host.body, &mut insts);
+    let steps = build_steps(host, &host.body, &mut insts);
     let mut out = Instances::new(world_size, insts);
     let mut errors = Vec::new();
     let mut reported = HashSet::new();
@@ -626,7 +626,7 @@ pub(crate) fn instantiate_all(
             group: None,
             next_group: 0,
         };
-        if walker.walk(&nodes).is_err() {
+        if walker.walk(&steps).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {
                 world_size,
                 limit: MAX_INSTANCES,

@@ -4,8 +4,8 @@
 //! NCCL transport (grouped send/recv of capacity-padded blocks, counts exchanged on the
 //! device) and the NVLink transport (stores into peer-mapped memory, device-side flags).
 //! Reported per case: the median over steps of the slowest rank, in µs. With `--torch`, the
-//! PyTorch figures of `../shared/bench/torch_baselines.py` from the same machine are printed
-//! next to ours.
+//! PyTorch figures of a baseline script's JSON (`--torch`, see `bench/README.md`) from the same
+//! machine are printed next to ours.
 
 use std::path::PathBuf;
 

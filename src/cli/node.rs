@@ -1,4 +1,4 @@
-//! Multi-process sim runs. `meshflow run FILE --ranks N --nodes M` (or with
+//! Multi-process CPU runs. `meshflow run FILE --ranks N --nodes M` (or with
 //! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`launch`]), each running
 //! the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads, the other
 //! nodes reached through the host proxy over TCP. Node 0 serves the rendezvous, gathers every
@@ -17,20 +17,20 @@ use clap::Args;
 use meshflow::kernels::proxy::{ProxyStats, Topology};
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
-use meshflow::runtime::launch::{RunOutcome, SimOptions};
+use meshflow::runtime::cpu::{CpuConfig, Fault, FaultKind, FAULT_EXIT_STATUS};
 use meshflow::runtime::multinode::{
     local_address_toward, run_node, supervise, NodeCommand, NodeSpec, DEFAULT_RING,
 };
+use meshflow::runtime::ranks::{CpuOptions, RunOutcome};
 use meshflow::runtime::reference::evaluate;
 use meshflow::runtime::rendezvous::{Rendezvous, TcpRendezvous, TorchrunEnv};
 use meshflow::runtime::shard::scatter_inputs;
-use meshflow::runtime::sim::{Fault, FaultKind, SimConfig, FAULT_EXIT_STATUS};
 
 use super::common::{print_out, CliError, ProgramArgs};
 
-/// Settings of the sim ranks, shared by `run` and `node`.
+/// Settings of the CPU ranks, shared by `run` and `node`.
 #[derive(Clone, Debug, Args)]
-pub struct SimArgs {
+pub struct CpuRunArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -40,7 +40,7 @@ pub struct SimArgs {
     /// How long a rank waits for a peer before the run fails, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
-    /// Do not check stream ordering (races) while running (sim backend).
+    /// Do not check stream ordering (races) while running (CPU backend).
     #[arg(long)]
     pub no_race_check: bool,
 }
@@ -51,7 +51,7 @@ pub struct NodeArgs {
     #[command(flatten)]
     program: ProgramArgs,
     #[command(flatten)]
-    sim: SimArgs,
+    cpu: CpuRunArgs,
     /// This node.
     #[arg(long)]
     node: usize,
@@ -64,8 +64,8 @@ pub struct NodeArgs {
 }
 
 /// How long proxy connection setup and rendezvous steps may take.
-fn setup_timeout(sim: &SimArgs) -> Duration {
-    Duration::from_millis(sim.timeout_ms).max(Duration::from_secs(30))
+fn setup_timeout(cpu: &CpuRunArgs) -> Duration {
+    Duration::from_millis(cpu.timeout_ms).max(Duration::from_secs(30))
 }
 
 /// Faults from `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]`.
@@ -96,7 +96,7 @@ fn sum_stats(stats: &BTreeMap<usize, ProxyStats>) -> ProxyStats {
 pub fn run(args: NodeArgs) -> Result<(), CliError> {
     let program = args.program.load()?;
     let options = CompileOptions {
-        num_streams: args.sim.streams.max(1),
+        num_streams: args.cpu.streams.max(1),
         ..CompileOptions::default()
     };
     let compiled = compile(&program, &options)?;
@@ -117,7 +117,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
     }
     let mut summary = String::new();
     let inputs =
-        random_inputs(&program, args.sim.seed).map_err(|e| CliError::Run(e.to_string()))?;
+        random_inputs(&program, args.cpu.seed).map_err(|e| CliError::Run(e.to_string()))?;
     let per_rank =
         scatter_inputs(&compiled.program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
     let (addr, port) = args
@@ -134,7 +134,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         master_addr: addr,
         master_port: port,
     };
-    let setup = setup_timeout(&args.sim);
+    let setup = setup_timeout(&args.cpu);
     let rendezvous: Arc<dyn Rendezvous> =
         Arc::new(TcpRendezvous::connect(&env, setup).map_err(|e| CliError::Run(e.to_string()))?);
     let host =
@@ -154,27 +154,27 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         ring,
         setup_timeout: setup,
     };
-    let sim = SimOptions {
+    let cpu = CpuOptions {
         ranks: Some(ranks),
-        config: SimConfig {
-            stream_pool: args.sim.streams.max(1),
-            timeout: Duration::from_millis(args.sim.timeout_ms),
-            race_check: !args.sim.no_race_check,
+        config: CpuConfig {
+            stream_pool: args.cpu.streams.max(1),
+            timeout: Duration::from_millis(args.cpu.timeout_ms),
+            race_check: !args.cpu.no_race_check,
             faults: faults_from_env()?,
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
         trace: false,
     };
-    let outcome = run_node(&compiled.host, &per_rank, &spec, rendezvous, &sim)
+    let outcome = run_node(&compiled.host, &per_rank, &spec, rendezvous, &cpu)
         .map_err(|e| CliError::Run(e.to_string()))?;
     let stats = sum_stats(&outcome.proxy_stats);
     let Some(outputs) = outcome.outputs else {
         return Ok(());
     };
     summary.push_str(&format!(
-        "ran on {ranks} sim ranks in {nodes} node processes in {:.1} ms (seed {})\n",
+        "ran on {ranks} CPU ranks in {nodes} node processes in {:.1} ms (seed {})\n",
         outcome.elapsed.as_secs_f64() * 1e3,
-        args.sim.seed
+        args.cpu.seed
     ));
     summary.push_str(&format!(
         "proxy over {} (node 0): {} chunk writes, {} chunk immediates, {} messages, {} credit writes, {} bytes\n",
@@ -224,7 +224,7 @@ pub fn nodes_of(ranks: usize, nodes: Option<usize>) -> Result<usize, CliError> {
 /// summary. `summary` is printed first.
 pub fn launch(
     program: &ProgramArgs,
-    sim: &SimArgs,
+    cpu: &CpuRunArgs,
     ranks: usize,
     nodes: usize,
     summary: &str,
@@ -246,13 +246,13 @@ pub fn launch(
                 .arg(&program.file)
                 .args(["--ranks", &ranks.to_string()])
                 .args(program.params.iter().flat_map(|p| ["--param", p.as_str()]))
-                .args(["--seed", &sim.seed.to_string()])
-                .args(["--streams", &sim.streams.to_string()])
-                .args(["--timeout-ms", &sim.timeout_ms.to_string()])
+                .args(["--seed", &cpu.seed.to_string()])
+                .args(["--streams", &cpu.streams.to_string()])
+                .args(["--timeout-ms", &cpu.timeout_ms.to_string()])
                 .args(["--node", &node.to_string()])
                 .args(["--node-size", &node_size.to_string()])
                 .args(["--master", &master]);
-            if sim.no_race_check {
+            if cpu.no_race_check {
                 c.arg("--no-race-check");
             }
             NodeCommand {
@@ -262,11 +262,11 @@ pub fn launch(
             }
         })
         .collect();
-    let timeout = Duration::from_millis(sim.timeout_ms);
+    let timeout = Duration::from_millis(cpu.timeout_ms);
     let started = Instant::now();
     let exits = supervise(
         commands,
-        setup_timeout(sim) * 2 + timeout * 4,
+        setup_timeout(cpu) * 2 + timeout * 4,
         timeout + Duration::from_secs(5),
     );
     let mut out = summary.to_string();

@@ -1,9 +1,9 @@
-//! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
+//! `meshflow run FILE [--ranks N] [--param k=v]... [--backend cpu|cuda] [--seed S]
 //! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
 //! program, checks the host program across ranks, runs it on every rank with random inputs,
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
-//! (or `MESHFLOW_NODE_SIZE`) the sim ranks run in M processes linked by the host proxy (see
+//! (or `MESHFLOW_NODE_SIZE`) the CPU ranks run in M processes linked by the host proxy (see
 //! [`node`](super::node)); GPU ranks (`--backend cuda`) stay in this process (or the processes
 //! of `meshflow launch`) and reach the ranks of other nodes through their host proxies.
 
@@ -14,9 +14,9 @@ use clap::{Args, ValueEnum};
 use meshflow::check::check_program;
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
-use meshflow::runtime::launch::{run_sim, SimInputs, SimOptions};
+use meshflow::runtime::cpu::CpuConfig;
+use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::reference::evaluate;
-use meshflow::runtime::sim::SimConfig;
 
 use super::common::{print_out, CliError, ProgramArgs};
 
@@ -24,7 +24,8 @@ use super::common::{print_out, CliError, ProgramArgs};
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 pub enum BackendKind {
     /// The embedded CPU backend: one thread per rank, host memory.
-    Sim,
+    #[value(alias = "sim")]
+    Cpu,
     /// GPUs over CUDA and NCCL (needs the `cuda` feature).
     Cuda,
 }
@@ -35,7 +36,7 @@ pub struct RunArgs {
     #[command(flatten)]
     program: ProgramArgs,
     /// The backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::Sim)]
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     backend: BackendKind,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
@@ -54,11 +55,11 @@ pub struct RunArgs {
     /// How long a rank waits for a peer before the run fails, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     timeout_ms: u64,
-    /// Do not check stream ordering (races) while running (sim backend).
+    /// Do not check stream ordering (races) while running (CPU backend).
     #[arg(long)]
     no_race_check: bool,
     /// Split the ranks into this many nodes linked by the host proxy over TCP (default:
-    /// `MESHFLOW_NODE_SIZE` ranks per node when set, else one node). Sim ranks run in one
+    /// `MESHFLOW_NODE_SIZE` ranks per node when set, else one node). CPU ranks run in one
     /// process per node; GPU ranks move collective permutes and MoE rows between nodes
     /// through the proxy.
     #[arg(long)]
@@ -101,10 +102,10 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         ));
     }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
-    if nodes > 1 && args.backend == BackendKind::Sim {
+    if nodes > 1 && args.backend == BackendKind::Cpu {
         if args.schedule != super::common::ScheduleArg::PerIteration {
             return Err(CliError::Usage(
-                "--schedule is not passed to the node processes of a multi-process sim run yet; \
+                "--schedule is not passed to the node processes of a multi-process CPU run yet; \
                  run without --nodes"
                     .into(),
             ));
@@ -112,38 +113,38 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         if args.trace.is_some() {
             summary.push_str("note: --trace is not recorded in multi-process runs\n");
         }
-        let sim = super::node::SimArgs {
+        let cpu = super::node::CpuRunArgs {
             seed: args.seed,
             streams: args.streams,
             timeout_ms: args.timeout_ms,
             no_race_check: args.no_race_check,
         };
-        return super::node::launch(&args.program, &sim, ranks, nodes, &summary);
+        return super::node::launch(&args.program, &cpu, ranks, nodes, &summary);
     }
     let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
     let got = match args.backend {
-        BackendKind::Sim => {
-            let sim = SimOptions {
+        BackendKind::Cpu => {
+            let cpu = CpuOptions {
                 ranks: Some(ranks),
-                config: SimConfig {
+                config: CpuConfig {
                     stream_pool: args.streams.max(1),
                     timeout: Duration::from_millis(args.timeout_ms),
                     race_check: !args.no_race_check,
-                    ..SimConfig::default()
+                    ..CpuConfig::default()
                 },
                 trace: args.trace.is_some(),
             };
-            let outcome = run_sim(
+            let outcome = run_cpu(
                 &compiled.host,
-                SimInputs::Full {
+                RunInputs::Full {
                     program: &compiled.program,
                     inputs: &inputs,
                 },
-                &sim,
+                &cpu,
             )
             .map_err(|e| CliError::Run(e.to_string()))?;
             summary.push_str(&format!(
-                "ran on {ranks} sim ranks in {:.1} ms (seed {})\n",
+                "ran on {ranks} CPU ranks in {:.1} ms (seed {})\n",
                 outcome.elapsed.as_secs_f64() * 1e3,
                 args.seed
             ));

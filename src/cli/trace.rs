@@ -1,8 +1,8 @@
-//! `meshflow trace FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [-o out.json]
+//! `meshflow trace FILE [--ranks N] [--param k=v]... [--backend cpu|cuda] [-o out.json]
 //! [--svg out.svg] [--streams P] [--decompose TENSOR=VARIANT]... [--seed S]`: lowers the
 //! program, runs it once on every rank with random inputs and writes a Perfetto/Chrome trace
 //! (JSON) and an SVG timeline (one row per rank and stream, boxes coloured by compute,
-//! communication, copy and wait). On the sim backend the boxes are the host time of each
+//! communication, copy and wait). On the CPU backend the boxes are the host time of each
 //! instruction; on GPUs (`--backend cuda`) they are device intervals from CUDA events, of a run
 //! after two warm-up runs.
 
@@ -14,8 +14,8 @@ use clap::Args;
 use meshflow::passes::Decomposition;
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
-use meshflow::runtime::launch::{run_sim, SimInputs, SimOptions};
-use meshflow::runtime::sim::SimConfig;
+use meshflow::runtime::cpu::CpuConfig;
+use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::trace::Trace;
 
 use super::common::{print_out, CliError, ProgramArgs};
@@ -27,7 +27,7 @@ pub struct TraceArgs {
     #[command(flatten)]
     program: ProgramArgs,
     /// The backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::Sim)]
+    #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     backend: BackendKind,
     /// The Perfetto/Chrome trace (JSON).
     #[arg(
@@ -85,23 +85,23 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
         None => world,
     };
     let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
-    let full = SimInputs::Full {
+    let full = RunInputs::Full {
         program: &compiled.program,
         inputs: &inputs,
     };
     let (trace, pool) = match args.backend {
-        BackendKind::Sim => {
-            let sim = SimOptions {
+        BackendKind::Cpu => {
+            let cpu = CpuOptions {
                 ranks: Some(ranks),
-                config: SimConfig {
+                config: CpuConfig {
                     stream_pool: args.streams.max(1),
                     timeout: Duration::from_secs(30),
-                    ..SimConfig::default()
+                    ..CpuConfig::default()
                 },
                 trace: true,
             };
             let outcome =
-                run_sim(&compiled.host, full, &sim).map_err(|e| CliError::Run(e.to_string()))?;
+                run_cpu(&compiled.host, full, &cpu).map_err(|e| CliError::Run(e.to_string()))?;
             (outcome.trace.unwrap_or_default(), None)
         }
         BackendKind::Cuda => (
@@ -122,7 +122,7 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
         "{} on {ranks} {} ranks",
         program.name,
         match args.backend {
-            BackendKind::Sim => "sim",
+            BackendKind::Cpu => "CPU",
             BackendKind::Cuda => "GPU",
         }
     );
@@ -138,7 +138,7 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
 #[cfg(not(feature = "cuda"))]
 fn cuda_trace(
     _host: &meshflow::ir::HostProgram,
-    _inputs: SimInputs<'_>,
+    _inputs: RunInputs<'_>,
     _ranks: usize,
     _streams: usize,
 ) -> Result<Trace, CliError> {
@@ -152,7 +152,7 @@ fn cuda_trace(
 #[cfg(feature = "cuda")]
 fn cuda_trace(
     host: &meshflow::ir::HostProgram,
-    inputs: SimInputs<'_>,
+    inputs: RunInputs<'_>,
     ranks: usize,
     streams: usize,
 ) -> Result<Trace, CliError> {

@@ -130,12 +130,12 @@ impl Compiled {
         &self.dumps
     }
 
-    /// The names of the kernels the host program launches (`launch_kernel`, from `custom`
+    /// The names of the kernels the host program launches (`call_kernel`, from `custom`
     /// ops), sorted: every backend must register them.
     pub fn kernels(&self) -> Vec<String> {
         let mut names = Vec::new();
         self.host.walk(&mut |inst, _| {
-            if let InstKind::LaunchKernel { kernel, .. } = &inst.kind {
+            if let InstKind::CallKernel { kernel, .. } = &inst.kind {
                 names.push(kernel.clone());
             }
         });

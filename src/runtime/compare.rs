@@ -1,4 +1,4 @@
-//! [`run_and_compare`]: random inputs, a sharded sim run, the level-1 reference, and a
+//! [`run_and_compare`]: random inputs, a sharded CPU run, the level-1 reference, and a
 //! per-output comparison.
 
 use std::collections::BTreeMap;
@@ -7,7 +7,7 @@ use std::fmt;
 use meshflow_ir::{DType, HostProgram, OpKind, Program};
 
 use super::data::{numel_of, try_collect, try_filled, DataError, SplitMix64, TensorData};
-use super::launch::{run_sim, LaunchError, SimInputs, SimOptions};
+use super::ranks::{run_cpu, CpuOptions, RunError, RunInputs};
 use super::reference::{evaluate_with, ReferenceError};
 use super::shard::ShardError;
 
@@ -24,7 +24,7 @@ pub enum CompareError {
     },
     /// The sharded run failed.
     #[error(transparent)]
-    Run(#[from] LaunchError),
+    Run(#[from] RunError),
     /// Gathering outputs failed.
     #[error(transparent)]
     Shard(#[from] ShardError),
@@ -160,22 +160,22 @@ pub fn random_inputs(
     Ok(out)
 }
 
-/// Generates seeded inputs, runs `host` on `ranks` sim ranks, gathers the outputs of
+/// Generates seeded inputs, runs `host` on `ranks` CPU ranks, gathers the outputs of
 /// `level1`, evaluates the reference and compares every output. The kernels of
-/// `options.config` serve the run's `launch_kernel`s and the reference's `custom` ops alike.
+/// `options.config` serve the run's `call_kernel`s and the reference's `custom` ops alike.
 pub fn run_and_compare(
     level1: &Program,
     host: &HostProgram,
     ranks: usize,
     seed: u64,
-    options: &SimOptions,
+    options: &CpuOptions,
 ) -> Result<Comparison, CompareError> {
     let inputs = random_inputs(level1, seed)?;
     let mut options = options.clone();
     options.ranks = Some(ranks);
-    let outcome = run_sim(
+    let outcome = run_cpu(
         host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: level1,
             inputs: &inputs,
         },

@@ -5,7 +5,7 @@
 //! the non-reduction axes). `moe_dispatch` orders each expert's rows by ascending `(token, k)`
 //! and numbers tokens globally; a capacity overflow is an error naming the expert.
 //!
-//! A `custom` op runs the closure registered under its kernel name in the [`SimKernels`] given
+//! A `custom` op runs the closure registered under its kernel name in the [`CpuKernels`] given
 //! to [`evaluate_with`] — the same closure the CPU backend launches on chunks, here called once
 //! on the full tensors (a custom op is chunk-wise by contract, so both agree), with the op's
 //! `args` followed by the full output shape. [`evaluate`] has no kernels: a program with a
@@ -15,9 +15,9 @@ use std::collections::BTreeMap;
 
 use meshflow_ir::{EntityRef, OpKind, Program, TensorId};
 
+use super::cpu::CpuKernels;
 use super::cpu_ops::{self, Binary, OpError, Unary};
 use super::data::TensorData;
-use super::sim::SimKernels;
 use super::view::{View, ViewMut};
 
 /// Why the reference could not evaluate a program.
@@ -108,14 +108,14 @@ pub fn evaluate(
     program: &Program,
     inputs: &BTreeMap<String, TensorData>,
 ) -> Result<BTreeMap<String, TensorData>, ReferenceError> {
-    evaluate_with(program, inputs, &SimKernels::new())
+    evaluate_with(program, inputs, &CpuKernels::new())
 }
 
 /// [`evaluate`], with `kernels` computing the `custom` ops (see the module docs).
 pub fn evaluate_with(
     program: &Program,
     inputs: &BTreeMap<String, TensorData>,
-    kernels: &SimKernels,
+    kernels: &CpuKernels,
 ) -> Result<BTreeMap<String, TensorData>, ReferenceError> {
     let mut values: Vec<Option<TensorData>> = vec![None; program.tensors.len()];
     for t in program.inputs() {
@@ -192,7 +192,7 @@ pub fn evaluate_with(
 
 fn run_custom(
     op: &meshflow_ir::CustomOp,
-    kernels: &SimKernels,
+    kernels: &CpuKernels,
     ins: &[View<'_>],
     outs: &mut [TensorData],
     text: &str,

@@ -8,14 +8,14 @@ use meshflow::ir::DeviceMesh;
 use meshflow::ir::{DType, DeviceId, ParallelType::*, Program, ProgramBuilder, TensorType};
 use meshflow::runtime::cpu_ops::gelu_scalar;
 use meshflow::runtime::data::Storage;
-use meshflow::{Compiled, CpuJob, Error, Executor, SimBackend, SimKernels, TensorData};
+use meshflow::{Compiled, CpuBackend, CpuJob, CpuKernels, Error, Executor, TensorData};
 
 /// Runs `step` for every rank of `job` on its own thread (named `rank-R`) with that rank's
 /// executor, and returns the results by rank.
 pub fn run_ranks<T: Send>(
     compiled: &Compiled,
     job: &CpuJob,
-    step: impl Fn(&mut Executor<'_, SimBackend>) -> Result<T, Error> + Sync,
+    step: impl Fn(&mut Executor<'_, CpuBackend>) -> Result<T, Error> + Sync,
 ) -> Vec<Result<T, Error>> {
     std::thread::scope(|s| {
         let threads: Vec<_> = (0..job.world_size())
@@ -66,8 +66,8 @@ pub fn bias_gelu(x: &[f32], b: &[f32]) -> Vec<f32> {
 }
 
 /// Kernels with the fused `bias_gelu` (inputs `x`, `b`; output `y`).
-pub fn kernels() -> SimKernels {
-    let mut k = SimKernels::new();
+pub fn kernels() -> CpuKernels {
+    let mut k = CpuKernels::new();
     k.register("bias_gelu", |ins, outs, _args| {
         let [x, b] = ins else {
             return Err(format!("bias_gelu takes 2 inputs, got {}", ins.len()));

@@ -46,9 +46,9 @@ pub fn threads_left(prefix: &str) -> usize {
     }
 }
 
-/// Sim rank threads (`meshflow-sim-rank-N`) still alive (see [`threads_left`]).
-pub fn sim_threads() -> usize {
-    threads_left("meshflow-sim-rank")
+/// CPU rank threads (`meshflow-cpu-rank-N`) still alive (see [`threads_left`]).
+pub fn cpu_threads() -> usize {
+    threads_left("meshflow-cpu-rank")
 }
 
 /// Open file descriptors of this process.

@@ -79,7 +79,7 @@ fn bin_op(cur: &Cursor, ops: &[(&str, BinOp)]) -> Option<BinOp> {
 }
 
 fn height(e: &PExpr) -> usize {
-    // Trees are built bottom-up and checked at every node, so this stays shallow.
+    // Trees are built bottom-up and checked at every subterm, so this stays shallow.
     match &e.kind {
         PKind::Bin(_, a, b) => 1 + height(a).max(height(b)),
         PKind::Neg(a) => 1 + height(a),

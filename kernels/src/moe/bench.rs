@@ -38,7 +38,7 @@ pub struct BenchCase {
 }
 
 impl BenchCase {
-    /// The DeepSeek-V3-like decode case of DESIGN.md §8 at `tokens` tokens per rank: H = 7168,
+    /// The DeepSeek-V3-like decode case at `tokens` tokens per rank: H = 7168,
     /// K = 8, E = 256, bf16, 50 timed steps after 10 warm-up steps.
     pub fn deepseek(tokens: usize) -> BenchCase {
         BenchCase {

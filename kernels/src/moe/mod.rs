@@ -1,4 +1,4 @@
-//! MoE expert-parallel dispatch and combine (DESIGN.md §6; the host IR's `moe_dispatch` /
+//! MoE expert-parallel dispatch and combine (the host IR's `moe_dispatch` /
 //! `moe_combine`).
 //!
 //! A team of `W` ranks holds `E` experts, `L = E / W` per rank; expert `e` lives on rank `e / L`
@@ -48,7 +48,7 @@ mod bench;
 #[cfg(feature = "cuda")]
 mod ipc;
 #[cfg(feature = "cuda")]
-mod launch;
+mod kernel_calls;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]

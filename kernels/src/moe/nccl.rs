@@ -4,7 +4,7 @@
 //! NCCL moves the padded size whatever the routing. That is the price of a host-sync-free
 //! NCCL path; [`super::NvlinkMoe`] moves only the real rows.
 
-use super::launch::{self, ExpertRows, NcclCombineRecv, NcclRecv};
+use super::kernel_calls::{self, ExpertRows, NcclCombineRecv, NcclRecv};
 use super::transport::{Core, MoeTransport, Phase};
 use super::{MoeShape, MoeStatus, TransportKind};
 use crate::buffer::DeviceBuffer;
@@ -68,16 +68,16 @@ impl NcclMoe {
             routing: alloc(l * c * 8)?,
             recv_x: alloc(w * block)?,
             recv_meta: alloc(w * pair * 8)?,
-            recv_cnt: launch::zeroed_i32(&stream, w * l)?,
-            src_off: launch::zeroed_i32(&stream, w * l)?,
-            dst_off: launch::zeroed_i32(&stream, w * l)?,
-            src_total: launch::zeroed_i32(&stream, w)?,
-            comb_send_cnt: launch::zeroed_i32(&stream, w)?,
-            comb_recv_cnt: launch::zeroed_i32(&stream, w)?,
+            recv_cnt: kernel_calls::zeroed_i32(&stream, w * l)?,
+            src_off: kernel_calls::zeroed_i32(&stream, w * l)?,
+            dst_off: kernel_calls::zeroed_i32(&stream, w * l)?,
+            src_total: kernel_calls::zeroed_i32(&stream, w)?,
+            comb_send_cnt: kernel_calls::zeroed_i32(&stream, w)?,
+            comb_recv_cnt: kernel_calls::zeroed_i32(&stream, w)?,
             slot_idx: DeviceBuffer::alloc_elems(&device, DType::I32, shape.tokens * shape.top_k)?,
-            cnt: launch::zeroed_i32(&stream, shape.experts)?,
-            pos: launch::zeroed_i32(&stream, shape.tokens * shape.top_k)?,
-            base: launch::zeroed_i32(&stream, shape.experts)?,
+            cnt: kernel_calls::zeroed_i32(&stream, shape.experts)?,
+            pos: kernel_calls::zeroed_i32(&stream, shape.tokens * shape.top_k)?,
+            base: kernel_calls::zeroed_i32(&stream, shape.experts)?,
             send_x,
             send_meta,
             core,
@@ -214,8 +214,8 @@ impl MoeTransport for NcclMoe {
             stream,
             |c| {
                 let s = c.shape;
-                launch::route(&c.kernels, stream, &s, topk_idx, cnt, pos, base, &c.status)?;
-                launch::nccl_dispatch_pack(
+                kernel_calls::route(&c.kernels, stream, &s, topk_idx, cnt, pos, base, &c.status)?;
+                kernel_calls::nccl_dispatch_pack(
                     &c.kernels, stream, &s, c.rank, x, topk_idx, pos, base, send_x, send_meta,
                 )?;
                 let l = s.local_experts();
@@ -252,7 +252,7 @@ impl MoeTransport for NcclMoe {
             Phase::Dispatched,
             stream,
             |c| {
-                launch::nccl_dispatch_recv(
+                kernel_calls::nccl_dispatch_recv(
                     &c.kernels, stream, &c.shape, c.rank, own_cnt, &bufs, &c.counts, expert_x,
                     routing, &c.status,
                 )
@@ -306,7 +306,7 @@ impl MoeTransport for NcclMoe {
                     routing,
                 };
                 comb_send_cnt.zero(stream)?;
-                launch::nccl_combine_pack(
+                kernel_calls::nccl_combine_pack(
                     &c.kernels,
                     stream,
                     &s,
@@ -354,7 +354,7 @@ impl MoeTransport for NcclMoe {
             Phase::Idle,
             stream,
             |c| {
-                launch::nccl_combine_recv(
+                kernel_calls::nccl_combine_recv(
                     &c.kernels, stream, &c.shape, c.rank, &bufs, weights, out, &c.status,
                 )
             },

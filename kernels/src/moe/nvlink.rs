@@ -19,7 +19,7 @@
 //! combine slots are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
 use super::ipc::{self, IpcMapping, HANDLE_LEN};
-use super::launch::{self, ExpertRows, NvlTargets};
+use super::kernel_calls::{self, ExpertRows, NvlTargets};
 use super::transport::{Core, MoeTransport, Phase};
 use super::{MoeShape, MoeStatus, TransportKind};
 use crate::buffer::DeviceBuffer;
@@ -120,13 +120,13 @@ impl NvlinkMoe {
         let t = NvlinkMoe {
             expert_x: sym.view(layout.x, l * c * shape.x_row_bytes())?,
             routing: sym.view(layout.routing, l * c * 8)?,
-            done: launch::zeroed_i32(&stream, 2)?,
+            done: kernel_calls::zeroed_i32(&stream, 2)?,
             sym,
             layout,
             core,
             peers: Vec::new(),
             tables: None,
-            flag_timeout_ns: launch::FLAG_TIMEOUT_NS,
+            flag_timeout_ns: kernel_calls::FLAG_TIMEOUT_NS,
         };
         stream.synchronize()?;
         Ok(t)
@@ -139,7 +139,7 @@ impl NvlinkMoe {
         let lay = self.layout;
         let table = |off: usize, per_rank: u64| {
             let addrs: Vec<u64> = bases.iter().map(|b| b + off as u64 + per_rank).collect();
-            launch::address_table(&stream, &addrs)
+            kernel_calls::address_table(&stream, &addrs)
         };
         self.tables = Some(Tables {
             peer_sym: table(0, 0)?,
@@ -341,7 +341,7 @@ impl MoeTransport for NvlinkMoe {
                     flag_ptrs: &tables.dispatch_flag_ptrs,
                     done: &dispatch_done,
                 };
-                launch::nvl_dispatch_send(
+                kernel_calls::nvl_dispatch_send(
                     &c.kernels, stream, &s, c.rank, x, topk_idx, &targets, &c.status, c.epoch,
                 )
             },
@@ -369,7 +369,7 @@ impl MoeTransport for NvlinkMoe {
                 let flags = sym.view(layout.dispatch_flags, s.world * 4)?;
                 let counters = sym.view(layout.counters(&s, c.epoch), l4)?;
                 let next = sym.view(layout.counters(&s, c.epoch.wrapping_add(1)), l4)?;
-                launch::nvl_dispatch_recv(
+                kernel_calls::nvl_dispatch_recv(
                     &c.kernels,
                     stream,
                     &s,
@@ -431,7 +431,7 @@ impl MoeTransport for NvlinkMoe {
                     counts: expert_counts,
                     routing,
                 };
-                launch::nvl_combine_send(
+                kernel_calls::nvl_combine_send(
                     &c.kernels,
                     stream,
                     &c.shape,
@@ -473,7 +473,7 @@ impl MoeTransport for NvlinkMoe {
                 let flags = sym.view(layout.combine_flags, s.world * 4)?;
                 let slots = sym.view(layout.slots, tk * s.y_row_bytes())?;
                 let marks = sym.view(layout.marks, tk * 4)?;
-                launch::nvl_combine_recv(
+                kernel_calls::nvl_combine_recv(
                     &c.kernels,
                     stream,
                     &s,

@@ -1,5 +1,4 @@
-//! The inter-node **host proxy** transport (pplx-garden's design, see
-//! `reference/moe-dispatch-combine.md` §1.4-1.5): the compute side never posts network work.
+//! The inter-node **host proxy** transport (pplx-garden's design): the compute side never posts network work.
 //! A rank *stages* message chunks into its registered send region and *raises a flag*; a proxy
 //! thread per rank *watches the flags*, posts **one-sided writes with an immediate** into the
 //! peers' registered receive regions, *counts the incoming immediates* per message and *raises
@@ -12,7 +11,7 @@
 //! - `IbvWire` (feature `rdma`): RC queue pairs and `RDMA_WRITE_WITH_IMM` over ibverbs,
 //!   regions registered as pinned host staging. Not run on RDMA hardware (none is available).
 //!
-//! [`Topology`] says which ranks share a node: in-node peers use the in-node path (the sim's
+//! [`Topology`] says which ranks share a node: in-node peers use the in-node path (the CPU backend's
 //! in-process fabric on CPU, NVLink on GPUs), ranks of other nodes are proxy peers.
 //!
 //! On GPUs (feature `cuda`) [`StagedRoute`] moves device memory through the same proxy, in

@@ -62,7 +62,7 @@ impl HostPass for AssignStreams {
             let worth = !placed
                 && any_deep(&body, &|k| k.is_communication())
                 && any_deep(&body, &|k| {
-                    matches!(k, InstKind::Compute { .. } | InstKind::LaunchKernel { .. })
+                    matches!(k, InstKind::Compute { .. } | InstKind::CallKernel { .. })
                 });
             let (Some(trips), true) = (trips, worth) else {
                 out.push(Inst::new(InstKind::ForLoop {

@@ -205,7 +205,7 @@ impl<'a> Candidate<'a> {
                 i.kind,
                 InstKind::ShardByStream { .. }
                     | InstKind::Compute { .. }
-                    | InstKind::LaunchKernel { .. }
+                    | InstKind::CallKernel { .. }
             )
         });
         if !post_ok {
@@ -348,7 +348,7 @@ impl<'a> Candidate<'a> {
         out.push(back_to(saved));
         out.extend(at(self.pre, Expr::c(a)));
         out.extend(at(self.post, Expr::c(a)).into_iter().map(|mut inst| {
-            if let InstKind::Compute { inputs, .. } | InstKind::LaunchKernel { inputs, .. } =
+            if let InstKind::Compute { inputs, .. } | InstKind::CallKernel { inputs, .. } =
                 &mut inst.kind
             {
                 for t in inputs.iter_mut().filter(|t| **t == forward.output) {
@@ -462,7 +462,7 @@ fn with_var(inst: &Inst, var: LoopVar, value: &Expr) -> Inst {
             *send_peer = sub(send_peer);
             *recv_peer = sub(recv_peer);
         }
-        InstKind::LaunchKernel { args, .. } => {
+        InstKind::CallKernel { args, .. } => {
             for a in args.iter_mut() {
                 *a = sub(a);
             }

@@ -83,7 +83,7 @@ fn simplify_block(block: &mut Block, facts: &Facts) -> Result<(), PassError> {
                     }
                 }
             }
-            InstKind::LaunchKernel { args, .. } => args.iter_mut().for_each(s),
+            InstKind::CallKernel { args, .. } => args.iter_mut().for_each(s),
             _ => {}
         }
     }

@@ -1,4 +1,4 @@
-//! Numeric CPU kernels on strided views, shared by the sim backend and the level-1 reference.
+//! Numeric CPU kernels on strided views, shared by the CPU backend and the level-1 reference.
 //!
 //! Floating-point kernels read their inputs as `f32`, accumulate in `f32` in a fixed order and
 //! round once to the output's element type; integer kernels use `i64`. Every kernel checks
@@ -379,7 +379,7 @@ pub fn grouped_matmul(
     out.assign_f32(&res).map_err(view_err(OP))
 }
 
-/// Runs one host compute op on views (used by the sim backend).
+/// Runs one host compute op on views (used by the CPU backend).
 pub fn run_compute(
     op: &ComputeOp,
     inputs: &[View<'_>],

@@ -1,7 +1,7 @@
-//! MoE dispatch and combine: the row packing both the level-1 reference and the sim backend's
+//! MoE dispatch and combine: the row packing both the level-1 reference and the CPU backend's
 //! expert-parallel exchange are built from.
 //!
-//! Semantics (DESIGN.md §6): on an expert-parallel team of `W` members with `L` local experts
+//! Semantics (pplx-kernels'): on an expert-parallel team of `W` members with `L` local experts
 //! each (`E = W * L`), expert `e` lives on member `e / L` as local expert `e % L`. Dispatch
 //! sends row `x[t]` for every `(t, k)` to expert `topk_idx[t, k]`; a member appends the rows it
 //! receives in canonical order (source team index, then token, then `k`), writes the per-expert

@@ -31,27 +31,27 @@ pub struct CudaConfig {
     pub timeout: Duration,
     /// Record one [`Interval`] per compute op and communication.
     pub profile: bool,
-    /// Kernels for `launch_kernel`.
+    /// Kernels for `call_kernel`.
     pub kernels: CudaKernels,
     /// How collective permutes and broadcasts move (copy engine between in-process ranks by
     /// default, NCCL otherwise).
     pub transport: CudaTransport,
     /// Which stream runs copy-engine pulls.
     pub copy_stream: CopyStream,
-    /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
+    /// Host program steps per run of an in-process run ([`run_cuda_timed`](super::run_cuda_timed)):
     /// the program body runs this many times back to back between one upload of the inputs
     /// and one download of the outputs, and the run's device time is divided by it (at least 1).
     pub steps: usize,
     /// Record one step as a CUDA graph per run and replay it `steps` times (NCCL transport
     /// only; see [`Backend::begin_graph`]).
     pub graph: bool,
-    /// Split the ranks of a launch into nodes of this many consecutive ranks: collective
+    /// Split the ranks of a run into nodes of this many consecutive ranks: collective
     /// permutes and MoE dispatch/combine between ranks of different nodes go through the
     /// inter-node host proxy over TCP, the rest stays on NCCL. `None`: `MESHFLOW_NODE_SIZE`
     /// when it is set, else one node.
     pub node_size: Option<usize>,
     /// Fault tests only: the process exits at once with
-    /// [`FAULT_EXIT_STATUS`](crate::runtime::sim::FAULT_EXIT_STATUS) when this rank posts its
+    /// [`FAULT_EXIT_STATUS`](crate::runtime::cpu::FAULT_EXIT_STATUS) when this rank posts its
     /// n-th communication (0-based), as a killed process would.
     pub exit_at_comm: Option<usize>,
 }
@@ -213,7 +213,7 @@ pub struct CudaBackend {
     /// Communications posted by this backend (for [`CudaConfig::exit_at_comm`]).
     posted: usize,
     failed: bool,
-    /// The copy-engine hub of an in-process launch.
+    /// The copy-engine hub of an in-process run.
     pub(super) hub: Option<Arc<PeerHub>>,
     /// Per team slot: the team moves permutes and broadcasts over the copy engine.
     pub(super) team_ce: Vec<bool>,
@@ -557,7 +557,7 @@ impl CudaBackend {
             .map_err(self.err("cuEventRecord"))
     }
 
-    /// Joins the copy-engine hub of an in-process launch (every rank of the launch joins the
+    /// Joins the copy-engine hub of an in-process run (every rank of the run joins the
     /// same hub): teams whose members all joined move permutes and broadcasts over the copy
     /// engine (see [`CudaConfig::transport`]).
     pub fn set_peer_hub(&mut self, hub: Arc<PeerHub>) {
@@ -942,7 +942,7 @@ impl Backend for CudaBackend {
             .map(KernelId)
     }
 
-    fn launch_kernel(
+    fn call_kernel(
         &mut self,
         kernel: KernelId,
         inputs: &[&TensorView<CudaBuffer>],
@@ -959,13 +959,13 @@ impl Backend for CudaBackend {
                 &self.streams,
                 self.current,
                 IntervalKind::Compute,
-                "launch_kernel",
+                "call_kernel",
                 ctx.inst,
                 ctx.iteration,
             )
             .map_err(self.err("cuEventRecord"))?;
         self.before_writes(outputs)?;
-        let r = self.launch_user(&k, &def, inputs, outputs, args);
+        let r = self.call_user(&k, &def, inputs, outputs, args);
         let retired = self.retire_scratch();
         r?;
         retired?;
@@ -988,7 +988,7 @@ impl Backend for CudaBackend {
                 "injected process exit at communication #{}",
                 self.posted
             );
-            std::process::exit(crate::runtime::sim::FAULT_EXIT_STATUS);
+            std::process::exit(crate::runtime::cpu::FAULT_EXIT_STATUS);
         }
         self.posted += 1;
         self.step_started()?;
@@ -1171,7 +1171,7 @@ impl Backend for CudaBackend {
             Err(e) => return Err(dev_err(self.rank, "cuStreamEndCapture", e)),
         };
         for _ in 0..replays {
-            exec.launch(&self.streams[0])
+            exec.replay(&self.streams[0])
                 .map_err(|e| dev_err(self.rank, "cuGraphLaunch", e))?;
         }
         state.exec = Some(exec);

@@ -3,9 +3,9 @@
 
 use meshflow_ir::{HostProgram, Program};
 
-use super::launch::{run_cuda, CudaLaunchError, CudaOptions};
+use super::ranks::{run_cuda, CudaOptions, CudaRunError};
 use crate::runtime::compare::{compare_outputs, random_inputs, CompareError, Comparison};
-use crate::runtime::launch::SimInputs;
+use crate::runtime::ranks::RunInputs;
 use crate::runtime::reference::evaluate;
 
 /// Why a GPU comparison could not be made.
@@ -13,7 +13,7 @@ use crate::runtime::reference::evaluate;
 pub enum CudaCompareError {
     /// The GPU run failed.
     #[error(transparent)]
-    Run(#[from] CudaLaunchError),
+    Run(#[from] CudaRunError),
     /// Inputs, gathering, the reference or an output.
     #[error(transparent)]
     Compare(#[from] CompareError),
@@ -33,7 +33,7 @@ pub fn run_and_compare_cuda(
     options.ranks = Some(ranks);
     let outcome = run_cuda(
         host,
-        SimInputs::Full {
+        RunInputs::Full {
             program: level1,
             inputs: &inputs,
         },

@@ -1,4 +1,4 @@
-//! The CUDA backend (feature `cuda`): the same host programs as the sim backend, on GPUs.
+//! The CUDA backend (feature `cuda`): the same host programs as the CPU backend, on GPUs.
 //!
 //! - [`CudaBackend`] implements [`Backend`](crate::runtime::Backend) for one rank on one GPU:
 //!   buffers are slots of a caching allocator ([`CudaBuffer`]); a main stream and a bounded pool
@@ -34,7 +34,6 @@ mod backend;
 mod comm;
 mod compare;
 mod compute;
-mod launch;
 mod layout;
 mod memory;
 mod moe;
@@ -43,18 +42,18 @@ mod peer;
 mod profile;
 mod program;
 mod proxy;
+mod ranks;
 mod teams;
 mod user_kernels;
 
 pub use backend::{AbortSignal, CudaBackend, CudaComm, CudaConfig, CudaResources};
 pub use compare::{run_and_compare_cuda, CudaCompareError};
-pub use launch::{
-    device_count, run_cuda, run_cuda_timed, run_rank, CudaLaunchError, CudaOptions, RankRun,
-    TimedRun,
-};
 pub use memory::CudaBuffer;
 pub use peer::{CopyStream, CudaTransport, PeerHub};
 pub use profile::{Interval, IntervalKind};
 pub use program::{run_program_cuda, ProgramRun};
+pub use ranks::{
+    device_count, run_cuda, run_cuda_timed, run_rank, CudaOptions, CudaRunError, RankRun, TimedRun,
+};
 pub use teams::clear_communicator_cache;
-pub use user_kernels::{CudaKernels, DimsFn, LaunchDims};
+pub use user_kernels::{CudaKernels, DimsFn, GridDims};

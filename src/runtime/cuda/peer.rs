@@ -1,9 +1,9 @@
 //! The copy-engine transport: collective permutes and broadcasts between the in-process ranks
-//! of one launch (one thread per GPU) as peer copies, without NCCL and without SMs.
+//! of one run (one thread per GPU) as peer copies, without NCCL and without SMs.
 //!
 //! Protocol (pull): for every (communication label, instance, sender, receiver) the sender
 //! records a *ready* event on its current stream (its send data is complete there) and offers
-//! `(send bytes, ready)` in the launch's [`PeerHub`]; the receiver takes the offer (the host
+//! `(send bytes, ready)` in the run's [`PeerHub`]; the receiver takes the offer (the host
 //! waits until the sender has posted), makes its copy stream wait for `ready`, pulls the bytes
 //! with `cuMemcpyPeerAsync` (a copy engine of the receiving GPU), records a *done* event and
 //! hands it back through the hub. The sender takes every *done* event of its sends before its
@@ -93,7 +93,7 @@ struct HubState {
     decisions: HashMap<Vec<DeviceId>, bool>,
 }
 
-/// The meeting point of the in-process ranks of one launch for copy-engine transfers: which
+/// The meeting point of the in-process ranks of one run for copy-engine transfers: which
 /// GPU each rank runs on, and the offers and completions of posted transfers.
 #[derive(Default)]
 pub struct PeerHub {
@@ -113,7 +113,7 @@ impl std::fmt::Debug for PeerHub {
 }
 
 impl PeerHub {
-    /// An empty hub for one launch.
+    /// An empty hub for one run.
     pub fn new() -> Arc<PeerHub> {
         Arc::new(PeerHub::default())
     }
@@ -261,7 +261,7 @@ impl CudaBackend {
     }
 
     /// Decides, for every team of the program, whether it uses the copy engine: all members in
-    /// this launch's hub and peer access between every pair (decided once per team for all
+    /// this run's hub and peer access between every pair (decided once per team for all
     /// members, so the ranks agree), then enables this GPU's access to the members' memory.
     pub(super) fn prepare_peer(&mut self, teams: &[TeamInfo]) -> Result<(), BackendError> {
         self.team_ce.clear();
@@ -271,7 +271,7 @@ impl CudaBackend {
             if policy == CudaTransport::CopyEngine && teams.iter().any(|t| t.members.len() > 1) {
                 return Err(BackendError::Invalid(format!(
                     "rank {}: the copy-engine transport needs every rank in this process \
-                     (an in-process launch)",
+                     (an in-process run)",
                     self.rank
                 )));
             }

@@ -11,10 +11,10 @@ use std::collections::BTreeMap;
 use half::{bf16, f16};
 use meshflow_ir::{DType, DeviceId};
 
+use crate::runtime::cpu::Payload;
 use crate::runtime::cpu_ops::MoeRows;
 use crate::runtime::data::{Storage, TensorData};
 use crate::runtime::rendezvous::{decode_tensors, encode_tensors};
-use crate::runtime::sim::Payload;
 
 fn dtype_code(d: DType) -> u8 {
     match d {

@@ -1,5 +1,5 @@
 //! Helpers shared by the GPU tests (included with `#[path]`): GPU counts and honest skips,
-//! options, host-text templates, and sim-vs-GPU comparisons.
+//! options, host-text templates, and CPU-vs-GPU comparisons.
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
@@ -8,7 +8,7 @@ use std::time::Duration;
 use meshflow::ir::{parse_host, DType, HostProgram};
 use meshflow::runtime::cuda::{device_count, run_cuda, CudaConfig, CudaOptions};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::{run_sim, SimConfig, SimInputs, SimOptions};
+use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunInputs};
 
 /// Number of GPUs, or why there are none.
 pub fn gpus() -> Result<usize, String> {
@@ -52,13 +52,13 @@ pub fn cuda_options() -> CudaOptions {
     }
 }
 
-/// Sim options (the reference implementation).
-pub fn sim_options() -> SimOptions {
-    SimOptions {
+/// CPU options (the reference implementation).
+pub fn cpu_options() -> CpuOptions {
+    CpuOptions {
         ranks: None,
-        config: SimConfig {
+        config: CpuConfig {
             timeout: Duration::from_secs(10),
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
         trace: false,
     }
@@ -116,32 +116,32 @@ pub fn per_rank_inputs(
         .collect()
 }
 
-/// Runs `host` on `d` sim ranks and on `d` GPUs with the same per-rank inputs and checks every
+/// Runs `host` on `d` CPU ranks and on `d` GPUs with the same per-rank inputs and checks every
 /// output of every rank (relative error within the dtype's tolerance). Returns the worst error.
-pub fn sim_vs_cuda(
+pub fn cpu_vs_cuda(
     name: &str,
     host: &HostProgram,
     d: usize,
     inputs: BTreeMap<usize, BTreeMap<String, TensorData>>,
 ) -> f64 {
-    sim_vs_cuda_on(name, host, d, inputs, &|_| true)
+    cpu_vs_cuda_on(name, host, d, inputs, &|_| true)
 }
 
-/// [`sim_vs_cuda`] checking only the outputs of the ranks `written` selects (rooted
-/// collectives leave the others' outputs unwritten by design; the sim's check for unwritten
+/// [`cpu_vs_cuda`] checking only the outputs of the ranks `written` selects (rooted
+/// collectives leave the others' outputs unwritten by design; the CPU backend's check for unwritten
 /// outputs is then off).
-pub fn sim_vs_cuda_on(
+pub fn cpu_vs_cuda_on(
     name: &str,
     host: &HostProgram,
     d: usize,
     inputs: BTreeMap<usize, BTreeMap<String, TensorData>>,
     written: &dyn Fn(usize) -> bool,
 ) -> f64 {
-    sim_vs_cuda_with(name, host, d, inputs, written, &cuda_options().config)
+    cpu_vs_cuda_with(name, host, d, inputs, written, &cuda_options().config)
 }
 
-/// [`sim_vs_cuda_on`] with the GPU run's backend settings (transport, copy stream, steps).
-pub fn sim_vs_cuda_with(
+/// [`cpu_vs_cuda_on`] with the GPU run's backend settings (transport, copy stream, steps).
+pub fn cpu_vs_cuda_with(
     name: &str,
     host: &HostProgram,
     d: usize,
@@ -149,15 +149,15 @@ pub fn sim_vs_cuda_with(
     written: &dyn Fn(usize) -> bool,
     config: &CudaConfig,
 ) -> f64 {
-    let mut so = sim_options();
+    let mut so = cpu_options();
     so.ranks = Some(d);
     so.config.poison = (0..d).all(written);
-    let want = run_sim(host, SimInputs::PerRank(inputs.clone()), &so)
-        .unwrap_or_else(|e| panic!("{name} on {d} sim ranks: {e}"));
+    let want = run_cpu(host, RunInputs::PerRank(inputs.clone()), &so)
+        .unwrap_or_else(|e| panic!("{name} on {d} CPU ranks: {e}"));
     let mut co = cuda_options();
     co.ranks = Some(d);
     co.config = config.clone();
-    let got = run_cuda(host, SimInputs::PerRank(inputs), &co)
+    let got = run_cuda(host, RunInputs::PerRank(inputs), &co)
         .unwrap_or_else(|e| panic!("{name} on {d} GPUs: {e}"));
     let mut worst = 0f64;
     for (rank, outs) in want.outputs.iter().filter(|(r, _)| written(**r)) {

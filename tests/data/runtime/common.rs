@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use meshflow::ir::{parse_host, parse_program_with, HostProgram, Program};
-use meshflow::runtime::{SimConfig, SimOptions};
+use meshflow::runtime::{CpuConfig, CpuOptions};
 
 /// `tests/data/runtime/<name>`.
 pub fn data_path(name: &str) -> PathBuf {
@@ -34,12 +34,12 @@ pub fn host(template: &str, vars: &[(&str, i64)]) -> HostProgram {
 }
 
 /// Options with a short timeout (tests) and race checking on.
-pub fn options() -> SimOptions {
-    SimOptions {
+pub fn options() -> CpuOptions {
+    CpuOptions {
         ranks: None,
-        config: SimConfig {
+        config: CpuConfig {
             timeout: Duration::from_secs(2),
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
         trace: false,
     }

@@ -1,4 +1,4 @@
-//! Communications on the sim fabric, in two phases: [`start`] reads the send buffers and
+//! Communications on the CPU fabric, in two phases: [`start`] reads the send buffers and
 //! delivers every outgoing message (never blocking); [`finish`] receives the incoming ones and
 //! writes the receive buffers. A coalescing group starts all its members before finishing
 //! any, like an NCCL group. Reductions combine contributions in team order (accumulating in
@@ -7,13 +7,13 @@
 use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 
 use super::fabric::{MailKey, Payload};
-use super::{SimBackend, SimBuffer};
+use super::{CpuBackend, CpuBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
 use crate::runtime::cpu_ops::{self, MoeRows};
 use crate::runtime::data::{Storage, TensorData};
 use crate::runtime::view::View;
 
-type TV = TensorView<SimBuffer>;
+type TV = TensorView<CpuBuffer>;
 
 /// Where one piece of a result comes from.
 #[derive(Debug)]
@@ -63,7 +63,7 @@ pub(super) struct Exchange {
 }
 
 /// The buffers a request reads and writes.
-pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>, Vec<&'r TV>) {
+pub(super) fn accesses<'r>(req: &'r CommRequest<'_, CpuBuffer>) -> (Vec<&'r TV>, Vec<&'r TV>) {
     match req {
         CommRequest::Collective { input, output, .. } => (
             input.iter().copied().collect(),
@@ -130,7 +130,7 @@ fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError>
 }
 
 /// Reads `v` (or chunk `k` of `d` along axis 0).
-fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
+fn read(be: &CpuBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
     let view = be.view(v)?;
     match chunk {
         None => Ok(view.to_storage()),
@@ -143,15 +143,15 @@ fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, B
 
 /// Starts a communication: reads the send buffers and delivers the outgoing messages.
 pub(super) fn start(
-    be: &mut SimBackend,
-    req: &CommRequest<'_, SimBuffer>,
+    be: &mut CpuBackend,
+    req: &CommRequest<'_, CpuBuffer>,
     tag: (u64, u64),
 ) -> Result<Exchange, BackendError> {
     let name = req.name();
     let team = req.team();
     let (d, my) = (team.members.len(), team.my_index);
     let me = be.device;
-    let send = |be: &SimBackend, k: usize, p: Payload| -> Result<(), BackendError> {
+    let send = |be: &CpuBackend, k: usize, p: Payload| -> Result<(), BackendError> {
         let key = (me, team.members[k], tag.0, tag.1);
         be.fabric
             .send_bounded(key, p, be.max_in_flight, be.timeout, name)
@@ -469,10 +469,10 @@ pub(super) fn start(
 
 /// Sends `msgs[k]` to member `k` (keeping its own), returning the sources in team order.
 fn distribute(
-    be: &SimBackend,
+    be: &CpuBackend,
     msgs: Vec<MoeRows>,
     my: usize,
-    send: &dyn Fn(&SimBackend, usize, Payload) -> Result<(), BackendError>,
+    send: &dyn Fn(&CpuBackend, usize, Payload) -> Result<(), BackendError>,
 ) -> Result<Vec<Src>, BackendError> {
     let mut sources = Vec::with_capacity(msgs.len());
     for (k, m) in msgs.into_iter().enumerate() {
@@ -486,7 +486,7 @@ fn distribute(
     Ok(sources)
 }
 
-fn copy_local(be: &mut SimBackend, input: &TV, output: &TV) -> Result<(), BackendError> {
+fn copy_local(be: &mut CpuBackend, input: &TV, output: &TV) -> Result<(), BackendError> {
     let data = read(be, input, None)?;
     be.write_views(&[output], |outs| {
         outs[0]
@@ -495,7 +495,7 @@ fn copy_local(be: &mut SimBackend, input: &TV, output: &TV) -> Result<(), Backen
     })
 }
 
-fn receive(be: &SimBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendError> {
+fn receive(be: &CpuBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendError> {
     match src {
         Src::Local(p) => Ok(p),
         Src::Remote(k) => {
@@ -507,7 +507,7 @@ fn receive(be: &SimBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendE
 }
 
 /// The device a source of an exchange is (this rank for local data).
-fn src_rank(be: &SimBackend, ex: &Exchange, src: &Src) -> usize {
+fn src_rank(be: &CpuBackend, ex: &Exchange, src: &Src) -> usize {
     match src {
         Src::Local(_) => be.device,
         Src::Remote(k) => ex.members[*k],
@@ -556,7 +556,7 @@ fn moe(ex: &Exchange, p: Payload) -> Result<MoeRows, BackendError> {
 }
 
 /// Receives the incoming messages of a started communication and writes its outputs.
-pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), BackendError> {
+pub(super) fn finish(be: &mut CpuBackend, mut ex: Exchange) -> Result<(), BackendError> {
     let name = ex.name;
     match std::mem::replace(&mut ex.finish, Finish::Nothing) {
         Finish::Nothing => Ok(()),

@@ -1,4 +1,4 @@
-//! [`SimBackend`]: the embedded CPU backend. N ranks run as threads of one process on host
+//! [`CpuBackend`]: the embedded CPU backend. N ranks run as threads of one process on host
 //! memory, with real data movement (a shared [`Fabric`] of mailboxes) and real arithmetic
 //! ([`cpu_ops`]).
 //!
@@ -7,7 +7,7 @@
 //! (module `race`), and every buffer access is checked against happens-before. Reading a
 //! communication's output (or overwriting its input) before the matching `wait`, or using a
 //! chunk written on another stream without `synchronize`, is a race error naming both
-//! instructions. Race checking can be switched off ([`SimConfig::race_check`]).
+//! instructions. Race checking can be switched off ([`CpuConfig::race_check`]).
 
 mod comm;
 pub mod fabric;
@@ -31,30 +31,30 @@ use super::data::{Storage, TensorData};
 use super::view::{View, ViewMut};
 use race::{Access, Clocks, Region};
 
-/// A kernel an embedder registers for `launch_kernel` on the sim backend: inputs, outputs
+/// A kernel an embedder registers for `call_kernel` on the CPU backend: inputs, outputs
 /// (written in place) and scalar arguments.
-pub type SimKernelFn =
+pub type CpuKernelFn =
     dyn Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String> + Send + Sync;
 
-/// Named kernels for `launch_kernel`.
+/// Named kernels for `call_kernel`.
 #[derive(Clone, Default)]
-pub struct SimKernels {
+pub struct CpuKernels {
     names: Vec<String>,
-    kernels: Vec<Arc<SimKernelFn>>,
+    kernels: Vec<Arc<CpuKernelFn>>,
 }
 
-impl fmt::Debug for SimKernels {
+impl fmt::Debug for CpuKernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimKernels")
+        f.debug_struct("CpuKernels")
             .field("names", &self.names)
             .finish()
     }
 }
 
-impl SimKernels {
+impl CpuKernels {
     /// No kernels.
-    pub fn new() -> SimKernels {
-        SimKernels::default()
+    pub fn new() -> CpuKernels {
+        CpuKernels::default()
     }
 
     /// Registers (or replaces) the kernel called `name`.
@@ -77,9 +77,9 @@ impl SimKernels {
     }
 }
 
-impl SimKernels {
+impl CpuKernels {
     /// The kernel registered as `name`.
-    pub fn get(&self, name: &str) -> Option<&SimKernelFn> {
+    pub fn get(&self, name: &str) -> Option<&CpuKernelFn> {
         let i = self.names.iter().position(|n| n == name)?;
         self.kernels.get(i).map(|k| &**k)
     }
@@ -119,9 +119,9 @@ pub struct Fault {
     pub kind: FaultKind,
 }
 
-/// Settings of the sim backend.
+/// Settings of the CPU backend.
 #[derive(Clone, Debug)]
-pub struct SimConfig {
+pub struct CpuConfig {
     /// Worker streams per rank.
     pub stream_pool: usize,
     /// How long a receive waits for its peer.
@@ -134,8 +134,8 @@ pub struct SimConfig {
     pub poison: bool,
     /// Injected faults.
     pub faults: Vec<Fault>,
-    /// Kernels for `launch_kernel`.
-    pub kernels: SimKernels,
+    /// Kernels for `call_kernel`.
+    pub kernels: CpuKernels,
     /// Most bytes of buffers one rank may hold allocated at once (`None`: no limit beyond
     /// what the host can allocate). An allocation beyond it, or one the host cannot satisfy,
     /// is an error naming its size, never an abort.
@@ -148,22 +148,22 @@ pub struct SimConfig {
     pub max_in_flight: usize,
 }
 
-impl Default for SimConfig {
-    fn default() -> SimConfig {
-        SimConfig {
+impl Default for CpuConfig {
+    fn default() -> CpuConfig {
+        CpuConfig {
             stream_pool: 4,
             timeout: Duration::from_secs(5),
             race_check: true,
             poison: true,
             faults: Vec::new(),
-            kernels: SimKernels::new(),
+            kernels: CpuKernels::new(),
             memory_limit: None,
             max_in_flight: 256,
         }
     }
 }
 
-/// Buffers held, and their bytes (see [`SimBackend::live_buffers`], [`Fabric::in_flight`]).
+/// Buffers held, and their bytes (see [`CpuBackend::live_buffers`], [`Fabric::in_flight`]).
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
 pub struct BufferStats {
     /// Number of buffers (or messages).
@@ -185,22 +185,22 @@ impl fmt::Display for BufferStats {
     }
 }
 
-/// A sim buffer handle: a slot and its generation (so a stale handle is detected).
+/// A CPU buffer handle: a slot and its generation (so a stale handle is detected).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct SimBuffer {
+pub struct CpuBuffer {
     slot: u32,
     generation: u32,
 }
 
 #[derive(Debug)]
-struct SimBuf {
+struct HostBuf {
     storage: Storage,
     shape: Vec<u64>,
     accesses: Vec<Access>,
     /// Which elements have been written (tracked when allocations are poisoned), so that
     /// reading back an output the program never wrote is an error, not silent garbage.
     written: Option<Vec<bool>>,
-    /// Bytes counted in [`SimBackend::live_buffers`] for this buffer (its storage when made;
+    /// Bytes counted in [`CpuBackend::live_buffers`] for this buffer (its storage when made;
     /// an exported buffer's storage is moved out before it is released).
     bytes: u64,
 }
@@ -232,17 +232,17 @@ fn for_each_offset(offset: u64, shape: &[u64], strides: &[u64], f: &mut impl FnM
 #[derive(Debug, Default)]
 struct Slot {
     generation: u32,
-    buf: Option<SimBuf>,
+    buf: Option<HostBuf>,
 }
 
-/// A posted sim communication: the clock its completion stands for (when race checking).
+/// A posted CPU communication: the clock its completion stands for (when race checking).
 #[derive(Clone, Debug)]
-pub struct SimComm {
+pub struct CpuComm {
     clock: Option<Arc<[u32]>>,
 }
 
 #[derive(Debug)]
-struct SimTeam {
+struct CpuTeam {
     fingerprint: u64,
     seq: u64,
 }
@@ -252,7 +252,7 @@ type GroupMember = (comm::Exchange, Option<Arc<[u32]>>);
 
 /// The embedded CPU backend for one rank.
 #[derive(Debug)]
-pub struct SimBackend {
+pub struct CpuBackend {
     device: DeviceId,
     fabric: Arc<Fabric>,
     pool: usize,
@@ -260,7 +260,7 @@ pub struct SimBackend {
     race_check: bool,
     poison: bool,
     faults: Vec<Fault>,
-    kernels: SimKernels,
+    kernels: CpuKernels,
     memory_limit: Option<u64>,
     max_in_flight: usize,
     live: BufferStats,
@@ -268,16 +268,16 @@ pub struct SimBackend {
     slots: Vec<Slot>,
     free: Vec<u32>,
     current: StreamIndex,
-    teams: Vec<SimTeam>,
+    teams: Vec<CpuTeam>,
     clocks: Option<Clocks>,
     group: Option<Vec<GroupMember>>,
     posted: usize,
 }
 
-impl SimBackend {
+impl CpuBackend {
     /// The backend of rank `device` on a shared fabric.
-    pub fn new(device: DeviceId, fabric: Arc<Fabric>, config: &SimConfig) -> SimBackend {
-        SimBackend {
+    pub fn new(device: DeviceId, fabric: Arc<Fabric>, config: &CpuConfig) -> CpuBackend {
+        CpuBackend {
             device,
             fabric,
             pool: config.stream_pool.max(1),
@@ -316,7 +316,7 @@ impl SimBackend {
         self.live
     }
 
-    fn insert(&mut self, buf: SimBuf) -> Result<SimBuffer, BackendError> {
+    fn insert(&mut self, buf: HostBuf) -> Result<CpuBuffer, BackendError> {
         let slot = match self.free.pop() {
             Some(s) => s,
             None => {
@@ -329,24 +329,24 @@ impl SimBackend {
         self.live.bytes += buf.bytes;
         let s = &mut self.slots[slot as usize];
         s.buf = Some(buf);
-        Ok(SimBuffer {
+        Ok(CpuBuffer {
             slot,
             generation: s.generation,
         })
     }
 
     /// Makes a buffer of `data`'s storage, moved in without a copy (used for caller-owned
-    /// tensors; give it back with [`SimBackend::export`]). `data` is left empty meanwhile.
+    /// tensors; give it back with [`CpuBackend::export`]). `data` is left empty meanwhile.
     /// With poisoning on, its elements count as written when `written` (an input) and as not
     /// yet written otherwise (an output).
     pub fn import(
         &mut self,
         data: &mut TensorData,
         written: bool,
-    ) -> Result<SimBuffer, BackendError> {
+    ) -> Result<CpuBuffer, BackendError> {
         let storage = std::mem::replace(data.storage_mut(), Storage::F32(Vec::new()));
         let n = storage.len();
-        let buf = SimBuf {
+        let buf = HostBuf {
             bytes: storage.size_bytes(),
             storage,
             shape: data.shape().to_vec(),
@@ -356,12 +356,12 @@ impl SimBackend {
         self.insert(buf)
     }
 
-    /// Moves the storage of a buffer made by [`SimBackend::import`] back into `data` (no copy)
+    /// Moves the storage of a buffer made by [`CpuBackend::import`] back into `data` (no copy)
     /// and releases the buffer. With poisoning on and `check_written`, an element the program
     /// never wrote is an error (reported after the storage is back in `data`).
     pub fn export(
         &mut self,
-        buffer: SimBuffer,
+        buffer: CpuBuffer,
         data: &mut TensorData,
         check_written: bool,
     ) -> Result<(), BackendError> {
@@ -383,7 +383,7 @@ impl SimBackend {
         Ok(())
     }
 
-    fn buf(&self, b: SimBuffer) -> Result<&SimBuf, BackendError> {
+    fn buf(&self, b: CpuBuffer) -> Result<&HostBuf, BackendError> {
         self.slots
             .get(b.slot as usize)
             .filter(|s| s.generation == b.generation)
@@ -391,7 +391,7 @@ impl SimBackend {
             .ok_or_else(|| BackendError::Invalid(format!("use of a released buffer {b:?}")))
     }
 
-    fn buf_mut(&mut self, b: SimBuffer) -> Result<&mut SimBuf, BackendError> {
+    fn buf_mut(&mut self, b: CpuBuffer) -> Result<&mut HostBuf, BackendError> {
         self.slots
             .get_mut(b.slot as usize)
             .filter(|s| s.generation == b.generation)
@@ -399,7 +399,7 @@ impl SimBackend {
             .ok_or_else(|| BackendError::Invalid(format!("use of a released buffer {b:?}")))
     }
 
-    fn view<'a>(&'a self, v: &'a TensorView<SimBuffer>) -> Result<View<'a>, BackendError> {
+    fn view<'a>(&'a self, v: &'a TensorView<CpuBuffer>) -> Result<View<'a>, BackendError> {
         let b = self.buf(v.buffer)?;
         View::new(
             &b.storage,
@@ -413,7 +413,7 @@ impl SimBackend {
     /// Takes the storages of `views`' buffers out of their slots (they must be distinct).
     fn take_storages(
         &mut self,
-        views: &[&TensorView<SimBuffer>],
+        views: &[&TensorView<CpuBuffer>],
     ) -> Result<Vec<Storage>, BackendError> {
         for (i, a) in views.iter().enumerate() {
             if views[..i].iter().any(|b| b.buffer == a.buffer) {
@@ -431,7 +431,7 @@ impl SimBackend {
     }
 
     /// Puts back the storages taken for writing and records which elements were written.
-    fn put_storages(&mut self, views: &[&TensorView<SimBuffer>], storages: Vec<Storage>) {
+    fn put_storages(&mut self, views: &[&TensorView<CpuBuffer>], storages: Vec<Storage>) {
         for (v, s) in views.iter().zip(storages) {
             if let Ok(b) = self.buf_mut(v.buffer) {
                 b.storage = s;
@@ -449,7 +449,7 @@ impl SimBackend {
     /// Runs `f` on writable views of `outputs` (distinct buffers).
     fn write_views<R>(
         &mut self,
-        outputs: &[&TensorView<SimBuffer>],
+        outputs: &[&TensorView<CpuBuffer>],
         f: impl FnOnce(&mut [ViewMut<'_>]) -> Result<R, BackendError>,
     ) -> Result<R, BackendError> {
         let mut storages = self.take_storages(outputs)?;
@@ -476,8 +476,8 @@ impl SimBackend {
     #[allow(clippy::too_many_arguments)]
     fn check_accesses(
         &mut self,
-        reads: &[&TensorView<SimBuffer>],
-        writes: &[&TensorView<SimBuffer>],
+        reads: &[&TensorView<CpuBuffer>],
+        writes: &[&TensorView<CpuBuffer>],
         timeline: usize,
         epoch: u32,
         clock: &[u32],
@@ -520,8 +520,8 @@ impl SimBackend {
     /// Race-checks a compute op on the current stream.
     fn check_compute(
         &mut self,
-        reads: &[&TensorView<SimBuffer>],
-        writes: &[&TensorView<SimBuffer>],
+        reads: &[&TensorView<CpuBuffer>],
+        writes: &[&TensorView<CpuBuffer>],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
         let current = self.current;
@@ -569,9 +569,9 @@ impl SimBackend {
     }
 }
 
-impl Backend for SimBackend {
-    type Buffer = SimBuffer;
-    type Comm = SimComm;
+impl Backend for CpuBackend {
+    type Buffer = CpuBuffer;
+    type Comm = CpuComm;
 
     fn device(&self) -> DeviceId {
         self.device
@@ -585,7 +585,7 @@ impl Backend for SimBackend {
         self.teams = info
             .teams
             .iter()
-            .map(|t| SimTeam {
+            .map(|t| CpuTeam {
                 fingerprint: fabric::team_fingerprint(&t.members),
                 seq: 0,
             })
@@ -599,7 +599,7 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<SimBuffer, BackendError> {
+    fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<CpuBuffer, BackendError> {
         let invalid = |e: super::data::DataError| BackendError::Invalid(e.to_string());
         let n = super::data::numel_of(shape).map_err(invalid)?;
         let bytes = n.saturating_mul(dtype.size_bytes() as u64);
@@ -623,7 +623,7 @@ impl Backend for SimBackend {
             true => Some(super::data::try_filled(false, n as usize).map_err(invalid)?),
             false => None,
         };
-        let buf = SimBuf {
+        let buf = HostBuf {
             storage,
             shape: shape.to_vec(),
             accesses: Vec::new(),
@@ -633,7 +633,7 @@ impl Backend for SimBackend {
         self.insert(buf)
     }
 
-    fn deallocate(&mut self, buffer: SimBuffer) -> Result<(), BackendError> {
+    fn deallocate(&mut self, buffer: CpuBuffer) -> Result<(), BackendError> {
         // Execution is eager, so the work enqueued on the buffer is already done.
         let bytes = self.buf(buffer)?.bytes;
         let s = &mut self.slots[buffer.slot as usize];
@@ -645,7 +645,7 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn upload(&mut self, buffer: SimBuffer, data: &TensorData) -> Result<(), BackendError> {
+    fn upload(&mut self, buffer: CpuBuffer, data: &TensorData) -> Result<(), BackendError> {
         let b = self.buf_mut(buffer)?;
         if b.storage.len() != data.storage().len() || b.storage.dtype() != data.dtype() {
             return Err(BackendError::Invalid(format!(
@@ -663,7 +663,7 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn download(&mut self, view: &TensorView<SimBuffer>) -> Result<TensorData, BackendError> {
+    fn download(&mut self, view: &TensorView<CpuBuffer>) -> Result<TensorData, BackendError> {
         if let Some(written) = self.buf_mut(view.buffer)?.written.as_ref() {
             let (mut total, mut unwritten) = (0u64, 0u64);
             for_each_offset(view.offset, &view.shape, &view.strides, &mut |o| {
@@ -704,8 +704,8 @@ impl Backend for SimBackend {
     fn compute(
         &mut self,
         op: &ComputeOp,
-        inputs: &[&TensorView<SimBuffer>],
-        outputs: &[&TensorView<SimBuffer>],
+        inputs: &[&TensorView<CpuBuffer>],
+        outputs: &[&TensorView<CpuBuffer>],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
         self.check_compute(inputs, outputs, ctx)?;
@@ -754,11 +754,11 @@ impl Backend for SimBackend {
             .map(KernelId)
     }
 
-    fn launch_kernel(
+    fn call_kernel(
         &mut self,
         kernel: KernelId,
-        inputs: &[&TensorView<SimBuffer>],
-        outputs: &[&TensorView<SimBuffer>],
+        inputs: &[&TensorView<CpuBuffer>],
+        outputs: &[&TensorView<CpuBuffer>],
         args: &[i64],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
@@ -781,9 +781,9 @@ impl Backend for SimBackend {
 
     fn post(
         &mut self,
-        request: &CommRequest<'_, SimBuffer>,
+        request: &CommRequest<'_, CpuBuffer>,
         ctx: InstCtx<'_>,
-    ) -> Result<SimComm, BackendError> {
+    ) -> Result<CpuComm, BackendError> {
         if self.fabric.aborted() {
             return Err(self.fabric.abort_error());
         }
@@ -820,7 +820,7 @@ impl Backend for SimBackend {
             Some(g) => g.push((exchange, clock.clone())),
             None => comm::finish(self, exchange)?,
         }
-        Ok(SimComm { clock })
+        Ok(CpuComm { clock })
     }
 
     fn begin_group(&mut self) -> Result<(), BackendError> {
@@ -831,7 +831,7 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn end_group(&mut self, label: usize, _ctx: InstCtx<'_>) -> Result<SimComm, BackendError> {
+    fn end_group(&mut self, label: usize, _ctx: InstCtx<'_>) -> Result<CpuComm, BackendError> {
         let members = self
             .group
             .take()
@@ -847,12 +847,12 @@ impl Backend for SimBackend {
                 race::join_into(c, &m);
             }
         }
-        Ok(SimComm {
+        Ok(CpuComm {
             clock: clock.map(Into::into),
         })
     }
 
-    fn wait(&mut self, comm: &SimComm, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
+    fn wait(&mut self, comm: &CpuComm, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
         if self.fabric.aborted() {
             return Err(self.fabric.abort_error());
         }

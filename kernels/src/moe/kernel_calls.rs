@@ -1,4 +1,4 @@
-//! Launchers of the `moe.cu` kernels. Callers (the transports) check every buffer extent
+//! Calls of the `moe.cu` kernels. Callers (the transports) check every buffer extent
 //! against the shape before calling; these functions only marshal arguments.
 
 use super::MoeShape;
@@ -60,7 +60,7 @@ pub(crate) fn route(
         ptr(base),
         ptr(status),
     ];
-    k.launch(stream, Source::Moe, "moe_route", 1, ONE_BLOCK, &mut args)
+    k.call(stream, Source::Moe, "moe_route", 1, ONE_BLOCK, &mut args)
 }
 
 /// NCCL: rows into the padded per-destination send blocks (`[W, P]` rows and `(token, k)`).
@@ -92,7 +92,7 @@ pub(crate) fn nccl_dispatch_pack(
         ptr(send_meta),
     ];
     let grid = warp_grid(k, shape.tokens * shape.top_k);
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nccl_dispatch_pack",
@@ -150,7 +150,7 @@ pub(crate) fn nvl_dispatch_send(
         Arg::U32(epoch),
     ];
     let grid = warp_grid(k, shape.tokens * shape.top_k);
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nvl_dispatch_send",
@@ -192,7 +192,7 @@ pub(crate) fn nvl_dispatch_recv(
         ptr(status),
     ];
     let grid = warp_grid(k, shape.local_experts() * shape.capacity);
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nvl_dispatch_recv",
@@ -245,7 +245,7 @@ pub(crate) fn nccl_dispatch_recv(
         ptr(counts),
         ptr(status),
     ];
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nccl_dispatch_scan",
@@ -273,7 +273,7 @@ pub(crate) fn nccl_dispatch_recv(
         ptr(routing),
     ];
     let grid = warp_grid(k, (shape.world * pair).max(l * shape.capacity));
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nccl_dispatch_unpack",
@@ -324,7 +324,7 @@ pub(crate) fn nvl_combine_send(
         ptr(flag_ptrs),
     ];
     let grid = warp_grid(k, shape.local_experts() * shape.capacity);
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nvl_combine_send",
@@ -365,7 +365,7 @@ pub(crate) fn nvl_combine_recv(
     ];
     let name = moe_reduce_name("nvl_combine_recv", shape.dtype);
     let grid = thread_grid(k, reduce_items(shape));
-    k.launch(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
 }
 
 /// Threads of a combine reduction: one per 16 bytes of `out` (or per element).
@@ -408,7 +408,7 @@ pub(crate) fn nccl_combine_pack(
         ptr(status),
     ];
     let grid = warp_grid(k, shape.local_experts() * shape.capacity);
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nccl_combine_pack",
@@ -458,7 +458,7 @@ pub(crate) fn nccl_combine_recv(
         ptr(status),
     ];
     let grid = thread_grid(k, shape.world * pair);
-    k.launch(
+    k.call(
         stream,
         Source::Moe,
         "moe_nccl_combine_index",
@@ -480,7 +480,7 @@ pub(crate) fn nccl_combine_recv(
     ];
     let name = moe_reduce_name("nccl_combine_reduce", shape.dtype);
     let grid = thread_grid(k, reduce_items(shape));
-    k.launch(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
 }
 
 /// Uploads device addresses as a `[n]` u64 table (stored as i64 bits).

@@ -24,13 +24,13 @@ use super::backend::{AbortSignal, CudaBackend, CudaConfig};
 use super::peer::{CudaTransport, PeerHub};
 use super::profile::Interval;
 use super::teams::clear_communicator_cache;
+use crate::runtime::cpu::fabric::Failure;
 use crate::runtime::data::TensorData;
 use crate::runtime::evaluator::{EvalOptions, Evaluator, RuntimeError};
-use crate::runtime::launch::{LaunchError, RunFailure, RunOutcome, SimInputs};
 use crate::runtime::multinode::{connect_proxies, NodeSpec, DEFAULT_RING};
+use crate::runtime::ranks::{RunError, RunFailure, RunInputs, RunOutcome};
 use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous, RendezvousError};
 use crate::runtime::shard::scatter_inputs;
-use crate::runtime::sim::fabric::Failure;
 use crate::runtime::trace::Trace;
 
 /// Options of an in-process GPU run.
@@ -44,10 +44,10 @@ pub struct CudaOptions {
 
 /// Why a GPU run could not be made or failed.
 #[derive(Clone, Debug, thiserror::Error)]
-pub enum CudaLaunchError {
-    /// Scattering inputs, rank counts, or a rank's failure (as for the sim backend).
+pub enum CudaRunError {
+    /// Scattering inputs, rank counts, or a rank's failure (as for the CPU backend).
     #[error(transparent)]
-    Launch(#[from] LaunchError),
+    Run(#[from] RunError),
     /// No CUDA driver or GPU.
     #[error("no GPU: {0}")]
     NoDevice(String),
@@ -98,14 +98,12 @@ pub struct RankRun {
 }
 
 /// Number of visible GPUs, or why there are none.
-pub fn device_count() -> Result<usize, CudaLaunchError> {
+pub fn device_count() -> Result<usize, CudaRunError> {
     match Device::count() {
-        Ok(0) => Err(CudaLaunchError::NoDevice(
-            "the CUDA driver sees no GPU".into(),
-        )),
+        Ok(0) => Err(CudaRunError::NoDevice("the CUDA driver sees no GPU".into())),
         Ok(n) => Ok(n),
-        Err(e @ KernelError::NoDevice(_)) => Err(CudaLaunchError::NoDevice(e.to_string())),
-        Err(e) => Err(CudaLaunchError::NoDevice(e.to_string())),
+        Err(e @ KernelError::NoDevice(_)) => Err(CudaRunError::NoDevice(e.to_string())),
+        Err(e) => Err(CudaRunError::NoDevice(e.to_string())),
     }
 }
 
@@ -271,23 +269,23 @@ fn rank_main(
     }
 }
 
-/// The nodes of a launch of `world` ranks: [`CudaConfig::node_size`], else
+/// The nodes of a run of `world` ranks: [`CudaConfig::node_size`], else
 /// `MESHFLOW_NODE_SIZE`; `None` when every rank is on one node.
-fn nodes_of(world: usize, config: &CudaConfig) -> Result<Option<Topology>, CudaLaunchError> {
+fn nodes_of(world: usize, config: &CudaConfig) -> Result<Option<Topology>, CudaRunError> {
     let size = match config.node_size {
         Some(n) => Some(n),
-        None => node_size_from_env().map_err(|e| CudaLaunchError::Nodes(e.to_string()))?,
+        None => node_size_from_env().map_err(|e| CudaRunError::Nodes(e.to_string()))?,
     };
     let Some(size) = size else {
         return Ok(None);
     };
     let topology =
-        Topology::contiguous(world, size).map_err(|e| CudaLaunchError::Nodes(e.to_string()))?;
+        Topology::contiguous(world, size).map_err(|e| CudaRunError::Nodes(e.to_string()))?;
     if topology.nodes() < 2 {
         return Ok(None);
     }
     if config.transport == CudaTransport::CopyEngine {
-        return Err(CudaLaunchError::Nodes(format!(
+        return Err(CudaRunError::Nodes(format!(
             "the copy-engine transport cannot reach ranks of other nodes ({} ranks in nodes of \
              {size}); use the NCCL or automatic transport",
             world
@@ -304,7 +302,7 @@ fn connect_nodes(
     host: &str,
     rdv: &Arc<dyn Rendezvous>,
     config: &CudaConfig,
-) -> Result<BTreeMap<DeviceId, Arc<Proxy>>, CudaLaunchError> {
+) -> Result<BTreeMap<DeviceId, Arc<Proxy>>, CudaRunError> {
     let spec = NodeSpec {
         node: 0,
         topology: topology.clone(),
@@ -312,19 +310,19 @@ fn connect_nodes(
         ring: DEFAULT_RING,
         setup_timeout: config.timeout,
     };
-    let proxies = connect_proxies(&spec, ranks, rdv).map_err(CudaLaunchError::Nodes)?;
+    let proxies = connect_proxies(&spec, ranks, rdv).map_err(CudaRunError::Nodes)?;
     Ok(proxies.into_iter().map(|(r, p)| (r, Arc::new(p))).collect())
 }
 
 /// Runs `host` on GPUs `0..ranks` of this process, one thread per GPU (rank `r` on GPU `r`),
-/// and returns every rank's outputs, like [`run_sim`](crate::runtime::run_sim). With
+/// and returns every rank's outputs, like [`run_cpu`](crate::runtime::run_cpu). With
 /// [`CudaConfig::profile`] the trace holds one event per compute op and communication, with
 /// device timestamps.
 pub fn run_cuda(
     host: &HostProgram,
-    inputs: SimInputs<'_>,
+    inputs: RunInputs<'_>,
     options: &CudaOptions,
-) -> Result<RunOutcome, CudaLaunchError> {
+) -> Result<RunOutcome, CudaRunError> {
     run_cuda_timed(host, inputs, options, 0, 1).map(|t| t.outcome)
 }
 
@@ -332,15 +330,15 @@ pub fn run_cuda(
 /// same backends (buffers and communicators are reused), with a barrier before each.
 pub fn run_cuda_timed(
     host: &HostProgram,
-    inputs: SimInputs<'_>,
+    inputs: RunInputs<'_>,
     options: &CudaOptions,
     warmup: usize,
     iterations: usize,
-) -> Result<TimedRun, CudaLaunchError> {
+) -> Result<TimedRun, CudaRunError> {
     let needed = host.world_size();
     let world = options.ranks.unwrap_or(needed);
     if world < needed || world == 0 {
-        return Err(LaunchError::TooFewRanks {
+        return Err(RunError::TooFewRanks {
             needed: needed.max(1),
             given: world,
         }
@@ -348,15 +346,15 @@ pub fn run_cuda_timed(
     }
     let available = device_count()?;
     if world > available {
-        return Err(CudaLaunchError::TooFewDevices {
+        return Err(CudaRunError::TooFewDevices {
             needed: world,
             available,
         });
     }
     let per_rank = match inputs {
-        SimInputs::PerRank(m) => m,
-        SimInputs::Full { program, inputs } => {
-            scatter_inputs(program, inputs).map_err(LaunchError::from)?
+        RunInputs::PerRank(m) => m,
+        RunInputs::Full { program, inputs } => {
+            scatter_inputs(program, inputs).map_err(RunError::from)?
         }
     };
     let _guard = run_lock();
@@ -430,7 +428,7 @@ pub fn run_cuda_timed(
         // The ranks may disagree about which communicators are healthy: start afresh.
         clear_communicator_cache();
         let first = abort.first().map(|(rank, reason)| Failure { rank, reason });
-        return Err(LaunchError::Failed(RunFailure {
+        return Err(RunError::Failed(RunFailure {
             first,
             errors,
             undelivered: Vec::new(),
@@ -474,7 +472,7 @@ pub fn run_rank(
     config: &CudaConfig,
     warmup: usize,
     iterations: usize,
-) -> Result<RankRun, CudaLaunchError> {
+) -> Result<RankRun, CudaRunError> {
     let abort = AbortSignal::new();
     let proxy = match nodes_of(world, config)? {
         Some(topology) => {
@@ -515,7 +513,7 @@ pub fn run_rank(
         proxy_stats,
     })
     .map_err(|e| {
-        LaunchError::Failed(RunFailure {
+        RunError::Failed(RunFailure {
             first: Some(Failure {
                 rank,
                 reason: e.to_string(),

@@ -1,4 +1,4 @@
-//! The message fabric between sim rank threads.
+//! The message fabric between CPU rank threads.
 //!
 //! Messages are keyed by `(source, destination, team fingerprint, team sequence number)`:
 //! every member of a team numbers the communications it enters on that team, so matching

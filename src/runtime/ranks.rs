@@ -1,4 +1,4 @@
-//! Running a host program on N sim ranks, one thread each.
+//! Running a host program on N CPU ranks, one thread each.
 //!
 //! Every thread is joined, always. A rank that errors or panics records the failure on the
 //! shared [`Fabric`]; every other rank then stops at its next communication or blocked
@@ -14,16 +14,16 @@ use std::time::{Duration, Instant};
 
 use meshflow_ir::{DeviceId, HostProgram, Program};
 
+use super::cpu::fabric::Failure;
+use super::cpu::{BufferStats, CpuBackend, CpuConfig, Fabric};
 use super::data::TensorData;
 use super::evaluator::{EvalOptions, Evaluator, RuntimeError};
 use super::shard::{gather_tensor, scatter_inputs, ShardError};
-use super::sim::fabric::Failure;
-use super::sim::{BufferStats, Fabric, SimBackend, SimConfig};
 use super::trace::{Trace, TraceEvent};
 
 /// Inputs of a run.
 #[derive(Clone, Debug)]
-pub enum SimInputs<'a> {
+pub enum RunInputs<'a> {
     /// Local tensors by host tensor name, per rank.
     PerRank(BTreeMap<DeviceId, BTreeMap<String, TensorData>>),
     /// Full tensors by name, scattered by the level-1 program's layouts.
@@ -35,13 +35,13 @@ pub enum SimInputs<'a> {
     },
 }
 
-/// Options of a sim run.
+/// Options of a CPU run.
 #[derive(Clone, Debug, Default)]
-pub struct SimOptions {
+pub struct CpuOptions {
     /// Number of ranks (threads); at least the program's world size (the default).
     pub ranks: Option<usize>,
     /// Backend settings (stream pool, timeout, race checking, faults, kernels).
-    pub config: SimConfig,
+    pub config: CpuConfig,
     /// Record a Chrome/Perfetto trace.
     pub trace: bool,
 }
@@ -109,9 +109,9 @@ impl fmt::Display for RunFailure {
     }
 }
 
-/// Why [`run_sim`] failed.
+/// Why [`run_cpu`] failed.
 #[derive(Clone, Debug, thiserror::Error)]
-pub enum LaunchError {
+pub enum RunError {
     /// Inputs could not be scattered.
     #[error(transparent)]
     Shard(#[from] ShardError),
@@ -143,7 +143,7 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic with a non-string payload".into())
 }
 
-/// What a run left behind, for leak checks ([`run_sim_observed`]).
+/// What a run left behind, for leak checks ([`run_cpu_observed`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RunResources {
     /// Buffers each rank's backend still held when its evaluator returned, after the
@@ -170,10 +170,10 @@ fn run_rank(
     rank: DeviceId,
     inputs: &BTreeMap<String, TensorData>,
     fabric: &Arc<Fabric>,
-    config: &SimConfig,
+    config: &CpuConfig,
     eval: &EvalOptions,
 ) -> RankResult {
-    let backend = SimBackend::new(rank, fabric.clone(), config);
+    let backend = CpuBackend::new(rank, fabric.clone(), config);
     let mut ev = match Evaluator::new(host, backend, eval.clone()) {
         Ok(ev) => ev,
         Err(e) => {
@@ -240,21 +240,21 @@ pub(crate) fn run_ranks(
     ranks: &[DeviceId],
     per_rank: &BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
     fabric: &Arc<Fabric>,
-    options: &SimOptions,
+    options: &CpuOptions,
     start: Instant,
-) -> Result<RanksResult, LaunchError> {
+) -> Result<RanksResult, RunError> {
     let eval = EvalOptions {
         trace_epoch: options.trace.then_some(start),
     };
     let empty = BTreeMap::new();
     let (mut threads_started, mut threads_joined) = (0, 0);
-    let results: Vec<Result<RankResult, LaunchError>> = std::thread::scope(|scope| {
+    let results: Vec<Result<RankResult, RunError>> = std::thread::scope(|scope| {
         let mut handles = Vec::with_capacity(ranks.len());
         for &rank in ranks {
             let inputs = per_rank.get(&rank).unwrap_or(&empty);
             let (fabric, config, eval) = (fabric, &options.config, &eval);
             let spawned = std::thread::Builder::new()
-                .name(format!("meshflow-sim-rank-{rank}"))
+                .name(format!("meshflow-cpu-rank-{rank}"))
                 .spawn_scoped(scope, move || {
                     run_rank(host, rank, inputs, fabric, config, eval)
                 });
@@ -274,12 +274,12 @@ pub(crate) fn run_ranks(
                 Some(h) => {
                     let joined = h.join();
                     threads_joined += 1;
-                    joined.map_err(|p| LaunchError::Spawn {
+                    joined.map_err(|p| RunError::Spawn {
                         rank,
                         message: panic_message(p.as_ref()),
                     })
                 }
-                None => Err(LaunchError::Spawn {
+                None => Err(RunError::Spawn {
                     rank,
                     message: "thread not started".into(),
                 }),
@@ -311,44 +311,44 @@ pub(crate) fn run_ranks(
     })
 }
 
-/// Runs `host` on sim ranks `0..ranks`, one thread each, and returns every rank's outputs.
-pub fn run_sim(
+/// Runs `host` on CPU ranks `0..ranks`, one thread each, and returns every rank's outputs.
+pub fn run_cpu(
     host: &HostProgram,
-    inputs: SimInputs<'_>,
-    options: &SimOptions,
-) -> Result<RunOutcome, LaunchError> {
-    run_sim_observed(host, inputs, options).0
+    inputs: RunInputs<'_>,
+    options: &CpuOptions,
+) -> Result<RunOutcome, RunError> {
+    run_cpu_observed(host, inputs, options).0
 }
 
-/// [`run_sim`], also reporting what the run left behind (buffers held per rank, messages
+/// [`run_cpu`], also reporting what the run left behind (buffers held per rank, messages
 /// never received, threads started and joined), for leak checks.
-pub fn run_sim_observed(
+pub fn run_cpu_observed(
     host: &HostProgram,
-    inputs: SimInputs<'_>,
-    options: &SimOptions,
-) -> (Result<RunOutcome, LaunchError>, RunResources) {
+    inputs: RunInputs<'_>,
+    options: &CpuOptions,
+) -> (Result<RunOutcome, RunError>, RunResources) {
     let mut resources = RunResources::default();
-    let result = run_sim_into(host, inputs, options, &mut resources);
+    let result = run_cpu_into(host, inputs, options, &mut resources);
     (result, resources)
 }
 
-fn run_sim_into(
+fn run_cpu_into(
     host: &HostProgram,
-    inputs: SimInputs<'_>,
-    options: &SimOptions,
+    inputs: RunInputs<'_>,
+    options: &CpuOptions,
     resources: &mut RunResources,
-) -> Result<RunOutcome, LaunchError> {
+) -> Result<RunOutcome, RunError> {
     let needed = host.world_size();
     let world = options.ranks.unwrap_or(needed);
     if world < needed || world == 0 {
-        return Err(LaunchError::TooFewRanks {
+        return Err(RunError::TooFewRanks {
             needed: needed.max(1),
             given: world,
         });
     }
     let per_rank = match inputs {
-        SimInputs::PerRank(m) => m,
-        SimInputs::Full { program, inputs } => scatter_inputs(program, inputs)?,
+        RunInputs::PerRank(m) => m,
+        RunInputs::Full { program, inputs } => scatter_inputs(program, inputs)?,
     };
     let fabric = Arc::new(Fabric::new());
     let start = Instant::now();
@@ -372,7 +372,7 @@ fn run_sim_into(
         .collect();
     resources.undelivered = fabric.discard_undelivered();
     if !errors.is_empty() || !undelivered.is_empty() {
-        return Err(LaunchError::Failed(RunFailure {
+        return Err(RunError::Failed(RunFailure {
             first: fabric.failure(),
             errors,
             undelivered: if fabric.aborted() {

@@ -1,4 +1,4 @@
-//! Happens-before tracking for the sim backend: vector clocks over streams and
+//! Happens-before tracking for the CPU backend: vector clocks over streams and
 //! communications, and per-buffer access records checked on every access.
 //!
 //! Timelines are the rank's streams (`0` = main, `1..=pool` workers) and one timeline per
