@@ -2,17 +2,14 @@
 //! on a 2 x 4 mesh) through the whole pipeline.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use meshflow::pipeline::{compile, CompileOptions};
+use meshflow::{compile, Options};
 
 #[path = "../tests/common/mod.rs"]
 mod common;
 
 fn lower_transformer(c: &mut Criterion) {
     let program = common::transformer(64, 2, 4);
-    let options = CompileOptions {
-        verify: false,
-        ..CompileOptions::default()
-    };
+    let options = Options::new().check(false).verify_each_pass(false);
     c.bench_function("lower transformer 64 layers (2x4 mesh)", |b| {
         b.iter(|| compile(&program, &options).expect("the program lowers"))
     });

@@ -86,19 +86,20 @@ pub use meshflow_passes as passes;
 
 pub mod bench;
 pub mod check;
+pub mod compile;
 pub mod embed;
+pub mod error;
 pub mod launch;
 pub mod pipeline;
 pub mod runtime;
 
-pub use embed::{
-    compile, parse, Bind, Bindings, Compiled, CpuJob, CpuTensor, Error, Executor, Options,
-    TensorInfo,
-};
+pub use compile::{compile, parse, Compiled, Options, TensorInfo};
+pub use embed::{Bind, Bindings, CpuJob, CpuTensor, Executor};
 #[cfg(feature = "cuda")]
 pub use embed::{
     CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, GridDims,
 };
+pub use error::Error;
 pub use meshflow_passes::{CostModel, Decomposition, Transport};
 pub use runtime::cpu::CpuKernels;
 pub use runtime::{CpuBackend, CpuConfig, TensorData};

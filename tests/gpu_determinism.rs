@@ -17,10 +17,10 @@ use std::path::PathBuf;
 
 use hardening_support::{row, serial, status};
 use meshflow::ir::{parse_program, HostProgram, Program};
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cuda::{run_cuda, run_cuda_timed};
 use meshflow::runtime::RunInputs;
+use meshflow::{compile, Options};
 
 fn examples() -> Vec<(String, Program, HostProgram)> {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/programs");
@@ -35,7 +35,10 @@ fn examples() -> Vec<(String, Program, HostProgram)> {
         .map(|path| {
             let name = path.file_stem().unwrap().to_string_lossy().into_owned();
             let l1 = parse_program(&std::fs::read_to_string(&path).unwrap()).unwrap();
-            let host = compile(&l1, &CompileOptions::default()).unwrap().host;
+            let host = compile(&l1, &Options::new().check(false))
+                .unwrap()
+                .host()
+                .clone();
             (name, l1, host)
         })
         .collect()

@@ -19,13 +19,13 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use meshflow::ir::parse_program_with;
-use meshflow::pipeline::{compile, CompileOptions, Compiled};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::cpu::FAULT_EXIT_STATUS;
 use meshflow::runtime::cuda::{run_cuda_timed, CudaOptions, TimedRun};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::reference::evaluate;
 use meshflow::runtime::RunInputs;
+use meshflow::{compile, Compiled, Options};
 use support::*;
 
 const EXAMPLES: [&str; 2] = ["column_parallel_linear_ring", "moe_layer"];
@@ -43,7 +43,7 @@ fn compiled(example: &str, ranks: usize) -> Compiled {
     let text = std::fs::read_to_string(example_path(example)).expect("example exists");
     let params = BTreeMap::from([("ranks".to_string(), ranks as i64)]);
     let program = parse_program_with(&text, &params).expect("example parses");
-    compile(&program, &CompileOptions::default()).expect("example compiles")
+    compile(&program, &Options::new().check(false)).expect("example compiles")
 }
 
 fn run(
@@ -56,9 +56,9 @@ fn run(
     options.ranks = Some(d);
     options.config.node_size = Some(node_size);
     run_cuda_timed(
-        &c.host,
+        c.host(),
         RunInputs::Full {
-            program: &c.program,
+            program: c.level1().expect("lowered"),
             inputs,
         },
         &options,
@@ -68,7 +68,7 @@ fn run(
     .unwrap_or_else(|e| {
         panic!(
             "{} on {d} GPUs in nodes of {node_size}: {e}",
-            c.program.name
+            c.level1().expect("lowered").name
         )
     })
 }
@@ -86,7 +86,7 @@ fn permutes_and_moe_cross_nodes_through_the_proxy() {
     for d in counts {
         for example in EXAMPLES {
             let c = compiled(example, d);
-            let program = &c.program;
+            let program = c.level1().expect("lowered");
             let inputs = random_inputs(program, 11).unwrap();
             let split = run(&c, &inputs, d, d / 2);
             let single = run(&c, &inputs, d, d);

@@ -6,28 +6,25 @@
 mod common;
 
 use meshflow::check::check_program;
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::run_and_compare;
 use meshflow::runtime::ranks::CpuOptions;
+use meshflow::{compile, Options};
 
 fn run(name: &str, program: &meshflow::ir::Program, streams: usize) {
-    let options = CompileOptions {
-        num_streams: streams,
-        ..CompileOptions::default()
-    };
+    let options = Options::new().check(false).streams(streams);
     let compiled = compile(program, &options).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let world = compiled.host.world_size();
-    check_program(&compiled.host, world)
-        .unwrap_or_else(|e| panic!("{name}: cross-rank check failed:\n{e}\n{}", compiled.host));
+    let world = compiled.host().world_size();
+    check_program(compiled.host(), world)
+        .unwrap_or_else(|e| panic!("{name}: cross-rank check failed:\n{e}\n{}", compiled.host()));
     let cmp = run_and_compare(
-        &compiled.program,
-        &compiled.host,
+        compiled.level1().expect("lowered"),
+        compiled.host(),
         world,
         7,
         &CpuOptions::default(),
     )
-    .unwrap_or_else(|e| panic!("{name}: run failed: {e}\n{}", compiled.host));
-    assert!(cmp.passed(), "{name}: {cmp}\n{}", compiled.host);
+    .unwrap_or_else(|e| panic!("{name}: run failed: {e}\n{}", compiled.host()));
+    assert!(cmp.passed(), "{name}: {cmp}\n{}", compiled.host());
 }
 
 #[test]

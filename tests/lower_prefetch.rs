@@ -7,8 +7,9 @@
 
 use meshflow::check::check_program;
 use meshflow::ir::{parse_program_with, Params, Program};
-use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
+use meshflow::pipeline::StreamSchedule;
 use meshflow::runtime::{run_and_compare, CpuOptions};
+use meshflow::{compile, Options};
 
 const EXAMPLES: [&str; 7] = [
     "column_parallel_linear_broadcast",
@@ -28,12 +29,11 @@ fn parse(name: &str, ranks: i64) -> Option<Program> {
     parse_program_with(&text, &params).ok()
 }
 
-fn prefetch() -> CompileOptions {
-    CompileOptions {
-        stream_schedule: StreamSchedule::Prefetch,
-        verify: true,
-        ..CompileOptions::default()
-    }
+fn prefetch() -> Options {
+    Options::new()
+        .check(false)
+        .stream_schedule(StreamSchedule::Prefetch)
+        .verify_each_pass(true)
 }
 
 #[test]
@@ -47,18 +47,24 @@ fn every_example_matches_the_reference_with_prefetched_transfers() {
             let Ok(c) = compile(&program, &prefetch()) else {
                 // The default schedule must reject it too (a size the example does not support).
                 assert!(
-                    compile(&program, &CompileOptions::default()).is_err(),
+                    compile(&program, &Options::new().check(false)).is_err(),
                     "{name} at {ranks} ranks compiles only with the default schedule"
                 );
                 continue;
             };
-            let world = c.host.world_size();
-            check_program(&c.host, world)
-                .unwrap_or_else(|e| panic!("{name} at {ranks} ranks:\n{e}\n{}", c.host));
+            let world = c.host().world_size();
+            check_program(c.host(), world)
+                .unwrap_or_else(|e| panic!("{name} at {ranks} ranks:\n{e}\n{}", c.host()));
             for seed in [1, 2] {
-                let cmp = run_and_compare(&c.program, &c.host, world, seed, &CpuOptions::default())
-                    .unwrap_or_else(|e| panic!("{name} at {ranks} ranks: {e}\n{}", c.host));
-                assert!(cmp.passed(), "{name} at {ranks} ranks: {cmp}\n{}", c.host);
+                let cmp = run_and_compare(
+                    c.level1().expect("lowered"),
+                    c.host(),
+                    world,
+                    seed,
+                    &CpuOptions::default(),
+                )
+                .unwrap_or_else(|e| panic!("{name} at {ranks} ranks: {e}\n{}", c.host()));
+                assert!(cmp.passed(), "{name} at {ranks} ranks: {cmp}\n{}", c.host());
             }
             runs += 1;
         }
@@ -70,13 +76,21 @@ fn every_example_matches_the_reference_with_prefetched_transfers() {
 fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
     for ranks in [2i64, 4] {
         let program = parse("column_parallel_linear_broadcast", ranks).expect("the example parses");
-        let text = compile(&program, &prefetch()).unwrap().host.to_string();
+        let text = compile(&program, &prefetch())
+            .unwrap()
+            .host()
+            .clone()
+            .to_string();
         assert!(text.contains("set_current_stream worker(i0"), "{text}");
     }
     for name in ["column_parallel_linear_ring"] {
         for ranks in [2i64, 4] {
             let program = parse(name, ranks).expect("the example parses");
-            let text = compile(&program, &prefetch()).unwrap().host.to_string();
+            let text = compile(&program, &prefetch())
+                .unwrap()
+                .host()
+                .clone()
+                .to_string();
             // The compute runs on the main stream: no worker per iteration.
             assert!(!text.contains("worker(i0"), "{name}:\n{text}");
             // Step 0 is a copy to itself: the first chunk is computed straight from the input,
@@ -111,9 +125,10 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
                 }
             }
             // The default schedule is unchanged.
-            let default = compile(&program, &CompileOptions::default())
+            let default = compile(&program, &Options::new().check(false))
                 .unwrap()
-                .host
+                .host()
+                .clone()
                 .to_string();
             assert!(
                 default.contains("set_current_stream worker(i0"),
@@ -139,7 +154,7 @@ fn a_gathered_output_keeps_the_copy_to_itself_and_matches_the_reference() {
         params.insert("ranks".into(), ranks);
         let program = parse_program_with(&text, &params).expect("the variant parses");
         let c = compile(&program, &prefetch()).unwrap();
-        let host = c.host.to_string();
+        let host = c.host().to_string();
         let first = host.find("linear(x, w -> ").expect("the GEMM of the input");
         let before = &host[..first];
         let (transfer, copy) = (
@@ -151,10 +166,16 @@ fn a_gathered_output_keeps_the_copy_to_itself_and_matches_the_reference() {
                 .expect("the copy to itself"),
         );
         assert!(transfer < copy, "{host}");
-        let world = c.host.world_size();
-        check_program(&c.host, world).unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
-        let cmp = run_and_compare(&c.program, &c.host, world, 3, &CpuOptions::default())
-            .unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
+        let world = c.host().world_size();
+        check_program(c.host(), world).unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
+        let cmp = run_and_compare(
+            c.level1().expect("lowered"),
+            c.host(),
+            world,
+            3,
+            &CpuOptions::default(),
+        )
+        .unwrap_or_else(|e| panic!("{ranks} ranks: {e}\n{host}"));
         assert!(cmp.passed(), "{ranks} ranks: {cmp}\n{host}");
     }
 }

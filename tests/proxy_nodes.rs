@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use meshflow::ir::{parse_program_with, Program};
 use meshflow::kernels::proxy::Topology;
-use meshflow::pipeline::{compile, CompileOptions, Compiled};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cpu::{CpuConfig, Fault, FaultKind};
 use meshflow::runtime::data::TensorData;
@@ -16,6 +15,7 @@ use meshflow::runtime::multinode::{run_node, NodeError, NodeOutcome, NodeSpec};
 use meshflow::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::{run_cpu, CpuOptions, RunInputs};
+use meshflow::{compile, Compiled, Options};
 
 fn compiled(example: &str, ranks: i64) -> (Program, Compiled) {
     let path = format!(
@@ -25,7 +25,7 @@ fn compiled(example: &str, ranks: i64) -> (Program, Compiled) {
     let text = std::fs::read_to_string(&path).expect("example exists");
     let params = BTreeMap::from([("ranks".to_string(), ranks)]);
     let program = parse_program_with(&text, &params).expect("example parses");
-    let c = compile(&program, &CompileOptions::default()).expect("example compiles");
+    let c = compile(&program, &Options::new().check(false)).expect("example compiles");
     (program, c)
 }
 
@@ -49,7 +49,7 @@ fn run_nodes(
     ring: usize,
     opts: &CpuOptions,
 ) -> Vec<Result<NodeOutcome, NodeError>> {
-    let per_rank = scatter_inputs(&c.program, inputs).expect("inputs scatter");
+    let per_rank = scatter_inputs(c.level1().expect("lowered"), inputs).expect("inputs scatter");
     let rendezvous: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("proxy-nodes"));
     std::thread::scope(|s| {
         let handles: Vec<_> = (0..topology.nodes())
@@ -63,7 +63,7 @@ fn run_nodes(
                         ring,
                         setup_timeout: Duration::from_secs(30),
                     };
-                    run_node(&c.host, per_rank, &spec, rendezvous, opts)
+                    run_node(c.host(), per_rank, &spec, rendezvous, opts)
                 })
             })
             .collect();
@@ -86,9 +86,9 @@ fn nodes_linked_by_the_proxy_compute_the_same_bits_as_one_process() {
         let inputs = random_inputs(&program, 3).expect("inputs");
         let opts = options(Vec::new());
         let want = run_cpu(
-            &c.host,
+            c.host(),
             RunInputs::Full {
-                program: &c.program,
+                program: c.level1().expect("lowered"),
                 inputs: &inputs,
             },
             &CpuOptions {

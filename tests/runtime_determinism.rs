@@ -11,10 +11,10 @@ use std::path::PathBuf;
 
 use hardening_support::row;
 use meshflow::ir::{parse_program, DeviceId, HostProgram, Program};
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunInputs};
+use meshflow::{compile, Options};
 
 type Outputs = BTreeMap<DeviceId, BTreeMap<String, TensorData>>;
 
@@ -41,11 +41,11 @@ fn examples() -> Vec<(String, Program)> {
 }
 
 fn lower(l1: &Program, num_streams: usize) -> HostProgram {
-    let options = CompileOptions {
-        num_streams,
-        ..CompileOptions::default()
-    };
-    compile(l1, &options).expect("the example lowers").host
+    let options = Options::new().check(false).streams(num_streams);
+    compile(l1, &options)
+        .expect("the example lowers")
+        .host()
+        .clone()
 }
 
 fn run(l1: &Program, host: &HostProgram, seed: u64, stream_pool: usize) -> Outputs {

@@ -13,7 +13,6 @@ use std::sync::{Arc, Barrier, Mutex};
 
 use hardening_support::*;
 use meshflow::ir::{parse_program, DeviceId, HostProgram, Program};
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cpu::{BufferStats, Fabric};
 use meshflow::runtime::data::TensorData;
@@ -21,6 +20,7 @@ use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::{
     run_cpu_observed, CpuBackend, CpuConfig, CpuOptions, EvalOptions, Evaluator, RunInputs,
 };
+use meshflow::{compile, Options};
 
 const WARMUP: usize = 10;
 /// Steps of the embedder loop: 1000, or `MESHFLOW_HARDENING_STEPS` to look further.
@@ -49,9 +49,10 @@ fn examples() -> Vec<(String, Program, HostProgram)> {
             let name = path.file_stem().unwrap().to_string_lossy().into_owned();
             let text = std::fs::read_to_string(&path).unwrap();
             let l1 = parse_program(&text).unwrap_or_else(|e| panic!("{name}: {e}"));
-            let host = compile(&l1, &CompileOptions::default())
+            let host = compile(&l1, &Options::new().check(false))
                 .unwrap_or_else(|e| panic!("{name}: {e}"))
-                .host;
+                .host()
+                .clone();
             (name, l1, host)
         })
         .collect()

@@ -1,5 +1,5 @@
 //! The whole pipeline on fuzzed level-1 text: parse -> verify -> lower
-//! (`meshflow::pipeline::compile`, verifying after every pass) -> cross-rank check
+//! (`meshflow::compile`, verifying after every pass) -> cross-rank check
 //! (`meshflow::check::check_program`) -> for small programs (at most 8 ranks, small tensors) a
 //! CPU run against the level-1 reference with a short receive timeout.
 //!
@@ -13,7 +13,7 @@ use std::time::Duration;
 use libfuzzer_sys::fuzz_target;
 use meshflow::check::check_program;
 use meshflow::ir::{parse_program, verify_program, Program};
-use meshflow::pipeline::{compile, CompileOptions};
+use meshflow::{compile, Options};
 use meshflow::runtime::compare::run_and_compare;
 use meshflow::runtime::{CpuConfig, CpuOptions};
 
@@ -46,18 +46,15 @@ fuzz_target!(|data: &[u8]| {
     if verify_program(&program).is_err() {
         return;
     }
-    let options = CompileOptions {
-        verify: true,
-        ..CompileOptions::default()
-    };
+    let options = Options::new().check(false).verify_each_pass(true);
     let Ok(compiled) = compile(&program, &options) else {
         return;
     };
-    let world = compiled.host.world_size();
+    let world = compiled.host().world_size();
     if world > MAX_CHECK_RANKS {
         return;
     }
-    if check_program(&compiled.host, world).is_err() {
+    if check_program(compiled.host(), world).is_err() {
         return;
     }
     if world == 0 || world > MAX_RUN_RANKS {
@@ -75,5 +72,5 @@ fuzz_target!(|data: &[u8]| {
         },
         trace: false,
     };
-    let _ = run_and_compare(&program, &compiled.host, world, 7, &cpu);
+    let _ = run_and_compare(&program, compiled.host(), world, 7, &cpu);
 });

@@ -1,8 +1,9 @@
 //! meshflow-passes: the pass manager and every pass that lowers a sharded level-1 program to
 //! the host IR.
 //!
-//! - [`manager`]: [`PassManager`], the pass traits ([`ProgramPass`], [`LowerPass`],
-//!   [`HostPass`]) and the shared [`PassContext`].
+//! - [`manager`]: [`PassManager`] and its typed [`Stage`]s, the pass traits
+//!   ([`ProgramPass`], [`LowerPass`], [`HostPass`]).
+//! - [`options`]: [`PassOptions`] and the [`PassContext`] that borrows them.
 //! - [`passes`]: one type per pass, named by a verb phrase (`PropagateShardings`,
 //!   `DecomposeReshardings`, `ChooseDecompositions`, `LowerToHost`, `SimplifyIndices`,
 //!   `AssignStreams`, `InsertAllocations`, `DeferWaits`, and the verifiers).
@@ -25,6 +26,7 @@ pub mod explain;
 pub mod host_util;
 pub mod index;
 pub mod manager;
+pub mod options;
 pub mod passes;
 pub mod resharding;
 pub mod scope_tree;
@@ -33,6 +35,7 @@ pub use cost_model::{CostModel, Transport};
 pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
 pub use manager::{
-    Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
-    PassOutput, PassTiming, ProgramPass, StreamSchedule,
+    Dump, DumpAfter, HostPass, Ir, LowerPass, Lowered, PassManager, PassOutput, PassTiming,
+    ProgramPass, Stage,
 };
+pub use options::{Decomposition, PassContext, PassOptions, StreamSchedule};

@@ -84,7 +84,7 @@ fn tensor_parallel_mlp_with_a_custom_op_lowers_to_call_kernel() {
 
 #[test]
 fn a_replicated_input_is_resliced_to_the_split_the_custom_op_needs() {
-    let (out, _) = common::run(&mlp(4, true), common::all_passes()).expect("lowers");
+    let out = common::run(&mlp(4, true), common::all_passes()).expect("lowers");
     let l = launches(&out.host);
     let (_, inputs, _, _) = &l[0];
     assert_eq!(inputs[0], "h");

@@ -20,7 +20,7 @@ use crate::runtime::shard::{scatter_inputs, ShardError};
 use crate::runtime::RunInputs;
 
 /// Why a benchmark failed.
-#[derive(Clone, Debug, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum BenchError {
     /// A GPU run failed.
     #[error("{what}: {source}")]
@@ -47,7 +47,7 @@ pub enum BenchError {
         /// The program.
         what: String,
         /// Why.
-        source: crate::pipeline::PipelineError,
+        source: crate::Error,
     },
     /// A variant's sampled outputs differ from the reference.
     #[error("{variant}: sampled outputs differ from the reference (rel err {error:.3e} > 1e-2)")]

@@ -23,7 +23,8 @@ use meshflow_ir::{
 };
 
 use super::rings::{agmm_ring_lowered, rsmm_ring_host, rsmm_ring_lowered};
-use crate::pipeline::{compile, CompileOptions, PipelineError, StreamSchedule};
+use crate::pipeline::StreamSchedule;
+use crate::{compile, Error, Options};
 
 /// A program and the host program it lowers to.
 #[derive(Clone, Debug)]
@@ -231,7 +232,7 @@ pub fn agmm_lowered(
     variant: AgVariant,
     streams: usize,
     parts: Parts,
-) -> Result<Lowered, PipelineError> {
+) -> Result<Lowered, Error> {
     if matches!(
         variant,
         AgVariant::RingForward | AgVariant::RingBidirectional
@@ -243,15 +244,14 @@ pub fn agmm_lowered(
         AgVariant::RingPrefetch => StreamSchedule::Prefetch,
         _ => StreamSchedule::PerIteration,
     };
-    let options = CompileOptions {
-        num_streams: streams.max(1),
-        stream_schedule,
-        ..CompileOptions::default()
-    };
+    let options = Options::new()
+        .check(false)
+        .streams(streams.max(1))
+        .stream_schedule(stream_schedule);
     let c = compile(&program, &options)?;
     Ok(Lowered {
-        host: keep_parts(&c.host, parts),
-        program: c.program,
+        host: keep_parts(c.host(), parts),
+        program: c.level1()?.clone(),
     })
 }
 
@@ -265,18 +265,15 @@ pub fn rsmm_lowered(
     variant: RsVariant,
     streams: usize,
     parts: Parts,
-) -> Result<Lowered, PipelineError> {
+) -> Result<Lowered, Error> {
     match variant {
         RsVariant::Collective => {
             let program = rsmm_program(d, s, dtype, None);
-            let options = CompileOptions {
-                num_streams: streams.max(1),
-                ..CompileOptions::default()
-            };
+            let options = Options::new().check(false).streams(streams.max(1));
             let c = compile(&program, &options)?;
             Ok(Lowered {
-                host: keep_parts(&c.host, parts),
-                program: c.program,
+                host: keep_parts(c.host(), parts),
+                program: c.level1()?.clone(),
             })
         }
         RsVariant::Chunked(chunks) => Ok(Lowered {

@@ -26,7 +26,7 @@ use meshflow_ir::{DType, HostProgram};
 use super::programs::{
     agmm_program, keep_parts, mesh_text, parse, rsmm_program, AgVariant, Gemm3, Lowered, Parts,
 };
-use crate::pipeline::{compile, CompileOptions, PipelineError};
+use crate::{compile, Error, Options};
 use meshflow_passes::PassError;
 
 /// The executing rank's team index in the host text.
@@ -82,7 +82,7 @@ impl Text {
     }
 }
 
-fn invalid(what: String) -> PipelineError {
+fn invalid(what: String) -> Error {
     PassError::Options(what).into()
 }
 
@@ -97,7 +97,7 @@ pub fn agmm_ring_lowered(
     dtype: DType,
     variant: AgVariant,
     parts: Parts,
-) -> Result<Lowered, PipelineError> {
+) -> Result<Lowered, Error> {
     let halves = match variant {
         AgVariant::RingForward => 1,
         AgVariant::RingBidirectional => 2,
@@ -118,11 +118,11 @@ pub fn agmm_ring_lowered(
             s.n
         )));
     }
-    let program = compile(
+    let compiled = compile(
         &agmm_program(d, s, dtype, variant),
-        &CompileOptions::default(),
-    )?
-    .program;
+        &Options::new().check(false),
+    )?;
+    let program = compiled.level1()?.clone();
     Ok(Lowered {
         program,
         host: keep_parts(&agmm_ring_host(d, s, dtype, variant), parts),
@@ -138,7 +138,7 @@ pub fn rsmm_ring_lowered(
     dtype: DType,
     pieces: u64,
     parts: Parts,
-) -> Result<Lowered, PipelineError> {
+) -> Result<Lowered, Error> {
     let du = d as u64;
     if d == 0 || !s.m.is_multiple_of(du) || !s.k.is_multiple_of(du) {
         return Err(invalid(format!(

@@ -1,5 +1,5 @@
 //! Multi-process CPU runs. `meshflow run FILE --ranks N --nodes M` (or with
-//! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`launch`]), each running
+//! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`start_nodes`]), each running
 //! the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads, the other
 //! nodes reached through the host proxy over TCP. Node 0 serves the rendezvous, gathers every
 //! rank's outputs, compares them with the reference and prints the summary, which the launcher
@@ -15,7 +15,6 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use meshflow::kernels::proxy::{ProxyStats, Topology};
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::cpu::{CpuConfig, Fault, FaultKind, FAULT_EXIT_STATUS};
 use meshflow::runtime::multinode::{
@@ -26,17 +25,14 @@ use meshflow::runtime::reference::evaluate;
 use meshflow::runtime::rendezvous::{Rendezvous, TcpRendezvous, TorchrunEnv};
 use meshflow::runtime::shard::scatter_inputs;
 
-use super::common::{print_out, CliError, ProgramArgs};
+use super::common::{options, print_out, CliError, CompileArgs, ProgramArgs};
 
-/// Settings of the CPU ranks, shared by `run` and `node`.
+/// How a run executes, shared by `run` and `node`.
 #[derive(Clone, Debug, Args)]
-pub struct CpuRunArgs {
+pub struct ExecArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Size of the worker stream pool.
-    #[arg(long, default_value_t = 2)]
-    pub streams: usize,
     /// How long a rank waits for a peer before the run fails, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     pub timeout_ms: u64,
@@ -51,7 +47,9 @@ pub struct NodeArgs {
     #[command(flatten)]
     program: ProgramArgs,
     #[command(flatten)]
-    cpu: CpuRunArgs,
+    compile: CompileArgs,
+    #[command(flatten)]
+    cpu: ExecArgs,
     /// This node.
     #[arg(long)]
     node: usize,
@@ -64,7 +62,7 @@ pub struct NodeArgs {
 }
 
 /// How long proxy connection setup and rendezvous steps may take.
-fn setup_timeout(cpu: &CpuRunArgs) -> Duration {
+fn setup_timeout(cpu: &ExecArgs) -> Duration {
     Duration::from_millis(cpu.timeout_ms).max(Duration::from_secs(30))
 }
 
@@ -94,18 +92,12 @@ fn sum_stats(stats: &BTreeMap<usize, ProxyStats>) -> ProxyStats {
 
 /// Runs one node of a multi-process run (the `node` subcommand).
 pub fn run(args: NodeArgs) -> Result<(), CliError> {
-    let program = args.program.load()?;
-    let options = CompileOptions {
-        num_streams: args.cpu.streams.max(1),
-        ..CompileOptions::default()
-    };
-    let compiled = compile(&program, &options)?;
-    let world = compiled.host.world_size();
-    let ranks = match args.program.ranks {
-        Some(r) => usize::try_from(r)
-            .map_err(|_| CliError::Usage(format!("--ranks {r}: must be positive")))?,
-        None => world,
-    };
+    // The launching process ran the cross-rank check.
+    let options = options(&args.program, Some(&args.compile))?.check(false);
+    let program = args.program.load(&options)?;
+    let compiled = meshflow::compile(&program, &options).map_err(|e| args.program.error(e))?;
+    let level1 = compiled.level1().map_err(|e| args.program.error(e))?;
+    let ranks = compiled.world_size();
     let topology = Topology::contiguous(ranks, args.node_size)
         .map_err(|e| CliError::Usage(format!("--node-size: {e}")))?;
     let nodes = topology.nodes();
@@ -118,8 +110,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
     let mut summary = String::new();
     let inputs =
         random_inputs(&program, args.cpu.seed).map_err(|e| CliError::Run(e.to_string()))?;
-    let per_rank =
-        scatter_inputs(&compiled.program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
+    let per_rank = scatter_inputs(level1, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
     let (addr, port) = args
         .master
         .rsplit_once(':')
@@ -157,7 +148,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
     let cpu = CpuOptions {
         ranks: Some(ranks),
         config: CpuConfig {
-            stream_pool: args.cpu.streams.max(1),
+            stream_pool: args.compile.streams,
             timeout: Duration::from_millis(args.cpu.timeout_ms),
             race_check: !args.cpu.no_race_check,
             faults: faults_from_env()?,
@@ -165,7 +156,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         },
         trace: false,
     };
-    let outcome = run_node(&compiled.host, &per_rank, &spec, rendezvous, &cpu)
+    let outcome = run_node(compiled.host(), &per_rank, &spec, rendezvous, &cpu)
         .map_err(|e| CliError::Run(e.to_string()))?;
     let stats = sum_stats(&outcome.proxy_stats);
     let Some(outputs) = outcome.outputs else {
@@ -191,7 +182,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         elapsed: outcome.elapsed,
     };
     let got = run
-        .gather(&compiled.program)
+        .gather(level1)
         .map_err(|e| CliError::Run(e.to_string()))?;
     let want = evaluate(&program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
     let comparison =
@@ -222,9 +213,10 @@ pub fn nodes_of(ranks: usize, nodes: Option<usize>) -> Result<usize, CliError> {
 
 /// Starts the node processes of a run of `ranks` split into `nodes` and relays node 0's
 /// summary. `summary` is printed first.
-pub fn launch(
+pub fn start_nodes(
     program: &ProgramArgs,
-    cpu: &CpuRunArgs,
+    compile: &CompileArgs,
+    cpu: &ExecArgs,
     ranks: usize,
     nodes: usize,
     summary: &str,
@@ -246,8 +238,8 @@ pub fn launch(
                 .arg(&program.file)
                 .args(["--ranks", &ranks.to_string()])
                 .args(program.params.iter().flat_map(|p| ["--param", p.as_str()]))
+                .args(compile.to_args())
                 .args(["--seed", &cpu.seed.to_string()])
-                .args(["--streams", &cpu.streams.to_string()])
                 .args(["--timeout-ms", &cpu.timeout_ms.to_string()])
                 .args(["--node", &node.to_string()])
                 .args(["--node-size", &node_size.to_string()])

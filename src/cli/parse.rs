@@ -2,7 +2,7 @@
 
 use clap::Args;
 
-use super::common::{print_out, CliError, ProgramArgs};
+use super::common::{options, print_out, CliError, ProgramArgs};
 
 /// Arguments of `parse`.
 #[derive(Debug, Args)]
@@ -13,6 +13,7 @@ pub struct ParseArgs {
 
 /// Runs `parse`.
 pub fn run(args: ParseArgs) -> Result<(), CliError> {
-    let program = args.program.load()?;
+    let options = options(&args.program, None)?;
+    let program = args.program.load(&options)?;
     print_out(&program.to_string())
 }

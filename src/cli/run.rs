@@ -1,6 +1,5 @@
-//! `meshflow run FILE [--ranks N] [--param k=v]... [--backend cpu|cuda] [--seed S]
-//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
-//! program, checks the host program across ranks, runs it on every rank with random inputs,
+//! `meshflow run FILE [program and compile options] [--backend cpu|cuda] [--seed S]
+//! [--trace out.json] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the program, checks the host program across ranks, runs it on every rank with random inputs,
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
 //! (or `MESHFLOW_NODE_SIZE`) the CPU ranks run in M processes linked by the host proxy (see
@@ -8,17 +7,17 @@
 //! of `meshflow launch`) and reach the ranks of other nodes through their host proxies.
 
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use meshflow::check::check_program;
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::reference::evaluate;
+use meshflow::Compiled;
 
-use super::common::{print_out, CliError, ProgramArgs};
+use super::common::{options, print_out, CliError, CompileArgs, ProgramArgs};
+use super::node::ExecArgs;
 
 /// Where the ranks run.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -35,29 +34,16 @@ pub enum BackendKind {
 pub struct RunArgs {
     #[command(flatten)]
     program: ProgramArgs,
+    #[command(flatten)]
+    compile: CompileArgs,
+    #[command(flatten)]
+    exec: ExecArgs,
     /// The backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     backend: BackendKind,
-    /// Seed of the random inputs.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
     /// Write a Chrome/Perfetto trace (one track per rank and stream).
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
-    /// Size of the worker stream pool.
-    #[arg(long, default_value_t = 2)]
-    streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
-    schedule: super::common::ScheduleArg,
-    /// How long a rank waits for a peer before the run fails, in milliseconds.
-    #[arg(long, default_value_t = 10_000)]
-    timeout_ms: u64,
-    /// Do not check stream ordering (races) while running (CPU backend).
-    #[arg(long)]
-    no_race_check: bool,
     /// Split the ranks into this many nodes linked by the host proxy over TCP (default:
     /// `MESHFLOW_NODE_SIZE` ranks per node when set, else one node). CPU ranks run in one
     /// process per node; GPU ranks move collective permutes and MoE rows between nodes
@@ -68,34 +54,25 @@ pub struct RunArgs {
 
 /// Runs `run`.
 pub fn run(args: RunArgs) -> Result<(), CliError> {
-    let program = args.program.load()?;
-    let options = CompileOptions {
-        num_streams: args.streams.max(1),
-        stream_schedule: args.schedule.schedule(),
-        ..CompileOptions::default()
-    };
-    let started = Instant::now();
-    let compiled = compile(&program, &options)?;
-    let world = compiled.host.world_size();
-    let ranks = match args.program.ranks {
-        Some(r) => usize::try_from(r)
-            .map_err(|_| CliError::Usage(format!("--ranks {r}: must be positive")))?,
-        None => world,
-    };
-    if ranks < world {
-        return Err(CliError::Usage(format!(
-            "the program's meshes use {world} devices but only {ranks} ranks were requested"
-        )));
-    }
+    let options = options(&args.program, Some(&args.compile))?.check(true);
+    let program = args.program.load(&options)?;
+    let compiled = meshflow::compile(&program, &options).map_err(|e| args.program.error(e))?;
+    let lowered = compiled
+        .timings()
+        .iter()
+        .map(|t| t.wall.as_secs_f64())
+        .sum::<f64>();
+    let world = compiled.host().world_size();
+    let ranks = compiled.world_size();
     let mut summary = format!(
         "{}: lowered in {:.1} ms ({} host instructions)\n",
         program.name,
-        started.elapsed().as_secs_f64() * 1e3,
-        count_insts(&compiled.host)
+        lowered * 1e3,
+        count_insts(compiled.host())
     );
-    let report = check_program(&compiled.host, ranks)
-        .map_err(|e| CliError::Usage(format!("the cross-rank check rejects the program:\n{e}")))?;
-    summary.push_str(&format!("cross-rank check: {report}\n"));
+    if let Some(report) = compiled.check_report() {
+        summary.push_str(&format!("cross-rank check: {report}\n"));
+    }
     if ranks > world {
         summary.push_str(&format!(
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
@@ -103,41 +80,37 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
     if nodes > 1 && args.backend == BackendKind::Cpu {
-        if args.schedule != super::common::ScheduleArg::PerIteration {
-            return Err(CliError::Usage(
-                "--schedule is not passed to the node processes of a multi-process CPU run yet; \
-                 run without --nodes"
-                    .into(),
-            ));
-        }
         if args.trace.is_some() {
             summary.push_str("note: --trace is not recorded in multi-process runs\n");
         }
-        let cpu = super::node::CpuRunArgs {
-            seed: args.seed,
-            streams: args.streams,
-            timeout_ms: args.timeout_ms,
-            no_race_check: args.no_race_check,
-        };
-        return super::node::launch(&args.program, &cpu, ranks, nodes, &summary);
+        return super::node::start_nodes(
+            &args.program,
+            &args.compile,
+            &args.exec,
+            ranks,
+            nodes,
+            &summary,
+        );
     }
-    let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
+    let level1 = compiled.level1().map_err(|e| args.program.error(e))?;
+    let inputs =
+        random_inputs(&program, args.exec.seed).map_err(|e| CliError::Run(e.to_string()))?;
     let got = match args.backend {
         BackendKind::Cpu => {
             let cpu = CpuOptions {
                 ranks: Some(ranks),
                 config: CpuConfig {
-                    stream_pool: args.streams.max(1),
-                    timeout: Duration::from_millis(args.timeout_ms),
-                    race_check: !args.no_race_check,
+                    stream_pool: args.compile.streams,
+                    timeout: Duration::from_millis(args.exec.timeout_ms),
+                    race_check: !args.exec.no_race_check,
                     ..CpuConfig::default()
                 },
                 trace: args.trace.is_some(),
             };
             let outcome = run_cpu(
-                &compiled.host,
+                compiled.host(),
                 RunInputs::Full {
-                    program: &compiled.program,
+                    program: level1,
                     inputs: &inputs,
                 },
                 &cpu,
@@ -146,7 +119,7 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             summary.push_str(&format!(
                 "ran on {ranks} CPU ranks in {:.1} ms (seed {})\n",
                 outcome.elapsed.as_secs_f64() * 1e3,
-                args.seed
+                args.exec.seed
             ));
             if let (Some(path), Some(trace)) = (&args.trace, &outcome.trace) {
                 trace.write(path).map_err(|source| {
@@ -158,7 +131,7 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
                 summary.push_str(&format!("trace written to {}\n", path.display()));
             }
             outcome
-                .gather(&compiled.program)
+                .gather(level1)
                 .map_err(|e| CliError::Run(e.to_string()))?
         }
         BackendKind::Cuda => match run_cuda(
@@ -189,7 +162,7 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(
     _args: &RunArgs,
-    _compiled: &meshflow::pipeline::Compiled,
+    _compiled: &Compiled,
     _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
     _ranks: usize,
     _node_size: Option<usize>,
@@ -206,7 +179,7 @@ fn run_cuda(
 #[cfg(feature = "cuda")]
 fn run_cuda(
     args: &RunArgs,
-    compiled: &meshflow::pipeline::Compiled,
+    compiled: &Compiled,
     inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
     ranks: usize,
     node_size: Option<usize>,
@@ -216,8 +189,8 @@ fn run_cuda(
     let how = super::run_cuda::GpuRun {
         ranks,
         node_size,
-        streams: args.streams,
-        timeout: Duration::from_millis(args.timeout_ms),
+        streams: args.compile.streams,
+        timeout: Duration::from_millis(args.exec.timeout_ms),
         trace: args.trace.as_deref(),
     };
     super::run_cuda::run(compiled, inputs, &how, summary)

@@ -11,10 +11,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use meshflow::pipeline::Compiled;
 use meshflow::runtime::cuda::{run_program_cuda, CudaConfig, CudaOptions};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
+use meshflow::Compiled;
 
 use super::common::CliError;
 
@@ -67,9 +67,12 @@ pub(super) fn run(
             ..CudaConfig::default()
         },
     };
+    let level1 = compiled
+        .level1()
+        .map_err(|e| CliError::Run(e.to_string()))?;
     let run = run_program_cuda(
-        &compiled.program,
-        &compiled.host,
+        level1,
+        compiled.host(),
         inputs,
         ranks,
         &options,

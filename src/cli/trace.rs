@@ -1,24 +1,21 @@
-//! `meshflow trace FILE [--ranks N] [--param k=v]... [--backend cpu|cuda] [-o out.json]
-//! [--svg out.svg] [--streams P] [--decompose TENSOR=VARIANT]... [--seed S]`: lowers the
+//! `meshflow trace FILE [program and compile options] [--backend cpu|cuda] [-o out.json]
+//! [--svg out.svg] [--seed S]`: lowers the
 //! program, runs it once on every rank with random inputs and writes a Perfetto/Chrome trace
 //! (JSON) and an SVG timeline (one row per rank and stream, boxes coloured by compute,
 //! communication, copy and wait). On the CPU backend the boxes are the host time of each
 //! instruction; on GPUs (`--backend cuda`) they are device intervals from CUDA events, of a run
 //! after two warm-up runs.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use meshflow::passes::Decomposition;
-use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::trace::Trace;
 
-use super::common::{print_out, CliError, ProgramArgs};
+use super::common::{options, print_out, CliError, CompileArgs, ProgramArgs};
 use super::run::BackendKind;
 
 /// Arguments of `trace`.
@@ -26,6 +23,8 @@ use super::run::BackendKind;
 pub struct TraceArgs {
     #[command(flatten)]
     program: ProgramArgs,
+    #[command(flatten)]
+    compile: CompileArgs,
     /// The backend.
     #[arg(long, value_enum, default_value_t = BackendKind::Cpu)]
     backend: BackendKind,
@@ -40,17 +39,6 @@ pub struct TraceArgs {
     /// The SVG timeline (default: the trace's path with `.svg`).
     #[arg(long, value_name = "FILE")]
     svg: Option<PathBuf>,
-    /// Size of the worker stream pool.
-    #[arg(long, default_value_t = 2)]
-    streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
-    schedule: super::common::ScheduleArg,
-    /// Force a decomposition: `--decompose TENSOR=collective|broadcast|ring` (repeatable).
-    #[arg(long = "decompose", value_name = "TENSOR=VARIANT")]
-    decompose: Vec<String>,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -58,35 +46,15 @@ pub struct TraceArgs {
 
 /// Runs `trace`.
 pub fn run(args: TraceArgs) -> Result<(), CliError> {
-    let program = args.program.load()?;
-    let mut decompositions = BTreeMap::new();
-    for d in &args.decompose {
-        let (tensor, variant) = d.split_once('=').ok_or_else(|| {
-            CliError::Usage(format!("--decompose `{d}`: expected TENSOR=VARIANT"))
-        })?;
-        let variant: Decomposition = variant
-            .parse()
-            .map_err(|e: meshflow::passes::PassError| CliError::Usage(e.to_string()))?;
-        decompositions.insert(tensor.to_string(), variant);
-    }
-    let options = CompileOptions {
-        num_streams: args.streams.max(1),
-        decompositions,
-        stream_schedule: args.schedule.schedule(),
-        ..CompileOptions::default()
-    };
-    let compiled = compile(&program, &options)?;
-    let world = compiled.host.world_size();
-    let ranks = match args.program.ranks {
-        Some(r) => usize::try_from(r)
-            .ok()
-            .filter(|&r| r >= world)
-            .ok_or_else(|| CliError::Usage(format!("--ranks {r}: the program needs {world}")))?,
-        None => world,
-    };
+    let options = options(&args.program, Some(&args.compile))?.check(false);
+    let program = args.program.load(&options)?;
+    let compiled = meshflow::compile(&program, &options).map_err(|e| args.program.error(e))?;
+    let level1 = compiled.level1().map_err(|e| args.program.error(e))?;
+    let ranks = compiled.world_size();
+    let streams = args.compile.streams;
     let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
     let full = RunInputs::Full {
-        program: &compiled.program,
+        program: level1,
         inputs: &inputs,
     };
     let (trace, pool) = match args.backend {
@@ -94,19 +62,19 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
             let cpu = CpuOptions {
                 ranks: Some(ranks),
                 config: CpuConfig {
-                    stream_pool: args.streams.max(1),
+                    stream_pool: streams,
                     timeout: Duration::from_secs(30),
                     ..CpuConfig::default()
                 },
                 trace: true,
             };
             let outcome =
-                run_cpu(&compiled.host, full, &cpu).map_err(|e| CliError::Run(e.to_string()))?;
+                run_cpu(compiled.host(), full, &cpu).map_err(|e| CliError::Run(e.to_string()))?;
             (outcome.trace.unwrap_or_default(), None)
         }
         BackendKind::Cuda => (
-            cuda_trace(&compiled.host, full, ranks, args.streams)?,
-            Some(args.streams.max(1)),
+            cuda_trace(compiled.host(), full, ranks, streams)?,
+            Some(streams),
         ),
     };
     let svg_path = args

@@ -46,20 +46,16 @@
 //! See the crate docs for a complete example and `examples/embed_frontend.rs` for a front end
 //! with its own fused kernel.
 
-mod compiled;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
-mod error;
 mod executor;
-mod options;
 
+pub use crate::compile::{compile, parse, Compiled, Options, TensorInfo};
+pub use crate::error::Error;
 #[cfg(feature = "cuda")]
 pub use crate::runtime::cuda::{CudaBackend, CudaConfig, CudaKernels, CudaResources, GridDims};
-pub use compiled::{compile, Compiled, TensorInfo};
 pub use cpu::{CpuJob, CpuTensor};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaJob, CudaTensor};
-pub use error::Error;
 pub use executor::{Bind, Bindings, Executor};
-pub use options::{parse, Options};

@@ -14,7 +14,7 @@
 //! chunk in the same loop (overlap).
 //!
 //! User annotations win: an annotated consumer is never changed (its decision is recorded as
-//! such). `PassContext::decompositions` forces a variant by tensor name. Every decision is
+//! such). `PassOptions::decompositions` forces a variant by tensor name. Every decision is
 //! recorded in `PassContext::explain`.
 
 use egg::{EGraph, Extractor, Id, RecExpr, Rewrite, Runner};
@@ -26,7 +26,8 @@ use crate::decision::{decide, Decision};
 use crate::edit::decl;
 use crate::error::{op_text, PassError};
 use crate::explain::{ExplainRecord, VariantCost};
-use crate::manager::{Decomposition, PassContext, ProgramPass};
+use crate::manager::ProgramPass;
+use crate::options::{Decomposition, PassContext};
 
 pub use lang::DecompLang;
 
@@ -82,7 +83,7 @@ impl ProgramPass for ChooseDecompositions {
             let c_name = decl(program, c)?.name.clone();
             let text = op_text(program, op);
             if cx.is_annotated(&c_name) {
-                if cx.decompositions.contains_key(&c_name) {
+                if cx.options.decompositions.contains_key(&c_name) {
                     return Err(PassError::Options(format!(
                         "`{c_name}` is annotated by the user; a decomposition cannot be forced on it"
                     )));
@@ -101,12 +102,19 @@ impl ProgramPass for ChooseDecompositions {
                 continue;
             }
             seen.push(c_name.clone());
-            let forced = cx.decompositions.get(&c_name).copied();
+            let forced = cx.options.decompositions.get(&c_name).copied();
             match decision {
                 Decision::AllGather { pt, axis } if cs.stream().is_none() => {
                     let d = pm.size_of(pt).unwrap_or(1) as u64;
                     let plan = plan_gather(program, cx, c, &cs, axis, d)?;
-                    let record = choose(&cx.cost_model, &plan, forced, &c_name, &text, &decision)?;
+                    let record = choose(
+                        &cx.options.cost_model,
+                        &plan,
+                        forced,
+                        &c_name,
+                        &text,
+                        &decision,
+                    )?;
                     apply(program, &plan, c, &cs, axis, pt, record.0);
                     cx.explain.push(record.1);
                 }
@@ -132,7 +140,7 @@ impl ProgramPass for ChooseDecompositions {
                 }
             }
         }
-        if let Some(name) = cx.decompositions.keys().find(|n| !seen.contains(n)) {
+        if let Some(name) = cx.options.decompositions.keys().find(|n| !seen.contains(n)) {
             return Err(PassError::Options(format!(
                 "no resharding into an unannotated tensor `{name}`; candidates: {}",
                 if seen.is_empty() {

@@ -32,7 +32,8 @@ use crate::analysis::{op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::decision::{decide, placements, Decision, Placement};
 use crate::edit::{add_tensor, decl, insert_set, spec_from_placements, value_type};
 use crate::error::PassError;
-use crate::manager::{PassContext, ProgramPass};
+use crate::manager::ProgramPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct DecomposeReshardings;

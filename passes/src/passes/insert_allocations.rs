@@ -21,7 +21,8 @@ use crate::host_util::{
     after_epilogue, base_of, before_prologue, block_at, block_at_mut, comm_io, view_inputs,
     walk_paths,
 };
-use crate::manager::{HostPass, PassContext};
+use crate::manager::HostPass;
+use crate::options::PassContext;
 use crate::scope_tree::ScopeTree;
 
 /// The pass.

@@ -57,7 +57,8 @@ use meshflow_ir::HostProgram;
 
 use crate::error::PassError;
 use crate::index::{host_facts, substitute, Simplifier};
-use crate::manager::{HostPass, PassContext, StreamSchedule};
+use crate::manager::HostPass;
+use crate::options::{PassContext, StreamSchedule};
 
 /// The pass.
 pub struct PrefetchTransfers;
@@ -68,7 +69,7 @@ impl HostPass for PrefetchTransfers {
     }
 
     fn run(&self, host: &mut HostProgram, cx: &mut PassContext) -> Result<(), PassError> {
-        if cx.stream_schedule != StreamSchedule::Prefetch {
+        if cx.options.stream_schedule != StreamSchedule::Prefetch {
             return Ok(());
         }
         let mut next_stream = host.fresh_stream_var().0;

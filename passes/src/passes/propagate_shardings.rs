@@ -19,7 +19,8 @@ use meshflow_ir::{Op, OpKind, Program, TensorId};
 
 use crate::analysis::{op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::error::PassError;
-use crate::manager::{PassContext, ProgramPass};
+use crate::manager::ProgramPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct PropagateShardings;

@@ -48,7 +48,7 @@ pub enum CudaTransport {
 
 impl CudaTransport {
     /// The runtime transport for the compile-time choice of the cost model
-    /// ([`CompileOptions::cost_model`](crate::pipeline::CompileOptions)), so that the same
+    /// ([`PassOptions::cost_model`](crate::pipeline::PassOptions)), so that the same
     /// choice decides the decomposition and moves the bytes.
     pub fn from_compiled(t: meshflow_passes::Transport) -> CudaTransport {
         match t {

@@ -31,7 +31,8 @@ use meshflow_ir::{DeviceMesh, EntityRef, HostProgram, MeshId, Program, TensorId}
 
 use crate::analysis::{AxisClasses, Sharding};
 use crate::error::PassError;
-use crate::manager::{LowerPass, PassContext};
+use crate::manager::LowerPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct LowerToHost;

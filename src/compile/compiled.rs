@@ -6,8 +6,9 @@ use meshflow_ir::host::Role;
 use meshflow_ir::{parse_host, verify_host, DType, DeviceId, HostProgram, InstKind, Program};
 use meshflow_passes::{Dump, ExplainRecord, PassTiming};
 
-use super::{Error, Options};
+use super::Options;
 use crate::check::{check_program, CheckReport};
+use crate::error::Error;
 use crate::runtime::data::TensorData;
 use crate::runtime::shard::Sharding;
 
@@ -44,7 +45,7 @@ pub struct TensorInfo {
 /// ([`Options::for_ranks`]) and, unless disabled, runs the static cross-rank check.
 pub fn compile(program: &Program, options: &Options) -> Result<Compiled, Error> {
     let world_size = options.job_size(program.world_size())?;
-    let out = crate::pipeline::compile(program, options.compile_options())?;
+    let out = crate::pipeline::pipeline().run(program.clone(), options.pass_options())?;
     let check = options
         .checks()
         .then(|| check_program(&out.host, world_size))
@@ -103,6 +104,14 @@ impl Compiled {
     /// here rather than loaded from text.
     pub fn program(&self) -> Option<&Program> {
         self.program.as_ref()
+    }
+
+    /// The level-1 program as lowered, or [`Error::NoProgram`] for a host program loaded from
+    /// text.
+    pub fn level1(&self) -> Result<&Program, Error> {
+        self.program.as_ref().ok_or(Error::NoProgram {
+            what: "the lowered level-1 program",
+        })
     }
 
     /// The number of ranks of the job (one executor each).

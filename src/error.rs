@@ -1,10 +1,10 @@
-//! [`Error`]: every way the embedding API can fail.
+//! [`Error`]: every way compiling, loading and running through the front door can fail.
 
 use meshflow_ir::program::BuildError;
 use meshflow_ir::{DeviceId, MeshError, ParseError, VerifyErrors};
+use meshflow_passes::PassError;
 
 use crate::check::CheckErrors;
-use crate::pipeline::PipelineError;
 use crate::runtime::backend::BackendError;
 use crate::runtime::data::DataError;
 use crate::runtime::shard::ShardError;
@@ -32,7 +32,7 @@ pub enum Error {
     Data(#[from] DataError),
     /// A pass failed, or the options name an unknown pass.
     #[error(transparent)]
-    Compile(#[from] PipelineError),
+    Compile(#[from] PassError),
     /// The host program's communications do not match across ranks (the static check).
     #[error("cross-rank check failed: {0}")]
     Check(#[from] CheckErrors),
@@ -47,7 +47,7 @@ pub enum Error {
     WorldSize {
         /// Ranks the program's meshes span.
         needed: usize,
-        /// Ranks of the job ([`Options::for_ranks`](super::Options::for_ranks)).
+        /// Ranks of the job ([`Options::for_ranks`](crate::Options::for_ranks)).
         ranks: usize,
     },
     /// A rank outside the job.
@@ -97,7 +97,7 @@ pub enum Error {
         /// The backend's error.
         source: BackendError,
     },
-    /// A level-1 operation on a [`Compiled`](super::Compiled) loaded from host text.
+    /// A level-1 operation on a [`Compiled`](crate::Compiled) loaded from host text.
     #[error("{what} needs the level-1 program, which a host program loaded from text lacks")]
     NoProgram {
         /// What was asked.

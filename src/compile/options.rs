@@ -3,8 +3,8 @@
 use meshflow_ir::{parse_program_with, Params, Program};
 use meshflow_passes::{CostModel, Decomposition, Transport};
 
-use super::Error;
-use crate::pipeline::CompileOptions;
+use crate::error::Error;
+use crate::pipeline::{PassOptions, StreamSchedule};
 
 /// How to compile: the job's size, pass-list changes, the worker-stream count, decomposition
 /// and transport choices, and whether to run the static cross-rank check.
@@ -17,13 +17,13 @@ use crate::pipeline::CompileOptions;
 ///     .decomposition("ag", Decomposition::Ring)
 ///     .disable_pass("defer_waits");
 /// assert_eq!(options.ranks(), Some(8));
-/// assert_eq!(options.compile_options().num_streams, 3);
+/// assert_eq!(options.pass_options().num_streams, 3);
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Options {
     ranks: Option<usize>,
     params: Params,
-    compile: CompileOptions,
+    passes: PassOptions,
     check: bool,
 }
 
@@ -32,7 +32,7 @@ impl Default for Options {
         Options {
             ranks: None,
             params: Params::new(),
-            compile: CompileOptions::default(),
+            passes: PassOptions::default(),
             check: true,
         }
     }
@@ -70,22 +70,22 @@ impl Options {
     /// The size of the worker-stream pool the host program uses (`assign_streams`; default 2,
     /// at least 1).
     pub fn streams(mut self, streams: usize) -> Options {
-        self.compile.num_streams = streams;
+        self.passes.num_streams = streams;
         self
     }
 
     /// How stream loops use the worker streams (default: one worker per iteration, as
-    /// nvFuser; [`StreamSchedule::Prefetch`](crate::pipeline::StreamSchedule::Prefetch): ring
+    /// nvFuser; [`StreamSchedule::Prefetch`]: ring
     /// loops compute on the main stream with each permute one iteration ahead on a worker).
-    pub fn stream_schedule(mut self, schedule: crate::pipeline::StreamSchedule) -> Options {
-        self.compile.stream_schedule = schedule;
+    pub fn stream_schedule(mut self, schedule: StreamSchedule) -> Options {
+        self.passes.stream_schedule = schedule;
         self
     }
 
     /// Skips a pass by name (see [`pass_names`](crate::pipeline::pass_names); the verifiers
     /// and `lower_to_host` cannot be disabled).
     pub fn disable_pass(mut self, name: impl Into<String>) -> Options {
-        self.compile.disabled_passes.push(name.into());
+        self.passes.disabled_passes.push(name.into());
         self
     }
 
@@ -93,32 +93,32 @@ impl Options {
     /// collective, a stream loop of broadcasts, or a ring of collective permutes) instead of
     /// letting the cost model choose.
     pub fn decomposition(mut self, tensor: impl Into<String>, how: Decomposition) -> Options {
-        self.compile.decompositions.insert(tensor.into(), how);
+        self.passes.decompositions.insert(tensor.into(), how);
         self
     }
 
     /// The transport the cost model assumes for decomposed communications.
     pub fn transport(mut self, transport: Transport) -> Options {
-        self.compile.cost_model.transport = transport;
+        self.passes.cost_model.transport = transport;
         self
     }
 
     /// The whole cost model of `choose_decompositions`.
     pub fn cost_model(mut self, model: CostModel) -> Options {
-        self.compile.cost_model = model;
+        self.passes.cost_model = model;
         self
     }
 
     /// Verifies the IR after every pass (default: on in debug builds).
     pub fn verify_each_pass(mut self, on: bool) -> Options {
-        self.compile.verify = on;
+        self.passes.verify = on;
         self
     }
 
     /// Keeps a dump of the IR after pass `pass` (or `all`), in
     /// [`Compiled::dumps`](super::Compiled::dumps).
     pub fn dump_after(mut self, pass: impl Into<String>) -> Options {
-        self.compile.dump_after = Some(pass.into());
+        self.passes.dump_after = Some(pass.into());
         self
     }
 
@@ -133,14 +133,14 @@ impl Options {
         self.check
     }
 
-    /// The pipeline options these stand for.
-    pub fn compile_options(&self) -> &CompileOptions {
-        &self.compile
+    /// The options the passes read.
+    pub fn pass_options(&self) -> &PassOptions {
+        &self.passes
     }
 
-    /// The pipeline options, mutably (every knob of [`CompileOptions`]).
-    pub fn compile_options_mut(&mut self) -> &mut CompileOptions {
-        &mut self.compile
+    /// The pass options, mutably (every knob of [`PassOptions`]).
+    pub fn pass_options_mut(&mut self) -> &mut PassOptions {
+        &mut self.passes
     }
 
     /// The ranks a program needs, checked against [`Options::ranks`]; returns the job size.
