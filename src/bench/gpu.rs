@@ -47,7 +47,7 @@ pub enum BenchError {
         /// The program.
         what: String,
         /// Why.
-        source: crate::Error,
+        source: Box<crate::Error>,
     },
     /// A variant's sampled outputs differ from the reference.
     #[error("{variant}: sampled outputs differ from the reference (rel err {error:.3e} > 1e-2)")]
@@ -475,7 +475,7 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             agmm_lowered(d, s, DTYPE, v, opts.stream_pool, parts).map_err(|source| {
                 BenchError::Lower {
                     what: format!("{tag}: {}", v.name()),
-                    source,
+                    source: Box::new(source),
                 }
             })
         };
@@ -711,7 +711,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             let measured = rsmm_lowered(d, s, DTYPE, v, opts.stream_pool, Parts::Both)
                 .map_err(|source| BenchError::Lower {
                     what: what.clone(),
-                    source,
+                    source: Box::new(source),
                 })
                 .and_then(|l| {
                     let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
