@@ -30,6 +30,8 @@ cargo test --release --features cuda --workspace --no-run 2>&1 | tee /tmp/gpu-ca
 dest="$root/gpu/suite"
 rm -rf "$dest"
 mkdir -p "$dest/bin"
+# The test build above rebuilt the binary with the test hooks (feature `fault-injection`,
+# `MESHFLOW_FAULT_EXIT`) that the multi-process fault tests need; it is the one carried.
 cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$dest/bin/"
 for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_faults gpu_multiprocess gpu_overlap \
          gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe; do

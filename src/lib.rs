@@ -84,7 +84,6 @@ pub use meshflow_ir as ir;
 pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 
-pub mod bench;
 pub mod check;
 pub mod compile;
 pub mod embed;

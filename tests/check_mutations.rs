@@ -2,7 +2,9 @@
 //! cross-rank check with the message its `# expect:` header names.
 
 use meshflow::check::check_program;
-use meshflow::check::corpus::mutation_corpus;
+#[path = "support/corpus.rs"]
+mod corpus;
+use corpus::mutation_corpus;
 use meshflow::ir::{parse_host, verify_host};
 
 #[test]

@@ -5,7 +5,9 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use meshflow::check::corpus::mutation_corpus;
+#[path = "support/corpus.rs"]
+mod corpus;
+use corpus::mutation_corpus;
 use meshflow::ir::{parse_host, HostProgram, Role};
 use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::data::TensorData;

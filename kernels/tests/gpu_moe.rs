@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use meshflow_kernels::moe::{
-    bench_moe, format_bench_table, reference_combine, reference_dispatch, round_to, BenchCase,
-    MoeShape, MoeStatus, MoeTransport, NcclMoe, NvlinkMoe, TransportKind,
+    reference_combine, reference_dispatch, round_to, MoeShape, MoeStatus, MoeTransport, NcclMoe,
+    NvlinkMoe, TransportKind,
 };
 use meshflow_kernels::nccl::{Comm, NcclLib};
 use meshflow_kernels::{DType, Device, DeviceBuffer, KernelError, Stream};
@@ -922,24 +922,5 @@ fn ipc_child_rank() {
     assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 
-// ---- latency ---------------------------------------------------------------------------------
-
-/// Dispatch / combine latency at T = 128 and 4096 tokens per rank (H = 7168, K = 8, E = 256,
-/// bf16) on every visible GPU (at most 8), both transports. Run with `--ignored`.
-#[test]
-#[ignore = "benchmark: run explicitly"]
-fn moe_latency_table() {
-    let Some(n) = device_count() else { return };
-    let devs: Vec<Device> = (0..n.min(8)).map(|i| Device::new(i).unwrap()).collect();
-    println!("MoE latency on {} x {}", devs.len(), devs[0].name());
-    let mut all = Vec::new();
-    for tokens in [128, 4096] {
-        let case = BenchCase::deepseek(tokens);
-        all.extend(bench_moe(&devs, &case, &[TransportKind::Nvlink, TransportKind::Nccl]).unwrap());
-    }
-    println!("{}", format_bench_table(&all));
-    assert!(
-        all.iter().all(|r| r.status_ok),
-        "a bench run flagged overflow or a timeout"
-    );
-}
+// The dispatch/combine latency table is a benchmark: `meshflow bench moe` and
+// `bench/tests/gpu_moe_latency.rs`.

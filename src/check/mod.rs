@@ -35,7 +35,6 @@
 //! detects it, this check does not.
 
 #[doc(hidden)]
-pub mod corpus;
 mod deadlock;
 pub mod error;
 pub mod events;

@@ -15,6 +15,7 @@
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
 //! - [`multinode`]: multi-process CPU runs, nodes linked by the inter-node host proxy.
+//! - `faults` (feature `fault-injection`, tests only): ranks that fail on purpose.
 
 pub mod backend;
 pub mod compare;
@@ -24,6 +25,8 @@ pub mod cpu_ops;
 pub mod cuda;
 pub mod data;
 pub mod evaluator;
+#[cfg(feature = "fault-injection")]
+pub mod faults;
 pub mod multinode;
 pub mod ranks;
 pub mod reference;

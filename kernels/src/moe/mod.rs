@@ -44,8 +44,6 @@ mod reference;
 pub use reference::{reference_combine, reference_dispatch, round_to, ReferenceDispatch};
 
 #[cfg(feature = "cuda")]
-mod bench;
-#[cfg(feature = "cuda")]
 mod ipc;
 #[cfg(feature = "cuda")]
 mod kernel_calls;
@@ -56,8 +54,6 @@ mod nvlink;
 #[cfg(feature = "cuda")]
 mod transport;
 
-#[cfg(feature = "cuda")]
-pub use bench::{bench_moe, format_bench_table, BenchCase, BenchResult};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]

@@ -427,6 +427,7 @@ impl Fabric {
     }
 
     /// Sleeps in short slices until the run is aborted or `limit` passes (fault injection).
+    #[cfg(feature = "fault-injection")]
     pub fn stall(&self, limit: Duration) {
         let start = Instant::now();
         while !self.aborted() && start.elapsed() < limit {

@@ -90,34 +90,8 @@ impl CpuKernels {
     }
 }
 
-/// What an injected fault does.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum FaultKind {
-    /// The communication returns an error.
-    Error,
-    /// The rank thread panics.
-    Panic,
-    /// The rank stops (blocks) until the run is aborted.
-    Stall,
-    /// The whole process exits at once with status [`FAULT_EXIT_STATUS`], as if it were
-    /// killed (for multi-process tests: the other nodes lose this node mid-run).
-    Exit,
-}
-
-/// The exit status of a process stopped by [`FaultKind::Exit`].
-pub const FAULT_EXIT_STATUS: i32 = 86;
-
-/// A fault injected for testing: rank `rank` fails when it posts its `at_comm`-th
-/// communication (0-based, counting every collective, permute and MoE op it posts).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct Fault {
-    /// The rank.
-    pub rank: DeviceId,
-    /// Which communication (0-based).
-    pub at_comm: usize,
-    /// What happens.
-    pub kind: FaultKind,
-}
+#[cfg(feature = "fault-injection")]
+pub use crate::runtime::faults::{Fault, FaultKind, FAULT_EXIT_STATUS};
 
 /// Settings of the CPU backend.
 #[derive(Clone, Debug)]
@@ -132,7 +106,8 @@ pub struct CpuConfig {
     /// track which elements get written: reading back a program output with elements the
     /// program never wrote on a rank that holds it is then an error naming the output.
     pub poison: bool,
-    /// Injected faults.
+    /// Injected faults (tests only).
+    #[cfg(feature = "fault-injection")]
     pub faults: Vec<Fault>,
     /// Kernels for `call_kernel`.
     pub kernels: CpuKernels,
@@ -155,6 +130,7 @@ impl Default for CpuConfig {
             timeout: Duration::from_secs(5),
             race_check: true,
             poison: true,
+            #[cfg(feature = "fault-injection")]
             faults: Vec::new(),
             kernels: CpuKernels::new(),
             memory_limit: None,
@@ -259,6 +235,7 @@ pub struct CpuBackend {
     timeout: Duration,
     race_check: bool,
     poison: bool,
+    #[cfg(feature = "fault-injection")]
     faults: Vec<Fault>,
     kernels: CpuKernels,
     memory_limit: Option<u64>,
@@ -271,6 +248,7 @@ pub struct CpuBackend {
     teams: Vec<CpuTeam>,
     clocks: Option<Clocks>,
     group: Option<Vec<GroupMember>>,
+    #[cfg(feature = "fault-injection")]
     posted: usize,
 }
 
@@ -284,6 +262,7 @@ impl CpuBackend {
             timeout: config.timeout,
             race_check: config.race_check,
             poison: config.poison,
+            #[cfg(feature = "fault-injection")]
             faults: config
                 .faults
                 .iter()
@@ -301,6 +280,7 @@ impl CpuBackend {
             teams: Vec::new(),
             clocks: None,
             group: None,
+            #[cfg(feature = "fault-injection")]
             posted: 0,
         }
     }
@@ -540,6 +520,7 @@ impl CpuBackend {
         self.check_accesses(reads, writes, timeline, epoch, &clock, site)
     }
 
+    #[cfg(feature = "fault-injection")]
     fn inject_fault(&mut self) -> Result<(), BackendError> {
         let n = self.posted;
         self.posted += 1;
@@ -787,6 +768,7 @@ impl Backend for CpuBackend {
         if self.fabric.aborted() {
             return Err(self.fabric.abort_error());
         }
+        #[cfg(feature = "fault-injection")]
         self.inject_fault()?;
         let slot = request.team().slot;
         let team = self

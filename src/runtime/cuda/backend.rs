@@ -51,8 +51,9 @@ pub struct CudaConfig {
     /// when it is set, else one node.
     pub node_size: Option<usize>,
     /// Fault tests only: the process exits at once with
-    /// [`FAULT_EXIT_STATUS`](crate::runtime::cpu::FAULT_EXIT_STATUS) when this rank posts its
-    /// n-th communication (0-based), as a killed process would.
+    /// [`FAULT_EXIT_STATUS`](crate::runtime::faults::FAULT_EXIT_STATUS) when this rank posts
+    /// its n-th communication (0-based), as a killed process would.
+    #[cfg(feature = "fault-injection")]
     pub exit_at_comm: Option<usize>,
 }
 
@@ -68,6 +69,7 @@ impl Default for CudaConfig {
             steps: 1,
             graph: false,
             node_size: None,
+            #[cfg(feature = "fault-injection")]
             exit_at_comm: None,
         }
     }
@@ -982,13 +984,14 @@ impl Backend for CudaBackend {
         if let Some(e) = self.aborted() {
             return Err(e);
         }
+        #[cfg(feature = "fault-injection")]
         if self.config.exit_at_comm == Some(self.posted) {
             tracing::warn!(
                 rank = self.rank,
                 "injected process exit at communication #{}",
                 self.posted
             );
-            std::process::exit(crate::runtime::cpu::FAULT_EXIT_STATUS);
+            std::process::exit(crate::runtime::faults::FAULT_EXIT_STATUS);
         }
         self.posted += 1;
         self.step_started()?;

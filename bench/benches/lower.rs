@@ -4,7 +4,7 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use meshflow::{compile, Options};
 
-#[path = "../tests/common/mod.rs"]
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 fn lower_transformer(c: &mut Criterion) {

@@ -11,7 +11,7 @@
 //! Built with the `cuda` feature only: `cargo test --features cuda --test gpu_proxy`.
 #![cfg(feature = "cuda")]
 
-#[path = "data/gpu/support.rs"]
+#[path = "../../tests/data/gpu/support.rs"]
 mod support;
 
 use std::collections::BTreeMap;
@@ -33,7 +33,7 @@ const EXAMPLES: [&str; 2] = ["column_parallel_linear_ring", "moe_layer"];
 fn example_path(example: &str) -> String {
     format!(
         "{}/examples/programs/{example}.mf",
-        env!("CARGO_MANIFEST_DIR")
+        concat!(env!("CARGO_MANIFEST_DIR"), "/..")
     )
 }
 

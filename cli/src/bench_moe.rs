@@ -87,8 +87,9 @@ pub fn run(_args: MoeBenchArgs) -> Result<(), CliError> {
 /// Runs `bench moe`.
 #[cfg(feature = "cuda")]
 pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
-    use meshflow::kernels::moe::{bench_moe, format_bench_table, BenchCase, TransportKind};
+    use meshflow::kernels::moe::TransportKind;
     use meshflow::kernels::Device;
+    use meshflow_bench::moe::{measure_moe, moe_table, MoeCase};
 
     use super::common::print_out;
 
@@ -138,15 +139,15 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
     let mut all = Vec::new();
     let mut text = String::new();
     for &t in &tokens {
-        let case = BenchCase {
+        let case = MoeCase {
             hidden: args.hidden,
             top_k: args.top_k,
             experts: args.experts,
             iters: args.iters.max(1),
             warmup: args.warmup,
-            ..BenchCase::deepseek(t)
+            ..MoeCase::deepseek(t)
         };
-        let results = bench_moe(&devices, &case, &transports).map_err(err)?;
+        let results = measure_moe(&devices, &case, &transports).map_err(err)?;
         text.push_str(&format!(
             "MoE dispatch/combine, {} GPU(s), T={t} tokens/rank, H={}, K={}, E={}, bf16\n",
             devices.len(),
@@ -154,7 +155,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             args.top_k,
             args.experts
         ));
-        text.push_str(&format_bench_table(&results));
+        text.push_str(&moe_table(&results));
         if let Some((d, c)) = torch
             .as_deref()
             .and_then(|j| torch_figures(j, t, args.hidden, args.top_k, args.experts))

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 fn meshflow(args: &[&str], env: &[(&str, &str)]) -> (Output, Duration) {
     let mut c = Command::new(env!("CARGO_BIN_EXE_meshflow"));
     c.args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .env_remove("RUST_LOG")
         .env_remove("MESHFLOW_NODE_SIZE")
         .env_remove("MESHFLOW_FAULT_EXIT")

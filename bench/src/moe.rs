@@ -9,18 +9,13 @@
 
 use std::sync::Barrier;
 
-use super::{MoeShape, MoeTransport, NcclMoe, NvlinkMoe, TransportKind};
-use crate::buffer::DeviceBuffer;
-use crate::device::Device;
-use crate::dtype::DType;
-use crate::error::{KernelError, Result};
-use crate::event::Event;
-use crate::nccl::{Comm, NcclLib};
-use crate::stream::Stream;
+use meshflow::kernels::moe::{MoeShape, MoeTransport, NcclMoe, NvlinkMoe, TransportKind};
+use meshflow::kernels::nccl::{Comm, NcclLib};
+use meshflow::kernels::{DType, Device, DeviceBuffer, Event, KernelError, Result, Stream};
 
 /// One benchmark configuration (per rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BenchCase {
+pub struct MoeCase {
     /// Tokens per rank `T`.
     pub tokens: usize,
     /// Token width `H` (= `F`).
@@ -37,11 +32,11 @@ pub struct BenchCase {
     pub warmup: usize,
 }
 
-impl BenchCase {
+impl MoeCase {
     /// The DeepSeek-V3-like decode case at `tokens` tokens per rank: H = 7168,
     /// K = 8, E = 256, bf16, 50 timed steps after 10 warm-up steps.
-    pub fn deepseek(tokens: usize) -> BenchCase {
-        BenchCase {
+    pub fn deepseek(tokens: usize) -> MoeCase {
+        MoeCase {
             tokens,
             hidden: 7168,
             top_k: 8,
@@ -55,7 +50,7 @@ impl BenchCase {
 
 /// The measured latency of one transport on one case.
 #[derive(Debug, Clone, PartialEq)]
-pub struct BenchResult {
+pub struct MoeResult {
     /// The transport.
     pub transport: TransportKind,
     /// The layer shape run (capacity chosen from the generated routing).
@@ -84,7 +79,7 @@ impl Rng {
 }
 
 /// Uniform routing: `K` distinct experts per token, for every rank.
-fn routing(case: &BenchCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
+fn routing(case: &MoeCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
     let mut rng = Rng(seed | 1);
     (0..world)
         .map(|_| {
@@ -104,11 +99,11 @@ fn routing(case: &BenchCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
 }
 
 /// Runs `case` on `devices` (one rank per device) with each of `transports`.
-pub fn bench_moe(
+pub fn measure_moe(
     devices: &[Device],
-    case: &BenchCase,
+    case: &MoeCase,
     transports: &[TransportKind],
-) -> Result<Vec<BenchResult>> {
+) -> Result<Vec<MoeResult>> {
     let world = devices.len();
     if world == 0 || case.iters == 0 {
         return Err(KernelError::InvalidArgument(
@@ -149,7 +144,7 @@ pub fn bench_moe(
                 run(devices, case, &idx, ranks)?
             }
         };
-        results.push(BenchResult {
+        results.push(MoeResult {
             transport: kind,
             shape,
             dispatch_us,
@@ -165,7 +160,7 @@ type RankTimes = (Vec<(f32, f32)>, bool);
 
 fn run<T: MoeTransport>(
     devices: &[Device],
-    case: &BenchCase,
+    case: &MoeCase,
     idx: &[Vec<i32>],
     ranks: Vec<T>,
 ) -> Result<(f64, f64, bool)> {
@@ -212,7 +207,7 @@ fn run<T: MoeTransport>(
 fn rank_loop<T: MoeTransport>(
     mut t: T,
     dev: &Device,
-    case: &BenchCase,
+    case: &MoeCase,
     idx: &[i32],
     barrier: &Barrier,
 ) -> Result<RankTimes> {
@@ -270,7 +265,7 @@ fn rank_loop<T: MoeTransport>(
 }
 
 /// The results as a text table (one line per transport and case).
-pub fn format_bench_table(results: &[BenchResult]) -> String {
+pub fn moe_table(results: &[MoeResult]) -> String {
     let mut s = String::from(
         "transport  W     T     H  K    E   C  dtype  dispatch_us  combine_us  status\n",
     );

@@ -7,13 +7,13 @@
 //! Built with the `cuda` feature only (`cargo test --features cuda`).
 #![cfg(feature = "cuda")]
 
-#[path = "data/gpu/support.rs"]
+#[path = "../../tests/data/gpu/support.rs"]
 mod support;
 
-use meshflow::bench::programs::{agmm_lowered, AgVariant, Gemm3, Parts};
 use meshflow::ir::DType;
 use meshflow::runtime::cuda::{CopyStream, CudaConfig, CudaTransport};
 use meshflow::runtime::shard::scatter_inputs;
+use meshflow_bench::programs::{agmm_lowered, AgVariant, Gemm3, Parts};
 use support::*;
 
 fn configs() -> Vec<(&'static str, CudaConfig)> {

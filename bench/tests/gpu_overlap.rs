@@ -17,20 +17,20 @@
 //! Built with the `cuda` feature only (`cargo test --features cuda`).
 #![cfg(feature = "cuda")]
 
-#[path = "data/gpu/support.rs"]
+#[path = "../../tests/data/gpu/support.rs"]
 mod support;
 
 use std::collections::BTreeMap;
 
-use meshflow::bench::programs::{
-    agmm_lowered, gemm_alone_host, rsmm_lowered, AgVariant, Gemm3, Parts, RsVariant,
-};
-use meshflow::bench::Timing;
 use meshflow::ir::{DType, HostProgram};
 use meshflow::runtime::cuda::{run_cuda_timed, CudaTransport, Interval, IntervalKind, TimedRun};
 use meshflow::runtime::data::{SplitMix64, TensorData};
 use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::RunInputs;
+use meshflow_bench::programs::{
+    agmm_lowered, gemm_alone_host, rsmm_lowered, AgVariant, Gemm3, Parts, RsVariant,
+};
+use meshflow_bench::Timing;
 use support::*;
 
 type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;

@@ -2,8 +2,8 @@
 
 use std::fmt::Write as _;
 
-use super::programs::Gemm3;
-use super::torch::TorchCase;
+use crate::programs::Gemm3;
+use crate::torch::TorchCase;
 
 /// The median of `v` (mean of the middle two for an even count; NaN when empty).
 pub fn median(v: &[f64]) -> f64 {

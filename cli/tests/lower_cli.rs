@@ -9,7 +9,7 @@ use meshflow::{compile, Options};
 fn meshflow(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_meshflow"))
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .env_remove("RUST_LOG")
         .output()
         .expect("the binary runs")
@@ -40,7 +40,8 @@ const RING: &str = "examples/programs/column_parallel_linear_ring.mf";
 fn lower_prints_the_host_program() {
     let o = meshflow(&["lower", RING]);
     assert!(o.status.success(), "{}", stderr(&o));
-    let text = std::fs::read_to_string(RING).unwrap();
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let text = std::fs::read_to_string(format!("{root}/{RING}")).unwrap();
     let program = parse_program(&text).unwrap();
     let want = compile(&program, &Options::new().check(false))
         .unwrap()

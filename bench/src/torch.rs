@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use super::programs::Gemm3;
+use crate::programs::Gemm3;
 
 /// A JSON value (numbers as f64).
 #[derive(Clone, Debug, PartialEq)]

@@ -11,7 +11,7 @@
 //! - [`AgVariant::RingBidirectional`] (AG+GEMM): the same with every chunk cut into two row
 //!   halves, the first travelling clockwise (to rank + 1) on worker 0, the second
 //!   counter-clockwise (to rank − 1) on worker 1; each received half is GEMM'd on its own.
-//! - [`RsVariant::Ring`](super::programs::RsVariant::Ring) (GEMM+RS): at step `i` a rank
+//! - [`RsVariant::Ring`](crate::programs::RsVariant::Ring) (GEMM+RS): at step `i` a rank
 //!   GEMMs its partial product of row chunk `(my − i − 1) mod d` while the running sum of the
 //!   previous step travels to rank + 1, then adds the sum received from rank − 1; the last
 //!   step lands the full sum of chunk `my` in `z`. With `pieces` > 1 each step's GEMM and add
@@ -21,13 +21,13 @@
 //! The schedules peel their first and last steps (the host IR has no conditionals), so each
 //! communication label is defined once and waited on in its own block.
 
-use meshflow_ir::{DType, HostProgram};
+use meshflow::ir::{DType, HostProgram};
 
-use super::programs::{
+use crate::programs::{
     agmm_program, keep_parts, mesh_text, parse, rsmm_program, AgVariant, Gemm3, Lowered, Parts,
 };
-use crate::{compile, Error, Options};
-use meshflow_passes::PassError;
+use meshflow::passes::PassError;
+use meshflow::{compile, Error, Options};
 
 /// The executing rank's team index in the host text.
 const MY: &str = "my(m0, DIDx)";
@@ -129,7 +129,7 @@ pub fn agmm_ring_lowered(
     })
 }
 
-/// Lowers [`RsVariant::Ring`](super::programs::RsVariant::Ring): [`rsmm_program`] (`z` split
+/// Lowers [`RsVariant::Ring`](crate::programs::RsVariant::Ring): [`rsmm_program`] (`z` split
 /// on rows) and [`rsmm_ring_host`] cut down to `parts`. Fails when `d` is 0 or the sizes do
 /// not divide.
 pub fn rsmm_ring_lowered(
@@ -415,11 +415,11 @@ pub fn rsmm_ring_host(d: usize, s: Gemm3, dtype: DType, pieces: u64) -> HostProg
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::programs::{agmm_lowered, rsmm_lowered, RsVariant};
-    use crate::check::check_program;
-    use crate::runtime::{run_and_compare, CpuOptions};
-    use meshflow_ir::host::ExprEnv;
-    use meshflow_ir::{DeviceId, Expr, InstKind, LoopVar, MeshId, ParallelType};
+    use crate::programs::{agmm_lowered, rsmm_lowered, RsVariant};
+    use meshflow::check::check_program;
+    use meshflow::ir::host::ExprEnv;
+    use meshflow::ir::{DeviceId, Expr, InstKind, LoopVar, MeshId, ParallelType};
+    use meshflow::runtime::{run_and_compare, CpuOptions};
 
     /// Divisible by `2·d` for every `d` in `1..=4` (M), by `d` (K and N).
     const SIZES: Gemm3 = Gemm3 {
@@ -523,7 +523,7 @@ mod tests {
     /// Per executed block instance: the (send, recv) team-index offsets from `my` of its
     /// permutes, for every rank and loop iteration, `d` ranks.
     fn permute_offsets(h: &HostProgram, d: i64) -> Vec<Vec<(i64, i64)>> {
-        fn block(b: &[meshflow_ir::Inst], env: &mut Env, d: i64, out: &mut Vec<Vec<(i64, i64)>>) {
+        fn block(b: &[meshflow::ir::Inst], env: &mut Env, d: i64, out: &mut Vec<Vec<(i64, i64)>>) {
             let mut mine = Vec::new();
             for inst in b {
                 match &inst.kind {

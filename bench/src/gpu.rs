@@ -3,21 +3,21 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use meshflow_ir::{DType, HostProgram, Program};
+use meshflow::ir::{DType, HostProgram, Program};
 
-use super::programs::permute_host;
-use super::programs::{
+use crate::programs::permute_host;
+use crate::programs::{
     agmm_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered, AgVariant, Gemm3, Lowered, Parts,
     RsVariant,
 };
-use super::stats::{CaseResult, PermuteResult, Timing, VariantResult};
-use super::torch::TorchBaselines;
-use crate::runtime::cuda::{
+use crate::stats::{CaseResult, PermuteResult, Timing, VariantResult};
+use crate::torch::TorchBaselines;
+use meshflow::runtime::cuda::{
     device_count, run_cuda_timed, CopyStream, CudaConfig, CudaOptions, CudaRunError, CudaTransport,
 };
-use crate::runtime::data::{SplitMix64, TensorData};
-use crate::runtime::shard::{scatter_inputs, ShardError};
-use crate::runtime::RunInputs;
+use meshflow::runtime::data::{SplitMix64, TensorData};
+use meshflow::runtime::shard::{scatter_inputs, ShardError};
+use meshflow::runtime::RunInputs;
 
 /// Why a benchmark failed.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +47,7 @@ pub enum BenchError {
         /// The program.
         what: String,
         /// Why.
-        source: Box<crate::Error>,
+        source: Box<meshflow::Error>,
     },
     /// A variant's sampled outputs differ from the reference.
     #[error("{variant}: sampled outputs differ from the reference (rel err {error:.3e} > 1e-2)")]
@@ -169,7 +169,7 @@ type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
 struct Measured {
     timing: Timing,
     host_us: Option<f64>,
-    outcome: crate::runtime::RunOutcome,
+    outcome: meshflow::runtime::RunOutcome,
 }
 
 impl Runner {
@@ -200,7 +200,7 @@ impl Runner {
     }
 
     fn device_name(&self) -> String {
-        meshflow_kernels::Device::new(0)
+        meshflow::kernels::Device::new(0)
             .map(|d| d.name().to_owned())
             .unwrap_or_else(|e| format!("unknown GPU ({e})"))
     }
@@ -297,7 +297,7 @@ impl Runner {
 
 /// Random full inputs `x[M, K]`, `w[N, K]`.
 fn full_inputs(s: Gemm3, seed: u64) -> Result<BTreeMap<String, TensorData>, BenchError> {
-    let bad = |e: crate::runtime::data::DataError| BenchError::Invalid(e.to_string());
+    let bad = |e: meshflow::runtime::data::DataError| BenchError::Invalid(e.to_string());
     Ok(BTreeMap::from([
         (
             "x".to_string(),

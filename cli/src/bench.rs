@@ -88,7 +88,7 @@ pub struct BenchArgs {
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn parse_shape(s: &str) -> Result<meshflow::bench::programs::Gemm3, CliError> {
+fn parse_shape(s: &str) -> Result<meshflow_bench::programs::Gemm3, CliError> {
     let parts: Vec<&str> = s.split(['x', 'X']).collect();
     let bad = || {
         CliError::Usage(format!(
@@ -105,7 +105,7 @@ fn parse_shape(s: &str) -> Result<meshflow::bench::programs::Gemm3, CliError> {
             .filter(|&x| x > 0)
             .ok_or_else(bad)
     };
-    Ok(meshflow::bench::programs::Gemm3 {
+    Ok(meshflow_bench::programs::Gemm3 {
         m: p(m)?,
         k: p(k)?,
         n: p(n)?,
@@ -134,7 +134,7 @@ fn measure(_name: &str, _args: &BenchArgs) -> Result<(), CliError> {
 
 #[cfg(feature = "cuda")]
 fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
-    use meshflow::bench::{
+    use meshflow_bench::{
         bench_agmm, bench_permute, bench_rsmm, permute_json, permute_table, results_json,
         BenchOptions, TorchBaselines,
     };
@@ -174,7 +174,7 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
         opts.permute_mib = args.mib.clone();
     }
     let failed =
-        |e: meshflow::bench::BenchError| CliError::Usage(format!("bench {name} failed: {e}"));
+        |e: meshflow_bench::BenchError| CliError::Usage(format!("bench {name} failed: {e}"));
     let (text, json, failures) = if name == "permute" {
         let (results, device) = bench_permute(&opts).map_err(failed)?;
         (permute_table(&results, &device), permute_json(&results), 0)

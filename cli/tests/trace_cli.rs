@@ -6,7 +6,7 @@ use std::process::{Command, Output};
 fn meshflow(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_meshflow"))
         .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .env_remove("RUST_LOG")
         .output()
         .expect("the binary runs")

@@ -1,8 +1,6 @@
 //! The `meshflow` command line.
 #![forbid(unsafe_code)]
 
-mod cli;
-
 use std::process::ExitCode;
 
 use clap::Parser;
@@ -20,7 +18,7 @@ fn init_logging() {
 }
 
 fn main() -> ExitCode {
-    let args = match cli::Cli::try_parse() {
+    let args = match meshflow_cli::Cli::try_parse() {
         Ok(args) => args,
         Err(e) => {
             let code = if e.use_stderr() { 1 } else { 0 };
@@ -29,9 +27,9 @@ fn main() -> ExitCode {
         }
     };
     init_logging();
-    match cli::run(args) {
+    match meshflow_cli::run(args) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(cli::CliError::Mismatch) => ExitCode::from(1),
+        Err(meshflow_cli::CliError::Mismatch) => ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(1)

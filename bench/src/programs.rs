@@ -1,6 +1,6 @@
 //! The benchmarked programs: level-1 programs built with [`ProgramBuilder`], lowered with the
-//! [pipeline](crate::pipeline) (the chunked reduce-scatter, whose schedule the pipeline does not
-//! lower yet, and the neighbour rings of [`rings`](super::rings) are hand-written host programs
+//! [pipeline](meshflow::pipeline) (the chunked reduce-scatter, whose schedule the pipeline does not
+//! lower yet, and the neighbour rings of [`rings`](crate::rings) are hand-written host programs
 //! checked against the same level-1 programs).
 //!
 //! - Column-parallel linear (AG+GEMM): `x[M, K]` and `w[N, K]` split on rows over `d` ranks,
@@ -17,14 +17,14 @@
 //! Every host program can be cut down to only its communications or only its compute
 //! ([`Parts`], [`keep_parts`]), to time each part of the same schedule on its own.
 
-use meshflow_ir::{
+use meshflow::ir::{
     parse_host, Block, DType, DeviceMesh, HostProgram, InstKind, ParallelType, Program,
     ProgramBuilder,
 };
 
-use super::rings::{agmm_ring_lowered, rsmm_ring_host, rsmm_ring_lowered};
-use crate::pipeline::StreamSchedule;
-use crate::{compile, Error, Options};
+use crate::rings::{agmm_ring_lowered, rsmm_ring_host, rsmm_ring_lowered};
+use meshflow::pipeline::StreamSchedule;
+use meshflow::{compile, Error, Options};
 
 /// A program and the host program it lowers to.
 #[derive(Clone, Debug)]
@@ -67,11 +67,11 @@ pub enum AgVariant {
     /// A stream loop of `d` collective permutes (a ring), each followed by its chunk's GEMM.
     Ring,
     /// A hand-written ring of neighbours: each step forwards the chunk received last step to
-    /// rank + 1 while GEMM'ing it (see [`agmm_ring_host`](super::rings::agmm_ring_host)).
+    /// rank + 1 while GEMM'ing it (see [`agmm_ring_host`](crate::rings::agmm_ring_host)).
     RingForward,
     /// A hand-written ring of neighbours in both directions: half of each chunk travels to
     /// rank + 1, the other half to rank − 1 (see
-    /// [`agmm_ring_host`](super::rings::agmm_ring_host)).
+    /// [`agmm_ring_host`](crate::rings::agmm_ring_host)).
     RingBidirectional,
     /// [`AgVariant::Ring`] lowered with [`StreamSchedule::Prefetch`]: GEMMs on the main
     /// stream, each permute one step ahead on a worker.
@@ -422,7 +422,7 @@ pub fn rs_alone_host(d: usize, m: u64, n: u64, dtype: DType) -> HostProgram {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::runtime::{run_and_compare, CpuOptions};
+    use meshflow::runtime::{run_and_compare, CpuOptions};
 
     const SMALL: Gemm3 = Gemm3 {
         m: 32,

@@ -4,8 +4,8 @@
 //! prog.mf --backend cuda`. Then every rank sends its outputs to rank 0 through the TCP
 //! rendezvous, and rank 0 alone compares them with the reference and prints `ok`/`mismatch`.
 //! With `--nodes M` or `MESHFLOW_NODE_SIZE` the ranks form nodes and reach the ranks of other
-//! nodes through the host proxy; `MESHFLOW_FAULT_EXIT=RANK:N` makes the process of `RANK` (of a
-//! multi-process run) exit at its `N`-th communication (fault tests).
+//! nodes through the host proxy; with feature `fault-injection`, `MESHFLOW_FAULT_EXIT=RANK:N`
+//! makes the process of `RANK` (of a multi-process run) exit at its `N`-th communication.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -52,6 +52,7 @@ pub(super) fn run(
         trace,
     } = *how;
     let env = TorchrunEnv::from_env().map_err(|e| CliError::Usage(e.to_string()))?;
+    #[cfg(feature = "fault-injection")]
     let exit_at_comm = match &env {
         Some(e) => exit_fault(e.rank)?,
         None => None,
@@ -63,6 +64,7 @@ pub(super) fn run(
             timeout: timeout.max(MIN_TIMEOUT),
             profile: trace.is_some() && env.is_none(),
             node_size,
+            #[cfg(feature = "fault-injection")]
             exit_at_comm,
             ..CudaConfig::default()
         },
@@ -123,7 +125,8 @@ pub(super) fn run(
 }
 
 /// The communication at which this process (rank `rank` of a multi-process run) exits, from
-/// `MESHFLOW_FAULT_EXIT` (fault tests).
+/// `MESHFLOW_FAULT_EXIT` (feature `fault-injection`, the fault tests).
+#[cfg(feature = "fault-injection")]
 fn exit_fault(rank: usize) -> Result<Option<usize>, CliError> {
     Ok(super::common::fault_exits_from_env()?
         .into_iter()

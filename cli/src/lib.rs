@@ -1,4 +1,7 @@
-//! Subcommands of the `meshflow` binary: one file per subcommand, dispatched from [`Command`].
+//! The `meshflow` command line: one file per subcommand, dispatched from [`Command`]. Every
+//! subcommand that compiles takes the same program and compile arguments
+//! (`common::ProgramArgs`, `common::CompileArgs`) and goes through [`meshflow::compile`].
+#![forbid(unsafe_code)]
 
 mod bench;
 mod bench_moe;

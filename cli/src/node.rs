@@ -3,8 +3,8 @@
 //! the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads, the other
 //! nodes reached through the host proxy over TCP. Node 0 serves the rendezvous, gathers every
 //! rank's outputs, compares them with the reference and prints the summary, which the launcher
-//! relays. `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` makes the process of `RANK` exit at its `N`-th
-//! communication (fault tests); `MESHFLOW_PROXY_ADDR` sets the address the proxies listen on and
+//! relays. With feature `fault-injection` (the tests), `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]`
+//! makes the process of `RANK` exit at its `N`-th communication; `MESHFLOW_PROXY_ADDR` sets the address the proxies listen on and
 //! `MESHFLOW_PROXY_RING` the bytes per proxy ring.
 
 use std::collections::BTreeMap;
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use clap::Args;
 use meshflow::kernels::proxy::{ProxyStats, Topology};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
-use meshflow::runtime::cpu::{CpuConfig, Fault, FaultKind, FAULT_EXIT_STATUS};
+use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::multinode::{
     local_address_toward, run_node, supervise, NodeCommand, NodeSpec, DEFAULT_RING,
 };
@@ -66,8 +66,10 @@ fn setup_timeout(cpu: &ExecArgs) -> Duration {
     Duration::from_millis(cpu.timeout_ms).max(Duration::from_secs(30))
 }
 
-/// Faults from `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]`.
-fn faults_from_env() -> Result<Vec<Fault>, CliError> {
+/// Faults from `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` (feature `fault-injection`).
+#[cfg(feature = "fault-injection")]
+fn faults_from_env() -> Result<Vec<meshflow::runtime::faults::Fault>, CliError> {
+    use meshflow::runtime::faults::{Fault, FaultKind};
     Ok(super::common::fault_exits_from_env()?
         .into_iter()
         .map(|(rank, at_comm)| Fault {
@@ -151,6 +153,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
             stream_pool: args.compile.streams,
             timeout: Duration::from_millis(args.cpu.timeout_ms),
             race_check: !args.cpu.no_race_check,
+            #[cfg(feature = "fault-injection")]
             faults: faults_from_env()?,
             ..CpuConfig::default()
         },
@@ -282,7 +285,7 @@ pub fn start_nodes(
                 .rev()
                 .find(|l| l.starts_with("error:"))
                 .unwrap_or("");
-            let injected = e.status.and_then(|s| s.code()) == Some(FAULT_EXIT_STATUS);
+            let injected = injected_exit(e.status.and_then(|s| s.code()));
             errors.push(format!(
                 "node {} (ranks {:?}) {}{}{}",
                 e.node,
@@ -312,5 +315,18 @@ pub fn start_nodes(
             "the multi-process run failed:\n  {}",
             errors.join("\n  ")
         ))),
+    }
+}
+
+/// True when a node process stopped through an injected fault (feature `fault-injection`).
+fn injected_exit(code: Option<i32>) -> bool {
+    #[cfg(feature = "fault-injection")]
+    {
+        code == Some(meshflow::runtime::faults::FAULT_EXIT_STATUS)
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        let _ = code;
+        false
     }
 }

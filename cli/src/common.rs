@@ -217,23 +217,12 @@ pub fn print_err(text: &str) -> Result<(), CliError> {
         .map_err(CliError::Write)
 }
 
-/// `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` (fault tests of multi-process runs): the process of
-/// `RANK` exits at its `N`-th communication (0-based), as if it were killed. `(rank, n)` pairs;
-/// empty when the variable is not set.
+/// `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` (feature `fault-injection`, the fault tests of
+/// multi-process runs): the process of `RANK` exits at its `N`-th communication (0-based), as
+/// if it were killed. `(rank, n)` pairs; empty when the variable is not set.
+#[cfg(feature = "fault-injection")]
 pub fn fault_exits_from_env() -> Result<Vec<(usize, usize)>, CliError> {
-    let Ok(spec) = std::env::var("MESHFLOW_FAULT_EXIT") else {
-        return Ok(Vec::new());
-    };
-    spec.split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|item| {
-            item.split_once(':')
-                .and_then(|(r, n)| Some((r.trim().parse().ok()?, n.trim().parse().ok()?)))
-                .ok_or_else(|| {
-                    CliError::Usage(format!("MESHFLOW_FAULT_EXIT: `{item}` is not RANK:N"))
-                })
-        })
-        .collect()
+    meshflow::runtime::faults::exits_from_env().map_err(CliError::Usage)
 }
 
 /// `--schedule`: how stream loops use the worker streams.
