@@ -8,10 +8,10 @@
 #
 # Every row comes from a test or the fuzz script; the tests assert what the rows say:
 #   fuzz/run.sh SECONDS                                   fuzzing rows
-#   cargo test --release --test runtime_fault_matrix      fault rows (CPU)
-#   cargo test --release --test runtime_resources         memory rows (CPU)
-#   cargo test --release --test runtime_determinism       determinism rows (CPU)
-#   cargo test --release --features cuda --test gpu_faults --test gpu_determinism   GPU rows
+#   cargo test --release --test hardening fault_matrix    fault rows (CPU)
+#   cargo test --release --test hardening resources       memory rows (CPU)
+#   cargo test --release --test hardening determinism     determinism rows (CPU)
+#   cargo test --release --features cuda --test gpu -- faults:: determinism::   GPU rows
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -32,10 +32,10 @@ else
 fi
 echo
 
-run_tests() { # cargo test args...; collects HARDENING rows
+run_tests() { # cargo test args... [-- test filters]; collects HARDENING rows
   local log
   log="$(mktemp)"
-  if ! cargo test --release "$@" -- --nocapture --test-threads=1 >"$log" 2>&1; then
+  if ! cargo test --release "$@" --nocapture --test-threads=1 >"$log" 2>&1; then
     echo "FAILED: cargo test --release $*" >&2
     grep -E "panicked|FAILED|error" "$log" | head -20 >&2
     status=1
@@ -43,11 +43,11 @@ run_tests() { # cargo test args...; collects HARDENING rows
   grep -o 'HARDENING|.*' "$log" >>"$rows"
   rm -f "$log"
 }
-run_tests --test runtime_fault_matrix --test runtime_resources --test runtime_determinism
+run_tests --test hardening --
 if [ "$gpu" = 1 ]; then
-  run_tests --features cuda --test gpu_faults --test gpu_determinism
+  run_tests --features cuda --test gpu -- faults:: determinism::
 fi
-gpu_cmd='cargo test --release --features cuda --test gpu_faults --test gpu_determinism -- --nocapture --test-threads=1'
+gpu_cmd='cargo test --release --features cuda --test gpu -- --nocapture --test-threads=1 faults:: determinism::'
 
 table() { # name header separator [gpu placeholder]
   local name="$1"

@@ -4,7 +4,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use meshflow::{compile, Options};
 
-#[path = "../../tests/common/mod.rs"]
+#[path = "../../tests/support/programs.rs"]
+#[allow(dead_code)]
 mod common;
 
 fn lower_transformer(c: &mut Criterion) {

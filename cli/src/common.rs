@@ -126,10 +126,10 @@ impl CompileArgs {
 /// The options of [`meshflow::compile`] that the shared arguments stand for (the defaults
 /// for what `compile` leaves out).
 pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<Options, CliError> {
-    let mut options = match program.ranks {
-        Some(ranks) => Options::for_ranks(ranks),
-        None => Options::new(),
-    };
+    let mut options = Options::new();
+    if let Some(ranks) = program.ranks {
+        options = options.with_ranks(ranks);
+    }
     for p in &program.params {
         let (name, value) = p
             .split_once('=')

@@ -18,7 +18,7 @@ use meshflow::runtime::compare::run_and_compare;
 use meshflow::runtime::{CpuConfig, CpuOptions};
 
 /// Largest world size that is checked across ranks: the check is linear in the world size
-/// (`tests/check_programs.rs` checks a million ranks), but a fuzzer iteration must stay short.
+/// (`tests/check/programs.rs` checks a million ranks), but a fuzzer iteration must stay short.
 const MAX_CHECK_RANKS: usize = 1 << 16;
 /// Largest world size that is run on the CPU backend.
 const MAX_RUN_RANKS: usize = 8;

@@ -10,8 +10,8 @@
 //! - Analyses: [`analysis`] (shardings on top of `Layout`, op axis maps),
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
-//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (dominators of the
-//!   structured host program, with petgraph).
+//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (the innermost block
+//!   holding a set of instructions, from their paths).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]

@@ -56,6 +56,12 @@ impl Options {
         }
     }
 
+    /// Sets the job's size, as [`Options::for_ranks`] does.
+    pub fn with_ranks(mut self, ranks: usize) -> Options {
+        self.ranks = Some(ranks);
+        self
+    }
+
     /// The job's size, when set.
     pub fn ranks(&self) -> Option<usize> {
         self.ranks

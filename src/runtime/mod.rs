@@ -18,6 +18,7 @@
 //! - `faults` (feature `fault-injection`, tests only): ranks that fail on purpose.
 
 pub mod backend;
+mod bytes;
 pub mod compare;
 pub mod cpu;
 pub mod cpu_ops;

@@ -43,7 +43,7 @@ pub enum CorpusError {
 
 /// The folder holding the corpus.
 pub fn mutation_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/mutations")
+    super::root().join("tests/data/mutations")
 }
 
 fn header<'a>(text: &'a str, key: &str) -> Option<&'a str> {

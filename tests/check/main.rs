@@ -1,0 +1,11 @@
+//! The static cross-rank check: correct programs pass at every world size, the mutation corpus
+//! fails with the expected messages (and, forced to run, ends in an error rather than a hang),
+//! and the errors the corpus does not cover.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod errors;
+mod mutations;
+mod programs;
+mod run_mutations;
