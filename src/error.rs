@@ -103,6 +103,15 @@ pub enum Error {
         /// What was asked.
         what: &'static str,
     },
+    /// Parameters given for host IR text, which has none (its sizes are concrete).
+    #[error(
+        "host IR text has no parameters (its sizes are concrete): {} applies to level-1 programs only",
+        params.iter().map(|p| format!("`{p}`")).collect::<Vec<_>>().join(", ")
+    )]
+    HostParams {
+        /// The parameters given.
+        params: Vec<String>,
+    },
     /// No level-1 tensor (or host input/output) of that name.
     #[error("no tensor `{0}` in the program")]
     UnknownTensor(String),

@@ -92,7 +92,7 @@ pub mod launch;
 pub mod pipeline;
 pub mod runtime;
 
-pub use compile::{compile, parse, Compiled, Options, TensorInfo};
+pub use compile::{compile, format_of, load, parse, Compiled, Format, Options, TensorInfo};
 pub use embed::{Bind, Bindings, CpuJob, CpuTensor, Executor};
 #[cfg(feature = "cuda")]
 pub use embed::{

@@ -1,13 +1,12 @@
 //! `meshflow check FILE [program and compile options]`: the static cross-rank check. A level-1
-//! program (`.mf`) is lowered first; a host program (`.mfh`) is checked as written. Every
+//! program is lowered first; a host program is checked as written (the two are told apart by
+//! content; `--param` is refused for host IR, which has none). Every
 //! rank's communications are instantiated and matched (teams, kinds, sizes, roots, peers) and
 //! progress is simulated to find deadlocks; the command exits 1 with a message naming the
 //! ranks, iterations and instructions involved when the program is wrong.
 
+use super::common::{options, print_out, CliError, CompileArgs, Input, ProgramArgs};
 use clap::Args;
-use meshflow::{compile, Compiled};
-
-use super::common::{options, print_out, CliError, CompileArgs, ProgramArgs};
 
 /// Arguments of `check`.
 #[derive(Debug, Args)]
@@ -21,14 +20,11 @@ pub struct CheckArgs {
 /// Runs `check`.
 pub fn run(args: CheckArgs) -> Result<(), CliError> {
     let options = options(&args.program, Some(&args.compile))?.check(true);
-    let is_host = args.program.file.extension().is_some_and(|e| e == "mfh");
-    let compiled = if is_host {
-        Compiled::from_host_text(&args.program.text()?, &options)
-    } else {
-        let program = args.program.load(&options)?;
-        compile(&program, &options)
+    let input = args.program.load_any(&options)?;
+    if matches!(input, Input::Host(_)) {
+        args.compile.refuse_for_host(&args.program.file)?;
     }
-    .map_err(|e| args.program.error(e))?;
+    let compiled = args.program.compile(input, &options)?;
     let report = compiled
         .check_report()
         .ok_or_else(|| CliError::Check("the cross-rank check did not run".to_string()))?;

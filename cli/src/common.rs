@@ -1,12 +1,12 @@
 //! What several subcommands share: loading a program with parameters, errors, output.
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::Args;
-use meshflow::ir::{verify_program, Program};
+use meshflow::ir::{parse_host, verify_host, verify_program, HostProgram, Program};
 use meshflow::passes::Decomposition;
-use meshflow::Options;
+use meshflow::{Compiled, Format, Options};
 
 /// Errors of the command line (printed as `error: ...`).
 #[derive(Debug, thiserror::Error)]
@@ -58,10 +58,12 @@ pub enum CliError {
 /// The program file and its parameters: every subcommand that reads a program takes these.
 #[derive(Clone, Debug, Args)]
 pub struct ProgramArgs {
-    /// The program: level-1 text (`.mf`).
+    /// The program: level-1 text (`.mf`) or host IR text (`.mfh`, what `lower` prints),
+    /// recognised by its content.
     pub file: PathBuf,
     /// The number of ranks: sets the program's `ranks` parameter (when it declares one) and
-    /// the size of the job, which must cover the program's meshes.
+    /// the size of the job, which must cover the program's meshes. Default: `WORLD_SIZE` in a
+    /// rank started by `meshflow launch` (or torchrun), else the program's own.
     #[arg(long)]
     pub ranks: Option<usize>,
     /// Overrides a parameter: `--param name=value` (repeatable).
@@ -127,7 +129,7 @@ impl CompileArgs {
 /// for what `compile` leaves out).
 pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<Options, CliError> {
     let mut options = Options::new();
-    if let Some(ranks) = program.ranks {
+    if let Some(ranks) = program.ranks.or(launched_world_size()?) {
         options = options.with_ranks(ranks);
     }
     for p in &program.params {
@@ -162,6 +164,62 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
     Ok(options)
 }
 
+/// `WORLD_SIZE` when this process is a rank started by `meshflow launch` (or torchrun: `RANK`
+/// is set too).
+fn launched_world_size() -> Result<Option<usize>, CliError> {
+    let (Ok(world), Ok(_)) = (std::env::var("WORLD_SIZE"), std::env::var("RANK")) else {
+        return Ok(None);
+    };
+    match world.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(Some(n)),
+        _ => Err(CliError::Usage(format!(
+            "WORLD_SIZE=`{world}`: expected a positive number of ranks"
+        ))),
+    }
+}
+
+/// A program read from a file: level-1 text or host IR, told apart by content.
+pub enum Input {
+    /// A verified level-1 program.
+    Program(Program),
+    /// A verified host program.
+    Host(HostProgram),
+}
+
+impl CompileArgs {
+    /// Refuses, for host IR input, the arguments that only change how a level-1 program is
+    /// lowered (host IR is not lowered again).
+    pub fn refuse_for_host(&self, file: &Path) -> Result<(), CliError> {
+        let mut given = Vec::new();
+        if self.schedule != ScheduleArg::PerIteration {
+            given.push("--schedule");
+        }
+        if !self.decompose.is_empty() {
+            given.push("--decompose");
+        }
+        if !self.disable_pass.is_empty() {
+            given.push("--disable-pass");
+        }
+        if self.no_verify {
+            given.push("--no-verify");
+        }
+        refuse_lowering_flags(file, &given)
+    }
+}
+
+/// The error for lowering flags given with host IR input (nothing when `given` is empty).
+pub fn refuse_lowering_flags(file: &Path, given: &[&str]) -> Result<(), CliError> {
+    if given.is_empty() {
+        return Ok(());
+    }
+    let verb = if given.len() == 1 { "applies" } else { "apply" };
+    Err(CliError::Usage(format!(
+        "{} is host IR, which is not lowered again: {} {verb} to level-1 programs only",
+        file.display(),
+        given.join(", ")
+    )))
+}
+
 impl ProgramArgs {
     /// Reads the file.
     pub fn text(&self) -> Result<String, CliError> {
@@ -179,6 +237,43 @@ impl ProgramArgs {
             source,
         })?;
         Ok(program)
+    }
+
+    /// Reads, parses and verifies the program in either text format ([`meshflow::format_of`]:
+    /// by content, not by extension). `--param` is refused for host IR, which has none.
+    pub fn load_any(&self, options: &Options) -> Result<Input, CliError> {
+        let text = self.text()?;
+        if meshflow::format_of(&text) != Some(Format::Host) {
+            return self.load(options).map(Input::Program);
+        }
+        if !options.params().is_empty() {
+            return Err(CliError::Usage(format!(
+                "{}: {}",
+                self.file.display(),
+                meshflow::Error::HostParams {
+                    params: self.params.clone(),
+                }
+            )));
+        }
+        let host = parse_host(&text).map_err(|source| CliError::Parse {
+            path: self.file.clone(),
+            source,
+        })?;
+        verify_host(&host).map_err(|source| CliError::Verify {
+            path: self.file.clone(),
+            source,
+        })?;
+        Ok(Input::Host(host))
+    }
+
+    /// Compiles a level-1 input, or wraps a host one, with `options` (the cross-rank check
+    /// runs when `options` ask for it).
+    pub fn compile(&self, input: Input, options: &Options) -> Result<Compiled, CliError> {
+        match input {
+            Input::Program(p) => meshflow::compile(&p, options),
+            Input::Host(h) => Compiled::from_host(h, options),
+        }
+        .map_err(|e| self.error(e))
     }
 
     /// A front-door error about this program, with the file named where it helps.
@@ -249,6 +344,69 @@ impl ScheduleArg {
         match self {
             ScheduleArg::PerIteration => meshflow::pipeline::StreamSchedule::PerIteration,
             ScheduleArg::Prefetch => meshflow::pipeline::StreamSchedule::Prefetch,
+        }
+    }
+}
+
+/// An output file opened before a run, so that a path that cannot be written fails before
+/// anything runs; written after the run. A file this created is removed again if it is never
+/// written (the run failed); an existing file is left as it was until then.
+pub struct OutputFile {
+    path: PathBuf,
+    what: &'static str,
+    file: Option<std::fs::File>,
+    created: bool,
+}
+
+impl OutputFile {
+    /// Opens `path` for writing (creating it if needed, without truncating it yet); `what`
+    /// names it in errors ("trace", "timeline").
+    pub fn create(path: &Path, what: &'static str) -> Result<OutputFile, CliError> {
+        let created = !path.exists();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| {
+                CliError::Usage(format!("cannot write the {what} `{}`: {e}", path.display()))
+            })?;
+        Ok(OutputFile {
+            path: path.to_path_buf(),
+            what,
+            file: Some(file),
+            created,
+        })
+    }
+
+    /// The path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Replaces the file's content with `text`.
+    pub fn write(mut self, text: &str) -> Result<(), CliError> {
+        let failed = |e: std::io::Error| {
+            CliError::Run(format!(
+                "cannot write the {} `{}`: {e}",
+                self.what,
+                self.path.display()
+            ))
+        };
+        let Some(mut file) = self.file.take() else {
+            return Err(failed(std::io::Error::other("already written")));
+        };
+        file.set_len(0)
+            .and_then(|()| file.write_all(text.as_bytes()))
+            .and_then(|()| file.flush())
+            .map_err(failed)
+    }
+}
+
+impl Drop for OutputFile {
+    fn drop(&mut self) {
+        if self.file.take().is_some() && self.created {
+            let _ = std::fs::remove_file(&self.path);
         }
     }
 }

@@ -1,11 +1,14 @@
 //! `meshflow lower FILE [program and compile options] [--dump-after PASS|all] [--explain]
 //! [--timings]`: prints the host IR on stdout; dumps, explain records and timings go to
-//! stderr.
+//! stderr. A host program (told apart by content) is verified and printed as it is: it is not
+//! lowered again, so the lowering options are refused for it.
 
 use clap::Args;
 use meshflow::compile;
 
-use super::common::{options, print_err, print_out, CliError, CompileArgs, ProgramArgs};
+use super::common::{
+    options, print_err, print_out, refuse_lowering_flags, CliError, CompileArgs, Input, ProgramArgs,
+};
 
 /// Arguments of `lower`.
 #[derive(Debug, Args)]
@@ -31,7 +34,24 @@ pub fn run(args: LowerArgs) -> Result<(), CliError> {
     if let Some(pass) = &args.dump_after {
         options = options.dump_after(pass.clone());
     }
-    let program = args.program.load(&options)?;
+    let program = match args.program.load_any(&options)? {
+        Input::Program(p) => p,
+        Input::Host(h) => {
+            args.compile.refuse_for_host(&args.program.file)?;
+            let mut given = Vec::new();
+            for (flag, on) in [
+                ("--dump-after", args.dump_after.is_some()),
+                ("--explain", args.explain),
+                ("--timings", args.timings),
+            ] {
+                if on {
+                    given.push(flag);
+                }
+            }
+            refuse_lowering_flags(&args.program.file, &given)?;
+            return print_out(&h.to_string());
+        }
+    };
     let compiled = compile(&program, &options).map_err(|e| args.program.error(e))?;
     for dump in compiled.dumps() {
         print_err(&format!(

@@ -1,22 +1,31 @@
 //! `meshflow run FILE [program and compile options] [--backend cpu|cuda] [--seed S]
-//! [--trace out.json] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the program, checks the host program across ranks, runs it on every rank with random inputs,
-//! compares the gathered outputs with an unsharded reference, and prints a summary whose last
-//! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
+//! [--trace out.json] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the program,
+//! checks the host program across ranks, runs it on every rank with random inputs, compares
+//! the gathered outputs with an unsharded reference, and prints a summary whose last line
+//! starts with `ok` or `mismatch`. Host IR text (told apart by content) is checked and run as
+//! written, with random local inputs and no reference to compare with. The trace path is
+//! created before anything runs (a path that cannot be written fails first), and the summary
+//! is printed even when writing the trace fails. Exits 0 only when every output matches. With `--nodes M`
 //! (or `MESHFLOW_NODE_SIZE`) the CPU ranks run in M processes linked by the host proxy (see
 //! [`node`](super::node)); GPU ranks (`--backend cuda`) stay in this process (or the processes
 //! of `meshflow launch`) and reach the ranks of other nodes through their host proxies.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use meshflow::runtime::compare::{compare_outputs, random_inputs};
+use meshflow::ir::Program;
+use meshflow::runtime::compare::{compare_outputs, random_inputs, random_local_inputs};
 use meshflow::runtime::cpu::CpuConfig;
+use meshflow::runtime::data::TensorData;
 use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::reference::evaluate;
+use meshflow::runtime::rendezvous::TorchrunEnv;
+use meshflow::runtime::trace::Trace;
 use meshflow::Compiled;
 
-use super::common::{options, print_out, CliError, CompileArgs, ProgramArgs};
+use super::common::{options, print_out, CliError, CompileArgs, Input, OutputFile, ProgramArgs};
 use super::node::ExecArgs;
 
 /// Where the ranks run.
@@ -54,22 +63,55 @@ pub struct RunArgs {
 
 /// Runs `run`.
 pub fn run(args: RunArgs) -> Result<(), CliError> {
+    // Output paths before anything else: a path that cannot be written fails here.
+    let trace_file = args
+        .trace
+        .as_deref()
+        .map(|p| OutputFile::create(p, "trace"))
+        .transpose()?;
     let options = options(&args.program, Some(&args.compile))?.check(true);
-    let program = args.program.load(&options)?;
-    let compiled = meshflow::compile(&program, &options).map_err(|e| args.program.error(e))?;
+    let input = args.program.load_any(&options)?;
+    let from_host = matches!(input, Input::Host(_));
+    if from_host {
+        args.compile.refuse_for_host(&args.program.file)?;
+    }
+    let compiled = args.program.compile(input, &options)?;
+    let host = compiled.host();
+    let world = host.world_size();
+    let ranks = compiled.world_size();
+    if world == 0 {
+        return Err(CliError::Usage(format!(
+            "`{}` has no meshes, so no rank holds a tensor: there is nothing to run",
+            host.name
+        )));
+    }
+    let nodes = super::node::nodes_of(ranks, args.nodes)?;
+    let launched = args.backend == BackendKind::Cuda && launched_rank()?;
+    if args.trace.is_some() && ((nodes > 1 && args.backend == BackendKind::Cpu) || launched) {
+        return Err(CliError::Usage(
+            "--trace is recorded in single-process runs only: run without --nodes (CPU) or \
+             without `meshflow launch` to trace"
+                .into(),
+        ));
+    }
     let lowered = compiled
         .timings()
         .iter()
         .map(|t| t.wall.as_secs_f64())
         .sum::<f64>();
-    let world = compiled.host().world_size();
-    let ranks = compiled.world_size();
-    let mut summary = format!(
-        "{}: lowered in {:.1} ms ({} host instructions)\n",
-        program.name,
-        lowered * 1e3,
-        count_insts(compiled.host())
-    );
+    let mut summary = match from_host {
+        false => format!(
+            "{}: lowered in {:.1} ms ({} host instructions)\n",
+            host.name,
+            lowered * 1e3,
+            count_insts(host)
+        ),
+        true => format!(
+            "{}: host IR ({} host instructions)\n",
+            host.name,
+            count_insts(host)
+        ),
+    };
     if let Some(report) = compiled.check_report() {
         summary.push_str(&format!("cross-rank check: {report}\n"));
     }
@@ -78,10 +120,13 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
     }
-    let nodes = super::node::nodes_of(ranks, args.nodes)?;
     if nodes > 1 && args.backend == BackendKind::Cpu {
-        if args.trace.is_some() {
-            summary.push_str("note: --trace is not recorded in multi-process runs\n");
+        if from_host {
+            return Err(CliError::Usage(
+                "multi-process CPU runs (--nodes) need a level-1 program; host IR runs in one \
+                 process"
+                    .into(),
+            ));
         }
         return super::node::start_nodes(
             &args.program,
@@ -92,28 +137,67 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             &summary,
         );
     }
-    let level1 = compiled.level1().map_err(|e| args.program.error(e))?;
-    let inputs =
-        random_inputs(&program, args.exec.seed).map_err(|e| CliError::Run(e.to_string()))?;
-    let got = match args.backend {
+    let node_size = (nodes > 1).then(|| ranks.div_ceil(nodes));
+    let (outcome, trace) = match compiled.level1() {
+        Ok(level1) => run_level1(&args, &compiled, level1, ranks, node_size, &mut summary)?,
+        Err(_) => run_host(&args, &compiled, ranks, node_size, &mut summary)?,
+    };
+    let result = match (trace_file, trace) {
+        (Some(file), Some(trace)) => {
+            let path = file.path().display().to_string();
+            let pool = (args.backend == BackendKind::Cuda).then_some(args.compile.streams);
+            file.write(&trace.to_json_with_pool(pool))
+                .map(|()| summary.push_str(&format!("trace written to {path}\n")))
+        }
+        (Some(file), None) => Err(CliError::Run(format!(
+            "no trace was recorded for `{}`",
+            file.path().display()
+        ))),
+        (None, _) => Ok(()),
+    };
+    summary.push_str(&outcome.line);
+    // The summary (and its last line) is printed even when writing the trace failed.
+    print_out(&summary)?;
+    result?;
+    match outcome.passed {
+        true => Ok(()),
+        false => Err(CliError::Mismatch),
+    }
+}
+
+/// The last line of a run's summary and whether it passed.
+struct Outcome {
+    line: String,
+    passed: bool,
+}
+
+/// True when this process is a rank started by `meshflow launch` (or torchrun).
+fn launched_rank() -> Result<bool, CliError> {
+    Ok(TorchrunEnv::from_env()
+        .map_err(|e| CliError::Usage(e.to_string()))?
+        .is_some())
+}
+
+/// Runs a program lowered from level 1 with random full inputs and compares the gathered
+/// outputs with the unsharded reference.
+fn run_level1(
+    args: &RunArgs,
+    compiled: &Compiled,
+    level1: &Program,
+    ranks: usize,
+    node_size: Option<usize>,
+    summary: &mut String,
+) -> Result<(Outcome, Option<Trace>), CliError> {
+    let inputs = random_inputs(level1, args.exec.seed).map_err(|e| CliError::Run(e.to_string()))?;
+    let (got, trace) = match args.backend {
         BackendKind::Cpu => {
-            let cpu = CpuOptions {
-                ranks: Some(ranks),
-                config: CpuConfig {
-                    stream_pool: args.compile.streams,
-                    timeout: Duration::from_millis(args.exec.timeout_ms),
-                    race_check: !args.exec.no_race_check,
-                    ..CpuConfig::default()
-                },
-                trace: args.trace.is_some(),
-            };
             let outcome = run_cpu(
                 compiled.host(),
                 RunInputs::Full {
                     program: level1,
                     inputs: &inputs,
                 },
-                &cpu,
+                &cpu_options(args, ranks),
             )
             .map_err(|e| CliError::Run(e.to_string()))?;
             summary.push_str(&format!(
@@ -121,79 +205,160 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
                 outcome.elapsed.as_secs_f64() * 1e3,
                 args.exec.seed
             ));
-            if let (Some(path), Some(trace)) = (&args.trace, &outcome.trace) {
-                trace.write(path).map_err(|source| {
-                    CliError::Run(format!(
-                        "cannot write the trace `{}`: {source}",
-                        path.display()
-                    ))
-                })?;
-                summary.push_str(&format!("trace written to {}\n", path.display()));
-            }
-            outcome
+            let got = outcome
                 .gather(level1)
-                .map_err(|e| CliError::Run(e.to_string()))?
+                .map_err(|e| CliError::Run(e.to_string()))?;
+            (got, outcome.trace)
         }
-        BackendKind::Cuda => match run_cuda(
-            &args,
-            &compiled,
-            &inputs,
-            ranks,
-            (nodes > 1).then(|| ranks.div_ceil(nodes)),
-            &mut summary,
-        )? {
-            Some(gathered) => gathered,
-            // A rank other than 0 of a multi-process run: rank 0 compares.
-            None => return print_out(&summary),
-        },
+        BackendKind::Cuda => {
+            let gpu = run_cuda(args, compiled, &inputs, ranks, node_size, summary)?;
+            match gpu.outputs {
+                Some(got) => (got, gpu.trace),
+                // A rank other than 0 of a multi-process run: rank 0 compares (the summary
+                // says so).
+                None => {
+                    let line = String::new();
+                    return Ok((Outcome { line, passed: true }, gpu.trace));
+                }
+            }
+        }
     };
-    let want = evaluate(&program, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
+    let want = evaluate(level1, &inputs).map_err(|e| CliError::Run(e.to_string()))?;
     let comparison =
-        compare_outputs(&program, &got, &want).map_err(|e| CliError::Run(e.to_string()))?;
-    summary.push_str(&format!("{comparison}\n"));
-    print_out(&summary)?;
-    if comparison.passed() {
-        Ok(())
-    } else {
-        Err(CliError::Mismatch)
+        compare_outputs(level1, &got, &want).map_err(|e| CliError::Run(e.to_string()))?;
+    let outcome = Outcome {
+        line: format!("{comparison}\n"),
+        passed: comparison.passed(),
+    };
+    Ok((outcome, trace))
+}
+
+/// Runs a host program loaded from text: random local inputs on every rank, no reference
+/// (host IR has no level-1 program to evaluate).
+fn run_host(
+    args: &RunArgs,
+    compiled: &Compiled,
+    ranks: usize,
+    node_size: Option<usize>,
+    summary: &mut String,
+) -> Result<(Outcome, Option<Trace>), CliError> {
+    let host = compiled.host();
+    let per_rank =
+        random_local_inputs(host, args.exec.seed).map_err(|e| CliError::Run(e.to_string()))?;
+    let trace = match args.backend {
+        BackendKind::Cpu => {
+            let outcome = run_cpu(
+                host,
+                RunInputs::PerRank(per_rank),
+                &cpu_options(args, ranks),
+            )
+            .map_err(|e| CliError::Run(e.to_string()))?;
+            summary.push_str(&format!(
+                "ran on {ranks} CPU ranks in {:.1} ms (seed {})\n",
+                outcome.elapsed.as_secs_f64() * 1e3,
+                args.exec.seed
+            ));
+            outcome.trace
+        }
+        BackendKind::Cuda => run_cuda_host(args, compiled, per_rank, ranks, node_size, summary)?,
+    };
+    let line = format!(
+        "ok {}: ran to completion on every rank (host IR has no level-1 program, so there is \
+         no reference to compare the outputs with)\n",
+        host.name
+    );
+    Ok((Outcome { line, passed: true }, trace))
+}
+
+fn cpu_options(args: &RunArgs, ranks: usize) -> CpuOptions {
+    CpuOptions {
+        ranks: Some(ranks),
+        config: CpuConfig {
+            stream_pool: args.compile.streams,
+            timeout: Duration::from_millis(args.exec.timeout_ms),
+            race_check: !args.exec.no_race_check,
+            ..CpuConfig::default()
+        },
+        trace: args.trace.is_some(),
     }
 }
+
+#[cfg(not(feature = "cuda"))]
+const NO_CUDA: &str = "this meshflow was built without the `cuda` feature; rebuild with \
+                       `cargo build --release --features cuda` to use --backend cuda";
 
 #[cfg(not(feature = "cuda"))]
 fn run_cuda(
     _args: &RunArgs,
     _compiled: &Compiled,
-    _inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
+    _inputs: &BTreeMap<String, TensorData>,
     _ranks: usize,
     _node_size: Option<usize>,
     _summary: &mut String,
-) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
-{
-    Err(CliError::Usage(
-        "this meshflow was built without the `cuda` feature; rebuild with \
-         `cargo build --release --features cuda` to use --backend cuda"
-            .to_string(),
-    ))
+) -> Result<GpuOutcome, CliError> {
+    Err(CliError::Usage(NO_CUDA.to_string()))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda_host(
+    _args: &RunArgs,
+    _compiled: &Compiled,
+    _per_rank: BTreeMap<usize, BTreeMap<String, TensorData>>,
+    _ranks: usize,
+    _node_size: Option<usize>,
+    _summary: &mut String,
+) -> Result<Option<Trace>, CliError> {
+    Err(CliError::Usage(NO_CUDA.to_string()))
+}
+
+/// What a GPU run gives back (without the `cuda` feature there is none).
+#[cfg(not(feature = "cuda"))]
+struct GpuOutcome {
+    outputs: Option<BTreeMap<String, TensorData>>,
+    trace: Option<Trace>,
+}
+
+#[cfg(feature = "cuda")]
+use super::run_cuda::GpuOutcome;
+
+#[cfg(feature = "cuda")]
+fn gpu_run(args: &RunArgs, ranks: usize, node_size: Option<usize>) -> super::run_cuda::GpuRun {
+    super::run_cuda::GpuRun {
+        ranks,
+        node_size,
+        streams: args.compile.streams,
+        timeout: Duration::from_millis(args.exec.timeout_ms),
+        trace: args.trace.is_some(),
+    }
 }
 
 #[cfg(feature = "cuda")]
 fn run_cuda(
     args: &RunArgs,
     compiled: &Compiled,
-    inputs: &std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>,
+    inputs: &BTreeMap<String, TensorData>,
     ranks: usize,
     node_size: Option<usize>,
     summary: &mut String,
-) -> Result<Option<std::collections::BTreeMap<String, meshflow::runtime::data::TensorData>>, CliError>
-{
-    let how = super::run_cuda::GpuRun {
-        ranks,
-        node_size,
-        streams: args.compile.streams,
-        timeout: Duration::from_millis(args.exec.timeout_ms),
-        trace: args.trace.as_deref(),
-    };
-    super::run_cuda::run(compiled, inputs, &how, summary)
+) -> Result<GpuOutcome, CliError> {
+    super::run_cuda::run(compiled, inputs, &gpu_run(args, ranks, node_size), summary)
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda_host(
+    args: &RunArgs,
+    compiled: &Compiled,
+    per_rank: BTreeMap<usize, BTreeMap<String, TensorData>>,
+    ranks: usize,
+    node_size: Option<usize>,
+    summary: &mut String,
+) -> Result<Option<Trace>, CliError> {
+    super::run_cuda::run_host(
+        compiled,
+        per_rank,
+        &gpu_run(args, ranks, node_size),
+        summary,
+    )
 }
 
 fn count_insts(host: &meshflow::ir::HostProgram) -> usize {

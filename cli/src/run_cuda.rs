@@ -8,12 +8,13 @@
 //! makes the process of `RANK` (of a multi-process run) exit at its `N`-th communication.
 
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::time::Duration;
 
-use meshflow::runtime::cuda::{run_program_cuda, CudaConfig, CudaOptions};
+use meshflow::runtime::cuda::{run_cuda, run_program_cuda, CudaConfig, CudaOptions};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
+use meshflow::runtime::trace::Trace;
+use meshflow::runtime::RunInputs;
 use meshflow::Compiled;
 
 use super::common::CliError;
@@ -23,7 +24,7 @@ const MIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// How a GPU run is made (from `meshflow run`'s arguments).
 #[derive(Clone, Copy)]
-pub(super) struct GpuRun<'a> {
+pub(super) struct GpuRun {
     /// Number of ranks.
     pub ranks: usize,
     /// Ranks per node, when the run is split into nodes.
@@ -32,18 +33,26 @@ pub(super) struct GpuRun<'a> {
     pub streams: usize,
     /// How long a rank waits for a peer (at least [`MIN_TIMEOUT`]).
     pub timeout: Duration,
-    /// Where to write the trace.
-    pub trace: Option<&'a Path>,
+    /// Record a trace (device time per stream; in-process runs only).
+    pub trace: bool,
 }
 
-/// Runs the compiled program on GPUs. Returns the gathered outputs, or `None` on a rank other
-/// than 0 of a multi-process run (rank 0 compares).
+/// What a GPU run gives back to `meshflow run`.
+pub(super) struct GpuOutcome {
+    /// The gathered outputs, or `None` on a rank other than 0 of a multi-process run (rank 0
+    /// compares).
+    pub outputs: Option<BTreeMap<String, TensorData>>,
+    /// The trace, when asked for.
+    pub trace: Option<Trace>,
+}
+
+/// Runs the compiled program on GPUs.
 pub(super) fn run(
     compiled: &Compiled,
     inputs: &BTreeMap<String, TensorData>,
-    how: &GpuRun<'_>,
+    how: &GpuRun,
     summary: &mut String,
-) -> Result<Option<BTreeMap<String, TensorData>>, CliError> {
+) -> Result<GpuOutcome, CliError> {
     let GpuRun {
         ranks,
         node_size,
@@ -62,7 +71,7 @@ pub(super) fn run(
         config: CudaConfig {
             stream_pool: streams.max(1),
             timeout: timeout.max(MIN_TIMEOUT),
-            profile: trace.is_some() && env.is_none(),
+            profile: trace && env.is_none(),
             node_size,
             #[cfg(feature = "fault-injection")]
             exit_at_comm,
@@ -101,27 +110,52 @@ pub(super) fn run(
             run.proxy_stats.len()
         ));
     }
-    if let Some(path) = trace {
-        match &run.trace {
-            Some(t) => {
-                t.write(path).map_err(|source| {
-                    CliError::Run(format!(
-                        "cannot write the trace `{}`: {source}",
-                        path.display()
-                    ))
-                })?;
-                summary.push_str(&format!(
-                    "trace (device time per stream) written to {}\n",
-                    path.display()
-                ));
-            }
-            None => summary.push_str("note: --trace is recorded for in-process GPU runs only\n"),
-        }
-    }
     if run.outputs.is_none() {
         summary.push_str("outputs sent to rank 0, which compares them with the reference\n");
     }
-    Ok(run.outputs)
+    Ok(GpuOutcome {
+        outputs: run.outputs,
+        trace: run.trace,
+    })
+}
+
+/// Runs a host program (loaded from host IR text, with no level-1 program) on the GPUs of
+/// this process with the given local inputs; returns the trace when asked for. Multi-process
+/// runs (`meshflow launch`) need the level-1 program to gather the outputs and are refused.
+pub(super) fn run_host(
+    compiled: &Compiled,
+    per_rank: BTreeMap<usize, BTreeMap<String, TensorData>>,
+    how: &GpuRun,
+    summary: &mut String,
+) -> Result<Option<Trace>, CliError> {
+    if TorchrunEnv::from_env()
+        .map_err(|e| CliError::Usage(e.to_string()))?
+        .is_some()
+    {
+        return Err(CliError::Usage(
+            "host IR text runs on the GPUs of one process only (its outputs cannot be gathered \
+             across processes without the level-1 program): run it without `meshflow launch`"
+                .into(),
+        ));
+    }
+    let options = CudaOptions {
+        ranks: Some(how.ranks),
+        config: CudaConfig {
+            stream_pool: how.streams.max(1),
+            timeout: how.timeout.max(MIN_TIMEOUT),
+            profile: how.trace,
+            node_size: how.node_size,
+            ..CudaConfig::default()
+        },
+    };
+    let outcome = run_cuda(compiled.host(), RunInputs::PerRank(per_rank), &options)
+        .map_err(|e| CliError::Run(e.to_string()))?;
+    summary.push_str(&format!(
+        "ran on {} GPUs (one thread each) in {:.1} ms\n",
+        how.ranks,
+        outcome.elapsed.as_secs_f64() * 1e3
+    ));
+    Ok(outcome.trace)
 }
 
 /// The communication at which this process (rank `rank` of a multi-process run) exits, from

@@ -1,6 +1,6 @@
 //! `meshflow trace FILE [program and compile options] [--backend cpu|cuda] [-o out.json]
-//! [--svg out.svg] [--seed S]`: lowers the
-//! program, runs it once on every rank with random inputs and writes a Perfetto/Chrome trace
+//! [--svg out.svg] [--seed S]`: lowers the program (or takes host IR text as written),
+//! runs it once on every rank with random inputs and writes a Perfetto/Chrome trace
 //! (JSON) and an SVG timeline (one row per rank and stream, boxes coloured by compute,
 //! communication, copy and wait). On the CPU backend the boxes are the host time of each
 //! instruction; on GPUs (`--backend cuda`) they are device intervals from CUDA events, of a run
@@ -10,12 +10,12 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use meshflow::runtime::compare::random_inputs;
+use meshflow::runtime::compare::{random_inputs, random_local_inputs};
 use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::trace::Trace;
 
-use super::common::{options, print_out, CliError, CompileArgs, ProgramArgs};
+use super::common::{options, print_out, CliError, CompileArgs, Input, OutputFile, ProgramArgs};
 use super::run::BackendKind;
 
 /// Arguments of `trace`.
@@ -46,16 +46,42 @@ pub struct TraceArgs {
 
 /// Runs `trace`.
 pub fn run(args: TraceArgs) -> Result<(), CliError> {
+    // Both outputs before anything else: a path that cannot be written fails here.
+    let svg_path = args
+        .svg
+        .clone()
+        .unwrap_or_else(|| args.out.with_extension("svg"));
+    let json_file = OutputFile::create(&args.out, "trace")?;
+    let svg_file = OutputFile::create(&svg_path, "timeline")?;
     let options = options(&args.program, Some(&args.compile))?.check(false);
-    let program = args.program.load(&options)?;
-    let compiled = meshflow::compile(&program, &options).map_err(|e| args.program.error(e))?;
-    let level1 = compiled.level1().map_err(|e| args.program.error(e))?;
+    let input = args.program.load_any(&options)?;
+    if matches!(input, Input::Host(_)) {
+        args.compile.refuse_for_host(&args.program.file)?;
+    }
+    let compiled = args.program.compile(input, &options)?;
+    let host = compiled.host();
     let ranks = compiled.world_size();
+    if host.world_size() == 0 {
+        return Err(CliError::Usage(format!(
+            "`{}` has no meshes, so no rank holds a tensor: there is nothing to trace",
+            host.name
+        )));
+    }
     let streams = args.compile.streams;
-    let inputs = random_inputs(&program, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
-    let full = RunInputs::Full {
-        program: level1,
-        inputs: &inputs,
+    let full_inputs;
+    let inputs = match compiled.level1() {
+        Ok(level1) => {
+            full_inputs =
+                random_inputs(level1, args.seed).map_err(|e| CliError::Run(e.to_string()))?;
+            RunInputs::Full {
+                program: level1,
+                inputs: &full_inputs,
+            }
+        }
+        // Host IR text: random local inputs on every rank.
+        Err(_) => RunInputs::PerRank(
+            random_local_inputs(host, args.seed).map_err(|e| CliError::Run(e.to_string()))?,
+        ),
     };
     let (trace, pool) = match args.backend {
         BackendKind::Cpu => {
@@ -68,33 +94,21 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
                 },
                 trace: true,
             };
-            let outcome =
-                run_cpu(compiled.host(), full, &cpu).map_err(|e| CliError::Run(e.to_string()))?;
+            let outcome = run_cpu(host, inputs, &cpu).map_err(|e| CliError::Run(e.to_string()))?;
             (outcome.trace.unwrap_or_default(), None)
         }
-        BackendKind::Cuda => (
-            cuda_trace(compiled.host(), full, ranks, streams)?,
-            Some(streams),
-        ),
+        BackendKind::Cuda => (cuda_trace(host, inputs, ranks, streams)?, Some(streams)),
     };
-    let svg_path = args
-        .svg
-        .clone()
-        .unwrap_or_else(|| args.out.with_extension("svg"));
-    let write = |path: &PathBuf, text: String| {
-        std::fs::write(path, text)
-            .map_err(|source| CliError::Run(format!("cannot write `{}`: {source}", path.display())))
-    };
-    write(&args.out, trace.to_json())?;
+    json_file.write(&trace.to_json_with_pool(pool))?;
     let title = format!(
         "{} on {ranks} {} ranks",
-        program.name,
+        host.name,
         match args.backend {
             BackendKind::Cpu => "CPU",
             BackendKind::Cuda => "GPU",
         }
     );
-    write(&svg_path, trace.to_svg(&title, pool))?;
+    svg_file.write(&trace.to_svg(&title, pool))?;
     print_out(&format!(
         "{} events; trace written to {}, timeline to {}\n",
         trace.events.len(),

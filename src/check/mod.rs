@@ -73,14 +73,52 @@ impl fmt::Display for CheckReport {
         let total: usize = self.events_per_rank.iter().sum();
         write!(
             f,
-            "{} ranks, {total} communications (per rank {:?}), {} teams, {} point-to-point \
+            "{} ranks, {total} communications ({}), {} teams, {} point-to-point \
              messages, {} coalesced groups: no mismatch, no deadlock",
             self.world_size,
-            self.events_per_rank,
+            PerRank(&self.events_per_rank),
             self.teams.len(),
             self.point_to_point,
             self.groups
         )
+    }
+}
+
+/// Per-rank counts, short at any world size: `4 per rank` when equal, the list up to 16 ranks,
+/// else runs of equal counts (`4 on ranks 0..63, 5 on ranks 64..127`), at most 4 of them, then
+/// the range.
+struct PerRank<'a>(&'a [usize]);
+
+impl fmt::Display for PerRank<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let counts = self.0;
+        let (Some(min), Some(max)) = (counts.iter().min(), counts.iter().max()) else {
+            return write!(f, "no ranks");
+        };
+        if min == max {
+            return write!(f, "{min} per rank");
+        }
+        if counts.len() <= 16 {
+            return write!(f, "per rank {counts:?}");
+        }
+        let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+        for (rank, &c) in counts.iter().enumerate() {
+            match runs.last_mut() {
+                Some((count, _, last)) if *count == c => *last = rank,
+                _ => runs.push((c, rank, rank)),
+            }
+        }
+        if runs.len() > 4 {
+            return write!(f, "{min} to {max} per rank");
+        }
+        let runs: Vec<String> = runs
+            .iter()
+            .map(|&(c, a, b)| match a == b {
+                true => format!("{c} on rank {a}"),
+                false => format!("{c} on ranks {a}..{b}"),
+            })
+            .collect();
+        write!(f, "{}", runs.join(", "))
     }
 }
 

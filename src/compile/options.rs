@@ -56,6 +56,11 @@ impl Options {
         }
     }
 
+    /// The parameters set with [`Options::param`].
+    pub fn params(&self) -> &Params {
+        &self.params
+    }
+
     /// Sets the job's size, as [`Options::for_ranks`] does.
     pub fn with_ranks(mut self, ranks: usize) -> Options {
         self.ranks = Some(ranks);

@@ -4,7 +4,8 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use meshflow_ir::{DType, HostProgram, OpKind, Program};
+use meshflow_ir::host::{InstKind, Role};
+use meshflow_ir::{DType, DeviceId, HostProgram, OpKind, Program};
 
 use super::data::{numel_of, try_collect, try_filled, DataError, SplitMix64, TensorData};
 use super::ranks::{run_cpu, CpuOptions, RunError, RunInputs};
@@ -98,6 +99,86 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// `k` distinct expert ids in `0..experts` per token (`k` = the last extent of `shape`).
+fn routing_ids(
+    dtype: DType,
+    shape: &[u64],
+    experts: u64,
+    seed: u64,
+) -> Result<TensorData, DataError> {
+    let k = shape.last().copied().unwrap_or(0).min(experts);
+    let n = numel_of(shape)?;
+    let tokens = n / shape.last().copied().unwrap_or(0).max(1);
+    let mut rng = SplitMix64::new(seed);
+    let mut ids = try_filled(0i64, n as usize)?;
+    ids.clear();
+    for _ in 0..tokens {
+        let start = ids.len();
+        while ids.len() - start < k as usize {
+            let e = rng.below(experts) as i64;
+            if !ids[start..].contains(&e) {
+                ids.push(e);
+            }
+        }
+    }
+    TensorData::from_i64(dtype, shape, &ids)
+}
+
+/// Seeded random local inputs of a host program (for runs without a level-1 program): every
+/// rank of an input's mesh gets the same tensor of the local shape; an integer input used as
+/// `moe_dispatch`'s `topk_idx` gets distinct valid expert ids per token, other tensors uniform
+/// values as [`TensorData::random`].
+pub fn random_local_inputs(
+    host: &HostProgram,
+    seed: u64,
+) -> Result<BTreeMap<DeviceId, BTreeMap<String, TensorData>>, CompareError> {
+    let mut per_rank: BTreeMap<DeviceId, BTreeMap<String, TensorData>> = BTreeMap::new();
+    let mut experts_of = BTreeMap::new();
+    host.walk(&mut |inst, _| {
+        if let InstKind::MoeDispatch {
+            team,
+            topk_idx,
+            expert_x,
+            ..
+        } = &inst.kind
+        {
+            let local = host.tensors.get(*expert_x).and_then(|t| {
+                let rank = t.shape.len();
+                rank.checked_sub(3).map(|i| t.shape[i])
+            });
+            if let (Some(local), Some(size)) = (local, team.size(&host.meshes)) {
+                experts_of.insert(*topk_idx, local * size as u64);
+            }
+        }
+    });
+    for (i, (id, t)) in host.tensors.iter().enumerate() {
+        if t.role != Role::Input {
+            continue;
+        }
+        let s = seed.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let err = |e: DataError| CompareError::Input {
+            name: t.name.clone(),
+            message: e.to_string(),
+        };
+        let data = match experts_of.get(&id) {
+            Some(&experts) => routing_ids(t.dtype, &t.shape, experts, s).map_err(err)?,
+            None => TensorData::random(t.dtype, &t.shape, s).map_err(err)?,
+        };
+        let devices = host
+            .meshes
+            .get(t.mesh)
+            .map(|m| m.mesh.devices().to_vec())
+            .unwrap_or_default();
+        for device in devices {
+            per_rank
+                .entry(device)
+                .or_default()
+                .insert(t.name.clone(), data.clone());
+        }
+    }
+    Ok(per_rank)
+}
+
 /// Seeded random inputs for `program`: an integer input used as `moe_dispatch`'s `topk_idx`
 /// gets `k` distinct valid expert ids per token; weights used by `moe_combine` are positive;
 /// other floats are uniform in `[-1, 1)`.
@@ -132,21 +213,7 @@ pub fn random_inputs(
                     message: format!("top-{k} routing needs at least {k} experts, has {experts}"),
                 });
             }
-            let n = numel_of(&shape).map_err(err)?;
-            let tokens = n / k.max(1);
-            let mut rng = SplitMix64::new(s);
-            let mut ids = try_filled(0i64, n as usize).map_err(err)?;
-            ids.clear();
-            for _ in 0..tokens {
-                let start = ids.len();
-                while ids.len() - start < k as usize {
-                    let e = rng.below(experts) as i64;
-                    if !ids[start..].contains(&e) {
-                        ids.push(e);
-                    }
-                }
-            }
-            TensorData::from_i64(dtype, &shape, &ids).map_err(err)?
+            routing_ids(dtype, &shape, experts, s).map_err(err)?
         } else if weights {
             let mut rng = SplitMix64::new(s);
             let n = numel_of(&shape).map_err(err)? as usize;

@@ -128,3 +128,36 @@ fn repeated_mistakes_are_counted_not_listed() {
         "{text}"
     );
 }
+
+#[test]
+fn the_report_stays_one_short_line_at_any_world_size() {
+    use meshflow::check::CheckReport;
+    let report = |counts: Vec<usize>| {
+        CheckReport {
+            world_size: counts.len(),
+            events_per_rank: counts,
+            teams: vec![vec![0, 1]],
+            collectives_per_team: vec![1],
+            point_to_point: 0,
+            groups: 0,
+        }
+        .to_string()
+    };
+    let even = report(vec![4; 128]);
+    assert!(
+        even.starts_with("128 ranks, 512 communications (4 per rank), "),
+        "{even}"
+    );
+    let halves = report([vec![4; 64], vec![5; 64]].concat());
+    assert!(
+        halves.contains("(4 on ranks 0..63, 5 on ranks 64..127)"),
+        "{halves}"
+    );
+    let ragged = report((0..128).map(|r| r % 3).collect());
+    assert!(ragged.contains("(0 to 2 per rank)"), "{ragged}");
+    let small = report(vec![1, 2, 3]);
+    assert!(small.contains("(per rank [1, 2, 3])"), "{small}");
+    for text in [even, halves, ragged, small] {
+        assert!(text.len() < 160, "{} characters: {text}", text.len());
+    }
+}

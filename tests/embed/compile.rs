@@ -197,3 +197,35 @@ fn every_layer_fails_into_one_error() {
     let e = Compiled::from_host_text(bad, &Options::new()).expect_err("check");
     assert!(matches!(e, Error::Check(_)), "{e}");
 }
+
+#[test]
+fn load_tells_level_1_from_host_text_by_content() {
+    use meshflow::{format_of, load, Format};
+    let options = Options::for_ranks(4);
+    let from_level1 = load(RING, &options).expect("level-1 text compiles");
+    assert!(from_level1.program().is_some());
+    let host_text = from_level1.host_text();
+    assert_eq!(format_of(RING), Some(Format::Program));
+    assert_eq!(
+        format_of(&format!("# a comment\n\n{host_text}")),
+        Some(Format::Host)
+    );
+    assert_eq!(format_of("nonsense"), None);
+    let from_host = load(&host_text, &options).expect("host text loads");
+    assert!(from_host.program().is_none());
+    assert_eq!(from_host.host(), from_level1.host());
+    assert!(from_host.check_report().is_some());
+    // Host IR has no parameters: one given for it is refused, naming it.
+    let e = load(&host_text, &Options::new().param("d", 3)).expect_err("params on host IR");
+    assert!(
+        matches!(&e, Error::HostParams { params } if params == &["d"]),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains("applies to level-1 programs only"),
+        "{e}"
+    );
+    // Level-1 text takes them.
+    let two = load(RING, &Options::new().param("d", 2)).expect("compiles");
+    assert_eq!(two.world_size(), 2);
+}

@@ -5,4 +5,5 @@
 #[path = "../../../tests/support/mod.rs"]
 mod support;
 
+mod launch;
 mod proxy;
