@@ -32,16 +32,16 @@ pub struct Cli {
 /// The subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Parse and verify a level-1 program and print it in canonical form.
+    /// Parse and verify a program (level-1 or host IR text) and print it in canonical form.
     Parse(parse::ParseArgs),
-    /// Compile a level-1 program and print the host IR.
+    /// Compile a level-1 program and print the host IR (host IR text is printed as it is).
     Lower(lower::LowerArgs),
     /// Check a program across ranks: matching communications, no deadlock.
     Check(check::CheckArgs),
     /// Lower, check and run a program on every rank; compare with an unsharded reference.
     Run(run::RunArgs),
-    /// GPU benchmarks: overlapped AG+GEMM (`agmm`), GEMM+RS (`rsmm`) next to the bound, and
-    /// collective-permute bandwidth (`permute`).
+    /// GPU benchmarks: overlapped AG+GEMM (`agmm`), GEMM+RS (`rsmm`) next to the bound,
+    /// collective-permute bandwidth (`permute`) and MoE dispatch/combine latency (`moe`).
     Bench(bench::BenchCommand),
     /// Start N ranks of a command on this host (torchrun variables, `[rank r]` output).
     Launch(launch::LaunchArgs),
