@@ -3,8 +3,9 @@
 //!
 //! The candidates are the output's own placement, minus the splits the op cannot compute
 //! locally ([`local_split_ok`]), and the placement each input implies for the output
-//! ([`forward_spec`]). A candidate costs the elements of every input it must reshard plus, when
-//! it is not the output's placement, the elements of the output (one resharding after the op).
+//! ([`forward_spec`]). A candidate costs the elements of every input it must move (slicing a
+//! replicated input is free) plus, when it is not the output's placement, the elements of the
+//! output (one resharding after the op).
 //! So `z = add(x, y)` with `x` and `y` split alike and `z` replicated computes the add on the
 //! shards and gathers `z` once instead of gathering `x` and `y`; an `expand` of a split input
 //! to a replicated output gathers the (smaller) input first; a `sum` over a split axis sums
@@ -20,7 +21,7 @@
 use meshflow_ir::{MeshId, OpKind, Program};
 
 use crate::analysis::op_rules::{
-    forward_spec, local_split_ok, requirements_for, same_mesh, satisfies, value_numel,
+    forward_spec, local_split_ok, requirements_for, same_mesh, value_numel, Requirement,
 };
 use crate::analysis::{op_axis_map, Sharding, Spec};
 use crate::edit::value_type;
@@ -107,7 +108,7 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
             if !ty.is_some_and(|ty| xspec.fits(&ty, m)) {
                 valid = false;
             }
-            if !satisfies(program, x, &req)? {
+            if moves_data(program, &xs, &req) {
                 cost = cost.saturating_add(value_numel(program, x));
             }
         }
@@ -127,4 +128,16 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
         }
         _ => None,
     })
+}
+
+/// True when giving `xs` what `req` asks for moves data: another mesh, or a split (or partial
+/// result) along some parallel type that changes. Slicing a replicated input is free.
+fn moves_data(program: &Program, xs: &Sharding, req: &Requirement) -> bool {
+    if !same_mesh(program, xs.mesh, req.mesh) {
+        return true;
+    }
+    xs.spec
+        .device
+        .iter()
+        .any(|(pt, have)| req.device.get(pt) != Some(have))
 }

@@ -47,6 +47,11 @@ impl ProgramPass for DecomposeReshardings {
     }
 
     fn run(&self, program: &mut Program, cx: &mut PassContext) -> Result<(), PassError> {
+        for op in program.ops.iter().filter(|op| op.kind == OpKind::Set) {
+            if let (Some(&p), Some(&c)) = (op.inputs.first(), op.outputs.first()) {
+                check_partial_target(program, p, c)?;
+            }
+        }
         rfactor_outputs(program)?;
         materialize_broadcasts(program)?;
         satisfy_requirements(program, cx)?;
