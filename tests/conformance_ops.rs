@@ -134,9 +134,9 @@ fn run_case(case: &Case, ranks: i64) -> Result<(), String> {
                 Err(format!("refused, but without {needle:?}: {e}"))
             }
         }
-        (Expect::Refused(needle), Ok(_)) => {
-            Err(format!("expected a refusal containing {needle:?}, but it lowered"))
-        }
+        (Expect::Refused(needle), Ok(_)) => Err(format!(
+            "expected a refusal containing {needle:?}, but it lowered"
+        )),
         (Expect::Counts(_), Err(e)) => Err(format!("lowering failed: {e}")),
         (Expect::Counts(want), Ok((_, compiled))) => {
             let got = comm_counts(&compiled.host);

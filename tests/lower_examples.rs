@@ -229,7 +229,9 @@ fn transformer_block_2d_is_two_all_gathers_and_two_reduce_scatters_over_didx() {
             }
         }
         let want: std::collections::BTreeMap<&str, usize> =
-            [("all_gather", 2), ("reduce_scatter", 2)].into_iter().collect();
+            [("all_gather", 2), ("reduce_scatter", 2)]
+                .into_iter()
+                .collect();
         assert_eq!(counts, want, "at {ranks} ranks:\n{host}");
     }
 }

@@ -143,8 +143,8 @@ pub use host::{
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
 pub use parse::{parse_host, parse_program, parse_program_with, Params, ParseError};
 pub use program::{
-    Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId,
-    TensorType, Transform,
+    Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl,
+    TensorId, TensorType, Transform,
 };
 pub use span::{SourceLoc, Span};
 pub use verify::{verify_host, verify_program, Diagnostic, Location, VerifyErrors};

@@ -129,7 +129,10 @@ pub fn evaluate_with(
             .get(&decl.name)
             .ok_or_else(|| ReferenceError::MissingInput(decl.name.clone()))?;
         // A partial input comes with its reduction axes (see `reference_ops`).
-        let (dtype, shape) = (decl.ty.dtype, decl.ty.axes.iter().map(|a| a.extent).collect::<Vec<_>>());
+        let (dtype, shape) = (
+            decl.ty.dtype,
+            decl.ty.axes.iter().map(|a| a.extent).collect::<Vec<_>>(),
+        );
         if data.dtype() != dtype || data.shape() != shape.as_slice() {
             let expected = format!("{dtype}{shape:?}");
             return Err(ReferenceError::InputType {

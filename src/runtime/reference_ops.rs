@@ -40,8 +40,14 @@ fn from_f64(dtype: DType, shape: &[u64], values: &[f64]) -> Result<TensorData, S
 }
 
 /// Output element `j` is input element `source(j)`, copied exactly.
-fn gather(x: &TensorData, shape: &[u64], source: impl Fn(&[u64]) -> usize) -> Result<TensorData, String> {
-    let indices: Vec<usize> = (0..numel(shape)).map(|j| source(&unravel(j, shape))).collect();
+fn gather(
+    x: &TensorData,
+    shape: &[u64],
+    source: impl Fn(&[u64]) -> usize,
+) -> Result<TensorData, String> {
+    let indices: Vec<usize> = (0..numel(shape))
+        .map(|j| source(&unravel(j, shape)))
+        .collect();
     let storage = x
         .storage()
         .pick(&indices)
@@ -168,7 +174,12 @@ fn cat(ins: &[&TensorData], axis: usize, shape: &[u64]) -> Result<TensorData, St
 }
 
 /// `a[A.., M, K] @ b[B.., K, N]` with broadcast batch axes (a 2-D `b` is shared).
-fn matmul(a: &TensorData, b: &TensorData, dtype: DType, shape: &[u64]) -> Result<TensorData, String> {
+fn matmul(
+    a: &TensorData,
+    b: &TensorData,
+    dtype: DType,
+    shape: &[u64],
+) -> Result<TensorData, String> {
     let (sa, sb) = (a.shape(), b.shape());
     let nb = shape.len() - 2;
     let k_extent = sa[sa.len() - 1];
@@ -200,7 +211,10 @@ fn matmul(a: &TensorData, b: &TensorData, dtype: DType, shape: &[u64]) -> Result
 
 /// The value of a partial program input: its full data of type `ty` (reduction axes included)
 /// summed over every reduction axis.
-pub(crate) fn reduce_partial_input(data: &TensorData, ty: &TensorType) -> Result<TensorData, String> {
+pub(crate) fn reduce_partial_input(
+    data: &TensorData,
+    ty: &TensorType,
+) -> Result<TensorData, String> {
     let full: Vec<u64> = ty.axes.iter().map(|a| a.extent).collect();
     let shape = ty.value_shape();
     let mut sums = vec![0f64; numel(&shape) as usize];

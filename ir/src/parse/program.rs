@@ -12,8 +12,8 @@ use super::mesh::parse_mesh;
 use super::{Params, ParseError};
 use crate::dtype::DType;
 use crate::program::{
-    Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId, TensorType,
-    Transform,
+    Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId,
+    TensorType, Transform,
 };
 use crate::span::SourceLoc;
 

@@ -116,7 +116,12 @@ impl ProgramBuilder {
     }
 
     /// `select(x, axis=a, index=i)`.
-    pub fn select(&mut self, x: TensorRef, axis: usize, index: u64) -> Result<TensorRef, BuildError> {
+    pub fn select(
+        &mut self,
+        x: TensorRef,
+        axis: usize,
+        index: u64,
+    ) -> Result<TensorRef, BuildError> {
         self.one(OpKind::Select { axis, index }, &[x], &[])
     }
 

@@ -93,7 +93,11 @@ pub fn infer_output_types(
         }
     };
     let out = match kind {
-        OpKind::Set => vec![super::infer_ops::set_type(kind, inputs[0], declared.first())?],
+        OpKind::Set => vec![super::infer_ops::set_type(
+            kind,
+            inputs[0],
+            declared.first(),
+        )?],
         OpKind::Gelu | OpKind::Silu => {
             need_float(0, "the input")?;
             vec![TensorType {

@@ -329,7 +329,10 @@ pub(super) fn infer(
                     ));
                 }
                 total = total.checked_add(s[*axis]).ok_or_else(|| {
-                    err(kind, format!("the concatenated extent of axis {axis} overflows"))
+                    err(
+                        kind,
+                        format!("the concatenated extent of axis {axis} overflows"),
+                    )
                 })?;
             }
             let mut shape = v.clone();

@@ -28,8 +28,10 @@ pub struct ViewGroup {
 /// (or an extent is 0).
 pub fn view_groups(from: &[u64], to: &[u64]) -> Option<Vec<ViewGroup>> {
     let count = |s: &[u64]| {
-        s.iter()
-            .try_fold(1u64, |acc, &e| if e == 0 { None } else { acc.checked_mul(e) })
+        s.iter().try_fold(
+            1u64,
+            |acc, &e| if e == 0 { None } else { acc.checked_mul(e) },
+        )
     };
     if count(from)? != count(to)? {
         return None;

@@ -55,7 +55,10 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
     let mut own = os.spec.clone();
     own.device
         .retain(|_, s| local_split_ok(program, op, &map, s.axis));
-    if own.stream.is_some_and(|st| !local_split_ok(program, op, &map, st.axis)) {
+    if own
+        .stream
+        .is_some_and(|st| !local_split_ok(program, op, &map, st.axis))
+    {
         own.stream = None;
     }
     let out_partial = !os.partial_types().is_empty();
@@ -99,7 +102,9 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
             for (&pt, s) in &req.device {
                 match xs.value_index(s.axis) {
                     Some(axis) => {
-                        xspec.device.insert(pt, crate::analysis::AxisSplit { axis, ..*s });
+                        xspec
+                            .device
+                            .insert(pt, crate::analysis::AxisSplit { axis, ..*s });
                     }
                     None => valid = false,
                 }

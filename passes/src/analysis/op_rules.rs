@@ -175,7 +175,9 @@ pub fn dropped_splits(
         return Ok(Vec::new());
     };
     let xs = Sharding::of(program, x)?;
-    let kept = forward_spec(program, op, j)?.map(|(_, s)| s).unwrap_or_default();
+    let kept = forward_spec(program, op, j)?
+        .map(|(_, s)| s)
+        .unwrap_or_default();
     Ok(xs
         .spec
         .device

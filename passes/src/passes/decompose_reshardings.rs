@@ -437,7 +437,13 @@ fn check_partial_target(program: &Program, p: TensorId, c: TensorId) -> Result<(
         return Ok(());
     }
     let name = &decl(program, c)?.name;
-    let what = || format!("`{name} = set(...)` from {} to {}", describe(program, p), describe(program, c));
+    let what = || {
+        format!(
+            "`{name} = set(...)` from {} to {}",
+            describe(program, p),
+            describe(program, c)
+        )
+    };
     if let Some(pt) = partial.iter().find(|&&pt| !ps.is_partial_on(pt)) {
         return Err(PassError::tensor(
             name,
@@ -610,7 +616,10 @@ fn same_mesh_steps(
 /// lowering reports this as an error).
 pub(crate) fn local_mismatch(program: &Program, index: usize) -> Result<Option<String>, PassError> {
     let op = &program.ops[index];
-    if !matches!(op.kind, OpKind::MoeDispatch | OpKind::MoeCombine | OpKind::Set) {
+    if !matches!(
+        op.kind,
+        OpKind::MoeDispatch | OpKind::MoeCombine | OpKind::Set
+    ) {
         if let Some(&out) = op.outputs.first() {
             let os = Sharding::of(program, out)?;
             let map = crate::analysis::op_axis_map(program, op);

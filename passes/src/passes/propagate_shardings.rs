@@ -100,9 +100,9 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
             // Only onto output axes the op can compute split (not the normalized axis of a
             // softmax, not the later axes of a reshape group, ...).
             let out_axis = |j: usize, a: usize| {
-                axes.iter()
-                    .enumerate()
-                    .position(|(k, src)| src.contains(&(j, a)) && local_split_ok(program, op, &map, k))
+                axes.iter().enumerate().position(|(k, src)| {
+                    src.contains(&(j, a)) && local_split_ok(program, op, &map, k)
+                })
             };
             let mut spec = Spec::default();
             for &j in &order {

@@ -31,10 +31,7 @@ pub fn expand(x: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
             .all(|(k, &e)| e == 1 || e == os[k + off])
     });
     let Some(off) = off.filter(|_| ok) else {
-        return Err(shape_err(
-            OP,
-            format!("{is:?} does not expand to {os:?}"),
-        ));
+        return Err(shape_err(OP, format!("{is:?} does not expand to {os:?}")));
     };
     let strides: Vec<u64> = (0..os.len())
         .map(|k| {
@@ -45,8 +42,13 @@ pub fn expand(x: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
             }
         })
         .collect();
-    let v = View::new(x.storage_ref(), x.offset(), Cow::Owned(os), Cow::Owned(strides))
-        .map_err(view_err(OP))?;
+    let v = View::new(
+        x.storage_ref(),
+        x.offset(),
+        Cow::Owned(os),
+        Cow::Owned(strides),
+    )
+    .map_err(view_err(OP))?;
     out.copy_from(&v).map_err(view_err(OP))
 }
 
@@ -100,8 +102,7 @@ pub fn cat(xs: &[View<'_>], axis: usize, out: &mut ViewMut<'_>) -> Result<(), Op
         same_dtype(OP, x, out)?;
         let s = x.shape();
         let ok = s.len() == base.len()
-            && s
-                .iter()
+            && s.iter()
                 .zip(&base)
                 .enumerate()
                 .all(|(k, (a, b))| k == axis || a == b);

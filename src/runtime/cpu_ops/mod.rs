@@ -9,11 +9,11 @@ mod moe;
 mod rows;
 
 pub use layout::{cat, expand, slice};
-pub use rows::{reduce, rms_norm, softmax, Reduce};
 pub use moe::{
     moe_combine, moe_dispatch, pack_combine, pack_dispatch, unpack_combine, unpack_dispatch,
     MoeRows,
 };
+pub use rows::{reduce, rms_norm, softmax, Reduce};
 
 use std::borrow::Cow;
 
@@ -69,7 +69,12 @@ pub(crate) fn view_err(op: &'static str) -> impl Fn(ViewError) -> OpError {
     move |source| OpError::View { op, source }
 }
 
-pub(crate) fn expect_shape(op: &'static str, what: &str, got: &[u64], want: &[u64]) -> Result<(), OpError> {
+pub(crate) fn expect_shape(
+    op: &'static str,
+    what: &str,
+    got: &[u64],
+    want: &[u64],
+) -> Result<(), OpError> {
     if got == want {
         Ok(())
     } else {

@@ -8,7 +8,11 @@ use super::{expect_shape, shape_err, view_err, OpError};
 use crate::runtime::view::{View, ViewMut};
 
 /// `(outer, n, inner)` of `shape` around `axis`.
-fn split_at(op: &'static str, shape: &[u64], axis: usize) -> Result<(usize, usize, usize), OpError> {
+fn split_at(
+    op: &'static str,
+    shape: &[u64],
+    axis: usize,
+) -> Result<(usize, usize, usize), OpError> {
     let n = *shape
         .get(axis)
         .ok_or_else(|| shape_err(op, format!("axis {axis} out of range for {shape:?}")))?;

@@ -31,10 +31,11 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
 }
 
 fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    match v.shape.first() {
+    let axis = crate::runtime::view::cut_axis(&v.shape);
+    match v.shape.get(axis) {
         Some(&n) if n % d as u64 == 0 => Ok(()),
         _ => Err(BackendError::Invalid(format!(
-            "{name}: the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
+            "{name}: the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
             v.shape
         ))),
     }
