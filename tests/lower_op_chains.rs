@@ -67,7 +67,7 @@ impl Gen {
                 continue;
             }
             let options: Vec<usize> = (0..shape.len())
-                .filter(|a| !used.contains(a) && shape[*a] % size == 0)
+                .filter(|a| !used.contains(a) && shape[*a].is_multiple_of(size))
                 .collect();
             if options.is_empty() {
                 continue;
@@ -142,7 +142,7 @@ impl Gen {
                     // Split an axis into two factors.
                     let a = self.rng.below(rank);
                     let e = shape[a];
-                    let factors: Vec<u64> = (2..e).filter(|f| e % f == 0).collect();
+                    let factors: Vec<u64> = (2..e).filter(|f| e.is_multiple_of(*f)).collect();
                     if factors.is_empty() || rank >= 5 {
                         continue;
                     }
