@@ -110,7 +110,7 @@ impl Gen {
     fn step(&mut self, x: &str, shape: &[u64]) -> (String, Vec<u64>) {
         let rank = shape.len();
         loop {
-            match self.rng.below(14) {
+            match self.rng.below(15) {
                 0 if rank >= 2 => {
                     let mut perm: Vec<usize> = (0..rank).collect();
                     for i in (1..rank).rev() {
@@ -269,6 +269,30 @@ impl Gen {
                 13 => {
                     let y = self.value(shape);
                     self.ops.push(format!("  {y} = gelu({x})"));
+                    return (y, shape.to_vec());
+                }
+                14 => {
+                    // Two partial-sum inputs (split on a trailing reduction axis), added, then
+                    // added to the chain.
+                    let &(pt, d) = self.mesh.last().unwrap_or(&("DIDx", 1));
+                    let mut axes = dims(shape);
+                    axes.push_str(&format!(", r{d}"));
+                    let split = format!(
+                        " {{outer_split({r}, {d}), parallelize({r}, {pt})}}",
+                        r = shape.len()
+                    );
+                    let mut partial = || {
+                        let name = format!("t{}", self.next);
+                        self.next += 1;
+                        self.decls
+                            .push(format!("  input {name}: f32[{axes}] on m{split}"));
+                        name
+                    };
+                    let (p1, p2) = (partial(), partial());
+                    let s = self.value(shape);
+                    self.ops.push(format!("  {s} = add({p1}, {p2})"));
+                    let y = self.value(shape);
+                    self.ops.push(format!("  {y} = add({x}, {s})"));
                     return (y, shape.to_vec());
                 }
                 _ => continue,

@@ -96,8 +96,10 @@
 //! input's reduction axes keeps the partial results (Partial to Partial is free, `[P, S0]` to
 //! `[P, S1]` is one all-to-all on the other mesh axis); a `set` into value axes reduces them
 //! (all-reduce, reduce-scatter or reduce with the partial kind's operator). A `set` never creates
-//! partial results (Replicate to Partial is refused, as in DTensor). Any other op reads the
-//! reduced value: its partial inputs are reduced first.
+//! partial results (Replicate to Partial is refused, as in DTensor). `add`/`sub` of two
+//! partial-sum tensors and `mul` of partial sums by a value may keep them partial (declare the
+//! output with the reduction axes; the passes also do it on their own when it saves a
+//! reduction). Any other op reads the reduced value: its partial inputs are reduced first.
 //!
 //! ## The host IR
 //!

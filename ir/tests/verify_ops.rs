@@ -255,3 +255,31 @@ fn host_compute_ops_check_shapes() {
         expect_diag(&host_errors(&host_text(&lines)), message, 8, 3);
     }
 }
+
+#[test]
+fn pointwise_ops_may_keep_partial_sums() {
+    verifies(&[
+        MESH,
+        "input a: f32[4, r2] on m0 {outer_split(1, 2), parallelize(1, DIDx)}",
+        "input b: f32[4, r2] on m0 {outer_split(1, 2), parallelize(1, DIDx)}",
+        "input w: f32[4] on m0",
+        "tensor s: f32[4, r2] on m0 {outer_split(1, 2), parallelize(1, DIDx)}",
+        "tensor p: f32[4, r2] on m0 {outer_split(1, 2), parallelize(1, DIDx)}",
+        "s = add(a, b)",
+        "p = mul(w, s)",
+        "output p",
+    ]);
+    let text = program_text(&[
+        MESH,
+        "input a: f32[4, r2] on m0",
+        "input b: f32[4, r2] on m0",
+        "tensor p: f32[4, r2] on m0",
+        "p = mul(a, b)",
+    ]);
+    expect_diag(
+        &program_errors(&text),
+        "`mul` keeps partial sums only for one input with exactly those reduction axes and one with none",
+        6,
+        3,
+    );
+}

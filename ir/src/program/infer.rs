@@ -117,10 +117,17 @@ pub fn infer_output_types(
                     ),
                 ));
             }
-            vec![TensorType {
-                dtype: d[0],
-                axes: iters(&v[0]),
-            }]
+            match declared.first() {
+                Some(decl) if decl.axes.iter().any(|a| a.reduction) => {
+                    vec![super::infer_ops::partial_pointwise_type(
+                        kind, inputs, decl,
+                    )?]
+                }
+                _ => vec![TensorType {
+                    dtype: d[0],
+                    axes: iters(&v[0]),
+                }],
+            }
         }
         OpKind::Cast => {
             let dtype = declared.first().map(|t| t.dtype).unwrap_or(d[0]);

@@ -46,6 +46,44 @@ pub(super) fn set_type(
     }
 }
 
+/// `add`/`sub` of two tensors with the same reduction axes, or `mul` of one such tensor by a
+/// tensor without reduction axes, declared with those reduction axes: the op on partial sums
+/// keeps them partial (`sum_k a_k + sum_k b_k = sum_k (a_k + b_k)`, `(sum_k a_k) * b =
+/// sum_k a_k * b`). Any other declared reduction axes are an error.
+pub(super) fn partial_pointwise_type(
+    kind: &OpKind,
+    inputs: &[&TensorType],
+    declared: &TensorType,
+) -> Result<TensorType, InferError> {
+    let (a, b) = (inputs[0], inputs[1]);
+    let same = |t: &TensorType| t.axes == declared.axes;
+    let plain = |t: &TensorType| !t.axes.iter().any(|x| x.reduction);
+    let ok = match kind {
+        OpKind::Add | OpKind::Sub => same(a) && same(b),
+        OpKind::Mul => (same(a) && plain(b)) || (plain(a) && same(b)),
+        _ => false,
+    };
+    if !ok {
+        return Err(err(
+            kind,
+            format!(
+                "the output is declared {declared} with reduction axes; `{}` keeps partial sums \
+                 only for {} (inputs {a} and {b})",
+                kind.name(),
+                if *kind == OpKind::Mul {
+                    "one input with exactly those reduction axes and one with none"
+                } else {
+                    "two inputs with exactly those reduction axes"
+                }
+            ),
+        ));
+    }
+    Ok(TensorType {
+        dtype: a.dtype,
+        axes: declared.axes.clone(),
+    })
+}
+
 /// The broadcast of two batch shapes, aligned from the last axis.
 pub(super) fn broadcast(a: &[u64], b: &[u64]) -> Option<Vec<u64>> {
     let n = a.len().max(b.len());

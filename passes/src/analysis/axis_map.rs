@@ -69,6 +69,12 @@ pub fn op_axis_map(program: &Program, op: &Op) -> AxisMap {
             .and_then(|&t| ty(t))
             .map_or_else(Vec::new, |t| t.value_shape())
     };
+    let vrank_out = |o: usize| {
+        op.outputs
+            .get(o)
+            .and_then(|&t| ty(t))
+            .map_or(0, |t| t.value_shape().len())
+    };
     let in_logical_rank = op
         .inputs
         .first()
@@ -80,6 +86,40 @@ pub fn op_axis_map(program: &Program, op: &Op) -> AxisMap {
         OpKind::Set if out_rank(0) == in_logical_rank && vrank(0) < in_logical_rank => {
             for (k, slot) in map[0].iter_mut().enumerate() {
                 slot.push((0, k));
+            }
+        }
+        // `add`/`sub`/`mul` keeping partial sums: an input with the output's logical axes maps
+        // every axis (reduction axes included), the other one its value axes.
+        OpKind::Add | OpKind::Sub | OpKind::Mul if vrank_out(0) < out_rank(0) => {
+            let out_value: Vec<usize> = op
+                .outputs
+                .first()
+                .and_then(|&t| ty(t))
+                .map(|t| {
+                    t.axes
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, a)| !a.reduction)
+                        .map(|(i, _)| i)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let out_axes = op
+                .outputs
+                .first()
+                .and_then(|&t| ty(t))
+                .map(|t| t.axes.clone());
+            for (j, &t) in op.inputs.iter().enumerate() {
+                let same = ty(t).map(|x| Some(&x.axes) == out_axes.as_ref()) == Some(true);
+                for (k, slot) in map[0].iter_mut().enumerate() {
+                    if same {
+                        slot.push((j, k));
+                    } else if let Some(v) = out_value.iter().position(|&p| p == k) {
+                        if let Some(&logical) = value_axes.get(j).and_then(|va| va.get(v)) {
+                            slot.push((j, logical));
+                        }
+                    }
+                }
             }
         }
         OpKind::Set

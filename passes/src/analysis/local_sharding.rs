@@ -16,9 +16,14 @@
 //!
 //! A `view` never reshards its input: it computes where its input is (a split that does not
 //! carry over is refused by the caller), and an output placed differently is resharded after.
+//!
+//! Partial sums stay partial through `add`/`sub` of two partial-sum inputs held alike and
+//! through `mul` by an input without partial results, when that is cheaper: the op computes on
+//! the partial sums and its result is reduced once (one all-reduce instead of two).
 //! An output that holds partial results (and is no program output) is computed in place.
 
-use meshflow_ir::{MeshId, OpKind, Program};
+use meshflow_ir::host::ReduceOp;
+use meshflow_ir::{MeshId, OpKind, Program, TensorType};
 
 use crate::analysis::op_rules::{
     forward_spec, local_split_ok, requirements_for, same_mesh, value_numel, Requirement,
@@ -34,6 +39,9 @@ pub struct LocalSharding {
     pub mesh: MeshId,
     /// The output's spec while computing.
     pub spec: Spec,
+    /// The type of the op's result when it keeps partial sums (the partial input's type,
+    /// reduction axes included); `None` for the output's own type.
+    pub partial: Option<TensorType>,
 }
 
 /// Where op `index` computes (see the module docs): `None` for the output's own placement.
@@ -127,12 +135,91 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
             best = Some((cost, pref, mesh, spec));
         }
     }
+    if !out_partial {
+        if let Some((cost, keep)) = keep_partial_sums(program, index)? {
+            if best.as_ref().is_none_or(|(c, _, _, _)| cost < *c) {
+                return Ok(Some(keep));
+            }
+        }
+    }
     Ok(match best {
         Some((_, _, mesh, spec)) if !(same_mesh(program, mesh, out_mesh) && spec == os.spec) => {
-            Some(LocalSharding { mesh, spec })
+            Some(LocalSharding {
+                mesh,
+                spec,
+                partial: None,
+            })
         }
         _ => None,
     })
+}
+
+/// The candidate that keeps partial sums through `add`/`sub` of two partial-sum inputs held
+/// alike, or through `mul` of a partial-sum input by an input without partial results: the op
+/// runs on the partial inputs' placement and its result is reduced once, after it (DTensor's
+/// `P + P -> P` and `P * R -> P`). Returns its cost and the placement.
+fn keep_partial_sums(
+    program: &Program,
+    index: usize,
+) -> Result<Option<(u64, LocalSharding)>, PassError> {
+    let op = &program.ops[index];
+    let (Some(&out), [a, b]) = (op.outputs.first(), op.inputs.as_slice()) else {
+        return Ok(None);
+    };
+    if !matches!(op.kind, OpKind::Add | OpKind::Sub | OpKind::Mul) {
+        return Ok(None);
+    }
+    let (sa, sb) = (Sharding::of(program, *a)?, Sharding::of(program, *b)?);
+    let ty = |t| program.tensors.get(t).map(|d| d.ty.clone());
+    let sums = |t, sh: &Sharding| {
+        !sh.partial_types().is_empty() && crate::analysis::partial_kind(program, t) == ReduceOp::Sum
+    };
+    let (pa, pb) = (sums(*a, &sa), sums(*b, &sb));
+    let (partial, partial_sh, other, other_sh) = match op.kind {
+        OpKind::Add | OpKind::Sub if pa && pb => {
+            let alike = same_mesh(program, sa.mesh, sb.mesh)
+                && sa.spec.device == sb.spec.device
+                && ty(*a).map(|t| t.axes) == ty(*b).map(|t| t.axes);
+            if !alike {
+                return Ok(None);
+            }
+            (*a, &sa, *b, &sb)
+        }
+        OpKind::Mul if pa && sb.partial_types().is_empty() => (*a, &sa, *b, &sb),
+        OpKind::Mul if pb && sa.partial_types().is_empty() => (*b, &sb, *a, &sa),
+        _ => return Ok(None),
+    };
+    let Some(pty) = ty(partial) else {
+        return Ok(None);
+    };
+    // For `mul`, the other input must hold the partial input's value splits on its mesh.
+    let value_splits = |sh: &Sharding| {
+        sh.spec
+            .device
+            .iter()
+            .filter_map(|(&pt, s)| Some((pt, (sh.value_index(s.axis)?, s.parts))))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let other_moves = op.kind == OpKind::Mul
+        && (!same_mesh(program, other_sh.mesh, partial_sh.mesh)
+            || value_splits(other_sh) != value_splits(partial_sh));
+    let mut cost = value_numel(program, out);
+    if other_moves {
+        cost = cost.saturating_add(value_numel(program, other));
+    }
+    let mut spec = partial_sh.spec.clone();
+    spec.stream = None;
+    Ok(Some((
+        cost,
+        LocalSharding {
+            mesh: partial_sh.mesh,
+            spec,
+            partial: Some(TensorType {
+                dtype: pty.dtype,
+                axes: pty.axes,
+            }),
+        },
+    )))
 }
 
 /// True when giving `xs` what `req` asks for moves data: another mesh, or a split (or partial

@@ -227,7 +227,7 @@ fn place_op(program: &mut Program, i: usize) -> Result<bool, PassError> {
     let tmp = add_tensor(
         program,
         &format!("{}_local", od.name),
-        od.ty.clone(),
+        choice.partial.clone().unwrap_or_else(|| od.ty.clone()),
         choice.mesh,
         &choice.spec,
     );
