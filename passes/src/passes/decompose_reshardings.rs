@@ -357,8 +357,19 @@ fn reshard_before(
             program,
             i,
             format!(
-                "input `{}` would need splits {:?} that do not fit its shape on the op's mesh",
-                xd.name, req.device
+                "input {} would need the splits {} on mesh `{}`, which its shape {:?} does not \
+                 divide into or the mesh does not have",
+                describe(program, x),
+                spec.device
+                    .iter()
+                    .map(|(pt, s)| format!("{pt} on axis {} into {}", s.axis, s.parts))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                program
+                    .meshes
+                    .get(req.mesh)
+                    .map_or("?", |m| m.name.as_str()),
+                ty.value_shape()
             ),
         ));
     }
