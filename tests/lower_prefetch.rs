@@ -110,8 +110,12 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
                     assert!(w < back && back < gemm && gemm < wait, "{name}:\n{text}");
                 }
             }
-            // The default schedule is unchanged.
-            let default = compile(&program, &CompileOptions::default())
+            // The per-iteration schedule is unchanged.
+            let per_iteration = CompileOptions {
+                stream_schedule: StreamSchedule::PerIteration,
+                ..CompileOptions::default()
+            };
+            let default = compile(&program, &per_iteration)
                 .unwrap()
                 .host
                 .to_string();
