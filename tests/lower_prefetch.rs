@@ -115,10 +115,7 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
                 stream_schedule: StreamSchedule::PerIteration,
                 ..CompileOptions::default()
             };
-            let default = compile(&program, &per_iteration)
-                .unwrap()
-                .host
-                .to_string();
+            let default = compile(&program, &per_iteration).unwrap().host.to_string();
             assert!(
                 default.contains("set_current_stream worker(i0"),
                 "{name}:\n{default}"

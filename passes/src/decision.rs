@@ -266,22 +266,20 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
         }
         (Some(Placement::Split { axis, .. }), None) => Decision::AllGather { pt, axis },
         (Some(Placement::Partial), None) => Decision::AllReduce { pt },
-        (Some(Placement::Partial), Some(Placement::Split { axis, .. })) => {
-            match p.stream() {
-                Some(ps)
-                    if c.stream().is_none()
-                        && ps.chunks == team
-                        && p.value_index(ps.axis) == Some(axis) =>
-                {
-                    match ps.swizzle {
-                        Some(sw) if sw == pt => Decision::ReduceRing { pt, axis },
-                        None => Decision::StreamReduce { pt, axis },
-                        Some(_) => Decision::ReduceScatter { pt, axis },
-                    }
+        (Some(Placement::Partial), Some(Placement::Split { axis, .. })) => match p.stream() {
+            Some(ps)
+                if c.stream().is_none()
+                    && ps.chunks == team
+                    && p.value_index(ps.axis) == Some(axis) =>
+            {
+                match ps.swizzle {
+                    Some(sw) if sw == pt => Decision::ReduceRing { pt, axis },
+                    None => Decision::StreamReduce { pt, axis },
+                    Some(_) => Decision::ReduceScatter { pt, axis },
                 }
-                _ => Decision::ReduceScatter { pt, axis },
             }
-        }
+            _ => Decision::ReduceScatter { pt, axis },
+        },
         (None, Some(Placement::Split { axis, .. })) => Decision::LocalSlice { pt, axis },
         (Some(Placement::Split { axis: from, .. }), Some(Placement::Split { axis: to, .. }))
             if from != to =>

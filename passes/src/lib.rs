@@ -35,9 +35,9 @@ pub mod scope_tree;
 pub use cost_model::{CostModel, Transport};
 pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
-pub use plan::Plan;
-pub use profile::Profile;
 pub use manager::{
     Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
     PassOutput, PassTiming, ProgramPass, StreamSchedule,
 };
+pub use plan::Plan;
+pub use profile::Profile;

@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use meshflow_ir::{verify_host, verify_program, HostProgram, LoopVar, Program};
 
 use crate::cost_model::CostModel;
-use crate::plan::Plan;
-use crate::Transport;
 use crate::error::PassError;
 use crate::explain::ExplainRecord;
+use crate::plan::Plan;
+use crate::Transport;
 
 /// How a resharding is decomposed (see `choose_decompositions` and `docs/schedule-search.md`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -264,7 +264,10 @@ impl Profile {
             if v.is_finite() && v > 0.0 {
                 Ok(())
             } else {
-                Err(bad(name, format!("{what} must be a positive number, not {v}")))
+                Err(bad(
+                    name,
+                    format!("{what} must be a positive number, not {v}"),
+                ))
             }
         };
         let fraction = |what: &str, v: f64| {
@@ -473,13 +476,17 @@ mod tests {
             p.comm_us(ce, Collective::AllGather, b),
             p.comm_us(Transport::Nccl, Collective::AllGather, b)
         );
-        assert!(p.comm_us(ce, Collective::Permute, b) < p.comm_us(Transport::Nccl, Collective::Permute, b));
+        assert!(
+            p.comm_us(ce, Collective::Permute, b)
+                < p.comm_us(Transport::Nccl, Collective::Permute, b)
+        );
     }
 
     #[test]
     fn bad_profiles_are_errors_naming_the_field() {
+        type Edit = Box<dyn Fn(&mut Profile)>;
         let good = Profile::default_builtin();
-        let cases: Vec<(Box<dyn Fn(&mut Profile)>, &str)> = vec![
+        let cases: Vec<(Edit, &str)> = vec![
             (Box::new(|p| p.format = 9), "format 9"),
             (Box::new(|p| p.host.launch_us = -1.0), "host.launch_us"),
             (
@@ -489,7 +496,8 @@ mod tests {
             (
                 Box::new(|p| {
                     if let Some(t) = p.transports.get_mut("nccl") {
-                        t.collectives.insert("permute".into(), vec![(2.0, 1.0), (1.0, 2.0)]);
+                        t.collectives
+                            .insert("permute".into(), vec![(2.0, 1.0), (1.0, 2.0)]);
                     }
                 }),
                 "sizes must increase",
@@ -516,7 +524,9 @@ mod tests {
             let e = p.check().unwrap_err().to_string();
             assert!(e.contains(want), "{e} (wanted {want})");
         }
-        let e = Profile::from_json("{\"format\": 1}").unwrap_err().to_string();
+        let e = Profile::from_json("{\"format\": 1}")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("profile JSON"), "{e}");
     }
 }

@@ -84,11 +84,18 @@ fn overrides_force_a_variant() {
     ] {
         let (host, cx) = run(&p, &[("x_gathered", d)]).unwrap();
         assert!(has_permute(&host), "{d:?}\n{host}");
-        assert!(cx.explain[0].chosen.starts_with(d.name()), "{}", cx.explain[0]);
+        assert!(
+            cx.explain[0].chosen.starts_with(d.name()),
+            "{}",
+            cx.explain[0]
+        );
     }
     // A reduce-scatter ring is no decomposition of an all-gather.
     let e = run(&p, &[("x_gathered", Decomposition::StreamReduce)]).unwrap_err();
-    assert!(e.to_string().contains("cannot be decomposed as `reduce`"), "{e}");
+    assert!(
+        e.to_string().contains("cannot be decomposed as `reduce`"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -126,6 +133,11 @@ fn copy_engine_transport_changes_the_estimates() {
         .unwrap();
     let ce = cx.explain[0].clone();
     assert_ne!(nccl.variants, ce.variants);
-    assert!(ce.variants.iter().all(|v| v.variant.ends_with("copy_engine)")), "{ce}");
+    assert!(
+        ce.variants
+            .iter()
+            .all(|v| v.variant.ends_with("copy_engine)")),
+        "{ce}"
+    );
     assert_eq!(cx.transport, Some(meshflow_passes::Transport::CopyEngine));
 }

@@ -120,7 +120,11 @@ fn ring_schedules(forced: StreamSchedule, overlappable: bool) -> Vec<StreamSched
 }
 
 /// The decision site of op `i`, if it is a resharding `set`.
-pub(super) fn site(program: &Program, cx: &PassContext, i: usize) -> Result<Option<Site>, PassError> {
+pub(super) fn site(
+    program: &Program,
+    cx: &PassContext,
+    i: usize,
+) -> Result<Option<Site>, PassError> {
     let op = &program.ops[i];
     if op.kind != OpKind::Set {
         return Ok(None);
@@ -165,17 +169,26 @@ pub(super) fn site(program: &Program, cx: &PassContext, i: usize) -> Result<Opti
             let g = gather(program, cx, c, &cs, axis, pt, team)?;
             s.fixed = None;
             s.case = Some(Case::Gather(g.case));
-            s.shapes.push((Decomposition::Collective, 1, StreamSchedule::PerIteration));
+            s.shapes
+                .push((Decomposition::Collective, 1, StreamSchedule::PerIteration));
             if g.can_stream {
                 let ov = g.case.overlappable;
-                s.shapes.push((Decomposition::StreamBroadcast, 1, StreamSchedule::PerIteration));
+                s.shapes.push((
+                    Decomposition::StreamBroadcast,
+                    1,
+                    StreamSchedule::PerIteration,
+                ));
                 for sch in ring_schedules(schedule, ov) {
                     s.shapes.push((Decomposition::Ring, 1, sch));
                 }
-                s.shapes.push((Decomposition::RingForward, 1, StreamSchedule::Prefetch));
+                s.shapes
+                    .push((Decomposition::RingForward, 1, StreamSchedule::Prefetch));
                 if g.halvable {
-                    s.shapes
-                        .push((Decomposition::RingBidirectional, 1, StreamSchedule::Prefetch));
+                    s.shapes.push((
+                        Decomposition::RingBidirectional,
+                        1,
+                        StreamSchedule::Prefetch,
+                    ));
                 }
             }
             s.apply = g.apply;
@@ -197,14 +210,19 @@ pub(super) fn site(program: &Program, cx: &PassContext, i: usize) -> Result<Opti
             s.fixed = Some("annotated by the user");
             s.annotated = true;
             s.case = Some(Case::Gather(g.case));
-            s.shapes.push((Decomposition::StreamBroadcast, 1, StreamSchedule::PerIteration));
+            s.shapes.push((
+                Decomposition::StreamBroadcast,
+                1,
+                StreamSchedule::PerIteration,
+            ));
         }
         Decision::ReduceScatter { pt, axis } if cs.stream().is_none() => {
             s.tensor = p_name.clone();
             let team = pm.size_of(pt).unwrap_or(1) as u64;
             let r = reduce(program, i, p, &ps, &cs, axis, pt, team)?;
             s.case = Some(Case::Reduce(r.case));
-            s.shapes.push((Decomposition::Collective, 1, StreamSchedule::PerIteration));
+            s.shapes
+                .push((Decomposition::Collective, 1, StreamSchedule::PerIteration));
             if cx.is_annotated(&p_name) || !r.can_stream {
                 s.annotated = cx.is_annotated(&p_name);
                 s.fixed = Some(if s.annotated {
@@ -215,10 +233,12 @@ pub(super) fn site(program: &Program, cx: &PassContext, i: usize) -> Result<Opti
                 return Ok(Some(s));
             }
             s.fixed = None;
-            s.shapes.push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration));
+            s.shapes
+                .push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration));
             if r.ring {
                 for pieces in r.pieces {
-                    s.shapes.push((Decomposition::RingForward, pieces, StreamSchedule::Prefetch));
+                    s.shapes
+                        .push((Decomposition::RingForward, pieces, StreamSchedule::Prefetch));
                 }
             }
             s.apply = r.apply;
@@ -231,7 +251,8 @@ pub(super) fn site(program: &Program, cx: &PassContext, i: usize) -> Result<Opti
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
             for pieces in r.pieces {
-                s.shapes.push((Decomposition::RingForward, pieces, StreamSchedule::Prefetch));
+                s.shapes
+                    .push((Decomposition::RingForward, pieces, StreamSchedule::Prefetch));
             }
         }
         Decision::StreamReduce { pt, axis } => {
@@ -241,7 +262,8 @@ pub(super) fn site(program: &Program, cx: &PassContext, i: usize) -> Result<Opti
             s.fixed = Some("annotated by the user");
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
-            s.shapes.push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration));
+            s.shapes
+                .push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration));
         }
         _ => {
             if cx.is_annotated(&c_name) {
@@ -300,15 +322,17 @@ fn gather(
             let od = decl(program, o)?;
             let j = op.inputs.iter().position(|&t| t == c);
             let map = op_axis_map(program, op);
-            let k = j.and_then(|j| map.first()?.iter().position(|src| src.contains(&(j, logical))));
+            let k = j.and_then(|j| {
+                map.first()?
+                    .iter()
+                    .position(|src| src.contains(&(j, logical)))
+            });
             if let Some(k) = k.filter(|&k| od.ty.axes.get(k).is_some_and(|a| !a.reduction)) {
                 let omesh = program.meshes.get(od.mesh).map(|m| &m.mesh);
                 let fits = os.stream().is_none()
                     && os.spec.pt_on(k) == cs.spec.pt_on(logical)
                     && omesh.is_some_and(|m| with_stream(&os.spec, k, team, None).fits(&od.ty, m));
-                let already = os
-                    .stream()
-                    .is_some_and(|s| s.axis == k && s.chunks == team);
+                let already = os.stream().is_some_and(|s| s.axis == k && s.chunks == team);
                 if (fits && !cx.is_annotated(&od.name)) || already {
                     consumer = Some((o, k));
                     let oe = os
@@ -385,15 +409,13 @@ fn reduce(
     let can_stream = team >= 2
         && compute
         && only_here
-        && ps.stream().is_none_or(|s| s.axis == logical && s.chunks == team)
+        && ps
+            .stream()
+            .is_none_or(|s| s.axis == logical && s.chunks == team)
         && with_stream(&spec, logical, team, None).fits(&pd.ty, pmesh);
     // The ring reads the partial sums right after the op that computes them.
     let ring = can_stream && producer.is_some_and(|u| u + 1 == i);
-    let rows = cs
-        .local_value_shape()
-        .get(axis)
-        .copied()
-        .unwrap_or(0);
+    let rows = cs.local_value_shape().get(axis).copied().unwrap_or(0);
     let pieces = [1u64, 2, 4]
         .into_iter()
         .filter(|&k| rows.is_multiple_of(k))

@@ -75,7 +75,9 @@ impl Lowering<'_> {
         let (ps, cs) = (self.sharding(p), self.sharding(c));
         let (pm, cm) = (self.mesh(ps.mesh).ok()?, self.mesh(cs.mesh).ok()?);
         match decide(ps, pm, cs, cm) {
-            Decision::Ring { pt, axis } => Some((i, pt, axis, self.plans.get(self.name(c)).copied())),
+            Decision::Ring { pt, axis } => {
+                Some((i, pt, axis, self.plans.get(self.name(c)).copied()))
+            }
             _ => None,
         }
     }
