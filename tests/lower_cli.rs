@@ -128,10 +128,19 @@ fn profiles_transports_and_schedules() {
     assert!(o.status.success(), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("ring_forward(s=4, prefetch, nccl)"), "{err}");
-    assert!(err.contains("ring_forward(s=8, prefetch, copy_engine)"), "{err}");
+    assert!(
+        err.contains("ring_forward(s=8, prefetch, copy_engine)"),
+        "{err}"
+    );
     assert!(err.contains("the program [transport]: chose "), "{err}");
     // A profile file (the committed one, read from disk) gives the built-in's decisions.
-    let by_file = meshflow(&["lower", rs, "--explain", "--profile", "profiles/h100x2.json"]);
+    let by_file = meshflow(&[
+        "lower",
+        rs,
+        "--explain",
+        "--profile",
+        "profiles/h100x2.json",
+    ]);
     assert_eq!(stderr(&by_file), err);
     // A forced transport leaves only its candidates.
     let o = meshflow(&["lower", rs, "--explain", "--transport", "copy-engine"]);
@@ -139,7 +148,11 @@ fn profiles_transports_and_schedules() {
     assert!(!stderr(&o).contains(", nccl)"), "{}", stderr(&o));
     // A forced schedule.
     let o = meshflow(&["lower", RING, "--schedule", "prefetch"]);
-    assert!(stdout(&o).contains("set_current_stream worker(0)"), "{}", stdout(&o));
+    assert!(
+        stdout(&o).contains("set_current_stream worker(0)"),
+        "{}",
+        stdout(&o)
+    );
     // Bad profiles are errors naming the problem.
     let err = fails(&["lower", rs, "--profile", "a100x8"]);
     assert!(err.contains("neither a built-in profile"), "{err}");

@@ -114,7 +114,10 @@ fn every_all_gather_plan_runs_at_every_rank_count() {
                     }
                     let c = c.unwrap_or_else(|e| panic!("{what}: {e}"));
                     let chosen = &c.explain[0].chosen;
-                    assert!(chosen.starts_with(&format!("{}(", dec.name())), "{what}: {chosen}");
+                    assert!(
+                        chosen.starts_with(&format!("{}(", dec.name())),
+                        "{what}: {chosen}"
+                    );
                     check_and_run(&what, &c);
                     runs += 1;
                 }
@@ -143,13 +146,15 @@ fn neighbour_rings_also_fill_a_gathered_output() {
             };
             let plans = BTreeMap::from([("ag".to_string(), plan)]);
             let (host, _) =
-                meshflow::passes::passes::lower_to_host::lower_planned(&c.program, &plans)
-                    .unwrap();
+                meshflow::passes::passes::lower_to_host::lower_planned(&c.program, &plans).unwrap();
             meshflow::ir::verify_host(&host).unwrap();
             let what = format!("ring example d={d} {}", dec.name());
             let text = host.to_string();
             if d > 1 {
-                assert!(text.contains("ag_own"), "{what}: the own chunk is copied\n{text}");
+                assert!(
+                    text.contains("ag_own"),
+                    "{what}: the own chunk is copied\n{text}"
+                );
             }
             let lowered = Compiled { host, ..c.clone() };
             check_and_run(&what, &lowered);
@@ -205,10 +210,7 @@ fn the_default_lowering_of_large_cases_decomposes_and_passes_the_check() {
     // itself pass the cross-rank check (running them on sim ranks would take minutes; the same
     // plans run above at small sizes, forced).
     for d in [2u64, 3, 4] {
-        for (name, program) in [
-            ("agmm", big_agmm(d)),
-            ("rsmm", big_rsmm(d)),
-        ] {
+        for (name, program) in [("agmm", big_agmm(d)), ("rsmm", big_rsmm(d))] {
             let c = compile(&program, &CompileOptions::default()).unwrap();
             let chosen = &c.explain[0].chosen;
             assert!(
