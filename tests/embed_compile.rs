@@ -117,6 +117,22 @@ fn decomposition_and_transport_options_change_the_lowering() {
 }
 
 #[test]
+fn the_profile_option_drives_the_plans_and_the_transport() {
+    let text = include_str!("../examples/programs/row_parallel_linear_ring.mf");
+    let program = meshflow::parse(text, &Options::for_ranks(2)).expect("parses");
+    for name in ["h200x2", "h100x2"] {
+        let profile = meshflow::Profile::builtin(name).unwrap();
+        let c = compile(&program, &Options::for_ranks(2).profile(profile)).expect("compiles");
+        let plan = c.plans()["y"];
+        assert_eq!(plan.decomposition, Decomposition::RingForward);
+        assert_eq!(c.transport(), Some(plan.transport));
+    }
+    let forced = Options::for_ranks(2).transport(Transport::CopyEngine);
+    let c = compile(&program, &forced).expect("compiles");
+    assert_eq!(c.transport(), Some(Transport::CopyEngine));
+}
+
+#[test]
 fn stream_and_pass_options_change_the_lowering() {
     let program = meshflow::parse(RING, &Options::new()).expect("parses");
     let workers = |c: &Compiled| {
