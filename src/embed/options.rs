@@ -90,9 +90,10 @@ impl Options {
         self
     }
 
-    /// Forces how the resharding into the level-1 tensor `tensor` is decomposed (one
-    /// collective, a stream loop of broadcasts, or a ring of collective permutes) instead of
-    /// letting the cost model choose.
+    /// Forces how the resharding decided by the level-1 tensor `tensor` (the gathered tensor of
+    /// an all-gather, the partial sums of a reduce-scatter) is decomposed — one collective, a
+    /// stream loop of broadcasts or reduces, a distance, forwarding or bidirectional ring —
+    /// instead of letting the schedule search choose.
     pub fn decomposition(mut self, tensor: impl Into<String>, how: Decomposition) -> Options {
         self.compile.decompositions.insert(tensor.into(), how);
         self
