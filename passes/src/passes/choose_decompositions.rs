@@ -24,9 +24,10 @@
 //!
 //! Options: [`PassContext::decompositions`] forces a decomposition by tensor name (an error on
 //! an annotated tensor or a decomposition the site cannot take); the cost model's transport
-//! forces the transport; [`StreamSchedule::PerIteration`] / [`StreamSchedule::Prefetch`]
-//! force the distance ring's schedule. Every decision, and the transport, is recorded in
-//! [`PassContext::explain`] with every candidate's predicted time.
+//! forces the transport; a stream schedule other than
+//! [`Auto`](crate::StreamSchedule::Auto) forces the distance ring's schedule. Every decision,
+//! and the transport, is recorded in [`PassContext::explain`] with every candidate's predicted
+//! time.
 
 mod sites;
 
