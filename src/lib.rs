@@ -99,6 +99,6 @@ pub use embed::{
     CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, GridDims,
 };
 pub use error::Error;
-pub use meshflow_passes::{CostModel, Decomposition, Transport};
+pub use meshflow_passes::{CostModel, Decomposition, Plan, Profile, Transport};
 pub use runtime::cpu::CpuKernels;
 pub use runtime::{CpuBackend, CpuConfig, TensorData};

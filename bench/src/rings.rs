@@ -118,10 +118,11 @@ pub fn agmm_ring_lowered(
             s.n
         )));
     }
-    let compiled = compile(
-        &agmm_program(d, s, dtype, variant),
-        &Options::new().check(false),
-    )?;
+    // Only the layouts are wanted: keep `ag` a collective.
+    let options = Options::new()
+        .check(false)
+        .decomposition("ag", meshflow::passes::Decomposition::Collective);
+    let compiled = compile(&agmm_program(d, s, dtype, variant), &options)?;
     let program = compiled.level1()?.clone();
     Ok(Lowered {
         program,

@@ -78,12 +78,21 @@ pub struct CompileArgs {
     /// Size of the worker stream pool (at least 1).
     #[arg(long, default_value_t = 2, value_parser = at_least_one)]
     pub streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = ScheduleArg::PerIteration)]
+    /// How stream loops use the worker streams: `auto` (chosen per loop by the schedule search),
+    /// `per-iteration` (each iteration on its own worker, as nvFuser) or `prefetch` (compute on
+    /// the main stream, transfers one iteration ahead on a worker).
+    #[arg(long, value_enum, default_value_t = ScheduleArg::Auto)]
     pub schedule: ScheduleArg,
-    /// Force a decomposition: `--decompose TENSOR=collective|broadcast|ring` (repeatable).
+    /// The machine profile the schedule search prices plans with: a built-in name (`h200x2`,
+    /// the default, or `h100x2`) or a JSON file.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub profile: Option<String>,
+    /// Force the transport instead of letting the schedule search pick it.
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportArg>,
+    /// Force a decomposition: `--decompose TENSOR=collective|broadcast|reduce|ring|ring_forward|
+    /// ring_bidirectional` (repeatable; TENSOR is the gathered tensor of an all-gather, the
+    /// partial sums of a reduce-scatter).
     #[arg(long = "decompose", value_name = "TENSOR=VARIANT")]
     pub decompose: Vec<String>,
     /// Skip a pass (repeatable).
@@ -112,6 +121,12 @@ impl CompileArgs {
             "--schedule".to_string(),
             self.schedule.name().to_string(),
         ];
+        if let Some(p) = &self.profile {
+            args.extend(["--profile".to_string(), p.clone()]);
+        }
+        if let Some(t) = self.transport {
+            args.extend(["--transport".to_string(), t.name().to_string()]);
+        }
         for d in &self.decompose {
             args.extend(["--decompose".to_string(), d.clone()]);
         }
@@ -149,6 +164,14 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
         .streams(compile.streams)
         .stream_schedule(compile.schedule.schedule())
         .verify_each_pass(!compile.no_verify);
+    if let Some(p) = &compile.profile {
+        let profile = meshflow::pipeline::load_profile(p)
+            .map_err(|e| CliError::Usage(format!("--profile: {e}")))?;
+        options = options.profile(profile);
+    }
+    if let Some(t) = compile.transport {
+        options = options.transport(t.transport());
+    }
     for d in &compile.decompose {
         let (tensor, variant) = d.split_once('=').ok_or_else(|| {
             CliError::Usage(format!("--decompose `{d}`: expected TENSOR=VARIANT"))
@@ -191,8 +214,14 @@ impl CompileArgs {
     /// lowered (host IR is not lowered again).
     pub fn refuse_for_host(&self, file: &Path) -> Result<(), CliError> {
         let mut given = Vec::new();
-        if self.schedule != ScheduleArg::PerIteration {
+        if self.schedule != ScheduleArg::Auto {
             given.push("--schedule");
+        }
+        if self.profile.is_some() {
+            given.push("--profile");
+        }
+        if self.transport.is_some() {
+            given.push("--transport");
         }
         if !self.decompose.is_empty() {
             given.push("--decompose");
@@ -323,8 +352,10 @@ pub fn fault_exits_from_env() -> Result<Vec<(usize, usize)>, CliError> {
 /// `--schedule`: how stream loops use the worker streams.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum ScheduleArg {
-    /// Every iteration on its own worker stream (nvFuser's schedule).
+    /// Chosen per loop by the schedule search (the predicted fastest).
     #[default]
+    Auto,
+    /// Every iteration on its own worker stream (nvFuser's schedule).
     PerIteration,
     /// Compute on the main stream, each transfer one iteration ahead on a worker stream.
     Prefetch,
@@ -334,6 +365,7 @@ impl ScheduleArg {
     /// The name on the command line.
     pub fn name(self) -> &'static str {
         match self {
+            ScheduleArg::Auto => "auto",
             ScheduleArg::PerIteration => "per-iteration",
             ScheduleArg::Prefetch => "prefetch",
         }
@@ -342,6 +374,7 @@ impl ScheduleArg {
     /// The pipeline's setting.
     pub fn schedule(self) -> meshflow::pipeline::StreamSchedule {
         match self {
+            ScheduleArg::Auto => meshflow::pipeline::StreamSchedule::Auto,
             ScheduleArg::PerIteration => meshflow::pipeline::StreamSchedule::PerIteration,
             ScheduleArg::Prefetch => meshflow::pipeline::StreamSchedule::Prefetch,
         }
@@ -407,6 +440,33 @@ impl Drop for OutputFile {
     fn drop(&mut self) {
         if self.file.take().is_some() && self.created {
             let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+/// `--transport`: the transport the plans assume (and the GPU runtime uses).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// NCCL.
+    Nccl,
+    /// Copy-engine peer copies (ranks in one process).
+    CopyEngine,
+}
+
+impl TransportArg {
+    /// The name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportArg::Nccl => "nccl",
+            TransportArg::CopyEngine => "copy-engine",
+        }
+    }
+
+    /// The compiler's setting.
+    pub fn transport(self) -> meshflow::Transport {
+        match self {
+            TransportArg::Nccl => meshflow::Transport::Nccl,
+            TransportArg::CopyEngine => meshflow::Transport::CopyEngine,
         }
     }
 }

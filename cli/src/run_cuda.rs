@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use meshflow::runtime::cuda::{run_cuda, run_program_cuda, CudaConfig, CudaOptions};
+use meshflow::runtime::cuda::{run_cuda, run_program_cuda, CudaConfig, CudaOptions, CudaTransport};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
 use meshflow::runtime::trace::Trace;
@@ -66,9 +66,16 @@ pub(super) fn run(
         Some(e) => exit_fault(e.rank)?,
         None => None,
     };
+    // The transport the plans assume: NCCL as planned; the copy engine where the ranks can use
+    // it (in one process, with peer access), NCCL elsewhere.
+    let transport = match compiled.transport() {
+        Some(meshflow::Transport::Nccl) => CudaTransport::Nccl,
+        _ => CudaTransport::Auto,
+    };
     let options = CudaOptions {
         ranks: Some(ranks),
         config: CudaConfig {
+            transport,
             stream_pool: streams.max(1),
             timeout: timeout.max(MIN_TIMEOUT),
             profile: trace && env.is_none(),

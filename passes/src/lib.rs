@@ -10,8 +10,9 @@
 //! - Analyses: [`analysis`] (shardings on top of `Layout`, op axis maps),
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
-//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (the innermost block
-//!   holding a set of instructions, from their paths).
+//!   [`cost_model`] (predicted times of the plans the schedule search chooses between, from a
+//!   machine [`profile`]), [`plan`] (one point of that search), [`scope_tree`] (the innermost
+//!   block holding a set of instructions, from their paths).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
@@ -28,6 +29,8 @@ pub mod index;
 pub mod manager;
 pub mod options;
 pub mod passes;
+pub mod plan;
+pub mod profile;
 pub mod resharding;
 pub mod scope_tree;
 
@@ -39,3 +42,5 @@ pub use manager::{
     ProgramPass, Stage,
 };
 pub use options::{Decomposition, PassContext, PassOptions, StreamSchedule};
+pub use plan::Plan;
+pub use profile::Profile;

@@ -22,11 +22,15 @@
 
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
 use meshflow_ir::{verify_host, verify_program, HostProgram, Program, VerifyErrors};
 
 use crate::error::PassError;
 use crate::explain::ExplainRecord;
-use crate::options::{PassContext, PassOptions};
+pub use crate::options::{Decomposition, PassContext, PassOptions, StreamSchedule};
+use crate::plan::Plan;
+use crate::Transport;
 
 /// A level-1 to level-1 pass.
 pub trait ProgramPass {
@@ -154,6 +158,10 @@ pub struct PassOutput {
     pub dumps: Vec<Dump>,
     /// The decisions of `choose_decompositions` (printed by `--explain`).
     pub explain: Vec<ExplainRecord>,
+    /// The plan of each decision, by the name of the tensor it is about.
+    pub plans: BTreeMap<String, Plan>,
+    /// The transport the plans assume (`None` when the program has no priced decision).
+    pub transport: Option<Transport>,
 }
 
 /// A compilation between two passes, holding IR `L`: [`Program`] before the phase change,
@@ -258,6 +266,8 @@ impl<'o> Stage<'o, Lowered> {
             timings: self.timings,
             dumps: self.dumps,
             explain: self.cx.explain,
+            plans: self.cx.plans,
+            transport: self.cx.transport,
         }
     }
 }

@@ -3,29 +3,44 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use meshflow_ir::Program;
+use meshflow_ir::{LoopVar, Program};
 
 use crate::cost_model::CostModel;
 use crate::error::PassError;
 use crate::explain::ExplainRecord;
+use crate::plan::Plan;
+use crate::Transport;
 
-/// How a resharding into an unannotated tensor is decomposed (see `choose_decompositions`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+/// How a resharding is decomposed (see `choose_decompositions` and `docs/schedule-search.md`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Decomposition {
-    /// One collective (e.g. one `all_gather`).
+    /// One collective (e.g. one `all_gather`, one `reduce_scatter`).
     Collective,
-    /// A stream loop of broadcasts, rooted at the loop index.
+    /// All-gather: a stream loop of broadcasts, rooted at the loop index.
     StreamBroadcast,
-    /// A stream loop of collective permutes (a ring, from `swizzle1d`).
+    /// Reduce-scatter: a stream loop of reduces, rooted at the loop index (the dual of
+    /// [`Decomposition::StreamBroadcast`]).
+    StreamReduce,
+    /// All-gather: a stream loop of collective permutes to distance `i` at step `i` (from
+    /// `swizzle1d`; step 0 is the rank's own chunk).
     Ring,
+    /// A ring of neighbours: every step sends to rank + 1 what arrived from rank − 1 (all-gather:
+    /// the chunk received the step before; reduce-scatter: the running sum of one chunk, to which
+    /// each rank adds its partial product).
+    RingForward,
+    /// All-gather: a neighbour ring in both directions, half of every chunk each way.
+    RingBidirectional,
 }
 
 impl Decomposition {
-    /// Every variant, in a fixed order.
-    pub const ALL: [Decomposition; 3] = [
+    /// Every variant, in a fixed order (simplest first).
+    pub const ALL: [Decomposition; 6] = [
         Decomposition::Collective,
         Decomposition::StreamBroadcast,
+        Decomposition::StreamReduce,
         Decomposition::Ring,
+        Decomposition::RingForward,
+        Decomposition::RingBidirectional,
     ];
 
     /// The name used in options and explain output.
@@ -33,7 +48,10 @@ impl Decomposition {
         match self {
             Decomposition::Collective => "collective",
             Decomposition::StreamBroadcast => "broadcast",
+            Decomposition::StreamReduce => "reduce",
             Decomposition::Ring => "ring",
+            Decomposition::RingForward => "ring_forward",
+            Decomposition::RingBidirectional => "ring_bidirectional",
         }
     }
 }
@@ -45,26 +63,41 @@ impl std::str::FromStr for Decomposition {
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
+                let names: Vec<&str> = Decomposition::ALL.iter().map(|d| d.name()).collect();
                 PassError::Options(format!(
-                    "unknown decomposition `{s}` (expected collective, broadcast or ring)"
+                    "unknown decomposition `{s}` (expected one of {})",
+                    names.join(", ")
                 ))
             })
     }
 }
 
 /// How the iterations of a stream loop (transfer a chunk, compute on it) use streams.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StreamSchedule {
+    /// Chosen per loop by `choose_decompositions` (the schedule of least predicted time).
+    #[default]
+    Auto,
     /// Every iteration on its own worker stream, round robin over the pool (nvFuser's
     /// schedule; `assign_streams`): iteration i + 1's transfer overlaps iteration i's compute
     /// on another stream.
-    #[default]
     PerIteration,
     /// Compute on the main stream, collective permutes one iteration ahead on a worker stream
     /// (`prefetch_transfers`), for ring loops that move one chunk per iteration into its own
     /// slot; a ring whose first transfer is the rank's own chunk computes that chunk straight
     /// from the input. Other loops as [`StreamSchedule::PerIteration`].
     Prefetch,
+}
+
+impl StreamSchedule {
+    /// The name used in options and explain output.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamSchedule::Auto => "auto",
+            StreamSchedule::PerIteration => "per-iteration",
+            StreamSchedule::Prefetch => "prefetch",
+        }
+    }
 }
 
 /// The options of one compilation: what the passes read (through [`PassContext::options`])
@@ -79,11 +112,12 @@ pub struct PassOptions {
     pub dump_after: Option<String>,
     /// Verify after every pass (default: on in debug builds).
     pub verify: bool,
-    /// Forced decompositions, by the name of the resharding's output tensor.
+    /// Forced decompositions, by the name of the tensor whose schedule the decision sets (the
+    /// gathered tensor of an all-gather, the partial sums of a reduce-scatter).
     pub decompositions: BTreeMap<String, Decomposition>,
-    /// The cost model of `choose_decompositions`.
+    /// The cost model of `choose_decompositions`: the machine profile, and a transport to force.
     pub cost_model: CostModel,
-    /// How stream loops use the stream pool (default: one worker per iteration, as nvFuser).
+    /// How stream loops use the stream pool (default: chosen per loop by the schedule search).
     pub stream_schedule: StreamSchedule,
 }
 
@@ -124,6 +158,15 @@ pub struct PassContext<'o> {
     pub annotated: BTreeSet<String>,
     /// Decisions taken, for `--explain`.
     pub explain: Vec<ExplainRecord>,
+    /// The plan `choose_decompositions` took for each decision, by the same tensor names as
+    /// [`PassOptions::decompositions`]; `lower_to_host` follows them.
+    pub plans: BTreeMap<String, Plan>,
+    /// Stream loops (of the host program as `lower_to_host` emits it) that
+    /// `prefetch_transfers` reschedules.
+    pub prefetch_loops: BTreeSet<LoopVar>,
+    /// The transport the plans assume (`None` until `choose_decompositions` ran); the GPU
+    /// runtime moves the bytes over it.
+    pub transport: Option<Transport>,
 }
 
 impl<'o> PassContext<'o> {
@@ -138,6 +181,9 @@ impl<'o> PassContext<'o> {
                 .map(|t| t.name.clone())
                 .collect(),
             explain: Vec::new(),
+            plans: BTreeMap::new(),
+            prefetch_loops: BTreeSet::new(),
+            transport: None,
         }
     }
 

@@ -6,7 +6,7 @@
 //! in top-k order, so `y` is still bit-identical. A run of 1000 iterations on the same
 //! backends leaves the host's high-water mark where a run of 10 left it.
 //!
-//! Built with the `cuda` feature only: `cargo test --features cuda --test gpu_determinism`.
+//! Built with the `cuda` feature only: `cargo test --features cuda --test gpu determinism::`.
 #![cfg(feature = "cuda")]
 
 use crate::support::gpu as support;

@@ -12,7 +12,7 @@
 //! (rank threads, and NCCL's threads of aborted communicators); every evaluator released its
 //! buffers. Each rank count starts with a run without a fault, which must succeed.
 //!
-//! Built with the `cuda` feature only: `cargo test --features cuda --test gpu_faults`.
+//! Built with the `cuda` feature only: `cargo test --features cuda --test gpu faults::`.
 #![cfg(feature = "cuda")]
 
 use crate::support::gpu as support;

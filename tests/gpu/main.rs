@@ -16,3 +16,4 @@ mod examples;
 mod faults;
 mod multiprocess;
 mod programs;
+mod shape_ops;

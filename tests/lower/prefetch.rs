@@ -11,7 +11,7 @@ use meshflow::pipeline::StreamSchedule;
 use meshflow::runtime::{run_and_compare, CpuOptions};
 use meshflow::{compile, Options};
 
-const EXAMPLES: [&str; 7] = [
+const EXAMPLES: [&str; 9] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
@@ -19,6 +19,8 @@ const EXAMPLES: [&str; 7] = [
     "moe_layer",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
+    "row_parallel_linear_ring",
+    "transformer_block_2d",
 ];
 
 fn parse(name: &str, ranks: i64) -> Option<Program> {
@@ -124,11 +126,13 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
                     assert!(w < back && back < gemm && gemm < wait, "{name}:\n{text}");
                 }
             }
-            // The default schedule is unchanged.
-            let default = compile(&program, &Options::new().check(false))
+            // The per-iteration schedule is unchanged.
+            let per_iteration = Options::new()
+                .check(false)
+                .stream_schedule(StreamSchedule::PerIteration);
+            let default = compile(&program, &per_iteration)
                 .unwrap()
                 .host()
-                .clone()
                 .to_string();
             assert!(
                 default.contains("set_current_stream worker(i0"),

@@ -4,6 +4,7 @@
 //! - [`programs`]: the example programs built with `ProgramBuilder`, and a transformer.
 //! - [`runtime`]: test data files, CPU options, host-text templates of the runtime tests.
 //! - [`check`]: host programs built by hand for the cross-rank check.
+//! - [`conformance`]: the conformance cases of `tests/data/conformance` (DTensor, nvFuser).
 //! - [`corpus`]: the mutation corpus (`tests/data/mutations`).
 //! - [`embed`]: running every rank of an embedded job on threads, a fused kernel.
 //! - [`hardening`]: process probes (threads, descriptors, memory) and the lock that serializes
@@ -13,6 +14,7 @@
 #![allow(dead_code)]
 
 pub mod check;
+pub mod conformance;
 pub mod corpus;
 pub mod embed;
 #[cfg(feature = "cuda")]

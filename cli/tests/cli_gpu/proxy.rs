@@ -8,7 +8,7 @@
 //! 1 process exits in the middle of the MoE layer makes rank 0 fail, naming rank 1, within the
 //! timeout.
 //!
-//! Built with the `cuda` feature only: `cargo test --features cuda --test gpu_proxy`.
+//! Built with the `cuda` feature only: `cargo test --features cuda -p meshflow-cli --test cli_gpu proxy::`.
 #![cfg(feature = "cuda")]
 
 use crate::support::gpu as support;

@@ -35,6 +35,7 @@ mod comm;
 mod compare;
 mod compute;
 mod layout;
+mod layout_ops;
 mod memory;
 mod moe;
 mod operands;
