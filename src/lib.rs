@@ -85,20 +85,20 @@ pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 
 pub mod check;
-pub mod compile;
 pub mod embed;
 pub mod error;
+pub mod front;
 pub mod launch;
 pub mod pipeline;
 pub mod runtime;
 
-pub use compile::{compile, format_of, load, parse, Compiled, Format, Options, TensorInfo};
 pub use embed::{Bind, Bindings, CpuJob, CpuTensor, Executor};
 #[cfg(feature = "cuda")]
 pub use embed::{
     CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, GridDims,
 };
 pub use error::Error;
+pub use front::{compile, format_of, load, parse, Compiled, Format, Options, TensorInfo};
 pub use meshflow_passes::{CostModel, Decomposition, Plan, Profile, Transport};
 pub use runtime::cpu::CpuKernels;
 pub use runtime::{CpuBackend, CpuConfig, TensorData};

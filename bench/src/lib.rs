@@ -3,7 +3,7 @@
 //! - The GPU benchmarks behind `meshflow bench` (feature `cuda`): overlapped AG+GEMM
 //!   (`agmm`) and GEMM+RS (`rsmm`) variants next to their parts timed alone and the bound
 //!   max(comm, GEMM), collective-permute bandwidth (`permute`), and MoE dispatch/combine
-//!   latency ([`moe`]).
+//!   latency (`moe`).
 //! - [`programs`] builds the benchmarked programs (also used by the GPU overlap tests and
 //!   checked on the CPU backend in CI), [`rings`] the hand-written neighbour rings among them.
 //! - [`stats`]: medians, tables and JSON; [`torch`]: PyTorch's figures from the same machine

@@ -51,8 +51,8 @@ mod cpu;
 mod cuda;
 mod executor;
 
-pub use crate::compile::{compile, parse, Compiled, Options, TensorInfo};
 pub use crate::error::Error;
+pub use crate::front::{compile, parse, Compiled, Options, TensorInfo};
 #[cfg(feature = "cuda")]
 pub use crate::runtime::cuda::{CudaBackend, CudaConfig, CudaKernels, CudaResources, GridDims};
 pub use cpu::{CpuJob, CpuTensor};

@@ -22,7 +22,7 @@
 //! another and the costs are a sum over independent sites (egg stays where it earns its
 //! place, the index algebra of [`crate::index`]).
 //!
-//! Options: [`PassContext::decompositions`] forces a decomposition by tensor name (an error on
+//! Options: [`PassOptions::decompositions`](crate::PassOptions::decompositions) forces a decomposition by tensor name (an error on
 //! an annotated tensor or a decomposition the site cannot take); the cost model's transport
 //! forces the transport; a stream schedule other than
 //! [`Auto`](crate::StreamSchedule::Auto) forces the distance ring's schedule. Every decision,
