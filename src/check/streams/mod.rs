@@ -84,6 +84,8 @@ struct TooLarge;
 struct Rank {
     pub device: DeviceId,
     pub my: Vec<[Option<i64>; 3]>,
+    /// Per mesh, the rank's flat position in it.
+    pub flat: Vec<Option<usize>>,
     pub in_mesh: Vec<bool>,
     pub held: Vec<bool>,
 }
@@ -236,6 +238,7 @@ fn positions(host: &HostProgram) -> Vec<HashMap<DeviceId, usize>> {
 fn rank_view(host: &HostProgram, pos: &[HashMap<DeviceId, usize>], device: DeviceId) -> Rank {
     let mut my = Vec::with_capacity(pos.len());
     let mut in_mesh = Vec::with_capacity(pos.len());
+    let mut flats = Vec::with_capacity(pos.len());
     for (decl, p) in host.meshes.values().zip(pos) {
         let mut row = [None; 3];
         let flat = p.get(&device).copied();
@@ -255,6 +258,7 @@ fn rank_view(host: &HostProgram, pos: &[HashMap<DeviceId, usize>], device: Devic
         }
         my.push(row);
         in_mesh.push(flat.is_some());
+        flats.push(p.get(&device).copied());
     }
     let held = host
         .tensors
@@ -264,19 +268,39 @@ fn rank_view(host: &HostProgram, pos: &[HashMap<DeviceId, usize>], device: Devic
     Rank {
         device,
         my,
+        flat: flats,
         in_mesh,
         held,
     }
 }
 
-fn device_teams<'h>(nodes: &[Node<'h>], out: &mut Vec<&'h [DeviceId]>) {
+/// A rank's index in `team` (`my` and `flat`: its team indices and positions per mesh).
+fn team_index(
+    rank: DeviceId,
+    my: &[[Option<i64>; 3]],
+    flat: &[Option<usize>],
+    team: &Team,
+) -> Option<i64> {
+    match team {
+        Team::Devices(d) => d.iter().position(|&x| x == rank).map(|p| p as i64),
+        Team::Mesh(m) => flat.get(m.index()).copied().flatten().map(|p| p as i64),
+        Team::Slice { mesh, pt } => my.get(mesh.index())?[pt.device_rank()?],
+    }
+}
+
+/// The teams whose membership, or the rank's index in which, a walk depends on: explicit
+/// device lists, and the teams of rooted collectives.
+fn rank_teams<'h>(nodes: &[Node<'h>], out: &mut Vec<&'h Team>) {
     for node in nodes {
         match node {
-            Node::Loop { body, .. } => device_teams(body, out),
+            Node::Loop { body, .. } => rank_teams(body, out),
             Node::Comm {
-                team: Team::Devices(d),
-                ..
-            } => out.push(d),
+                team, collective, ..
+            } if matches!(team, Team::Devices(_))
+                || collective.is_some_and(|(_, root)| root.is_some()) =>
+            {
+                out.push(team)
+            }
             _ => {}
         }
     }
@@ -319,9 +343,10 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
     };
     let pos = positions(host);
     let mut teams = Vec::new();
-    device_teams(&prog.nodes, &mut teams);
-    // What a rank's walk depends on: its meshes, its explicit teams, its `my(..)` values.
-    type Signature = (Vec<bool>, Vec<bool>, Vec<Option<i64>>);
+    rank_teams(&prog.nodes, &mut teams);
+    // What a rank's walk depends on: its meshes, its place in explicit and rooted teams,
+    // its `my(..)` values.
+    type Signature = (Vec<bool>, Vec<Option<i64>>, Vec<Option<i64>>);
     let mut walked: HashSet<Signature> = HashSet::new();
     for device in 0..world_size {
         let rank = rank_view(host, &pos, device);
@@ -333,7 +358,10 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
                 row[pt.device_rank()?]
             })
             .collect();
-        let members = teams.iter().map(|t| t.contains(&device)).collect();
+        let members = teams
+            .iter()
+            .map(|t| team_index(device, &rank.my, &rank.flat, t))
+            .collect();
         if !walked.insert((rank.in_mesh.clone(), members, my_used)) {
             continue;
         }

@@ -4,7 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 
 use meshflow_ir::{
-    CommId, EntityRef, Expr, HostProgram, Inst, InstKind, LoopVar, MeshId, ParallelType,
+    CommId, CommKind, EntityRef, Expr, HostProgram, Inst, InstKind, LoopVar, MeshId, ParallelType,
     StreamRef, Team,
 };
 
@@ -58,6 +58,8 @@ pub(super) enum Node<'h> {
         ord: u32,
         label: usize,
         team: &'h Team,
+        /// The kind and root of a collective (which buffers each member touches).
+        collective: Option<(CommKind, Option<&'h Expr>)>,
         reads: Vec<usize>,
         writes: Vec<usize>,
         strict: bool,
@@ -243,10 +245,20 @@ impl<'h> Builder<'h> {
                     let (Some(id), Some(team)) = (kind.comm_id(), kind.team()) else {
                         continue;
                     };
+                    let collective = match kind {
+                        InstKind::Communication { kind, root, .. } => {
+                            if let Some(r) = root {
+                                self.uses(r);
+                            }
+                            Some((*kind, root.as_ref()))
+                        }
+                        _ => None,
+                    };
                     Node::Comm {
                         ord,
                         label: self.post(id),
                         team,
+                        collective,
                         reads: kind.reads().into_iter().map(idx).collect(),
                         writes: kind.writes().into_iter().map(idx).collect(),
                         strict: matches!(

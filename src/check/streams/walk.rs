@@ -5,12 +5,12 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use meshflow_ir::host::ExprEnv;
-use meshflow_ir::{DeviceId, EntityRef, Expr, HostTensorId, LoopVar, MeshId, ParallelType, Role, Team};
+use meshflow_ir::{CommKind, DeviceId, EntityRef, Expr, HostTensorId, LoopVar, MeshId, ParallelType, Role, Team};
 
 use super::fold::{lcm, Window};
 use super::prog::{Node, Prog, Sel};
 use super::{Findings, Rank};
-use crate::ordering::{Access, Clocks, Region, Scope, Shadow, Span};
+use crate::ordering::{collective_accesses, Access, Clocks, Region, Scope, Shadow, Span};
 
 /// Loops with more iterations than this may be folded.
 pub(super) const UNROLL: i64 = 64;
@@ -78,6 +78,7 @@ pub(super) struct Walker<'p, 'h, 'f> {
     prog: &'p Prog<'h>,
     pub rank: DeviceId,
     my: Vec<[Option<i64>; 3]>,
+    flat: Vec<Option<usize>>,
     in_mesh: Vec<bool>,
     held: Vec<bool>,
     loops: Vec<Option<i64>>,
@@ -133,6 +134,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
             prog,
             rank: rank.device,
             my: rank.my.clone(),
+            flat: rank.flat.clone(),
             in_mesh: rank.in_mesh.clone(),
             held: rank.held.clone(),
             loops: vec![None; prog.loop_vars],
@@ -244,6 +246,31 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         }
     }
 
+    /// This rank's index in `team`.
+    fn team_index(&self, team: &Team) -> Option<i64> {
+        super::team_index(self.rank, &self.my, &self.flat, team)
+    }
+
+    /// The buffers this member of a communication touches (a rooted collective's members
+    /// touch one side each; see [`collective_accesses`]).
+    fn roles<'a>(
+        &self,
+        collective: Option<(CommKind, Option<&Expr>)>,
+        team: &Team,
+        reads: &'a [usize],
+        writes: &'a [usize],
+    ) -> (&'a [usize], &'a [usize]) {
+        let Some((kind, root)) = collective else {
+            return (reads, writes);
+        };
+        let is_root = match root {
+            Some(r) => self.quiet_eval(r).is_some_and(|r| Some(r) == self.team_index(team)),
+            None => false,
+        };
+        let (r, w) = collective_accesses(kind, is_root);
+        (if r { reads } else { &[] }, if w { writes } else { &[] })
+    }
+
     fn rank_in_mesh(&self, m: MeshId) -> bool {
         self.in_mesh.get(m.index()).copied().unwrap_or(false)
     }
@@ -321,6 +348,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 ord,
                 label,
                 team,
+                collective,
                 reads,
                 writes,
                 strict,
@@ -328,6 +356,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 if !self.in_team(team) {
                     return Ok(());
                 }
+                let (reads, writes) = self.roles(*collective, team, reads, writes);
                 let all_held = reads.iter().chain(writes).all(|&t| self.held(t));
                 if *strict && !all_held {
                     return Ok(());
@@ -806,11 +835,13 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 Node::Comm {
                     ord,
                     team,
+                    collective,
                     reads,
                     writes,
                     strict,
                     ..
                 } => {
+                    let (reads, writes) = self.roles(*collective, team, reads, writes);
                     let all_held = reads.iter().chain(writes).all(|&t| self.held(t));
                     if self.in_team(team) && (all_held || !*strict) {
                         access(*ord, &mut reads.iter().chain(writes), views);
