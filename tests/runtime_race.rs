@@ -225,16 +225,21 @@ host stream_all_reduce {
 
 /// Runs `host` on two ranks with one evaluator each and returns rank 0's race-check cost.
 fn race_cost(host: &meshflow::ir::HostProgram) -> meshflow::runtime::sim::RaceCheckCost {
+    use meshflow::ir::{DType, Role};
     use meshflow::runtime::sim::{Fabric, SimBackend};
     use meshflow::runtime::{EvalOptions, Evaluator};
-    use meshflow::ir::{DType, Role};
     let fabric = std::sync::Arc::new(Fabric::new());
     let config = options().config;
     let inputs: BTreeMap<String, TensorData> = host
         .tensors
         .values()
         .filter(|t| t.role == Role::Input)
-        .map(|t| (t.name.clone(), TensorData::random(DType::F32, &t.shape, 5).unwrap()))
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorData::random(DType::F32, &t.shape, 5).unwrap(),
+            )
+        })
         .collect();
     let costs: Vec<_> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..2)
@@ -263,7 +268,11 @@ fn race_checking_costs_linear_work_in_the_iterations() {
     let large = race_cost(&stream_all_reduce(2000));
     eprintln!("100 iterations: {small:?}; 2000 iterations: {large:?}");
     assert!(small.accesses >= 500, "{small:?}");
-    assert_eq!(large.accesses * 100, small.accesses * 2000, "{large:?} vs {small:?}");
+    assert_eq!(
+        large.accesses * 100,
+        small.accesses * 2000,
+        "{large:?} vs {small:?}"
+    );
     let per_access = |c: meshflow::runtime::sim::RaceCheckCost| c.work as f64 / c.accesses as f64;
     assert!(per_access(large) <= 8.0, "{large:?}");
     assert!(

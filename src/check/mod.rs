@@ -53,9 +53,7 @@ use std::fmt;
 use meshflow_ir::{DeviceId, HostProgram};
 
 pub use error::{CheckError, CheckErrors, RaceAccess, Site, StuckRank};
-pub use events::{
-    Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice, TeamId,
-};
+pub use events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice, TeamId};
 pub use instantiate::MAX_INSTANCES;
 pub use streams::MAX_STEPS;
 

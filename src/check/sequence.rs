@@ -85,7 +85,8 @@ fn difference(inst: &Instances, a: &CommEvent, b: &CommEvent) -> Option<String> 
 /// permute, `send_recv` or MoE op, the same tensors (each member's slice is its own). The
 /// CPU backend checks the same at run time (`Operands` of its fabric).
 fn operands(inst: &Instances, a: &CommEvent, b: &CommEvent) -> Option<String> {
-    let by_slice = matches!(a.kind, EventKind::Collective(k) if k != meshflow_ir::CommKind::SendRecv);
+    let by_slice =
+        matches!(a.kind, EventKind::Collective(k) if k != meshflow_ir::CommKind::SendRecv);
     let sides = [
         ("send", a.send, b.send, &a.send_slice, &b.send_slice),
         ("receive", a.recv, b.recv, &a.recv_slice, &b.recv_slice),
@@ -94,8 +95,8 @@ fn operands(inst: &Instances, a: &CommEvent, b: &CommEvent) -> Option<String> {
         let (Some(x), Some(y)) = (x, y) else {
             continue;
         };
-        let differ = x.tensor != y.tensor
-            || (by_slice && matches!((sx, sy), (Some(p), Some(q)) if p != q));
+        let differ =
+            x.tensor != y.tensor || (by_slice && matches!((sx, sy), (Some(p), Some(q)) if p != q));
         if !differ {
             continue;
         }

@@ -117,7 +117,10 @@ mod tests {
         let mut c = Clocks::new(1);
         let (t, e) = c.tick(1);
         let comm = c.post(1, 0);
-        assert!(ordered(&comm, t, e), "a post comes after its stream's earlier work");
+        assert!(
+            ordered(&comm, t, e),
+            "a post comes after its stream's earlier work"
+        );
         assert!(!ordered(c.clock(2), 0, comm[0]), "stream 2 has not waited");
         c.join(2, &comm);
         assert!(ordered(c.clock(2), 0, comm[0]) && ordered(c.clock(2), t, e));

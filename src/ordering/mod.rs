@@ -23,9 +23,10 @@ use meshflow_ir::CommKind;
 /// kind's root does both (its own chunk or copy), the other members only their side.
 pub fn collective_accesses(kind: CommKind, is_root: bool) -> (bool, bool) {
     match kind {
-        CommKind::AllGather | CommKind::ReduceScatter | CommKind::AllReduce | CommKind::AllToAll => {
-            (true, true)
-        }
+        CommKind::AllGather
+        | CommKind::ReduceScatter
+        | CommKind::AllReduce
+        | CommKind::AllToAll => (true, true),
         _ if is_root && kind != CommKind::SendRecv => (true, true),
         CommKind::SendRecv if is_root => (true, false),
         CommKind::Broadcast | CommKind::Scatter | CommKind::SendRecv => (false, true),

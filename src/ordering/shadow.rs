@@ -282,7 +282,10 @@ mod tests {
             clock: clocks.clock(1),
             site: "read",
         };
-        assert_eq!(shadow.conflict(&shape, &r, &scope).map(|e| e.site), Some("first"));
+        assert_eq!(
+            shadow.conflict(&shape, &r, &scope).map(|e| e.site),
+            Some("first")
+        );
         // The other half is untouched.
         let other = rows(4, 8);
         let r2 = Access {

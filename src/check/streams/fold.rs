@@ -20,10 +20,7 @@ pub(super) enum Dep<'e> {
     /// It translates with `i`: `e(i + P) - e(i)` is the same for every `i` once `P` is a
     /// multiple of the moduli. `affine` when `i` appears outside every `%` (the translation
     /// may be non-zero); `moduli` are the right operands of the `%`s `i` appears under.
-    Regular {
-        affine: bool,
-        moduli: Vec<&'e Expr>,
-    },
+    Regular { affine: bool, moduli: Vec<&'e Expr> },
     /// Anything else (`i * i`, `i / 2`, a modulus that depends on `i`).
     Irregular,
 }
@@ -182,7 +179,7 @@ impl Window {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use meshflow_ir::{MeshId, ParallelType, EntityRef};
+    use meshflow_ir::{EntityRef, MeshId, ParallelType};
 
     fn i() -> Expr {
         Expr::var(LoopVar(0))
@@ -192,11 +189,16 @@ mod tests {
     fn chunk_and_stream_indices_are_regular() {
         let my = Expr::my(MeshId::new(0), ParallelType::DIDx);
         let slot = i().rem(Expr::c(2));
-        assert!(matches!(classify(&slot, LoopVar(0)), Dep::Regular { affine: false, ref moduli } if moduli.len() == 1));
+        assert!(
+            matches!(classify(&slot, LoopVar(0)), Dep::Regular { affine: false, ref moduli } if moduli.len() == 1)
+        );
         let ring = i().add(my.clone()).rem(Expr::c(4));
         assert!(classify(&ring, LoopVar(0)).is_periodic());
         let chunk = i().mul(Expr::c(3)).add(my.clone());
-        assert!(matches!(classify(&chunk, LoopVar(0)), Dep::Regular { affine: true, .. }));
+        assert!(matches!(
+            classify(&chunk, LoopVar(0)),
+            Dep::Regular { affine: true, .. }
+        ));
         assert!(classify(&my, LoopVar(0)).is_periodic());
         assert_eq!(classify(&i().mul(i()), LoopVar(0)), Dep::Irregular);
         assert_eq!(classify(&i().div(Expr::c(2)), LoopVar(0)), Dep::Irregular);

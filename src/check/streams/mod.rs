@@ -153,11 +153,7 @@ impl Findings {
 
     fn describe(&mut self, a: &At) -> RaceAccess {
         let site = self.site(a.ord, &a.iteration);
-        let tensor = self
-            .tensor_names
-            .get(a.tensor)
-            .cloned()
-            .unwrap_or_default();
+        let tensor = self.tensor_names.get(a.tensor).cloned().unwrap_or_default();
         let verb = if a.write { "writes" } else { "reads" };
         let by = match a.label {
             Some(l) => format!(
@@ -168,9 +164,9 @@ impl Findings {
             None => format!("on stream {}", self.stream_name(a.stream)),
         };
         let standing = match a.stands_for {
-            Some((var, p, last)) => format!(
-                " (and in every {p}th iteration up to {var}={last}, which the check folds)"
-            ),
+            Some((var, p, last)) => {
+                format!(" (and in every {p}th iteration up to {var}={last}, which the check folds)")
+            }
             None => String::new(),
         };
         RaceAccess {

@@ -114,7 +114,13 @@ fn long_loops_fold_and_agree_with_the_unrolled_walk() {
         ),
         (
             "read after, synchronized",
-            chunked(n, "", true, true, &format!("{SYNC_WORKERS}{}", read_chunk(n, 1001))),
+            chunked(
+                n,
+                "",
+                true,
+                true,
+                &format!("{SYNC_WORKERS}{}", read_chunk(n, 1001)),
+            ),
             false,
         ),
         // Main writes a middle chunk before the loop; the workers do not synchronize with it.
@@ -184,5 +190,8 @@ fn lowered_stream_loops_fold_exactly_with_any_wait_or_sync_dropped() {
             }
         }
     }
-    assert!(checked >= 12 && racy >= 6, "{checked} mutations, {racy} racy");
+    assert!(
+        checked >= 12 && racy >= 6,
+        "{checked} mutations, {racy} racy"
+    );
 }

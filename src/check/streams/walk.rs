@@ -5,7 +5,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use meshflow_ir::host::ExprEnv;
-use meshflow_ir::{CommKind, DeviceId, EntityRef, Expr, HostTensorId, LoopVar, MeshId, ParallelType, Role, Team};
+use meshflow_ir::{
+    CommKind, DeviceId, EntityRef, Expr, HostTensorId, LoopVar, MeshId, ParallelType, Role, Team,
+};
 
 use super::fold::{lcm, Window};
 use super::prog::{Node, Prog, Sel};
@@ -264,7 +266,9 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
             return (reads, writes);
         };
         let is_root = match root {
-            Some(r) => self.quiet_eval(r).is_some_and(|r| Some(r) == self.team_index(team)),
+            Some(r) => self
+                .quiet_eval(r)
+                .is_some_and(|r| Some(r) == self.team_index(team)),
             None => false,
         };
         let (r, w) = collective_accesses(kind, is_root);
@@ -783,13 +787,14 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         workers: &mut HashSet<i64>,
     ) -> Seen {
         let mut out = HashMap::new();
-        let mut access = |ord: u32, ts: &mut dyn Iterator<Item = &usize>, views: &[Option<View>]| {
-            for (k, &t) in ts.enumerate() {
-                if let Some(Some(v)) = views.get(t) {
-                    out.insert((ord, k as u8), (v.buffer, v.spans.clone()));
+        let mut access =
+            |ord: u32, ts: &mut dyn Iterator<Item = &usize>, views: &[Option<View>]| {
+                for (k, &t) in ts.enumerate() {
+                    if let Some(Some(v)) = views.get(t) {
+                        out.insert((ord, k as u8), (v.buffer, v.spans.clone()));
+                    }
                 }
-            }
-        };
+            };
         for node in body {
             match node {
                 Node::Alloc { tensor } => {

@@ -36,17 +36,20 @@ use crate::ordering::{Access, Clocks, Scope, Shadow};
 pub type SimKernelFn =
     dyn Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String> + Send + Sync;
 
-/// Named kernels for `launch_kernel`.
+/// Named kernels for `launch_kernel`, and replacements of built-in compute kernels.
 #[derive(Clone, Default)]
 pub struct SimKernels {
     names: Vec<String>,
     kernels: Vec<Arc<SimKernelFn>>,
+    replaced: Vec<(String, Arc<SimKernelFn>)>,
 }
 
 impl fmt::Debug for SimKernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let replaced: Vec<&str> = self.replaced.iter().map(|(n, _)| n.as_str()).collect();
         f.debug_struct("SimKernels")
             .field("names", &self.names)
+            .field("replaced", &replaced)
             .finish()
     }
 }
@@ -78,6 +81,31 @@ impl SimKernels {
 }
 
 impl SimKernels {
+    /// Replaces the CPU backend's kernel of the built-in compute op `op` (its host IR name:
+    /// `linear`, `matmul`, `add`, `gelu`, ...) with `kernel`, called with the op's inputs and
+    /// its one output and no arguments. For trying another kernel against the level-1
+    /// reference, which never uses it: a wrong kernel then shows up as a `mismatch`.
+    pub fn replace_op(
+        &mut self,
+        op: impl Into<String>,
+        kernel: impl Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String>
+            + Send
+            + Sync
+            + 'static,
+    ) {
+        let op = op.into();
+        self.replaced.retain(|(n, _)| *n != op);
+        self.replaced.push((op, Arc::new(kernel)));
+    }
+
+    /// The replacement of built-in op `op`, if any.
+    fn replacement(&self, op: &str) -> Option<Arc<SimKernelFn>> {
+        self.replaced
+            .iter()
+            .find(|(n, _)| n == op)
+            .map(|(_, k)| k.clone())
+    }
+
     /// The kernel registered as `name`.
     pub fn get(&self, name: &str) -> Option<&SimKernelFn> {
         let i = self.names.iter().position(|n| n == name)?;
@@ -626,9 +654,7 @@ impl Backend for SimBackend {
             })
             .collect();
         self.comm_labels = info.comm_labels;
-        self.clocks = self
-            .race_check
-            .then(|| Clocks::new(info.comm_labels));
+        self.clocks = self.race_check.then(|| Clocks::new(info.comm_labels));
         self.current = StreamIndex::MAIN;
         self.group = None;
         Ok(())
@@ -775,7 +801,15 @@ impl Backend for SimBackend {
                 Cow::Borrowed(&out.strides),
             )
             .map_err(|e| BackendError::Invalid(e.to_string()))?;
-            cpu_ops::run_compute(op, &ins, &mut o).map_err(BackendError::from)
+            match self.kernels.replacement(op.name()) {
+                Some(k) => k(&ins, std::slice::from_mut(&mut o), &[]).map_err(|message| {
+                    BackendError::Kernel {
+                        name: op.name().to_string(),
+                        message,
+                    }
+                }),
+                None => cpu_ops::run_compute(op, &ins, &mut o).map_err(BackendError::from),
+            }
         })();
         self.put_storages(&[out], storages);
         r

@@ -74,10 +74,7 @@ mod tests {
         let base = [4u64, 6];
         let left = region_of(&base, &view(0, vec![4, 3], vec![6, 1]));
         let right = region_of(&base, &view(3, vec![4, 3], vec![6, 1]));
-        assert_eq!(
-            left,
-            Region::Boxed(vec![Span::new(0, 4), Span::new(0, 3)])
-        );
+        assert_eq!(left, Region::Boxed(vec![Span::new(0, 4), Span::new(0, 3)]));
         assert!(!left.overlaps(&right, &base));
         let row = region_of(&base, &view(6, vec![1, 6], vec![6, 1]));
         assert!(row.overlaps(&left, &base) && row.overlaps(&right, &base));
