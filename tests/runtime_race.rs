@@ -281,3 +281,40 @@ fn race_checking_costs_linear_work_in_the_iterations() {
         large.work as f64 / small.work as f64
     );
 }
+
+/// The figures of docs/hardening.md: CPU-backend run time of the stream all-reduce loop on
+/// two ranks, with and without race checking. Prints rows; asserts nothing about time (run
+/// it optimized: `cargo test --release --test runtime_race -- --ignored --nocapture`).
+#[test]
+#[ignore = "timing figures for docs/hardening.md, run by scripts/hardening.sh"]
+fn race_check_timings() {
+    use meshflow::ir::{DType, Role};
+    for n in [1_000, 10_000, 20_000, 40_000] {
+        let host = stream_all_reduce(n);
+        let x = TensorData::random(DType::F32, &[2 * n as u64, 8], 1).unwrap();
+        let w = TensorData::random(DType::F32, &[6, 8], 2).unwrap();
+        let per_rank: BTreeMap<usize, BTreeMap<String, TensorData>> = (0..2)
+            .map(|r| {
+                let inputs = host
+                    .tensors
+                    .values()
+                    .filter(|t| t.role == Role::Input)
+                    .map(|t| {
+                        let data = if t.name == "x" { x.clone() } else { w.clone() };
+                        (t.name.clone(), data)
+                    })
+                    .collect();
+                (r, inputs)
+            })
+            .collect();
+        let mut cells = vec![n.to_string()];
+        for race_check in [true, false] {
+            let mut opts = options();
+            opts.config.race_check = race_check;
+            let started = std::time::Instant::now();
+            run_sim(&host, SimInputs::PerRank(per_rank.clone()), &opts).unwrap();
+            cells.push(format!("{:.0} ms", started.elapsed().as_secs_f64() * 1e3));
+        }
+        eprintln!("HARDENING|race_time|{}", cells.join("|"));
+    }
+}

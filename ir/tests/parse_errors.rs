@@ -196,12 +196,19 @@ fn long_tokens_are_not_echoed_whole() {
     let text = program_text(&[&format!("input {name}: f32[4] on m0")]);
     let e = parse_program(&text).expect_err("too long");
     let shown = e.to_string();
-    assert!(shown.len() < 300, "{} bytes: {}", shown.len(), &shown[..300]);
+    assert!(
+        shown.len() < 300,
+        "{} bytes: {}",
+        shown.len(),
+        &shown[..300]
+    );
     assert!(shown.contains("10485760 characters"), "{shown}");
     assert!(shown.contains("at most 256"), "{shown}");
-    let host = format!("host {name} {{
+    let host = format!(
+        "host {name} {{
 }}
-");
+"
+    );
     let shown = parse_host(&host).expect_err("too long").to_string();
     assert!(shown.len() < 300, "{}", shown.len());
     let kernel = host_text(&[&format!(

@@ -354,7 +354,13 @@ fn every_error_is_reported() {
 /// names the tensor. Names are limited to 256 characters and messages show long tokens cut.
 #[test]
 fn long_names_are_rejected_and_not_echoed_whole() {
-    let text = program_text(&[MESH, X, "tensor y: f32[64, 32] on m0", "y = gelu(x)", "output y"]);
+    let text = program_text(&[
+        MESH,
+        X,
+        "tensor y: f32[64, 32] on m0",
+        "y = gelu(x)",
+        "output y",
+    ]);
     let mut p = parse_program(&text).expect("parses");
     let long = "y".repeat(1 << 20);
     for (_, t) in p.tensors.iter_mut() {
@@ -364,7 +370,11 @@ fn long_names_are_rejected_and_not_echoed_whole() {
     }
     let errors = verify_program(&p).expect_err("the name is too long");
     let shown = errors.to_string();
-    assert!(shown.contains("1048576 characters, longer than 256"), "{}", &shown[..200]);
+    assert!(
+        shown.contains("1048576 characters, longer than 256"),
+        "{}",
+        &shown[..200]
+    );
     for line in shown.lines() {
         assert!(line.len() < 400, "{} bytes: {}", line.len(), &line[..200]);
     }
