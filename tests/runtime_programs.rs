@@ -418,9 +418,7 @@ fn a_kernel_bug_planted_in_the_cpu_backend_is_a_mismatch() {
     // An f32 program: a bug as small as a 1e-4 relative scale is caught too.
     let (l1, host) = compiled(&MIXED.replace("bf16", "f32"), 2);
     let mut opts = options();
-    opts.config
-        .kernels
-        .replace_op("linear", move |ins, outs, args| bad_scale(ins, outs, args));
+    opts.config.kernels.replace_op("linear", bad_scale);
     let bad = run_and_compare(&l1, &host, 2, 3, &opts).unwrap();
     assert!(!bad.passed(), "{bad}");
 }
