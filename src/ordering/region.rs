@@ -31,13 +31,15 @@ impl Span {
 
     /// `count` pieces of `len` elements, the first at `lo`, starts `period` apart.
     pub fn periodic(lo: u64, len: u64, period: u64, count: u64) -> Span {
+        let hi = lo
+            .saturating_add(period.saturating_mul(count.saturating_sub(1)))
+            .saturating_add(len);
         if count <= 1 || period <= len {
-            let hi = lo + len + period * count.saturating_sub(1);
             return Span::new(lo, hi);
         }
         Span {
             lo,
-            hi: lo + period * (count - 1) + len,
+            hi,
             period,
             len,
         }
@@ -69,7 +71,7 @@ impl Span {
         let next = if r < self.len {
             x
         } else {
-            x + (self.period - r)
+            x.saturating_add(self.period - r)
         };
         (next < self.hi).then_some(next)
     }
@@ -102,7 +104,9 @@ impl Span {
             let Some(start) = x.filter(|&s| s < hi) else {
                 return false;
             };
-            let end = (start - (start - self.lo) % self.period + self.len).min(hi);
+            let end = (start - (start - self.lo) % self.period)
+                .saturating_add(self.len)
+                .min(hi);
             if other.first_from(start).is_some_and(|y| y < end) {
                 return true;
             }
@@ -163,10 +167,15 @@ impl Region {
                 if self.is_empty() || b.len() != shape.len() {
                     return (0, 0);
                 }
+                // Saturating: a buffer too large to index has one (conservative) hull.
                 let strides = strides_of(shape);
-                let first: u64 = b.iter().zip(&strides).map(|(s, st)| s.lo * st).sum();
-                let last: u64 = b.iter().zip(&strides).map(|(s, st)| (s.hi - 1) * st).sum();
-                (first, last + 1)
+                let at = |f: &dyn Fn(&Span) -> u64| {
+                    b.iter().zip(&strides).fold(0u64, |acc, (s, st)| {
+                        acc.saturating_add(f(s).saturating_mul(*st))
+                    })
+                };
+                let (first, last) = (at(&|s| s.lo), at(&|s| s.hi - 1));
+                (first, last.saturating_add(1))
             }
         }
     }

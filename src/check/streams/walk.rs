@@ -703,18 +703,19 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 if b2 != buffer || s2.len() != spans.len() {
                     return None;
                 }
-                let moved: Vec<(usize, i64)> = spans
+                let diff = |x: u64, y: u64| i64::try_from(i128::from(y) - i128::from(x)).ok();
+                let moved: Vec<(usize, Option<i64>)> = spans
                     .iter()
                     .zip(s2)
                     .enumerate()
                     .filter(|(_, (a, b))| a != b)
-                    .map(|(k, (a, b))| (k, b.lo as i64 - a.lo as i64))
+                    .map(|(k, (a, b))| (k, diff(a.lo, b.lo)))
                     .collect();
                 let shift = match moved.as_slice() {
                     [] => (0, 0),
-                    [(axis, step)] => {
+                    [(axis, Some(step))] => {
                         let (a, b) = (&spans[*axis], &s2[*axis]);
-                        if b.hi as i64 - a.hi as i64 != *step {
+                        if diff(a.hi, b.hi) != Some(*step) {
                             return None;
                         }
                         (*axis, *step)
@@ -754,7 +755,10 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 hi = hi.max(span.lo);
                 len = len.max(span.hi - span.lo);
             }
-            let steps = ((hi - lo) + 2 * len) as i64 / step.abs() + 2;
+            let span = (hi - lo).saturating_add(len.saturating_mul(2));
+            let steps = i64::try_from(span / step.unsigned_abs())
+                .ok()?
+                .checked_add(2)?;
             reach = reach.max(steps.checked_mul(p)?);
         }
         if reach > MAX_REACH {
