@@ -471,3 +471,26 @@ fn every_lowered_example_passes_the_stream_order_check() {
     check_program(&host, 2).unwrap_or_else(|e| panic!("{e}"));
     eprintln!("checked 40000 chunks in {:?}", start.elapsed());
 }
+
+/// Regression: the check summary printed every rank's count (128 numbers on one line).
+#[test]
+fn the_summary_of_a_large_world_is_short() {
+    let mut counts = vec![3usize; 128];
+    counts[5] = 5;
+    let report = CheckReport {
+        world_size: 128,
+        events_per_rank: counts,
+        teams: vec![(0..128).collect()],
+        collectives_per_team: vec![3],
+        point_to_point: 0,
+        groups: 0,
+    };
+    let text = report.to_string();
+    assert!(text.contains("386 communications (3 to 5 per rank)"), "{text}");
+    assert!(text.len() < 200, "{text}");
+    let even = CheckReport {
+        events_per_rank: vec![3; 128],
+        ..report
+    };
+    assert!(even.to_string().contains("(3 per rank)"), "{even}");
+}

@@ -75,14 +75,27 @@ pub struct CheckReport {
 }
 
 impl fmt::Display for CheckReport {
+    /// One line; the per-rank communication counts are listed up to 8 ranks, summarized
+    /// beyond (`2 to 5 per rank`), so a large world does not print thousands of numbers.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let total: usize = self.events_per_rank.iter().sum();
+        let counts = &self.events_per_rank;
+        let total: usize = counts.iter().sum();
+        let (lo, hi) = (
+            counts.iter().min().copied().unwrap_or(0),
+            counts.iter().max().copied().unwrap_or(0),
+        );
+        let per_rank = if lo == hi {
+            format!("{lo} per rank")
+        } else if counts.len() <= 8 {
+            format!("per rank {counts:?}")
+        } else {
+            format!("{lo} to {hi} per rank")
+        };
         write!(
             f,
-            "{} ranks, {total} communications (per rank {:?}), {} teams, {} point-to-point \
-             messages, {} coalesced groups: no mismatch, no deadlock",
+            "{} ranks, {total} communications ({per_rank}), {} teams, {} point-to-point \
+             messages, {} coalesced groups: no mismatch, no deadlock, no race",
             self.world_size,
-            self.events_per_rank,
             self.teams.len(),
             self.point_to_point,
             self.groups
