@@ -486,7 +486,10 @@ fn the_summary_of_a_large_world_is_short() {
         groups: 0,
     };
     let text = report.to_string();
-    assert!(text.contains("386 communications (3 to 5 per rank)"), "{text}");
+    assert!(
+        text.contains("386 communications (3 to 5 per rank)"),
+        "{text}"
+    );
     assert!(text.len() < 200, "{text}");
     let even = CheckReport {
         events_per_rank: vec![3; 128],

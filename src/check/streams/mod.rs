@@ -341,8 +341,13 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
     let mut teams = Vec::new();
     rank_teams(&prog.nodes, &mut teams);
     // What a rank's walk depends on: its meshes, its place in explicit and rooted teams,
-    // its `my(..)` values.
-    type Signature = (Vec<bool>, Vec<Option<i64>>, Vec<Option<i64>>);
+    // its `my(..)` values (and its id, when an expression reads `rank`).
+    type Signature = (
+        Vec<bool>,
+        Vec<Option<i64>>,
+        Vec<Option<i64>>,
+        Option<DeviceId>,
+    );
     let mut walked: HashSet<Signature> = HashSet::new();
     for device in 0..world_size {
         let rank = rank_view(host, &pos, device);
@@ -358,7 +363,8 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
             .iter()
             .map(|t| team_index(device, &rank.my, &rank.flat, t))
             .collect();
-        if !walked.insert((rank.in_mesh.clone(), members, my_used)) {
+        let own = prog.uses_rank.then_some(device);
+        if !walked.insert((rank.in_mesh.clone(), members, my_used, own)) {
             continue;
         }
         if Walker::new(&prog, &rank, &mut findings).run().is_err() {

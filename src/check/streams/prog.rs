@@ -91,8 +91,11 @@ pub(super) struct Prog<'h> {
     pub group_of: Vec<Option<usize>>,
     pub loop_vars: usize,
     pub stream_vars: usize,
-    /// The `my(mesh, pt)` values that stream choices, chunk indices and loop bounds read.
+    /// The `my(mesh, pt)` values that stream choices, chunk indices, roots and loop bounds
+    /// read.
     pub my_used: Vec<(MeshId, ParallelType)>,
+    /// Whether any of them reads `rank` (then every rank walks on its own).
+    pub uses_rank: bool,
 }
 
 struct Builder<'h> {
@@ -104,6 +107,16 @@ struct Builder<'h> {
     loop_vars: usize,
     stream_vars: usize,
     my_used: BTreeSet<(MeshId, ParallelType)>,
+    uses_rank: bool,
+}
+
+/// True when `e` reads `rank`.
+fn reads_rank(e: &Expr) -> bool {
+    match e {
+        Expr::Rank => true,
+        Expr::Bin(_, a, b) => reads_rank(a) || reads_rank(b),
+        _ => false,
+    }
 }
 
 fn idx(t: meshflow_ir::HostTensorId) -> usize {
@@ -133,6 +146,7 @@ impl<'h> Builder<'h> {
         e.for_each_mesh(&mut |m, pt| {
             self.my_used.insert((m, pt));
         });
+        self.uses_rank |= reads_rank(e);
     }
 
     fn sel(&mut self, s: &'h StreamRef) -> Sel<'h> {
@@ -315,6 +329,7 @@ impl<'h> Prog<'h> {
             loop_vars: 0,
             stream_vars: 0,
             my_used: BTreeSet::new(),
+            uses_rank: false,
         };
         let nodes = b.block(&host.body);
         Prog {
@@ -326,6 +341,7 @@ impl<'h> Prog<'h> {
             loop_vars: b.loop_vars,
             stream_vars: b.stream_vars,
             my_used: b.my_used.into_iter().collect(),
+            uses_rank: b.uses_rank,
         }
     }
 }

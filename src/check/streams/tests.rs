@@ -195,3 +195,34 @@ fn lowered_stream_loops_fold_exactly_with_any_wait_or_sync_dropped() {
         "{checked} mutations, {racy} racy"
     );
 }
+
+/// Ranks are walked once per distinct view of the program; one that reads `rank` makes
+/// every rank distinct (here only odd ranks skip the wait).
+#[test]
+fn a_race_on_some_ranks_only_is_found() {
+    let text = r#"
+host odd_ranks_skip_the_wait {
+  mesh m0 = [0, 1, 2, 3]
+  in x: f32[8] on m0
+  out y: f32[8] on m0
+  tensor r: f32[8] on m0
+  allocate r
+  c0 = all_reduce(x -> r, team=slice(m0, DIDx), op=sum)
+  for i0 in 0..1 - rank % 2 {
+    wait c0
+  }
+  gelu(r -> y)
+  wait c0
+  deallocate r
+}
+"#;
+    let host = parse_host(text).expect("parses");
+    let (errors, _) = walk_ranks(&host, 4, true);
+    let text: Vec<String> = errors.iter().map(|e| e.to_string()).collect();
+    assert_eq!(errors.len(), 1, "{text:?}");
+    assert!(
+        text[0].starts_with("rank 1: race on buffer `r`"),
+        "{}",
+        text[0]
+    );
+}
