@@ -135,7 +135,12 @@ pub fn evaluate_with(
         let data = inputs
             .get(&decl.name)
             .ok_or_else(|| ReferenceError::MissingInput(decl.name.clone()))?;
-        let (dtype, shape) = value_type(program, t);
+        // A partial input comes with its reduction axes; its value is the sum over them
+        // (`reference_ops`).
+        let (dtype, shape) = (
+            decl.ty.dtype,
+            decl.ty.axes.iter().map(|a| a.extent).collect::<Vec<_>>(),
+        );
         if data.dtype() != dtype || data.shape() != shape.as_slice() {
             let expected = format!("{dtype}{shape:?}");
             return Err(ReferenceError::InputType {
@@ -144,7 +149,18 @@ pub fn evaluate_with(
                 actual: data.type_string(),
             });
         }
-        values[t.index()] = Some(Dense::from_data(data));
+        values[t.index()] = Some(if decl.ty.axes.iter().any(|a| a.reduction) {
+            let value =
+                super::reference_ops::reduce_partial_input(data, &decl.ty).map_err(|message| {
+                    ReferenceError::Kernel {
+                        op: format!("input {}", decl.name),
+                        message,
+                    }
+                })?;
+            Dense::from_data(&value)
+        } else {
+            Dense::from_data(data)
+        });
     }
     for op in &program.ops {
         let text = op_text(program, op);
@@ -166,6 +182,28 @@ pub fn evaluate_with(
             .collect::<Result<_, _>>()?;
         let outs: Vec<(DType, Vec<u64>)> =
             op.outputs.iter().map(|&o| value_type(program, o)).collect();
+        // The shape ops, `max`/`min`/`avg`, `softmax`, `rms_norm` and broadcasting `matmul`
+        // have their own naive module.
+        if let ([o], false) = (op.outputs.as_slice(), ops::handles(&op.kind)) {
+            let data: Vec<TensorData> = ins
+                .iter()
+                .map(|d| d.to_data())
+                .collect::<Result<_, _>>()
+                .map_err(|message| ReferenceError::Op {
+                op: text.clone(),
+                message,
+            })?;
+            let refs: Vec<&TensorData> = data.iter().collect();
+            let ty = &program.tensors[*o].ty;
+            if let Some(r) = super::reference_ops::evaluate(&op.kind, &refs, ty) {
+                let v = r.map_err(|message| ReferenceError::Kernel {
+                    op: text.clone(),
+                    message,
+                })?;
+                values[o.index()] = Some(Dense::from_data(&v));
+                continue;
+            }
+        }
         let results = match &op.kind {
             OpKind::Custom(c) => run_custom(c, kernels, &ins, &outs, &text)?,
             kind => ops::run(kind, &ins, &outs).map_err(|message| ReferenceError::Op {

@@ -68,7 +68,31 @@ pub(crate) fn run(kind: &OpKind, ins: &[&Dense], outs: &[OutType]) -> Result<Vec
             out(0)?,
         )?),
         OpKind::Custom(c) => Err(format!("custom kernel `{}` is not a built-in op", c.kernel)),
+        other => Err(format!(
+            "`{}` is evaluated by the reference's module for shape and row ops",
+            other.name()
+        )),
     }
+}
+
+/// True for the ops [`run`] evaluates (the others: `custom`, and the shape and row ops of
+/// `runtime::reference_ops`).
+pub(crate) fn handles(kind: &OpKind) -> bool {
+    matches!(
+        kind,
+        OpKind::Set
+            | OpKind::Cast
+            | OpKind::Linear
+            | OpKind::Add
+            | OpKind::Sub
+            | OpKind::Mul
+            | OpKind::Gelu
+            | OpKind::Silu
+            | OpKind::Sum { .. }
+            | OpKind::GroupedMatmul
+            | OpKind::MoeDispatch
+            | OpKind::MoeCombine
+    )
 }
 
 /// Fails unless `got == want`.
