@@ -12,7 +12,7 @@ mod support;
 
 use meshflow::bench::programs::{agmm_lowered, AgVariant, Gemm3, Parts};
 use meshflow::ir::DType;
-use meshflow::runtime::cuda::{CopyStream, CudaConfig, CudaTransport};
+use meshflow::runtime::cuda::{CopyStream, CudaConfig, Transport};
 use meshflow::runtime::shard::scatter_inputs;
 use support::*;
 
@@ -22,21 +22,21 @@ fn configs() -> Vec<(&'static str, CudaConfig)> {
         (
             "nccl",
             CudaConfig {
-                transport: CudaTransport::Nccl,
+                transport: Some(Transport::Nccl),
                 ..base.clone()
             },
         ),
         (
             "copy engine",
             CudaConfig {
-                transport: CudaTransport::CopyEngine,
+                transport: Some(Transport::CopyEngine),
                 ..base.clone()
             },
         ),
         (
             "copy engine, copy stream, 3 steps",
             CudaConfig {
-                transport: CudaTransport::CopyEngine,
+                transport: Some(Transport::CopyEngine),
                 copy_stream: CopyStream::Dedicated,
                 steps: 3,
                 ..base
@@ -166,7 +166,7 @@ fn a_failing_rank_stops_a_peer_waiting_for_its_copy_engine_data() {
     // Rank 1 is not given its input: it fails before posting, while rank 0 waits for its offer.
     inputs.insert(1, std::collections::BTreeMap::new());
     let mut opts = cuda_options();
-    opts.config.transport = CudaTransport::CopyEngine;
+    opts.config.transport = Some(Transport::CopyEngine);
     opts.config.timeout = std::time::Duration::from_secs(20);
     let t0 = std::time::Instant::now();
     let err =
@@ -181,7 +181,7 @@ fn a_failing_rank_stops_a_peer_waiting_for_its_copy_engine_data() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(30));
     let good = per_rank_inputs(&h, 2, 2);
     let config = CudaConfig {
-        transport: CudaTransport::CopyEngine,
+        transport: Some(Transport::CopyEngine),
         ..cuda_options().config
     };
     sim_vs_cuda_with("permute after a failure", &h, 2, good, &|_| true, &config);

@@ -25,14 +25,7 @@
 
 use meshflow_ir::DType;
 
-/// How the bytes of a decomposed communication move.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Transport {
-    /// NCCL kernels (use SMs).
-    Nccl,
-    /// Copy-engine peer copies (no SMs; placeholder figures).
-    CopyEngine,
-}
+pub use crate::transport::Transport;
 
 /// Alpha-beta parameters of a transport.
 #[derive(Copy, Clone, Debug, PartialEq)]
@@ -73,7 +66,8 @@ pub const TRANSPORTS: [(Transport, TransportParams); 2] = [
 /// Compute and transport constants.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostModel {
-    /// The transport decomposed communications use.
+    /// The transport decomposed communications use (the GPU runtime uses the same one when a
+    /// program is compiled with it, see `CudaConfig::transport` in the root crate).
     pub transport: Transport,
     /// Dense GEMM throughput for 16-bit types, TFLOP/s.
     pub gemm_tflops_16bit: f64,
@@ -118,7 +112,9 @@ pub struct GatherCase {
 }
 
 impl CostModel {
-    /// The parameters of the configured transport.
+    /// The parameters of the configured transport (transports without a row of their own,
+    /// the host proxy and NVLink, are priced as NCCL: the decompositions this model chooses
+    /// between move their bytes over NCCL or the copy engine).
     pub fn params(&self) -> TransportParams {
         TRANSPORTS
             .iter()

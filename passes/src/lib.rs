@@ -9,7 +9,8 @@
 //! - Analyses: [`analysis`] (shardings on top of `Layout`, op axis maps),
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
-//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (dominators of the
+//!   [`cost_model`] (alpha-beta costs of decompositions), [`transport`] (the transport kinds
+//!   the cost model and the GPU runtime share), [`scope_tree`] (dominators of the
 //!   structured host program, with petgraph).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
@@ -28,11 +29,13 @@ pub mod manager;
 pub mod passes;
 pub mod resharding;
 pub mod scope_tree;
+pub mod transport;
 
-pub use cost_model::{CostModel, Transport};
+pub use cost_model::CostModel;
 pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
 pub use manager::{
     Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
     PassOutput, PassTiming, ProgramPass, StreamSchedule,
 };
+pub use transport::{Transport, UnknownTransport};

@@ -1,5 +1,6 @@
 //! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
-//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
+//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]
+//! [--wire tcp|ibverbs|auto] [--transport T] [--graph] [--explain]`: lowers the
 //! program, checks the host program across ranks, runs it on every rank with random inputs,
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
@@ -12,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use meshflow::check::check_program;
+use meshflow::kernels::proxy::WireChoice;
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::launch::{run_sim, SimInputs, SimOptions};
@@ -63,6 +65,22 @@ pub struct RunArgs {
     /// through the proxy.
     #[arg(long)]
     nodes: Option<usize>,
+    /// The wire of the host proxy between nodes: `tcp`, `ibverbs` (needs a build with
+    /// `--features rdma` and an RDMA device on every rank) or `auto` (ibverbs where every rank
+    /// can, else TCP; the run says which and why).
+    #[arg(long, default_value = "tcp")]
+    wire: WireChoice,
+    /// Force a transport where it can carry a communication (`--backend cuda`): `nccl`,
+    /// `copy-engine` or `nvlink` (default: chosen per team, see `docs/architecture.md`).
+    #[arg(long)]
+    transport: Option<meshflow::passes::Transport>,
+    /// Record each step as a CUDA graph and replay it (`--backend cuda`); a program whose
+    /// transports need the host during a step is refused with the reason.
+    #[arg(long)]
+    graph: bool,
+    /// Also print which transport carried each communication (and the wire between nodes).
+    #[arg(long)]
+    explain: bool,
 }
 
 /// Runs `run`.
@@ -100,7 +118,26 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
     }
+    if args.transport.is_some() && args.backend == BackendKind::Sim {
+        return Err(CliError::Usage(
+            "--transport chooses GPU transports: it needs --backend cuda".into(),
+        ));
+    }
+    if args.graph && args.backend == BackendKind::Sim {
+        return Err(CliError::Usage(
+            "--graph records CUDA graphs: it needs --backend cuda (the sim backend has none)"
+                .into(),
+        ));
+    }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
+    if args.explain && args.backend == BackendKind::Sim {
+        summary.push_str(if nodes > 1 {
+            "transports: the sim backend moves communications through its in-process fabric, \
+             and between node processes through the host proxy (see its wire below)\n"
+        } else {
+            "transports: the sim backend moves communications through its in-process fabric\n"
+        });
+    }
     if nodes > 1 && args.backend == BackendKind::Sim {
         if args.schedule != super::common::ScheduleArg::PerIteration {
             return Err(CliError::Usage(
@@ -117,6 +154,7 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             streams: args.streams,
             timeout_ms: args.timeout_ms,
             no_race_check: args.no_race_check,
+            wire: args.wire,
         };
         return super::node::launch(&args.program, &sim, ranks, nodes, &summary);
     }
@@ -218,6 +256,10 @@ fn run_cuda(
         streams: args.streams,
         timeout: Duration::from_millis(args.timeout_ms),
         trace: args.trace.as_deref(),
+        graph: args.graph,
+        wire: args.wire,
+        transport: args.transport,
+        explain: args.explain,
     };
     super::run_cuda::run(compiled, inputs, &how, summary)
 }

@@ -22,6 +22,24 @@ pub struct Compiled {
     timings: Vec<PassTiming>,
     explain: Vec<ExplainRecord>,
     dumps: Vec<Dump>,
+    /// How it runs: graphs and the proxy wire, from the options.
+    run: RunSettings,
+}
+
+/// The run settings of [`Options`] a compiled program keeps for its executors.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+struct RunSettings {
+    pub graph: bool,
+    pub wire: Option<meshflow_kernels::proxy::WireChoice>,
+}
+
+impl RunSettings {
+    fn of(options: &Options) -> RunSettings {
+        RunSettings {
+            graph: options.records_graphs(),
+            wire: options.proxy_wire(),
+        }
+    }
 }
 
 /// An input or output of a host program, as one rank sees it.
@@ -57,6 +75,7 @@ pub fn compile(program: &Program, options: &Options) -> Result<Compiled, Error> 
         timings: out.timings,
         explain: out.explain,
         dumps: out.dumps,
+        run: RunSettings::of(options),
     })
 }
 
@@ -85,6 +104,7 @@ impl Compiled {
             timings: Vec::new(),
             explain: Vec::new(),
             dumps: Vec::new(),
+            run: RunSettings::of(options),
         })
     }
 
@@ -103,6 +123,16 @@ impl Compiled {
     /// here rather than loaded from text.
     pub fn program(&self) -> Option<&Program> {
         self.program.as_ref()
+    }
+
+    /// Whether executors record every step as a CUDA graph ([`Options::graph`]).
+    pub fn records_graphs(&self) -> bool {
+        self.run.graph
+    }
+
+    /// The wire of the host proxy chosen with [`Options::wire`], if any.
+    pub fn proxy_wire(&self) -> Option<meshflow_kernels::proxy::WireChoice> {
+        self.run.wire
     }
 
     /// The number of ranks of the job (one executor each).

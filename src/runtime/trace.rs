@@ -1,10 +1,12 @@
 //! Chrome/Perfetto traces of a run: one `"X"` (complete) event per executed instruction, with
-//! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`.
+//! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`
+//! (with, for a communication on GPUs, the transport that executed it).
 //! Open the JSON in `chrome://tracing` or <https://ui.perfetto.dev>.
 
 use std::fmt::Write as _;
 
 use meshflow_ir::DeviceId;
+use meshflow_passes::Transport;
 
 /// One executed instruction.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +25,9 @@ pub struct TraceEvent {
     pub start_us: f64,
     /// Duration in microseconds (host time spent issuing/executing the instruction).
     pub dur_us: f64,
+    /// For a communication on a backend with transports: the transport that executed it
+    /// (written to `args.transport`).
+    pub transport: Option<Transport>,
 }
 
 /// The events of every rank of a run.
@@ -65,6 +70,9 @@ impl Trace {
             out.push_str("\",\"iteration\":\"");
             let it: Vec<String> = e.iteration.iter().map(i64::to_string).collect();
             escape(&it.join(","), &mut out);
+            if let Some(t) = e.transport {
+                let _ = write!(out, "\",\"transport\":\"{}", t.name());
+            }
             out.push_str("\"}}");
         }
         out.push_str("\n],\"displayTimeUnit\":\"ns\"}\n");
