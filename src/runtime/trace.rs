@@ -84,3 +84,33 @@ impl Trace {
         std::fs::write(path, self.to_json())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_communication_names_its_transport_in_the_args() {
+        let event = |transport| TraceEvent {
+            rank: 1,
+            stream: 2,
+            name: "collective_permute",
+            text: "c0 = collective_permute(a -> b, ...)".into(),
+            iteration: vec![3],
+            start_us: 1.0,
+            dur_us: 2.0,
+            transport,
+        };
+        let json = Trace {
+            events: vec![event(Some(Transport::CopyEngine)), event(None)],
+        }
+        .to_json();
+        assert_eq!(
+            json.matches("\"transport\":\"copy-engine\"").count(),
+            1,
+            "{json}"
+        );
+        assert_eq!(json.matches("\"transport\"").count(), 1, "{json}");
+        assert!(json.contains("\"iteration\":\"3\",\"transport\""), "{json}");
+    }
+}

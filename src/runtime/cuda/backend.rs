@@ -14,6 +14,7 @@ use meshflow_passes::Transport;
 
 use super::config::{AbortSignal, CudaConfig, CudaResources};
 use super::core::{dev_err, CudaComm, DeviceCore, Group};
+use super::graph::GraphRecorder;
 use super::memory::CudaBuffer;
 use super::profile::{Interval, IntervalKind};
 use super::teams::Communicators;
@@ -24,13 +25,6 @@ use crate::runtime::backend::{
 };
 use crate::runtime::data::TensorData;
 use crate::runtime::rendezvous::Rendezvous;
-
-/// A step recorded as a graph: recording (`exec` empty) or replayed (until the run ends).
-#[derive(Debug)]
-struct GraphState {
-    exec: Option<meshflow_kernels::Graph>,
-    profile: bool,
-}
 
 /// The CUDA backend of one rank: device `ordinal`, a main stream and a pool of worker streams,
 /// a caching allocator, one NCCL communicator per team, the transports its program selected,
@@ -45,8 +39,8 @@ pub struct CudaBackend {
     /// Communications posted by this backend (for [`CudaConfig::exit_at_comm`]).
     posted: usize,
     failed: bool,
-    /// The graph being recorded or replayed in this run.
-    graph: Option<GraphState>,
+    /// The graph recorded or replayed in this run.
+    graph: GraphRecorder,
     /// The copy-engine hub of an in-process launch.
     hub: Option<Arc<PeerHub>>,
     /// This rank's host proxy to ranks of other nodes, with the run's nodes.
@@ -98,30 +92,7 @@ impl CudaBackend {
         } = resources;
         let mut b = CudaBackend::on_device(rank, device, stream, config, rendezvous, abort)?;
         for (members, comm) in comms {
-            let invalid = |m: String| BackendError::Invalid(format!("rank {rank}: {m}"));
-            let my_index = members.iter().position(|&m| m == rank).ok_or_else(|| {
-                invalid(format!(
-                    "a communicator is given for team {members:?}, without this rank"
-                ))
-            })?;
-            if comm.size() != members.len() || comm.rank() != my_index {
-                return Err(invalid(format!(
-                    "the communicator given for team {members:?} has rank {} of {}, not {my_index} \
-                     of {}",
-                    comm.rank(),
-                    comm.size(),
-                    members.len()
-                )));
-            }
-            if !comm.device().same_as(&b.core.device) {
-                return Err(invalid(format!(
-                    "the communicator given for team {members:?} is on GPU {}, not {}",
-                    comm.device().ordinal(),
-                    b.core.device.ordinal()
-                )));
-            }
-            let key = Communicators::key(&b.core, &members);
-            b.comms.adopt(key, comm);
+            b.comms.adopt(&b.core, members, comm)?;
         }
         Ok(b)
     }
@@ -159,7 +130,7 @@ impl CudaBackend {
             transports: Transports::default(),
             posted: 0,
             failed: false,
-            graph: None,
+            graph: GraphRecorder::default(),
             hub: None,
             proxy: None,
         })
@@ -285,22 +256,6 @@ impl CudaBackend {
             *slot = Some(u.clone());
         }
         Ok(u)
-    }
-
-    /// After a run's device work is done: drops its graph and returns the memory the graph
-    /// used to the allocator.
-    fn end_graph_run(&mut self) -> Result<(), BackendError> {
-        let Some(state) = self.graph.take() else {
-            return Ok(());
-        };
-        drop(state.exec);
-        let core = &mut self.core;
-        core.timeline.profile = state.profile;
-        let streams = core.streams.clone();
-        let e = core.err("cuEventRecord");
-        core.memory
-            .end_hold(|| streams.iter().map(|s| s.record_event()).collect())
-            .map_err(e)
     }
 
     /// Runs `op` on the core between opening and closing a compute interval, retiring its
@@ -512,24 +467,7 @@ impl Backend for CudaBackend {
             }
             Posted::OnStream(opened) => opened,
         };
-        let handle = CudaComm::default();
-        match core.group.as_mut() {
-            Some(g) => {
-                if !g.streams.contains(&core.current) {
-                    g.streams.push(core.current);
-                }
-                g.members.push(handle.clone());
-            }
-            None => {
-                let e = core
-                    .stream()
-                    .record_event()
-                    .map_err(core.err("cuEventRecord"))?;
-                *handle.events.borrow_mut() = Some(vec![Rc::new(e)]);
-                core.close_op(opened)?;
-            }
-        }
-        Ok(handle)
+        core.complete_on_stream(opened)
     }
 
     fn begin_group(&mut self) -> Result<(), BackendError> {
@@ -547,62 +485,11 @@ impl Backend for CudaBackend {
     }
 
     fn end_group(&mut self, label: CommLabel, ctx: InstCtx<'_>) -> Result<CudaComm, BackendError> {
-        let core = &mut self.core;
-        let g = core
-            .group
-            .take()
-            .ok_or_else(|| BackendError::Invalid("end_coalescing without a group".into()))?;
         let lib = self.comms.loaded()?.clone();
-        // The group's interval spans from its first member's stream position to its end.
-        let opened = core
-            .timeline
-            .open(
-                &core.streams,
-                core.current,
-                IntervalKind::Comm,
-                "coalesced",
-                self.transports.transport_of(label),
-                ctx.inst,
-                ctx.iteration,
-            )
-            .map_err(core.err("cuEventRecord"))?;
-        nccl::group_end(&lib).map_err(core.err("ncclGroupEnd"))?;
-        let Group {
-            members,
-            unstage,
-            mut streams,
-            temps,
-        } = g;
-        for u in unstage {
-            let saved = core.current;
-            core.current = u.stream;
-            let r = core.unstage(&u.temp, &u.dst);
-            core.current = saved;
-            r?;
-        }
-        if !streams.contains(&core.current) {
-            streams.push(core.current);
-        }
-        let mut events = Vec::with_capacity(streams.len());
-        for s in &streams {
-            let e = core.streams[*s]
-                .record_event()
-                .map_err(core.err("cuEventRecord"))?;
-            events.push(Rc::new(e));
-        }
-        for t in temps {
-            let pending = streams
-                .iter()
-                .map(|s| core.streams[*s].record_event())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(core.err("cuEventRecord"))?;
-            core.memory.retire(t, pending);
-        }
-        for m in &members {
-            *m.events.borrow_mut() = Some(events.clone());
-        }
-        core.close_op(opened)?;
-        Ok(CudaComm::done_after(events))
+        let transport = self.transports.transport_of(label);
+        let core = &mut self.core;
+        let e = core.err("ncclGroupEnd");
+        core.end_group(transport, ctx, || nccl::group_end(&lib).map_err(e))
     }
 
     fn check_graph(&self) -> Result<(), BackendError> {
@@ -624,47 +511,11 @@ impl Backend for CudaBackend {
 
     fn begin_graph(&mut self) -> Result<(), BackendError> {
         self.check_graph()?;
-        if self.graph.is_some() {
-            return Err(BackendError::Invalid(
-                "a graph is already being recorded".into(),
-            ));
-        }
-        let core = &mut self.core;
-        core.step_started()?;
-        let profile = core.timeline.profile;
-        // Timing events cannot be read back from inside a graph.
-        core.timeline.profile = false;
-        core.streams[0]
-            .begin_capture()
-            .map_err(core.err("cuStreamBeginCapture"))?;
-        core.memory.begin_hold();
-        self.graph = Some(GraphState {
-            exec: None,
-            profile,
-        });
-        Ok(())
+        self.graph.begin(&mut self.core)
     }
 
     fn end_graph(&mut self, replays: usize) -> Result<(), BackendError> {
-        let Some(state) = self.graph.as_mut() else {
-            return Err(BackendError::Invalid(
-                "end_graph without begin_graph".into(),
-            ));
-        };
-        let core = &self.core;
-        let made = core.streams[0].end_capture();
-        if replays == 0 {
-            // Nothing will replay: forget the recording now.
-            drop(made);
-            return self.end_graph_run();
-        }
-        let exec = made.map_err(|e| dev_err(core.rank, "cuStreamEndCapture", e))?;
-        for _ in 0..replays {
-            exec.launch(&core.streams[0])
-                .map_err(|e| dev_err(core.rank, "cuGraphLaunch", e))?;
-        }
-        state.exec = Some(exec);
-        Ok(())
+        self.graph.end(&mut self.core, replays)
     }
 
     fn wait(&mut self, comm: &CudaComm, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
@@ -712,7 +563,7 @@ impl Backend for CudaBackend {
             self.core.timeline.reset();
             return Err(e);
         }
-        self.end_graph_run()?;
+        self.graph.end_run(&mut self.core)?;
         self.core.pending_reads.clear();
         self.transports.check_status(&self.core)?;
         let core = &mut self.core;

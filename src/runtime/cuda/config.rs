@@ -1,4 +1,4 @@
-//! Settings of the CUDA backend ([`CudaConfig`]), the caller's GPU resources
+//! Settings of the CUDA backend ([`CudaConfig`], [`CopyStream`]), the caller's GPU resources
 //! ([`CudaResources`]) and the abort signal the ranks of one run share ([`AbortSignal`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,8 +11,18 @@ use meshflow_kernels::proxy::WireChoice;
 use meshflow_kernels::{Device, Stream};
 use meshflow_passes::Transport;
 
-use super::transport::CopyStream;
 use super::user_kernels::CudaKernels;
+
+/// Which stream runs a copy-engine pull.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CopyStream {
+    /// The stream the communication is posted on (ordered like an NCCL call there).
+    #[default]
+    Current,
+    /// A copy stream of the rank: the pull starts once the posting stream has reached the
+    /// post, and only a `wait` orders later work after it.
+    Dedicated,
+}
 
 /// Settings of the CUDA backend.
 #[derive(Clone, Debug)]

@@ -1,8 +1,8 @@
 //! [`DeviceCore`]: what every op of one rank runs on, whatever moves its bytes: the GPU, its
 //! main and worker streams (plus a copy stream and a peer-read stream), the caching allocator,
 //! the run clock and profiling intervals, the open coalescing group, and the run's abort
-//! signal. Compute ([`super::compute`]), operands ([`super::operands`]) and every transport
-//! ([`super::transport`]) work on a core; the core knows no transport.
+//! signal. Compute (`compute.rs`), operands (`operands.rs`) and every transport (`transport/`)
+//! work on a core; the core depends on none of them.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -334,22 +334,6 @@ impl DeviceCore {
         self.timeline
             .close(&self.streams, opened)
             .map_err(self.err("cuEventRecord"))
-    }
-
-    /// Copies the view `input` into the view `output` on the current stream (a communication
-    /// whose only peer is this rank).
-    pub fn local_copy(
-        &mut self,
-        what: &str,
-        input: &TensorView<CudaBuffer>,
-        output: &TensorView<CudaBuffer>,
-    ) -> Result<(), BackendError> {
-        let send = self.input_region(input)?;
-        let slot = self.output_slot(output, &[input])?;
-        slot.buf
-            .copy_from(self.stream(), &send)
-            .map_err(self.err(&format!("{what} (local copy)")))?;
-        self.finish_output(slot)
     }
 
     /// Records that peers read the elements of `view` until `dones` complete (see

@@ -37,6 +37,8 @@ mod compare;
 mod compute;
 mod config;
 mod core;
+mod graph;
+mod group;
 mod launch;
 mod layout;
 mod memory;
@@ -50,7 +52,7 @@ mod user_kernels;
 pub use self::core::CudaComm;
 pub use backend::CudaBackend;
 pub use compare::{run_and_compare_cuda, CudaCompareError};
-pub use config::{AbortSignal, CudaConfig, CudaResources};
+pub use config::{AbortSignal, CopyStream, CudaConfig, CudaResources};
 pub use launch::{
     device_count, run_cuda, run_cuda_timed, run_rank, CudaLaunchError, CudaOptions, RankRun,
     TimedRun,
@@ -61,5 +63,5 @@ pub use meshflow_passes::Transport;
 pub use profile::{Interval, IntervalKind};
 pub use program::{run_program_cuda, ProgramRun};
 pub use teams::clear_communicator_cache;
-pub use transport::{CopyStream, PeerHub};
+pub use transport::PeerHub;
 pub use user_kernels::{CudaKernels, DimsFn, LaunchDims};

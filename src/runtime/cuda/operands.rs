@@ -109,6 +109,22 @@ impl DeviceCore {
         })
     }
 
+    /// Copies the view `input` into the view `output` on the current stream (a communication
+    /// whose only peer is this rank).
+    pub fn local_copy(
+        &mut self,
+        what: &str,
+        input: &TensorView<CudaBuffer>,
+        output: &TensorView<CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        let send = self.input_region(input)?;
+        let slot = self.output_slot(output, &[input])?;
+        slot.buf
+            .copy_from(self.stream(), &send)
+            .map_err(self.err(&format!("{what} (local copy)")))?;
+        self.finish_output(slot)
+    }
+
     /// Copies a temporary into its view after the op (deferred to the group's end inside a
     /// coalescing group, where communications only start at the end).
     pub(super) fn finish_output(&mut self, slot: OutSlot) -> Result<(), BackendError> {

@@ -172,11 +172,43 @@ impl Communicators {
         }
     }
 
-    /// Serves `members` with the caller's communicator `comm` (replacing a held one).
-    pub fn adopt(&mut self, key: TeamKey, comm: Comm) {
+    /// Serves the team `members` (global ranks in team order) with the caller's communicator
+    /// `comm` (replacing a held one), after checking it is this rank's of that team, on its
+    /// GPU.
+    pub fn adopt(
+        &mut self,
+        core: &DeviceCore,
+        members: Vec<DeviceId>,
+        comm: Comm,
+    ) -> Result<(), BackendError> {
+        let rank = core.rank;
+        let invalid = |m: String| BackendError::Invalid(format!("rank {rank}: {m}"));
+        let my_index = members.iter().position(|&m| m == rank).ok_or_else(|| {
+            invalid(format!(
+                "a communicator is given for team {members:?}, without this rank"
+            ))
+        })?;
+        if comm.size() != members.len() || comm.rank() != my_index {
+            return Err(invalid(format!(
+                "the communicator given for team {members:?} has rank {} of {}, not {my_index} \
+                 of {}",
+                comm.rank(),
+                comm.size(),
+                members.len()
+            )));
+        }
+        if !comm.device().same_as(&core.device) {
+            return Err(invalid(format!(
+                "the communicator given for team {members:?} is on GPU {}, not {}",
+                comm.device().ordinal(),
+                core.device.ordinal()
+            )));
+        }
+        let key = Communicators::key(core, &members);
         self.lib.get_or_insert_with(|| comm.lib().clone());
         self.held.retain(|(k, _)| *k != key);
         self.held.push((key, comm));
+        Ok(())
     }
 
     /// Makes sure every team of a program has a communicator: cached ones are taken, missing

@@ -32,22 +32,12 @@ use meshflow_kernels::{Device, DeviceBuffer, Event};
 use meshflow_passes::Transport;
 
 use super::hub::{Key, Offer, PeerHub};
-use super::{CommTransport, PostCx, Posted};
+use super::object::{CommTransport, PostCx, Posted};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::cuda::config::CopyStream;
 use crate::runtime::cuda::core::DeviceCore;
 use crate::runtime::cuda::memory::CudaBuffer;
 use crate::runtime::cuda::profile::IntervalKind;
-
-/// Which stream runs a copy-engine pull.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
-pub enum CopyStream {
-    /// The stream the communication is posted on (ordered like an NCCL call there).
-    #[default]
-    Current,
-    /// A copy stream of the rank: the pull starts once the posting stream has reached the
-    /// post, and only a `wait` orders later work after it.
-    Dedicated,
-}
 
 /// A transfer this rank pulled: its `done` event on this GPU.
 struct Pulled {

@@ -8,6 +8,9 @@
 //! - `moe_nccl.rs`, `moe_nvlink.rs`: MoE dispatch and combine over NCCL or the NVLink kernels
 //!   (the request handling they share is `moe.rs`).
 //!
+//! The trait and what a post gets are in `object.rs`; this file only selects and holds the
+//! objects (it depends on every transport file, none depends on it).
+//!
 //! [`Transports`] selects the carrier of every communication label once, when a program is
 //! prepared, with the rules of `src/runtime/transport_rules.rs`, and makes the objects the
 //! program needs. A post goes straight to its label's object: there is no fallback from one
@@ -19,93 +22,24 @@ mod moe;
 mod moe_nccl;
 mod moe_nvlink;
 mod nccl;
+mod object;
 mod proxy;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 
 use meshflow_ir::{DeviceId, EntityRef};
-use meshflow_kernels::{Device, Event};
 use meshflow_passes::Transport;
 
 use super::config::CudaConfig;
 use super::core::DeviceCore;
-use super::memory::CudaBuffer;
-use super::profile::Opened;
-use super::teams::Communicators;
-use crate::runtime::backend::{
-    BackendError, CommLabel, CommOp, CommRequest, InstCtx, PlanInfo, TeamInfo,
-};
+use crate::runtime::backend::{BackendError, CommLabel, CommOp, PlanInfo};
 use crate::runtime::transport_rules::{select, Carrier, TeamFacts, Wants};
 
-pub use copy_engine::CopyStream;
 pub use hub::PeerHub;
+pub(crate) use object::{CommTransport, PostCx, Posted};
 pub(crate) use proxy::ProxyAccess;
-
-/// What a transport's post needs besides itself: the rank's device core and the NCCL
-/// communicators of its teams.
-pub(crate) struct PostCx<'a> {
-    pub core: &'a mut DeviceCore,
-    pub comms: &'a Communicators,
-}
-
-/// How a posted communication completes.
-pub(crate) enum Posted {
-    /// Enqueued on the current stream (inside a coalescing group: issued at the group's end);
-    /// the backend records its completion there and closes its profiling interval.
-    OnStream(Option<Opened>),
-    /// Complete once these events are (recorded by the transport on the streams it used).
-    Events(Vec<Event>),
-}
-
-/// One transport: the object that moves the bytes of the communications selected for it.
-pub(crate) trait CommTransport {
-    /// Which transport this is (for traces and reports).
-    fn kind(&self) -> Transport;
-
-    /// Called when a program is prepared, for every team whose communications this object
-    /// carries; `peers` are the team's GPUs when they are all in this process.
-    fn prepare_team(
-        &mut self,
-        core: &DeviceCore,
-        team: &TeamInfo,
-        peers: Option<&[Device]>,
-    ) -> Result<(), BackendError> {
-        let _ = (core, team, peers);
-        Ok(())
-    }
-
-    /// Posts `request` on the core's current stream.
-    fn post(
-        &mut self,
-        cx: &mut PostCx<'_>,
-        request: &CommRequest<'_, CudaBuffer>,
-        ctx: InstCtx<'_>,
-    ) -> Result<Posted, BackendError>;
-
-    /// Why a step using this transport cannot be recorded as a CUDA graph, if it cannot.
-    fn capture_blocker(&self) -> Option<&'static str> {
-        None
-    }
-
-    /// The first failure of a transfer that went on without the host (after the device is
-    /// done with a run).
-    fn transfer_failure(&self, rank: DeviceId) -> Option<BackendError> {
-        let _ = rank;
-        None
-    }
-
-    /// Reads and clears device-side status after a run (the device is idle).
-    fn check_status(&mut self, core: &DeviceCore) -> Result<(), BackendError> {
-        let _ = core;
-        Ok(())
-    }
-
-    /// Releases what the object holds: hands healthy resources back for reuse, or drops them
-    /// after a failure.
-    fn release(&mut self, healthy: bool) {
-        let _ = healthy;
-    }
-}
 
 /// Where the selection looks up the facts of a team.
 pub(crate) struct Environment<'a> {

@@ -16,7 +16,7 @@ use meshflow_kernels::moe::{MoeShape, MoeTransport};
 use meshflow_kernels::{DType as KDType, DeviceBuffer, KernelError, StridedLayout};
 use meshflow_passes::Transport;
 
-use super::{CommTransport, PostCx, Posted};
+use super::object::{CommTransport, PostCx, Posted};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
 use crate::runtime::cuda::core::{dev_err, DeviceCore};
 use crate::runtime::cuda::layout::kdtype;

@@ -9,8 +9,8 @@ use meshflow_kernels::KernelError;
 use meshflow_passes::Transport;
 
 use super::moe::{EngineSource, MoeTeams};
+use super::object::PostCx;
 use super::proxy::{ProxyAccess, MOE_ROUTE};
-use super::PostCx;
 use crate::runtime::backend::{BackendError, TeamInfo};
 use crate::runtime::cuda::teams::{self, TeamKey};
 

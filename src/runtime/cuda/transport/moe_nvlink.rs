@@ -12,8 +12,9 @@ use std::sync::Arc;
 use meshflow_kernels::moe::{MoeShape, MoeTransport, NvlinkMoe};
 use meshflow_passes::Transport;
 
+use super::hub::PeerHub;
 use super::moe::{EngineSource, MoeTeams};
-use super::{PeerHub, PostCx};
+use super::object::PostCx;
 use crate::runtime::backend::{BackendError, TeamInfo};
 use crate::runtime::cuda::core::dev_err;
 

@@ -7,7 +7,7 @@ use meshflow_kernels::nccl::{self, Comm, NcclLib};
 use meshflow_kernels::{DType as KDType, DeviceBuffer, ReduceOp as KReduceOp, Stream};
 use meshflow_passes::Transport;
 
-use super::{CommTransport, PostCx, Posted};
+use super::object::{CommTransport, PostCx, Posted};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
 use crate::runtime::cuda::layout::{elem_bytes, kdtype};
 use crate::runtime::cuda::memory::CudaBuffer;

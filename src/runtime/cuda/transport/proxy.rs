@@ -18,7 +18,7 @@ use meshflow_ir::DeviceId;
 use meshflow_kernels::proxy::{CancelCheck, Proxy, StagedRoute, Topology};
 use meshflow_passes::Transport;
 
-use super::{CommTransport, PostCx, Posted};
+use super::object::{CommTransport, PostCx, Posted};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
 use crate::runtime::cuda::core::{dev_err, DeviceCore};
 use crate::runtime::cuda::layout::kdtype;
