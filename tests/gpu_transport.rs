@@ -235,11 +235,11 @@ fn a_send_buffer_written_right_after_the_wait_is_not_raced() {
 }
 
 /// `run --graph`: one step recorded as a CUDA graph and replayed `steps` times gives what the
-/// sim backend gives (the automatic selection keeps to transports that replay), on 1, 2 and 4
+/// sim backend gives (the automatic selection keeps to transports that replay), on 2 and 4
 /// GPUs.
 #[test]
 fn a_program_recorded_as_a_cuda_graph_matches_the_sim_backend() {
-    for d in rank_counts("a_program_recorded_as_a_cuda_graph_matches_the_sim_backend") {
+    for d in multi_gpu_counts("a_program_recorded_as_a_cuda_graph_matches_the_sim_backend") {
         let s = Gemm3 {
             m: 256 * d as u64,
             k: 128,
@@ -303,6 +303,7 @@ fn graph_recording_is_refused_where_a_transport_needs_the_host() {
             text.contains("cannot be recorded as a CUDA graph") && text.contains("copy-engine"),
             "{text}"
         );
+        assert!(!text.contains("panicked"), "{text}");
         let config = CudaConfig {
             transport: Some(Transport::CopyEngine),
             ..cuda_options().config
@@ -366,4 +367,47 @@ fn every_communication_reports_its_transport() {
             }
         }
     }
+}
+
+/// The command line: `run --graph --explain` on 2 GPUs records the ring as a CUDA graph over
+/// NCCL and says so; `--transport copy-engine --graph` is refused with the reason.
+#[test]
+fn run_graph_on_the_command_line() {
+    if skip_unless(2, "run_graph_on_the_command_line") {
+        return;
+    }
+    let ring = format!(
+        "{}/examples/programs/column_parallel_linear_ring.mf",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_meshflow"))
+            .args([
+                "run",
+                &ring,
+                "--backend",
+                "cuda",
+                "--ranks",
+                "2",
+                "--explain",
+            ])
+            .args(extra)
+            .output()
+            .expect("the meshflow binary runs")
+    };
+    let o = run(&["--graph"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    eprintln!("{out}{err}");
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert!(out.lines().last().unwrap_or("").starts_with("ok "), "{out}");
+    assert!(out.contains("recorded one step as a CUDA graph"), "{out}");
+    assert!(
+        out.contains("collective_permute: nccl (ranks 0,1)"),
+        "{out}"
+    );
+    let o = run(&["--graph", "--transport", "copy-engine"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(err.contains("cannot be recorded as a CUDA graph"), "{err}");
 }
