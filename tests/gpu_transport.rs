@@ -370,7 +370,7 @@ fn every_communication_reports_its_transport() {
 }
 
 /// The command line: `run --graph --explain` on 2 GPUs records the ring as a CUDA graph over
-/// NCCL and says so; `--transport copy-engine --graph` is refused with the reason.
+/// NCCL and says so; `--graph` in a run split into nodes is refused with the reason.
 #[test]
 fn run_graph_on_the_command_line() {
     if skip_unless(2, "run_graph_on_the_command_line") {
@@ -406,8 +406,11 @@ fn run_graph_on_the_command_line() {
         out.contains("collective_permute: nccl (ranks 0,1)"),
         "{out}"
     );
-    let o = run(&["--graph", "--transport", "copy-engine"]);
+    let o = run(&["--graph", "--nodes", "2"]);
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_ne!(o.status.code(), Some(0), "{err}");
-    assert!(err.contains("cannot be recorded as a CUDA graph"), "{err}");
+    assert!(
+        err.contains("graph recording is not supported in runs split into nodes"),
+        "{err}"
+    );
 }

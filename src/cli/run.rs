@@ -1,6 +1,7 @@
 //! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
-//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]
-//! [--wire tcp|ibverbs|auto] [--transport T] [--graph] [--explain]`: lowers the
+//! [--trace out.json] [--streams N] [--schedule S] [--profile NAME|FILE] [--transport T]
+//! [--timeout-ms T] [--no-race-check] [--nodes M] [--wire tcp|ibverbs|auto] [--graph]
+//! [--explain]`: lowers the
 //! program, checks the host program across ranks, runs it on every rank with random inputs,
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
@@ -48,11 +49,8 @@ pub struct RunArgs {
     /// Size of the worker stream pool.
     #[arg(long, default_value_t = 2)]
     streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
-    schedule: super::common::ScheduleArg,
+    #[command(flatten)]
+    search: super::common::SearchArgs,
     /// How long a rank waits for a peer before the run fails, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     timeout_ms: u64,
@@ -70,10 +68,6 @@ pub struct RunArgs {
     /// can, else TCP; the run says which and why).
     #[arg(long, default_value = "tcp")]
     wire: WireChoice,
-    /// Force a transport where it can carry a communication (`--backend cuda`): `nccl`,
-    /// `copy-engine` or `nvlink` (default: chosen per team, see `docs/architecture.md`).
-    #[arg(long)]
-    transport: Option<meshflow::passes::Transport>,
     /// Record each step as a CUDA graph and replay it (`--backend cuda`); a program whose
     /// transports need the host during a step is refused with the reason.
     #[arg(long)]
@@ -88,7 +82,8 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     let program = args.program.load()?;
     let options = CompileOptions {
         num_streams: args.streams.max(1),
-        stream_schedule: args.schedule.schedule(),
+        stream_schedule: args.search.schedule.schedule(),
+        cost_model: args.search.cost_model()?,
         ..CompileOptions::default()
     };
     let started = Instant::now();
@@ -118,11 +113,6 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
     }
-    if args.transport.is_some() && args.backend == BackendKind::Sim {
-        return Err(CliError::Usage(
-            "--transport chooses GPU transports: it needs --backend cuda".into(),
-        ));
-    }
     if args.graph && args.backend == BackendKind::Sim {
         return Err(CliError::Usage(
             "--graph records CUDA graphs: it needs --backend cuda (the sim backend has none)"
@@ -139,10 +129,13 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         });
     }
     if nodes > 1 && args.backend == BackendKind::Sim {
-        if args.schedule != super::common::ScheduleArg::PerIteration {
+        if args.search.schedule != super::common::ScheduleArg::Auto
+            || args.search.profile.is_some()
+            || args.search.transport.is_some()
+        {
             return Err(CliError::Usage(
-                "--schedule is not passed to the node processes of a multi-process sim run yet; \
-                 run without --nodes"
+                "--schedule, --profile and --transport are not passed to the node processes of a \
+                 multi-process sim run yet; run without --nodes"
                     .into(),
             ));
         }
@@ -258,7 +251,7 @@ fn run_cuda(
         trace: args.trace.as_deref(),
         graph: args.graph,
         wire: args.wire,
-        transport: args.transport,
+        transport: args.search.transport,
         explain: args.explain,
     };
     super::run_cuda::run(compiled, inputs, &how, summary)

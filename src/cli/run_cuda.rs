@@ -39,8 +39,8 @@ pub(super) struct GpuRun<'a> {
     pub graph: bool,
     /// The wire of the host proxy between nodes.
     pub wire: WireChoice,
-    /// The transport to force.
-    pub transport: Option<meshflow::passes::Transport>,
+    /// The transport `--transport` asks the plans for.
+    pub transport: Option<meshflow::Transport>,
     /// Report the transport of every communication.
     pub explain: bool,
 }
@@ -69,9 +69,16 @@ pub(super) fn run(
         Some(e) => exit_fault(e.rank)?,
         None => None,
     };
+    // The transport the plans assume: NCCL as planned (forced); otherwise chosen per team
+    // (the copy engine where the ranks can use it: in one process, with peer access).
+    let transport = match transport.or(compiled.transport) {
+        Some(meshflow::Transport::Nccl) => Some(meshflow::Transport::Nccl),
+        _ => None,
+    };
     let options = CudaOptions {
         ranks: Some(ranks),
         config: CudaConfig {
+            transport,
             stream_pool: streams.max(1),
             timeout: timeout.max(MIN_TIMEOUT),
             profile: trace.is_some() && env.is_none(),
@@ -79,7 +86,6 @@ pub(super) fn run(
             exit_at_comm,
             graph,
             wire,
-            transport,
             ..CudaConfig::default()
         },
     };
