@@ -41,6 +41,7 @@ mod graph;
 mod group;
 mod launch;
 mod layout;
+mod layout_ops;
 mod memory;
 mod operands;
 mod profile;
