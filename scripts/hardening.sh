@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism.
+# Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism,
+# the mutation corpus, bad inputs and the race checker's run time.
 #
 #   scripts/hardening.sh                 # CPU rows; fuzzing 60 s per target
 #   FUZZ_SECONDS=300 scripts/hardening.sh
@@ -11,6 +12,9 @@
 #   cargo test --release --test hardening fault_matrix    fault rows (CPU)
 #   cargo test --release --test hardening resources       memory rows (CPU)
 #   cargo test --release --test hardening determinism     determinism rows (CPU)
+#   cargo test --release --test check mutations           mutations rejected / total
+#   cargo test --release --test check bad_inputs          bad inputs tried, panics
+#   cargo test --release --test runtime -- --ignored race_check_timings   race-check time
 #   cargo test --release --features cuda --test gpu -- faults:: determinism::   GPU rows
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -44,6 +48,15 @@ run_tests() { # cargo test args... [-- test filters]; collects HARDENING rows
   rm -f "$log"
 }
 run_tests --test hardening --
+run_tests --test check -- mutations:: bad_inputs::
+timing_log="$(mktemp)"
+if ! cargo test --release --test runtime -- --ignored --nocapture race_check_timings \
+  >"$timing_log" 2>&1; then
+  echo "FAILED: race_check_timings" >&2
+  status=1
+fi
+grep -o 'HARDENING|.*' "$timing_log" >>"$rows"
+rm -f "$timing_log"
 if [ "$gpu" = 1 ]; then
   run_tests --features cuda --test gpu -- faults:: determinism::
 fi
@@ -73,4 +86,20 @@ echo "## Determinism"
 echo
 table determinism "| backend | example | same seed | stream pool | lowering | other seed |" \
   "|---|---|---|---|---|---|"
+plain() { # name header separator: rows without a GPU placeholder
+  echo "$2"
+  echo "$3"
+  grep "^HARDENING|$1|" "$rows" | cut -d'|' -f3- |
+    awk -F'|' '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; print "" }'
+  echo
+}
+echo "## Static check: mutation corpus"
+echo
+plain mutations "| rejected with the expected message | mutations |" "|---|---|"
+echo "## Bad inputs"
+echo
+plain bad_inputs "| inputs | panics | outcomes |" "|---|---|---|"
+echo "## Race checking: stream all-reduce loop, 2 ranks, CPU backend"
+echo
+plain race_time "| iterations | race checking on | off |" "|---|---|---|"
 exit $status

@@ -89,6 +89,7 @@ pub mod embed;
 pub mod error;
 pub mod front;
 pub mod launch;
+pub mod ordering;
 pub mod pipeline;
 pub mod runtime;
 

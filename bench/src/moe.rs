@@ -9,8 +9,7 @@
 
 use std::sync::Barrier;
 
-use meshflow::kernels::moe::{MoeShape, MoeTransport, NcclMoe, NvlinkMoe, TransportKind};
-use meshflow::kernels::nccl::{Comm, NcclLib};
+use meshflow::kernels::moe::{MoeShape, MoeTransport};
 use meshflow::kernels::{DType, Device, DeviceBuffer, Event, KernelError, Result, Stream};
 
 /// One benchmark configuration (per rank).
@@ -48,11 +47,11 @@ impl MoeCase {
     }
 }
 
-/// The measured latency of one transport on one case.
+/// The measured latency of one engine on one case.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MoeResult {
-    /// The transport.
-    pub transport: TransportKind,
+    /// The engine's name ([`MoeTransport::name`]: `nccl`, `nvlink`).
+    pub transport: &'static str,
     /// The layer shape run (capacity chosen from the generated routing).
     pub shape: MoeShape,
     /// Median over steps of the slowest rank's dispatch (send + recv), in µs.
@@ -98,12 +97,14 @@ fn routing(case: &MoeCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
         .collect()
 }
 
-/// Runs `case` on `devices` (one rank per device) with each of `transports`.
-pub fn measure_moe(
+/// Runs `case` on `devices` (one rank per device) with the engines `make` creates for a shape
+/// (one per rank, e.g. [`NvlinkMoe::team`](meshflow::kernels::moe::NvlinkMoe::team) or
+/// [`NcclMoe::team`](meshflow::kernels::moe::NcclMoe::team)).
+pub fn measure_moe<T: MoeTransport>(
     devices: &[Device],
     case: &MoeCase,
-    transports: &[TransportKind],
-) -> Result<Vec<MoeResult>> {
+    make: impl FnOnce(&[Device], &MoeShape) -> Result<Vec<T>>,
+) -> Result<MoeResult> {
     let world = devices.len();
     if world == 0 || case.iters == 0 {
         return Err(KernelError::InvalidArgument(
@@ -127,32 +128,16 @@ pub fn measure_moe(
         dtype: case.dtype,
     };
     shape.validate()?;
-    let mut results = Vec::new();
-    for &kind in transports {
-        let (dispatch_us, combine_us, status_ok) = match kind {
-            TransportKind::Nvlink => {
-                let ranks = NvlinkMoe::team(devices, &shape)?;
-                run(devices, case, &idx, ranks)?
-            }
-            TransportKind::Nccl => {
-                let lib = NcclLib::load()?;
-                let comms = Comm::init_all(&lib, devices)?;
-                let ranks = comms
-                    .into_iter()
-                    .map(|c| NcclMoe::new(c, &shape))
-                    .collect::<Result<Vec<_>>>()?;
-                run(devices, case, &idx, ranks)?
-            }
-        };
-        results.push(MoeResult {
-            transport: kind,
-            shape,
-            dispatch_us,
-            combine_us,
-            status_ok,
-        });
-    }
-    Ok(results)
+    let ranks = make(devices, &shape)?;
+    let transport = ranks.first().map_or("none", |r| r.name());
+    let (dispatch_us, combine_us, status_ok) = run(devices, case, &idx, ranks)?;
+    Ok(MoeResult {
+        transport,
+        shape,
+        dispatch_us,
+        combine_us,
+        status_ok,
+    })
 }
 
 /// Per-rank timings: `(dispatch ms, combine ms)` per step, and whether the status stayed clean.
@@ -273,7 +258,7 @@ pub fn moe_table(results: &[MoeResult]) -> String {
         let sh = &r.shape;
         s.push_str(&format!(
             "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>3}  {:<5} {:>11.1} {:>11.1}  {}\n",
-            r.transport.name(),
+            r.transport,
             sh.world,
             sh.tokens,
             sh.hidden,

@@ -87,9 +87,10 @@ pub struct CompileArgs {
     /// the default, or `h100x2`) or a JSON file.
     #[arg(long, value_name = "NAME|FILE")]
     pub profile: Option<String>,
-    /// Force the transport instead of letting the schedule search pick it.
-    #[arg(long, value_enum)]
-    pub transport: Option<TransportArg>,
+    /// Force the transport instead of letting the schedule search pick it: `nccl` or
+    /// `copy-engine`.
+    #[arg(long, value_parser = search_transport)]
+    pub transport: Option<meshflow::Transport>,
     /// Force a decomposition: `--decompose TENSOR=collective|broadcast|reduce|ring|ring_forward|
     /// ring_bidirectional` (repeatable; TENSOR is the gathered tensor of an all-gather, the
     /// partial sums of a reduce-scatter).
@@ -170,7 +171,7 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
         options = options.profile(profile);
     }
     if let Some(t) = compile.transport {
-        options = options.transport(t.transport());
+        options = options.transport(t);
     }
     for d in &compile.decompose {
         let (tensor, variant) = d.split_once('=').ok_or_else(|| {
@@ -444,29 +445,16 @@ impl Drop for OutputFile {
     }
 }
 
-/// `--transport`: the transport the plans assume (and the GPU runtime uses).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum TransportArg {
-    /// NCCL.
-    Nccl,
-    /// Copy-engine peer copies (ranks in one process).
-    CopyEngine,
-}
-
-impl TransportArg {
-    /// The name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportArg::Nccl => "nccl",
-            TransportArg::CopyEngine => "copy-engine",
-        }
-    }
-
-    /// The compiler's setting.
-    pub fn transport(self) -> meshflow::Transport {
-        match self {
-            TransportArg::Nccl => meshflow::Transport::Nccl,
-            TransportArg::CopyEngine => meshflow::Transport::CopyEngine,
-        }
+/// `--transport`: the transport the plans assume (and the GPU runtime uses): one the search
+/// prices, `nccl` or `copy-engine`.
+fn search_transport(s: &str) -> Result<meshflow::Transport, String> {
+    match s
+        .parse::<meshflow::Transport>()
+        .map_err(|e| e.to_string())?
+    {
+        t @ (meshflow::Transport::Nccl | meshflow::Transport::CopyEngine) => Ok(t),
+        t => Err(format!(
+            "the schedule search prices nccl and copy-engine plans, not {t}"
+        )),
     }
 }

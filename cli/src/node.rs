@@ -1,10 +1,11 @@
 //! Multi-process CPU runs. `meshflow run FILE --ranks N --nodes M` (or with
-//! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`start_nodes`]), each running
-//! the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads, the other
-//! nodes reached through the host proxy over TCP. Node 0 serves the rendezvous, gathers every
-//! rank's outputs, compares them with the reference and prints the summary, which the launcher
-//! relays. With feature `fault-injection` (the tests), `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]`
-//! makes the process of `RANK` exit at its `N`-th communication; `MESHFLOW_PROXY_ADDR` sets the address the proxies listen on and
+//! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`start_nodes`]), each
+//! running the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads,
+//! the other nodes reached through the host proxy (over `--wire`: TCP by default). Node 0
+//! serves the rendezvous, gathers every rank's outputs, compares them with the reference and
+//! prints the summary, which the launcher relays. With feature `fault-injection` (the tests),
+//! `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` makes the process of `RANK` exit at its `N`-th
+//! communication; `MESHFLOW_PROXY_ADDR` sets the address the proxies listen on and
 //! `MESHFLOW_PROXY_RING` the bytes per proxy ring.
 
 use std::collections::BTreeMap;
@@ -14,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use meshflow::kernels::proxy::{ProxyStats, Topology};
+use meshflow::kernels::proxy::{ProxyStats, Topology, WireChoice};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::multinode::{
@@ -39,6 +40,9 @@ pub struct ExecArgs {
     /// Do not check stream ordering (races) while running (CPU backend).
     #[arg(long)]
     pub no_race_check: bool,
+    /// The wire of the host proxy between nodes (`tcp`, `ibverbs`, `auto`).
+    #[arg(long, default_value = "tcp")]
+    pub wire: WireChoice,
 }
 
 /// Arguments of the hidden `node` subcommand (started by `run --nodes`).
@@ -146,6 +150,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         host,
         ring,
         setup_timeout: setup,
+        wire: args.cpu.wire,
     };
     let cpu = CpuOptions {
         ranks: Some(ranks),
@@ -178,6 +183,10 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         stats.messages_received,
         stats.credit_writes,
         stats.bytes_written
+    ));
+    summary.push_str(&format!(
+        "proxy wire: {} ({})\n",
+        outcome.wire, outcome.wire_reason
     ));
     let run = RunOutcome {
         outputs,
@@ -244,6 +253,7 @@ pub fn start_nodes(
                 .args(compile.to_args())
                 .args(["--seed", &cpu.seed.to_string()])
                 .args(["--timeout-ms", &cpu.timeout_ms.to_string()])
+                .args(["--wire", cpu.wire.name()])
                 .args(["--node", &node.to_string()])
                 .args(["--node-size", &node_size.to_string()])
                 .args(["--master", &master]);

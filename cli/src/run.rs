@@ -1,14 +1,15 @@
 //! `meshflow run FILE [program and compile options] [--backend cpu|cuda] [--seed S]
-//! [--trace out.json] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the program,
-//! checks the host program across ranks, runs it on every rank with random inputs, compares
-//! the gathered outputs with an unsharded reference, and prints a summary whose last line
-//! starts with `ok` or `mismatch`. Host IR text (told apart by content) is checked and run as
-//! written, with random local inputs and no reference to compare with. The trace path is
-//! created before anything runs (a path that cannot be written fails first), and the summary
-//! is printed even when writing the trace fails. Exits 0 only when every output matches. With `--nodes M`
-//! (or `MESHFLOW_NODE_SIZE`) the CPU ranks run in M processes linked by the host proxy (see
-//! [`node`](super::node)); GPU ranks (`--backend cuda`) stay in this process (or the processes
-//! of `meshflow launch`) and reach the ranks of other nodes through their host proxies.
+//! [--trace out.json] [--timeout-ms T] [--no-race-check] [--nodes M] [--wire tcp|ibverbs|auto]
+//! [--graph] [--explain]`: lowers the program, checks the host program across ranks, runs it
+//! on every rank with random inputs, compares the gathered outputs with an unsharded
+//! reference, and prints a summary whose last line starts with `ok` or `mismatch`. Host IR
+//! text (told apart by content) is checked and run as written, with random local inputs and no
+//! reference to compare with. The trace path is opened before anything runs (a path that
+//! cannot be written fails first), and the summary is printed even when writing the trace
+//! fails. Exits 0 only when every output matches. With `--nodes M` (or `MESHFLOW_NODE_SIZE`)
+//! the CPU ranks run in M processes linked by the host proxy (see [`node`](super::node)); GPU
+//! ranks (`--backend cuda`) stay in this process (or the processes of `meshflow launch`) and
+//! reach the ranks of other nodes through their host proxies.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -59,6 +60,13 @@ pub struct RunArgs {
     /// through the proxy.
     #[arg(long)]
     nodes: Option<usize>,
+    /// Record each step as a CUDA graph and replay it (`--backend cuda`); a program whose
+    /// transports need the host during a step is refused with the reason.
+    #[arg(long)]
+    graph: bool,
+    /// Also print which transport carried each communication (and the wire between nodes).
+    #[arg(long)]
+    explain: bool,
 }
 
 /// Runs `run`.
@@ -84,6 +92,12 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             "`{}` has no meshes, so no rank holds a tensor: there is nothing to run",
             host.name
         )));
+    }
+    if args.graph && args.backend == BackendKind::Cpu {
+        return Err(CliError::Usage(
+            "--graph records CUDA graphs: it needs --backend cuda (the CPU backend has none)"
+                .into(),
+        ));
     }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
     let launched = args.backend == BackendKind::Cuda && launched_rank()?;
@@ -119,6 +133,14 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         summary.push_str(&format!(
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
+    }
+    if args.explain && args.backend == BackendKind::Cpu {
+        summary.push_str(if nodes > 1 {
+            "transports: the CPU backend moves communications through its in-process fabric, \
+             and between node processes through the host proxy (see its wire below)\n"
+        } else {
+            "transports: the CPU backend moves communications through its in-process fabric\n"
+        });
     }
     if nodes > 1 && args.backend == BackendKind::Cpu {
         if from_host {
@@ -329,6 +351,10 @@ fn gpu_run(args: &RunArgs, ranks: usize, node_size: Option<usize>) -> super::run
         streams: args.compile.streams,
         timeout: Duration::from_millis(args.exec.timeout_ms),
         trace: args.trace.is_some(),
+        graph: args.graph,
+        wire: args.exec.wire,
+        transport: args.compile.transport,
+        explain: args.explain,
     }
 }
 

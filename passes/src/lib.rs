@@ -11,7 +11,8 @@
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
 //!   [`cost_model`] (predicted times of the plans the schedule search chooses between, from a
-//!   machine [`profile`]), [`plan`] (one point of that search), [`scope_tree`] (the innermost
+//!   machine [`profile`]), [`plan`] (one point of that search), [`transport`] (the transport
+//!   kinds the cost model and the GPU runtime share), [`scope_tree`] (the innermost
 //!   block holding a set of instructions, from their paths).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
@@ -33,8 +34,9 @@ pub mod plan;
 pub mod profile;
 pub mod resharding;
 pub mod scope_tree;
+pub mod transport;
 
-pub use cost_model::{CostModel, Transport};
+pub use cost_model::CostModel;
 pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
 pub use manager::{
@@ -44,3 +46,4 @@ pub use manager::{
 pub use options::{Decomposition, PassContext, PassOptions, StreamSchedule};
 pub use plan::Plan;
 pub use profile::Profile;
+pub use transport::{Transport, UnknownTransport};

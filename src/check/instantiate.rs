@@ -11,20 +11,20 @@ use meshflow_ir::{
 };
 
 use super::error::{CheckError, CheckErrors, Site};
-use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration};
+use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice};
 use super::teams::TeamTable;
 
 /// The most loop iterations plus communications instantiated over all ranks.
 pub const MAX_INSTANCES: usize = 1_000_000;
 
 /// The instructions that matter to the check, with their index in [`Instances::insts`].
-enum Step<'a> {
+enum Item<'a> {
     Loop {
         ord: usize,
         index: LoopVar,
         start: &'a Expr,
         stop: &'a Expr,
-        body: Vec<Step<'a>>,
+        body: Vec<Item<'a>>,
     },
     Comm {
         ord: usize,
@@ -36,15 +36,40 @@ enum Step<'a> {
     EndGroup {
         ord: usize,
     },
+    /// A view: evaluated to know which slice a communication operates on.
+    Shard {
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        chunks: u64,
+        index: &'a Expr,
+    },
 }
 
-fn build_steps<'a>(
+fn build_items<'a>(
     host: &HostProgram,
     block: &'a [Inst],
     insts: &mut Vec<InstInfo>,
-) -> Vec<Step<'a>> {
-    let mut steps = Vec::new();
+) -> Vec<Item<'a>> {
+    let mut items = Vec::new();
     for inst in block {
+        if let InstKind::ShardByStream {
+            out,
+            input,
+            axis,
+            chunks,
+            index,
+        } = &inst.kind
+        {
+            items.push(Item::Shard {
+                out: *out,
+                input: *input,
+                axis: *axis,
+                chunks: *chunks,
+                index,
+            });
+            continue;
+        }
         let relevant = matches!(
             inst.kind,
             InstKind::ForLoop { .. } | InstKind::StartCoalescing | InstKind::EndCoalescing { .. }
@@ -57,25 +82,25 @@ fn build_steps<'a>(
             text: inst_to_string(host, inst),
             loc: inst.loc,
         });
-        steps.push(match &inst.kind {
+        items.push(match &inst.kind {
             InstKind::ForLoop {
                 index,
                 start,
                 stop,
                 body,
-            } => Step::Loop {
+            } => Item::Loop {
                 ord,
                 index: *index,
                 start,
                 stop,
-                body: build_steps(host, body, insts),
+                body: build_items(host, body, insts),
             },
-            InstKind::StartCoalescing => Step::StartGroup { ord },
-            InstKind::EndCoalescing { .. } => Step::EndGroup { ord },
-            _ => Step::Comm { ord, inst },
+            InstKind::StartCoalescing => Item::StartGroup { ord },
+            InstKind::EndCoalescing { .. } => Item::EndGroup { ord },
+            _ => Item::Comm { ord, inst },
         });
     }
-    steps
+    items
 }
 
 /// Expression values on one rank.
@@ -124,6 +149,8 @@ struct Walker<'h, 'o> {
     loops: Vec<(LoopVar, i64)>,
     group: Option<(u32, usize)>,
     next_group: u32,
+    /// The slice each view tensor stands for now (tensors not listed are whole).
+    views: HashMap<HostTensorId, Option<Slice>>,
 }
 
 impl Walker<'_, '_> {
@@ -176,10 +203,10 @@ impl Walker<'_, '_> {
         }
     }
 
-    fn walk(&mut self, steps: &[Step<'_>]) -> Result<(), Abort> {
-        for step in steps {
-            match step {
-                Step::Loop {
+    fn walk(&mut self, items: &[Item<'_>]) -> Result<(), Abort> {
+        for item in items {
+            match item {
+                Item::Loop {
                     ord,
                     index,
                     start,
@@ -199,7 +226,7 @@ impl Walker<'_, '_> {
                         self.loops.pop();
                     }
                 }
-                Step::StartGroup { ord } => {
+                Item::StartGroup { ord } => {
                     if self.group.is_some() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "start_coalescing inside an open coalescing group".into();
@@ -209,20 +236,50 @@ impl Walker<'_, '_> {
                         self.next_group += 1;
                     }
                 }
-                Step::EndGroup { ord } => {
+                Item::EndGroup { ord } => {
                     if self.group.take().is_none() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "end_coalescing without start_coalescing".into();
                         self.report(*ord, CheckError::Malformed { rank, site, detail });
                     }
                 }
-                Step::Comm { ord, inst } => {
+                Item::Comm { ord, inst } => {
                     self.spend()?;
                     self.communication(*ord, inst);
+                }
+                Item::Shard {
+                    out,
+                    input,
+                    axis,
+                    chunks,
+                    index,
+                } => {
+                    if self.holds(*out).is_none() || self.holds(*input).is_none() {
+                        continue;
+                    }
+                    let env = RankEnv {
+                        meshes: &self.host.meshes,
+                        rank: self.rank,
+                        loops: &self.loops,
+                    };
+                    let slice = index.eval(&env).ok().and_then(|i| {
+                        let mut s = self.slice(*input)?;
+                        s.cuts.push((*axis, *chunks, i));
+                        Some(s)
+                    });
+                    self.views.insert(*out, slice);
                 }
             }
         }
         Ok(())
+    }
+
+    /// The slice `tensor` stands for now (`None`: unknown).
+    fn slice(&self, tensor: HostTensorId) -> Option<Slice> {
+        match self.views.get(&tensor) {
+            Some(s) => s.clone(),
+            None => Some(Slice::whole(tensor)),
+        }
     }
 
     fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
@@ -395,6 +452,8 @@ impl Walker<'_, '_> {
             recv_peer: None,
             send: None,
             recv: None,
+            send_slice: None,
+            recv_slice: None,
             count: None,
             dtype: None,
             iteration: Iteration(self.loops.clone()),
@@ -564,6 +623,8 @@ impl Walker<'_, '_> {
             }
             _ => return,
         }
+        event.send_slice = event.send.and_then(|b| self.slice(b.tensor));
+        event.recv_slice = event.recv.and_then(|b| self.slice(b.tensor));
         if let Some(events) = self.out.events.get_mut(rank) {
             events.push(event);
         }
@@ -593,8 +654,9 @@ pub(crate) fn instantiate_all(
         return Err(CheckErrors::capped(fatal));
     }
     let mut insts = Vec::new();
-    let steps = build_steps(host, &host.body, &mut insts);
+    let items = build_items(host, &host.body, &mut insts);
     let mut out = Instances::new(world_size, insts);
+    out.tensor_names = host.tensors.values().map(|t| t.name.clone()).collect();
     let mut errors = Vec::new();
     let mut reported = HashSet::new();
     let mut budget = MAX_INSTANCES;
@@ -625,8 +687,9 @@ pub(crate) fn instantiate_all(
             loops: Vec::new(),
             group: None,
             next_group: 0,
+            views: HashMap::new(),
         };
-        if walker.walk(&steps).is_err() {
+        if walker.walk(&items).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {
                 world_size,
                 limit: MAX_INSTANCES,

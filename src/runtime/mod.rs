@@ -3,8 +3,8 @@
 //! gather and compare.
 //!
 //! - [`data`], [`view`]: host tensors and strided views.
-//! - [`cpu_ops`]: numeric kernels (CPU backend and reference).
-//! - [`mod@reference`]: the level-1 interpreter on full tensors.
+//! - [`cpu_ops`]: numeric kernels of the CPU backend.
+//! - [`mod@reference`]: the level-1 interpreter on full tensors, with its own naive kernels.
 //! - [`shard`]: scatter/gather by a level-1 tensor's layout.
 //! - [`backend`]: the [`Backend`] trait (shaped for CUDA streams, events and NCCL).
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.
@@ -14,6 +14,7 @@
 //! - `cuda` (feature `cuda`): the CUDA backend over NCCL, and runs of N GPU ranks.
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
+//! - `transport_rules`: which transport carries each communication on GPUs.
 //! - [`multinode`]: multi-process CPU runs, nodes linked by the inter-node host proxy.
 //! - `faults` (feature `fault-injection`, tests only): ranks that fail on purpose.
 
@@ -37,13 +38,15 @@ pub mod shard;
 pub mod shard_partial;
 pub mod trace;
 mod trace_svg;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod transport_rules;
 pub mod view;
 
 pub use backend::Backend;
 pub use compare::{run_and_compare, Comparison};
 pub use cpu::{CpuBackend, CpuConfig};
 pub use data::TensorData;
-pub use evaluator::{EvalOptions, Evaluator, RuntimeError};
+pub use evaluator::{EvalOptions, Evaluator, RuntimeError, SelectedTransport};
 pub use ranks::{
     run_cpu, run_cpu_observed, CpuOptions, RunError, RunInputs, RunOutcome, RunResources,
 };

@@ -180,6 +180,7 @@ mod tests {
             iteration: vec![1],
             start_us: start,
             dur_us: dur,
+            transport: None,
         }
     }
 

@@ -3,7 +3,7 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::print_stdout)]
 
-use meshflow::kernels::moe::TransportKind;
+use meshflow::kernels::moe::{NcclMoe, NvlinkMoe};
 use meshflow::kernels::{Device, KernelError};
 use meshflow_bench::moe::{measure_moe, moe_table, MoeCase};
 
@@ -35,9 +35,8 @@ fn moe_latency_table() {
     let mut all = Vec::new();
     for tokens in [128, 4096] {
         let case = MoeCase::deepseek(tokens);
-        all.extend(
-            measure_moe(&devs, &case, &[TransportKind::Nvlink, TransportKind::Nccl]).unwrap(),
-        );
+        all.push(measure_moe(&devs, &case, NvlinkMoe::team).unwrap());
+        all.push(measure_moe(&devs, &case, NcclMoe::team).unwrap());
     }
     println!("{}", moe_table(&all));
     assert!(

@@ -5,5 +5,6 @@
 #[path = "../../../tests/support/mod.rs"]
 mod support;
 
+mod graph;
 mod launch;
 mod proxy;
