@@ -10,7 +10,8 @@
 //!   sum over an axis, fill);
 //! - NCCL through checked-in bindgen bindings loaded with libloading: [`nccl`];
 //! - MoE expert-parallel dispatch / combine over NCCL or NVLink peer memory: [`moe`] (its shape,
-//!   status and CPU reference exist without the `cuda` feature too);
+//!   status, traffic accounting and CPU reference exist without the `cuda` feature too), with
+//!   FP8 (E4M3) dispatch ([`fp8`], pure Rust);
 //! - the inter-node host proxy ([`proxy`]): one-sided writes with immediates over TCP, or over
 //!   ibverbs RC queue pairs with the `rdma` feature. It needs no CUDA and exists in every build.
 //!
@@ -61,6 +62,7 @@
 
 mod dtype;
 mod error;
+pub mod fp8;
 
 pub use dtype::{BinaryOp, DType, Element, ReduceOp, UnaryOp};
 pub use error::{KernelError, Result};

@@ -20,7 +20,7 @@ use cudarc::driver::{result, sys};
 
 pub use elementwise::{fill_pattern, poison_bits};
 pub use layout::{StridedLayout, MAX_RANK};
-pub(crate) use sources::moe_reduce_name;
+pub(crate) use sources::moe_typed_name;
 pub use sources::Source;
 pub use user::{KernelArg, UserKernel};
 

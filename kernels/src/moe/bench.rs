@@ -2,14 +2,19 @@
 //!
 //! Every rank runs in its own thread. After warm-up the ranks synchronize once, then queue
 //! `iters` steps back to back (no host synchronization inside the timed loop, so the GPUs run in
-//! lockstep through the transport's own waits); CUDA events around `dispatch` (send + recv) and
-//! `combine` (send + recv) time each step on each rank. A step's time is the slowest rank's;
-//! the result is the median over steps. The expert computation is the identity (`expert_y` is
-//! `expert_x`, so `F = H`).
+//! lockstep through the transport's own waits); CUDA events around the dispatch (send + recv,
+//! the weights travelling with the rows, padding not zeroed) and the combine (send + recv) time
+//! each step on each rank. A step's time is the slowest rank's; the result is the median over
+//! steps. The expert computation is the identity (`expert_y` is `expert_x`, so `F = H`).
+//! Bandwidth is reported the way DeepEP does, on the deduplicated bytes ([`MoeTraffic`]: the
+//! busiest rank's received bytes over the phase time).
 
 use std::sync::Barrier;
 
-use super::{MoeShape, MoeTransport, NcclMoe, NvlinkMoe, TransportKind};
+use super::{
+    CombineRequest, DispatchRequest, MoeShape, MoeTraffic, MoeTransport, MoeWire, NcclMoe,
+    NvlinkMoe, TransportKind,
+};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -31,6 +36,8 @@ pub struct BenchCase {
     pub experts: usize,
     /// Element type.
     pub dtype: DType,
+    /// How dispatch encodes the rows.
+    pub wire: MoeWire,
     /// Timed steps.
     pub iters: usize,
     /// Untimed steps first.
@@ -47,6 +54,7 @@ impl BenchCase {
             top_k: 8,
             experts: 256,
             dtype: DType::BF16,
+            wire: MoeWire::Native,
             iters: 50,
             warmup: 10,
         }
@@ -60,12 +68,28 @@ pub struct BenchResult {
     pub transport: TransportKind,
     /// The layer shape run (capacity chosen from the generated routing).
     pub shape: MoeShape,
+    /// How dispatch encoded the rows.
+    pub wire: MoeWire,
+    /// The bytes of one step (the same routing every step).
+    pub traffic: MoeTraffic,
     /// Median over steps of the slowest rank's dispatch (send + recv), in µs.
     pub dispatch_us: f64,
     /// Median over steps of the slowest rank's combine (send + recv), in µs.
     pub combine_us: f64,
     /// Whether every rank's status word stayed clean (no overflow, no timeout).
     pub status_ok: bool,
+}
+
+impl BenchResult {
+    /// Dispatch bandwidth in GB/s: the busiest rank's received bytes over the dispatch time.
+    pub fn dispatch_gbps(&self) -> f64 {
+        MoeTraffic::gbps(self.traffic.max_bytes().0, self.dispatch_us)
+    }
+
+    /// Combine bandwidth in GB/s: the busiest rank's received bytes over the combine time.
+    pub fn combine_gbps(&self) -> f64 {
+        MoeTraffic::gbps(self.traffic.max_bytes().1, self.combine_us)
+    }
 }
 
 /// Small deterministic generator (xorshift64*).
@@ -132,11 +156,13 @@ pub fn bench_moe(
         dtype: case.dtype,
     };
     shape.validate()?;
+    case.wire.validate(&shape)?;
+    let traffic = MoeTraffic::from_routing(&shape, case.wire, &idx)?;
     let mut results = Vec::new();
     for &kind in transports {
         let (dispatch_us, combine_us, status_ok) = match kind {
             TransportKind::Nvlink => {
-                let ranks = NvlinkMoe::team(devices, &shape)?;
+                let ranks = NvlinkMoe::team_with_wire(devices, &shape, case.wire)?;
                 run(devices, case, &idx, ranks)?
             }
             TransportKind::Nccl => {
@@ -144,7 +170,7 @@ pub fn bench_moe(
                 let comms = Comm::init_all(&lib, devices)?;
                 let ranks = comms
                     .into_iter()
-                    .map(|c| NcclMoe::new(c, &shape))
+                    .map(|c| NcclMoe::with_wire(c, &shape, case.wire))
                     .collect::<Result<Vec<_>>>()?;
                 run(devices, case, &idx, ranks)?
             }
@@ -152,6 +178,8 @@ pub fn bench_moe(
         results.push(BenchResult {
             transport: kind,
             shape,
+            wire: case.wire,
+            traffic: traffic.clone(),
             dispatch_us,
             combine_us,
             status_ok,
@@ -222,16 +250,22 @@ fn rank_loop<T: MoeTransport>(
     let topk = DeviceBuffer::from_slice(&stream, idx)?;
     let w = DeviceBuffer::from_slice(&stream, &vec![1.0f32 / s.top_k as f32; s.tokens * s.top_k])?;
     let out = DeviceBuffer::alloc(dev, s.tokens * s.y_row_bytes())?;
-    let (ex, counts, routing) = (
-        t.expert_x().clone(),
-        t.expert_counts().clone(),
-        t.routing().clone(),
-    );
+    let ex = t.expert_x().clone();
+    let dispatch = DispatchRequest {
+        x: &x,
+        topk_idx: &topk,
+        weights: Some(&w),
+        zero_padding: false,
+    };
+    let combine = CombineRequest {
+        expert_y: &ex,
+        weights: None,
+    };
     let warm = (|| -> Result<()> {
         x.memset(&stream, 0x3C)?;
         for _ in 0..case.warmup {
-            t.dispatch(&stream, &x, &topk)?;
-            t.combine(&stream, &ex, &counts, &routing, &w, &out)?;
+            t.dispatch_with(&stream, &dispatch)?;
+            t.combine_with(&stream, &combine, &out)?;
         }
         stream.synchronize()
     })();
@@ -245,9 +279,9 @@ fn rank_loop<T: MoeTransport>(
                 Event::timing(dev)?,
             ];
             e[0].record(&stream)?;
-            t.dispatch(&stream, &x, &topk)?;
+            t.dispatch_with(&stream, &dispatch)?;
             e[1].record(&stream)?;
-            t.combine(&stream, &ex, &counts, &routing, &w, &out)?;
+            t.combine_with(&stream, &combine, &out)?;
             e[2].record(&stream)?;
             events.push(e);
         }
@@ -269,15 +303,19 @@ fn rank_loop<T: MoeTransport>(
     timed
 }
 
-/// The results as a text table (one line per transport and case).
+/// The results as a text table (one line per transport and case). MB are the busiest rank's
+/// received bytes per phase (10^6), GB/s those bytes over the phase time.
 pub fn format_bench_table(results: &[BenchResult]) -> String {
     let mut s = String::from(
-        "transport  W     T     H  K    E   C  dtype  dispatch_us  combine_us  status\n",
+        "transport  W     T     H  K    E    C  wire          dispatch_us  MB     GB/s  \
+         combine_us  MB     GB/s  status\n",
     );
     for r in results {
         let sh = &r.shape;
+        let (db, cb) = r.traffic.max_bytes();
         s.push_str(&format!(
-            "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>3}  {:<5} {:>11.1} {:>11.1}  {}\n",
+            "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>4}  {:<12} {:>11.1} {:>6.1} {:>6.1} \
+             {:>11.1} {:>6.1} {:>6.1}  {}\n",
             r.transport.name(),
             sh.world,
             sh.tokens,
@@ -285,9 +323,13 @@ pub fn format_bench_table(results: &[BenchResult]) -> String {
             sh.top_k,
             sh.experts,
             sh.capacity,
-            sh.dtype.name(),
+            format!("{} {}", sh.dtype.name(), r.wire.name()),
             r.dispatch_us,
+            db as f64 / 1e6,
+            r.dispatch_gbps(),
             r.combine_us,
+            cb as f64 / 1e6,
+            r.combine_gbps(),
             if r.status_ok { "ok" } else { "FLAGGED" }
         ));
     }
