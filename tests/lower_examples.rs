@@ -203,6 +203,6 @@ fn every_example_lowers_and_verifies_at_every_rank_count() {
             lowered += 1;
         }
     }
-    // 5 single-mesh examples at 5 rank counts; 2 examples need 2 ranks (4 counts).
-    assert_eq!(lowered, 5 * 5 + 2 * 4);
+    // 6 single-mesh examples at 5 rank counts; 2 examples need 2 ranks (4 counts).
+    assert_eq!(lowered, 6 * 5 + 2 * 4);
 }

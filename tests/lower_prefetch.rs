@@ -10,12 +10,13 @@ use meshflow::ir::{parse_program_with, Params, Program};
 use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
 use meshflow::runtime::{run_and_compare, SimOptions};
 
-const EXAMPLES: [&str; 7] = [
+const EXAMPLES: [&str; 8] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
     "mlp_2d_mesh",
     "moe_layer",
+    "moe_layer_fp8",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
 ];

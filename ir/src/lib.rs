@@ -53,7 +53,10 @@
 //! logical tensors. An embedder's own op, `custom(inputs.., kernel="NAME", args=[..])`, is
 //! computed by the kernel it registers with the backend and lowers to `launch_kernel` (see
 //! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
-//! **resharding**, lowered to a communication.
+//! **resharding**, lowered to a communication. `moe_dispatch` / `moe_combine` route tokens to
+//! experts and back over an expert-parallel team; the [`moe`] module states their semantics
+//! bit for bit (one travelling row per token and destination member, the summation order of
+//! the combine, FP8 dispatch).
 //!
 //! ## The host IR
 //!
@@ -128,6 +131,7 @@ pub mod dtype;
 pub mod entity;
 pub mod host;
 pub mod mesh;
+pub mod moe;
 pub mod parse;
 pub mod program;
 pub mod span;
@@ -141,6 +145,7 @@ pub use host::{
     InstKind, LoopVar, ReduceOp, Role, StreamRef, StreamVar, Team,
 };
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
+pub use moe::{Fp8Scales, MoeWire};
 pub use parse::{parse_host, parse_program, parse_program_with, Params, ParseError};
 pub use program::{
     Axis, CustomOp, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId,

@@ -3,7 +3,10 @@
 //! Every op is evaluated on logical tensors with the CPU kernels of
 //! [`cpu_ops`]. Reduction axes are dropped from values (a consumer sees only
 //! the non-reduction axes). `moe_dispatch` orders each expert's rows by ascending `(token, k)`
-//! and numbers tokens globally; a capacity overflow is an error naming the expert.
+//! and numbers tokens globally (FP8 dispatch quantizes and dequantizes each token); a capacity
+//! overflow is an error naming the expert. `moe_combine` sums in the order of the
+//! `meshflow_ir::moe` docs, with the experts split over as many members as the op's sharding
+//! gives the expert axis ([`moe_groups`]), so a sharded run matches it bit for bit.
 //!
 //! A `custom` op runs the closure registered under its kernel name in the [`SimKernels`] given
 //! to [`evaluate_with`] — the same closure the CPU backend launches on chunks, here called once
@@ -14,6 +17,7 @@
 use std::collections::BTreeMap;
 
 use meshflow_ir::{EntityRef, OpKind, Program, TensorId};
+use meshflow_passes::analysis::{Sharding, Spec};
 
 use super::cpu_ops::{self, Binary, OpError, Unary};
 use super::data::TensorData;
@@ -165,7 +169,8 @@ pub fn evaluate_with(
             if let OpKind::Custom(c) = &op.kind {
                 run_custom(c, kernels, &ins, &mut outs, &text)?;
             } else {
-                run_op(&op.kind, &ins, &mut outs).map_err(|source| ReferenceError::Op {
+                let groups = moe_groups(program, op);
+                run_op(&op.kind, &ins, &mut outs, groups).map_err(|source| ReferenceError::Op {
                     op: text.clone(),
                     source,
                 })?;
@@ -214,7 +219,53 @@ fn run_custom(
     })
 }
 
-fn run_op(kind: &OpKind, ins: &[View<'_>], outs: &mut [TensorData]) -> Result<(), OpError> {
+/// The number of members the experts of a `moe_combine` are split over: the device parts of
+/// the expert axis of `expert_y`, `expert_counts` or `routing` (their schedules, or those that
+/// sharding propagation gives them), 1 when none is split. Other ops: 1.
+pub fn moe_groups(program: &Program, op: &meshflow_ir::Op) -> u64 {
+    if op.kind != OpKind::MoeCombine {
+        return 1;
+    }
+    let propagated = meshflow_passes::passes::propagate_shardings::propagate(program).ok();
+    let spec_of = |t: TensorId| -> Option<Spec> {
+        let decl = program.tensors.get(t)?;
+        match decl.schedule {
+            Some(_) => Sharding::of(program, t).ok().map(|s| s.spec),
+            None => propagated
+                .as_ref()?
+                .iter()
+                .find(|(id, _)| *id == t)
+                .map(|(_, s)| s.clone()),
+        }
+    };
+    // The expert axis is the first after the batch axes: the number of expert_y's value axes
+    // minus three (expert_counts and routing share it).
+    let nb = op
+        .inputs
+        .first()
+        .and_then(|&t| program.tensors.get(t))
+        .map_or(0, |d| d.ty.value_shape().len().saturating_sub(3));
+    op.inputs
+        .iter()
+        .take(3)
+        .filter_map(|&t| spec_of(t))
+        .flat_map(|s| {
+            s.device
+                .values()
+                .filter(|a| a.axis == nb)
+                .map(|a| a.parts)
+                .collect::<Vec<_>>()
+        })
+        .max()
+        .unwrap_or(1)
+}
+
+fn run_op(
+    kind: &OpKind,
+    ins: &[View<'_>],
+    outs: &mut [TensorData],
+    groups: u64,
+) -> Result<(), OpError> {
     let [first, rest @ ..] = outs else {
         return Err(cpu_ops::shape_err(kind.name(), "no output"));
     };
@@ -231,18 +282,21 @@ fn run_op(kind: &OpKind, ins: &[View<'_>], outs: &mut [TensorData]) -> Result<()
         OpKind::Sum { axis } => cpu_ops::sum(&ins[0], *axis, &mut out),
         OpKind::Cast => cpu_ops::cast(&ins[0], &mut out),
         OpKind::GroupedMatmul => cpu_ops::grouped_matmul(&ins[0], &ins[1], &ins[2], &mut out),
-        OpKind::MoeCombine => cpu_ops::moe_combine(&ins[0], &ins[1], &ins[2], &ins[3], &mut out),
+        OpKind::MoeCombine => {
+            cpu_ops::moe_combine(&ins[0], &ins[1], &ins[2], &ins[3], groups, &mut out)
+        }
         OpKind::Custom(c) => Err(cpu_ops::shape_err(
             "custom",
             format!("kernel `{}` runs through `run_custom`", c.kernel),
         )),
-        OpKind::MoeDispatch => {
+        OpKind::MoeDispatch { wire } => {
             let [counts, routing] = rest else {
                 return Err(cpu_ops::shape_err("moe_dispatch", "needs three outputs"));
             };
             cpu_ops::moe_dispatch(
                 &ins[0],
                 &ins[1],
+                *wire,
                 &mut out,
                 &mut ViewMut::of(counts),
                 &mut ViewMut::of(routing),

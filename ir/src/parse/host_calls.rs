@@ -7,6 +7,7 @@ use super::host::{Attrs, HostParser};
 use super::lexer::{Pos, Tok};
 use super::ParseError;
 use crate::host::{CommId, CommKind, ComputeOp, HostTensorId, InstKind, ReduceOp, Team};
+use crate::moe::{Fp8Scales, MoeWire};
 
 impl HostParser {
     /// A comma-separated list of tensor names, possibly empty; stops before `key=`.
@@ -195,13 +196,58 @@ impl HostParser {
             "moe_combine"
         };
         let mut team = None;
+        let (mut fp8, mut scale) = (None, None);
         let pos = self.cur.pos();
-        let (ins, outs, attrs) = self.args(inst, &["team"], &mut |p, _| {
-            team = Some(p.team()?);
+        let keys: &[&str] = if dispatch {
+            &["team", "wire", "scale"]
+        } else {
+            &["team"]
+        };
+        let (ins, outs, attrs) = self.args(inst, keys, &mut |p, key| {
+            match key {
+                "wire" => {
+                    let (v, at) = p.cur.expect_ident("a wire format (native or f8e4m3)")?;
+                    fp8 = Some(match v.as_str() {
+                        "native" => false,
+                        "f8e4m3" => true,
+                        _ => {
+                            return Err(error_at(
+                                at,
+                                format!("unknown wire format `{v}` (expected native or f8e4m3)"),
+                            ))
+                        }
+                    });
+                }
+                "scale" => {
+                    let (v, at) = p.cur.expect_ident("a scale granularity")?;
+                    scale = Some(Fp8Scales::from_name(&v).ok_or_else(|| {
+                        error_at(
+                            at,
+                            format!(
+                                "unknown FP8 scale granularity `{v}` (expected token or block128)"
+                            ),
+                        )
+                    })?);
+                }
+                _ => team = Some(p.team()?),
+            }
             Ok(())
         })?;
         let team = team.ok_or_else(|| attrs.missing("team"))?;
         Ok(if dispatch {
+            let wire = match (fp8, scale) {
+                (None | Some(false), None) => MoeWire::Native,
+                (Some(true), Some(s)) => MoeWire::Fp8E4m3(s),
+                (Some(true), None) => {
+                    return Err(error_at(
+                        attrs.close,
+                        "`wire=f8e4m3` needs `scale=token` or `scale=block128`",
+                    ))
+                }
+                (_, Some(_)) => {
+                    return Err(error_at(attrs.close, "`scale` is only for `wire=f8e4m3`"))
+                }
+            };
             let i = self.exactly(ins, 2, "inputs", inst, pos)?;
             let o = self.exactly(outs, 3, "outputs", inst, pos)?;
             InstKind::MoeDispatch {
@@ -212,6 +258,7 @@ impl HostParser {
                 expert_x: o[0],
                 expert_counts: o[1],
                 routing: o[2],
+                wire,
             }
         } else {
             let i = self.exactly(ins, 4, "inputs", inst, pos)?;

@@ -11,6 +11,7 @@ use super::lexer::{Pos, Tok};
 use super::mesh::parse_mesh;
 use super::{Params, ParseError};
 use crate::dtype::DType;
+use crate::moe::{Fp8Scales, MoeWire};
 use crate::program::{
     Axis, CustomOp, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId, TensorType,
     Transform,
@@ -334,7 +335,8 @@ impl ProgramParser<'_> {
         Ok(())
     }
 
-    /// One `key=value` attribute of op `op` (`sum`: `axis`; `custom`: `kernel`, `args`).
+    /// One `key=value` attribute of op `op` (`sum`: `axis`; `custom`: `kernel`, `args`;
+    /// `moe_dispatch`: `wire`, `scale`).
     fn attribute(
         &mut self,
         op: &str,
@@ -345,6 +347,7 @@ impl ProgramParser<'_> {
         let expected = match op {
             "sum" => "`axis`",
             "custom" => "`kernel` or `args`",
+            "moe_dispatch" => "`wire` or `scale`",
             _ => {
                 return Err(error_at(
                     key_pos,
@@ -359,6 +362,34 @@ impl ProgramParser<'_> {
                     return Err(twice());
                 }
                 attrs.axis = Some(self.usize_number("the summed axis")?);
+            }
+            ("moe_dispatch", "wire") => {
+                if attrs.wire.is_some() {
+                    return Err(twice());
+                }
+                let (v, pos) = self.cur.expect_ident("a wire format (native or f8e4m3)")?;
+                match v.as_str() {
+                    "native" => attrs.wire = Some(false),
+                    "f8e4m3" => attrs.wire = Some(true),
+                    _ => {
+                        return Err(error_at(
+                            pos,
+                            format!("unknown wire format `{v}` (expected native or f8e4m3)"),
+                        ))
+                    }
+                }
+            }
+            ("moe_dispatch", "scale") => {
+                if attrs.scale.is_some() {
+                    return Err(twice());
+                }
+                let (v, pos) = self.cur.expect_ident("a scale granularity")?;
+                attrs.scale = Some(Fp8Scales::from_name(&v).ok_or_else(|| {
+                    error_at(
+                        pos,
+                        format!("unknown FP8 scale granularity `{v}` (expected token or block128)"),
+                    )
+                })?);
             }
             ("custom", "kernel") => {
                 if attrs.kernel.is_some() {
@@ -417,11 +448,18 @@ struct OpAttrs {
     axis: Option<usize>,
     kernel: Option<String>,
     args: Option<Vec<i64>>,
+    /// `wire=`: `Some(true)` for `f8e4m3`, `Some(false)` for `native`.
+    wire: Option<bool>,
+    scale: Option<Fp8Scales>,
 }
 
 impl OpAttrs {
     fn any(&self) -> bool {
-        self.axis.is_some() || self.kernel.is_some() || self.args.is_some()
+        self.axis.is_some()
+            || self.kernel.is_some()
+            || self.args.is_some()
+            || self.wire.is_some()
+            || self.scale.is_some()
     }
 }
 
@@ -445,7 +483,20 @@ fn op_kind(name: &str, pos: Pos, attrs: Option<OpAttrs>, close: Pos) -> Result<O
             None => return Err(error_at(close, "`sum` needs `axis=`")),
         },
         "cast" => OpKind::Cast,
-        "moe_dispatch" => OpKind::MoeDispatch,
+        "moe_dispatch" => OpKind::MoeDispatch {
+            wire: match (attrs.wire, attrs.scale) {
+                (None | Some(false), None) => MoeWire::Native,
+                (Some(true), Some(s)) => MoeWire::Fp8E4m3(s),
+                (Some(true), None) if early => MoeWire::Native,
+                (Some(true), None) => {
+                    return Err(error_at(
+                        close,
+                        "`wire=f8e4m3` needs `scale=token` or `scale=block128`",
+                    ))
+                }
+                (_, Some(_)) => return Err(error_at(close, "`scale` is only for `wire=f8e4m3`")),
+            },
+        },
         "grouped_matmul" => OpKind::GroupedMatmul,
         "moe_combine" => OpKind::MoeCombine,
         "custom" => match attrs.kernel {

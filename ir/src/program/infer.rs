@@ -182,7 +182,7 @@ pub fn infer_output_types(
             axes.extend([Axis::iter(m), Axis::iter(n), Axis::reduce(k)]);
             vec![TensorType { dtype: d[0], axes }]
         }
-        OpKind::MoeDispatch => {
+        OpKind::MoeDispatch { wire } => {
             need_float(0, "the tokens")?;
             need_int(1, "topk_idx")?;
             need_rank(0, 2, "the tokens")?;
@@ -190,6 +190,9 @@ pub fn infer_output_types(
             let (x, idx) = (&v[0], &v[1]);
             let batch = &x[..x.len() - 2];
             let (t, h) = (x[x.len() - 2], x[x.len() - 1]);
+            if let Some(why) = wire.width_error(h) {
+                return Err(err(kind, why));
+            }
             if idx.len() != x.len() || &idx[..idx.len() - 2] != batch || idx[idx.len() - 2] != t {
                 return Err(err(
                     kind,

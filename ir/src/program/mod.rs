@@ -21,6 +21,7 @@ pub use schedule::{
 use crate::dtype::DType;
 use crate::entity::Arena;
 use crate::mesh::DeviceMesh;
+use crate::moe::MoeWire;
 use crate::span::SourceLoc;
 
 crate::entity_ref!(
@@ -188,15 +189,21 @@ pub enum OpKind {
     Cast,
     /// MoE dispatch: `x[B.., T, H], topk_idx[B.., T, K] -> expert_x[B.., E, C, H],
     /// expert_counts[B.., E] (i32), routing[B.., E, C, 2] (i32: source token, top-k slot)`.
-    /// Rows of expert `e` are the `(t, k)` with `topk_idx[t, k] == e`, in ascending `(t, k)`
-    /// order; rows past the count are padding (zero).
-    MoeDispatch,
+    /// Rows of expert `e` are the `(t, k)` with `topk_idx[t, k] == e` (order unspecified; the
+    /// reference uses ascending `(t, k)`); rows past the count are padding. Each token travels
+    /// once per member hosting one of its experts, encoded as `wire` (see [`crate::moe`]).
+    MoeDispatch {
+        /// How travelling tokens are encoded (`expert_x` keeps the dtype of `x`).
+        wire: MoeWire,
+    },
     /// `expert_x[B.., E, C, H], expert_counts[B.., E], w[E, H, F] -> [B.., E, C, F, rH]`: one
     /// GEMM per expert over its valid rows; padding rows are zero.
     GroupedMatmul,
     /// `expert_y[B.., E, C, F], expert_counts[B.., E], routing[B.., E, C, 2],
-    /// topk_weights[B.., T, K] -> out[B.., T, F]` with `out[t] = sum_k w[t, k] * y(t, k)`,
-    /// accumulated in f32 and rounded once.
+    /// topk_weights[B.., T, K] -> out[B.., T, F]` with `out[t] = Σ_k w[t, k] · y(t, k)`: each
+    /// member hosting some of the token's experts sums its share in `k` order (f32, rounded to
+    /// the dtype), the token's member sums those partials in member order (f32, rounded once);
+    /// see [`crate::moe`] for the exact order.
     MoeCombine,
     /// An embedder's own op, computed by the kernel it registers under [`CustomOp::kernel`]
     /// (see [`CustomOp`] for the contract).
@@ -247,7 +254,7 @@ impl OpKind {
             OpKind::Silu => "silu",
             OpKind::Sum { .. } => "sum",
             OpKind::Cast => "cast",
-            OpKind::MoeDispatch => "moe_dispatch",
+            OpKind::MoeDispatch { .. } => "moe_dispatch",
             OpKind::GroupedMatmul => "grouped_matmul",
             OpKind::MoeCombine => "moe_combine",
             OpKind::Custom(_) => "custom",
@@ -259,7 +266,7 @@ impl OpKind {
         match self {
             OpKind::Set | OpKind::Gelu | OpKind::Silu | OpKind::Sum { .. } | OpKind::Cast => (1, 1),
             OpKind::Matmul | OpKind::Linear | OpKind::Add | OpKind::Sub | OpKind::Mul => (2, 1),
-            OpKind::MoeDispatch => (2, 3),
+            OpKind::MoeDispatch { .. } => (2, 3),
             OpKind::GroupedMatmul => (3, 1),
             OpKind::MoeCombine => (4, 1),
             OpKind::Custom(c) => (c.inputs, c.outputs),

@@ -2,6 +2,7 @@
 
 use std::fmt;
 
+use crate::moe::MoeWire;
 use crate::program::{MeshId, OpKind, Program, TensorId};
 
 /// Writes `program` in canonical text (what [`Program`]'s `Display` prints).
@@ -60,6 +61,12 @@ pub fn write_program(f: &mut dyn fmt::Write, program: &Program) -> fmt::Result {
         }
         match &op.kind {
             OpKind::Sum { axis } => write!(f, ", axis={axis}")?,
+            OpKind::MoeDispatch { wire } if *wire != MoeWire::Native => {
+                if !op.inputs.is_empty() {
+                    f.write_str(", ")?;
+                }
+                write!(f, "{wire}")?;
+            }
             OpKind::Custom(c) => {
                 if !op.inputs.is_empty() {
                     f.write_str(", ")?;

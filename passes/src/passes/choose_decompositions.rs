@@ -196,7 +196,7 @@ fn plan_gather(
         let op = &program.ops[*u];
         let compute = !matches!(
             op.kind,
-            OpKind::Set | OpKind::MoeDispatch | OpKind::MoeCombine
+            OpKind::Set | OpKind::MoeDispatch { .. } | OpKind::MoeCombine
         );
         if let (true, Some(&o)) = (compute, op.outputs.first()) {
             let os = Sharding::of(program, o)?;

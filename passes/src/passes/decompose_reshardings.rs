@@ -130,11 +130,11 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
     };
     match op.kind {
         OpKind::Set => {}
-        OpKind::MoeDispatch | OpKind::MoeCombine => {
+        OpKind::MoeDispatch { .. } | OpKind::MoeCombine => {
             // The expert-parallel type is the one splitting the expert axis of expert_x /
             // expert_y; token tensors must be split on their token axis by it.
             let (experts, token_inputs, expert_inputs): (TensorId, &[usize], &[usize]) =
-                if op.kind == OpKind::MoeDispatch {
+                if matches!(op.kind, OpKind::MoeDispatch { .. }) {
                     (op.outputs[0], &[0, 1], &[])
                 } else {
                     (op.inputs[0], &[3], &[0, 1, 2])

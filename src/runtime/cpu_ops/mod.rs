@@ -5,11 +5,10 @@
 //! the shapes it is given and returns an [`OpError`] that names the problem.
 
 mod moe;
+mod moe_combine;
 
-pub use moe::{
-    moe_combine, moe_dispatch, pack_combine, pack_dispatch, unpack_combine, unpack_dispatch,
-    MoeRows,
-};
+pub use moe::{moe_dispatch, pack_dispatch, unpack_dispatch, Fp8Rows, MoeRows};
+pub use moe_combine::{moe_combine, pack_combine, unpack_combine};
 
 use std::borrow::Cow;
 

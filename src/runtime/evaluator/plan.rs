@@ -79,12 +79,13 @@ pub(crate) enum Step<'p> {
         input: usize,
         output: usize,
     },
-    /// `[x, topk_idx, expert_x, expert_counts, routing]`.
+    /// `[x, topk_idx, expert_x, expert_counts, routing]`, tokens encoded as `wire`.
     Dispatch {
         at: u32,
         label: usize,
         team: usize,
         t: [usize; 5],
+        wire: meshflow_ir::MoeWire,
     },
     /// `[expert_y, expert_counts, routing, topk_weights, out]`.
     Combine {
@@ -481,6 +482,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
             } => {
                 let Some(team) = self.team(team) else {
                     return Ok(None);
@@ -491,6 +493,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     label: self.post(*id),
                     team,
                     t,
+                    wire: *wire,
                 }
             }
             InstKind::MoeCombine {
