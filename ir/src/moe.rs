@@ -135,7 +135,7 @@ impl MoeWire {
                 } else {
                     16
                 };
-                (h % need != 0).then(|| {
+                (!h.is_multiple_of(need)).then(|| {
                     format!(
                         "FP8 dispatch with {} scales needs a token width divisible by {need}, \
                          the tokens have {h} channels",

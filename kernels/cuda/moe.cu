@@ -20,6 +20,9 @@
 //   One kernel per phase; the combine's late weights (when not given at dispatch) take one more.
 //
 // Row order inside an expert is unspecified (atomics); counts and the combine result are exact.
+// No kernel scans over experts with one block: any E (E > 1024 included) works with any block
+// size, and there is no block-wide running total to race on (the missing barrier of
+// pplx-garden's chunked expert scan, PR #9, cannot happen here).
 // All float math uses explicit round-to-nearest intrinsics (NVRTC contracts a*b+c into FMA
 // otherwise), so results are bit-identical to the CPU reference.
 

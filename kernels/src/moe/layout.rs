@@ -90,7 +90,7 @@ mod tests {
                 assert!(off >= end, "{l:?}");
                 end = off + bytes;
             }
-            assert!(l.total >= end && l.total % 256 == 0);
+            assert!(l.total >= end && l.total.is_multiple_of(256));
             assert_eq!(nccl_block_bytes(&shape, wire), 16 + 128 * stride);
         }
     }

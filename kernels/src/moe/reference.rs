@@ -243,7 +243,7 @@ mod tests {
         };
         let row: Vec<f32> = (0..16).map(|i| round_to(s.dtype, 0.1 + i as f32)).collect();
         let wire = MoeWire::Fp8E4m3(Fp8Scales::PerToken);
-        let r = reference_dispatch(&s, wire, 0, &[row.clone()], &[vec![1, 0]]).unwrap();
+        let r = reference_dispatch(&s, wire, 0, std::slice::from_ref(&row), &[vec![1, 0]]).unwrap();
         let want = wire.arrived_row(&s, &row).unwrap();
         assert_eq!(&r.expert_x[..16], &want[..]);
         assert_eq!(&r.expert_x[32..48], &want[..]);

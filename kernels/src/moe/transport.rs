@@ -307,7 +307,7 @@ impl Core {
     pub fn check_dispatch(&self, req: &DispatchRequest<'_>) -> Result<()> {
         let s = &self.shape;
         self.expect_buffer(req.x, s.tokens * s.x_row_bytes(), "dispatch input x")?;
-        if self.wire != MoeWire::Native && req.x.addr() % 16 != 0 {
+        if self.wire != MoeWire::Native && !req.x.addr().is_multiple_of(16) {
             return Err(KernelError::InvalidArgument(format!(
                 "MoE dispatch input x at {:#x} is not 16-byte aligned ({} dispatch reads it \
                  in 16-byte vectors)",

@@ -280,7 +280,7 @@ impl StepMode {
     /// The modes of step `i`: every combination within four steps.
     pub fn of_step(i: usize) -> StepMode {
         StepMode {
-            weights_at_dispatch: i % 2 == 0,
+            weights_at_dispatch: i.is_multiple_of(2),
             zero_padding: i % 4 == 1 || i % 4 == 2,
         }
     }

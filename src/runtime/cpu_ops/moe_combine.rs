@@ -245,7 +245,7 @@ pub fn moe_combine(
     }
     let s = expert_y.shape();
     let experts = s.len().checked_sub(3).map_or(0, |nb| s[nb]);
-    if groups == 0 || experts % groups != 0 {
+    if groups == 0 || !experts.is_multiple_of(groups) {
         return Err(shape_err(
             OP,
             format!("{experts} experts cannot be split over {groups} members"),
