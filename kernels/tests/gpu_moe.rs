@@ -125,6 +125,12 @@ fn cases() -> Vec<Case> {
             ..base
         },
         Case {
+            name: "E=256 K=8 bf16 fp8 per-token, rank 1 receives nothing",
+            routing: Routing::NothingForRank1,
+            wire: FP8_TOKEN,
+            ..base
+        },
+        Case {
             name: "E=16 K=4 f32 T=0",
             experts: 16,
             top_k: 4,
@@ -312,7 +318,7 @@ fn run_all(kind: TransportKind, cases: &[Case]) {
     let mut errs = Vec::new();
     for world in worlds(n) {
         for (i, case) in cases.iter().enumerate() {
-            if case.routing == Routing::Skewed && world == 1 {
+            if matches!(case.routing, Routing::Skewed | Routing::NothingForRank1) && world == 1 {
                 continue;
             }
             errs.extend(run_case(kind, world, case, seed ^ (i as u64 * 0x1234_5678)));

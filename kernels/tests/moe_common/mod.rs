@@ -107,6 +107,8 @@ pub enum Routing {
     Skewed,
     /// Uniform, plus one invalid expert id on every rank (skipped, `BAD_EXPERT`).
     WithBadId,
+    /// Nobody routes to rank 1's experts (rank 1 receives nothing; needs `E - L >= K`).
+    NothingForRank1,
 }
 
 /// One step's inputs of every rank.
@@ -136,11 +138,15 @@ pub fn gen_step(shape: &MoeShape, routing: Routing, rng: &mut Rng) -> StepInputs
         } else {
             (0, e)
         };
+        let avoid = routing == Routing::NothingForRank1 && shape.world > 1 && e - l >= k;
         let mut idx = Vec::with_capacity(t * k);
         for _ in 0..t {
             let start = idx.len();
             while idx.len() - start < k {
                 let ex = (lo + rng.below(n)) as i32;
+                if avoid && ex as usize / l == 1 {
+                    continue;
+                }
                 if !idx[start..].contains(&ex) {
                     idx.push(ex);
                 }
