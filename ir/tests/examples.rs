@@ -70,6 +70,7 @@ fn examples_with_other_rank_counts() {
             ],
         ),
         ("row_parallel_linear_chunked", [d(1), d(2), d(3), d(8)]),
+        ("row_parallel_linear_ring", [d(1), d(2), d(3), d(8)]),
     ];
     let all = examples();
     assert_eq!(all.len(), table.len(), "every example is in the table");

@@ -177,6 +177,31 @@ pub fn row_parallel(d: u64) -> Program {
     b.build().unwrap()
 }
 
+/// `row_parallel_linear_ring` with `d` devices.
+pub fn row_parallel_ring(d: u64) -> Program {
+    let mut b = ProgramBuilder::new("row_parallel_linear_ring");
+    let m = b
+        .mesh("m0", DeviceMesh::iota(vec![d as usize], 0).unwrap())
+        .unwrap();
+    let x = b.input("x", DType::F32, &[8 * d, 16 * d], m).unwrap();
+    let w = b.input("w", DType::F32, &[24, 16 * d], m).unwrap();
+    b.schedule(x).outer_split(1, d).parallelize(1, DIDx);
+    b.schedule(w).outer_split(1, d).parallelize(1, DIDx);
+    let y = b.linear(x, w).unwrap();
+    b.rename(y, "y").unwrap();
+    b.schedule(y)
+        .outer_split(0, d)
+        .swizzle1d(0, DIDx)
+        .parallelize(0, Stream)
+        .outer_split(3, d)
+        .parallelize(3, DIDx);
+    let z = b.set(y).unwrap();
+    b.rename(z, "z").unwrap();
+    b.schedule(z).outer_split(0, d).parallelize(0, DIDx);
+    b.output(z);
+    b.build().unwrap()
+}
+
 /// Every example by file stem, for `ranks` devices (`None` where the example does not fit).
 pub fn example(name: &str, ranks: u64) -> Option<Program> {
     Some(match name {
@@ -188,12 +213,13 @@ pub fn example(name: &str, ranks: u64) -> Option<Program> {
         "moe_layer_fp8" => moe_layer_fp8(ranks),
         "pipeline_two_meshes" if ranks >= 2 => pipeline_two_meshes(ranks),
         "row_parallel_linear_chunked" => row_parallel(ranks),
+        "row_parallel_linear_ring" => row_parallel_ring(ranks),
         _ => return None,
     })
 }
 
 /// The stems of `examples/programs/*.mf`.
-pub const EXAMPLES: [&str; 8] = [
+pub const EXAMPLES: [&str; 9] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
@@ -202,6 +228,7 @@ pub const EXAMPLES: [&str; 8] = [
     "moe_layer_fp8",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
+    "row_parallel_linear_ring",
 ];
 
 /// A transformer-like stack of `layers` MLP blocks on a `dp x tp` mesh: per layer a
