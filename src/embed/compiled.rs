@@ -201,12 +201,23 @@ impl Compiled {
     }
 
     /// Cuts a full (unsharded) tensor of the level-1 tensor `name` into the local tensor of
-    /// every rank that holds it, by its layout.
+    /// every rank that holds it, by its layout. A partial program input (one with reduction
+    /// axes) takes its unreduced data, reduction axes included; each rank gets the sum over its
+    /// chunk of them.
     pub fn scatter(
         &self,
         name: &str,
         full: &TensorData,
     ) -> Result<BTreeMap<DeviceId, TensorData>, Error> {
+        if let Some(program) = self.program.as_ref() {
+            if let Some(t) = program.tensor_by_name(name) {
+                if crate::runtime::shard_partial::is_partial_input(program, t) {
+                    return Ok(crate::runtime::shard_partial::scatter_partial(
+                        program, t, full,
+                    )?);
+                }
+            }
+        }
         Ok(self.sharding(name, "scatter")?.scatter(full)?)
     }
 

@@ -5,9 +5,9 @@ use super::cursor::{error_at, Cursor};
 use super::expr::parse_parallel_type;
 use super::host::{Attrs, HostParser};
 use super::lexer::{Pos, Tok};
+use super::moe_wire::{moe_wire, scale_value, wire_value};
 use super::ParseError;
 use crate::host::{CommId, CommKind, ComputeOp, HostTensorId, InstKind, ReduceOp, Team};
-use crate::moe::{Fp8Scales, MoeWire};
 
 impl HostParser {
     /// A comma-separated list of tensor names, possibly empty; stops before `key=`.
@@ -153,14 +153,14 @@ impl HostParser {
     fn reduce_op(&mut self) -> Result<ReduceOp, ParseError> {
         let (name, pos) = self
             .cur
-            .expect_ident("a reduction (`sum`, `max` or `min`)")?;
-        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]
+            .expect_ident("a reduction (`sum`, `max`, `min` or `avg`)")?;
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg]
             .into_iter()
             .find(|r| r.name() == name)
             .ok_or_else(|| {
                 error_at(
                     pos,
-                    format!("unknown reduction `{name}` (expected sum, max or min)"),
+                    format!("unknown reduction `{name}` (expected sum, max, min or avg)"),
                 )
             })
     }
@@ -205,49 +205,15 @@ impl HostParser {
         };
         let (ins, outs, attrs) = self.args(inst, keys, &mut |p, key| {
             match key {
-                "wire" => {
-                    let (v, at) = p.cur.expect_ident("a wire format (native or f8e4m3)")?;
-                    fp8 = Some(match v.as_str() {
-                        "native" => false,
-                        "f8e4m3" => true,
-                        _ => {
-                            return Err(error_at(
-                                at,
-                                format!("unknown wire format `{v}` (expected native or f8e4m3)"),
-                            ))
-                        }
-                    });
-                }
-                "scale" => {
-                    let (v, at) = p.cur.expect_ident("a scale granularity")?;
-                    scale = Some(Fp8Scales::from_name(&v).ok_or_else(|| {
-                        error_at(
-                            at,
-                            format!(
-                                "unknown FP8 scale granularity `{v}` (expected token or block128)"
-                            ),
-                        )
-                    })?);
-                }
+                "wire" => fp8 = Some(wire_value(&mut p.cur)?),
+                "scale" => scale = Some(scale_value(&mut p.cur)?),
                 _ => team = Some(p.team()?),
             }
             Ok(())
         })?;
         let team = team.ok_or_else(|| attrs.missing("team"))?;
         Ok(if dispatch {
-            let wire = match (fp8, scale) {
-                (None | Some(false), None) => MoeWire::Native,
-                (Some(true), Some(s)) => MoeWire::Fp8E4m3(s),
-                (Some(true), None) => {
-                    return Err(error_at(
-                        attrs.close,
-                        "`wire=f8e4m3` needs `scale=token` or `scale=block128`",
-                    ))
-                }
-                (_, Some(_)) => {
-                    return Err(error_at(attrs.close, "`scale` is only for `wire=f8e4m3`"))
-                }
-            };
+            let wire = moe_wire(fp8, scale, attrs.close)?;
             let i = self.exactly(ins, 2, "inputs", inst, pos)?;
             let o = self.exactly(outs, 3, "outputs", inst, pos)?;
             InstKind::MoeDispatch {
@@ -316,10 +282,13 @@ impl HostParser {
             ComputeOp::Silu,
             ComputeOp::Cast,
             ComputeOp::GroupedMatmul,
+            ComputeOp::Expand,
         ];
         let keys: &[&str] = match name.as_str() {
-            "sum" => &["axis"],
+            "sum" | "max" | "min" | "avg" | "softmax" | "cat" => &["axis"],
             "permute" => &["perm"],
+            "slice" => &["axis", "start"],
+            "rms_norm" => &["axis", "eps"],
             _ if simple.iter().any(|o| o.name() == name) => &[],
             _ => {
                 return Err(error_at(
@@ -331,29 +300,49 @@ impl HostParser {
                 ))
             }
         };
-        let (mut axis, mut perm) = (None, None);
+        let (mut axis, mut perm, mut start, mut eps) = (None, None, None, None);
         let (inputs, outputs, attrs) = self.args(&name, keys, &mut |p, key| {
-            if key == "axis" {
-                axis = Some(p.cur.expect_usize("an axis")?.0);
-            } else {
-                let mut list = Vec::new();
-                p.cur.expect_punct("[")?;
-                if !p.cur.is_punct("]") {
-                    loop {
-                        list.push(p.cur.expect_usize("an axis")?.0);
-                        if !p.cur.eat_punct(",") {
-                            break;
+            match key {
+                "axis" => axis = Some(p.cur.expect_usize("an axis")?.0),
+                "start" => start = Some(p.cur.expect_int("a start index")?.0),
+                "eps" => {
+                    eps = Some(p.cur.expect_epsilon()?);
+                }
+                _ => {
+                    let mut list = Vec::new();
+                    p.cur.expect_punct("[")?;
+                    if !p.cur.is_punct("]") {
+                        loop {
+                            list.push(p.cur.expect_usize("an axis")?.0);
+                            if !p.cur.eat_punct(",") {
+                                break;
+                            }
                         }
                     }
+                    p.cur.expect_punct("]")?;
+                    perm = Some(list);
                 }
-                p.cur.expect_punct("]")?;
-                perm = Some(list);
             }
             Ok(())
         })?;
+        let axis = || axis.ok_or_else(|| attrs.missing("axis"));
         let op = match name.as_str() {
-            "sum" => ComputeOp::Sum {
-                axis: axis.ok_or_else(|| attrs.missing("axis"))?,
+            "sum" => ComputeOp::Sum { axis: axis()? },
+            "max" => ComputeOp::Max { axis: axis()? },
+            "min" => ComputeOp::Min { axis: axis()? },
+            "avg" => ComputeOp::Avg { axis: axis()? },
+            "softmax" => ComputeOp::Softmax { axis: axis()? },
+            "cat" => ComputeOp::Cat {
+                axis: axis()?,
+                inputs: inputs.len(),
+            },
+            "slice" => ComputeOp::Slice {
+                axis: axis()?,
+                start: start.ok_or_else(|| attrs.missing("start"))?,
+            },
+            "rms_norm" => ComputeOp::RmsNorm {
+                axis: axis()?,
+                eps: eps.unwrap_or_default(),
             },
             "permute" => ComputeOp::Permute {
                 perm: perm.ok_or_else(|| attrs.missing("perm"))?,

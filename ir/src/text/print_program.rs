@@ -2,8 +2,7 @@
 
 use std::fmt;
 
-use crate::moe::MoeWire;
-use crate::program::{MeshId, OpKind, Program, TensorId};
+use crate::program::{MeshId, Program, TensorId};
 
 /// Writes `program` in canonical text (what [`Program`]'s `Display` prints).
 pub fn write_program(f: &mut dyn fmt::Write, program: &Program) -> fmt::Result {
@@ -59,25 +58,12 @@ pub fn write_program(f: &mut dyn fmt::Write, program: &Program) -> fmt::Result {
             }
             f.write_str(&tensor_name(t))?;
         }
-        match &op.kind {
-            OpKind::Sum { axis } => write!(f, ", axis={axis}")?,
-            OpKind::MoeDispatch { wire } if *wire != MoeWire::Native => {
-                if !op.inputs.is_empty() {
-                    f.write_str(", ")?;
-                }
-                write!(f, "{wire}")?;
+        let attrs = op.kind.attributes();
+        if !attrs.is_empty() {
+            if !op.inputs.is_empty() {
+                f.write_str(", ")?;
             }
-            OpKind::Custom(c) => {
-                if !op.inputs.is_empty() {
-                    f.write_str(", ")?;
-                }
-                write!(f, "kernel=\"{}\"", c.kernel.escape_default())?;
-                if !c.args.is_empty() {
-                    let args: Vec<String> = c.args.iter().map(i64::to_string).collect();
-                    write!(f, ", args=[{}]", args.join(", "))?;
-                }
-            }
-            _ => {}
+            f.write_str(&attrs)?;
         }
         f.write_str(")\n")?;
     }

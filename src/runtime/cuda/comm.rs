@@ -19,6 +19,7 @@ fn reduce_op(op: ReduceOp) -> KReduceOp {
         ReduceOp::Sum => KReduceOp::Sum,
         ReduceOp::Max => KReduceOp::Max,
         ReduceOp::Min => KReduceOp::Min,
+        ReduceOp::Avg => KReduceOp::Avg,
     }
 }
 
@@ -31,10 +32,11 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
 }
 
 fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    match v.shape.first() {
+    let axis = crate::runtime::view::cut_axis(&v.shape);
+    match v.shape.get(axis) {
         Some(&n) if n % d as u64 == 0 => Ok(()),
         _ => Err(BackendError::Invalid(format!(
-            "{name}: the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
+            "{name}: the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
             v.shape
         ))),
     }

@@ -16,7 +16,7 @@ use super::{SimBackend, SimBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
 use crate::runtime::cpu_ops::{self, MoeRows};
 use crate::runtime::data::{Storage, TensorData};
-use crate::runtime::view::View;
+use crate::runtime::view::{cut_axis, View};
 
 type TV = TensorView<SimBuffer>;
 
@@ -122,12 +122,13 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
 }
 
 fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    match v.shape.first() {
+    let axis = cut_axis(&v.shape);
+    match v.shape.get(axis) {
         Some(&n) if n % d as u64 == 0 => Ok(()),
         _ => Err(invalid(
             name,
             format!(
-                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
+                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
                 v.shape
             ),
         )),
@@ -142,13 +143,13 @@ fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError>
     }
 }
 
-/// Reads `v` (or chunk `k` of `d` along axis 0).
+/// Reads `v` (or chunk `k` of `d` along its cut axis, see [`cut_axis`]).
 fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
     let view = be.view(v)?;
     match chunk {
         None => Ok(view.to_storage()),
         Some((k, d)) => view
-            .chunk(0, d, k)
+            .chunk(cut_axis(&v.shape), d, k)
             .map(|c| c.to_storage())
             .ok_or_else(|| BackendError::Invalid(format!("chunk {k} of {d} of {:?}", v.shape))),
     }
@@ -611,7 +612,7 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 for (part, piece) in &pieces {
                     let r = match *part {
                         Part::Whole => outs[0].assign_storage(piece),
-                        Part::Chunk(k, d) => match outs[0].chunk_mut(0, d, k) {
+                        Part::Chunk(k, d) => match outs[0].chunk_mut(cut_axis(&out.shape), d, k) {
                             Some(mut c) => c.assign_storage(piece),
                             None => return Err(invalid(name, "receive buffer cannot be chunked")),
                         },
@@ -728,11 +729,15 @@ fn reduce_f32(parts: &[Storage], op: ReduceOp) -> Vec<f32> {
     for p in it {
         for (a, b) in acc.iter_mut().zip(p.to_f32_vec()) {
             *a = match op {
-                ReduceOp::Sum => *a + b,
+                ReduceOp::Sum | ReduceOp::Avg => *a + b,
                 ReduceOp::Max => a.max(b),
                 ReduceOp::Min => a.min(b),
             };
         }
+    }
+    if op == ReduceOp::Avg && !parts.is_empty() {
+        let n = parts.len() as f32;
+        acc.iter_mut().for_each(|a| *a /= n);
     }
     acc
 }
@@ -743,11 +748,15 @@ fn reduce_i64(parts: &[Storage], op: ReduceOp) -> Vec<i64> {
     for p in it {
         for (a, b) in acc.iter_mut().zip(p.to_i64_vec()) {
             *a = match op {
-                ReduceOp::Sum => a.wrapping_add(b),
+                ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
                 ReduceOp::Max => (*a).max(b),
                 ReduceOp::Min => (*a).min(b),
             };
         }
+    }
+    if op == ReduceOp::Avg && !parts.is_empty() {
+        let n = parts.len() as i64;
+        acc.iter_mut().for_each(|a| *a /= n);
     }
     acc
 }
