@@ -25,9 +25,8 @@ use std::time::{Duration, Instant};
 use meshflow_kernels::fp8::Fp8Scales;
 use meshflow_kernels::moe::{
     bench_moe, format_bench_table, reference_combine, round_to, BenchCase, CombineRequest,
-    DispatchRequest, MoeShape, MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe, TransportKind,
+    DispatchRequest, MoeShape, MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
 };
-use meshflow_kernels::nccl::{Comm, NcclLib};
 use meshflow_kernels::{BinaryOp, DType, Device, DeviceBuffer, Stream};
 use moe_common::*;
 
@@ -177,28 +176,36 @@ fn cases() -> Vec<Case> {
     ]
 }
 
+/// The MoE engines under test.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Engine {
+    Nccl,
+    Nvlink,
+}
+
+impl Engine {
+    fn name(self) -> &'static str {
+        match self {
+            Engine::Nccl => "nccl",
+            Engine::Nvlink => "nvlink",
+        }
+    }
+}
+
 fn make_transports(
-    kind: TransportKind,
+    kind: Engine,
     devs: &[Device],
     shape: &MoeShape,
     wire: MoeWire,
 ) -> Vec<Box<dyn MoeTransport>> {
-    match kind {
-        TransportKind::Nvlink => NvlinkMoe::team_with_wire(devs, shape, wire)
-            .unwrap()
-            .into_iter()
+    fn boxed<T: MoeTransport + 'static>(v: Vec<T>) -> Vec<Box<dyn MoeTransport>> {
+        v.into_iter()
             .map(|t| Box::new(t) as Box<dyn MoeTransport>)
-            .collect(),
-        TransportKind::Nccl => {
-            let lib = NcclLib::load().unwrap();
-            Comm::init_all(&lib, devs)
-                .unwrap()
-                .into_iter()
-                .map(|c| {
-                    Box::new(NcclMoe::with_wire(c, shape, wire).unwrap()) as Box<dyn MoeTransport>
-                })
-                .collect()
-        }
+            .collect()
+    }
+    match kind {
+        Engine::Nvlink => boxed(NvlinkMoe::team_with_wire(devs, shape, wire).unwrap()),
+        Engine::Nccl => boxed(NcclMoe::team_with_wire(devs, shape, wire).unwrap()),
     }
 }
 
@@ -218,7 +225,7 @@ fn sized(case: &Case, world: usize, seed: u64) -> (MoeShape, Vec<StepInputs>) {
 }
 
 /// Runs `case` on `world` GPUs with `kind`; returns the failures.
-fn run_case(kind: TransportKind, world: usize, case: &Case, seed: u64) -> Vec<String> {
+fn run_case(kind: Engine, world: usize, case: &Case, seed: u64) -> Vec<String> {
     let devs: Vec<Device> = (0..world).map(|i| Device::new(i).unwrap()).collect();
     let (shape, steps) = sized(case, world, seed);
     let mut expect = MoeStatus::default();
@@ -308,7 +315,7 @@ fn worlds(n: usize) -> Vec<usize> {
     all.into_iter().filter(|&w| w <= n).collect()
 }
 
-fn run_all(kind: TransportKind, cases: &[Case]) {
+fn run_all(kind: Engine, cases: &[Case]) {
     let Some(n) = device_count() else { return };
     let seed = fresh_seed();
     println!(
@@ -334,12 +341,12 @@ fn run_all(kind: TransportKind, cases: &[Case]) {
 
 #[test]
 fn nccl_transport_matches_reference() {
-    run_all(TransportKind::Nccl, &cases());
+    run_all(Engine::Nccl, &cases());
 }
 
 #[test]
 fn nvlink_transport_matches_reference() {
-    run_all(TransportKind::Nvlink, &cases());
+    run_all(Engine::Nvlink, &cases());
 }
 
 #[test]
@@ -357,7 +364,7 @@ fn overflow_and_bad_ids_are_flagged_without_corruption() {
         routing: Routing::WithBadId,
         capacity_fraction: 0.5,
     };
-    for kind in [TransportKind::Nccl, TransportKind::Nvlink] {
+    for kind in [Engine::Nccl, Engine::Nvlink] {
         run_all(
             kind,
             &[
@@ -761,9 +768,8 @@ fn moe_latency_table() {
                 wire,
                 ..BenchCase::deepseek(tokens)
             };
-            all.extend(
-                bench_moe(&devs, &case, &[TransportKind::Nvlink, TransportKind::Nccl]).unwrap(),
-            );
+            all.push(bench_moe(&devs, &case, NvlinkMoe::team_with_wire).unwrap());
+            all.push(bench_moe(&devs, &case, NcclMoe::team_with_wire).unwrap());
         }
     }
     println!("{}", format_bench_table(&all));

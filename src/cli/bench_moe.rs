@@ -19,17 +19,9 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
+use meshflow::passes::Transport;
 
 use super::common::CliError;
-
-/// A MoE transport.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Transport {
-    /// NCCL grouped send/recv.
-    Nccl,
-    /// Peer-mapped stores over NVLink.
-    Nvlink,
-}
 
 /// How dispatch encodes token rows.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -60,8 +52,9 @@ pub struct MoeBenchArgs {
     /// Experts E (a multiple of the number of ranks).
     #[arg(long, default_value_t = 256)]
     experts: usize,
-    /// Transports (repeatable); default both.
-    #[arg(long = "transport", value_enum)]
+    /// Transports (repeatable): `nvlink` (stores into peer-mapped memory) or `nccl` (grouped
+    /// send/recv); default both.
+    #[arg(long = "transport")]
     transports: Vec<Transport>,
     /// Dispatch wire formats (repeatable); default native and fp8-block128.
     #[arg(long = "wire", value_enum)]
@@ -112,7 +105,7 @@ pub fn run(_args: MoeBenchArgs) -> Result<(), CliError> {
 pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
     use meshflow::kernels::fp8::Fp8Scales;
     use meshflow::kernels::moe::{
-        bench_moe, format_bench_table, BenchCase, MoeWire, TransportKind,
+        bench_moe, format_bench_table, BenchCase, MoeWire, NcclMoe, NvlinkMoe,
     };
     use meshflow::kernels::Device;
 
@@ -136,17 +129,19 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             devices.len()
         )));
     }
-    let transports: Vec<TransportKind> = if args.transports.is_empty() {
-        vec![TransportKind::Nvlink, TransportKind::Nccl]
+    let transports: Vec<Transport> = if args.transports.is_empty() {
+        vec![Transport::Nvlink, Transport::Nccl]
     } else {
-        args.transports
-            .iter()
-            .map(|t| match t {
-                Transport::Nccl => TransportKind::Nccl,
-                Transport::Nvlink => TransportKind::Nvlink,
-            })
-            .collect()
+        args.transports.clone()
     };
+    if let Some(t) = transports
+        .iter()
+        .find(|t| !matches!(t, Transport::Nvlink | Transport::Nccl))
+    {
+        return Err(CliError::Usage(format!(
+            "--transport {t}: MoE dispatch and combine run over nvlink or nccl"
+        )));
+    }
     let torch = match &args.torch {
         Some(path) => Some(
             std::fs::read_to_string(path).map_err(|source| CliError::Read {
@@ -192,7 +187,14 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                 warmup: args.warmup,
                 ..BenchCase::deepseek(t)
             };
-            let results = bench_moe(&devices, &case, &transports).map_err(err)?;
+            let results = transports
+                .iter()
+                .map(|transport| match transport {
+                    Transport::Nvlink => bench_moe(&devices, &case, NvlinkMoe::team_with_wire),
+                    _ => bench_moe(&devices, &case, NcclMoe::team_with_wire),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?;
             text.push_str(&format!(
                 "MoE dispatch/combine, {} x {device}, T={t} tokens/rank, H={}, K={}, E={}, bf16, \
                  {} dispatch\n",
@@ -210,7 +212,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                 for r in &results {
                     text.push_str(&format!(
                         "  {} vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
-                        r.transport.name(),
+                        r.transport,
                         d / r.dispatch_us,
                         c / r.combine_us
                     ));
@@ -238,7 +240,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                      \"torch_combine_us\": {}, \"device\": \"{device}\", \"wire\": \"{}\", \
                      \"hidden\": {}, \"top_k\": {}, \"experts\": {}, \"capacity\": {}, \
                      \"dispatch_bytes\": {db}, \"combine_bytes\": {cb}, \"status_ok\": {}}}",
-                    r.transport.name(),
+                    r.transport,
                     r.shape.world,
                     r.dispatch_us,
                     r.combine_us,

@@ -11,16 +11,12 @@
 
 use std::sync::Barrier;
 
-use super::{
-    CombineRequest, DispatchRequest, MoeShape, MoeTraffic, MoeTransport, MoeWire, NcclMoe,
-    NvlinkMoe, TransportKind,
-};
+use super::{CombineRequest, DispatchRequest, MoeShape, MoeTraffic, MoeTransport, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::event::Event;
-use crate::nccl::{Comm, NcclLib};
 use crate::stream::Stream;
 
 /// One benchmark configuration (per rank).
@@ -61,11 +57,11 @@ impl BenchCase {
     }
 }
 
-/// The measured latency of one transport on one case.
+/// The measured latency of one engine on one case.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchResult {
-    /// The transport.
-    pub transport: TransportKind,
+    /// The engine's name ([`MoeTransport::name`]: `nccl`, `nvlink`).
+    pub transport: &'static str,
     /// The layer shape run (capacity chosen from the generated routing).
     pub shape: MoeShape,
     /// How dispatch encoded the rows.
@@ -127,12 +123,15 @@ fn routing(case: &BenchCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
         .collect()
 }
 
-/// Runs `case` on `devices` (one rank per device) with each of `transports`.
-pub fn bench_moe(
+/// Runs `case` on `devices` (one rank per device) with the engines `make` creates for a shape
+/// and the case's wire format (one per rank, e.g.
+/// [`NvlinkMoe::team_with_wire`](super::NvlinkMoe::team_with_wire) or
+/// [`NcclMoe::team_with_wire`](super::NcclMoe::team_with_wire)).
+pub fn bench_moe<T: MoeTransport>(
     devices: &[Device],
     case: &BenchCase,
-    transports: &[TransportKind],
-) -> Result<Vec<BenchResult>> {
+    make: impl FnOnce(&[Device], &MoeShape, MoeWire) -> Result<Vec<T>>,
+) -> Result<BenchResult> {
     let world = devices.len();
     if world == 0 || case.iters == 0 {
         return Err(KernelError::InvalidArgument(
@@ -158,34 +157,18 @@ pub fn bench_moe(
     shape.validate()?;
     case.wire.validate(&shape)?;
     let traffic = MoeTraffic::from_routing(&shape, case.wire, &idx)?;
-    let mut results = Vec::new();
-    for &kind in transports {
-        let (dispatch_us, combine_us, status_ok) = match kind {
-            TransportKind::Nvlink => {
-                let ranks = NvlinkMoe::team_with_wire(devices, &shape, case.wire)?;
-                run(devices, case, &idx, ranks)?
-            }
-            TransportKind::Nccl => {
-                let lib = NcclLib::load()?;
-                let comms = Comm::init_all(&lib, devices)?;
-                let ranks = comms
-                    .into_iter()
-                    .map(|c| NcclMoe::with_wire(c, &shape, case.wire))
-                    .collect::<Result<Vec<_>>>()?;
-                run(devices, case, &idx, ranks)?
-            }
-        };
-        results.push(BenchResult {
-            transport: kind,
-            shape,
-            wire: case.wire,
-            traffic: traffic.clone(),
-            dispatch_us,
-            combine_us,
-            status_ok,
-        });
-    }
-    Ok(results)
+    let ranks = make(devices, &shape, case.wire)?;
+    let transport = ranks.first().map_or("none", |r| r.name());
+    let (dispatch_us, combine_us, status_ok) = run(devices, case, &idx, ranks)?;
+    Ok(BenchResult {
+        transport,
+        shape,
+        wire: case.wire,
+        traffic,
+        dispatch_us,
+        combine_us,
+        status_ok,
+    })
 }
 
 /// Per-rank timings: `(dispatch ms, combine ms)` per step, and whether the status stayed clean.
@@ -316,7 +299,7 @@ pub fn format_bench_table(results: &[BenchResult]) -> String {
         s.push_str(&format!(
             "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>4}  {:<12} {:>11.1} {:>6.1} {:>6.1} \
              {:>11.1} {:>6.1} {:>6.1}  {}\n",
-            r.transport.name(),
+            r.transport,
             sh.world,
             sh.tokens,
             sh.hidden,

@@ -1,6 +1,6 @@
-//! MoE expert-parallel dispatch and combine (DESIGN.md §6; the host IR's `moe_dispatch` /
-//! `moe_combine`, whose documentation in the `meshflow-ir` crate states the semantics these
-//! kernels implement bit for bit).
+//! MoE expert-parallel dispatch and combine (the host IR's `moe_dispatch` / `moe_combine`,
+//! whose documentation in the `meshflow-ir` crate states the semantics these kernels implement
+//! bit for bit).
 //!
 //! A team of `W` ranks holds `E` experts, `L = E / W` per rank; expert `e` lives on rank `e / L`
 //! as local expert `e % L`. Every rank has `T` tokens `x[T, H]`, their top-k expert ids
@@ -28,7 +28,8 @@
 //! to the combine ([`CombineRequest::weights`]), which then first copies every rank's `[T, K]`
 //! weights to every peer (one more exchange).
 //!
-//! Two transports implement [`MoeTransport`] (feature `cuda`):
+//! Two engines implement [`MoeTransport`] (feature `cuda`); the GPU runtime runs them as its
+//! MoE-over-NCCL and MoE-over-NVLink transports:
 //! - [`NcclMoe`]: one kernel routes and packs the wire rows into per-destination blocks (a
 //!   16-byte count header, then up to `T` rows), moved with one grouped send/recv per peer;
 //!   one kernel fans out; the combine reduces into per-source blocks, one grouped send/recv,
@@ -206,25 +207,6 @@ impl MoeStatus {
     /// [`Self::TIMEOUT`] is set.
     pub fn timeout(self) -> bool {
         self.0 & Self::TIMEOUT != 0
-    }
-}
-
-/// Which transport moves the rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TransportKind {
-    /// NCCL grouped send/recv of per-destination blocks ([`NcclMoe`]).
-    Nccl,
-    /// Direct stores into peer-mapped memory with device-side flags ([`NvlinkMoe`]).
-    Nvlink,
-}
-
-impl TransportKind {
-    /// Short name (`nccl`, `nvlink`).
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Nccl => "nccl",
-            TransportKind::Nvlink => "nvlink",
-        }
     }
 }
 

@@ -8,7 +8,7 @@
 use super::launch::{self, LateWeights, RecvOutputs, SendInputs, SendState, SourceRows};
 use super::layout::{nccl_block_bytes, NCCL_HEADER as HEADER};
 use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus, MoeWire, TransportKind};
+use super::{MoeShape, MoeStatus, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -78,6 +78,25 @@ impl NcclMoe {
         };
         stream.synchronize()?;
         Ok(me)
+    }
+
+    /// The transports of a team whose ranks are `devices` (one GPU each, all in this process),
+    /// over communicators made with `ncclCommInitAll`. Rank `i` runs on `devices[i]`.
+    pub fn team(devices: &[Device], shape: &MoeShape) -> Result<Vec<NcclMoe>> {
+        NcclMoe::team_with_wire(devices, shape, MoeWire::Native)
+    }
+
+    /// [`NcclMoe::team`] with token rows encoded as `wire`.
+    pub fn team_with_wire(
+        devices: &[Device],
+        shape: &MoeShape,
+        wire: MoeWire,
+    ) -> Result<Vec<NcclMoe>> {
+        let lib = nccl::NcclLib::load()?;
+        Comm::init_all(&lib, devices)?
+            .into_iter()
+            .map(|c| NcclMoe::with_wire(c, shape, wire))
+            .collect()
     }
 
     /// The communicator.
@@ -175,8 +194,8 @@ fn exchange(
 }
 
 impl MoeTransport for NcclMoe {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Nccl
+    fn name(&self) -> &'static str {
+        "nccl"
     }
 
     fn shape(&self) -> &MoeShape {

@@ -28,7 +28,7 @@ use super::launch::{
 };
 use super::layout::SymLayout;
 use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus, MoeWire, TransportKind, WireLayout};
+use super::{MoeShape, MoeStatus, MoeWire, WireLayout};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{KernelError, Result};
@@ -283,8 +283,8 @@ fn peer_regions<'a>(tables: &'a Tables, l: &SymLayout) -> PeerRegions<'a> {
 }
 
 impl MoeTransport for NvlinkMoe {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Nvlink
+    fn name(&self) -> &'static str {
+        "nvlink"
     }
 
     fn shape(&self) -> &MoeShape {
