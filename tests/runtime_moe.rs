@@ -1,7 +1,9 @@
 //! MoE dispatch/combine on sim ranks against the level-1 reference: top-k 1, 2, 8; E = W,
 //! E = 256 and E = 2048; ragged routing (experts receiving nothing, ranks sending and receiving
 //! nothing); capacity overflow; bf16 and FP8 dispatch on 1, 2, 3, 4 and 8 ranks with fresh
-//! random inputs, compared **bit for bit** (the summation order of the ir crate's `moe` docs).
+//! random inputs. The dispatched rows (FP8 included) are compared **bit for bit**; the combined
+//! values within the dtype's tolerance (the reference sums in f64), and the summation order of
+//! the ir crate's `moe` docs is pinned by a case built to expose it.
 //! Output buffers are poisoned (NaN / INT_POISON) before every run, so padding that is not
 //! written shows up.
 
@@ -300,8 +302,8 @@ fn routing_ids(d: i64, t: i64, e: i64, k: i64, route: Route, rng: &mut u64) -> V
     ids
 }
 
-/// Runs one configuration on sim ranks and compares every output with the reference bit for
-/// bit; returns the expert counts (to check raggedness).
+/// Runs one configuration on sim ranks and compares the dispatch's outputs with the reference
+/// bit for bit and `y` within tolerance; returns the expert counts (to check raggedness).
 fn bit_exact(d: i64, k: i64, dt: DType, wire: &str, route: Route, seed: u64) -> Vec<i64> {
     let (t, e) = (5, (8 + d - 1) / d);
     let (h, f) = if wire.contains("block128") {
@@ -329,9 +331,14 @@ fn bit_exact(d: i64, k: i64, dt: DType, wire: &str, route: Route, seed: u64) -> 
     .unwrap_or_else(|e| panic!("{label}: {e}"));
     let got = out.gather(&l1).unwrap();
     let want = evaluate(&l1, &inputs).unwrap();
-    for name in ["y", "expert_x", "expert_counts", "routing"] {
+    // The dispatch (FP8 quantization included) is exact; `y` went through the reference's
+    // f64 grouped_matmul and combine, so it is judged by the tolerance of its dtype (the
+    // backends' summation order is pinned by `combine_sums_per_rank_partials_in_rank_order`).
+    for name in ["expert_x", "expert_counts", "routing"] {
         assert!(got[name].bit_eq(&want[name]), "{label}: `{name}` differs");
     }
+    let cmp = compare_outputs(&l1, &got, &want).unwrap();
+    assert!(cmp.passed(), "{label}: {cmp}");
     let y = got["y"].storage().to_f32_vec();
     assert!(y.iter().all(|v| v.is_finite()), "{label}: poison left in y");
     got["expert_counts"].storage().to_i64_vec()

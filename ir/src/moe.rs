@@ -3,7 +3,8 @@
 //! `moe_dispatch` and `moe_combine` (level 1: [`OpKind::MoeDispatch`] / [`OpKind::MoeCombine`];
 //! host IR: [`InstKind::MoeDispatch`] / [`InstKind::MoeCombine`]) route tokens to experts and
 //! back across an expert-parallel **team** of `W` members. Every backend (the CPU backend, the
-//! GPU transports) and the unsharded reference compute exactly what this page says.
+//! GPU transports) computes exactly what this page says; the unsharded reference computes the
+//! dispatch exactly and the combine in f64 (see [Combine](#combine)).
 //!
 //! ## Experts and ranks
 //!
@@ -45,8 +46,9 @@
 //!
 //! With `W = 1` (or all of a token's experts on one member) this is `Σ_k w·y` in `k` order,
 //! rounded once. A row dropped for capacity (GPU) contributes nothing to its `P_r`. Because
-//! stage 1 rounds, the result depends on `W`: the reference evaluates a level-1 program with
-//! the `W` of its sharding.
+//! stage 1 rounds, the result depends on `W`, by at most the rounding of the dtype: the
+//! unsharded reference sums `Σ_k w·y` in f64 and rounds once, and comparisons with it allow
+//! the dtype's rounding.
 //!
 //! ## FP8 dispatch
 //!
