@@ -87,6 +87,8 @@ mod pinned;
 #[cfg(feature = "cuda")]
 mod probe;
 pub mod proxy;
+#[cfg(feature = "python")]
+pub mod python;
 #[cfg(feature = "cuda")]
 mod stream;
 
