@@ -104,6 +104,12 @@ impl CudaExecutor {
         self.device.ordinal()
     }
 
+    /// Device time of the last run in microseconds, from meshflow's events around it.
+    #[getter]
+    fn last_run_us(&self) -> Option<f64> {
+        self.exec.backend().last_run_us()
+    }
+
     /// Runs one step: `bindings` maps input and output names to DLPack capsules of CUDA
     /// tensors on this GPU (inputs read, outputs written in place); `stream` is the torch
     /// stream current at the call. Returns the outputs this rank holds that were not bound

@@ -4,6 +4,7 @@
 //! meshflow's own TCP store from the launcher's variables.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -17,15 +18,17 @@ use meshflow::runtime::rendezvous::{
 
 use crate::errors::DeviceError;
 
-/// The key under which a failing rank leaves its reason.
-const ABORT_KEY: &str = "meshflow/abort";
-
 /// A torch `Store` (anything with `set`, `get`, `check` and `add`) as a [`Rendezvous`]. Waits
 /// poll the store with short calls, so that an abort (a key every rank checks) ends them.
+///
+/// Each one (an executor, a MoE layer) has its own abort key, numbered in the order this
+/// process makes them (the same on every rank): a failed executor aborts the waits of its own
+/// job, not those of the executors made after it.
 #[derive(Debug)]
 pub struct StoreRendezvous {
     store: Py<PyAny>,
     namespace: String,
+    abort_key: String,
 }
 
 impl StoreRendezvous {
@@ -48,11 +51,11 @@ impl StoreRendezvous {
     }
 
     fn aborted(&self) -> Result<(), RendezvousError> {
-        if !self.exists(ABORT_KEY)? {
+        if !self.exists(&self.abort_key)? {
             return Ok(());
         }
         let reason = self.call("get", |s| {
-            let v = s.call_method1("get", (ABORT_KEY,))?;
+            let v = s.call_method1("get", (self.abort_key.as_str(),))?;
             Ok(String::from_utf8_lossy(v.cast::<PyBytes>()?.as_bytes()).into_owned())
         })?;
         Err(RendezvousError::Aborted(reason))
@@ -123,7 +126,7 @@ impl Rendezvous for StoreRendezvous {
     }
 
     fn abort(&self, reason: &str) {
-        if let Err(e) = self.publish(ABORT_KEY, reason.as_bytes()) {
+        if let Err(e) = self.publish(&self.abort_key, reason.as_bytes()) {
             tracing::warn!("could not leave the abort reason in the store: {e}");
         }
     }
@@ -156,10 +159,15 @@ pub fn rendezvous(
                 "unknown store `{other}` (a torch Store, \"env\" or \"local\")"
             ))),
         },
-        Err(_) => Ok(Arc::new(StoreRendezvous {
-            store: store.clone().unbind(),
-            namespace: namespace.to_string(),
-        })),
+        Err(_) => {
+            static MADE: AtomicU64 = AtomicU64::new(0);
+            let n = MADE.fetch_add(1, Ordering::Relaxed);
+            Ok(Arc::new(StoreRendezvous {
+                store: store.clone().unbind(),
+                namespace: namespace.to_string(),
+                abort_key: format!("abort/{namespace}/{n}"),
+            }))
+        }
     }
 }
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import meshflow
-from conftest import agmm, example
+from conftest import example
+from programs import agmm
 
 
 def test_options_change_the_lowering():
