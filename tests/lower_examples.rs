@@ -228,6 +228,35 @@ fn every_example_lowers_and_verifies_at_every_rank_count() {
             lowered += 1;
         }
     }
-    // 6 single-mesh examples at 5 rank counts; 2 examples need 2 ranks (4 counts).
-    assert_eq!(lowered, 6 * 5 + 2 * 4);
+    // 6 single-mesh examples at 5 rank counts; 3 examples need 2 ranks (4 counts).
+    assert_eq!(lowered, 6 * 5 + 3 * 4);
+}
+
+#[test]
+fn transformer_block_2d_is_two_all_gathers_and_two_reduce_scatters_over_didx() {
+    for ranks in [2, 4, 8] {
+        let host = lower("transformer_block_2d", ranks);
+        let mut counts = std::collections::BTreeMap::new();
+        for (inst, _) in insts(&host) {
+            if inst.kind.is_communication() {
+                assert!(
+                    matches!(
+                        inst.kind.team(),
+                        Some(Team::Slice {
+                            pt: meshflow::ir::ParallelType::DIDx,
+                            ..
+                        })
+                    ),
+                    "{}",
+                    host
+                );
+                *counts.entry(inst.kind.name()).or_insert(0) += 1;
+            }
+        }
+        let want: std::collections::BTreeMap<&str, usize> =
+            [("all_gather", 2), ("reduce_scatter", 2)]
+                .into_iter()
+                .collect();
+        assert_eq!(counts, want, "at {ranks} ranks:\n{host}");
+    }
 }

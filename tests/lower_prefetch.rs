@@ -10,7 +10,7 @@ use meshflow::ir::{parse_program_with, Params, Program};
 use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
 use meshflow::runtime::{run_and_compare, SimOptions};
 
-const EXAMPLES: [&str; 8] = [
+const EXAMPLES: [&str; 9] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
@@ -19,6 +19,7 @@ const EXAMPLES: [&str; 8] = [
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
     "row_parallel_linear_ring",
+    "transformer_block_2d",
 ];
 
 fn parse(name: &str, ranks: i64) -> Option<Program> {

@@ -11,7 +11,7 @@ use meshflow_ir::{
 };
 
 use super::error::{CheckError, CheckErrors, Site};
-use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration};
+use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice};
 use super::teams::TeamTable;
 
 /// The most loop iterations plus communications instantiated over all ranks.
@@ -36,6 +36,14 @@ enum Node<'a> {
     EndGroup {
         ord: usize,
     },
+    /// A view: evaluated to know which slice a communication operates on.
+    Shard {
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        chunks: u64,
+        index: &'a Expr,
+    },
 }
 
 fn build_nodes<'a>(
@@ -45,6 +53,23 @@ fn build_nodes<'a>(
 ) -> Vec<Node<'a>> {
     let mut nodes = Vec::new();
     for inst in block {
+        if let InstKind::ShardByStream {
+            out,
+            input,
+            axis,
+            chunks,
+            index,
+        } = &inst.kind
+        {
+            nodes.push(Node::Shard {
+                out: *out,
+                input: *input,
+                axis: *axis,
+                chunks: *chunks,
+                index,
+            });
+            continue;
+        }
         let relevant = matches!(
             inst.kind,
             InstKind::ForLoop { .. } | InstKind::StartCoalescing | InstKind::EndCoalescing { .. }
@@ -124,6 +149,8 @@ struct Walker<'h, 'o> {
     loops: Vec<(LoopVar, i64)>,
     group: Option<(u32, usize)>,
     next_group: u32,
+    /// The slice each view tensor stands for now (tensors not listed are whole).
+    views: HashMap<HostTensorId, Option<Slice>>,
 }
 
 impl Walker<'_, '_> {
@@ -220,9 +247,39 @@ impl Walker<'_, '_> {
                     self.spend()?;
                     self.communication(*ord, inst);
                 }
+                Node::Shard {
+                    out,
+                    input,
+                    axis,
+                    chunks,
+                    index,
+                } => {
+                    if self.holds(*out).is_none() || self.holds(*input).is_none() {
+                        continue;
+                    }
+                    let env = RankEnv {
+                        meshes: &self.host.meshes,
+                        rank: self.rank,
+                        loops: &self.loops,
+                    };
+                    let slice = index.eval(&env).ok().and_then(|i| {
+                        let mut s = self.slice(*input)?;
+                        s.cuts.push((*axis, *chunks, i));
+                        Some(s)
+                    });
+                    self.views.insert(*out, slice);
+                }
             }
         }
         Ok(())
+    }
+
+    /// The slice `tensor` stands for now (`None`: unknown).
+    fn slice(&self, tensor: HostTensorId) -> Option<Slice> {
+        match self.views.get(&tensor) {
+            Some(s) => s.clone(),
+            None => Some(Slice::whole(tensor)),
+        }
     }
 
     fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
@@ -395,6 +452,8 @@ impl Walker<'_, '_> {
             recv_peer: None,
             send: None,
             recv: None,
+            send_slice: None,
+            recv_slice: None,
             count: None,
             dtype: None,
             iteration: Iteration(self.loops.clone()),
@@ -564,6 +623,8 @@ impl Walker<'_, '_> {
             }
             _ => return,
         }
+        event.send_slice = event.send.and_then(|b| self.slice(b.tensor));
+        event.recv_slice = event.recv.and_then(|b| self.slice(b.tensor));
         if let Some(events) = self.out.events.get_mut(rank) {
             events.push(event);
         }
@@ -595,6 +656,7 @@ pub(crate) fn instantiate_all(
     let mut insts = Vec::new();
     let nodes = build_nodes(host, &host.body, &mut insts);
     let mut out = Instances::new(world_size, insts);
+    out.tensor_names = host.tensors.values().map(|t| t.name.clone()).collect();
     let mut errors = Vec::new();
     let mut reported = HashSet::new();
     let mut budget = MAX_INSTANCES;
@@ -625,6 +687,7 @@ pub(crate) fn instantiate_all(
             loops: Vec::new(),
             group: None,
             next_group: 0,
+            views: HashMap::new(),
         };
         if walker.walk(&nodes).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {

@@ -3,8 +3,8 @@
 //! gather and compare.
 //!
 //! - [`data`], [`view`]: host tensors and strided views.
-//! - [`cpu_ops`]: numeric kernels (sim backend and reference).
-//! - [`mod@reference`]: the level-1 interpreter on full tensors.
+//! - [`cpu_ops`]: numeric kernels of the sim backend.
+//! - [`mod@reference`]: the level-1 interpreter on full tensors, with its own naive kernels.
 //! - [`shard`]: scatter/gather by a level-1 tensor's layout.
 //! - [`backend`]: the [`Backend`] trait (shaped for CUDA streams, events and NCCL).
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.
@@ -14,7 +14,7 @@
 //! - `cuda` (feature `cuda`): the CUDA backend over NCCL and its launchers.
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
-//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - `transport_rules`: which transport carries each communication on GPUs.
 //! - [`multinode`]: multi-process sim runs, nodes linked by the inter-node host proxy.
 
 pub mod backend;
@@ -27,17 +27,21 @@ pub mod evaluator;
 pub mod launch;
 pub mod multinode;
 pub mod reference;
+mod reference_ops;
 pub mod rendezvous;
 pub mod shard;
+pub mod shard_partial;
 pub mod sim;
 pub mod trace;
 mod trace_svg;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod transport_rules;
 pub mod view;
 
 pub use backend::Backend;
 pub use compare::{run_and_compare, Comparison};
 pub use data::TensorData;
-pub use evaluator::{EvalOptions, Evaluator, RuntimeError};
+pub use evaluator::{EvalOptions, Evaluator, RuntimeError, SelectedTransport};
 pub use launch::{
     run_sim, run_sim_observed, LaunchError, RunOutcome, RunResources, SimInputs, SimOptions,
 };

@@ -1,7 +1,8 @@
 //! The lexer shared by both text formats.
 //!
 //! Tokens are identifiers (keywords are ordinary identifiers: the parsers decide by context),
-//! unsigned decimal integers, string literals and punctuation. `#` starts a comment that runs
+//! unsigned decimal integers, unsigned float literals (`0.5`, `1e-6`, `2.5E+3`: digits with a
+//! fraction or an exponent), string literals and punctuation. `#` starts a comment that runs
 //! to the end of the line. Lines and columns are 1-based; columns count characters.
 //!
 //! Lexing never fails as such: an invalid character ends the token stream with an
@@ -9,6 +10,11 @@
 //! is a syntax error before the bad character or the bad character itself.
 
 use std::fmt;
+
+use crate::text::{clip, MAX_NAME_LEN};
+
+/// The longest string literal (a kernel name), in bytes.
+pub(crate) const MAX_STRING_LEN: usize = 4096;
 
 /// A position in the text: 1-based line and column (in characters).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -24,6 +30,8 @@ pub(crate) enum Tok {
     Ident(String),
     /// An unsigned decimal integer literal.
     Int(u64),
+    /// An unsigned float literal, as written (digits with a fraction or an exponent).
+    Float(String),
     /// A string literal (escapes resolved).
     Str(String),
     /// Punctuation: `{ } ( ) [ ] , : = + - * / % -> ..`.
@@ -38,8 +46,9 @@ impl fmt::Display for Tok {
     /// How a token is named in "expected X, found Y" messages.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Tok::Ident(s) => write!(f, "`{s}`"),
+            Tok::Ident(s) => write!(f, "`{}`", clip(s)),
             Tok::Int(v) => write!(f, "`{v}`"),
+            Tok::Float(v) => write!(f, "`{v}`"),
             Tok::Str(_) => f.write_str("a string literal"),
             Tok::Punct(p) => write!(f, "`{p}`"),
             Tok::Eof => f.write_str("end of input"),
@@ -113,6 +122,13 @@ impl Lexer<'_> {
             s.push(c);
             self.bump();
         }
+        if s.len() > MAX_NAME_LEN {
+            return Tok::Error(format!(
+                "identifier `{}` is {} characters long; names have at most {MAX_NAME_LEN}",
+                clip(&s),
+                s.len()
+            ));
+        }
         Tok::Ident(s)
     }
 
@@ -127,6 +143,9 @@ impl Lexer<'_> {
                 .and_then(|v| v.checked_add(d));
             self.bump();
         }
+        if let Some(float) = self.float_tail(&digits) {
+            return float;
+        }
         match value {
             Some(v) => Tok::Int(v),
             None => Tok::Error(format!(
@@ -135,6 +154,47 @@ impl Lexer<'_> {
                 u64::MAX
             )),
         }
+    }
+
+    /// The fraction and exponent of a float literal whose integer digits were `digits`, if
+    /// the text goes on with `.DIGIT` or `e[+-]DIGIT` (so `0..4` stays a range).
+    fn float_tail(&mut self, digits: &str) -> Option<Tok> {
+        let digit_at = |n: usize, chars: &std::iter::Peekable<std::str::Chars<'_>>| {
+            chars.clone().nth(n).is_some_and(|c| c.is_ascii_digit())
+        };
+        let exponent_ahead = |chars: &std::iter::Peekable<std::str::Chars<'_>>| {
+            let mut it = chars.clone();
+            match (it.next(), it.next(), it.next()) {
+                (Some('e' | 'E'), Some(c), _) if c.is_ascii_digit() => true,
+                (Some('e' | 'E'), Some('+' | '-'), Some(c)) => c.is_ascii_digit(),
+                _ => false,
+            }
+        };
+        let fraction = self.peek() == Some('.') && digit_at(1, &self.chars);
+        if !fraction && !exponent_ahead(&self.chars) {
+            return None;
+        }
+        let mut text = digits.to_string();
+        if fraction {
+            text.push('.');
+            self.bump();
+            while let Some(c) = self.peek().filter(char::is_ascii_digit) {
+                text.push(c);
+                self.bump();
+            }
+        }
+        if exponent_ahead(&self.chars) {
+            for _ in 0..2 {
+                if let Some(c) = self.bump() {
+                    text.push(c);
+                }
+            }
+            while let Some(c) = self.peek().filter(char::is_ascii_digit) {
+                text.push(c);
+                self.bump();
+            }
+        }
+        Some(Tok::Float(text))
     }
 
     /// A string literal; the opening quote is the current character.
@@ -151,6 +211,12 @@ impl Lexer<'_> {
                 Some('"') => return Ok(Tok::Str(s)),
                 Some('\\') => s.push(self.escape(here)?),
                 Some(c) => s.push(c),
+            }
+            if s.len() > MAX_STRING_LEN {
+                return Err((
+                    start,
+                    format!("string literal is longer than {MAX_STRING_LEN} characters"),
+                ));
             }
         }
     }
@@ -302,5 +368,25 @@ mod tests {
             Tok::Error(_)
         ));
         assert!(matches!(lex(". x")[0].tok, Tok::Error(_)));
+    }
+
+    #[test]
+    fn floats_need_a_fraction_or_an_exponent() {
+        assert_eq!(
+            toks("1e-6 0.5 2.5E+3 3 0..2 4e x"),
+            vec![
+                Tok::Float("1e-6".into()),
+                Tok::Float("0.5".into()),
+                Tok::Float("2.5E+3".into()),
+                Tok::Int(3),
+                Tok::Int(0),
+                Tok::Punct(".."),
+                Tok::Int(2),
+                Tok::Int(4),
+                Tok::Ident("e".into()),
+                Tok::Ident("x".into()),
+                Tok::Eof,
+            ]
+        );
     }
 }

@@ -2,6 +2,7 @@
 
 mod host;
 mod host_compute;
+mod host_compute_ops;
 mod host_lifetimes;
 mod host_ops;
 mod names;
@@ -89,7 +90,8 @@ pub struct Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.location, self.message)
+        let text = format!("{}: {}", self.location, self.message);
+        f.write_str(&crate::text::clip_tokens(&text))
     }
 }
 
@@ -122,8 +124,8 @@ fn result(diags: Vec<Diagnostic>) -> Result<(), VerifyErrors> {
 /// Checks names (valid, not keywords, unique across meshes and tensors), handles, that every
 /// non-input tensor is defined by exactly one op before it is read, op arity and declared
 /// types against [`crate::program::infer_output_types`], schedules (replay, layout, device
-/// parallel types against the mesh, swizzles), that an op's tensors share one mesh (except
-/// `set`), and the output list.
+/// parallel types against the mesh, swizzles), that an op's outputs share one mesh (its
+/// inputs may live elsewhere: the passes insert the transfers), and the output list.
 pub fn verify_program(program: &crate::Program) -> Result<(), VerifyErrors> {
     result(program::check(program))
 }

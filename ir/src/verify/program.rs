@@ -107,20 +107,6 @@ impl Checker<'_> {
     fn tensor(&mut self, id: TensorId, decl: &TensorDecl) {
         let here = self.tensor_loc(id);
         let name = &decl.name;
-        if decl.is_input {
-            for (k, a) in decl.ty.axes.iter().enumerate() {
-                if a.reduction {
-                    self.push(
-                        here.clone(),
-                        format!(
-                            "program input `{name}` has reduction axis {k} (`r{}`); inputs \
-                             have only iteration axes",
-                            a.extent
-                        ),
-                    );
-                }
-            }
-        }
         let Some(mesh_decl) = self.p.meshes.get(decl.mesh) else {
             self.push(
                 here,
@@ -321,6 +307,7 @@ impl Checker<'_> {
                 self.same_mesh(op, &here);
                 if arity_ok {
                     self.types(op, &here, &text);
+                    self.moe_pair(op, &here, &defined_by);
                 }
             }
         }
@@ -337,15 +324,12 @@ impl Checker<'_> {
         }
     }
 
-    /// Every tensor of a non-`set` op on one mesh.
+    /// The outputs of an op on one mesh. Inputs may live on other meshes: the op runs on its
+    /// outputs' mesh and `decompose_reshardings` inserts the `set`s that move them there.
     fn same_mesh(&mut self, op: &Op, here: &Location) {
-        if matches!(op.kind, crate::program::OpKind::Set) {
-            return;
-        }
         let decls: Vec<&TensorDecl> = op
-            .inputs
+            .outputs
             .iter()
-            .chain(&op.outputs)
             .filter_map(|&t| self.p.tensors.get(t))
             .collect();
         let Some(first) = decls.first() else {
@@ -353,8 +337,8 @@ impl Checker<'_> {
         };
         if let Some(other) = decls.iter().find(|d| d.mesh != first.mesh) {
             let message = format!(
-                "`{}` mixes meshes: `{}` is on `{}` but `{}` is on `{}` (only `set` moves data \
-                 between meshes)",
+                "`{}` mixes meshes among its outputs: `{}` is on `{}` but `{}` is on `{}` (an \
+                 op runs on one mesh)",
                 op.kind.name(),
                 first.name,
                 self.mesh_name(first),
@@ -387,6 +371,39 @@ impl Checker<'_> {
                     }
                 }
             }
+        }
+    }
+
+    /// A `moe_combine` whose routing comes from a `moe_dispatch` weighs each token's rows
+    /// with one weight per routed expert: `topk_weights` has `topk_idx`'s shape.
+    fn moe_pair(&mut self, op: &Op, here: &Location, defined_by: &HashMap<TensorId, usize>) {
+        if op.kind != crate::program::OpKind::MoeCombine {
+            return;
+        }
+        let (Some(&routing), Some(&weights)) = (op.inputs.get(2), op.inputs.get(3)) else {
+            return;
+        };
+        let Some(dispatch) = defined_by.get(&routing).and_then(|&i| self.p.ops.get(i)) else {
+            return;
+        };
+        if dispatch.kind != crate::program::OpKind::MoeDispatch {
+            return;
+        }
+        let Some(&idx) = dispatch.inputs.get(1) else {
+            return;
+        };
+        let shape = |t: TensorId| self.p.tensors.get(t).map(|d| d.ty.value_shape());
+        let (Some(want), Some(got)) = (shape(idx), shape(weights)) else {
+            return;
+        };
+        if want != got {
+            let message = format!(
+                "`moe_combine`: `{}` must have the shape of `{}` ({want:?}: one weight per token \
+                 and routed expert), has {got:?}",
+                self.tensor_name(weights),
+                self.tensor_name(idx)
+            );
+            self.push(here.clone(), message);
         }
     }
 

@@ -9,7 +9,11 @@
 //! first input that has one that fits. **Backward**, from the last op to the first, every
 //! unannotated input takes the device splits of the op's outputs it lacks (mapped back).
 //! A split is only taken when it fits: the mesh has the parallel type with that many devices,
-//! the axis divides, and the axis is not split by another type.
+//! the axis divides, and the axis is not split by another type. Forward, a split only lands
+//! on an output axis the op can compute split ([`local_split_ok`]): through a reshape, the
+//! split of a group's first axis moves to the group's first output axis when that extent
+//! divides (the head split `[B, S, H] -> [B, S, nh, hd]` keeps `H`'s split on `nh` when
+//! `d | nh`), and the normalized axis of `softmax`/`rms_norm` is never split.
 //!
 //! Only tensors whose schedule is `None` change; annotations, including `{}` (explicitly
 //! replicated), are never overwritten. Results are written in canonical form
@@ -17,7 +21,7 @@
 
 use meshflow_ir::{Op, OpKind, Program, TensorId};
 
-use crate::analysis::{op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
+use crate::analysis::{local_split_ok, op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::error::PassError;
 use crate::manager::{PassContext, ProgramPass};
 
@@ -93,7 +97,13 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 continue;
             }
             let Some(axes) = map.get(o) else { continue };
-            let out_axis = |j: usize, a: usize| axes.iter().position(|src| src.contains(&(j, a)));
+            // Only onto output axes the op can compute split (not the normalized axis of a
+            // softmax, not the later axes of a reshape group, ...).
+            let out_axis = |j: usize, a: usize| {
+                axes.iter().enumerate().position(|(k, src)| {
+                    src.contains(&(j, a)) && local_split_ok(program, op, &map, k)
+                })
+            };
             let mut spec = Spec::default();
             for &j in &order {
                 let Some(ins) = op.inputs.get(j).and_then(|t| specs[t.index()].clone()) else {

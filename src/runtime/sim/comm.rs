@@ -6,12 +6,12 @@
 
 use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 
-use super::fabric::{MailKey, Payload};
+use super::fabric::{MailKey, Operands, Payload};
 use super::{SimBackend, SimBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
 use crate::runtime::cpu_ops::{self, MoeRows};
 use crate::runtime::data::{Storage, TensorData};
-use crate::runtime::view::View;
+use crate::runtime::view::{cut_axis, View};
 
 type TV = TensorView<SimBuffer>;
 
@@ -60,15 +60,27 @@ pub(super) struct Exchange {
     members: Vec<DeviceId>,
     tag: (u64, u64),
     finish: Finish,
+    operands: Operands,
 }
 
 /// The buffers a request reads and writes.
 pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>, Vec<&'r TV>) {
     match req {
-        CommRequest::Collective { input, output, .. } => (
-            input.iter().copied().collect(),
-            output.iter().copied().collect(),
-        ),
+        CommRequest::Collective {
+            kind,
+            team,
+            input,
+            output,
+            root,
+            ..
+        } => {
+            let (reads, writes) =
+                crate::ordering::collective_accesses(*kind, *root == Some(team.my_index));
+            (
+                input.iter().copied().filter(|_| reads).collect(),
+                output.iter().copied().filter(|_| writes).collect(),
+            )
+        }
         CommRequest::Permute { input, output, .. } => (vec![*input], vec![*output]),
         CommRequest::MoeDispatch {
             x,
@@ -109,12 +121,13 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
 }
 
 fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    match v.shape.first() {
+    let axis = cut_axis(&v.shape);
+    match v.shape.get(axis) {
         Some(&n) if n % d as u64 == 0 => Ok(()),
         _ => Err(invalid(
             name,
             format!(
-                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
+                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
                 v.shape
             ),
         )),
@@ -129,13 +142,13 @@ fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError>
     }
 }
 
-/// Reads `v` (or chunk `k` of `d` along axis 0).
+/// Reads `v` (or chunk `k` of `d` along its cut axis, see [`cut_axis`]).
 fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
     let view = be.view(v)?;
     match chunk {
         None => Ok(view.to_storage()),
         Some((k, d)) => view
-            .chunk(0, d, k)
+            .chunk(cut_axis(&v.shape), d, k)
             .map(|c| c.to_storage())
             .ok_or_else(|| BackendError::Invalid(format!("chunk {k} of {d} of {:?}", v.shape))),
     }
@@ -151,10 +164,17 @@ pub(super) fn start(
     let team = req.team();
     let (d, my) = (team.members.len(), team.my_index);
     let me = be.device;
+    let ops = operands(req);
     let send = |be: &SimBackend, k: usize, p: Payload| -> Result<(), BackendError> {
         let key = (me, team.members[k], tag.0, tag.1);
-        be.fabric
-            .send_bounded(key, p, be.max_in_flight, be.timeout, name)
+        be.fabric.send_checked(
+            key,
+            p,
+            Some(ops.clone()),
+            be.max_in_flight,
+            be.timeout,
+            name,
+        )
     };
     let others = (0..d).filter(|&k| k != my);
     let finish = match req {
@@ -464,7 +484,45 @@ pub(super) fn start(
         members: team.members.clone(),
         tag,
         finish,
+        operands: ops,
     })
+}
+
+/// What a request operates on, as peers compare it: for a collective, the send and
+/// receive tensors and the chunk of them (view offsets); for the other kinds the tensors
+/// only (each member's chunk of a permute is its own).
+fn operands(req: &CommRequest<'_, SimBuffer>) -> Operands {
+    let at = |v: &TV, slice: bool| (v.tensor, if slice { v.offset } else { 0 });
+    match req {
+        CommRequest::Collective {
+            kind,
+            input,
+            output,
+            ..
+        } => {
+            let slice = *kind != CommKind::SendRecv;
+            Operands {
+                name: req.name(),
+                input: input.map(|v| at(v, slice)),
+                output: output.map(|v| at(v, slice)),
+            }
+        }
+        CommRequest::Permute { input, output, .. } => Operands {
+            name: req.name(),
+            input: Some(at(input, false)),
+            output: Some(at(output, false)),
+        },
+        CommRequest::MoeDispatch { x, expert_x, .. } => Operands {
+            name: req.name(),
+            input: Some(at(x, false)),
+            output: Some(at(expert_x, false)),
+        },
+        CommRequest::MoeCombine { expert_y, out, .. } => Operands {
+            name: req.name(),
+            input: Some(at(expert_y, false)),
+            output: Some(at(out, false)),
+        },
+    }
 }
 
 /// Sends `msgs[k]` to member `k` (keeping its own), returning the sources in team order.
@@ -501,7 +559,8 @@ fn receive(be: &SimBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendE
         Src::Remote(k) => {
             let key: MailKey = (ex.members[k], be.device, ex.tag.0, ex.tag.1);
             let what = format!("{} on team {:?}", ex.name, ex.members);
-            be.fabric.recv(key, be.timeout, &what)
+            be.fabric
+                .recv_checked(key, be.timeout, &what, Some(&ex.operands))
         }
     }
 }
@@ -573,7 +632,7 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 for (part, piece) in &pieces {
                     let r = match *part {
                         Part::Whole => outs[0].assign_storage(piece),
-                        Part::Chunk(k, d) => match outs[0].chunk_mut(0, d, k) {
+                        Part::Chunk(k, d) => match outs[0].chunk_mut(cut_axis(&out.shape), d, k) {
                             Some(mut c) => c.assign_storage(piece),
                             None => return Err(invalid(name, "receive buffer cannot be chunked")),
                         },
@@ -648,11 +707,15 @@ fn reduce_f32(parts: &[Storage], op: ReduceOp) -> Vec<f32> {
     for p in it {
         for (a, b) in acc.iter_mut().zip(p.to_f32_vec()) {
             *a = match op {
-                ReduceOp::Sum => *a + b,
+                ReduceOp::Sum | ReduceOp::Avg => *a + b,
                 ReduceOp::Max => a.max(b),
                 ReduceOp::Min => a.min(b),
             };
         }
+    }
+    if op == ReduceOp::Avg && !parts.is_empty() {
+        let n = parts.len() as f32;
+        acc.iter_mut().for_each(|a| *a /= n);
     }
     acc
 }
@@ -663,11 +726,15 @@ fn reduce_i64(parts: &[Storage], op: ReduceOp) -> Vec<i64> {
     for p in it {
         for (a, b) in acc.iter_mut().zip(p.to_i64_vec()) {
             *a = match op {
-                ReduceOp::Sum => a.wrapping_add(b),
+                ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
                 ReduceOp::Max => (*a).max(b),
                 ReduceOp::Min => (*a).min(b),
             };
         }
+    }
+    if op == ReduceOp::Avg && !parts.is_empty() {
+        let n = parts.len() as i64;
+        acc.iter_mut().for_each(|a| *a /= n);
     }
     acc
 }

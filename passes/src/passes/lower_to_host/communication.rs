@@ -229,7 +229,8 @@ impl Lowering<'_> {
         let (pmesh, cmesh) = (self.sharding(p).mesh, self.sharding(c).mesh);
         let (pm, cm) = (self.mesh(pmesh)?.clone(), self.mesh(cmesh)?.clone());
         let slice = |pt| Team::Slice { mesh: cmesh, pt };
-        let sum = Some(ReduceOp::Sum);
+        // Partial results are reduced with their own kind (sum, max, min or avg).
+        let sum = Some(crate::analysis::partial_kind(self.program, p));
         let coll = |kind, team, root, op, exchanged| Collective {
             kind,
             team,
