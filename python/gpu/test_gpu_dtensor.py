@@ -13,11 +13,16 @@ from programs import RESHARDS, reshard
 PLACEMENT = {"S0": Shard(0), "S1": Shard(1), "R": Replicate(), "P": Partial()}
 
 
+@pytest.fixture(scope="module")
+def mesh(dist):
+    """A 1-D device mesh of every rank."""
+    return init_device_mesh("cuda", (dist[1],))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("src, dst", RESHARDS)
-def test_redistribute(dist, src, dst, dtype):
+def test_redistribute(dist, mesh, src, dst, dtype):
     rank, d, device = dist
-    mesh = init_device_mesh("cuda", (d,))
     rows, cols = 64, 48
     name = {torch.float32: "f32", torch.bfloat16: "bf16"}[dtype]
     host = reshard(src, dst, d, name, rows, cols).lower()

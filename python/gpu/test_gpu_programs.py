@@ -59,6 +59,23 @@ def test_rsmm(dist, dtype, decomposition):
     assert err < TOL[dtype], f"rel err {err:.2e}\n{host.explain}"
 
 
+@pytest.mark.parametrize("decomposition", ["collective", "ring"])
+def test_steps_recorded_as_cuda_graphs(dist, decomposition):
+    rank, d, device = dist
+    host = agmm(d, "bf16", 128, 128, 256).lower(
+        graph=True, decompose={"x_gathered": decomposition}
+    )
+    ex = mft.Executor(host)
+    x = randn((128, 256), "bf16", 500 + rank, device)
+    w = randn((128, 256), "bf16", 600 + rank, device)
+    y = torch.empty((128 * d, 128), device=device, dtype=torch.bfloat16)
+    for step in range(3):
+        x.add_(1.0)
+        ex.run(x=x, w=w, y=y)
+        want = torch.matmul(all_gather(x).float(), w.float().t())
+        assert rel_error(y, want) < TOL["bf16"], f"step {step}"
+
+
 def test_runs_on_the_current_stream(dist):
     rank, d, device = dist
     host = agmm(d, "f32", 64, 64, 64).lower(decompose={"x_gathered": "ring"})

@@ -97,6 +97,7 @@ class Program:
         verify_each_pass: Optional[bool] = ...,
         dump_after: Optional[str] = ...,
         check: Optional[bool] = ...,
+        graph: Optional[bool] = ...,
     ) -> HostProgram:
         """Lowers to a host program (every pass, then the cross-rank check)."""
     def check(self, ranks: Optional[int] = None, **options: Any) -> CheckReport:
@@ -259,6 +260,8 @@ class CudaExecutor:
     def rank(self) -> int: ...
     @property
     def device(self) -> int: ...
+    @property
+    def last_run_us(self) -> Optional[float]: ...
     def run(self, bindings: Mapping[str, Any], stream: Any) -> dict[str, np.ndarray]: ...
 
 class NativeAllToAll:

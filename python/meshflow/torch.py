@@ -59,6 +59,8 @@ def _load_libraries() -> None:
         return
     wanted = (
         ("nvidia.nccl", "libnccl.so.2"),
+        ("nvidia.cu13", "libcublas.so.13"),
+        ("nvidia.cu13", "libcublasLt.so.13"),
         ("nvidia.cu13", "libnvrtc.so.13"),
         ("nvidia.cu13", "libnvrtc-builtins.so.*"),
         ("nvidia.cuda_nvrtc", "libnvrtc.so.12"),
@@ -193,6 +195,11 @@ class Executor:
         capsules = {name: _capsule(name, t, self.device) for name, t in merged.items()}
         with torch.cuda.device(self.device):
             return self._native.run(capsules, torch.cuda.current_stream(self.device))
+
+    @property
+    def last_run_us(self) -> Optional[float]:
+        """Device time of the last run in microseconds (meshflow's events around it)."""
+        return self._native.last_run_us
 
     def __repr__(self) -> str:
         return f"<meshflow.torch.Executor rank {self.rank} on {self.device}: {self.host.name}>"

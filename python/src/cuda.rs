@@ -71,8 +71,8 @@ impl CudaExecutor {
             timeout,
             ..CudaConfig::default()
         };
-        let job = CudaJob::with_rendezvous(
-            compiled.world_size(),
+        let job = CudaJob::for_program_with_rendezvous(
+            compiled,
             config,
             rendezvous(store, namespace, timeout)?,
         );

@@ -105,7 +105,7 @@ impl Engine {
     /// Whether a step can be captured in a CUDA graph and replayed: the NVLink transport of
     /// this build keeps its step number on the host, which a replay would not advance.
     fn capturable(&self) -> bool {
-        self.transport.kind() == meshflow::kernels::moe::TransportKind::Nccl
+        self.transport.name() == "nccl"
     }
 
     fn shape(&self) -> &MoeShape {

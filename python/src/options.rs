@@ -5,13 +5,14 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use meshflow::passes::UnknownTransport;
 use meshflow::pipeline::StreamSchedule;
 use meshflow::{Decomposition, Options, Transport};
 
 use crate::errors::error;
 
 /// The option names, in the order the docs list them.
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 11] = [
     "ranks",
     "streams",
     "schedule",
@@ -22,6 +23,7 @@ pub const NAMES: [&str; 10] = [
     "verify_each_pass",
     "dump_after",
     "check",
+    "graph",
 ];
 
 /// Builds the options from keyword arguments; `ranks` defaults to `default_ranks` (the value
@@ -30,10 +32,16 @@ pub fn from_kwargs(
     kwargs: Option<&Bound<'_, PyDict>>,
     default_ranks: Option<usize>,
 ) -> PyResult<Options> {
-    let mut ranks = default_ranks;
-    let mut o = Options::new();
+    let ranks = match kwargs.map(|k| k.get_item("ranks")).transpose()?.flatten() {
+        Some(v) if !v.is_none() => Some(positive(&v, "ranks")?),
+        _ => default_ranks,
+    };
+    let mut o = match ranks {
+        Some(r) => Options::for_ranks(r),
+        None => Options::new(),
+    };
     let Some(kwargs) = kwargs else {
-        return Ok(with_ranks(o, ranks));
+        return Ok(o);
     };
     for (key, value) in kwargs.iter() {
         let key: String = key.extract()?;
@@ -41,10 +49,7 @@ pub fn from_kwargs(
             continue;
         }
         o = match key.as_str() {
-            "ranks" => {
-                ranks = Some(positive(&value, "ranks")?);
-                o
-            }
+            "ranks" => o,
             "streams" => o.streams(positive(&value, "streams")?),
             "schedule" => o.stream_schedule(schedule(&value.extract::<String>()?)?),
             "decompose" => {
@@ -61,7 +66,13 @@ pub fn from_kwargs(
                 }
                 o
             }
-            "transport" => o.transport(transport(&value.extract::<String>()?)?),
+            "transport" => {
+                let name: String = value.extract()?;
+                let t: Transport = name
+                    .parse()
+                    .map_err(|e: UnknownTransport| PyValueError::new_err(e.to_string()))?;
+                o.transport(t)
+            }
             "profile" => {
                 let name: String = value.extract()?;
                 let profile = meshflow::pipeline::load_profile(&name)
@@ -75,6 +86,7 @@ pub fn from_kwargs(
             "verify_each_pass" => o.verify_each_pass(value.extract()?),
             "dump_after" => o.dump_after(value.extract::<String>()?),
             "check" => o.check(value.extract()?),
+            "graph" => o.graph(value.extract()?),
             other => {
                 return Err(PyTypeError::new_err(format!(
                     "unknown option `{other}` (options: {})",
@@ -83,19 +95,7 @@ pub fn from_kwargs(
             }
         };
     }
-    Ok(with_ranks(o, ranks))
-}
-
-/// Moves the settings of `o` onto options for `ranks` ranks.
-fn with_ranks(o: Options, ranks: Option<usize>) -> Options {
-    match ranks {
-        None => o,
-        Some(r) => {
-            let mut out = Options::for_ranks(r).check(o.checks());
-            *out.compile_options_mut() = o.compile_options().clone();
-            out
-        }
-    }
+    Ok(o)
 }
 
 fn positive(value: &Bound<'_, PyAny>, what: &str) -> PyResult<usize> {
@@ -117,29 +117,11 @@ fn schedule(name: &str) -> PyResult<StreamSchedule> {
     }
 }
 
-fn transport(name: &str) -> PyResult<Transport> {
-    match name {
-        "nccl" => Ok(Transport::Nccl),
-        "copy-engine" | "copy_engine" => Ok(Transport::CopyEngine),
-        _ => Err(PyValueError::new_err(format!(
-            "unknown transport `{name}` (expected nccl or copy-engine)"
-        ))),
-    }
-}
-
 /// The name of a stream schedule, as the options spell it.
 pub fn schedule_name(s: StreamSchedule) -> &'static str {
     match s {
         StreamSchedule::Auto => "auto",
         StreamSchedule::PerIteration => "per-iteration",
         StreamSchedule::Prefetch => "prefetch",
-    }
-}
-
-/// The name of a transport, as the options spell it.
-pub fn transport_name(t: Transport) -> &'static str {
-    match t {
-        Transport::Nccl => "nccl",
-        Transport::CopyEngine => "copy-engine",
     }
 }

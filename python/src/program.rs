@@ -9,11 +9,11 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use meshflow::ir::host::Role;
-use meshflow::{compile, Compiled, Options};
+use meshflow::{compile, Compiled, Options, Transport};
 
 use crate::data::{from_numpy, to_numpy};
 use crate::errors::error;
-use crate::options::{from_kwargs, schedule_name, transport_name};
+use crate::options::{from_kwargs, schedule_name};
 
 /// A tensor of a program: name, element type, shape and the devices that hold it. For a
 /// `HostProgram` the shape is the local (per-rank) one, what a binding must have.
@@ -107,9 +107,11 @@ impl Program {
     /// Lowers the program to a host program (every pass, then the cross-rank check unless
     /// `check=False`). Options: `ranks`, `streams`, `schedule` (`"auto"`, `"per-iteration"`,
     /// `"prefetch"`), `decompose` (`{tensor: "collective" | "broadcast" | "reduce" | "ring" |
-    /// "ring_forward" | "ring_bidirectional"}`), `transport` (`"nccl"`, `"copy-engine"`),
+    /// "ring_forward" | "ring_bidirectional"}`), `transport` (`"nccl"`, `"copy-engine"`,
+    /// `"host-proxy"`, `"nvlink"`),
     /// `profile` (`"h200x2"`, `"h100x2"` or a JSON file), `disable_passes`,
-    /// `verify_each_pass`, `dump_after`, `check`.
+    /// `verify_each_pass`, `dump_after`, `check`, `graph` (GPU executors record every step as a
+    /// CUDA graph and replay it).
     #[pyo3(signature = (**options))]
     fn lower(&self, options: Option<&Bound<'_, PyDict>>) -> PyResult<HostProgram> {
         let (compiled, _) = self.compile(options)?;
@@ -376,7 +378,7 @@ impl HostProgram {
             d.set_item("decomposition", plan.decomposition.name())?;
             d.set_item("pieces", plan.pieces)?;
             d.set_item("schedule", schedule_name(plan.schedule))?;
-            d.set_item("transport", transport_name(plan.transport))?;
+            d.set_item("transport", plan.transport.name())?;
             out.set_item(name, d)?;
         }
         Ok(out)
@@ -385,7 +387,7 @@ impl HostProgram {
     /// The transport the plans assume (`"nccl"`, `"copy-engine"`), if any was priced.
     #[getter]
     fn transport(&self) -> Option<&'static str> {
-        self.compiled.transport().map(transport_name)
+        self.compiled.transport().map(Transport::name)
     }
 
     /// The cross-rank check's report, when it ran.

@@ -87,8 +87,13 @@ def test_bad_options():
         program.lower(disable_passes=["no_such_pass"])
     with pytest.raises(meshflow.CompileError, match="no built-in profile|profile"):
         program.lower(profile="/nonexistent/profile.json")
+    with pytest.raises(ValueError, match="unknown transport `pigeon`"):
+        program.lower(transport="pigeon")
     with pytest.raises(ValueError, match="unknown backend"):
         program.run(backend="tpu")
+    graphs = program.lower(graph=True)
+    with pytest.raises(meshflow.ExecutionError, match="does not record graphs"):
+        meshflow.Executor(graphs, 0, job=meshflow.CpuJob(2))
 
 
 def test_check_error_on_a_mismatched_host_program():
