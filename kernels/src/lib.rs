@@ -12,7 +12,10 @@
 //! - MoE expert-parallel dispatch / combine over NCCL or NVLink peer memory: [`moe`] (its shape,
 //!   status and CPU reference exist without the `cuda` feature too);
 //! - the inter-node host proxy ([`proxy`]): one-sided writes with immediates over TCP, or over
-//!   ibverbs RC queue pairs with the `rdma` feature. It needs no CUDA and exists in every build.
+//!   ibverbs RC queue pairs with the `rdma` feature. It needs no CUDA and exists in every build;
+//! - with the `python` feature, the Python objects that carry raw CUDA handles: DLPack capsules
+//!   of device tensors (borrowed in place, or exported) and torch streams (`python`), for the
+//!   repository's Python package.
 //!
 //! Every library is loaded at run time, so the `cuda` build compiles anywhere; a missing driver,
 //! GPU or library is a [`KernelError`] value, never a panic. Without the `cuda` feature only the
