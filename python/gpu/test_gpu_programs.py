@@ -1,6 +1,8 @@
 """AG+GEMM and GEMM+RS programs on torch tensors (bound in place), compared with
 torch.matmul on the gathered inputs; several steps, another stream, binding errors."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from conftest import all_gather, rel_error
 from programs import agmm, rsmm
 
 TOL = {"bf16": 2e-2, "f32": 1e-5}
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "programs"
 TORCH = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -94,6 +97,23 @@ def test_runs_on_the_current_stream(dist):
     want = torch.matmul(all_gather(x * 2), w.t())
     assert rel_error(y, want) < 1e-5
     assert rel_error(z, want + 1) < 1e-5
+
+
+def test_program_run_on_cuda_in_process(dist):
+    """`Program.run(backend="cuda")`: every rank on its own GPU, as threads of rank 0's process
+    (the other processes wait)."""
+    import torch.distributed as d_
+
+    rank, d, device = dist
+    ok = torch.zeros(1, device=device)
+    summary = ""
+    if rank == 0:
+        program = meshflow.load(EXAMPLES / "column_parallel_linear_ring.mf", ranks=d)
+        result = program.run(backend="cuda", seed=2)
+        summary = result.summary
+        ok.fill_(1.0 if result.ok else 0.0)
+    d_.broadcast(ok, src=0)
+    assert ok.item() == 1.0, summary
 
 
 def test_binding_errors(dist):
