@@ -62,6 +62,7 @@
 // The crate docs link the CUDA types, which exist only with the `cuda` feature.
 #![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
 
+pub mod dlpack;
 mod dtype;
 mod error;
 

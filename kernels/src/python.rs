@@ -10,8 +10,9 @@
 //!   capsule; the consumer's tensor keeps the buffer's allocation alive until it is freed.
 //! - [`torch_stream`] wraps a `torch.cuda.Stream` as a borrowed [`Stream`].
 //!
-//! Only the legacy (unversioned) DLPack ABI is read and written: `DLManagedTensor` in a capsule
-//! named `dltensor`, renamed `used_dltensor` by the consumer that takes it over.
+//! Only the legacy (unversioned) DLPack ABI ([`crate::dlpack`]) is read and written:
+//! `DLManagedTensor` in a capsule named `dltensor`, renamed `used_dltensor` by the consumer that
+//! takes it over.
 
 use std::ffi::{c_void, CStr};
 use std::ptr::NonNull;
@@ -21,103 +22,13 @@ use pyo3::types::PyCapsule;
 
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
-use crate::dtype::DType;
+pub use crate::dlpack::DlDtype;
+use crate::dlpack::{is_row_major, DlDevice, DlManagedTensor, DlTensor, KDL_CUDA};
 use crate::error::{KernelError, Result};
 use crate::stream::Stream;
 
 /// The capsule name of an unconsumed legacy DLPack tensor.
 const DLTENSOR: &CStr = c"dltensor";
-
-/// `kDLCUDA`: memory of a CUDA device.
-const KDL_CUDA: i32 = 2;
-
-/// `DLDevice`.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-struct DlDevice {
-    device_type: i32,
-    device_id: i32,
-}
-
-/// A DLPack element type (`DLDataType`): type code, bits per lane and lanes.
-#[repr(C)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct DlDtype {
-    /// `kDLInt` 0, `kDLUInt` 1, `kDLFloat` 2, `kDLBfloat` 4, `kDLBool` 6, the float8 codes
-    /// 7..=14 of DLPack 1.1 (`kDLFloat8_e4m3fn` is 10, `kDLFloat8_e5m2` 12).
-    pub code: u8,
-    /// Bits of one lane.
-    pub bits: u8,
-    /// Lanes (1 for every scalar type).
-    pub lanes: u16,
-}
-
-impl DlDtype {
-    /// 32-bit float.
-    pub const F32: DlDtype = DlDtype::scalar(2, 32);
-    /// bfloat16.
-    pub const BF16: DlDtype = DlDtype::scalar(4, 16);
-    /// IEEE half.
-    pub const F16: DlDtype = DlDtype::scalar(2, 16);
-    /// 32-bit signed integer.
-    pub const I32: DlDtype = DlDtype::scalar(0, 32);
-    /// 64-bit signed integer.
-    pub const I64: DlDtype = DlDtype::scalar(0, 64);
-    /// Unsigned byte.
-    pub const U8: DlDtype = DlDtype::scalar(1, 8);
-
-    /// A one-lane type.
-    pub const fn scalar(code: u8, bits: u8) -> DlDtype {
-        DlDtype {
-            code,
-            bits,
-            lanes: 1,
-        }
-    }
-
-    /// The DLPack type of a kernels-crate element type.
-    pub fn of(dtype: DType) -> DlDtype {
-        match dtype {
-            DType::F32 => DlDtype::F32,
-            DType::BF16 => DlDtype::BF16,
-            DType::F16 => DlDtype::F16,
-            DType::I32 => DlDtype::I32,
-            DType::I64 => DlDtype::I64,
-            DType::U8 => DlDtype::U8,
-        }
-    }
-
-    /// The kernels-crate element type, when there is one.
-    pub fn dtype(self) -> Option<DType> {
-        DType::ALL.into_iter().find(|&d| DlDtype::of(d) == self)
-    }
-
-    /// Bytes of one element (`bits * lanes / 8`), `None` for sub-byte types.
-    pub fn size_bytes(self) -> Option<usize> {
-        let bits = usize::from(self.bits) * usize::from(self.lanes);
-        bits.is_multiple_of(8).then_some(bits / 8)
-    }
-}
-
-/// `DLTensor`.
-#[repr(C)]
-struct DlTensor {
-    data: *mut c_void,
-    device: DlDevice,
-    ndim: i32,
-    dtype: DlDtype,
-    shape: *mut i64,
-    strides: *mut i64,
-    byte_offset: u64,
-}
-
-/// `DLManagedTensor`.
-#[repr(C)]
-struct DlManagedTensor {
-    dl_tensor: DlTensor,
-    manager_ctx: *mut c_void,
-    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
-}
 
 /// A device tensor lent through DLPack: its memory (borrowed, used in place), element type and
 /// shape (row-major, contiguous).
@@ -217,19 +128,6 @@ impl DlpackTensor {
             shape,
         })
     }
-}
-
-/// Whether `strides` (in elements) describe the row-major layout of `shape` (extents of 1 may
-/// have any stride).
-fn is_row_major(shape: &[u64], strides: &[i64]) -> bool {
-    let mut expected: i64 = 1;
-    for (&d, &s) in shape.iter().zip(strides).rev() {
-        if d != 1 && s != expected {
-            return shape.contains(&0);
-        }
-        expected = expected.saturating_mul(i64::try_from(d).unwrap_or(i64::MAX));
-    }
-    true
 }
 
 /// What an exported capsule owns: the managed tensor handed to the consumer, the shape it
@@ -368,28 +266,4 @@ fn type_name(obj: &Bound<'_, PyAny>) -> String {
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "object".into())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dtypes_round_trip() {
-        for d in DType::ALL {
-            assert_eq!(DlDtype::of(d).dtype(), Some(d));
-            assert_eq!(DlDtype::of(d).size_bytes(), Some(d.size_bytes()));
-        }
-        assert_eq!(DlDtype::scalar(10, 8).dtype(), None);
-        assert_eq!(DlDtype::scalar(6, 1).size_bytes(), None);
-    }
-
-    #[test]
-    fn row_major_strides() {
-        assert!(is_row_major(&[2, 3], &[3, 1]));
-        assert!(is_row_major(&[1, 3], &[7, 1]));
-        assert!(is_row_major(&[0, 3], &[1, 1]));
-        assert!(!is_row_major(&[2, 3], &[1, 2]));
-        assert!(!is_row_major(&[2, 3], &[6, 2]));
-    }
 }
