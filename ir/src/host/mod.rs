@@ -160,8 +160,12 @@ impl ReduceOp {
 
 /// The kind of a collective [`InstKind::Communication`].
 ///
-/// Buffers (team size `d`, team-relative root `r`):
-/// - `all_gather`: `out` = `d` equal chunks along axis 0, chunk `j` from member `j`.
+/// Buffers (team size `d`, team-relative root `r`). A *chunk* is one of `d` equal contiguous
+/// pieces of a buffer's row-major elements (NCCL's convention): the buffer's shape does not
+/// matter, so `[1, 12]` over 4 members is 4 chunks of 3 elements, and `[2, 6]` 4 chunks of 3.
+/// The lowering stages an exchanged axis to the front (a `permute`) when the chunks would not
+/// be slabs along it.
+/// - `all_gather`: `out` = `d` chunks, chunk `j` from member `j`.
 /// - `reduce_scatter`: `in` = `d` chunks; member `j` gets the reduction of chunk `j`.
 /// - `all_reduce`: `out` = the reduction of every member's `in`.
 /// - `broadcast`: `out` on every member = `in` of member `r`.

@@ -1,7 +1,9 @@
 //! Communications on the sim fabric, in two phases: [`start`] reads the send buffers and
 //! delivers every outgoing message (never blocking); [`finish`] receives the incoming ones and
 //! writes the receive buffers. A coalescing group starts all its members before finishing
-//! any, like an NCCL group. Reductions combine contributions in team order (accumulating in
+//! any, like an NCCL group. Chunked kinds cut their buffers into equal contiguous chunks of
+//! the row-major element order, as NCCL does (so a buffer `[1, 12]` splits into 4 chunks of
+//! 3 elements: leading extent-1 axes never matter). Reductions combine contributions in team order (accumulating in
 //! `f32`, or `i64` for integers, and rounding once), so every member gets the same bits.
 
 use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
@@ -26,8 +28,8 @@ enum Src {
 #[derive(Copy, Clone, Debug)]
 enum Part {
     Whole,
-    /// Chunk `index` of `parts` along axis 0.
-    Chunk(u64, u64),
+    /// Chunk `index` of the team-size equal chunks of the row-major elements.
+    Chunk(u64),
 }
 
 #[derive(Debug)]
@@ -65,10 +67,28 @@ pub(super) struct Exchange {
 /// The buffers a request reads and writes.
 pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>, Vec<&'r TV>) {
     match req {
-        CommRequest::Collective { input, output, .. } => (
-            input.iter().copied().collect(),
-            output.iter().copied().collect(),
-        ),
+        CommRequest::Collective {
+            kind,
+            team,
+            input,
+            output,
+            root,
+            ..
+        } => {
+            // What this member's part reads and writes: a rooted kind's sending side does not
+            // write its receive buffer, and its receiving side does not read its send buffer.
+            let is_root = *root == Some(team.my_index);
+            let (reads, writes) = match kind {
+                CommKind::SendRecv => (is_root, !is_root),
+                CommKind::Gather | CommKind::Reduce => (true, is_root),
+                CommKind::Scatter | CommKind::Broadcast => (is_root, true),
+                _ => (true, true),
+            };
+            (
+                input.iter().copied().filter(|_| reads).collect(),
+                output.iter().copied().filter(|_| writes).collect(),
+            )
+        }
         CommRequest::Permute { input, output, .. } => (vec![*input], vec![*output]),
         CommRequest::MoeDispatch {
             x,
@@ -108,16 +128,18 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
     })
 }
 
-fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    match v.shape.first() {
-        Some(&n) if n % d as u64 == 0 => Ok(()),
-        _ => Err(invalid(
+fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
+    if d > 0 && v.numel() % d as u64 == 0 {
+        Ok(())
+    } else {
+        Err(invalid(
             name,
             format!(
-                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis 0",
-                v.shape
+                "the {what} buffer of shape {:?} ({} elements) cannot be cut into {d} equal chunks",
+                v.shape,
+                v.numel()
             ),
-        )),
+        ))
     }
 }
 
@@ -129,15 +151,23 @@ fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError>
     }
 }
 
-/// Reads `v` (or chunk `k` of `d` along axis 0).
+/// Reads `v` (or chunk `k` of `d` equal chunks of its row-major elements).
 fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
-    let view = be.view(v)?;
+    let all = be.view(v)?.to_storage();
     match chunk {
-        None => Ok(view.to_storage()),
-        Some((k, d)) => view
-            .chunk(0, d, k)
-            .map(|c| c.to_storage())
-            .ok_or_else(|| BackendError::Invalid(format!("chunk {k} of {d} of {:?}", v.shape))),
+        None => Ok(all),
+        Some((k, d)) => {
+            let n = all.len() as u64;
+            if d == 0 || k >= d || n % d != 0 {
+                return Err(BackendError::Invalid(format!(
+                    "chunk {k} of {d} of {:?}",
+                    v.shape
+                )));
+            }
+            let c = (n / d) as usize;
+            let k = k as usize;
+            Ok(all.slice(k * c..(k + 1) * c))
+        }
     }
 }
 
@@ -170,7 +200,7 @@ pub(super) fn start(
             match kind {
                 CommKind::AllGather => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    first_axis_divisible(name, o, d, "receive")?;
+                    divisible(name, o, d, "receive")?;
                     same_numel(
                         name,
                         o.numel(),
@@ -188,7 +218,7 @@ pub(super) fn start(
                                 Some(p) => Src::Local(p),
                                 None => Src::Remote(k),
                             };
-                            (Part::Chunk(k as u64, d as u64), src)
+                            (Part::Chunk(k as u64), src)
                         })
                         .collect();
                     Finish::Write {
@@ -201,7 +231,7 @@ pub(super) fn start(
                     let scatter = *kind == CommKind::ReduceScatter;
                     let mut own = None;
                     if scatter {
-                        first_axis_divisible(name, i, d, "send")?;
+                        divisible(name, i, d, "send")?;
                         same_numel(
                             name,
                             i.numel(),
@@ -273,16 +303,14 @@ pub(super) fn start(
                             None => Src::Remote(k),
                         };
                         if *kind == CommKind::Gather {
-                            first_axis_divisible(name, o, d, "receive")?;
+                            divisible(name, o, d, "receive")?;
                             same_numel(
                                 name,
                                 o.numel(),
                                 i.numel() * d as u64,
                                 "receive = team size x send",
                             )?;
-                            let parts = (0..d)
-                                .map(|k| (Part::Chunk(k as u64, d as u64), src(k)))
-                                .collect();
+                            let parts = (0..d).map(|k| (Part::Chunk(k as u64), src(k))).collect();
                             Finish::Write {
                                 out: o.clone(),
                                 parts,
@@ -300,7 +328,7 @@ pub(super) fn start(
                 CommKind::Scatter => {
                     if my == r {
                         let i = need(name, *input, "send")?;
-                        first_axis_divisible(name, i, d, "send")?;
+                        divisible(name, i, d, "send")?;
                         let mut own = None;
                         for k in 0..d {
                             let chunk = read(be, i, Some((k as u64, d as u64)))?;
@@ -346,8 +374,8 @@ pub(super) fn start(
                 }
                 CommKind::AllToAll => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    first_axis_divisible(name, i, d, "send")?;
-                    first_axis_divisible(name, o, d, "receive")?;
+                    divisible(name, i, d, "send")?;
+                    divisible(name, o, d, "receive")?;
                     same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
                     let mut own = None;
                     for k in 0..d {
@@ -365,7 +393,7 @@ pub(super) fn start(
                                 Some(p) => Src::Local(p),
                                 None => Src::Remote(k),
                             };
-                            (Part::Chunk(k as u64, d as u64), src)
+                            (Part::Chunk(k as u64), src)
                         })
                         .collect();
                     Finish::Write {
@@ -569,18 +597,35 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 same_dtype(name, peer, piece.dtype(), out.dtype)?;
                 pieces.push((part, piece));
             }
-            be.write_views(&[&out], |outs| {
-                for (part, piece) in &pieces {
-                    let r = match *part {
-                        Part::Whole => outs[0].assign_storage(piece),
-                        Part::Chunk(k, d) => match outs[0].chunk_mut(0, d, k) {
-                            Some(mut c) => c.assign_storage(piece),
-                            None => return Err(invalid(name, "receive buffer cannot be chunked")),
-                        },
-                    };
-                    r.map_err(|e| invalid(name, format!("received data does not fit: {e}")))?;
+            // Chunks cover the receive buffer in order: concatenate them, then write once.
+            let mut whole: Option<Storage> = None;
+            let mut next = 0u64;
+            for (part, piece) in pieces {
+                match part {
+                    Part::Whole => whole = Some(piece),
+                    Part::Chunk(k) if k == next => {
+                        next += 1;
+                        match &mut whole {
+                            None => whole = Some(piece),
+                            Some(w) => {
+                                if !w.extend_from(&piece, 0..piece.len()) {
+                                    return Err(invalid(name, "received chunks of mixed types"));
+                                }
+                            }
+                        }
+                    }
+                    Part::Chunk(..) => {
+                        return Err(invalid(name, "receive chunks out of order"));
+                    }
                 }
-                Ok(())
+            }
+            let Some(whole) = whole else {
+                return Ok(());
+            };
+            be.write_views(&[&out], |outs| {
+                outs[0]
+                    .assign_storage(&whole)
+                    .map_err(|e| invalid(name, format!("received data does not fit: {e}")))
             })
         }
         Finish::Reduce { out, sources, op } => {
