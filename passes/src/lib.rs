@@ -26,6 +26,7 @@ pub mod host_util;
 pub mod index;
 pub mod manager;
 pub mod passes;
+pub mod redistribute;
 pub mod resharding;
 pub mod scope_tree;
 

@@ -103,6 +103,11 @@ pub fn analyze(p: &Sharding, p_mesh: &DeviceMesh, c: &Sharding, c_mesh: &DeviceM
     let mut simp = Simplifier::new(facts);
     let rank = p.value_axes.len().min(c.value_axes.len());
     for pt in ParallelType::DEVICE {
+        // A team of one device holds everything its parallel type could split: a split or a
+        // partial sum over it changes nothing.
+        if !out.mesh_changed && p_mesh.size_of(pt) == Some(1) && c_mesh.size_of(pt) == Some(1) {
+            continue;
+        }
         let partial = |sh: &Sharding| {
             sh.split(pt)
                 .filter(|_| sh.is_partial_on(pt))

@@ -346,6 +346,19 @@ impl Walker<'_, '_> {
     }
 
     fn not_in_team(&mut self, ord: usize, inst: &Inst) {
+        // A point-to-point transfer over an explicit list of devices names exactly the
+        // devices that take part: between overlapping meshes, other devices hold both buffers
+        // and rightly skip it.
+        let point_to_point = matches!(
+            inst.kind,
+            InstKind::Communication {
+                kind: CommKind::SendRecv,
+                ..
+            } | InstKind::CollectivePermute { .. }
+        );
+        if point_to_point && matches!(inst.kind.team(), Some(Team::Devices(_))) {
+            return;
+        }
         let tensors = inst.kind.tensors();
         if tensors.is_empty() || !tensors.iter().all(|&t| self.holds(t).is_some()) {
             return;

@@ -93,10 +93,20 @@ pub fn infer_output_types(
         }
     };
     let out = match kind {
-        OpKind::Set => vec![TensorType {
-            dtype: d[0],
-            axes: iters(&v[0]),
-        }],
+        // A `set` may keep partial sums: a declared output with reduction axes and the
+        // input's value shape holds partial sums of the same value.
+        OpKind::Set => match declared.first() {
+            Some(t) if t.axes.iter().any(|a| a.reduction) && t.value_shape() == v[0] => {
+                vec![TensorType {
+                    dtype: d[0],
+                    axes: t.axes.clone(),
+                }]
+            }
+            _ => vec![TensorType {
+                dtype: d[0],
+                axes: iters(&v[0]),
+            }],
+        },
         OpKind::Gelu | OpKind::Silu => {
             need_float(0, "the input")?;
             vec![TensorType {

@@ -183,6 +183,7 @@ fn plan_gather(
             axis,
             chunks: team,
             swizzle,
+            depth: spec.device_chain(axis).len(),
         });
         s
     };
@@ -229,7 +230,7 @@ fn plan_gather(
             if let Some(k) = k.filter(|&k| od.ty.axes.get(k).is_some_and(|a| !a.reduction)) {
                 let omesh = program.meshes.get(od.mesh).map(|m| &m.mesh);
                 let fits = os.stream().is_none()
-                    && os.spec.pt_on(k) == cs.spec.pt_on(axis)
+                    && os.spec.device_chain(k) == cs.spec.device_chain(axis)
                     && omesh.is_some_and(|m| with_stream(&os.spec, k, None).fits(&od.ty, m));
                 let already = os.stream().is_some_and(|s| s.axis == k && s.chunks == team);
                 if (fits && !cx.is_annotated(&od.name)) || already {
@@ -424,6 +425,7 @@ fn apply(
         axis,
         chunks: plan.team,
         swizzle,
+        depth: cs.spec.device_chain(axis).len(),
     };
     let mut spec = cs.spec.clone();
     spec.stream = Some(stream);
@@ -432,7 +434,11 @@ fn apply(
         if let Ok(os) = Sharding::of(program, o) {
             if os.stream().is_none() {
                 let mut ospec = os.spec.clone();
-                ospec.stream = Some(StreamSpec { axis: k, ..stream });
+                ospec.stream = Some(StreamSpec {
+                    axis: k,
+                    depth: ospec.device_chain(k).len(),
+                    ..stream
+                });
                 program.tensors[o].schedule = Some(ospec.to_transforms());
             }
         }

@@ -30,9 +30,10 @@ use meshflow_ir::{MeshId, Op, OpKind, ParallelType, Program, TensorId};
 
 use crate::analysis::{op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::decision::{decide, placements, Decision, Placement};
-use crate::edit::{add_tensor, decl, insert_set, spec_from_placements, value_type};
+use crate::edit::{add_tensor, decl, insert_set, value_type};
 use crate::error::PassError;
 use crate::manager::{PassContext, ProgramPass};
+use crate::redistribute::{plan, Placements};
 
 /// The pass.
 pub struct DecomposeReshardings;
@@ -66,8 +67,8 @@ fn same_mesh(program: &Program, a: MeshId, b: MeshId) -> bool {
 fn value_spec(sh: &Sharding) -> Spec {
     let mut spec = Spec::default();
     for (pt, p) in placements(sh) {
-        if let Placement::Split { axis, parts } = p {
-            spec.device.insert(pt, AxisSplit { axis, parts });
+        if let Placement::Split { axis, parts, depth } = p {
+            spec.device.insert(pt, AxisSplit { axis, parts, depth });
         }
     }
     spec.stream = sh
@@ -142,7 +143,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
             let esh = Sharding::of(program, experts)?;
             let nb = esh.value_axes.len().saturating_sub(3);
             let Some((pt, parts)) = placements(&esh).into_iter().find_map(|(pt, p)| match p {
-                Placement::Split { axis, parts } if axis == nb => Some((pt, parts)),
+                Placement::Split { axis, parts, .. } if axis == nb => Some((pt, parts)),
                 _ => None,
             }) else {
                 return Ok(reqs);
@@ -152,7 +153,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
                 let Some(&t) = op.inputs.get(j) else { continue };
                 if let Some(axis) = value_axis(t, nb) {
                     let mut device = BTreeMap::new();
-                    device.insert(pt, AxisSplit { axis, parts });
+                    device.insert(pt, AxisSplit::outer(axis, parts));
                     reqs[j] = Some(Requirement { mesh, device });
                 }
             }
@@ -160,7 +161,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
                 let Some(&t) = op.inputs.get(j) else { continue };
                 if let Some(axis) = value_axis(t, nb) {
                     let mut device = BTreeMap::new();
-                    device.insert(pt, AxisSplit { axis, parts });
+                    device.insert(pt, AxisSplit::outer(axis, parts));
                     reqs[j] = Some(Requirement { mesh, device });
                 }
             }
@@ -178,13 +179,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
                     let sources = map.first().and_then(|m| m.get(s.axis));
                     for &(jj, a) in sources.into_iter().flatten() {
                         if jj == j {
-                            device.insert(
-                                pt,
-                                AxisSplit {
-                                    axis: a,
-                                    parts: s.parts,
-                                },
-                            );
+                            device.insert(pt, AxisSplit { axis: a, ..*s });
                         }
                     }
                 }
@@ -362,14 +357,8 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
         let steps = plan_steps(program, p, c).map_err(|why| PassError::op(program, i, why))?;
         let cd = decl(program, c)?.clone();
         let mut prev = p;
-        for (mesh, spec) in steps {
-            let t = add_tensor(
-                program,
-                &format!("{}_step", cd.name),
-                value_type(&cd.ty),
-                mesh,
-                &spec,
-            );
+        for (mesh, ty, spec) in steps {
+            let t = add_tensor(program, &format!("{}_step", cd.name), ty, mesh, &spec);
             insert_set(program, i, prev, t);
             i += 1;
             prev = t;
@@ -380,8 +369,134 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
     Ok(())
 }
 
-/// Intermediate `(mesh, spec)`s that turn `set(p) -> c` into single-row steps.
-fn plan_steps(program: &Program, p: TensorId, c: TensorId) -> Result<Vec<(MeshId, Spec)>, String> {
+/// The placements of `sh` over its value axes (for [`redistribute::plan`]).
+fn placements_of(sh: &Sharding) -> Placements {
+    let mut out = Placements::replicated(sh.value_axes.len());
+    let mut by_axis: Vec<Vec<(usize, ParallelType)>> = vec![Vec::new(); sh.value_axes.len()];
+    for (pt, p) in placements(sh) {
+        match p {
+            Placement::Split { axis, depth, .. } => {
+                if let Some(c) = by_axis.get_mut(axis) {
+                    c.push((depth, pt));
+                }
+            }
+            Placement::Partial => {
+                out.partial.insert(pt);
+            }
+        }
+    }
+    for (chain, mut levels) in out.chains.iter_mut().zip(by_axis) {
+        levels.sort();
+        *chain = levels.into_iter().map(|(_, pt)| pt).collect();
+    }
+    out
+}
+
+/// The type and schedule of a tensor of value type `vty` placed as `pl` on `mesh`: partial
+/// sums live on one extra reduction axis, split by the partial parallel types (outer mesh
+/// axes first).
+fn materialize(
+    pl: &Placements,
+    vty: &meshflow_ir::TensorType,
+    mesh: &meshflow_ir::DeviceMesh,
+) -> (meshflow_ir::TensorType, Spec) {
+    let mut ty = vty.clone();
+    let mut spec = Spec::default();
+    for (axis, chain) in pl.chains.iter().enumerate() {
+        for (depth, &pt) in chain.iter().enumerate() {
+            let parts = mesh.size_of(pt).unwrap_or(1) as u64;
+            spec.device.insert(pt, AxisSplit { axis, parts, depth });
+        }
+    }
+    if !pl.partial.is_empty() {
+        let axis = ty.axes.len();
+        let mut extent = 1;
+        for (depth, &pt) in pl.partial.iter().rev().enumerate() {
+            let parts = mesh.size_of(pt).unwrap_or(1) as u64;
+            extent *= parts;
+            spec.device.insert(pt, AxisSplit { axis, parts, depth });
+        }
+        ty.axes.push(meshflow_ir::Axis::reduce(extent));
+    }
+    (ty, spec)
+}
+
+/// A `Sharding` of the would-be tensor `(ty, spec)` on `mesh` (for the decision table).
+fn sharding_of(ty: &meshflow_ir::TensorType, mesh: MeshId, spec: &Spec) -> Option<Sharding> {
+    Sharding::from_parts("step", ty, mesh, &spec.to_transforms()).ok()
+}
+
+/// The placements from `from` to `to` on one mesh, one parallel type per step (both ends
+/// excluded), or why there are none.
+fn mesh_path(
+    from: &Placements,
+    to: &Placements,
+    vty: &meshflow_ir::TensorType,
+    mesh: &meshflow_ir::DeviceMesh,
+) -> Result<Vec<Placements>, String> {
+    let sizes: BTreeMap<ParallelType, u64> = ParallelType::DEVICE
+        .into_iter()
+        .filter_map(|pt| Some((pt, mesh.size_of(pt)? as u64)))
+        .filter(|&(_, n)| n > 1)
+        .collect();
+    let extents = vty.value_shape();
+    // A team of one device never communicates: its splits and partial sums change nothing.
+    let strip = |pl: &Placements| Placements {
+        chains: pl
+            .chains
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .copied()
+                    .filter(|pt| sizes.contains_key(pt))
+                    .collect()
+            })
+            .collect(),
+        partial: pl
+            .partial
+            .iter()
+            .copied()
+            .filter(|pt| sizes.contains_key(pt))
+            .collect(),
+    };
+    let (from, to) = (&strip(from), &strip(to));
+    let fits = |pl: &Placements| {
+        let (ty, spec) = materialize(pl, vty, mesh);
+        spec.fits(&ty, mesh)
+    };
+    plan(from, to, &extents, &sizes, &fits).ok_or_else(|| {
+        let missing: Vec<&str> = to
+            .partial
+            .difference(&from.partial)
+            .map(|p| p.name())
+            .collect();
+        if missing.is_empty() {
+            format!(
+                "no sequence of single-parallel-type steps from {} to {} fits the shape {:?} \
+                 on mesh {mesh}",
+                from.describe(),
+                to.describe(),
+                extents
+            )
+        } else {
+            format!(
+                "the target {} holds partial sums along {} that the source {} does not: \
+                 nothing creates partial sums (Replicate -> Partial is refused, as in DTensor)",
+                to.describe(),
+                missing.join(", "),
+                from.describe()
+            )
+        }
+    })
+}
+
+/// Intermediate `(mesh, type, spec)`s that turn `set(p) -> c` into single-row steps.
+#[allow(clippy::type_complexity)]
+fn plan_steps(
+    program: &Program,
+    p: TensorId,
+    c: TensorId,
+) -> Result<Vec<(MeshId, meshflow_ir::TensorType, Spec)>, String> {
     let err = |e: PassError| e.to_string();
     let ps = Sharding::of(program, p).map_err(err)?;
     let cs = Sharding::of(program, c).map_err(err)?;
@@ -390,126 +505,103 @@ fn plan_steps(program: &Program, p: TensorId, c: TensorId) -> Result<Vec<(MeshId
     if !matches!(decide(&ps, pm, &cs, cm), Decision::Unsupported(_)) {
         return Ok(Vec::new());
     }
-    let ty = value_type(&decl(program, c).map_err(err)?.ty);
-    let pv = placements(&ps);
-    let cv = placements(&cs);
-    let stream_axis = cs.stream().and_then(|s| cs.value_index(s.axis));
+    let (pd, cd) = (
+        decl(program, p).map_err(err)?,
+        decl(program, c).map_err(err)?,
+    );
+    let vty = value_type(&cd.ty);
+    let (from, to) = (placements_of(&ps), placements_of(&cs));
+    let refuse = |why: String| {
+        format!(
+            "cannot reshard `{}` ({} on mesh {}) into `{}` ({} on mesh {}): {why}",
+            pd.name,
+            from.describe(),
+            pm,
+            cd.name,
+            to.describe(),
+            cm
+        )
+    };
+    let mut steps: Vec<(MeshId, Placements)> = Vec::new();
     if same_mesh(program, ps.mesh, cs.mesh) {
-        let steps = same_mesh_steps(&pv, &cv, stream_axis, &ty, pm)?;
-        if steps.is_empty() {
-            // A single-type change that is still no row of the table.
-            if let Decision::Unsupported(why) = decide(&ps, pm, &cs, cm) {
-                return Err(why);
-            }
-        }
-        return Ok(steps.into_iter().map(|s| (cs.mesh, s)).collect());
-    }
-    let no_partial =
-        |v: &BTreeMap<ParallelType, Placement>| !v.values().any(|p| *p == Placement::Partial);
-    let mut out = Vec::new();
-    if pm.shape() == cm.shape() && no_partial(&cv) {
+        steps.extend(
+            mesh_path(&from, &to, &vty, pm)
+                .map_err(&refuse)?
+                .into_iter()
+                .map(|s| (cs.mesh, s)),
+        );
+    } else if !to.partial.is_empty() {
+        return Err(refuse(
+            "a target on another mesh cannot hold partial sums (reduce first)".into(),
+        ));
+    } else if pm.shape() == cm.shape() {
         // Reshard on the source mesh to the target's splits, then one transfer per pair.
-        out.extend(
-            same_mesh_steps(&pv, &cv, None, &ty, pm)?
+        steps.extend(
+            mesh_path(&from, &to, &vty, pm)
+                .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (ps.mesh, s)),
         );
-        if pv != cv {
-            let spec = spec_from_placements(&cv).ok_or("the target holds partial sums")?;
-            out.push((ps.mesh, spec));
+        if from != to {
+            steps.push((ps.mesh, to.clone()));
         }
-        return Ok(out);
+    } else {
+        // Replicate on the source mesh, broadcast, slice on the target mesh.
+        let repl = Placements::replicated(vty.axes.len());
+        steps.extend(
+            mesh_path(&from, &repl, &vty, pm)
+                .map_err(&refuse)?
+                .into_iter()
+                .map(|s| (ps.mesh, s)),
+        );
+        if from != repl {
+            steps.push((ps.mesh, repl.clone()));
+        }
+        if to != repl {
+            steps.push((cs.mesh, repl.clone()));
+        }
+        steps.extend(
+            mesh_path(&repl, &to, &vty, cm)
+                .map_err(&refuse)?
+                .into_iter()
+                .map(|s| (cs.mesh, s)),
+        );
     }
-    // Replicate on the source mesh, broadcast, slice on the target mesh.
-    let empty = BTreeMap::new();
-    out.extend(
-        same_mesh_steps(&pv, &empty, None, &ty, pm)?
-            .into_iter()
-            .map(|s| (ps.mesh, s)),
-    );
-    if !pv.is_empty() {
-        out.push((ps.mesh, Spec::default()));
+    let mut out: Vec<(MeshId, meshflow_ir::TensorType, Spec)> = Vec::new();
+    for (m, pl) in steps {
+        let mesh = mesh_of(program, m).map_err(err)?;
+        let (ty, spec) = materialize(&pl, &vty, mesh);
+        out.push((m, ty, spec));
     }
-    if !cv.is_empty() {
-        out.push((cs.mesh, Spec::default()));
-    }
-    out.extend(
-        same_mesh_steps(&empty, &cv, stream_axis, &ty, cm)?
-            .into_iter()
-            .map(|s| (cs.mesh, s)),
-    );
-    Ok(out)
-}
-
-/// Intermediate specs (endpoints excluded) changing one parallel type per step.
-fn same_mesh_steps(
-    from: &BTreeMap<ParallelType, Placement>,
-    to: &BTreeMap<ParallelType, Placement>,
-    stream_axis: Option<usize>,
-    ty: &meshflow_ir::TensorType,
-    mesh: &meshflow_ir::DeviceMesh,
-) -> Result<Vec<Spec>, String> {
-    let mut changed: Vec<ParallelType> = ParallelType::DEVICE
-        .into_iter()
-        .filter(|pt| from.get(pt) != to.get(pt))
-        .collect();
-    if changed.len() <= 1 {
-        return Ok(Vec::new());
-    }
-    let key = |pt: &ParallelType| match from.get(pt) {
-        Some(Placement::Partial) => 0,
-        Some(Placement::Split { axis, .. }) if Some(*axis) == stream_axis => 2,
-        _ => 1,
+    // The last step reaches the consumer itself; a consumer cut by a Stream split whose
+    // chunks the last step cannot fill directly gets its device placement first.
+    let last = |out: &[(MeshId, meshflow_ir::TensorType, Spec)]| match out.last() {
+        Some((m, ty, spec)) => {
+            sharding_of(ty, *m, spec).map(|sh| (sh, mesh_of(program, *m).ok().cloned()))
+        }
+        None => Some((ps.clone(), Some(pm.clone()))),
     };
-    changed.sort_by_key(|pt| (key(pt), *pt));
-    let valid = |cur: &BTreeMap<ParallelType, Placement>| {
-        spec_from_placements(cur).filter(|s| s.fits(ty, mesh))
-    };
-    // Greedy: one type at a time to its target.
-    let mut cur = from.clone();
-    let mut steps = Vec::new();
-    let mut ok = true;
-    for pt in &changed[..changed.len() - 1] {
-        match to.get(pt) {
-            Some(p) => cur.insert(*pt, *p),
-            None => cur.remove(pt),
-        };
-        match valid(&cur) {
-            Some(s) => steps.push(s),
-            None => {
-                ok = false;
-                break;
-            }
+    if let (Some(_), Some((sh, Some(m)))) = (cs.stream(), last(&out)) {
+        if matches!(decide(&sh, &m, &cs, cm), Decision::Unsupported(_)) {
+            let spec = cs.spec.without_stream();
+            out.push((cs.mesh, cd.ty.clone(), spec));
         }
     }
-    if ok {
-        return Ok(steps);
-    }
-    // Remove every changed split, then add the targets.
-    let mut cur = from.clone();
-    let mut steps = Vec::new();
-    for pt in changed.iter().filter(|pt| from.contains_key(pt)) {
-        cur.remove(pt);
-        steps.push(valid(&cur).ok_or_else(|| {
-            "the producer holds partial sums along two parallel types at once".to_string()
-        })?);
-    }
-    for pt in changed.iter() {
-        if let Some(p) = to.get(pt) {
-            cur.insert(*pt, *p);
-            if &cur != to {
-                steps.push(valid(&cur).ok_or("no valid intermediate sharding")?);
-            }
-        }
-    }
-    if cur == *to
-        && steps
-            .last()
-            .is_some_and(|s| Some(s) == spec_from_placements(to).as_ref())
+    // Every step must be one row of the decision table.
+    let mut prev = (ps.clone(), pm.clone());
+    for (m, ty, spec) in
+        out.iter()
+            .chain(std::iter::once(&(cs.mesh, cd.ty.clone(), cs.spec.clone())))
     {
-        steps.pop();
+        let mesh = mesh_of(program, *m).map_err(err)?;
+        let sh = sharding_of(ty, *m, spec)
+            .ok_or_else(|| refuse("an intermediate placement has no layout".into()))?;
+        if let Decision::Unsupported(why) = decide(&prev.0, &prev.1, &sh, mesh) {
+            return Err(refuse(why));
+        }
+        prev = (sh, mesh.clone());
     }
-    Ok(steps)
+    Ok(out)
 }
 
 /// Why op `index` cannot compute locally, if it cannot: an input whose sharding differs from

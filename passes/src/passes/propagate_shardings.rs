@@ -9,7 +9,8 @@
 //! first input that has one that fits. **Backward**, from the last op to the first, every
 //! unannotated input takes the device splits of the op's outputs it lacks (mapped back).
 //! A split is only taken when it fits: the mesh has the parallel type with that many devices,
-//! the axis divides, and the axis is not split by another type.
+//! the axis divides, and the axis is not split by another type. An axis split several times
+//! lends its whole chain at once, in its order.
 //!
 //! Only tensors whose schedule is `None` change; annotations, including `{}` (explicitly
 //! replicated), are never overwritten. Results are written in canonical form
@@ -40,6 +41,19 @@ impl ProgramPass for PropagateShardings {
         }
         Ok(())
     }
+}
+
+/// The device splits of `spec` grouped by logical axis: each axis with its whole chain (a
+/// chain moves as one, keeping its order).
+fn chains(spec: &Spec) -> Vec<(usize, Vec<(meshflow_ir::ParallelType, AxisSplit)>)> {
+    let mut by_axis: std::collections::BTreeMap<
+        usize,
+        Vec<(meshflow_ir::ParallelType, AxisSplit)>,
+    > = std::collections::BTreeMap::new();
+    for (&pt, &split) in &spec.device {
+        by_axis.entry(split.axis).or_default().push((pt, split));
+    }
+    by_axis.into_iter().collect()
 }
 
 /// The order in which an op's inputs lend their splits to its outputs.
@@ -99,24 +113,19 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 let Some(ins) = op.inputs.get(j).and_then(|t| specs[t.index()].clone()) else {
                     continue;
                 };
-                for (&pt, split) in &ins.device {
-                    if spec.device.contains_key(&pt) {
-                        continue;
-                    }
-                    let Some(k) = out_axis(j, split.axis) else {
+                for (a, chain) in chains(&ins) {
+                    let Some(k) = out_axis(j, a) else {
                         continue;
                     };
-                    if spec.pt_on(k).is_some() {
+                    if spec.pt_on(k).is_some()
+                        || chain.iter().any(|(pt, _)| spec.device.contains_key(pt))
+                    {
                         continue;
                     }
                     let mut cand = spec.clone();
-                    cand.device.insert(
-                        pt,
-                        AxisSplit {
-                            axis: k,
-                            parts: split.parts,
-                        },
-                    );
+                    for (pt, split) in chain {
+                        cand.device.insert(pt, AxisSplit { axis: k, ..split });
+                    }
                     if fits(out, &cand) {
                         spec = cand;
                     }
@@ -133,8 +142,8 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 let Some(k) = out_axis(j, st.axis) else {
                     continue;
                 };
-                // The chunks must cut the same thing: the local shard on both or on neither.
-                if ins.pt_on(st.axis) != spec.pt_on(k) {
+                // The chunks must cut the same thing: the same piece of the axis' chain.
+                if ins.device_chain(st.axis) != spec.device_chain(k) {
                     continue;
                 }
                 let mut cand = spec.clone();
@@ -159,27 +168,23 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                     continue;
                 }
                 let mut is = specs[input.index()].clone().unwrap_or_default();
-                for (&pt, split) in &os.device {
-                    if is.device.contains_key(&pt) {
-                        continue;
-                    }
+                for (k, chain) in chains(&os) {
                     let Some(&(_, a)) = axes
-                        .get(split.axis)
+                        .get(k)
                         .and_then(|src| src.iter().find(|(jj, _)| *jj == j))
                     else {
                         continue;
                     };
-                    if is.pt_on(a).is_some() || is.stream.is_some_and(|st| st.axis == a) {
+                    if is.pt_on(a).is_some()
+                        || is.stream.is_some_and(|st| st.axis == a)
+                        || chain.iter().any(|(pt, _)| is.device.contains_key(pt))
+                    {
                         continue;
                     }
                     let mut cand = is.clone();
-                    cand.device.insert(
-                        pt,
-                        AxisSplit {
-                            axis: a,
-                            parts: split.parts,
-                        },
-                    );
+                    for (pt, split) in chain {
+                        cand.device.insert(pt, AxisSplit { axis: a, ..split });
+                    }
                     if fits(input, &cand) {
                         is = cand;
                     }

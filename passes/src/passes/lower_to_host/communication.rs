@@ -5,7 +5,7 @@
 //! staged through a `permute` (or `copy`) into a temporary and back.
 
 use meshflow_ir::host::{CommKind, ComputeOp, Expr, HostTensorId, Inst, InstKind, ReduceOp, Team};
-use meshflow_ir::{DeviceId, TensorId};
+use meshflow_ir::{DeviceId, ParallelType, TensorId};
 
 use super::loop_nest::LoopCtx;
 use super::Lowering;
@@ -258,29 +258,19 @@ impl Lowering<'_> {
                 let d = pm.size_of(pt).unwrap_or(1) as u64;
                 self.all_to_all(block, slice(pt), d, (from, to), pin, cout)?;
             }
-            Decision::SendRecv => {
-                for (&src, &dst) in pm.devices().iter().zip(cm.devices()) {
-                    if src == dst {
-                        return Err(PassError::tensor(
-                            self.name(c),
-                            format!(
-                                "device {src} would send its shard of `{}` to itself; overlapping \
-                                 meshes are not supported for mesh-to-mesh transfers",
-                                self.name(p)
-                            ),
-                        ));
-                    }
-                    self.collective(
-                        block,
-                        coll(
-                            CommKind::SendRecv,
-                            Team::Devices(vec![src, dst]),
-                            Some(Expr::c(0)),
-                            None,
-                            None,
-                        ),
-                    );
-                }
+            Decision::SendRecv => self.send_recv_pairs(block, &pm, &cm, pin, cout),
+            // Every receiver already holds the data: each copies it locally (a collective
+            // permute of every member of the receiving mesh to itself).
+            Decision::Broadcast if cm.devices().iter().all(|&d| pm.contains(d)) => {
+                let me = flat_index(cmesh, &cm);
+                self.push_comm(block, |id| InstKind::CollectivePermute {
+                    id,
+                    team: Team::Mesh(cmesh),
+                    send_peer: me.clone(),
+                    recv_peer: me,
+                    input: pin,
+                    output: cout,
+                });
             }
             Decision::Broadcast => {
                 let root = pm
@@ -352,6 +342,74 @@ impl Lowering<'_> {
         Ok(())
     }
 
+    /// Same placements on two meshes of one shape: the device at each mesh position sends its
+    /// shard to the device at the same position of the other mesh. Transfers between two
+    /// devices are `send_recv`s over that pair, issued together in one coalescing group; a
+    /// device found at the same position of both meshes keeps its shard and copies it locally
+    /// (a `collective_permute` over that device alone, which no other device takes part in).
+    fn send_recv_pairs(
+        &mut self,
+        block: &mut Vec<Inst>,
+        pm: &meshflow_ir::DeviceMesh,
+        cm: &meshflow_ir::DeviceMesh,
+        pin: HostTensorId,
+        cout: HostTensorId,
+    ) {
+        let pairs: Vec<(DeviceId, DeviceId)> = pm
+            .devices()
+            .iter()
+            .copied()
+            .zip(cm.devices().iter().copied())
+            .collect();
+        let moves: Vec<(DeviceId, DeviceId)> =
+            pairs.iter().copied().filter(|(s, d)| s != d).collect();
+        let staged = !self.contiguous(pin) || !self.contiguous(cout);
+        let group = moves.len() > 1 && !staged;
+        if group {
+            block.push(Inst::new(InstKind::StartCoalescing));
+            for &(src, dst) in &moves {
+                let id = self.fresh_comm();
+                block.push(Inst::new(InstKind::Communication {
+                    id,
+                    kind: CommKind::SendRecv,
+                    team: Team::Devices(vec![src, dst]),
+                    input: pin,
+                    output: cout,
+                    root: Some(Expr::c(0)),
+                    op: None,
+                }));
+            }
+            let id = self.fresh_comm();
+            block.push(Inst::new(InstKind::EndCoalescing { id }));
+            block.push(Inst::new(InstKind::Wait { comm: id }));
+        } else {
+            for &(src, dst) in &moves {
+                self.collective(
+                    block,
+                    Collective {
+                        kind: CommKind::SendRecv,
+                        team: Team::Devices(vec![src, dst]),
+                        input: pin,
+                        output: cout,
+                        root: Some(Expr::c(0)),
+                        op: None,
+                        exchanged: None,
+                    },
+                );
+            }
+        }
+        for (src, _) in pairs.into_iter().filter(|(s, d)| s == d) {
+            self.push_comm(block, |id| InstKind::CollectivePermute {
+                id,
+                team: Team::Devices(vec![src]),
+                send_peer: Expr::c(0),
+                recv_peer: Expr::c(0),
+                input: pin,
+                output: cout,
+            });
+        }
+    }
+
     /// Split on `from` to split on `to` over a team of `d`: chunks of `to` go to their
     /// owners; what arrives is ordered by source member (= `from` chunk) and rearranged.
     fn all_to_all(
@@ -413,6 +471,27 @@ impl Lowering<'_> {
         }
         Ok(())
     }
+}
+
+/// This device's index in the row-major order of `mesh` (its index in `Team::Mesh`):
+/// `my(m, DIDz) * dy * dx + my(m, DIDy) * dx + my(m, DIDx)`.
+fn flat_index(id: meshflow_ir::MeshId, mesh: &meshflow_ir::DeviceMesh) -> Expr {
+    let mut e: Option<Expr> = None;
+    let mut stride = 1i64;
+    for pt in ParallelType::DEVICE {
+        let Some(n) = mesh.size_of(pt) else { break };
+        let term = if stride == 1 {
+            Expr::my(id, pt)
+        } else {
+            Expr::my(id, pt).mul(Expr::c(stride))
+        };
+        e = Some(match e {
+            None => term,
+            Some(acc) => term.add(acc),
+        });
+        stride *= n as i64;
+    }
+    e.unwrap_or(Expr::c(0))
 }
 
 /// `devices` with `member` appended when it is not in it, and `member`'s index.
