@@ -186,6 +186,8 @@ fn expr(nm: usize) -> impl Strategy<Value = Expr> {
             BinOp::Mul,
             BinOp::Div,
             BinOp::Mod,
+            BinOp::Min,
+            BinOp::Max,
         ]);
         (op, inner.clone(), inner).prop_map(|(op, a, b)| Expr::Bin(op, Box::new(a), Box::new(b)))
     })

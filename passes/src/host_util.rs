@@ -24,7 +24,9 @@ pub fn walk_paths(block: &Block, f: &mut impl FnMut(&Inst, &[usize])) {
 pub fn view_inputs(host: &HostProgram) -> HashMap<HostTensorId, HostTensorId> {
     let mut out = HashMap::new();
     host.walk(&mut |inst, _| {
-        if let InstKind::ShardByStream { out: v, input, .. } = &inst.kind {
+        if let InstKind::ShardByStream { out: v, input, .. }
+        | InstKind::Narrow { out: v, input, .. } = &inst.kind
+        {
             out.insert(*v, *input);
         }
     });
@@ -86,7 +88,7 @@ pub fn map_tensors(kind: &mut InstKind, f: &mut impl FnMut(HostTensorId) -> Host
                 map_tensors(&mut inst.kind, f);
             }
         }
-        InstKind::ShardByStream { out, input, .. } => {
+        InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. } => {
             m(out);
             m(input);
         }

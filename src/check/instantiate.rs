@@ -36,6 +36,11 @@ enum Node<'a> {
     EndGroup {
         ord: usize,
     },
+    /// A view (`shard_by_stream`, `narrow`): its per-rank shape sizes later communications.
+    View {
+        ord: usize,
+        inst: &'a Inst,
+    },
 }
 
 fn build_nodes<'a>(
@@ -47,7 +52,11 @@ fn build_nodes<'a>(
     for inst in block {
         let relevant = matches!(
             inst.kind,
-            InstKind::ForLoop { .. } | InstKind::StartCoalescing | InstKind::EndCoalescing { .. }
+            InstKind::ForLoop { .. }
+                | InstKind::StartCoalescing
+                | InstKind::EndCoalescing { .. }
+                | InstKind::ShardByStream { .. }
+                | InstKind::Narrow { .. }
         ) || inst.kind.is_communication();
         if !relevant {
             continue;
@@ -72,6 +81,7 @@ fn build_nodes<'a>(
             },
             InstKind::StartCoalescing => Node::StartGroup { ord },
             InstKind::EndCoalescing { .. } => Node::EndGroup { ord },
+            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Node::View { ord, inst },
             _ => Node::Comm { ord, inst },
         });
     }
@@ -124,6 +134,9 @@ struct Walker<'h, 'o> {
     loops: Vec<(LoopVar, i64)>,
     group: Option<(u32, usize)>,
     next_group: u32,
+    /// The actual shape of every view on this rank, as of the last view instruction: the
+    /// pieces of uneven shards have per-rank extents.
+    shapes: HashMap<HostTensorId, Vec<u64>>,
 }
 
 impl Walker<'_, '_> {
@@ -220,6 +233,7 @@ impl Walker<'_, '_> {
                     self.spend()?;
                     self.communication(*ord, inst);
                 }
+                Node::View { ord, inst } => self.view(*ord, inst),
             }
         }
         Ok(())
@@ -228,11 +242,89 @@ impl Walker<'_, '_> {
     fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
         let t = self.host.tensors.get(tensor)?;
         let member = self.in_mesh.get(&t.mesh)?.get(self.rank).copied();
+        let numel = match self.shapes.get(&tensor) {
+            Some(shape) => shape.iter().product(),
+            None => t.numel(),
+        };
         member.unwrap_or(false).then_some(Buffer {
             tensor,
             dtype: t.dtype,
-            numel: t.numel(),
+            numel,
         })
+    }
+
+    /// The shape of `t` on this rank now: a view's evaluated shape, else the declared one.
+    fn shape_of(&self, t: HostTensorId) -> Option<Vec<u64>> {
+        self.shapes
+            .get(&t)
+            .cloned()
+            .or_else(|| self.host.tensors.get(t).map(|d| d.shape.clone()))
+    }
+
+    /// Evaluates a view on this rank: its shape sizes the communications that use it, and a
+    /// `narrow` outside its tensor would fail the run.
+    fn view(&mut self, ord: usize, inst: &Inst) {
+        let (out, input, axis) = match &inst.kind {
+            InstKind::ShardByStream {
+                out, input, axis, ..
+            }
+            | InstKind::Narrow {
+                out, input, axis, ..
+            } => (*out, *input, *axis),
+            _ => return,
+        };
+        // Only the devices holding the tensor evaluate its views.
+        if self.holds(input).is_none() {
+            return;
+        }
+        let Some(mut shape) = self.shape_of(input) else {
+            return;
+        };
+        let Some(&extent) = shape.get(axis) else {
+            return;
+        };
+        let rank = self.rank;
+        match &inst.kind {
+            InstKind::ShardByStream { chunks, .. } => {
+                if *chunks == 0 || extent % chunks != 0 {
+                    let site = self.site(ord);
+                    let detail = format!(
+                        "{chunks} chunks do not divide the extent {extent} this rank's view has \
+                         along axis {axis}"
+                    );
+                    self.report(ord, CheckError::Malformed { rank, site, detail });
+                    return;
+                }
+                shape[axis] = extent / chunks;
+            }
+            InstKind::Narrow { start, length, .. } => {
+                let (Some(s), Some(l)) = (
+                    self.eval(ord, "narrow start", start),
+                    self.eval(ord, "narrow length", length),
+                ) else {
+                    return;
+                };
+                let cap = self
+                    .host
+                    .tensors
+                    .get(out)
+                    .and_then(|d| d.shape.get(axis).copied())
+                    .unwrap_or(0);
+                let fits = s >= 0 && l >= 0 && (s + l) as u64 <= extent && l as u64 <= cap;
+                if !fits {
+                    let site = self.site(ord);
+                    let detail = format!(
+                        "elements [{s}, {s} + {l}) along axis {axis} do not fit this rank's \
+                         extent {extent} or the view's capacity {cap}"
+                    );
+                    self.report(ord, CheckError::Malformed { rank, site, detail });
+                    return;
+                }
+                shape[axis] = l as u64;
+            }
+            _ => return,
+        }
+        self.shapes.insert(out, shape);
     }
 
     fn require(
@@ -638,6 +730,7 @@ pub(crate) fn instantiate_all(
             loops: Vec::new(),
             group: None,
             next_group: 0,
+            shapes: HashMap::new(),
         };
         if walker.walk(&nodes).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {

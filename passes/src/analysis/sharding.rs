@@ -169,9 +169,32 @@ impl Spec {
         out
     }
 
+    /// True when every split divides the piece it cuts (no uneven shards).
+    pub fn divides(&self, ty: &TensorType) -> bool {
+        let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
+        if let Some(s) = self.stream {
+            axes.push(s.axis);
+        }
+        axes.into_iter().all(|axis| {
+            let Some(a) = ty.axes.get(axis) else {
+                return false;
+            };
+            let mut extent = a.extent;
+            self.chain(axis).into_iter().all(|level| {
+                let parts = match level {
+                    Level::Device(_, p) => p,
+                    Level::Stream(s) => s.chunks,
+                };
+                let ok = parts > 0 && extent.is_multiple_of(parts);
+                extent /= parts.max(1);
+                ok
+            })
+        })
+    }
+
     /// Checks that the spec can be applied to a tensor of type `ty` on `mesh`: device parts
-    /// equal the mesh extent, every axis' chain has distinct depths, and every split divides
-    /// the piece it cuts.
+    /// equal the mesh extent and every axis' chain has distinct depths. Splits need not
+    /// divide (uneven pieces follow the chunk rule); see [`Spec::divides`].
     pub fn fits(&self, ty: &TensorType, mesh: &DeviceMesh) -> bool {
         let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
         if let Some(s) = self.stream {
@@ -208,16 +231,8 @@ impl Spec {
             if depths != (0..depths.len()).collect::<Vec<_>>() {
                 return false;
             }
-            let mut extent = a.extent;
-            for level in chain {
-                let parts = match level {
-                    Level::Device(_, p) => p,
-                    Level::Stream(s) => s.chunks,
-                };
-                if !extent.is_multiple_of(parts) {
-                    return false;
-                }
-                extent /= parts;
+            if chain.is_empty() && a.extent == 0 {
+                return false;
             }
         }
         true

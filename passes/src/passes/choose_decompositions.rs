@@ -189,7 +189,8 @@ fn plan_gather(
     };
     let can_stream = team >= 2
         && local.iter().take(axis).all(|&e| e == 1)
-        && with_stream(&cs.spec, axis, None).fits(&cd.ty, cmesh);
+        && with_stream(&cs.spec, axis, None).fits(&cd.ty, cmesh)
+        && with_stream(&cs.spec, axis, None).divides(&cd.ty);
     let mut consumer = None;
     let (mut flops, mut cbytes, mut dtype) = (0.0, 0.0, cd.ty.dtype);
     let uses = program.uses(c);
@@ -231,7 +232,10 @@ fn plan_gather(
                 let omesh = program.meshes.get(od.mesh).map(|m| &m.mesh);
                 let fits = os.stream().is_none()
                     && os.spec.device_chain(k) == cs.spec.device_chain(axis)
-                    && omesh.is_some_and(|m| with_stream(&os.spec, k, None).fits(&od.ty, m));
+                    && omesh.is_some_and(|m| {
+                        with_stream(&os.spec, k, None).fits(&od.ty, m)
+                            && with_stream(&os.spec, k, None).divides(&od.ty)
+                    });
                 let already = os.stream().is_some_and(|s| s.axis == k && s.chunks == team);
                 if (fits && !cx.is_annotated(&od.name)) || already {
                     consumer = Some((o, k));

@@ -65,6 +65,33 @@ impl Lowering<'_> {
             .collect()
     }
 
+    /// [`Self::collective`] from its parts.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn collective_parts(
+        &mut self,
+        block: &mut Vec<Inst>,
+        kind: CommKind,
+        team: Team,
+        input: HostTensorId,
+        output: HostTensorId,
+        root: Option<Expr>,
+        op: Option<ReduceOp>,
+        exchanged: Option<usize>,
+    ) {
+        self.collective(
+            block,
+            Collective {
+                kind,
+                team,
+                input,
+                output,
+                root,
+                op,
+                exchanged,
+            },
+        );
+    }
+
     fn collective(&mut self, block: &mut Vec<Inst>, c: Collective) {
         let rank_in = self.host.tensors[c.input].shape.len();
         let rank_out = self.host.tensors[c.output].shape.len();
@@ -135,6 +162,21 @@ impl Lowering<'_> {
                     ));
                 };
                 let view = self.chunk_view(lp, block, self.host_of(c), axis, "gathered tensor")?;
+                let (vs, ps_) = (
+                    self.host.tensors[view].shape.clone(),
+                    self.host.tensors[self.host_of(p)].shape.clone(),
+                );
+                if vs != ps_ {
+                    return unsupported(
+                        self,
+                        format!(
+                            "the stream chunks of `{}` (local shape {vs:?}) are not the shards of \
+                             `{}` (local shape {ps_:?}): split both the same way",
+                            self.name(c),
+                            self.name(p)
+                        ),
+                    );
+                }
                 let out = if self.contiguous(view) {
                     view
                 } else {
@@ -179,31 +221,58 @@ impl Lowering<'_> {
                     (Some(_), Some(s)) => cs.value_index(s.axis),
                     _ => None,
                 };
+                let what = "resharding";
+                let uneven = self.is_ragged(p) || self.is_ragged(c);
+                if uneven && matches!(other, Decision::LocalCopy) {
+                    // The same elements on both sides: copy the valid parts.
+                    let pin = self.operand(lp.as_deref_mut(), block, p, axis, what)?;
+                    let cout = self.operand(lp, block, c, axis, what)?;
+                    self.copy(block, pin, cout);
+                    return Ok(());
+                }
                 if let Some(a) = axis {
                     let (pl, cl) = (ps.local_value_shape(), cs.local_value_shape());
-                    if pl.get(a) != cl.get(a) {
+                    let own = |sh: &crate::analysis::Sharding| {
+                        sh.stream()
+                            .is_some_and(|s| sh.value_index(s.axis) == Some(a))
+                    };
+                    if pl.get(a) != cl.get(a) || (uneven && !(own(&ps) && own(&cs))) {
+                        let ext =
+                            |e: Option<&u64>| e.map_or_else(|| "none".into(), |e| e.to_string());
                         return unsupported(
                             self,
                             format!(
-                                "the Stream split of `{}` cuts axis {a}, which the resharding changes \
-                                 on the producer `{}` (local extents {:?} and {:?})",
+                                "the Stream split of `{}` cuts axis {a}, which the resharding \
+                                 changes on the producer `{}` (local extents {} and {}{})",
                                 self.name(c),
                                 self.name(p),
-                                pl.get(a),
-                                cl.get(a)
+                                ext(pl.get(a)),
+                                ext(cl.get(a)),
+                                if uneven {
+                                    "; an uneven resharding inside a stream loop needs both \
+                                     sides cut by that Stream split"
+                                } else {
+                                    ""
+                                }
                             ),
                         );
                     }
                 }
-                let what = "resharding";
+                let chunk = match (&lp, axis) {
+                    (Some(lp), Some(a)) => Some((a, lp.index.clone())),
+                    _ => None,
+                };
                 let pin = self.maybe_chunk(lp.as_deref_mut(), block, p, axis, what)?;
                 let cout = self.maybe_chunk(lp, block, c, axis, what)?;
+                if uneven {
+                    return self.emit_uneven(i, other, (p, pin), (c, cout), block, chunk);
+                }
                 self.emit_row(i, other, (p, pin), (c, cout), block)
             }
         }
     }
 
-    fn emit_row(
+    pub(crate) fn emit_row(
         &mut self,
         i: usize,
         decision: Decision,

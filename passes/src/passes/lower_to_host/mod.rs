@@ -16,6 +16,9 @@
 //! - **Compute** (`compute.rs`): every other op becomes its local host op, on chunk views inside
 //!   a loop; `moe_dispatch`/`moe_combine` become the host MoE instructions over their
 //!   expert-parallel team.
+//! - **Uneven shards** (`uneven.rs`): buffers are padded to the largest piece; compute sees
+//!   `narrow` views of the valid extents, collectives move padded buffers and the lowering
+//!   repacks around them.
 //!
 //! Anything unsupported is an error naming the tensor or op and the reason.
 
@@ -23,6 +26,8 @@ mod communication;
 mod compute;
 mod loop_nest;
 mod naming;
+mod uneven;
+mod uneven_comm;
 
 use std::collections::HashMap;
 
@@ -102,6 +107,10 @@ pub(crate) struct Lowering<'a> {
     pub(crate) tensors: Vec<HostTensorId>,
     /// View -> (viewed tensor, axis).
     pub(crate) views: HashMap<HostTensorId, (HostTensorId, usize)>,
+    /// Trip count of every stream loop emitted so far.
+    pub(crate) loop_trips: HashMap<LoopVar, u64>,
+    /// Per-rank extents of `narrow` views (see `uneven.rs`).
+    pub(crate) lengths: HashMap<HostTensorId, Vec<meshflow_ir::Expr>>,
     next_comm: u32,
     next_loop: u32,
 }
@@ -140,6 +149,8 @@ impl<'a> Lowering<'a> {
             host,
             tensors,
             views: HashMap::new(),
+            loop_trips: HashMap::new(),
+            lengths: HashMap::new(),
             next_comm: 0,
             next_loop: 0,
         })
