@@ -160,19 +160,22 @@ fn syntax_and_lowering_errors_name_the_place() {
     .unwrap();
     let err = fails(&["parse", bad.to_str().unwrap()]);
     assert!(err.contains("bad.mf:3:"), "{err}");
-    // A stream gather with the wrong chunk count: the error names the op.
+    // Replicated into partial sums (refused, as in DTensor): the error names the op, the
+    // tensors, their placements and what is missing.
     let unsupported = dir.join("unsupported.mf");
     std::fs::write(
         &unsupported,
-        "program p {\n  mesh m0 = [0, 1, 2, 3]\n  \
-         input x: f32[16, 4] on m0 {outer_split(0, 4), parallelize(0, DIDx)}\n  \
-         tensor ag: f32[16, 4] on m0 {outer_split(0, 2), parallelize(0, Stream)}\n  \
-         ag = set(x)\n  output ag\n}\n",
+        "program p {\n  mesh m0 = [0, 1]\n  \
+         input x: f32[16, 4] on m0 {}\n  \
+         tensor y: f32[16, 4, r2] on m0 {parallelize(2, DIDx)}\n  \
+         y = set(x)\n  output y\n}\n",
     )
     .unwrap();
     let err = fails(&["lower", unsupported.to_str().unwrap()]);
     assert!(
-        err.contains("`ag = set(x)`") && err.contains("one chunk per team member"),
+        err.contains("`y_partial = set(x)`")
+            && err.contains("partial sums along DIDx")
+            && err.contains("[R, R]"),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).ok();

@@ -480,11 +480,9 @@ fn mesh_path(
             )
         } else {
             format!(
-                "the target {} holds partial sums along {} that the source {} does not: \
-                 nothing creates partial sums (Replicate -> Partial is refused, as in DTensor)",
-                to.describe(),
+                "the target holds partial sums along {} and the source does not: nothing \
+                 creates partial sums (Replicate -> Partial is refused, as in DTensor)",
                 missing.join(", "),
-                from.describe()
             )
         }
     })
@@ -502,13 +500,14 @@ fn plan_steps(
     let cs = Sharding::of(program, c).map_err(err)?;
     let pm = mesh_of(program, ps.mesh).map_err(err)?;
     let cm = mesh_of(program, cs.mesh).map_err(err)?;
-    if !matches!(decide(&ps, pm, &cs, cm), Decision::Unsupported(_)) {
-        return Ok(Vec::new());
-    }
     let (pd, cd) = (
         decl(program, p).map_err(err)?,
         decl(program, c).map_err(err)?,
     );
+    let direct = decide(&ps, pm, &cs, cm);
+    if !matches!(direct, Decision::Unsupported(_)) && stream_safe(&ps, &cs, &direct) {
+        return Ok(Vec::new());
+    }
     let vty = value_type(&cd.ty);
     let (from, to) = (placements_of(&ps), placements_of(&cs));
     let refuse = |why: String| {
@@ -582,7 +581,8 @@ fn plan_steps(
         None => Some((ps.clone(), Some(pm.clone()))),
     };
     if let (Some(_), Some((sh, Some(m)))) = (cs.stream(), last(&out)) {
-        if matches!(decide(&sh, &m, &cs, cm), Decision::Unsupported(_)) {
+        let d = decide(&sh, &m, &cs, cm);
+        if matches!(d, Decision::Unsupported(_)) || !stream_safe(&sh, &cs, &d) {
             let spec = cs.spec.without_stream();
             out.push((cs.mesh, cd.ty.clone(), spec));
         }
@@ -602,6 +602,38 @@ fn plan_steps(
         prev = (sh, mesh.clone());
     }
     Ok(out)
+}
+
+/// True when the step `p -> c` (decision `d`) can run chunk by chunk in `c`'s stream loop:
+/// a ring or stream broadcast fills the chunks itself; any other communication must leave the
+/// chunked axis alone and, for uneven pieces, find `p` cut by the same Stream split (a
+/// consumer with no Stream split is always fine).
+fn stream_safe(p: &Sharding, c: &Sharding, d: &Decision) -> bool {
+    let Some(cst) = c.stream() else {
+        return true;
+    };
+    let Some(a) = c.value_index(cst.axis) else {
+        return true;
+    };
+    let touched = match *d {
+        Decision::Ring { .. } | Decision::StreamBroadcast { .. } => return true,
+        Decision::LocalCopy => false,
+        Decision::AllGather { axis, .. }
+        | Decision::LocalSlice { axis, .. }
+        | Decision::ReduceScatter { axis, .. }
+        | Decision::Gather { axis, .. }
+        | Decision::Scatter { axis, .. } => axis == a,
+        Decision::AllToAll { from, to, .. } => from == a || to == a,
+        _ => false,
+    };
+    if touched {
+        return false;
+    }
+    let ragged = |sh: &Sharding| sh.layout.axes.iter().any(|x| x.ragged);
+    let same_stream = p.stream().is_some_and(|ps| {
+        p.value_index(ps.axis) == Some(a) && ps.chunks == cst.chunks && ps.swizzle == cst.swizzle
+    });
+    matches!(d, Decision::LocalCopy) || !(ragged(p) || ragged(c)) || same_stream
 }
 
 /// Why op `index` cannot compute locally, if it cannot: an input whose sharding differs from
