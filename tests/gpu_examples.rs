@@ -18,7 +18,10 @@ use support::*;
 
 /// The rank counts each example supports (2-D and two-mesh programs need at least 2).
 fn supports(stem: &str, ranks: usize) -> bool {
-    !matches!(stem, "mlp_2d_mesh" | "pipeline_two_meshes") || ranks >= 2
+    !matches!(
+        stem,
+        "mlp_2d_mesh" | "pipeline_two_meshes" | "fsdp_tp_weight"
+    ) || ranks >= 2
 }
 
 #[test]
