@@ -286,7 +286,7 @@ impl Walker<'_, '_> {
         let rank = self.rank;
         match &inst.kind {
             InstKind::ShardByStream { chunks, .. } => {
-                if *chunks == 0 || extent % chunks != 0 {
+                if *chunks == 0 || !extent.is_multiple_of(*chunks) {
                     let site = self.site(ord);
                     let detail = format!(
                         "{chunks} chunks do not divide the extent {extent} this rank's view has \

@@ -182,7 +182,7 @@ pub fn fsdp_tp_weight(ranks: u64) -> Program {
         .parallelize(0, DIDy)
         .outer_split(1, tp)
         .parallelize(1, DIDx);
-    let mut tp_copy = |b: &mut ProgramBuilder, w, name: &str| {
+    let tp_copy = |b: &mut ProgramBuilder, w, name: &str| {
         let t = b.set(w).unwrap();
         b.rename(t, name).unwrap();
         b.schedule(t).outer_split(0, tp).parallelize(0, DIDx);

@@ -141,8 +141,9 @@ impl Spec {
         let mut out = Vec::new();
         let mut shift = 0;
         for axis in axes {
-            let mut pos = axis + shift;
-            for level in self.chain(axis) {
+            let chain = self.chain(axis);
+            let levels = chain.len();
+            for (pos, level) in (axis + shift..).zip(chain) {
                 match level {
                     Level::Device(pt, parts) => {
                         out.push(Transform::OuterSplit { axis: pos, parts });
@@ -162,9 +163,8 @@ impl Spec {
                         });
                     }
                 }
-                pos += 1;
-                shift += 1;
             }
+            shift += levels;
         }
         out
     }

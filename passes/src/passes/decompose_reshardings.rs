@@ -18,11 +18,17 @@
 //! 3. **Unary ops reshard after.** For `gelu`, `silu`, `cast` and `sum`, the op runs on the
 //!    input's sharding into `<out>_local` and a `set` after it produces the annotated output
 //!    (a `sum` over a split axis thus becomes partial sums plus an all-reduce).
-//! 4. **Multi-step changes are split.** A `set` whose sharding changes along two parallel
-//!    types at once becomes a chain of `set`s changing one type each (partial sums first,
-//!    the type that feeds a Stream split last); a mesh change combined with a sharding change
-//!    becomes a reshard on the source mesh plus a pure transfer (and a slice on the target
-//!    mesh when needed).
+//! 4. **Multi-step changes are split.** A `set` that no single row of the decision table
+//!    covers becomes a chain of `set`s, each changing one parallel type, planned by
+//!    [`crate::redistribute::plan`] (DTensor's redistribute planner over chains of splits:
+//!    fewest communications, then fewest elements moved; `[S0, S0] -> [S0, R]` is one
+//!    all-gather over the inner mesh axis). Intermediate tensors may hold partial sums (on one
+//!    extra reduction axis). A mesh change becomes a reshard on the source mesh plus a pure
+//!    transfer (per device pair for equal shapes, else a broadcast of the replicated value and
+//!    a slice on the target mesh). A consumer cut by a Stream split gets its device placement
+//!    first when the last step could not fill its chunks one by one. Every step is checked
+//!    against the decision table; a refusal names both tensors, their placements and the
+//!    reason.
 
 use std::collections::BTreeMap;
 

@@ -33,7 +33,7 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
 /// Chunked kinds cut the row-major elements into `d` equal contiguous chunks (NCCL's
 /// semantics), whatever the shape: `[1, 12]` over 4 ranks is 4 chunks of 3 elements.
 fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    if d > 0 && v.numel() % d as u64 == 0 {
+    if d > 0 && v.numel().is_multiple_of(d as u64) {
         Ok(())
     } else {
         Err(BackendError::Invalid(format!(

@@ -129,7 +129,7 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
 }
 
 fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    if d > 0 && v.numel() % d as u64 == 0 {
+    if d > 0 && v.numel().is_multiple_of(d as u64) {
         Ok(())
     } else {
         Err(invalid(
@@ -158,7 +158,7 @@ fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, B
         None => Ok(all),
         Some((k, d)) => {
             let n = all.len() as u64;
-            if d == 0 || k >= d || n % d != 0 {
+            if d == 0 || k >= d || !n.is_multiple_of(d) {
                 return Err(BackendError::Invalid(format!(
                     "chunk {k} of {d} of {:?}",
                     v.shape
