@@ -250,6 +250,15 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
                 index
             }
         ),
+        (t(), t(), small_or_any_usize(), expr(nm), expr(nm)).prop_map(
+            |(out, input, axis, start, length)| InstKind::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length
+            }
+        ),
         (
             comm(),
             select(CommKind::ALL.to_vec()),
