@@ -99,6 +99,6 @@ pub use embed::{
 pub use embed::{
     CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, LaunchDims,
 };
-pub use meshflow_passes::{CostModel, Decomposition, Transport};
+pub use meshflow_passes::{CostModel, Decomposition, Plan, Profile, Transport};
 pub use runtime::sim::SimKernels;
 pub use runtime::{SimBackend, SimConfig, TensorData};

@@ -5,9 +5,9 @@
 //! | 1 | `verify_program` | 1 | rejects invalid input (cannot be disabled) |
 //! | 2 | `propagate_shardings` | 1 | fills in unannotated schedules (weights first, then backward) |
 //! | 3 | `decompose_reshardings` | 1 | rfactors partial-sum outputs; inserts `set`s so each resharding is one decision-table row |
-//! | 4 | `choose_decompositions` | 1 | egg + cost model: collective / stream broadcast / ring for reshardings into unannotated tensors |
+//! | 4 | `choose_decompositions` | 1 | the schedule search: decomposition, chunks, stream schedule and transport of least predicted time (machine profile) |
 //! | 5 | `lower_to_host` | 1 -> host | stream loops, communications, compute (cannot be disabled) |
-//! | 6 | `prefetch_transfers` | host | with `StreamSchedule::Prefetch`: transfers one iteration ahead on a worker, compute on the main stream |
+//! | 6 | `prefetch_transfers` | host | ring loops planned (or forced) with the prefetch schedule: transfers one iteration ahead on a worker, compute on the main stream |
 //! | 7 | `simplify_indices` | host | egg: affine-mod canonical index expressions; proves ring peers inverse |
 //! | 8 | `assign_streams` | host | worker-stream pool around loops with communication and compute |
 //! | 9 | `insert_allocations` | host | allocate/deallocate at the dominating block |
@@ -30,7 +30,7 @@ use meshflow_passes::passes::{
 pub use meshflow_passes::StreamSchedule;
 use meshflow_passes::{
     CostModel, Decomposition, Dump, ExplainRecord, Pass, PassContext, PassError, PassManager,
-    PassTiming,
+    PassTiming, Plan, Transport,
 };
 
 /// The passes, in order.
@@ -68,9 +68,9 @@ pub struct CompileOptions {
     pub verify: bool,
     /// Forced decompositions, by the name of the resharding's output tensor.
     pub decompositions: BTreeMap<String, Decomposition>,
-    /// The cost model of `choose_decompositions`.
+    /// The cost model of `choose_decompositions`: the machine profile, and a transport to force.
     pub cost_model: CostModel,
-    /// How stream loops use the stream pool (default: one worker per iteration, as nvFuser).
+    /// How stream loops use the stream pool (default: chosen per loop by the schedule search).
     pub stream_schedule: StreamSchedule,
 }
 
@@ -99,6 +99,11 @@ pub struct Compiled {
     pub timings: Vec<PassTiming>,
     /// The decisions of `choose_decompositions` (printed by `--explain`).
     pub explain: Vec<ExplainRecord>,
+    /// The plan of each decision, by the name of the tensor it is about.
+    pub plans: BTreeMap<String, Plan>,
+    /// The transport the plans assume (`None` when the program has no priced decision); the GPU
+    /// runtime should move the bytes over it.
+    pub transport: Option<Transport>,
     /// IR dumps requested with `dump_after`.
     pub dumps: Vec<Dump>,
 }
@@ -109,6 +114,20 @@ pub enum PipelineError {
     /// A pass (or the pass manager) failed.
     #[error(transparent)]
     Pass(#[from] PassError),
+}
+
+/// A machine profile by built-in name (`h200x2`, `h100x2`) or JSON file path.
+pub fn load_profile(name_or_path: &str) -> Result<meshflow_passes::Profile, PipelineError> {
+    if meshflow_passes::profile::BUILTIN.contains(&name_or_path) {
+        return Ok(meshflow_passes::Profile::builtin(name_or_path)?);
+    }
+    let text = std::fs::read_to_string(name_or_path).map_err(|e| {
+        PassError::Options(format!(
+            "profile `{name_or_path}` is neither a built-in profile ({}) nor a readable file: {e}",
+            meshflow_passes::profile::BUILTIN.join(", ")
+        ))
+    })?;
+    Ok(meshflow_passes::Profile::from_json(&text)?)
 }
 
 /// Runs the pipeline on `program`.
@@ -134,6 +153,8 @@ pub fn compile(program: &Program, options: &CompileOptions) -> Result<Compiled, 
         host: out.host,
         timings: out.timings,
         explain: cx.explain,
+        plans: cx.plans,
+        transport: cx.transport,
         dumps: out.dumps,
     })
 }

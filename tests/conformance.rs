@@ -23,9 +23,14 @@
 //! table in `tests/data/conformance/README.md` is regenerated and compared; run with
 //! `MESHFLOW_BLESS=1` to rewrite it.
 
+#[path = "data/conformance/cases.rs"]
+mod cases;
+
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
+
+use cases::{parse_case, Case, Expect, SOURCES};
 
 use meshflow::check::check_program;
 use meshflow::ir::parse::{parse_program_with, Params};
@@ -33,102 +38,6 @@ use meshflow::ir::{HostProgram, InstKind};
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::run_and_compare;
 use meshflow::runtime::launch::SimOptions;
-
-const SOURCES: [&str; 2] = ["dtensor", "nvfuser"];
-
-/// What a case expects of the lowering at the peer's rank count.
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Expect {
-    /// Communication counts by host-text name (`comms` = the total).
-    Counts(BTreeMap<String, usize>),
-    /// A refusal whose message contains the substring.
-    Refused(String),
-}
-
-struct Case {
-    name: String,
-    source: String,
-    expect: Expect,
-    ranks: Vec<i64>,
-    text: String,
-}
-
-fn parse_case(path: &Path) -> Result<Case, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read: {e}"))?;
-    let header = |key: &str| -> Result<String, String> {
-        let prefix = format!("# {key}:");
-        let mut lines = text.lines().filter(|l| l.starts_with(&prefix));
-        let line = lines
-            .next()
-            .ok_or_else(|| format!("missing header line `# {key}: ...`"))?;
-        if lines.next().is_some() {
-            return Err(format!("header `# {key}:` appears twice"));
-        }
-        Ok(line[prefix.len()..].trim().to_string())
-    };
-    let source = header("source")?;
-    if !(source.starts_with("pytorch ") || source.starts_with("nvfuser ")) {
-        return Err(format!(
-            "`# source:` must start with `pytorch ` or `nvfuser `, got `{source}`"
-        ));
-    }
-    let expect_text = header("expect")?;
-    let expect = if let Some(rest) = expect_text.strip_prefix("refused") {
-        let quoted = rest.trim();
-        let inner = quoted
-            .strip_prefix('"')
-            .and_then(|q| q.strip_suffix('"'))
-            .ok_or_else(|| {
-                format!("`# expect: refused \"...\"` needs a quoted substring, got `{quoted}`")
-            })?;
-        Expect::Refused(inner.to_string())
-    } else if expect_text == "none" {
-        Expect::Counts(BTreeMap::new())
-    } else {
-        let mut counts = BTreeMap::new();
-        for term in expect_text.split(',').flat_map(str::split_whitespace) {
-            let (name, n) = term
-                .split_once('=')
-                .ok_or_else(|| format!("`# expect:` term `{term}` is not NAME=COUNT"))?;
-            let n: usize = n
-                .parse()
-                .map_err(|_| format!("`# expect:` term `{term}`: `{n}` is not a count"))?;
-            if n == 0 || counts.insert(name.to_string(), n).is_some() {
-                return Err(format!(
-                    "`# expect:` term `{term}`: counts are positive and each name appears once"
-                ));
-            }
-        }
-        if counts.is_empty() {
-            return Err("`# expect:` is empty (write `none` for a local-only case)".into());
-        }
-        Expect::Counts(counts)
-    };
-    let ranks: Vec<i64> = header("ranks")?
-        .split_whitespace()
-        .map(|r| {
-            r.parse::<i64>()
-                .map_err(|_| format!("`# ranks:` `{r}` is not an integer"))
-        })
-        .collect::<Result<_, _>>()?;
-    if ranks.len() < 2 || ranks.iter().any(|&r| r < 1) {
-        return Err("`# ranks:` needs the peer's rank count and at least one other".into());
-    }
-    if !text.contains("param ranks") {
-        return Err("the program must declare `param ranks`".into());
-    }
-    let name = path
-        .file_stem()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    Ok(Case {
-        name,
-        source,
-        expect,
-        ranks,
-        text,
-    })
-}
 
 /// Static communication counts of a host program by instruction name. A communication over
 /// one device, or a collective permute of every member to itself (devices copying the data
@@ -374,18 +283,9 @@ fn conformance_cases_lower_check_and_run() {
     let mut tallies: BTreeMap<&str, Tally> = BTreeMap::new();
     let mut notes = Vec::new();
     for src in SOURCES {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join(src))
-            .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.join(src).display()))
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "mf"))
-            .collect();
-        files.sort();
         let tally = tallies.entry(src).or_default();
-        for path in files {
-            let label = format!(
-                "{src}/{}",
-                path.file_name().unwrap_or_default().to_string_lossy()
-            );
+        for path in cases::files(src) {
+            let label = format!("{src}/{}", path.file_name().unwrap_or_default().to_string_lossy());
             let case = match parse_case(&path) {
                 Ok(c) => c,
                 Err(e) => {
@@ -393,11 +293,7 @@ fn conformance_cases_lower_check_and_run() {
                     continue;
                 }
             };
-            let expected_prefix = if src == "dtensor" {
-                "pytorch "
-            } else {
-                "nvfuser "
-            };
+            let expected_prefix = if src == "dtensor" { "pytorch " } else { "nvfuser " };
             if !case.source.starts_with(expected_prefix) {
                 failures.push(format!(
                     "{label}: a case under {src}/ must cite a `{expected_prefix}` source"

@@ -87,13 +87,16 @@ fn decomposition_and_transport_options_change_the_lowering() {
     )
     .expect("compiles");
     assert_eq!(count(&ring, "all_gather"), 0);
-    assert_eq!(
-        count(&ring, "collective_permute"),
-        1,
+    assert!(
+        count(&ring, "collective_permute") >= 1,
         "{}",
         ring.host_text()
     );
-    assert_eq!(ring.explain()[0].chosen, "ring(s=4)");
+    assert!(
+        ring.explain()[0].chosen.starts_with("ring(s=4, "),
+        "{}",
+        ring.explain()[0]
+    );
     let broadcast = compile(
         &program,
         &Options::new().decomposition("x_gathered", Decomposition::StreamBroadcast),
@@ -111,6 +114,22 @@ fn decomposition_and_transport_options_change_the_lowering() {
         format!("{:?}", ce.explain()[0].variants),
         format!("{:?}", default.explain()[0].variants)
     );
+}
+
+#[test]
+fn the_profile_option_drives_the_plans_and_the_transport() {
+    let text = include_str!("../examples/programs/row_parallel_linear_ring.mf");
+    let program = meshflow::parse(text, &Options::for_ranks(2)).expect("parses");
+    for name in ["h200x2", "h100x2"] {
+        let profile = meshflow::Profile::builtin(name).unwrap();
+        let c = compile(&program, &Options::for_ranks(2).profile(profile)).expect("compiles");
+        let plan = c.plans()["y"];
+        assert_eq!(plan.decomposition, Decomposition::RingForward);
+        assert_eq!(c.transport(), Some(plan.transport));
+    }
+    let forced = Options::for_ranks(2).transport(Transport::CopyEngine);
+    let c = compile(&program, &forced).expect("compiles");
+    assert_eq!(c.transport(), Some(Transport::CopyEngine));
 }
 
 #[test]

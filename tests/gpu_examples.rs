@@ -20,7 +20,7 @@ use support::*;
 fn supports(stem: &str, ranks: usize) -> bool {
     !matches!(
         stem,
-        "mlp_2d_mesh" | "pipeline_two_meshes" | "fsdp_tp_weight"
+        "mlp_2d_mesh" | "pipeline_two_meshes" | "transformer_block_2d" | "fsdp_tp_weight"
     ) || ranks >= 2
 }
 

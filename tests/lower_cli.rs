@@ -120,6 +120,47 @@ fn forced_decompositions() {
 }
 
 #[test]
+fn profiles_transports_and_schedules() {
+    let rs = "examples/programs/row_parallel_linear_ring.mf";
+    // `--explain` lists every candidate with its predicted time, per transport, and the
+    // transport chosen for the program.
+    let o = meshflow(&["lower", rs, "--explain", "--profile", "h100x2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("ring_forward(s=4, prefetch, nccl)"), "{err}");
+    assert!(
+        err.contains("ring_forward(s=8, prefetch, copy_engine)"),
+        "{err}"
+    );
+    assert!(err.contains("the program [transport]: chose "), "{err}");
+    // A profile file (the committed one, read from disk) gives the built-in's decisions.
+    let by_file = meshflow(&[
+        "lower",
+        rs,
+        "--explain",
+        "--profile",
+        "profiles/h100x2.json",
+    ]);
+    assert_eq!(stderr(&by_file), err);
+    // A forced transport leaves only its candidates.
+    let o = meshflow(&["lower", rs, "--explain", "--transport", "copy-engine"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains(", nccl)"), "{}", stderr(&o));
+    // A forced schedule.
+    let o = meshflow(&["lower", RING, "--schedule", "prefetch"]);
+    assert!(
+        stdout(&o).contains("set_current_stream worker(0)"),
+        "{}",
+        stdout(&o)
+    );
+    // Bad profiles are errors naming the problem.
+    let err = fails(&["lower", rs, "--profile", "a100x8"]);
+    assert!(err.contains("neither a built-in profile"), "{err}");
+    let err = fails(&["lower", rs, "--profile", "Cargo.toml"]);
+    assert!(err.contains("profile JSON"), "{err}");
+}
+
+#[test]
 fn errors_are_one_line_with_exit_code_1() {
     let err = fails(&["lower", "no/such/file.mf"]);
     assert!(err.contains("cannot read `no/such/file.mf`"), "{err}");
@@ -160,22 +201,22 @@ fn syntax_and_lowering_errors_name_the_place() {
     .unwrap();
     let err = fails(&["parse", bad.to_str().unwrap()]);
     assert!(err.contains("bad.mf:3:"), "{err}");
-    // Replicated into partial sums (refused, as in DTensor): the error names the op, the
-    // tensors, their placements and what is missing.
+    // A split inside a serial piece (`_StridedShard`-like, not a chain of outer splits) is
+    // refused: the error names the tensor, the placement and what is supported.
     let unsupported = dir.join("unsupported.mf");
     std::fs::write(
         &unsupported,
-        "program p {\n  mesh m0 = [0, 1]\n  \
-         input x: f32[16, 4] on m0 {}\n  \
-         tensor y: f32[16, 4, r2] on m0 {parallelize(2, DIDx)}\n  \
+        "program p {\n  mesh m0 = [0, 1, 2, 3]\n  \
+         input x: f32[16, 4] on m0 {outer_split(0, 4), parallelize(0, DIDx)}\n  \
+         tensor y: f32[16, 4] on m0 {inner_split(0, 4), parallelize(1, DIDx)}\n  \
          y = set(x)\n  output y\n}\n",
     )
     .unwrap();
     let err = fails(&["lower", unsupported.to_str().unwrap()]);
     assert!(
-        err.contains("`y_partial = set(x)`")
-            && err.contains("partial sums along DIDx")
-            && err.contains("[R, R]"),
+        err.contains("tensor `y`")
+            && err.contains("DIDx split of logical axis 0")
+            && err.contains("only chains of outer splits"),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).ok();

@@ -141,6 +141,31 @@ fn row_parallel_all_reduces_each_chunk_in_the_loop() {
 }
 
 #[test]
+fn row_parallel_ring_passes_running_sums_to_the_next_rank() {
+    let host = lower("row_parallel_linear_ring", 4);
+    assert!(comms(&host, CommKind::ReduceScatter).is_empty());
+    let cps: Vec<_> = insts(&host)
+        .into_iter()
+        .filter(|(i, _)| matches!(i.kind, InstKind::CollectivePermute { .. }))
+        .collect();
+    // Steps 1..d-2 in a loop, step d-1 peeled: d - 1 transfers of a running sum.
+    assert_eq!(cps.len(), 2);
+    assert_eq!((cps[0].1, cps[1].1), (1, 0));
+    let text = host.to_string();
+    assert_eq!(
+        text.matches("send=(my(m0, DIDx) + 1) % 4, recv=(my(m0, DIDx) + 3) % 4")
+            .count(),
+        2,
+        "{text}"
+    );
+    // Each step adds its partial product to what arrived; the last one into z.
+    assert_eq!(text.matches("add(").count(), 2, "{text}");
+    assert!(text.contains("-> z)"), "{text}");
+    // The partial sums are never materialized whole.
+    assert!(!text.contains("tensor y:"), "{text}");
+}
+
+#[test]
 fn mlp_2d_mesh_uses_slice_teams() {
     let host = lower("mlp_2d_mesh", 4);
     let ar = comms(&host, CommKind::AllReduce);
@@ -240,6 +265,35 @@ fn every_example_lowers_and_verifies_at_every_rank_count() {
             lowered += 1;
         }
     }
-    // 5 single-mesh examples at 5 rank counts; 3 examples need 2 ranks (4 counts).
-    assert_eq!(lowered, 5 * 5 + 3 * 4);
+    // 6 single-mesh examples at 5 rank counts; 4 examples need 2 ranks (4 counts).
+    assert_eq!(lowered, 6 * 5 + 4 * 4);
+}
+
+#[test]
+fn transformer_block_2d_is_two_all_gathers_and_two_reduce_scatters_over_didx() {
+    for ranks in [2, 4, 8] {
+        let host = lower("transformer_block_2d", ranks);
+        let mut counts = std::collections::BTreeMap::new();
+        for (inst, _) in insts(&host) {
+            if inst.kind.is_communication() {
+                assert!(
+                    matches!(
+                        inst.kind.team(),
+                        Some(Team::Slice {
+                            pt: meshflow::ir::ParallelType::DIDx,
+                            ..
+                        })
+                    ),
+                    "{}",
+                    host
+                );
+                *counts.entry(inst.kind.name()).or_insert(0) += 1;
+            }
+        }
+        let want: std::collections::BTreeMap<&str, usize> =
+            [("all_gather", 2), ("reduce_scatter", 2)]
+                .into_iter()
+                .collect();
+        assert_eq!(counts, want, "at {ranks} ranks:\n{host}");
+    }
 }

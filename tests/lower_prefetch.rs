@@ -10,7 +10,7 @@ use meshflow::ir::{parse_program_with, Params, Program};
 use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
 use meshflow::runtime::{run_and_compare, SimOptions};
 
-const EXAMPLES: [&str; 8] = [
+const EXAMPLES: [&str; 10] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
@@ -19,6 +19,8 @@ const EXAMPLES: [&str; 8] = [
     "moe_layer",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
+    "row_parallel_linear_ring",
+    "transformer_block_2d",
 ];
 
 fn parse(name: &str, ranks: i64) -> Option<Program> {
@@ -111,11 +113,12 @@ fn ring_loops_take_the_prefetch_shape_and_broadcast_loops_do_not() {
                     assert!(w < back && back < gemm && gemm < wait, "{name}:\n{text}");
                 }
             }
-            // The default schedule is unchanged.
-            let default = compile(&program, &CompileOptions::default())
-                .unwrap()
-                .host
-                .to_string();
+            // The per-iteration schedule is unchanged.
+            let per_iteration = CompileOptions {
+                stream_schedule: StreamSchedule::PerIteration,
+                ..CompileOptions::default()
+            };
+            let default = compile(&program, &per_iteration).unwrap().host.to_string();
             assert!(
                 default.contains("set_current_stream worker(i0"),
                 "{name}:\n{default}"

@@ -70,6 +70,52 @@
 //! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
 //! **resharding**, lowered to a communication.
 //!
+//! ## Ops
+//!
+//! `set` (copy or resharding), `matmul` (torch.matmul batch broadcasting), `linear`, `add`,
+//! `sub`, `mul`, `gelu`, `silu`, `cast`; the reductions `sum`, `max`, `min` and `avg`
+//! (`y = max(x, axis=1)`: the output keeps the axis as a reduction axis); the row-wise
+//! `softmax(x, axis=a)` and `rms_norm(x, w, axis=a, eps=1e-6)`; the shape ops `reshape(x)` and
+//! `view(x)` (to the declared output shape), `permute(x, perm=[0, 2, 1, 3])`, `expand(x)` (to the
+//! declared shape, torch `expand`), `squeeze(x, axis=a)`, `unsqueeze(x, axis=a)`,
+//! `slice(x, axis=a, start=s, end=e)`, `select(x, axis=a, index=i)` and `cat(x, y, .., axis=a)`;
+//! MoE `moe_dispatch`, `grouped_matmul`, `moe_combine`; and `custom`. See [`OpKind`].
+//!
+//! An op runs on the mesh of its outputs. Its inputs may live on other meshes or be sharded
+//! otherwise: the passes insert the resharding `set`s, and compute an op where its inputs already
+//! are when that moves less data (`z = add(x, y)` of two shards into a replicated `z` adds the
+//! shards and gathers `z` once).
+//!
+//! ## Shape ops and sharding
+//!
+//! A device split of an input axis carries over to an output axis when a split of one **is** the
+//! same split of the other, so the op stays local: `permute` renumbers, `squeeze`, `unsqueeze`
+//! and `select` shift the other axes, `expand` keeps its non-broadcast axes (a broadcast axis may
+//! be split on the output: each device fills its chunk with the repeated input), `slice` and `cat` keep every axis
+//! but the sliced or concatenated one, and `reshape`/`view` keep the split of the **first** axis of
+//! each reshape group (see [`program::view_groups`]) when the group's first output axis divides
+//! by the number of parts. The attention head split `[B, S, H] -> [B, S, nh, hd]` with `H` split
+//! over `d` devices stays local, split on `nh`, when `d` divides `nh`. Any other split of an input
+//! must be replicated first: `reshape` all-gathers that mesh axis, `view` is refused. The
+//! normalized axis of `softmax` and `rms_norm` and a sliced or concatenated axis are never
+//! split while the op computes; an output declared split there is computed unsplit and sliced
+//! after.
+//!
+//! ## Partial results
+//!
+//! A device split of a **reduction** axis holds partial results, reduced across the devices of
+//! that parallel type: partial sums for `sum`, `matmul`, `linear` and `grouped_matmul`, partial
+//! maxima, minima or means for `max`, `min` and `avg`. A program input may be declared partial
+//! (`input x: f32[8, r4] on m {outer_split(1, 4), parallelize(1, DIDx)}`): its data is supplied
+//! with the reduction axes, and its value is the sum over them. A `set` whose output keeps the
+//! input's reduction axes keeps the partial results (Partial to Partial is free, `[P, S0]` to
+//! `[P, S1]` is one all-to-all on the other mesh axis); a `set` into value axes reduces them
+//! (all-reduce, reduce-scatter or reduce with the partial kind's operator). A `set` never creates
+//! partial results (Replicate to Partial is refused, as in DTensor). `add`/`sub` of two
+//! partial-sum tensors and `mul` of partial sums by a value may keep them partial (declare the
+//! output with the reduction axes; the passes also do it on their own when it saves a
+//! reduction). Any other op reads the reduced value: its partial inputs are reduced first.
+//!
 //! ## The host IR
 //!
 //! A host program declares meshes and tensors with **local** (per-device) shapes and has a
@@ -164,8 +210,8 @@ pub use host::{
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
 pub use parse::{parse_host, parse_program, parse_program_with, Params, ParseError};
 pub use program::{
-    Axis, CustomOp, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl, TensorId,
-    TensorType, Transform,
+    Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl,
+    TensorId, TensorType, Transform,
 };
 pub use span::{SourceLoc, Span};
 pub use verify::{verify_host, verify_program, Diagnostic, Location, VerifyErrors};

@@ -78,6 +78,16 @@ fn examples_with_other_rank_counts() {
             ],
         ),
         ("row_parallel_linear_chunked", [d(1), d(2), d(3), d(8)]),
+        ("row_parallel_linear_ring", [d(1), d(2), d(3), d(8)]),
+        (
+            "transformer_block_2d",
+            [
+                Err((19, 17, "mesh `m`: iota(0, 2) has no devices (dp = 0)")),
+                d(2),
+                d(2),
+                d(8),
+            ],
+        ),
     ];
     let all = examples();
     assert_eq!(all.len(), table.len(), "every example is in the table");

@@ -237,12 +237,12 @@ fn host_missing_attribute() {
         63,
         "`collective_permute` needs `recv=`",
     );
-    let text = host(&["c0 = all_reduce(x -> y, team=mesh(m0), op=avg)"]);
+    let text = host(&["c0 = all_reduce(x -> y, team=mesh(m0), op=prod)"]);
     assert_error(
         host_error(&text),
         5,
         45,
-        "unknown reduction `avg` (expected sum, max or min)",
+        "unknown reduction `prod` (expected sum, max, min or avg)",
     );
 }
 

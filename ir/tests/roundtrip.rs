@@ -6,9 +6,9 @@ use meshflow_ir::host::{BinOp, Expr, LoopVar};
 use meshflow_ir::program::MeshDecl;
 use meshflow_ir::{
     parse_host, parse_program, verify_host, verify_program, Axis, CommId, CommKind, ComputeOp,
-    CustomOp, DType, DeviceMesh, EntityRef, HostProgram, HostTensor, HostTensorId, Inst, InstKind,
-    MeshId, Op, OpKind, ParallelType, Program, ReduceOp, Role, SourceLoc, StreamRef, StreamVar,
-    Team, TensorDecl, TensorId, TensorType, Transform,
+    CustomOp, DType, DeviceMesh, EntityRef, Epsilon, HostProgram, HostTensor, HostTensorId, Inst,
+    InstKind, MeshId, Op, OpKind, ParallelType, Program, ReduceOp, Role, SourceLoc, StreamRef,
+    StreamVar, Team, TensorDecl, TensorId, TensorType, Transform,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -82,8 +82,33 @@ fn tensor_type() -> impl Strategy<Value = TensorType> {
     (dtype(), vec(axis, 0..5)).prop_map(|(dtype, axes)| TensorType { dtype, axes })
 }
 
-fn op_kind() -> impl Strategy<Value = OpKind> {
+fn epsilon() -> impl Strategy<Value = Epsilon> {
     prop_oneof![
+        Just(Epsilon::DEFAULT),
+        (1u32..0x7f80_0000)
+            .prop_filter_map("positive and finite", |b| Epsilon::new(f32::from_bits(b))),
+    ]
+}
+
+fn op_kind() -> impl Strategy<Value = OpKind> {
+    let u = || any::<u64>();
+    prop_oneof![
+        select(vec![OpKind::Reshape, OpKind::View, OpKind::Expand]),
+        small_or_any_usize().prop_map(|axis| OpKind::Max { axis }),
+        small_or_any_usize().prop_map(|axis| OpKind::Min { axis }),
+        small_or_any_usize().prop_map(|axis| OpKind::Avg { axis }),
+        small_or_any_usize().prop_map(|axis| OpKind::Softmax { axis }),
+        small_or_any_usize().prop_map(|axis| OpKind::Squeeze { axis }),
+        small_or_any_usize().prop_map(|axis| OpKind::Unsqueeze { axis }),
+        vec(small_or_any_usize(), 0..5).prop_map(|perm| OpKind::Permute { perm }),
+        (small_or_any_usize(), u(), u()).prop_map(|(axis, start, end)| OpKind::Slice {
+            axis,
+            start,
+            end
+        }),
+        (small_or_any_usize(), u()).prop_map(|(axis, index)| OpKind::Select { axis, index }),
+        (small_or_any_usize(), 0usize..4).prop_map(|(axis, inputs)| OpKind::Cat { axis, inputs }),
+        (small_or_any_usize(), epsilon()).prop_map(|(axis, eps)| OpKind::RmsNorm { axis, eps }),
         select(vec![
             OpKind::Set,
             OpKind::Matmul,
@@ -220,6 +245,14 @@ fn compute_op() -> impl Strategy<Value = ComputeOp> {
         ]),
         small_or_any_usize().prop_map(|axis| ComputeOp::Sum { axis }),
         vec(small_or_any_usize(), 0..5).prop_map(|perm| ComputeOp::Permute { perm }),
+        Just(ComputeOp::Expand),
+        small_or_any_usize().prop_map(|axis| ComputeOp::Max { axis }),
+        small_or_any_usize().prop_map(|axis| ComputeOp::Min { axis }),
+        small_or_any_usize().prop_map(|axis| ComputeOp::Avg { axis }),
+        small_or_any_usize().prop_map(|axis| ComputeOp::Softmax { axis }),
+        (small_or_any_usize(), any::<u64>())
+            .prop_map(|(axis, start)| ComputeOp::Slice { axis, start }),
+        (small_or_any_usize(), epsilon()).prop_map(|(axis, eps)| ComputeOp::RmsNorm { axis, eps }),
     ]
 }
 
@@ -234,7 +267,12 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
             expr(nm).prop_map(StreamRef::Worker),
         ]
     };
-    let reduce = select(vec![ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]);
+    let reduce = select(vec![
+        ReduceOp::Sum,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+    ]);
     prop_oneof![
         t().prop_map(|tensor| InstKind::Allocate { tensor }),
         t().prop_map(|tensor| InstKind::Deallocate { tensor }),
@@ -314,6 +352,16 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
             op,
             inputs,
             outputs
+        }),
+        (small_or_any_usize(), ts(4), ts(3)).prop_map(|(axis, inputs, outputs)| {
+            InstKind::Compute {
+                op: ComputeOp::Cat {
+                    axis,
+                    inputs: inputs.len(),
+                },
+                inputs,
+                outputs,
+            }
         }),
         (any::<String>(), ts(3), ts(3), vec(expr(nm), 0..3)).prop_map(
             |(kernel, inputs, outputs, args)| InstKind::LaunchKernel {

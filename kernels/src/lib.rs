@@ -104,7 +104,8 @@ pub use gemm::{Gemm, GemmLayout};
 pub use graph::Graph;
 #[cfg(feature = "cuda")]
 pub use kernels::{
-    fill_pattern, poison_bits, KernelArg, Kernels, Source, StridedLayout, UserKernel, MAX_RANK,
+    fill_pattern, poison_bits, AxisView, KernelArg, Kernels, RowReduce, Source, StridedLayout,
+    UserKernel, MAX_RANK,
 };
 #[cfg(feature = "cuda")]
 pub use stream::Stream;

@@ -1,175 +1,355 @@
-//! The cost model of `choose_decompositions`: the alpha-beta formulas of
-//! `reference/overlap-and-egg.md` §3.2.
+//! The cost model of `choose_decompositions`: predicted times of the [`Plan`]s of one
+//! resharding, from a machine [`Profile`]. The formulas, with their derivation from the
+//! measurements, are in `docs/schedule-search.md`; in short, per rank, for a team of `d`:
 //!
-//! For an all-gather of `S` bytes over a team of `d` feeding a compute op that takes `C` µs
-//! unsplit, cut into `s` chunks:
+//! | case | plan | time |
+//! |---|---|---|
+//! | all-gather + consumer | collective | `AG + G` |
+//! | | broadcast, per iteration | `cp + c + (d-1)·ov(c, b, κ₁) + d·λ` |
+//! | | ring, per iteration | `cp + c + (d-1)·ov(c, m, κ₁) + d·λ` |
+//! | | ring prefetch, ring forward | `c + (d-1)·ov(c, m, κ₂) + d·λ` |
+//! | | ring bidirectional | `c + (d-1)·ov(2h, 2m½, κ₂) + 2d·λ` |
+//! | producer + reduce-scatter | collective | `G + RS` |
+//! | | reduce, per iteration | `c + (d-1)·ov(c, r, κ₁) + r + d·λ` |
+//! | | ring forward, `p` pieces | `c + (d-1)·(ov(p·g, m, κ₂) + a + (p-1)·(σ·a + ℓ)) + d·λ` |
 //!
-//! | variant | cost |
-//! |---|---|
-//! | collective | `λ + (d-1)/d · S/B + C` |
-//! | ring (collective permute), overlapped | `c + (s-1) · max(c', m)` |
-//! | stream broadcast, overlapped | `m + (s-1) · max(c', m) + c` |
-//! | ring / broadcast without a consumer in the loop | `(s-1)·m + C` / `s·m + C` |
-//!
-//! plus `s · loop_step` of host overhead for the decomposed variants,
-//! with `m = λ + (S/s)/B` per chunk, `c` the compute time of one chunk (its own launch
-//! overhead included) and `c' = c / (1 - κ)` the compute slowed by the transport's use of
-//! SMs. `λ`, `B` and `κ` come from the transport table below; compute time is
-//! `launch + max(flops / P, bytes / HBM)`.
-//!
-//! The transport rows are calibrated on 2× H200 (NV18) with `meshflow bench permute` (a ring
-//! permute of 64 and 256 MiB per rank, many steps back to back; `λ` and `B` from the line
-//! through the two sizes) and `κ` from the GEMM of the ring's first chunk next to the transfer
-//! of the second (bench results of 2026-11-22, `bench/results/`). The compute constants are
-//! rough H200 figures (a bf16 GEMM of 8192³ runs at about 800 TFLOP/s alone).
+//! `G` is the whole compute op, `c` one chunk of it, `h` half a chunk, `g` one piece; `m`, `b`,
+//! `r`, `AG`, `RS` the transport's curves at the bytes one rank moves (`m½`: half a chunk); `cp`
+//! a local copy of a chunk and `a` an add of one piece (memory bound); `λ` the loop-step and `ℓ`
+//! the launch overhead; `ov(c, m, κ) = max(c + κ·m, m)` a GEMM of `c` beside a transfer of `m`
+//! that slows it by `κ` of the transfer's time, `κ₁` when the GEMM was launched first (one
+//! worker stream per iteration), `κ₂` when the transfer was (prefetch, neighbour rings); `σ` the
+//! slowdown of a GEMM by an add beside it. Consumers that cannot join the stream loop overlap
+//! nothing: the transfers and `G` add up.
 
 use meshflow_ir::DType;
+
+use crate::manager::{Decomposition, StreamSchedule};
+use crate::plan::Plan;
+use crate::profile::{Collective, Profile};
 
 /// How the bytes of a decomposed communication move.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Transport {
     /// NCCL kernels (use SMs).
     Nccl,
-    /// Copy-engine peer copies (no SMs; placeholder figures).
+    /// Copy-engine peer copies (no SMs).
     CopyEngine,
 }
 
-/// Alpha-beta parameters of a transport.
-#[derive(Copy, Clone, Debug, PartialEq)]
-pub struct TransportParams {
-    /// Per-message latency `λ` in µs.
-    pub latency_us: f64,
-    /// Bandwidth `B` in GB/s (per direction).
-    pub bandwidth_gb_s: f64,
-    /// Fraction `κ` of compute throughput lost while the transport runs.
-    pub sm_contention: f64,
-}
-
-/// The transport table, measured on 2× H200 (NVLink 4, NV18) on 2026-11-22: NCCL grouped
-/// send/recv moves 64 MiB in 254 µs and 256 MiB in 899 µs per rank (both directions at once,
-/// steps back to back); a copy-engine pull 64 MiB in 212 µs and 256 MiB in 719 µs. Next to a
-/// cuBLAS GEMM, an NCCL kernel slows the GEMM by about a fifth (and is itself starved of SMs:
-/// 630 µs instead of 295 for 64 MiB); a copy-engine pull slows it by about an eighth (its HBM
-/// traffic) and leaves the SMs alone.
-pub const TRANSPORTS: [(Transport, TransportParams); 2] = [
-    (
-        Transport::Nccl,
-        TransportParams {
-            latency_us: 39.0,
-            bandwidth_gb_s: 312.0,
-            sm_contention: 0.2,
-        },
-    ),
-    (
-        Transport::CopyEngine,
-        TransportParams {
-            latency_us: 43.0,
-            bandwidth_gb_s: 398.0,
-            sm_contention: 0.12,
-        },
-    ),
-];
-
-/// Compute and transport constants.
+/// The profile and the search's constraints.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CostModel {
-    /// The transport decomposed communications use.
-    pub transport: Transport,
-    /// Dense GEMM throughput for 16-bit types, TFLOP/s.
-    pub gemm_tflops_16bit: f64,
-    /// Dense GEMM throughput for f32 and integers, TFLOP/s.
-    pub gemm_tflops_32bit: f64,
-    /// Memory bandwidth, GB/s.
-    pub hbm_gb_s: f64,
-    /// Launch overhead of one compute op, µs.
-    pub launch_us: f64,
-    /// Host overhead of one stream-loop iteration (stream switch, event, views), µs.
-    pub loop_step_us: f64,
+    /// The machine.
+    pub profile: Profile,
+    /// Forces the transport of every plan (`None`: the search picks the transport of least
+    /// predicted total time).
+    pub transport: Option<Transport>,
 }
 
 impl Default for CostModel {
     fn default() -> CostModel {
         CostModel {
-            transport: Transport::Nccl,
-            gemm_tflops_16bit: 800.0,
-            gemm_tflops_32bit: 50.0,
-            hbm_gb_s: 4000.0,
-            launch_us: 5.0,
-            loop_step_us: 1.0,
+            profile: Profile::default_builtin(),
+            transport: None,
         }
     }
 }
 
-/// An all-gather feeding a compute op, as the cost model sees it.
+/// The work of one compute op on one device.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct Work {
+    /// Floating-point operations.
+    pub flops: f64,
+    /// Bytes read and written.
+    pub bytes: f64,
+    /// Element type.
+    pub dtype: DType,
+    /// `[m, n, k]` when the op is a GEMM (`m` is the dimension the stream loop cuts).
+    pub gemm: Option<[u64; 3]>,
+}
+
+impl Work {
+    /// No work.
+    pub fn none(dtype: DType) -> Work {
+        Work {
+            flops: 0.0,
+            bytes: 0.0,
+            dtype,
+            gemm: None,
+        }
+    }
+
+    /// One of `s` equal parts (a GEMM cut along `m`).
+    pub fn part(&self, s: u64) -> Work {
+        let s = s.max(1);
+        Work {
+            flops: self.flops / s as f64,
+            bytes: self.bytes / s as f64,
+            dtype: self.dtype,
+            gemm: self.gemm.map(|[m, n, k]| [(m / s).max(1), n, k]),
+        }
+    }
+}
+
+/// An all-gather feeding a compute op.
 #[derive(Copy, Clone, Debug, PartialEq)]
 pub struct GatherCase {
     /// Team size `d`.
     pub team: u64,
-    /// Bytes of the gathered tensor on one device (`S`).
-    pub gathered_bytes: f64,
-    /// FLOPs of the consumer on one device.
-    pub consumer_flops: f64,
-    /// Bytes the consumer reads and writes on one device.
-    pub consumer_bytes: f64,
-    /// Element type of the consumer.
-    pub dtype: DType,
-    /// True when the consumer can run in the same stream loop as the chunks arrive.
+    /// Bytes of one chunk (one member's shard).
+    pub chunk_bytes: f64,
+    /// The consumer's work on the whole gathered tensor (none when it has no compute consumer).
+    pub consumer: Work,
+    /// True when the consumer can join the stream loop (chunk by chunk, overlapped).
     pub overlappable: bool,
 }
 
-impl CostModel {
-    /// The parameters of the configured transport.
-    pub fn params(&self) -> TransportParams {
-        TRANSPORTS
-            .iter()
-            .find(|(t, _)| *t == self.transport)
-            .map_or(TRANSPORTS[0].1, |(_, p)| *p)
-    }
+/// A compute op producing partial sums that are reduce-scattered.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub struct ReduceCase {
+    /// Team size `d`.
+    pub team: u64,
+    /// Bytes of one chunk (one member's share of the result).
+    pub chunk_bytes: f64,
+    /// The producer's work (the whole local partial product).
+    pub producer: Work,
+}
 
-    /// Time of a compute op doing `flops` and touching `bytes`, µs.
-    pub fn compute_us(&self, flops: f64, bytes: f64, dtype: DType) -> f64 {
-        let tflops = match dtype {
-            DType::BF16 | DType::F16 => self.gemm_tflops_16bit,
-            _ => self.gemm_tflops_32bit,
-        };
-        self.launch_us + (flops / (tflops * 1e6)).max(bytes / (self.hbm_gb_s * 1e3))
-    }
+/// What a plan is priced for.
+#[derive(Copy, Clone, Debug, PartialEq)]
+pub enum Case {
+    /// An all-gather and its consumer.
+    Gather(GatherCase),
+    /// A producer of partial sums and their reduce-scatter.
+    Reduce(ReduceCase),
+}
 
-    /// Time of one message of `bytes`, µs.
-    pub fn message_us(&self, bytes: f64) -> f64 {
-        let p = self.params();
-        p.latency_us + bytes / (p.bandwidth_gb_s * 1e3)
-    }
-
-    /// One collective all-gather, then the consumer.
-    pub fn collective(&self, g: &GatherCase) -> f64 {
-        let d = g.team.max(1) as f64;
-        let p = self.params();
-        let ag = p.latency_us + (d - 1.0) / d * g.gathered_bytes / (p.bandwidth_gb_s * 1e3);
-        ag + self.compute_us(g.consumer_flops, g.consumer_bytes, g.dtype)
-    }
-
-    fn chunked(&self, g: &GatherCase, s: u64, first_step_transfers: bool) -> f64 {
-        let s = s.max(1) as f64;
-        let m = self.message_us(g.gathered_bytes / s);
-        let whole = self.compute_us(g.consumer_flops, g.consumer_bytes, g.dtype);
-        if !g.overlappable {
-            let steps = if first_step_transfers { s } else { s - 1.0 };
-            return steps * m + whole + s * self.loop_step_us;
+impl Case {
+    /// The team size.
+    pub fn team(&self) -> u64 {
+        match self {
+            Case::Gather(g) => g.team,
+            Case::Reduce(r) => r.team,
         }
-        let c = self.compute_us(g.consumer_flops / s, g.consumer_bytes / s, g.dtype);
-        let slowed = c / (1.0 - self.params().sm_contention).max(0.05);
-        let head = if first_step_transfers { m } else { 0.0 };
-        head + c + (s - 1.0) * slowed.max(m) + s * self.loop_step_us
+    }
+}
+
+/// A GEMM of `c` µs beside a transfer of `m` µs that slows it by `kappa` of the transfer's time.
+fn overlapped(c: f64, m: f64, kappa: f64) -> f64 {
+    (c + kappa * m).max(m)
+}
+
+impl CostModel {
+    /// A model over `profile`, free to pick the transport.
+    pub fn new(profile: Profile) -> CostModel {
+        CostModel {
+            profile,
+            transport: None,
+        }
     }
 
-    /// A ring of `s` collective permutes (step 0 is a local copy).
-    pub fn ring(&self, g: &GatherCase, s: u64) -> f64 {
-        self.chunked(g, s, false)
+    /// The transports the search tries: the forced one, or the profile's, NCCL first (it also
+    /// works across processes, so it wins ties).
+    pub fn transports(&self) -> Vec<Transport> {
+        if let Some(t) = self.transport {
+            return vec![t];
+        }
+        let mut ts = self.profile.transports();
+        ts.sort_by_key(|&t| t != Transport::Nccl);
+        ts
     }
 
-    /// `s` broadcasts rooted at the loop index.
-    pub fn stream_broadcast(&self, g: &GatherCase, s: u64) -> f64 {
-        self.chunked(g, s, true)
+    /// Time of `w`, µs.
+    pub fn compute_us(&self, w: &Work) -> f64 {
+        let p = &self.profile;
+        let half = matches!(w.dtype, DType::BF16 | DType::F16);
+        let tflops = match (half, w.gemm) {
+            (true, Some([m, n, k])) => p.half_tflops(m, n, k),
+            _ => None,
+        }
+        .unwrap_or(p.gemm.tflops_f32);
+        let flop_us = w.flops / (tflops * 1e6);
+        let mem_us = w.bytes / (p.memory.hbm_gb_s * 1e3);
+        p.host.launch_us + flop_us.max(mem_us)
+    }
+
+    /// A local copy of `bytes`, µs.
+    pub fn copy_us(&self, bytes: f64) -> f64 {
+        let p = &self.profile;
+        p.host.launch_us + 2.0 * bytes / (p.memory.hbm_gb_s * 1e3)
+    }
+
+    /// An element-wise add writing `bytes`, µs.
+    pub fn add_us(&self, bytes: f64) -> f64 {
+        let p = &self.profile;
+        p.host.launch_us + 3.0 * bytes / (p.memory.hbm_gb_s * 1e3)
+    }
+
+    /// Collective `c` of `bytes` on the wire over `t`, and the slowdowns of a GEMM beside it
+    /// (gemm first, transfer first; those of the transport that actually moves it).
+    fn comm(&self, t: Transport, c: Collective, bytes: f64) -> (f64, f64, f64) {
+        let p = &self.profile;
+        let s = p.slowdown(p.mover(t, c));
+        (p.comm_us(t, c, bytes), s.gemm_first, s.transfer_first)
+    }
+
+    /// The predicted time of `plan` for `case`, µs; `None` when the plan does not apply to the
+    /// case (see `docs/schedule-search.md` for the formulas).
+    pub fn cost(&self, case: &Case, plan: &Plan) -> Option<f64> {
+        let step = self.profile.host.loop_step_us;
+        let launch = self.profile.host.launch_us;
+        let t = plan.transport;
+        match case {
+            Case::Gather(g) => {
+                let d = g.team.max(1);
+                let df = d as f64;
+                let whole = self.compute_us(&g.consumer);
+                let c = self.compute_us(&g.consumer.part(d));
+                let cp = self.copy_us(g.chunk_bytes);
+                let (m, k1, k2) = self.comm(t, Collective::Permute, g.chunk_bytes);
+                Some(match (plan.decomposition, plan.schedule) {
+                    (Decomposition::Collective, _) => {
+                        self.comm(t, Collective::AllGather, g.chunk_bytes * (df - 1.0))
+                            .0
+                            + whole
+                    }
+                    (Decomposition::StreamBroadcast, StreamSchedule::PerIteration) => {
+                        let (b, k1, _) = self.comm(t, Collective::Broadcast, g.chunk_bytes);
+                        if g.overlappable {
+                            cp + c + (df - 1.0) * overlapped(c, b, k1) + df * step
+                        } else {
+                            df * b + whole + df * step
+                        }
+                    }
+                    (Decomposition::Ring, StreamSchedule::PerIteration) if g.overlappable => {
+                        cp + c + (df - 1.0) * overlapped(c, m, k1) + df * step
+                    }
+                    (Decomposition::Ring | Decomposition::RingForward, _) if g.overlappable => {
+                        c + (df - 1.0) * overlapped(c, m, k2) + df * step
+                    }
+                    (Decomposition::Ring | Decomposition::RingForward, _) => {
+                        cp + (df - 1.0) * m + whole + df * step
+                    }
+                    (Decomposition::RingBidirectional, _) => {
+                        let half = self.comm(t, Collective::Permute, g.chunk_bytes / 2.0).0;
+                        let h = self.compute_us(&g.consumer.part(2 * d));
+                        if g.overlappable {
+                            c + (df - 1.0) * overlapped(2.0 * h, 2.0 * half, k2) + 2.0 * df * step
+                        } else {
+                            cp + (df - 1.0) * 2.0 * half + whole + 2.0 * df * step
+                        }
+                    }
+                    _ => return None,
+                })
+            }
+            Case::Reduce(r) => {
+                let d = r.team.max(1);
+                let df = d as f64;
+                let whole = self.compute_us(&r.producer);
+                let c = self.compute_us(&r.producer.part(d));
+                Some(match (plan.decomposition, plan.schedule) {
+                    (Decomposition::Collective, _) => {
+                        whole
+                            + self
+                                .comm(t, Collective::ReduceScatter, r.chunk_bytes * (df - 1.0))
+                                .0
+                    }
+                    (Decomposition::StreamReduce, StreamSchedule::PerIteration) => {
+                        let (red, k1, _) = self.comm(t, Collective::Reduce, r.chunk_bytes);
+                        c + (df - 1.0) * overlapped(c, red, k1) + red + df * step
+                    }
+                    (Decomposition::RingForward, StreamSchedule::Prefetch) => {
+                        let (m, _, k2) = self.comm(t, Collective::Permute, r.chunk_bytes);
+                        let p = plan.pieces.max(1);
+                        let a = self.add_us(r.chunk_bytes / p as f64);
+                        let per_step = if p == 1 {
+                            overlapped(c, m, k2) + a
+                        } else {
+                            let g = self.compute_us(&r.producer.part(d * p));
+                            let sigma = self.profile.memory.concurrent_add_slowdown;
+                            overlapped(p as f64 * g, m, k2)
+                                + a
+                                + (p as f64 - 1.0) * (sigma * a + launch)
+                        };
+                        c + (df - 1.0) * per_step + df * step
+                    }
+                    _ => return None,
+                })
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemm(m: u64, n: u64, k: u64) -> Work {
+        Work {
+            flops: 2.0 * (m * n * k) as f64,
+            bytes: 2.0 * (m * k + n * k + m * n) as f64,
+            dtype: DType::BF16,
+            gemm: Some([m, n, k]),
+        }
+    }
+
+    fn plan(d: Decomposition, schedule: StreamSchedule, transport: Transport) -> Plan {
+        Plan {
+            decomposition: d,
+            pieces: 1,
+            schedule,
+            transport,
+        }
+    }
+
+    #[test]
+    fn measured_gemms_cost_what_was_measured() {
+        let m = CostModel::default();
+        let us = m.compute_us(&gemm(8192, 4096, 8192));
+        assert!((us - 665.0).abs() < 1.0, "{us}");
+        // Halving the rows halves the time at the same throughput (plus one launch).
+        let half = m.compute_us(&gemm(8192, 4096, 8192).part(2));
+        assert!((half - 330.0).abs() < 1.0, "{half}");
+    }
+
+    #[test]
+    fn plans_that_do_not_fit_the_case_have_no_cost() {
+        let m = CostModel::default();
+        let g = Case::Gather(GatherCase {
+            team: 2,
+            chunk_bytes: 1e6,
+            consumer: gemm(1024, 1024, 1024),
+            overlappable: true,
+        });
+        let nccl = Transport::Nccl;
+        let ring = plan(Decomposition::Ring, StreamSchedule::Prefetch, nccl);
+        assert!(m.cost(&g, &ring).is_some());
+        let reduce = plan(
+            Decomposition::StreamReduce,
+            StreamSchedule::PerIteration,
+            nccl,
+        );
+        assert!(m.cost(&g, &reduce).is_none());
+        let r = Case::Reduce(ReduceCase {
+            team: 2,
+            chunk_bytes: 1e6,
+            producer: gemm(1024, 1024, 1024),
+        });
+        for d in [
+            Decomposition::StreamBroadcast,
+            Decomposition::Ring,
+            Decomposition::RingBidirectional,
+        ] {
+            assert!(m
+                .cost(&r, &plan(d, StreamSchedule::Prefetch, nccl))
+                .is_none());
+        }
+        assert!(m
+            .cost(
+                &r,
+                &plan(Decomposition::RingForward, StreamSchedule::Prefetch, nccl)
+            )
+            .is_some());
     }
 }

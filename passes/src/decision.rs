@@ -9,6 +9,8 @@
 //! | split on `a` -> split on `b` | [`Decision::AllToAll`] |
 //! | partial sums -> replicated | [`Decision::AllReduce`] / [`Decision::Reduce`] (other mesh) |
 //! | partial sums -> split on `b` | [`Decision::ReduceScatter`] |
+//! | partial sums with a Stream split on `a` and `swizzle1d(pt)` -> split on `a` | [`Decision::ReduceRing`] (a ring of running sums) |
+//! | partial sums with a Stream split on `a`, no swizzle -> split on `a` | [`Decision::StreamReduce`] (root = loop index) |
 //! | replicated -> replicated, other mesh | [`Decision::Broadcast`] (to the target mesh) |
 //! | same splits, other mesh of the same shape | [`Decision::SendRecv`] (one per device pair; a device that keeps its shard copies it) |
 //! | split on a 1-D mesh -> replicated on devices of that mesh | [`Decision::Gather`] |
@@ -128,6 +130,23 @@ pub enum Decision {
         /// The value axis.
         axis: usize,
     },
+    /// Partial sums computed chunk by chunk in a swizzled stream loop over `axis` (one chunk
+    /// per team member) to split on `axis`: running sums travel around a ring of neighbours,
+    /// each rank adding its partial product of the chunk on arrival.
+    ReduceRing {
+        /// The parallel type.
+        pt: ParallelType,
+        /// The value axis.
+        axis: usize,
+    },
+    /// Partial sums computed chunk by chunk in a stream loop over `axis` (no swizzle, one chunk
+    /// per team member) to split on `axis`: a reduce per iteration, rooted at the loop index.
+    StreamReduce {
+        /// The parallel type.
+        pt: ParallelType,
+        /// The value axis.
+        axis: usize,
+    },
     /// Same splits on another mesh of the same shape: one transfer per device pair.
     SendRecv,
     /// Replicated to replicated on another mesh.
@@ -167,6 +186,8 @@ impl Decision {
             Decision::AllToAll { pt, .. } => format!("all_to_all over {pt}"),
             Decision::AllReduce { pt } => format!("all_reduce over {pt}"),
             Decision::ReduceScatter { pt, .. } => format!("reduce_scatter over {pt}"),
+            Decision::ReduceRing { pt, .. } => format!("reduce_scatter ring over {pt}"),
+            Decision::StreamReduce { pt, .. } => format!("stream reduce over {pt}"),
             Decision::SendRecv => "send_recv per device pair".into(),
             Decision::Broadcast => "broadcast to another mesh".into(),
             Decision::Gather { pt, .. } => format!("gather over {pt} to another mesh"),
@@ -277,9 +298,20 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
         }
         (Some(Placement::Split { axis, .. }), None) => Decision::AllGather { pt, axis },
         (Some(Placement::Partial), None) => Decision::AllReduce { pt },
-        (Some(Placement::Partial), Some(Placement::Split { axis, .. })) => {
-            Decision::ReduceScatter { pt, axis }
-        }
+        (Some(Placement::Partial), Some(Placement::Split { axis, .. })) => match p.stream() {
+            Some(ps)
+                if c.stream().is_none()
+                    && ps.chunks == team
+                    && p.value_index(ps.axis) == Some(axis) =>
+            {
+                match ps.swizzle {
+                    Some(sw) if sw == pt => Decision::ReduceRing { pt, axis },
+                    None => Decision::StreamReduce { pt, axis },
+                    Some(_) => Decision::ReduceScatter { pt, axis },
+                }
+            }
+            _ => Decision::ReduceScatter { pt, axis },
+        },
         (None, Some(Placement::Split { axis, .. })) => Decision::LocalSlice { pt, axis },
         (Some(Placement::Split { axis: from, .. }), Some(Placement::Split { axis: to, .. }))
             if from != to =>

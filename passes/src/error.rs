@@ -122,10 +122,11 @@ pub fn op_text(program: &meshflow_ir::Program, op: &meshflow_ir::Op) -> String {
     };
     let outs: Vec<String> = op.outputs.iter().map(|&t| name(t)).collect();
     let ins: Vec<String> = op.inputs.iter().map(|&t| name(t)).collect();
-    let extra = match &op.kind {
-        meshflow_ir::OpKind::Sum { axis } => format!(", axis={axis}"),
-        meshflow_ir::OpKind::Custom(c) => format!(", kernel=\"{}\"", c.kernel.escape_default()),
-        _ => String::new(),
+    let attrs = op.kind.attributes();
+    let extra = if attrs.is_empty() {
+        String::new()
+    } else {
+        format!(", {attrs}")
     };
     format!(
         "{} = {}({}{extra})",

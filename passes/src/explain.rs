@@ -37,8 +37,8 @@ impl fmt::Display for ExplainRecord {
         )?;
         for v in &self.variants {
             match v.cost_us {
-                Some(c) => writeln!(f, "  {:<20} {:>12.2} us", v.variant, c)?,
-                None => writeln!(f, "  {:<20} {:>12}", v.variant, "-")?,
+                Some(c) => writeln!(f, "  {:<48} {:>10.2} us", v.variant, c)?,
+                None => writeln!(f, "  {:<48} {:>10}", v.variant, "-")?,
             }
         }
         Ok(())

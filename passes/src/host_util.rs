@@ -259,9 +259,20 @@ pub fn after_epilogue(block: &Block, k: usize) -> usize {
         })
     );
     let join = block.get(k + 2).is_some_and(is_join_loop);
-    if is_loop && restore && join {
+    let mut end = if is_loop && restore && join {
         k + 3
     } else {
         k + 1
+    };
+    // Joins of worker streams right after it (a loop that placed its own streams): a worker
+    // may still be reading what the instruction named.
+    while matches!(
+        block.get(end).map(|i| &i.kind),
+        Some(InstKind::Synchronize {
+            stream: meshflow_ir::StreamRef::Worker(_)
+        })
+    ) {
+        end += 1;
     }
+    end
 }

@@ -9,8 +9,9 @@
 //! - Analyses: [`analysis`] (shardings on top of `Layout`, op axis maps),
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
-//!   [`cost_model`] (alpha-beta costs of decompositions), [`scope_tree`] (dominators of the
-//!   structured host program, with petgraph).
+//!   [`cost_model`] (predicted times of the plans the schedule search chooses between, from a
+//!   machine [`profile`]), [`plan`] (one point of that search), [`scope_tree`] (dominators of
+//!   the structured host program, with petgraph).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
@@ -26,6 +27,8 @@ pub mod host_util;
 pub mod index;
 pub mod manager;
 pub mod passes;
+pub mod plan;
+pub mod profile;
 pub mod redistribute;
 pub mod resharding;
 pub mod scope_tree;
@@ -37,3 +40,5 @@ pub use manager::{
     Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
     PassOutput, PassTiming, ProgramPass, StreamSchedule,
 };
+pub use plan::Plan;
+pub use profile::Profile;

@@ -6,29 +6,44 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use meshflow_ir::{verify_host, verify_program, HostProgram, Program};
+use meshflow_ir::{verify_host, verify_program, HostProgram, LoopVar, Program};
 
 use crate::cost_model::CostModel;
 use crate::error::PassError;
 use crate::explain::ExplainRecord;
+use crate::plan::Plan;
+use crate::Transport;
 
-/// How a resharding into an unannotated tensor is decomposed (see `choose_decompositions`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+/// How a resharding is decomposed (see `choose_decompositions` and `docs/schedule-search.md`).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Decomposition {
-    /// One collective (e.g. one `all_gather`).
+    /// One collective (e.g. one `all_gather`, one `reduce_scatter`).
     Collective,
-    /// A stream loop of broadcasts, rooted at the loop index.
+    /// All-gather: a stream loop of broadcasts, rooted at the loop index.
     StreamBroadcast,
-    /// A stream loop of collective permutes (a ring, from `swizzle1d`).
+    /// Reduce-scatter: a stream loop of reduces, rooted at the loop index (the dual of
+    /// [`Decomposition::StreamBroadcast`]).
+    StreamReduce,
+    /// All-gather: a stream loop of collective permutes to distance `i` at step `i` (from
+    /// `swizzle1d`; step 0 is the rank's own chunk).
     Ring,
+    /// A ring of neighbours: every step sends to rank + 1 what arrived from rank − 1 (all-gather:
+    /// the chunk received the step before; reduce-scatter: the running sum of one chunk, to which
+    /// each rank adds its partial product).
+    RingForward,
+    /// All-gather: a neighbour ring in both directions, half of every chunk each way.
+    RingBidirectional,
 }
 
 impl Decomposition {
-    /// Every variant, in a fixed order.
-    pub const ALL: [Decomposition; 3] = [
+    /// Every variant, in a fixed order (simplest first).
+    pub const ALL: [Decomposition; 6] = [
         Decomposition::Collective,
         Decomposition::StreamBroadcast,
+        Decomposition::StreamReduce,
         Decomposition::Ring,
+        Decomposition::RingForward,
+        Decomposition::RingBidirectional,
     ];
 
     /// The name used in options and explain output.
@@ -36,7 +51,10 @@ impl Decomposition {
         match self {
             Decomposition::Collective => "collective",
             Decomposition::StreamBroadcast => "broadcast",
+            Decomposition::StreamReduce => "reduce",
             Decomposition::Ring => "ring",
+            Decomposition::RingForward => "ring_forward",
+            Decomposition::RingBidirectional => "ring_bidirectional",
         }
     }
 }
@@ -48,8 +66,10 @@ impl std::str::FromStr for Decomposition {
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
+                let names: Vec<&str> = Decomposition::ALL.iter().map(|d| d.name()).collect();
                 PassError::Options(format!(
-                    "unknown decomposition `{s}` (expected collective, broadcast or ring)"
+                    "unknown decomposition `{s}` (expected one of {})",
+                    names.join(", ")
                 ))
             })
     }
@@ -63,7 +83,8 @@ pub struct PassContext {
     /// Names of the tensors the user annotated (a schedule, possibly empty). Passes never
     /// change these shardings.
     pub annotated: BTreeSet<String>,
-    /// Forced decompositions, by the name of the resharding's output tensor.
+    /// Forced decompositions, by the name of the tensor whose schedule the decision sets (the
+    /// gathered tensor of an all-gather, the partial sums of a reduce-scatter).
     pub decompositions: BTreeMap<String, Decomposition>,
     /// The cost model of `choose_decompositions`.
     pub cost_model: CostModel,
@@ -71,21 +92,43 @@ pub struct PassContext {
     pub explain: Vec<ExplainRecord>,
     /// How stream loops place their transfers and compute on streams.
     pub stream_schedule: StreamSchedule,
+    /// The plan `choose_decompositions` took for each decision, by the same tensor names as
+    /// [`PassContext::decompositions`]; `lower_to_host` follows them.
+    pub plans: BTreeMap<String, Plan>,
+    /// Stream loops (of the host program as `lower_to_host` emits it) that
+    /// `prefetch_transfers` reschedules.
+    pub prefetch_loops: BTreeSet<LoopVar>,
+    /// The transport the plans assume (`None` until `choose_decompositions` ran); the GPU
+    /// runtime moves the bytes over it.
+    pub transport: Option<Transport>,
 }
 
 /// How the iterations of a stream loop (transfer a chunk, compute on it) use streams.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum StreamSchedule {
+    /// Chosen per loop by `choose_decompositions` (the schedule of least predicted time).
+    #[default]
+    Auto,
     /// Every iteration on its own worker stream, round robin over the pool (nvFuser's
     /// schedule; `assign_streams`): iteration i + 1's transfer overlaps iteration i's compute
     /// on another stream.
-    #[default]
     PerIteration,
     /// Compute on the main stream, collective permutes one iteration ahead on a worker stream
     /// (`prefetch_transfers`), for ring loops that move one chunk per iteration into its own
     /// slot; a ring whose first transfer is the rank's own chunk computes that chunk straight
     /// from the input. Other loops as [`StreamSchedule::PerIteration`].
     Prefetch,
+}
+
+impl StreamSchedule {
+    /// The name used in options and explain output.
+    pub fn name(self) -> &'static str {
+        match self {
+            StreamSchedule::Auto => "auto",
+            StreamSchedule::PerIteration => "per-iteration",
+            StreamSchedule::Prefetch => "prefetch",
+        }
+    }
 }
 
 impl PassContext {
@@ -103,6 +146,9 @@ impl PassContext {
             cost_model: CostModel::default(),
             explain: Vec::new(),
             stream_schedule: StreamSchedule::default(),
+            plans: BTreeMap::new(),
+            prefetch_loops: BTreeSet::new(),
+            transport: None,
         }
     }
 

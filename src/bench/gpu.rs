@@ -7,8 +7,8 @@ use meshflow_ir::{DType, HostProgram, Program};
 
 use super::programs::permute_host;
 use super::programs::{
-    agmm_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered, AgVariant, Gemm3, Lowered, Parts,
-    RsVariant,
+    agmm_lowered, default_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered, rsmm_program,
+    AgVariant, Gemm3, Lowered, Parts, RsVariant,
 };
 use super::stats::{CaseResult, PermuteResult, Timing, VariantResult};
 use super::torch::TorchBaselines;
@@ -385,6 +385,52 @@ fn failed(name: String, e: BenchError) -> VariantResult {
     }
 }
 
+/// The default lowering (no options: the schedule search's plan, over the transport it
+/// planned for) of an AG+GEMM or (`rsmm`) GEMM+RS case, named `default: <plan>`.
+fn default_variant(
+    r: &Runner,
+    tag: &str,
+    s: Gemm3,
+    full: &BTreeMap<String, TensorData>,
+    per_rank: PerRank,
+    bound: f64,
+    rsmm: bool,
+) -> VariantResult {
+    let lowered = default_lowered(r.world, s, DTYPE, rsmm, r.opts.stream_pool);
+    let (name, measured) = match lowered {
+        Err(source) => (
+            "default".to_string(),
+            Err(BenchError::Lower {
+                what: format!("{tag}: default"),
+                source,
+            }),
+        ),
+        Ok((l, transport, plan)) => {
+            let setup = match transport {
+                Some(crate::Transport::Nccl) => NCCL,
+                _ => CE,
+            };
+            let name = format!("default: {plan}");
+            let what = format!("{tag}: {name}");
+            let out = if rsmm { "z" } else { "y" };
+            let seed = r.opts.seed ^ if rsmm { 9 } else { 7 };
+            let measured = r.time(&what, &l.host, per_rank, setup).and_then(|m| {
+                let got = m
+                    .outcome
+                    .gather(&l.program)
+                    .map_err(|source| BenchError::Shard {
+                        what: what.clone(),
+                        source,
+                    })?;
+                let err = sampled_error(full, &got[out], s, seed);
+                Ok((m, err))
+            });
+            (name, measured)
+        }
+    };
+    variant_result(name, measured, bound)
+}
+
 /// The rings whose permutes and chunk GEMMs are also timed alone: variant and name prefix.
 const AG_RINGS: [(AgVariant, &str); 3] = [
     (AgVariant::Ring, "ring"),
@@ -554,6 +600,17 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 Ok((m, err))
             });
             variants.push(variant_result(name.to_string(), measured, bound));
+        }
+        if !opts.graph_only && d > 1 {
+            variants.push(default_variant(
+                &r,
+                &tag,
+                s,
+                &full,
+                per_rank.clone(),
+                bound,
+                false,
+            ));
         }
         if let Some(dir) = &opts.trace_dir {
             // The rings, and the pipeline's ring under the prefetch schedule (copy engine).
@@ -728,6 +785,10 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                     Ok((m, err))
                 });
             variants.push(variant_result(name, measured, bound));
+        }
+        if !opts.graph_only && d > 1 {
+            let per_rank = r.scatter("rsmm inputs", &rsmm_program(d, s, DTYPE, None), &full)?;
+            variants.push(default_variant(&r, &tag, s, &full, per_rank, bound, true));
         }
         cases.push(CaseResult {
             bench: "rsmm",

@@ -75,17 +75,20 @@ pub enum AgVariant {
     /// [`AgVariant::Ring`] lowered with [`StreamSchedule::Prefetch`]: GEMMs on the main
     /// stream, each permute one step ahead on a worker.
     RingPrefetch,
+    /// The gathered `ag` left to the schedule search (the default lowering, no options).
+    Default,
 }
 
 impl AgVariant {
     /// Every variant.
-    pub const ALL: [AgVariant; 6] = [
+    pub const ALL: [AgVariant; 7] = [
         AgVariant::Collective,
         AgVariant::Broadcast,
         AgVariant::Ring,
         AgVariant::RingForward,
         AgVariant::RingBidirectional,
         AgVariant::RingPrefetch,
+        AgVariant::Default,
     ];
 
     /// Its name.
@@ -97,6 +100,7 @@ impl AgVariant {
             AgVariant::RingForward => "ring_forward",
             AgVariant::RingBidirectional => "ring_bidirectional",
             AgVariant::RingPrefetch => "ring_prefetch",
+            AgVariant::Default => "default",
         }
     }
 }
@@ -113,6 +117,8 @@ pub enum RsVariant {
     /// this many row pieces, the add of a piece running on a worker under the GEMM of the next
     /// one (1: one GEMM, then one add on the main stream).
     Ring(u64),
+    /// The partial sums `y` left to the schedule search (the default lowering, no options).
+    Default,
 }
 
 impl RsVariant {
@@ -123,6 +129,7 @@ impl RsVariant {
             RsVariant::Chunked(s) => format!("chunked s={s}"),
             RsVariant::Ring(1) => "ring".into(),
             RsVariant::Ring(p) => format!("ring pieces={p}"),
+            RsVariant::Default => "default".into(),
         }
     }
 }
@@ -156,7 +163,10 @@ pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Pro
     let ag = b.set(x).expect("set");
     b.rename(ag, "ag").expect("fresh name");
     match variant {
-        AgVariant::Collective | AgVariant::RingForward | AgVariant::RingBidirectional => {}
+        AgVariant::Collective
+        | AgVariant::RingForward
+        | AgVariant::RingBidirectional
+        | AgVariant::Default => {}
         AgVariant::Broadcast => {
             b.schedule(ag)
                 .outer_split(0, du)
@@ -180,6 +190,22 @@ pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Pro
 /// Level-1 row-parallel linear with a reduce-scatter over rows (chunked into `s` stream
 /// chunks when `chunks` is `Some(s)`: rank `r` then holds rows `r` of every chunk).
 pub fn rsmm_program(d: usize, s: Gemm3, dtype: DType, chunks: Option<u64>) -> Program {
+    rsmm_program_with(d, s, dtype, chunks, true)
+}
+
+/// [`rsmm_program`] with the partial sums `y` unannotated (propagation makes them partial), so
+/// that the schedule search decides how they are reduce-scattered.
+pub fn rsmm_searched_program(d: usize, s: Gemm3, dtype: DType) -> Program {
+    rsmm_program_with(d, s, dtype, None, false)
+}
+
+fn rsmm_program_with(
+    d: usize,
+    s: Gemm3,
+    dtype: DType,
+    chunks: Option<u64>,
+    annotate_y: bool,
+) -> Program {
     let du = d as u64;
     let mut b = ProgramBuilder::new("rsmm");
     let mesh = DeviceMesh::iota(vec![d], 0).expect("a 1-D mesh of d devices");
@@ -194,9 +220,11 @@ pub fn rsmm_program(d: usize, s: Gemm3, dtype: DType, chunks: Option<u64>) -> Pr
         .parallelize(1, ParallelType::DIDx);
     let y = b.linear(x, w).expect("linear");
     b.rename(y, "y").expect("fresh name");
-    b.schedule(y)
-        .outer_split(2, du)
-        .parallelize(2, ParallelType::DIDx);
+    if annotate_y {
+        b.schedule(y)
+            .outer_split(2, du)
+            .parallelize(2, ParallelType::DIDx);
+    }
     let z = b.set(y).expect("set");
     b.rename(z, "z").expect("fresh name");
     match chunks {
@@ -241,13 +269,20 @@ pub fn agmm_lowered(
     let program = agmm_program(d, s, dtype, variant);
     let stream_schedule = match variant {
         AgVariant::RingPrefetch => StreamSchedule::Prefetch,
+        AgVariant::Default => StreamSchedule::Auto,
         _ => StreamSchedule::PerIteration,
     };
-    let options = CompileOptions {
+    let mut options = CompileOptions {
         num_streams: streams.max(1),
         stream_schedule,
         ..CompileOptions::default()
     };
+    if variant == AgVariant::Collective {
+        // The gathered `ag` is unannotated: keep the search from decomposing it.
+        options
+            .decompositions
+            .insert("ag".into(), meshflow_passes::Decomposition::Collective);
+    }
     let c = compile(&program, &options)?;
     Ok(Lowered {
         host: keep_parts(&c.host, parts),
@@ -284,7 +319,53 @@ pub fn rsmm_lowered(
             host: rsmm_host(d, s, dtype, variant, parts),
         }),
         RsVariant::Ring(pieces) => rsmm_ring_lowered(d, s, dtype, pieces, parts),
+        RsVariant::Default => {
+            let options = CompileOptions {
+                num_streams: streams.max(1),
+                ..CompileOptions::default()
+            };
+            let c = compile(&rsmm_searched_program(d, s, dtype), &options)?;
+            Ok(Lowered {
+                host: keep_parts(&c.host, parts),
+                program: c.program,
+            })
+        }
     }
+}
+
+/// The default lowering of an AG+GEMM (`rsmm`: false) or GEMM+RS (`rsmm`: true) case: the
+/// program with the resharded tensor left to the schedule search, compiled with no options
+/// but the stream pool. Also returns the transport the plans assume and the chosen plan.
+pub fn default_lowered(
+    d: usize,
+    s: Gemm3,
+    dtype: DType,
+    rsmm: bool,
+    streams: usize,
+) -> Result<(Lowered, Option<meshflow_passes::Transport>, String), PipelineError> {
+    let program = if rsmm {
+        rsmm_searched_program(d, s, dtype)
+    } else {
+        agmm_program(d, s, dtype, AgVariant::Default)
+    };
+    let options = CompileOptions {
+        num_streams: streams.max(1),
+        ..CompileOptions::default()
+    };
+    let c = compile(&program, &options)?;
+    let plan = c
+        .explain
+        .iter()
+        .find(|r| !r.tensor.is_empty())
+        .map_or_else(|| "collective".to_string(), |r| r.chosen.clone());
+    Ok((
+        Lowered {
+            host: c.host,
+            program: c.program,
+        },
+        c.transport,
+        plan,
+    ))
 }
 
 fn keep_block(b: &Block, parts: Parts) -> Block {
@@ -350,7 +431,7 @@ pub fn rsmm_host(
     let t = dtype.name();
     let chunks = match variant {
         // (The ring returned above.)
-        RsVariant::Collective | RsVariant::Ring(_) => 1,
+        RsVariant::Collective | RsVariant::Ring(_) | RsVariant::Default => 1,
         RsVariant::Chunked(c) => c.max(1),
     };
     let (mc, zc) = (s.m / chunks, s.m / chunks / du);
@@ -362,7 +443,7 @@ pub fn rsmm_host(
         zm = s.m / du,
     );
     match variant {
-        RsVariant::Collective | RsVariant::Ring(_) => {
+        RsVariant::Collective | RsVariant::Ring(_) | RsVariant::Default => {
             if compute {
                 p += "  linear(x, w -> y)\n";
             }
@@ -450,6 +531,7 @@ mod tests {
                     RsVariant::Chunked(4),
                     RsVariant::Ring(1),
                     RsVariant::Ring(2),
+                    RsVariant::Default,
                 ] {
                     let l = rsmm_lowered(d, SMALL, dtype, v, 2, Parts::Both)
                         .unwrap_or_else(|e| panic!("rsmm {} d={d}: {e}", v.name()));

@@ -118,11 +118,12 @@ pub fn agmm_ring_lowered(
             s.n
         )));
     }
-    let program = compile(
-        &agmm_program(d, s, dtype, variant),
-        &CompileOptions::default(),
-    )?
-    .program;
+    let mut options = CompileOptions::default();
+    // Only the layouts are wanted: keep `ag` a collective.
+    options
+        .decompositions
+        .insert("ag".into(), meshflow_passes::Decomposition::Collective);
+    let program = compile(&agmm_program(d, s, dtype, variant), &options)?.program;
     Ok(Lowered {
         program,
         host: keep_parts(&agmm_ring_host(d, s, dtype, variant), parts),

@@ -136,8 +136,10 @@ pub fn fault_exits_from_env() -> Result<Vec<(usize, usize)>, CliError> {
 /// `--schedule`: how stream loops use the worker streams.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum ScheduleArg {
-    /// Every iteration on its own worker stream (nvFuser's schedule).
+    /// Chosen per loop by the schedule search (the predicted fastest).
     #[default]
+    Auto,
+    /// Every iteration on its own worker stream (nvFuser's schedule).
     PerIteration,
     /// Compute on the main stream, each transfer one iteration ahead on a worker stream.
     Prefetch,
@@ -147,8 +149,50 @@ impl ScheduleArg {
     /// The pipeline's setting.
     pub fn schedule(self) -> meshflow::pipeline::StreamSchedule {
         match self {
+            ScheduleArg::Auto => meshflow::pipeline::StreamSchedule::Auto,
             ScheduleArg::PerIteration => meshflow::pipeline::StreamSchedule::PerIteration,
             ScheduleArg::Prefetch => meshflow::pipeline::StreamSchedule::Prefetch,
         }
+    }
+}
+
+/// `--transport`: the transport the plans assume (and the GPU runtime uses).
+#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum TransportArg {
+    /// NCCL.
+    Nccl,
+    /// Copy-engine peer copies (ranks in one process).
+    CopyEngine,
+}
+
+/// What `lower` and `run` share about the schedule search.
+#[derive(Debug, Args)]
+pub struct SearchArgs {
+    /// How stream loops use the worker streams: `auto` (chosen per loop by the schedule search),
+    /// `per-iteration` (each iteration on its own worker, as nvFuser) or `prefetch` (compute on
+    /// the main stream, transfers one iteration ahead on a worker).
+    #[arg(long, value_enum, default_value_t = ScheduleArg::Auto)]
+    pub schedule: ScheduleArg,
+    /// The machine profile the search prices plans with: a built-in name (`h200x2`, the
+    /// default, or `h100x2`) or a JSON file.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub profile: Option<String>,
+    /// Force the transport instead of letting the search pick it.
+    #[arg(long, value_enum)]
+    pub transport: Option<TransportArg>,
+}
+
+impl SearchArgs {
+    /// The cost model these arguments ask for.
+    pub fn cost_model(&self) -> Result<meshflow::CostModel, CliError> {
+        let mut model = meshflow::CostModel::default();
+        if let Some(p) = &self.profile {
+            model.profile = meshflow::pipeline::load_profile(p)?;
+        }
+        model.transport = self.transport.map(|t| match t {
+            TransportArg::Nccl => meshflow::Transport::Nccl,
+            TransportArg::CopyEngine => meshflow::Transport::CopyEngine,
+        });
+        Ok(model)
     }
 }

@@ -1,5 +1,6 @@
 //! `meshflow lower FILE [--ranks N] [--param k=v]... [--dump-after PASS|all] [--explain]
-//! [--disable-pass P]... [--streams N] [--decompose TENSOR=VARIANT]... [--no-verify]`:
+//! [--disable-pass P]... [--streams N] [--schedule S] [--profile NAME|FILE] [--transport T]
+//! [--decompose TENSOR=VARIANT]... [--no-verify]`:
 //! prints the host IR on stdout; dumps, explain records and timings go to stderr.
 
 use std::collections::BTreeMap;
@@ -27,12 +28,11 @@ pub struct LowerArgs {
     /// Size of the worker stream pool.
     #[arg(long, default_value_t = 2)]
     streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
-    schedule: super::common::ScheduleArg,
-    /// Force a decomposition: `--decompose TENSOR=collective|broadcast|ring` (repeatable).
+    #[command(flatten)]
+    search: super::common::SearchArgs,
+    /// Force a decomposition: `--decompose TENSOR=collective|broadcast|reduce|ring|ring_forward|
+    /// ring_bidirectional` (repeatable; TENSOR is the gathered tensor of an all-gather, the
+    /// partial sums of a reduce-scatter).
     #[arg(long = "decompose", value_name = "TENSOR=VARIANT")]
     decompose: Vec<String>,
     /// Do not verify between passes.
@@ -62,8 +62,8 @@ pub fn run(args: LowerArgs) -> Result<(), CliError> {
         dump_after: args.dump_after.clone(),
         verify: !args.no_verify,
         decompositions,
-        stream_schedule: args.schedule.schedule(),
-        ..CompileOptions::default()
+        stream_schedule: args.search.schedule.schedule(),
+        cost_model: args.search.cost_model()?,
     };
     let compiled = compile(&program, &options)?;
     for dump in &compiled.dumps {

@@ -1,5 +1,6 @@
 //! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
-//! [--trace out.json] [--streams N] [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
+//! [--trace out.json] [--streams N] [--schedule S] [--profile NAME|FILE] [--transport T]
+//! [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
 //! program, checks the host program across ranks, runs it on every rank with random inputs,
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
@@ -46,11 +47,8 @@ pub struct RunArgs {
     /// Size of the worker stream pool.
     #[arg(long, default_value_t = 2)]
     streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
-    schedule: super::common::ScheduleArg,
+    #[command(flatten)]
+    search: super::common::SearchArgs,
     /// How long a rank waits for a peer before the run fails, in milliseconds.
     #[arg(long, default_value_t = 10_000)]
     timeout_ms: u64,
@@ -70,7 +68,8 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     let program = args.program.load()?;
     let options = CompileOptions {
         num_streams: args.streams.max(1),
-        stream_schedule: args.schedule.schedule(),
+        stream_schedule: args.search.schedule.schedule(),
+        cost_model: args.search.cost_model()?,
         ..CompileOptions::default()
     };
     let started = Instant::now();
@@ -102,10 +101,13 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
     if nodes > 1 && args.backend == BackendKind::Sim {
-        if args.schedule != super::common::ScheduleArg::PerIteration {
+        if args.search.schedule != super::common::ScheduleArg::Auto
+            || args.search.profile.is_some()
+            || args.search.transport.is_some()
+        {
             return Err(CliError::Usage(
-                "--schedule is not passed to the node processes of a multi-process sim run yet; \
-                 run without --nodes"
+                "--schedule, --profile and --transport are not passed to the node processes of a \
+                 multi-process sim run yet; run without --nodes"
                     .into(),
             ));
         }

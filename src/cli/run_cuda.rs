@@ -12,7 +12,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use meshflow::pipeline::Compiled;
-use meshflow::runtime::cuda::{run_program_cuda, CudaConfig, CudaOptions};
+use meshflow::runtime::cuda::{run_program_cuda, CudaConfig, CudaOptions, CudaTransport};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
 
@@ -56,9 +56,16 @@ pub(super) fn run(
         Some(e) => exit_fault(e.rank)?,
         None => None,
     };
+    // The transport the plans assume: NCCL as planned; the copy engine where the ranks can use
+    // it (in one process, with peer access), NCCL elsewhere.
+    let transport = match compiled.transport {
+        Some(meshflow::Transport::Nccl) => CudaTransport::Nccl,
+        _ => CudaTransport::Auto,
+    };
     let options = CudaOptions {
         ranks: Some(ranks),
         config: CudaConfig {
+            transport,
             stream_pool: streams.max(1),
             timeout: timeout.max(MIN_TIMEOUT),
             profile: trace.is_some() && env.is_none(),

@@ -43,12 +43,9 @@ pub struct TraceArgs {
     /// Size of the worker stream pool.
     #[arg(long, default_value_t = 2)]
     streams: usize,
-    /// How stream loops use the worker streams: `per-iteration` (each iteration on its own
-    /// worker, as nvFuser) or `prefetch` (compute on the main stream, transfers one iteration
-    /// ahead on a worker).
-    #[arg(long, value_enum, default_value_t = super::common::ScheduleArg::PerIteration)]
-    schedule: super::common::ScheduleArg,
-    /// Force a decomposition: `--decompose TENSOR=collective|broadcast|ring` (repeatable).
+    #[command(flatten)]
+    search: super::common::SearchArgs,
+    /// Force a decomposition: `--decompose TENSOR=VARIANT` (repeatable; as `lower`).
     #[arg(long = "decompose", value_name = "TENSOR=VARIANT")]
     decompose: Vec<String>,
     /// Seed of the random inputs.
@@ -72,7 +69,8 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
     let options = CompileOptions {
         num_streams: args.streams.max(1),
         decompositions,
-        stream_schedule: args.schedule.schedule(),
+        stream_schedule: args.search.schedule.schedule(),
+        cost_model: args.search.cost_model()?,
         ..CompileOptions::default()
     };
     let compiled = compile(&program, &options)?;

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use meshflow_ir::host::Role;
 use meshflow_ir::{parse_host, verify_host, DType, DeviceId, HostProgram, InstKind, Program};
-use meshflow_passes::{Dump, ExplainRecord, PassTiming};
+use meshflow_passes::{Dump, ExplainRecord, PassTiming, Plan, Transport};
 
 use super::{Error, Options};
 use crate::check::{check_program, CheckReport};
@@ -21,6 +21,8 @@ pub struct Compiled {
     check: Option<CheckReport>,
     timings: Vec<PassTiming>,
     explain: Vec<ExplainRecord>,
+    plans: BTreeMap<String, Plan>,
+    transport: Option<Transport>,
     dumps: Vec<Dump>,
 }
 
@@ -56,6 +58,8 @@ pub fn compile(program: &Program, options: &Options) -> Result<Compiled, Error> 
         check,
         timings: out.timings,
         explain: out.explain,
+        plans: out.plans,
+        transport: out.transport,
         dumps: out.dumps,
     })
 }
@@ -84,6 +88,8 @@ impl Compiled {
             check,
             timings: Vec::new(),
             explain: Vec::new(),
+            plans: BTreeMap::new(),
+            transport: None,
             dumps: Vec::new(),
         })
     }
@@ -123,6 +129,18 @@ impl Compiled {
     /// The decisions of `choose_decompositions` (what `meshflow lower --explain` prints).
     pub fn explain(&self) -> &[ExplainRecord] {
         &self.explain
+    }
+
+    /// The plan the schedule search took for each decision, by the name of the tensor it is
+    /// about (empty when loaded from text).
+    pub fn plans(&self) -> &BTreeMap<String, Plan> {
+        &self.plans
+    }
+
+    /// The transport the plans assume (`None` when nothing was priced, or loaded from text):
+    /// a GPU job should move the bytes over it (`CudaConfig::transport`).
+    pub fn transport(&self) -> Option<Transport> {
+        self.transport
     }
 
     /// IR dumps asked for with [`Options::dump_after`].
@@ -183,12 +201,23 @@ impl Compiled {
     }
 
     /// Cuts a full (unsharded) tensor of the level-1 tensor `name` into the local tensor of
-    /// every rank that holds it, by its layout.
+    /// every rank that holds it, by its layout. A partial program input (one with reduction
+    /// axes) takes its unreduced data, reduction axes included; each rank gets the sum over its
+    /// chunk of them.
     pub fn scatter(
         &self,
         name: &str,
         full: &TensorData,
     ) -> Result<BTreeMap<DeviceId, TensorData>, Error> {
+        if let Some(program) = self.program.as_ref() {
+            if let Some(t) = program.tensor_by_name(name) {
+                if crate::runtime::shard_partial::is_partial_input(program, t) {
+                    return Ok(crate::runtime::shard_partial::scatter_partial(
+                        program, t, full,
+                    )?);
+                }
+            }
+        }
         Ok(self.sharding(name, "scatter")?.scatter(full)?)
     }
 

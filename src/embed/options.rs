@@ -1,7 +1,7 @@
 //! [`Options`] of [`compile`](super::compile) and [`parse`].
 
 use meshflow_ir::{parse_program_with, Params, Program};
-use meshflow_passes::{CostModel, Decomposition, Transport};
+use meshflow_passes::{CostModel, Decomposition, Profile, Transport};
 
 use super::Error;
 use crate::pipeline::CompileOptions;
@@ -39,8 +39,9 @@ impl Default for Options {
 }
 
 impl Options {
-    /// The defaults: the program's own world size, 2 worker streams, every pass, decompositions
-    /// chosen by the cost model over NCCL, the cross-rank check on.
+    /// The defaults: the program's own world size, 2 worker streams, every pass, decompositions,
+    /// stream schedules and the transport chosen by the schedule search on the built-in `h200x2`
+    /// profile, the cross-rank check on.
     pub fn new() -> Options {
         Options::default()
     }
@@ -89,17 +90,26 @@ impl Options {
         self
     }
 
-    /// Forces how the resharding into the level-1 tensor `tensor` is decomposed (one
-    /// collective, a stream loop of broadcasts, or a ring of collective permutes) instead of
-    /// letting the cost model choose.
+    /// Forces how the resharding decided by the level-1 tensor `tensor` (the gathered tensor of
+    /// an all-gather, the partial sums of a reduce-scatter) is decomposed — one collective, a
+    /// stream loop of broadcasts or reduces, a distance, forwarding or bidirectional ring —
+    /// instead of letting the schedule search choose.
     pub fn decomposition(mut self, tensor: impl Into<String>, how: Decomposition) -> Options {
         self.compile.decompositions.insert(tensor.into(), how);
         self
     }
 
-    /// The transport the cost model assumes for decomposed communications.
+    /// Forces the transport the plans assume (and the GPU runtime uses) instead of letting
+    /// the schedule search pick it.
     pub fn transport(mut self, transport: Transport) -> Options {
-        self.compile.cost_model.transport = transport;
+        self.compile.cost_model.transport = Some(transport);
+        self
+    }
+
+    /// The machine profile the schedule search prices plans with (default: the built-in
+    /// `h200x2`; see [`Profile::builtin`] and [`Profile::from_json`]).
+    pub fn profile(mut self, profile: Profile) -> Options {
+        self.compile.cost_model.profile = profile;
         self
     }
 

@@ -108,7 +108,9 @@ pub fn random_inputs(
     let mut out = BTreeMap::new();
     for (i, t) in program.inputs().into_iter().enumerate() {
         let decl = &program.tensors[t];
-        let (dtype, shape) = (decl.ty.dtype, decl.ty.value_shape());
+        // A partial input is supplied with its reduction axes (its unreduced data).
+        let shape: Vec<u64> = decl.ty.axes.iter().map(|a| a.extent).collect();
+        let dtype = decl.ty.dtype;
         let s = seed.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let err = |e: DataError| CompareError::Input {
             name: decl.name.clone(),

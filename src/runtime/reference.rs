@@ -10,6 +10,11 @@
 //! on the full tensors (a custom op is chunk-wise by contract, so both agree), with the op's
 //! `args` followed by the full output shape. [`evaluate`] has no kernels: a program with a
 //! `custom` op is an error there ([`ReferenceError::NoKernel`]).
+//!
+//! The shape ops, `max`/`min`/`avg`, `softmax`, `rms_norm`, `matmul` and partial program
+//! inputs are evaluated by the naive `reference_ops` module instead. A partial program input
+//! (an input with reduction axes) is supplied with its reduction axes; its value is the sum
+//! over them.
 
 use std::collections::BTreeMap;
 
@@ -123,7 +128,11 @@ pub fn evaluate_with(
         let data = inputs
             .get(&decl.name)
             .ok_or_else(|| ReferenceError::MissingInput(decl.name.clone()))?;
-        let (dtype, shape) = value_type(program, t);
+        // A partial input comes with its reduction axes (see `reference_ops`).
+        let (dtype, shape) = (
+            decl.ty.dtype,
+            decl.ty.axes.iter().map(|a| a.extent).collect::<Vec<_>>(),
+        );
         if data.dtype() != dtype || data.shape() != shape.as_slice() {
             let expected = format!("{dtype}{shape:?}");
             return Err(ReferenceError::InputType {
@@ -132,7 +141,16 @@ pub fn evaluate_with(
                 actual: data.type_string(),
             });
         }
-        values[t.index()] = Some(data.clone());
+        values[t.index()] = Some(if decl.ty.axes.iter().any(|a| a.reduction) {
+            super::reference_ops::reduce_partial_input(data, &decl.ty).map_err(|message| {
+                ReferenceError::Kernel {
+                    op: format!("input {}", decl.name),
+                    message,
+                }
+            })?
+        } else {
+            data.clone()
+        });
     }
     for op in &program.ops {
         let text = op_text(program, op);
@@ -148,6 +166,22 @@ pub fn evaluate_with(
                 source: cpu_ops::shape_err("allocate", e.to_string()),
             })?;
             outs.push(t);
+        }
+        let data: Option<Vec<&TensorData>> = op
+            .inputs
+            .iter()
+            .map(|&i| values[i.index()].as_ref())
+            .collect();
+        if let (Some(data), [o]) = (&data, op.outputs.as_slice()) {
+            if let Some(r) = super::reference_ops::evaluate(&op.kind, data, &program.tensors[*o].ty)
+            {
+                let v = r.map_err(|message| ReferenceError::Kernel {
+                    op: text.clone(),
+                    message,
+                })?;
+                values[o.index()] = Some(v);
+                continue;
+            }
         }
         {
             let ins: Vec<View<'_>> = op
@@ -248,5 +282,9 @@ fn run_op(kind: &OpKind, ins: &[View<'_>], outs: &mut [TensorData]) -> Result<()
                 &mut ViewMut::of(routing),
             )
         }
+        other => Err(cpu_ops::shape_err(
+            other.name(),
+            "evaluated by the reference's own module (reference_ops)",
+        )),
     }
 }

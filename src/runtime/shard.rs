@@ -361,7 +361,12 @@ pub fn scatter_inputs(
         let Some(data) = full.get(name) else {
             continue;
         };
-        for (device, local) in Sharding::of(program, t)?.scatter(data)? {
+        let locals = if super::shard_partial::is_partial_input(program, t) {
+            super::shard_partial::scatter_partial(program, t, data)?
+        } else {
+            Sharding::of(program, t)?.scatter(data)?
+        };
+        for (device, local) in locals {
             per_device
                 .entry(device)
                 .or_default()

@@ -157,6 +157,141 @@ pub fn row_parallel(d: u64) -> Program {
     b.build().unwrap()
 }
 
+/// `transformer_block_2d` with `ranks` devices (`tp = 2`, `dp = ranks / 2`): a
+/// sequence-parallel attention block and MLP on a `dp x tp` mesh.
+pub fn transformer_block_2d(ranks: u64) -> Program {
+    let tp = 2;
+    let dp = ranks / tp;
+    let (bb, s, nh, hd) = (2 * dp, 4 * tp, 2 * tp, 8);
+    let (h, f) = (nh * hd, 2 * nh * hd);
+    let f32 = DType::F32;
+    let mut b = ProgramBuilder::new("transformer_block_2d");
+    let m = b
+        .mesh(
+            "m",
+            DeviceMesh::iota(vec![dp as usize, tp as usize], 0).unwrap(),
+        )
+        .unwrap();
+    let seq_parallel = |b: &mut ProgramBuilder, t| {
+        b.schedule(t)
+            .outer_split(0, dp)
+            .parallelize(0, DIDy)
+            .outer_split(2, tp)
+            .parallelize(2, DIDx);
+    };
+    let x = b.input("x", f32, &[bb, s, h], m).unwrap();
+    seq_parallel(&mut b, x);
+    let mask = b.input("mask", f32, &[s, s], m).unwrap();
+    b.replicate(mask);
+    let wn1 = b.input("wn1", f32, &[h], m).unwrap();
+    b.replicate(wn1);
+    let column = |b: &mut ProgramBuilder, name: &str, rows: u64, cols: u64, axis: usize| {
+        let w = b.input(name, f32, &[rows, cols], m).unwrap();
+        b.schedule(w).outer_split(axis, tp).parallelize(axis, DIDx);
+        w
+    };
+    let wq = column(&mut b, "wq", h, h, 0);
+    let wk = column(&mut b, "wk", h, h, 0);
+    let wv = column(&mut b, "wv", h, h, 0);
+    let wo = column(&mut b, "wo", h, h, 1);
+    let wn2 = b.input("wn2", f32, &[h], m).unwrap();
+    b.replicate(wn2);
+    let w1 = column(&mut b, "w1", f, h, 0);
+    let w2 = column(&mut b, "w2", h, f, 1);
+    let name = |b: &mut ProgramBuilder, t, n: &str| {
+        b.rename(t, n).unwrap();
+        t
+    };
+    let xn = b.rms_norm(x, wn1, 2, 1e-6).unwrap();
+    name(&mut b, xn, "xn");
+    let xg = b.set(xn).unwrap();
+    name(&mut b, xg, "xg");
+    b.schedule(xg).outer_split(0, dp).parallelize(0, DIDy);
+    let q = b.linear(xg, wq).unwrap();
+    name(&mut b, q, "q");
+    let k = b.linear(xg, wk).unwrap();
+    name(&mut b, k, "k");
+    let v = b.linear(xg, wv).unwrap();
+    name(&mut b, v, "v");
+    let heads = [bb, s, nh, hd];
+    let q4 = b.reshape(q, &heads).unwrap();
+    name(&mut b, q4, "q4");
+    let k4 = b.reshape(k, &heads).unwrap();
+    name(&mut b, k4, "k4");
+    let v4 = b.reshape(v, &heads).unwrap();
+    name(&mut b, v4, "v4");
+    let qh = b.permute(q4, &[0, 2, 1, 3]).unwrap();
+    name(&mut b, qh, "qh");
+    let kt = b.permute(k4, &[0, 2, 3, 1]).unwrap();
+    name(&mut b, kt, "kt");
+    let vh = b.transpose(v4, 1, 2).unwrap();
+    name(&mut b, vh, "vh");
+    let sc = b.matmul(qh, kt).unwrap();
+    name(&mut b, sc, "sc");
+    let mk = b.expand(mask, &[bb, nh, s, s]).unwrap();
+    name(&mut b, mk, "mk");
+    let sm = b.add(sc, mk).unwrap();
+    name(&mut b, sm, "sm");
+    let p = b.softmax(sm, 3).unwrap();
+    name(&mut b, p, "p");
+    let o = b.matmul(p, vh).unwrap();
+    name(&mut b, o, "o");
+    let ot = b.transpose(o, 1, 2).unwrap();
+    name(&mut b, ot, "ot");
+    let o3 = b.reshape(ot, &[bb, s, h]).unwrap();
+    name(&mut b, o3, "o3");
+    let att = b.linear(o3, wo).unwrap();
+    name(&mut b, att, "att");
+    let a = b.set(att).unwrap();
+    name(&mut b, a, "a");
+    seq_parallel(&mut b, a);
+    let h1 = b.add(x, a).unwrap();
+    name(&mut b, h1, "h1");
+    let hn = b.rms_norm(h1, wn2, 2, 1e-6).unwrap();
+    name(&mut b, hn, "hn");
+    let hg = b.set(hn).unwrap();
+    name(&mut b, hg, "hg");
+    b.schedule(hg).outer_split(0, dp).parallelize(0, DIDy);
+    let u = b.linear(hg, w1).unwrap();
+    name(&mut b, u, "u");
+    let g = b.gelu(u).unwrap();
+    name(&mut b, g, "g");
+    let dn = b.linear(g, w2).unwrap();
+    name(&mut b, dn, "dn");
+    let mo = b.set(dn).unwrap();
+    name(&mut b, mo, "mo");
+    seq_parallel(&mut b, mo);
+    let y = b.add(h1, mo).unwrap();
+    name(&mut b, y, "y");
+    b.output(y);
+    b.build().unwrap()
+}
+
+/// `row_parallel_linear_ring` with `d` devices.
+pub fn row_parallel_ring(d: u64) -> Program {
+    let mut b = ProgramBuilder::new("row_parallel_linear_ring");
+    let m = b
+        .mesh("m0", DeviceMesh::iota(vec![d as usize], 0).unwrap())
+        .unwrap();
+    let x = b.input("x", DType::F32, &[8 * d, 16 * d], m).unwrap();
+    let w = b.input("w", DType::F32, &[24, 16 * d], m).unwrap();
+    b.schedule(x).outer_split(1, d).parallelize(1, DIDx);
+    b.schedule(w).outer_split(1, d).parallelize(1, DIDx);
+    let y = b.linear(x, w).unwrap();
+    b.rename(y, "y").unwrap();
+    b.schedule(y)
+        .outer_split(0, d)
+        .swizzle1d(0, DIDx)
+        .parallelize(0, Stream)
+        .outer_split(3, d)
+        .parallelize(3, DIDx);
+    let z = b.set(y).unwrap();
+    b.rename(z, "z").unwrap();
+    b.schedule(z).outer_split(0, d).parallelize(0, DIDx);
+    b.output(z);
+    b.build().unwrap()
+}
+
 /// `fsdp_tp_weight` with `ranks` devices on a `(ranks / 2, 2)` mesh.
 pub fn fsdp_tp_weight(ranks: u64) -> Program {
     let (tp, dp) = (2, ranks / 2);
@@ -218,12 +353,14 @@ pub fn example(name: &str, ranks: u64) -> Option<Program> {
         "moe_layer" => moe_layer(ranks),
         "pipeline_two_meshes" if ranks >= 2 => pipeline_two_meshes(ranks),
         "row_parallel_linear_chunked" => row_parallel(ranks),
+        "row_parallel_linear_ring" => row_parallel_ring(ranks),
+        "transformer_block_2d" if ranks >= 2 => transformer_block_2d(ranks),
         _ => return None,
     })
 }
 
 /// The stems of `examples/programs/*.mf`.
-pub const EXAMPLES: [&str; 8] = [
+pub const EXAMPLES: [&str; 10] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
@@ -232,6 +369,8 @@ pub const EXAMPLES: [&str; 8] = [
     "moe_layer",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
+    "row_parallel_linear_ring",
+    "transformer_block_2d",
 ];
 
 /// A transformer-like stack of `layers` MLP blocks on a `dp x tp` mesh: per layer a

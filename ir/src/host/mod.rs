@@ -145,6 +145,8 @@ pub enum ReduceOp {
     Max,
     /// Minimum.
     Min,
+    /// Mean: the sum divided by the team size.
+    Avg,
 }
 
 impl ReduceOp {
@@ -154,6 +156,7 @@ impl ReduceOp {
             ReduceOp::Sum => "sum",
             ReduceOp::Max => "max",
             ReduceOp::Min => "min",
+            ReduceOp::Avg => "avg",
         }
     }
 }
@@ -281,6 +284,52 @@ pub enum ComputeOp {
     /// `expert_x[B.., L, C, H], counts[B.., L], w[L, H, F] -> [B.., L, C, F]`, rows past the
     /// count set to zero.
     GroupedMatmul,
+    /// Maximum over `axis` (the axis is removed).
+    Max {
+        /// The axis.
+        axis: usize,
+    },
+    /// Minimum over `axis` (the axis is removed).
+    Min {
+        /// The axis.
+        axis: usize,
+    },
+    /// Mean over `axis` (the axis is removed).
+    Avg {
+        /// The axis.
+        axis: usize,
+    },
+    /// Broadcast to the output's shape: the input is aligned with the output from the last
+    /// axis and every input axis of extent 1 (or missing) is repeated.
+    Expand,
+    /// `out = in[.., start..start + n, ..]` along `axis`, where `n` is the output's extent there
+    /// (every other axis equal).
+    Slice {
+        /// The sliced axis.
+        axis: usize,
+        /// The first index copied.
+        start: u64,
+    },
+    /// The inputs concatenated along `axis`.
+    Cat {
+        /// The axis.
+        axis: usize,
+        /// The number of inputs.
+        inputs: usize,
+    },
+    /// Softmax along `axis`.
+    Softmax {
+        /// The axis.
+        axis: usize,
+    },
+    /// `rms_norm(x, w)`: `x / sqrt(mean(x^2 along axis) + eps) * w`, `w` of shape
+    /// `[extent of axis]`.
+    RmsNorm {
+        /// The normalized axis.
+        axis: usize,
+        /// Added to the mean square.
+        eps: crate::program::Epsilon,
+    },
 }
 
 impl ComputeOp {
@@ -299,6 +348,34 @@ impl ComputeOp {
             ComputeOp::Cast => "cast",
             ComputeOp::Permute { .. } => "permute",
             ComputeOp::GroupedMatmul => "grouped_matmul",
+            ComputeOp::Max { .. } => "max",
+            ComputeOp::Min { .. } => "min",
+            ComputeOp::Avg { .. } => "avg",
+            ComputeOp::Expand => "expand",
+            ComputeOp::Slice { .. } => "slice",
+            ComputeOp::Cat { .. } => "cat",
+            ComputeOp::Softmax { .. } => "softmax",
+            ComputeOp::RmsNorm { .. } => "rms_norm",
+        }
+    }
+
+    /// The attributes as written after the tensors in the text format (`axis=1`,
+    /// `perm=[1, 0]`), empty for an op without attributes.
+    pub fn attributes(&self) -> String {
+        match self {
+            ComputeOp::Sum { axis }
+            | ComputeOp::Max { axis }
+            | ComputeOp::Min { axis }
+            | ComputeOp::Avg { axis }
+            | ComputeOp::Softmax { axis }
+            | ComputeOp::Cat { axis, .. } => format!("axis={axis}"),
+            ComputeOp::Permute { perm } => {
+                let perm: Vec<String> = perm.iter().map(usize::to_string).collect();
+                format!("perm=[{}]", perm.join(", "))
+            }
+            ComputeOp::Slice { axis, start } => format!("axis={axis}, start={start}"),
+            ComputeOp::RmsNorm { axis, eps } => format!("axis={axis}, eps={eps}"),
+            _ => String::new(),
         }
     }
 
@@ -310,12 +387,20 @@ impl ComputeOp {
             | ComputeOp::Silu
             | ComputeOp::Sum { .. }
             | ComputeOp::Cast
-            | ComputeOp::Permute { .. } => (1, 1),
+            | ComputeOp::Permute { .. }
+            | ComputeOp::Max { .. }
+            | ComputeOp::Min { .. }
+            | ComputeOp::Avg { .. }
+            | ComputeOp::Expand
+            | ComputeOp::Slice { .. }
+            | ComputeOp::Softmax { .. } => (1, 1),
             ComputeOp::Matmul
             | ComputeOp::Linear
             | ComputeOp::Add
             | ComputeOp::Sub
-            | ComputeOp::Mul => (2, 1),
+            | ComputeOp::Mul
+            | ComputeOp::RmsNorm { .. } => (2, 1),
+            ComputeOp::Cat { inputs, .. } => (*inputs, 1),
             ComputeOp::GroupedMatmul => (3, 1),
         }
     }

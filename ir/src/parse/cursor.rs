@@ -162,6 +162,21 @@ impl Cursor {
         Ok((v, pos))
     }
 
+    /// Consumes a positive, finite float literal (an integer literal is taken as a float)
+    /// that fits an `f32`: an `eps` attribute.
+    pub fn expect_epsilon(&mut self) -> Result<crate::program::Epsilon, ParseError> {
+        let pos = self.pos();
+        let value: Option<f32> = match &self.peek().tok {
+            Tok::Float(text) => text.parse().ok(),
+            Tok::Int(v) => Some(*v as f32),
+            _ => return Err(self.unexpected("a float literal such as `1e-6`")),
+        };
+        self.bump();
+        value
+            .and_then(crate::program::Epsilon::new)
+            .ok_or_else(|| error_at(pos, "`eps` must be a positive, finite float (in f32 range)"))
+    }
+
     /// Consumes a string literal.
     pub fn expect_str(&mut self, what: &str) -> Result<(String, Pos), ParseError> {
         match &self.peek().tok {

@@ -152,14 +152,14 @@ impl HostParser {
     fn reduce_op(&mut self) -> Result<ReduceOp, ParseError> {
         let (name, pos) = self
             .cur
-            .expect_ident("a reduction (`sum`, `max` or `min`)")?;
-        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min]
+            .expect_ident("a reduction (`sum`, `max`, `min` or `avg`)")?;
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg]
             .into_iter()
             .find(|r| r.name() == name)
             .ok_or_else(|| {
                 error_at(
                     pos,
-                    format!("unknown reduction `{name}` (expected sum, max or min)"),
+                    format!("unknown reduction `{name}` (expected sum, max, min or avg)"),
                 )
             })
     }
@@ -269,10 +269,13 @@ impl HostParser {
             ComputeOp::Silu,
             ComputeOp::Cast,
             ComputeOp::GroupedMatmul,
+            ComputeOp::Expand,
         ];
         let keys: &[&str] = match name.as_str() {
-            "sum" => &["axis"],
+            "sum" | "max" | "min" | "avg" | "softmax" | "cat" => &["axis"],
             "permute" => &["perm"],
+            "slice" => &["axis", "start"],
+            "rms_norm" => &["axis", "eps"],
             _ if simple.iter().any(|o| o.name() == name) => &[],
             _ => {
                 return Err(error_at(
@@ -284,29 +287,49 @@ impl HostParser {
                 ))
             }
         };
-        let (mut axis, mut perm) = (None, None);
+        let (mut axis, mut perm, mut start, mut eps) = (None, None, None, None);
         let (inputs, outputs, attrs) = self.args(&name, keys, &mut |p, key| {
-            if key == "axis" {
-                axis = Some(p.cur.expect_usize("an axis")?.0);
-            } else {
-                let mut list = Vec::new();
-                p.cur.expect_punct("[")?;
-                if !p.cur.is_punct("]") {
-                    loop {
-                        list.push(p.cur.expect_usize("an axis")?.0);
-                        if !p.cur.eat_punct(",") {
-                            break;
+            match key {
+                "axis" => axis = Some(p.cur.expect_usize("an axis")?.0),
+                "start" => start = Some(p.cur.expect_int("a start index")?.0),
+                "eps" => {
+                    eps = Some(p.cur.expect_epsilon()?);
+                }
+                _ => {
+                    let mut list = Vec::new();
+                    p.cur.expect_punct("[")?;
+                    if !p.cur.is_punct("]") {
+                        loop {
+                            list.push(p.cur.expect_usize("an axis")?.0);
+                            if !p.cur.eat_punct(",") {
+                                break;
+                            }
                         }
                     }
+                    p.cur.expect_punct("]")?;
+                    perm = Some(list);
                 }
-                p.cur.expect_punct("]")?;
-                perm = Some(list);
             }
             Ok(())
         })?;
+        let axis = || axis.ok_or_else(|| attrs.missing("axis"));
         let op = match name.as_str() {
-            "sum" => ComputeOp::Sum {
-                axis: axis.ok_or_else(|| attrs.missing("axis"))?,
+            "sum" => ComputeOp::Sum { axis: axis()? },
+            "max" => ComputeOp::Max { axis: axis()? },
+            "min" => ComputeOp::Min { axis: axis()? },
+            "avg" => ComputeOp::Avg { axis: axis()? },
+            "softmax" => ComputeOp::Softmax { axis: axis()? },
+            "cat" => ComputeOp::Cat {
+                axis: axis()?,
+                inputs: inputs.len(),
+            },
+            "slice" => ComputeOp::Slice {
+                axis: axis()?,
+                start: start.ok_or_else(|| attrs.missing("start"))?,
+            },
+            "rms_norm" => ComputeOp::RmsNorm {
+                axis: axis()?,
+                eps: eps.unwrap_or_default(),
             },
             "permute" => ComputeOp::Permute {
                 perm: perm.ok_or_else(|| attrs.missing("perm"))?,

@@ -1,7 +1,8 @@
 //! The lexer shared by both text formats.
 //!
 //! Tokens are identifiers (keywords are ordinary identifiers: the parsers decide by context),
-//! unsigned decimal integers, string literals and punctuation. `#` starts a comment that runs
+//! unsigned decimal integers, unsigned float literals (`0.5`, `1e-6`, `2.5E+3`: digits with a
+//! fraction or an exponent), string literals and punctuation. `#` starts a comment that runs
 //! to the end of the line. Lines and columns are 1-based; columns count characters.
 //!
 //! Lexing never fails as such: an invalid character ends the token stream with an
@@ -24,6 +25,8 @@ pub(crate) enum Tok {
     Ident(String),
     /// An unsigned decimal integer literal.
     Int(u64),
+    /// An unsigned float literal, as written (digits with a fraction or an exponent).
+    Float(String),
     /// A string literal (escapes resolved).
     Str(String),
     /// Punctuation: `{ } ( ) [ ] , : = + - * / % -> ..`.
@@ -40,6 +43,7 @@ impl fmt::Display for Tok {
         match self {
             Tok::Ident(s) => write!(f, "`{s}`"),
             Tok::Int(v) => write!(f, "`{v}`"),
+            Tok::Float(v) => write!(f, "`{v}`"),
             Tok::Str(_) => f.write_str("a string literal"),
             Tok::Punct(p) => write!(f, "`{p}`"),
             Tok::Eof => f.write_str("end of input"),
@@ -127,6 +131,9 @@ impl Lexer<'_> {
                 .and_then(|v| v.checked_add(d));
             self.bump();
         }
+        if let Some(float) = self.float_tail(&digits) {
+            return float;
+        }
         match value {
             Some(v) => Tok::Int(v),
             None => Tok::Error(format!(
@@ -135,6 +142,47 @@ impl Lexer<'_> {
                 u64::MAX
             )),
         }
+    }
+
+    /// The fraction and exponent of a float literal whose integer digits were `digits`, if
+    /// the text goes on with `.DIGIT` or `e[+-]DIGIT` (so `0..4` stays a range).
+    fn float_tail(&mut self, digits: &str) -> Option<Tok> {
+        let digit_at = |n: usize, chars: &std::iter::Peekable<std::str::Chars<'_>>| {
+            chars.clone().nth(n).is_some_and(|c| c.is_ascii_digit())
+        };
+        let exponent_ahead = |chars: &std::iter::Peekable<std::str::Chars<'_>>| {
+            let mut it = chars.clone();
+            match (it.next(), it.next(), it.next()) {
+                (Some('e' | 'E'), Some(c), _) if c.is_ascii_digit() => true,
+                (Some('e' | 'E'), Some('+' | '-'), Some(c)) => c.is_ascii_digit(),
+                _ => false,
+            }
+        };
+        let fraction = self.peek() == Some('.') && digit_at(1, &self.chars);
+        if !fraction && !exponent_ahead(&self.chars) {
+            return None;
+        }
+        let mut text = digits.to_string();
+        if fraction {
+            text.push('.');
+            self.bump();
+            while let Some(c) = self.peek().filter(char::is_ascii_digit) {
+                text.push(c);
+                self.bump();
+            }
+        }
+        if exponent_ahead(&self.chars) {
+            for _ in 0..2 {
+                if let Some(c) = self.bump() {
+                    text.push(c);
+                }
+            }
+            while let Some(c) = self.peek().filter(char::is_ascii_digit) {
+                text.push(c);
+                self.bump();
+            }
+        }
+        Some(Tok::Float(text))
     }
 
     /// A string literal; the opening quote is the current character.
@@ -302,5 +350,25 @@ mod tests {
             Tok::Error(_)
         ));
         assert!(matches!(lex(". x")[0].tok, Tok::Error(_)));
+    }
+
+    #[test]
+    fn floats_need_a_fraction_or_an_exponent() {
+        assert_eq!(
+            toks("1e-6 0.5 2.5E+3 3 0..2 4e x"),
+            vec![
+                Tok::Float("1e-6".into()),
+                Tok::Float("0.5".into()),
+                Tok::Float("2.5E+3".into()),
+                Tok::Int(3),
+                Tok::Int(0),
+                Tok::Punct(".."),
+                Tok::Int(2),
+                Tok::Int(4),
+                Tok::Ident("e".into()),
+                Tok::Ident("x".into()),
+                Tok::Eof,
+            ]
+        );
     }
 }

@@ -12,8 +12,8 @@ use super::mesh::parse_mesh;
 use super::{Params, ParseError};
 use crate::dtype::DType;
 use crate::program::{
-    Axis, CustomOp, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId, TensorType,
-    Transform,
+    Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId,
+    TensorType, Transform,
 };
 use crate::span::SourceLoc;
 
@@ -321,9 +321,13 @@ impl ProgramParser<'_> {
         }
         let close = self.cur.expect_punct(")")?;
         let mut kind = op_kind(&name, name_pos, Some(attrs), close)?;
-        if let OpKind::Custom(c) = &mut kind {
-            c.inputs = inputs.len();
-            c.outputs = outputs.len();
+        match &mut kind {
+            OpKind::Custom(c) => {
+                c.inputs = inputs.len();
+                c.outputs = outputs.len();
+            }
+            OpKind::Cat { inputs: n, .. } => *n = inputs.len(),
+            _ => {}
         }
         self.program.ops.push(Op {
             kind,
@@ -334,7 +338,7 @@ impl ProgramParser<'_> {
         Ok(())
     }
 
-    /// One `key=value` attribute of op `op` (`sum`: `axis`; `custom`: `kernel`, `args`).
+    /// One `key=value` attribute of op `op` (see [`op_keys`]).
     fn attribute(
         &mut self,
         op: &str,
@@ -342,31 +346,69 @@ impl ProgramParser<'_> {
         key_pos: Pos,
         attrs: &mut OpAttrs,
     ) -> Result<(), ParseError> {
-        let expected = match op {
-            "sum" => "`axis`",
-            "custom" => "`kernel` or `args`",
-            _ => {
-                return Err(error_at(
-                    key_pos,
-                    format!("`{op}` takes no attribute `{key}`"),
-                ))
-            }
-        };
+        let keys = op_keys(op);
+        if !keys.contains(&key) {
+            let message = if keys.is_empty() {
+                format!("`{op}` takes no attribute `{key}`")
+            } else {
+                let list: Vec<String> = keys.iter().map(|k| format!("`{k}`")).collect();
+                format!(
+                    "unknown attribute `{key}` of `{op}` (expected {})",
+                    list.join(" or ")
+                )
+            };
+            return Err(error_at(key_pos, message));
+        }
         let twice = || error_at(key_pos, format!("`{key}` is given twice"));
-        match (op, key) {
-            ("sum", "axis") => {
+        match key {
+            "axis" => {
                 if attrs.axis.is_some() {
                     return Err(twice());
                 }
-                attrs.axis = Some(self.usize_number("the summed axis")?);
+                attrs.axis = Some(self.usize_number("an axis")?);
             }
-            ("custom", "kernel") => {
+            "start" | "end" | "index" => {
+                let slot = match key {
+                    "start" => &mut attrs.start,
+                    "end" => &mut attrs.end,
+                    _ => &mut attrs.index,
+                };
+                if slot.is_some() {
+                    return Err(twice());
+                }
+                let e = parse_expr(&mut self.cur)?;
+                *slot = Some(self.number(&e, 0, &format!("`{key}`"))?);
+            }
+            "perm" => {
+                if attrs.perm.is_some() {
+                    return Err(twice());
+                }
+                let mut perm = Vec::new();
+                self.cur.expect_punct("[")?;
+                if !self.cur.is_punct("]") {
+                    loop {
+                        perm.push(self.usize_number("an axis")?);
+                        if !self.cur.eat_punct(",") {
+                            break;
+                        }
+                    }
+                }
+                self.cur.expect_punct("]")?;
+                attrs.perm = Some(perm);
+            }
+            "eps" => {
+                if attrs.eps.is_some() {
+                    return Err(twice());
+                }
+                attrs.eps = Some(self.cur.expect_epsilon()?);
+            }
+            "kernel" => {
                 if attrs.kernel.is_some() {
                     return Err(twice());
                 }
                 attrs.kernel = Some(self.cur.expect_str("a kernel name string")?.0);
             }
-            ("custom", "args") => {
+            _ => {
                 if attrs.args.is_some() {
                     return Err(twice());
                 }
@@ -388,12 +430,6 @@ impl ProgramParser<'_> {
                 self.cur.expect_punct("]")?;
                 attrs.args = Some(args);
             }
-            _ => {
-                return Err(error_at(
-                    key_pos,
-                    format!("unknown attribute `{key}` of `{op}` (expected {expected})"),
-                ))
-            }
         }
         Ok(())
     }
@@ -411,17 +447,42 @@ impl ProgramParser<'_> {
     }
 }
 
+/// The attribute keys op `op` takes.
+fn op_keys(op: &str) -> &'static [&'static str] {
+    match op {
+        "sum" | "max" | "min" | "avg" | "softmax" | "squeeze" | "unsqueeze" | "cat" => &["axis"],
+        "permute" => &["perm"],
+        "slice" => &["axis", "start", "end"],
+        "select" => &["axis", "index"],
+        "rms_norm" => &["axis", "eps"],
+        "custom" => &["kernel", "args"],
+        _ => &[],
+    }
+}
+
 /// The attributes written after an op's inputs.
 #[derive(Default)]
 struct OpAttrs {
     axis: Option<usize>,
+    perm: Option<Vec<usize>>,
+    start: Option<u64>,
+    end: Option<u64>,
+    index: Option<u64>,
+    eps: Option<Epsilon>,
     kernel: Option<String>,
     args: Option<Vec<i64>>,
 }
 
 impl OpAttrs {
     fn any(&self) -> bool {
-        self.axis.is_some() || self.kernel.is_some() || self.args.is_some()
+        self.axis.is_some()
+            || self.perm.is_some()
+            || self.start.is_some()
+            || self.end.is_some()
+            || self.index.is_some()
+            || self.eps.is_some()
+            || self.kernel.is_some()
+            || self.args.is_some()
     }
 }
 
@@ -430,6 +491,20 @@ impl OpAttrs {
 fn op_kind(name: &str, pos: Pos, attrs: Option<OpAttrs>, close: Pos) -> Result<OpKind, ParseError> {
     let early = attrs.is_none();
     let attrs = attrs.unwrap_or_default();
+    let need = |v: Option<u64>, key: &str| -> Result<u64, ParseError> {
+        match v {
+            Some(v) => Ok(v),
+            None if early => Ok(0),
+            None => Err(error_at(close, format!("`{name}` needs `{key}=`"))),
+        }
+    };
+    let axis = || -> Result<usize, ParseError> {
+        match attrs.axis {
+            Some(a) => Ok(a),
+            None if early => Ok(0),
+            None => Err(error_at(close, format!("`{name}` needs `axis=`"))),
+        }
+    };
     let kind = match name {
         "set" => OpKind::Set,
         "matmul" => OpKind::Matmul,
@@ -439,12 +514,39 @@ fn op_kind(name: &str, pos: Pos, attrs: Option<OpAttrs>, close: Pos) -> Result<O
         "mul" => OpKind::Mul,
         "gelu" => OpKind::Gelu,
         "silu" => OpKind::Silu,
-        "sum" => match attrs.axis {
-            Some(axis) => OpKind::Sum { axis },
-            None if early => OpKind::Sum { axis: 0 },
-            None => return Err(error_at(close, "`sum` needs `axis=`")),
-        },
+        "sum" => OpKind::Sum { axis: axis()? },
+        "max" => OpKind::Max { axis: axis()? },
+        "min" => OpKind::Min { axis: axis()? },
+        "avg" => OpKind::Avg { axis: axis()? },
         "cast" => OpKind::Cast,
+        "reshape" => OpKind::Reshape,
+        "view" => OpKind::View,
+        "permute" => match attrs.perm {
+            Some(perm) => OpKind::Permute { perm },
+            None if early => OpKind::Permute { perm: Vec::new() },
+            None => return Err(error_at(close, "`permute` needs `perm=[..]`")),
+        },
+        "expand" => OpKind::Expand,
+        "squeeze" => OpKind::Squeeze { axis: axis()? },
+        "unsqueeze" => OpKind::Unsqueeze { axis: axis()? },
+        "slice" => OpKind::Slice {
+            axis: axis()?,
+            start: need(attrs.start, "start")?,
+            end: need(attrs.end, "end")?,
+        },
+        "select" => OpKind::Select {
+            axis: axis()?,
+            index: need(attrs.index, "index")?,
+        },
+        "cat" => OpKind::Cat {
+            axis: axis()?,
+            inputs: 0,
+        },
+        "softmax" => OpKind::Softmax { axis: axis()? },
+        "rms_norm" => OpKind::RmsNorm {
+            axis: axis()?,
+            eps: attrs.eps.unwrap_or_default(),
+        },
         "moe_dispatch" => OpKind::MoeDispatch,
         "grouped_matmul" => OpKind::GroupedMatmul,
         "moe_combine" => OpKind::MoeCombine,
@@ -473,7 +575,9 @@ fn op_kind(name: &str, pos: Pos, attrs: Option<OpAttrs>, close: Pos) -> Result<O
                 pos,
                 format!(
                     "unknown op `{name}` (expected set, matmul, linear, add, sub, mul, gelu, \
-                     silu, sum, cast, moe_dispatch, grouped_matmul, moe_combine or custom)"
+                     silu, sum, max, min, avg, cast, reshape, view, permute, expand, squeeze, \
+                     unsqueeze, slice, select, cat, softmax, rms_norm, moe_dispatch, \
+                     grouped_matmul, moe_combine or custom)"
                 ),
             ))
         }

@@ -13,14 +13,14 @@ pub struct InferError {
     pub message: String,
 }
 
-fn err(op: &OpKind, message: impl Into<String>) -> InferError {
+pub(super) fn err(op: &OpKind, message: impl Into<String>) -> InferError {
     InferError {
         op: op.name(),
         message: message.into(),
     }
 }
 
-fn shape_str(s: &[u64]) -> String {
+pub(super) fn shape_str(s: &[u64]) -> String {
     format!("{s:?}")
 }
 
@@ -93,20 +93,11 @@ pub fn infer_output_types(
         }
     };
     let out = match kind {
-        // A `set` may keep partial sums: a declared output with reduction axes and the
-        // input's value shape holds partial sums of the same value.
-        OpKind::Set => match declared.first() {
-            Some(t) if t.axes.iter().any(|a| a.reduction) && t.value_shape() == v[0] => {
-                vec![TensorType {
-                    dtype: d[0],
-                    axes: t.axes.clone(),
-                }]
-            }
-            _ => vec![TensorType {
-                dtype: d[0],
-                axes: iters(&v[0]),
-            }],
-        },
+        OpKind::Set => vec![super::infer_ops::set_type(
+            kind,
+            inputs[0],
+            declared.first(),
+        )?],
         OpKind::Gelu | OpKind::Silu => {
             need_float(0, "the input")?;
             vec![TensorType {
@@ -126,10 +117,17 @@ pub fn infer_output_types(
                     ),
                 ));
             }
-            vec![TensorType {
-                dtype: d[0],
-                axes: iters(&v[0]),
-            }]
+            match declared.first() {
+                Some(decl) if decl.axes.iter().any(|a| a.reduction) => {
+                    vec![super::infer_ops::partial_pointwise_type(
+                        kind, inputs, decl,
+                    )?]
+                }
+                _ => vec![TensorType {
+                    dtype: d[0],
+                    axes: iters(&v[0]),
+                }],
+            }
         }
         OpKind::Cast => {
             let dtype = declared.first().map(|t| t.dtype).unwrap_or(d[0]);
@@ -149,7 +147,8 @@ pub fn infer_output_types(
             axes[*axis].reduction = true;
             vec![TensorType { dtype: d[0], axes }]
         }
-        OpKind::Matmul | OpKind::Linear => {
+        OpKind::Matmul => super::infer_ops::matmul_type(kind, inputs[0], inputs[1])?,
+        OpKind::Linear => {
             need_float(0, "the first input")?;
             same_dtype(0, 1)?;
             need_rank(0, 2, "the first input")?;
@@ -157,27 +156,13 @@ pub fn infer_output_types(
             let a = &v[0];
             let (batch, m, k) = (&a[..a.len() - 2], a[a.len() - 2], a[a.len() - 1]);
             let b = &v[1];
-            let (b_batch, kb, n) = if matches!(kind, OpKind::Linear) {
-                if b.len() != 2 {
-                    return Err(err(
-                        kind,
-                        format!("the weight must be [N, K], has shape {}", shape_str(b)),
-                    ));
-                }
-                (&b[..0], b[1], b[0])
-            } else {
-                (&b[..b.len() - 2], b[b.len() - 2], b[b.len() - 1])
-            };
-            if !b_batch.is_empty() && b_batch != batch {
+            if b.len() != 2 {
                 return Err(err(
                     kind,
-                    format!(
-                        "batch axes differ: {} and {}",
-                        shape_str(batch),
-                        shape_str(b_batch)
-                    ),
+                    format!("the weight must be [N, K], has shape {}", shape_str(b)),
                 ));
             }
+            let (kb, n) = (b[1], b[0]);
             if k != kb {
                 return Err(err(
                     kind,
@@ -192,6 +177,20 @@ pub fn infer_output_types(
             axes.extend([Axis::iter(m), Axis::iter(n), Axis::reduce(k)]);
             vec![TensorType { dtype: d[0], axes }]
         }
+        OpKind::Max { .. }
+        | OpKind::Min { .. }
+        | OpKind::Avg { .. }
+        | OpKind::Reshape
+        | OpKind::View
+        | OpKind::Permute { .. }
+        | OpKind::Expand
+        | OpKind::Squeeze { .. }
+        | OpKind::Unsqueeze { .. }
+        | OpKind::Slice { .. }
+        | OpKind::Select { .. }
+        | OpKind::Cat { .. }
+        | OpKind::Softmax { .. }
+        | OpKind::RmsNorm { .. } => super::infer_ops::infer(kind, inputs, declared)?,
         OpKind::MoeDispatch => {
             need_float(0, "the tokens")?;
             need_int(1, "topk_idx")?;

@@ -5,12 +5,17 @@
 //! computation on logical tensors; the schedules only say where the data lives and in what
 //! order chunks are visited. See the crate docs for the full semantics.
 
+mod attrs;
 mod builder;
+mod builder_ops;
 mod infer;
+mod infer_ops;
 pub mod schedule;
+pub mod view_groups;
 
 use std::fmt;
 
+pub use attrs::Epsilon;
 pub use builder::{BuildError, ProgramBuilder, TensorRef};
 pub use infer::{infer_output_types, InferError};
 pub use schedule::{
@@ -161,11 +166,21 @@ impl TensorDecl {
 
 /// What an op computes. Shapes below are logical; `r` marks reduction axes. Leading `B...`
 /// axes are batch axes carried through unchanged.
+///
+/// Shape ops (`reshape`, `view`, `permute`, `expand`, `squeeze`, `unsqueeze`, `slice`,
+/// `select`, `cat`) move elements without arithmetic; their shardings propagate through them
+/// as described in the crate docs ("Shape ops and sharding"). The reductions `sum`, `max`,
+/// `min` and `avg` keep the reduced axis as a reduction axis of their output: split over
+/// devices, it holds partial results of that kind.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub enum OpKind {
-    /// `out = in` (a copy; a resharding when the two schedules differ).
+    /// `out = in` (a copy; a resharding when the two schedules differ). The output may keep
+    /// the input's reduction axes (a `set` between two partial placements); otherwise it has
+    /// the input's value axes and the set reduces the partial results.
     Set,
-    /// `a[B.., M, K] @ b[K, N] or b[B.., K, N] -> [B.., M, N, rK]`.
+    /// `a[A.., M, K] @ b[B.., K, N] -> [C.., M, N, rK]` with torch.matmul batch broadcasting:
+    /// `C` is the broadcast of `A` and `B` (aligned from the last batch axis, each pair equal
+    /// or one of them 1). A 2-D `b` is shared by every batch of `a`.
     Matmul,
     /// `x[B.., M, K] @ w[N, K]^T -> [B.., M, N, rK]`.
     Linear,
@@ -184,8 +199,85 @@ pub enum OpKind {
         /// The value axis (index among the input's non-reduction axes).
         axis: usize,
     },
+    /// Maximum over value axis `axis` (float inputs); the output keeps it as a reduction axis.
+    Max {
+        /// The value axis.
+        axis: usize,
+    },
+    /// Minimum over value axis `axis` (float inputs); the output keeps it as a reduction axis.
+    Min {
+        /// The value axis.
+        axis: usize,
+    },
+    /// Mean over value axis `axis` (float inputs); the output keeps it as a reduction axis.
+    Avg {
+        /// The value axis.
+        axis: usize,
+    },
     /// Convert to the output's dtype.
     Cast,
+    /// The same elements in row-major order under the declared output shape (equal element
+    /// counts). Where an input split cannot be expressed on the output, the input is
+    /// replicated along that mesh axis first.
+    Reshape,
+    /// [`OpKind::Reshape`] that must stay local: where an input split cannot be expressed on
+    /// the output, lowering refuses instead of communicating (torch `view`).
+    View,
+    /// Output axis `k` is input axis `perm[k]` (torch `permute`; `transpose` is a permute
+    /// of two axes).
+    Permute {
+        /// A permutation of the input's value axes.
+        perm: Vec<usize>,
+    },
+    /// Broadcast to the declared output shape: the input is aligned with the output from the
+    /// last axis, and every input axis of extent 1 (or missing) is repeated (torch `expand`).
+    Expand,
+    /// Removes value axis `axis`, which must have extent 1.
+    Squeeze {
+        /// The removed axis.
+        axis: usize,
+    },
+    /// Inserts an axis of extent 1 before value axis `axis` (`axis == rank` appends).
+    Unsqueeze {
+        /// The position of the new axis.
+        axis: usize,
+    },
+    /// Elements `start..end` of value axis `axis`.
+    Slice {
+        /// The sliced axis.
+        axis: usize,
+        /// First index kept.
+        start: u64,
+        /// One past the last index kept.
+        end: u64,
+    },
+    /// Element `index` of value axis `axis`; the axis is removed.
+    Select {
+        /// The selected axis.
+        axis: usize,
+        /// The index.
+        index: u64,
+    },
+    /// The inputs concatenated along value axis `axis` (every other axis equal).
+    Cat {
+        /// The concatenated axis.
+        axis: usize,
+        /// The number of inputs (at least 1).
+        inputs: usize,
+    },
+    /// `exp(x - max) / sum(exp(x - max))` along value axis `axis` (float inputs).
+    Softmax {
+        /// The normalized axis.
+        axis: usize,
+    },
+    /// `x / sqrt(mean(x^2) + eps) * w` along value axis `axis`, with `w` of shape
+    /// `[extent of axis]` (float inputs).
+    RmsNorm {
+        /// The normalized axis.
+        axis: usize,
+        /// Added to the mean square.
+        eps: Epsilon,
+    },
     /// MoE dispatch: `x[B.., T, H], topk_idx[B.., T, K] -> expert_x[B.., E, C, H],
     /// expert_counts[B.., E] (i32), routing[B.., E, C, 2] (i32: source token, top-k slot)`.
     /// Rows of expert `e` are the `(t, k)` with `topk_idx[t, k] == e`, in ascending `(t, k)`
@@ -246,7 +338,21 @@ impl OpKind {
             OpKind::Gelu => "gelu",
             OpKind::Silu => "silu",
             OpKind::Sum { .. } => "sum",
+            OpKind::Max { .. } => "max",
+            OpKind::Min { .. } => "min",
+            OpKind::Avg { .. } => "avg",
             OpKind::Cast => "cast",
+            OpKind::Reshape => "reshape",
+            OpKind::View => "view",
+            OpKind::Permute { .. } => "permute",
+            OpKind::Expand => "expand",
+            OpKind::Squeeze { .. } => "squeeze",
+            OpKind::Unsqueeze { .. } => "unsqueeze",
+            OpKind::Slice { .. } => "slice",
+            OpKind::Select { .. } => "select",
+            OpKind::Cat { .. } => "cat",
+            OpKind::Softmax { .. } => "softmax",
+            OpKind::RmsNorm { .. } => "rms_norm",
             OpKind::MoeDispatch => "moe_dispatch",
             OpKind::GroupedMatmul => "grouped_matmul",
             OpKind::MoeCombine => "moe_combine",
@@ -254,11 +360,66 @@ impl OpKind {
         }
     }
 
+    /// The attributes as written after the inputs in the text format (`axis=1`,
+    /// `kernel="k", args=[1]`), empty for an op without attributes.
+    pub fn attributes(&self) -> String {
+        match self {
+            OpKind::Sum { axis }
+            | OpKind::Max { axis }
+            | OpKind::Min { axis }
+            | OpKind::Avg { axis }
+            | OpKind::Softmax { axis }
+            | OpKind::Squeeze { axis }
+            | OpKind::Unsqueeze { axis }
+            | OpKind::Cat { axis, .. } => format!("axis={axis}"),
+            OpKind::Permute { perm } => {
+                let perm: Vec<String> = perm.iter().map(usize::to_string).collect();
+                format!("perm=[{}]", perm.join(", "))
+            }
+            OpKind::Slice { axis, start, end } => {
+                format!("axis={axis}, start={start}, end={end}")
+            }
+            OpKind::Select { axis, index } => format!("axis={axis}, index={index}"),
+            OpKind::RmsNorm { axis, eps } => format!("axis={axis}, eps={eps}"),
+            OpKind::Custom(c) => {
+                let mut s = format!("kernel=\"{}\"", c.kernel.escape_default());
+                if !c.args.is_empty() {
+                    let args: Vec<String> = c.args.iter().map(i64::to_string).collect();
+                    s.push_str(&format!(", args=[{}]", args.join(", ")));
+                }
+                s
+            }
+            _ => String::new(),
+        }
+    }
+
     /// `(inputs, outputs)` the op takes.
     pub fn arity(&self) -> (usize, usize) {
         match self {
-            OpKind::Set | OpKind::Gelu | OpKind::Silu | OpKind::Sum { .. } | OpKind::Cast => (1, 1),
-            OpKind::Matmul | OpKind::Linear | OpKind::Add | OpKind::Sub | OpKind::Mul => (2, 1),
+            OpKind::Set
+            | OpKind::Gelu
+            | OpKind::Silu
+            | OpKind::Sum { .. }
+            | OpKind::Max { .. }
+            | OpKind::Min { .. }
+            | OpKind::Avg { .. }
+            | OpKind::Cast
+            | OpKind::Reshape
+            | OpKind::View
+            | OpKind::Permute { .. }
+            | OpKind::Expand
+            | OpKind::Squeeze { .. }
+            | OpKind::Unsqueeze { .. }
+            | OpKind::Slice { .. }
+            | OpKind::Select { .. }
+            | OpKind::Softmax { .. } => (1, 1),
+            OpKind::Matmul
+            | OpKind::Linear
+            | OpKind::Add
+            | OpKind::Sub
+            | OpKind::Mul
+            | OpKind::RmsNorm { .. } => (2, 1),
+            OpKind::Cat { inputs, .. } => (*inputs, 1),
             OpKind::MoeDispatch => (2, 3),
             OpKind::GroupedMatmul => (3, 1),
             OpKind::MoeCombine => (4, 1),
@@ -270,7 +431,29 @@ impl OpKind {
     pub fn is_reduction(&self) -> bool {
         matches!(
             self,
-            OpKind::Matmul | OpKind::Linear | OpKind::Sum { .. } | OpKind::GroupedMatmul
+            OpKind::Matmul
+                | OpKind::Linear
+                | OpKind::Sum { .. }
+                | OpKind::Max { .. }
+                | OpKind::Min { .. }
+                | OpKind::Avg { .. }
+                | OpKind::GroupedMatmul
+        )
+    }
+
+    /// True for the shape ops: they move elements without arithmetic.
+    pub fn is_shape_op(&self) -> bool {
+        matches!(
+            self,
+            OpKind::Reshape
+                | OpKind::View
+                | OpKind::Permute { .. }
+                | OpKind::Expand
+                | OpKind::Squeeze { .. }
+                | OpKind::Unsqueeze { .. }
+                | OpKind::Slice { .. }
+                | OpKind::Select { .. }
+                | OpKind::Cat { .. }
         )
     }
 }

@@ -202,13 +202,9 @@ impl Printer<'_> {
                         self.tensors(inputs),
                         self.tensors(outputs)
                     )?;
-                    match op {
-                        crate::host::ComputeOp::Sum { axis } => write!(f, ", axis={axis}")?,
-                        crate::host::ComputeOp::Permute { perm } => {
-                            let perm: Vec<String> = perm.iter().map(|p| p.to_string()).collect();
-                            write!(f, ", perm=[{}]", perm.join(", "))?;
-                        }
-                        _ => {}
+                    let attrs = op.attributes();
+                    if !attrs.is_empty() {
+                        write!(f, ", {attrs}")?;
                     }
                     f.write_str(")\n")?;
                 }

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use crate::program::{MeshId, OpKind, Program, TensorId};
+use crate::program::{MeshId, Program, TensorId};
 
 /// Writes `program` in canonical text (what [`Program`]'s `Display` prints).
 pub fn write_program(f: &mut dyn fmt::Write, program: &Program) -> fmt::Result {
@@ -58,19 +58,12 @@ pub fn write_program(f: &mut dyn fmt::Write, program: &Program) -> fmt::Result {
             }
             f.write_str(&tensor_name(t))?;
         }
-        match &op.kind {
-            OpKind::Sum { axis } => write!(f, ", axis={axis}")?,
-            OpKind::Custom(c) => {
-                if !op.inputs.is_empty() {
-                    f.write_str(", ")?;
-                }
-                write!(f, "kernel=\"{}\"", c.kernel.escape_default())?;
-                if !c.args.is_empty() {
-                    let args: Vec<String> = c.args.iter().map(i64::to_string).collect();
-                    write!(f, ", args=[{}]", args.join(", "))?;
-                }
+        let attrs = op.kind.attributes();
+        if !attrs.is_empty() {
+            if !op.inputs.is_empty() {
+                f.write_str(", ")?;
             }
-            _ => {}
+            f.write_str(&attrs)?;
         }
         f.write_str(")\n")?;
     }

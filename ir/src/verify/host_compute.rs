@@ -34,6 +34,10 @@ impl HostChecker<'_> {
             );
             return;
         }
+        if inputs.is_empty() {
+            self.push(here, format!("`{name}` takes at least one input"));
+            return;
+        }
         let get = |t: &HostTensorId| self.p.tensors.get(*t).cloned();
         let Some(ins) = inputs.iter().map(get).collect::<Option<Vec<HostTensor>>>() else {
             return;
@@ -153,6 +157,14 @@ impl HostChecker<'_> {
                         Err(message) => Some(message),
                     })
             }
+            ComputeOp::Max { .. }
+            | ComputeOp::Min { .. }
+            | ComputeOp::Avg { .. }
+            | ComputeOp::Softmax { .. }
+            | ComputeOp::RmsNorm { .. }
+            | ComputeOp::Expand
+            | ComputeOp::Slice { .. }
+            | ComputeOp::Cat { .. } => super::host_compute_ops::problem(op, ins, out),
             ComputeOp::GroupedMatmul => {
                 let (counts, w) = (ins.get(1)?, ins.get(2)?);
                 need_float(a)

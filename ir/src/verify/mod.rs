@@ -2,6 +2,7 @@
 
 mod host;
 mod host_compute;
+mod host_compute_ops;
 mod host_lifetimes;
 mod host_ops;
 mod names;
@@ -122,8 +123,8 @@ fn result(diags: Vec<Diagnostic>) -> Result<(), VerifyErrors> {
 /// Checks names (valid, not keywords, unique across meshes and tensors), handles, that every
 /// non-input tensor is defined by exactly one op before it is read, op arity and declared
 /// types against [`crate::program::infer_output_types`], schedules (replay, layout, device
-/// parallel types against the mesh, swizzles), that an op's tensors share one mesh (except
-/// `set`), and the output list.
+/// parallel types against the mesh, swizzles), that an op's outputs share one mesh (its
+/// inputs may live elsewhere: the passes insert the transfers), and the output list.
 pub fn verify_program(program: &crate::Program) -> Result<(), VerifyErrors> {
     result(program::check(program))
 }

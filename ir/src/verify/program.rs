@@ -107,20 +107,6 @@ impl Checker<'_> {
     fn tensor(&mut self, id: TensorId, decl: &TensorDecl) {
         let here = self.tensor_loc(id);
         let name = &decl.name;
-        if decl.is_input {
-            for (k, a) in decl.ty.axes.iter().enumerate() {
-                if a.reduction {
-                    self.push(
-                        here.clone(),
-                        format!(
-                            "program input `{name}` has reduction axis {k} (`r{}`); inputs \
-                             have only iteration axes",
-                            a.extent
-                        ),
-                    );
-                }
-            }
-        }
         let Some(mesh_decl) = self.p.meshes.get(decl.mesh) else {
             self.push(
                 here,
@@ -337,15 +323,12 @@ impl Checker<'_> {
         }
     }
 
-    /// Every tensor of a non-`set` op on one mesh.
+    /// The outputs of an op on one mesh. Inputs may live on other meshes: the op runs on its
+    /// outputs' mesh and `decompose_reshardings` inserts the `set`s that move them there.
     fn same_mesh(&mut self, op: &Op, here: &Location) {
-        if matches!(op.kind, crate::program::OpKind::Set) {
-            return;
-        }
         let decls: Vec<&TensorDecl> = op
-            .inputs
+            .outputs
             .iter()
-            .chain(&op.outputs)
             .filter_map(|&t| self.p.tensors.get(t))
             .collect();
         let Some(first) = decls.first() else {
@@ -353,8 +336,8 @@ impl Checker<'_> {
         };
         if let Some(other) = decls.iter().find(|d| d.mesh != first.mesh) {
             let message = format!(
-                "`{}` mixes meshes: `{}` is on `{}` but `{}` is on `{}` (only `set` moves data \
-                 between meshes)",
+                "`{}` mixes meshes among its outputs: `{}` is on `{}` but `{}` is on `{}` (an \
+                 op runs on one mesh)",
                 op.kind.name(),
                 first.name,
                 self.mesh_name(first),

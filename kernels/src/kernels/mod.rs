@@ -7,6 +7,7 @@
 mod compile;
 mod elementwise;
 mod layout;
+mod rows;
 mod sources;
 mod user;
 
@@ -20,6 +21,7 @@ use cudarc::driver::{result, sys};
 
 pub use elementwise::{fill_pattern, poison_bits};
 pub use layout::{StridedLayout, MAX_RANK};
+pub use rows::{AxisView, RowReduce};
 pub(crate) use sources::moe_reduce_name;
 pub use sources::Source;
 pub use user::{KernelArg, UserKernel};

@@ -24,6 +24,8 @@ pub enum Source {
     Fill,
     /// `moe.cu`: MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]).
     Moe,
+    /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
+    Rows,
 }
 
 /// The float types the elementwise, cast and reduction kernels are instantiated for.
@@ -40,13 +42,14 @@ pub(crate) const SUM_TYPES: [(DType, DType); 5] = [
 
 impl Source {
     /// Every source.
-    pub const ALL: [Source; 6] = [
+    pub const ALL: [Source; 7] = [
         Source::Elementwise,
         Source::Cast,
         Source::Copy,
         Source::Reduce,
         Source::Fill,
         Source::Moe,
+        Source::Rows,
     ];
 
     /// File name under `kernels/cuda/`.
@@ -58,6 +61,7 @@ impl Source {
             Source::Reduce => "reduce.cu",
             Source::Fill => "fill.cu",
             Source::Moe => "moe.cu",
+            Source::Rows => "rows.cu",
         }
     }
 
@@ -70,6 +74,7 @@ impl Source {
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
             Source::Moe => include_str!("../../cuda/moe.cu"),
+            Source::Rows => include_str!("../../cuda/rows.cu"),
         }
     }
 
@@ -117,6 +122,14 @@ impl Source {
                 .collect(),
             Source::Fill => [1, 2, 4, 8].iter().map(|b| format!("fill_b{b}")).collect(),
             Source::Moe => moe_functions(),
+            Source::Rows => FLOATS
+                .iter()
+                .flat_map(|&d| {
+                    ["max", "min", "avg", "softmax", "rms_norm"]
+                        .into_iter()
+                        .map(move |k| rows_name(k, d))
+                })
+                .collect(),
         }
     }
 }
@@ -161,6 +174,11 @@ pub(crate) fn cast_name(src: DType, dst: DType) -> String {
     format!("cast_{}_{}", src.name(), dst.name())
 }
 
+/// Name of a kernel of `rows.cu` (`rows_softmax_bf16`).
+pub(crate) fn rows_name(kind: &str, d: DType) -> String {
+    format!("rows_{kind}_{}", d.name())
+}
+
 pub(crate) fn sum_name(kind: &str, input: DType, output: DType) -> String {
     format!("sum_{kind}_{}_{}", input.name(), output.name())
 }
@@ -191,6 +209,9 @@ mod tests {
             assert!(text(Source::Copy).contains(&format!("MF_COPY({b},")));
             assert!(text(Source::Fill).contains(&format!("MF_FILL({b},")));
         }
+        for d in FLOATS {
+            assert!(text(Source::Rows).contains(&format!("MF_ROWS({})", d.name())));
+        }
         for f in Source::Moe.functions() {
             let literal = text(Source::Moe).contains(&format!(" {f}("));
             let typed = ["f32", "bf16", "f16"].iter().any(|d| {
@@ -208,7 +229,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + 15 + 15);
     }
 
     #[test]

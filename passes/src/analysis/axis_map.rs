@@ -5,7 +5,14 @@
 //! decomposition derives the sharding an op needs from its inputs through them, and the
 //! lowering uses them to find which input axis a Stream chunk of the output cuts. A `custom`
 //! op maps each output axis to the input axes aligned with it from the last axis.
+//!
+//! Shape ops map an output axis only where a split of the input axis **is** the same split of
+//! the output axis: `permute` renumbers, `squeeze`/`unsqueeze`/`select` shift, `expand` maps
+//! its non-broadcast axes, `slice` and `cat` every axis but the sliced or concatenated one,
+//! and `reshape`/`view` the first axis of each group ([`view_sources`]). A broadcast batch
+//! axis of `matmul` maps only to the operand that has it.
 
+use meshflow_ir::program::view_groups::view_sources;
 use meshflow_ir::{Op, OpKind, Program, TensorId};
 
 /// Per output of an op, per logical axis of that output: the `(input index, input logical
@@ -50,12 +57,80 @@ pub fn op_axis_map(program: &Program, op: &Op) -> AxisMap {
             }
         }
     };
+    let in_shape = |j: usize| -> Vec<u64> {
+        op.inputs
+            .get(j)
+            .and_then(|&t| ty(t))
+            .map_or_else(Vec::new, |t| t.value_shape())
+    };
+    let out_shape = || -> Vec<u64> {
+        op.outputs
+            .first()
+            .and_then(|&t| ty(t))
+            .map_or_else(Vec::new, |t| t.value_shape())
+    };
+    let vrank_out = |o: usize| {
+        op.outputs
+            .get(o)
+            .and_then(|&t| ty(t))
+            .map_or(0, |t| t.value_shape().len())
+    };
+    let in_logical_rank = op
+        .inputs
+        .first()
+        .and_then(|&t| ty(t))
+        .map_or(0, |t| t.axes.len());
     match op.kind {
+        // A set that keeps its input's reduction axes (partial to partial) maps every logical
+        // axis, reduction axes included.
+        OpKind::Set if out_rank(0) == in_logical_rank && vrank(0) < in_logical_rank => {
+            for (k, slot) in map[0].iter_mut().enumerate() {
+                slot.push((0, k));
+            }
+        }
+        // `add`/`sub`/`mul` keeping partial sums: an input with the output's logical axes maps
+        // every axis (reduction axes included), the other one its value axes.
+        OpKind::Add | OpKind::Sub | OpKind::Mul if vrank_out(0) < out_rank(0) => {
+            let out_value: Vec<usize> = op
+                .outputs
+                .first()
+                .and_then(|&t| ty(t))
+                .map(|t| {
+                    t.axes
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, a)| !a.reduction)
+                        .map(|(i, _)| i)
+                        .collect()
+                })
+                .unwrap_or_default();
+            let out_axes = op
+                .outputs
+                .first()
+                .and_then(|&t| ty(t))
+                .map(|t| t.axes.clone());
+            for (j, &t) in op.inputs.iter().enumerate() {
+                let same = ty(t).map(|x| Some(&x.axes) == out_axes.as_ref()) == Some(true);
+                for (k, slot) in map[0].iter_mut().enumerate() {
+                    if same {
+                        slot.push((j, k));
+                    } else if let Some(v) = out_value.iter().position(|&p| p == k) {
+                        if let Some(&logical) = value_axes.get(j).and_then(|va| va.get(v)) {
+                            slot.push((j, logical));
+                        }
+                    }
+                }
+            }
+        }
         OpKind::Set
         | OpKind::Gelu
         | OpKind::Silu
         | OpKind::Cast
         | OpKind::Sum { .. }
+        | OpKind::Max { .. }
+        | OpKind::Min { .. }
+        | OpKind::Avg { .. }
+        | OpKind::Softmax { .. }
         | OpKind::Add
         | OpKind::Sub
         | OpKind::Mul => {
@@ -65,28 +140,97 @@ pub fn op_axis_map(program: &Program, op: &Op) -> AxisMap {
                 }
             }
         }
-        OpKind::Linear | OpKind::Matmul => {
+        OpKind::RmsNorm { axis, .. } => {
+            for k in 0..out_rank(0) {
+                put(0, k, 0, k);
+            }
+            put(0, axis, 1, 0);
+        }
+        OpKind::Permute { ref perm } => {
+            for (k, &p) in perm.iter().enumerate() {
+                put(0, k, 0, p);
+            }
+        }
+        OpKind::Squeeze { axis } | OpKind::Select { axis, .. } => {
+            for k in 0..out_rank(0) {
+                put(0, k, 0, if k < axis { k } else { k + 1 });
+            }
+        }
+        OpKind::Unsqueeze { axis } => {
+            for k in 0..out_rank(0) {
+                if k != axis {
+                    put(0, k, 0, if k < axis { k } else { k - 1 });
+                }
+            }
+        }
+        OpKind::Expand => {
+            let (is, os) = (in_shape(0), out_shape());
+            let off = os.len().saturating_sub(is.len());
+            for (v, &e) in is.iter().enumerate() {
+                if os.get(v + off) == Some(&e) {
+                    put(0, v + off, 0, v);
+                }
+            }
+        }
+        OpKind::Slice { axis, start, end } => {
+            let full = start == 0 && in_shape(0).get(axis) == Some(&end);
+            for k in 0..out_rank(0) {
+                if k != axis || full {
+                    put(0, k, 0, k);
+                }
+            }
+        }
+        OpKind::Cat { axis, .. } => {
+            for k in (0..out_rank(0)).filter(|&k| k != axis) {
+                for j in 0..op.inputs.len() {
+                    put(0, k, j, k);
+                }
+            }
+        }
+        OpKind::Reshape | OpKind::View => {
+            let sources = view_sources(&in_shape(0), &out_shape());
+            for (k, src) in sources.into_iter().enumerate() {
+                if let Some(v) = src {
+                    put(0, k, 0, v);
+                }
+            }
+        }
+        OpKind::Matmul => {
+            // Batch axes broadcast (aligned from the last batch axis); an operand's batch axis
+            // of extent 1 under a larger output extent maps to nothing (it is repeated).
+            let (sa, sb, so) = (in_shape(0), in_shape(1), out_shape());
+            if sa.len() >= 2 && sb.len() >= 2 && so.len() >= 2 {
+                let nb = so.len() - 2;
+                for (j, s) in [(0usize, &sa), (1, &sb)] {
+                    if j == 1 && s.len() == 2 {
+                        continue;
+                    }
+                    let nbj = s.len() - 2;
+                    for v in 0..nbj {
+                        let k = v + nb - nbj.min(nb);
+                        if so.get(k) == s.get(v) {
+                            put(0, k, j, v);
+                        }
+                    }
+                }
+                put(0, nb, 0, sa.len() - 2); // M
+                put(0, nb + 1, 1, sb.len() - 1); // N
+                put(0, nb + 2, 0, sa.len() - 1); // rK
+                put(0, nb + 2, 1, sb.len() - 2);
+            }
+        }
+        OpKind::Linear => {
             let ra = vrank(0);
             let rb = vrank(1);
             if ra >= 2 && rb >= 2 {
                 let nb = ra - 2;
-                let b_batched = rb > 2;
                 for k in 0..nb {
                     put(0, k, 0, k);
-                    if b_batched && matches!(op.kind, OpKind::Matmul) {
-                        put(0, k, 1, k);
-                    }
                 }
                 put(0, nb, 0, nb); // M
-                if matches!(op.kind, OpKind::Linear) {
-                    put(0, nb + 1, 1, 0); // N
-                    put(0, nb + 2, 0, nb + 1); // rK
-                    put(0, nb + 2, 1, 1);
-                } else {
-                    put(0, nb + 1, 1, rb - 1); // N
-                    put(0, nb + 2, 0, nb + 1); // rK
-                    put(0, nb + 2, 1, rb - 2);
-                }
+                put(0, nb + 1, 1, 0); // N
+                put(0, nb + 2, 0, nb + 1); // rK
+                put(0, nb + 2, 1, 1);
             }
         }
         OpKind::MoeDispatch => {

@@ -1,53 +1,50 @@
-//! `choose_decompositions`: picks how each resharding `set` into an **unannotated** tensor is
-//! decomposed, with egg and the cost model of [`crate::cost_model`].
+//! `choose_decompositions`: the schedule search. For every resharding it picks a [`Plan`] —
+//! decomposition, chunk count, stream schedule and transport — of least predicted time under
+//! the [cost model](crate::cost_model) (a machine profile), and writes it back as schedules
+//! (the Stream split and swizzle of the tensor the decision is about) plus
+//! [`PassContext::plans`], which `lower_to_host` follows.
 //!
-//! For an all-gather (`c = set(p)`, `p` split on axis `a` along `pt`, `c` replicated along
-//! `pt`), an e-graph holds the variants in one e-class: `(collective c 1)` (one all-gather),
-//! `(bcast c d)` (a stream loop of `d` broadcasts rooted at the loop index) and `(ring c d)`
-//! (a stream loop of collective permutes, from `swizzle1d`), the second child being the chunk
-//! count (one chunk per team member: the only count the decision table lowers for the
-//! decomposed variants). Rewrite rules add the decomposed variants when they apply (team of
-//! at least 2, the gathered axis outermost in `c`'s local buffer); the greedy extractor
-//! picks the variant of least estimated time. A decomposed variant gives `c` a Stream split on
-//! `a` (swizzled for the ring) and, when `c`'s single consumer is a compute op whose output is
-//! unannotated, gives that output the matching Stream split so the consumer runs chunk by
-//! chunk in the same loop (overlap).
+//! **Sites** (`sites.rs`): an all-gather `c = set(p)` into an unannotated `c` (plans: one
+//! collective, a stream broadcast, a distance ring per iteration or prefetched, a forwarding
+//! ring, a bidirectional ring); a reduce-scatter `z = set(y)` of unannotated partial sums `y`
+//! computed by a compute op (one collective, a per-step reduce rooted at the loop index, a
+//! forwarding ring of running sums in 1, 2 or 4 pieces per step). Where the user annotated the
+//! decomposition (a swizzled or plain Stream split), the search still picks what the
+//! annotation leaves open (the ring's schedule or pieces) and prices it.
 //!
-//! User annotations win: an annotated consumer is never changed (its decision is recorded as
-//! such). `PassContext::decompositions` forces a variant by tensor name. Every decision is
-//! recorded in `PassContext::explain`.
+//! **Search.** The plans of one site are few (about a dozen per transport), so they are
+//! enumerated and priced in closed form. Sites compose through the transport, which the GPU
+//! runtime applies to the whole program: for each transport the search sums the best time of
+//! every priced site and keeps the transport of least total (NCCL on ties, which also runs
+//! across processes); then each site takes its best plan over that transport — or, among the
+//! plans within 1 % of the best, the simplest (fewer streams and instructions), since the
+//! model's error is larger than that. An e-graph would add nothing here: no rewrite feeds
+//! another and the costs are a sum over independent sites (egg stays where it earns its
+//! place, the index algebra of [`crate::index`]).
+//!
+//! Options: [`PassContext::decompositions`] forces a decomposition by tensor name (an error on
+//! an annotated tensor or a decomposition the site cannot take); the cost model's transport
+//! forces the transport; a stream schedule other than
+//! [`Auto`](crate::StreamSchedule::Auto) forces the distance ring's schedule. Every decision,
+//! and the transport, is recorded in [`PassContext::explain`] with every candidate's predicted
+//! time.
 
-use egg::{EGraph, Extractor, Id, RecExpr, Rewrite, Runner};
-use meshflow_ir::{OpKind, Program, TensorId};
+mod sites;
 
-use crate::analysis::{op_axis_map, Sharding, Spec, StreamSpec};
-use crate::cost_model::{CostModel, GatherCase};
-use crate::decision::{decide, Decision};
-use crate::edit::decl;
-use crate::error::{op_text, PassError};
+use meshflow_ir::Program;
+
+use crate::cost_model::{Case, CostModel};
+use crate::error::PassError;
 use crate::explain::{ExplainRecord, VariantCost};
 use crate::manager::{Decomposition, PassContext, ProgramPass};
+use crate::plan::Plan;
+use crate::profile::transport_key;
+use crate::Transport;
 
-pub use lang::DecompLang;
+use sites::{apply, local_copies, site, Site};
 
-mod lang {
-    // egg's macro cannot document variants: `(collective t 1)` one all-gather, `(bcast t s)`
-    // a stream loop of broadcasts, `(ring t s)` a ring of collective permutes, `Num` a chunk
-    // count, `Sym` the resharding's output tensor.
-    #![allow(missing_docs)]
-    use egg::{define_language, Id, Symbol};
-
-    define_language! {
-    /// Decompositions of one all-gather feeding its consumer.
-    pub enum DecompLang {
-        "collective" = Collective([Id; 2]),
-        "bcast" = Bcast([Id; 2]),
-        "ring" = Ring([Id; 2]),
-        Num(i64),
-        Sym(Symbol),
-    }
-    }
-}
+/// Plans within this fraction of the best count as ties, won by the simplest.
+const TIE: f64 = 0.01;
 
 /// The pass.
 pub struct ChooseDecompositions;
@@ -58,393 +55,238 @@ impl ProgramPass for ChooseDecompositions {
     }
 
     fn run(&self, program: &mut Program, cx: &mut PassContext) -> Result<(), PassError> {
-        let mut seen = Vec::new();
+        let mut all = Vec::new();
         for i in 0..program.ops.len() {
-            let op = &program.ops[i];
-            if op.kind != OpKind::Set {
-                continue;
-            }
-            let (p, c) = (op.inputs[0], op.outputs[0]);
-            let ps = Sharding::of(program, p)?;
-            let cs = Sharding::of(program, c)?;
-            let mesh = |m| {
-                program
-                    .meshes
-                    .get(m)
-                    .map(|d| d.mesh.clone())
-                    .ok_or_else(|| PassError::internal(self.name(), "unknown mesh"))
-            };
-            let (pm, cm) = (mesh(ps.mesh)?, mesh(cs.mesh)?);
-            let decision = decide(&ps, &pm, &cs, &cm);
-            if decision == Decision::LocalCopy {
-                continue;
-            }
-            let c_name = decl(program, c)?.name.clone();
-            let text = op_text(program, op);
-            if cx.is_annotated(&c_name) {
-                if cx.decompositions.contains_key(&c_name) {
-                    return Err(PassError::Options(format!(
-                        "`{c_name}` is annotated by the user; a decomposition cannot be forced on it"
-                    )));
-                }
-                cx.explain.push(ExplainRecord {
-                    tensor: c_name,
-                    op: text,
-                    communication: decision.describe(),
-                    variants: vec![VariantCost {
-                        variant: decision.describe(),
-                        cost_us: None,
-                    }],
-                    chosen: decision.describe(),
-                    reason: "annotated by the user".into(),
-                });
-                continue;
-            }
-            seen.push(c_name.clone());
-            let forced = cx.decompositions.get(&c_name).copied();
-            match decision {
-                Decision::AllGather { pt, axis } if cs.stream().is_none() => {
-                    let d = pm.size_of(pt).unwrap_or(1) as u64;
-                    let plan = plan_gather(program, cx, c, &cs, axis, d)?;
-                    let record = choose(&cx.cost_model, &plan, forced, &c_name, &text, &decision)?;
-                    apply(program, &plan, c, &cs, axis, pt, record.0);
-                    cx.explain.push(record.1);
-                }
-                _ => {
-                    if let Some(f) = forced.filter(|f| *f != Decomposition::Collective) {
-                        return Err(PassError::Options(format!(
-                            "`{c_name}` is a {}, which has no `{}` decomposition",
-                            decision.describe(),
-                            f.name()
-                        )));
-                    }
-                    cx.explain.push(ExplainRecord {
-                        tensor: c_name,
-                        op: text,
-                        communication: decision.describe(),
-                        variants: vec![VariantCost {
-                            variant: "collective".into(),
-                            cost_us: None,
-                        }],
-                        chosen: "collective".into(),
-                        reason: "the only lowering of this resharding".into(),
-                    });
-                }
+            if let Some(s) = site(program, cx, i)? {
+                all.push(restrict(s, cx)?);
             }
         }
-        if let Some(name) = cx.decompositions.keys().find(|n| !seen.contains(n)) {
+        // A forced decomposition of a resharding that moves nothing between devices (every
+        // team it would use has one device) keeps the collective (a local copy) and has no
+        // other decomposition.
+        let mut local = local_copies(program)?;
+        local.retain(|n| !all.iter().any(|s| &s.tensor == n));
+        for (name, &forced) in &cx.decompositions {
+            if local.contains(name) && forced != Decomposition::Collective {
+                return Err(PassError::Options(format!(
+                    "`{name}` cannot be decomposed as `{}`: its resharding moves nothing between \
+                     devices (every team it would use has one device)",
+                    forced.name()
+                )));
+            }
+        }
+        if let Some(name) = cx
+            .decompositions
+            .keys()
+            .find(|n| !all.iter().any(|s| &s.tensor == *n) && !local.contains(*n))
+        {
+            let open: Vec<&str> = all
+                .iter()
+                .filter(|s| s.fixed.is_none())
+                .map(|s| s.tensor.as_str())
+                .collect();
             return Err(PassError::Options(format!(
-                "no resharding into an unannotated tensor `{name}`; candidates: {}",
-                if seen.is_empty() {
+                "no resharding decided by `{name}`; candidates: {}",
+                if open.is_empty() {
                     "none".to_string()
                 } else {
-                    seen.join(", ")
+                    open.join(", ")
                 }
             )));
+        }
+        let model = &cx.cost_model;
+        let transports = model.transports();
+        let totals: Vec<(Transport, f64)> = transports
+            .iter()
+            .map(|&t| {
+                let total = all
+                    .iter()
+                    .filter_map(|s| best(model, s, t).map(|(_, c)| c))
+                    .sum::<f64>();
+                (t, total)
+            })
+            .collect();
+        let priced = all.iter().any(|s| s.case.is_some() && !s.shapes.is_empty());
+        let transport = totals
+            .iter()
+            .copied()
+            .reduce(|a, b| if b.1 < a.1 * (1.0 - 1e-9) { b } else { a })
+            .map(|(t, _)| t)
+            .unwrap_or(Transport::Nccl);
+        // Apply in program order; a site is re-read after the earlier ones changed the program.
+        for i in 0..program.ops.len() {
+            let Some(s) = site(program, cx, i)? else {
+                continue;
+            };
+            let s = restrict(s, cx)?;
+            let record = decide(&cx.cost_model, &s, transport);
+            if let Some(plan) = record.0 {
+                apply(program, &s.apply, plan.decomposition);
+                cx.plans.insert(s.tensor.clone(), plan);
+            }
+            cx.explain.push(record.1);
+        }
+        if priced {
+            cx.transport = Some(transport);
+            cx.explain.push(ExplainRecord {
+                tensor: String::new(),
+                op: "the program".into(),
+                communication: "transport".into(),
+                variants: totals
+                    .iter()
+                    .map(|&(t, c)| VariantCost {
+                        variant: transport_key(t).into(),
+                        cost_us: Some(c),
+                    })
+                    .collect(),
+                chosen: transport_key(transport).into(),
+                reason: if totals.len() == 1 {
+                    "forced by the options".into()
+                } else {
+                    "least predicted total over the decisions above".into()
+                },
+            });
         }
         Ok(())
     }
 }
 
-/// What the decision about one all-gather needs to know.
-struct GatherPlan {
-    case: GatherCase,
-    /// The team size (= chunk count of the decomposed variants).
-    team: u64,
-    /// True when a Stream split over the gathered axis fits and its chunks are contiguous.
-    can_stream: bool,
-    /// The consumer's output and the axis of it that the gathered axis maps to, when the
-    /// consumer can join the stream loop.
-    consumer: Option<(TensorId, usize)>,
-}
-
-fn plan_gather(
-    program: &Program,
-    cx: &PassContext,
-    c: TensorId,
-    cs: &Sharding,
-    axis: usize,
-    team: u64,
-) -> Result<GatherPlan, PassError> {
-    let cd = decl(program, c)?;
-    let cmesh = program
-        .meshes
-        .get(cd.mesh)
-        .map(|m| &m.mesh)
-        .ok_or_else(|| PassError::internal("choose_decompositions", "unknown mesh"))?;
-    let local = cs.local_value_shape();
-    let bytes = |shape: &[u64], dtype: meshflow_ir::DType| {
-        shape.iter().product::<u64>() as f64 * dtype.size_bytes() as f64
+/// `s` with its plans cut down to a forced decomposition (an error when it cannot take it).
+fn restrict(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
+    let Some(&forced) = cx.decompositions.get(&s.tensor) else {
+        return Ok(s);
     };
-    let gathered_bytes = bytes(&local, cd.ty.dtype);
-    let with_stream = |spec: &Spec, axis: usize, swizzle| {
-        let mut s = spec.clone();
-        s.stream = Some(StreamSpec {
-            axis,
-            chunks: team,
-            swizzle,
-            depth: spec.device_chain(axis).len(),
-        });
-        s
+    if s.shapes.is_empty() && forced == Decomposition::Collective && !s.annotated {
+        return Ok(s);
+    }
+    if s.annotated {
+        return Err(PassError::Options(format!(
+            "`{}` is annotated by the user; a decomposition cannot be forced on it",
+            s.tensor
+        )));
+    }
+    let available: Vec<Decomposition> = {
+        let mut v: Vec<Decomposition> = s.shapes.iter().map(|x| x.0).collect();
+        v.dedup();
+        v
     };
-    let can_stream = team >= 2
-        && local.iter().take(axis).all(|&e| e == 1)
-        && with_stream(&cs.spec, axis, None).fits(&cd.ty, cmesh)
-        && with_stream(&cs.spec, axis, None).divides(&cd.ty);
-    let mut consumer = None;
-    let (mut flops, mut cbytes, mut dtype) = (0.0, 0.0, cd.ty.dtype);
-    let uses = program.uses(c);
-    if let [u] = uses.as_slice() {
-        let op = &program.ops[*u];
-        let compute = !matches!(
-            op.kind,
-            OpKind::Set | OpKind::MoeDispatch | OpKind::MoeCombine
-        );
-        if let (true, Some(&o)) = (compute, op.outputs.first()) {
-            let os = Sharding::of(program, o)?;
-            let od = decl(program, o)?;
-            let out_local = program_local_shape(&os);
-            let numel: f64 = os.local_value_shape().iter().product::<u64>() as f64;
-            dtype = od.ty.dtype;
-            flops = match op.kind {
-                OpKind::Linear | OpKind::Matmul | OpKind::GroupedMatmul => {
-                    let k: u64 = od
-                        .ty
-                        .axes
-                        .iter()
-                        .zip(&out_local)
-                        .filter(|(a, _)| a.reduction)
-                        .map(|(_, &e)| e)
-                        .product();
-                    2.0 * numel * k as f64
-                }
-                _ => numel,
-            };
-            cbytes = numel * dtype.size_bytes() as f64;
-            for &t in &op.inputs {
-                let s = Sharding::of(program, t)?;
-                cbytes += bytes(&s.local_value_shape(), decl(program, t)?.ty.dtype);
+    if !available.contains(&forced) {
+        let names: Vec<&str> = available.iter().map(|d| d.name()).collect();
+        return Err(PassError::Options(format!(
+            "`{}` ({}) cannot be decomposed as `{}` (available: {})",
+            s.tensor,
+            s.communication,
+            forced.name(),
+            if names.is_empty() {
+                "collective".to_string()
+            } else {
+                names.join(", ")
             }
-            let j = op.inputs.iter().position(|&t| t == c);
-            let map = op_axis_map(program, op);
-            let k = j.and_then(|j| map.first()?.iter().position(|src| src.contains(&(j, axis))));
-            if let Some(k) = k.filter(|&k| od.ty.axes.get(k).is_some_and(|a| !a.reduction)) {
-                let omesh = program.meshes.get(od.mesh).map(|m| &m.mesh);
-                let fits = os.stream().is_none()
-                    && os.spec.device_chain(k) == cs.spec.device_chain(axis)
-                    && omesh.is_some_and(|m| {
-                        with_stream(&os.spec, k, None).fits(&od.ty, m)
-                            && with_stream(&os.spec, k, None).divides(&od.ty)
-                    });
-                let already = os.stream().is_some_and(|s| s.axis == k && s.chunks == team);
-                if (fits && !cx.is_annotated(&od.name)) || already {
-                    consumer = Some((o, k));
-                }
-            }
-        }
+        )));
     }
-    Ok(GatherPlan {
-        case: GatherCase {
-            team,
-            gathered_bytes,
-            consumer_flops: flops,
-            consumer_bytes: cbytes,
-            dtype,
-            overlappable: consumer.is_some(),
-        },
-        team,
-        can_stream,
-        consumer,
-    })
+    s.shapes.retain(|x| x.0 == forced);
+    s.fixed = Some("forced by the options");
+    Ok(s)
 }
 
-fn program_local_shape(s: &Sharding) -> Vec<u64> {
-    s.layout.local_shape()
-}
-
-struct CostFn<'a> {
-    model: &'a CostModel,
-    case: GatherCase,
-    egraph: &'a EGraph<DecompLang, ()>,
-}
-
-impl CostFn<'_> {
-    fn chunks(&self, id: Id) -> u64 {
-        self.egraph[id]
-            .nodes
-            .iter()
-            .find_map(|n| match n {
-                DecompLang::Num(k) => u64::try_from(*k).ok(),
-                _ => None,
-            })
-            .unwrap_or(1)
-    }
-
-    fn variant(&self, node: &DecompLang) -> Option<(Decomposition, u64, f64)> {
-        Some(match node {
-            DecompLang::Collective([_, s]) => (
-                Decomposition::Collective,
-                self.chunks(*s),
-                self.model.collective(&self.case),
-            ),
-            DecompLang::Ring([_, s]) => {
-                let s = self.chunks(*s);
-                (Decomposition::Ring, s, self.model.ring(&self.case, s))
-            }
-            DecompLang::Bcast([_, s]) => {
-                let s = self.chunks(*s);
-                (
-                    Decomposition::StreamBroadcast,
-                    s,
-                    self.model.stream_broadcast(&self.case, s),
-                )
-            }
-            _ => return None,
-        })
+fn plan_of(shape: &sites::Shape, transport: Transport) -> Plan {
+    Plan {
+        decomposition: shape.0,
+        pieces: shape.1,
+        schedule: shape.2,
+        transport,
     }
 }
 
-impl egg::CostFunction<DecompLang> for CostFn<'_> {
-    type Cost = f64;
-    fn cost<C: FnMut(Id) -> f64>(&mut self, enode: &DecompLang, _costs: C) -> f64 {
-        self.variant(enode).map_or(0.0, |(_, _, c)| c.max(0.0))
-    }
-}
-
-fn label(d: Decomposition, s: u64) -> String {
-    format!("{}(s={s})", d.name())
-}
-
-/// Runs the e-graph for one all-gather; returns the chosen variant and the record.
-fn choose(
-    model: &CostModel,
-    plan: &GatherPlan,
-    forced: Option<Decomposition>,
-    tensor: &str,
-    text: &str,
-    decision: &Decision,
-) -> Result<(Decomposition, ExplainRecord), PassError> {
-    let start: RecExpr<DecompLang> = format!("(collective {tensor} 1)")
-        .parse()
-        .map_err(|e| PassError::internal("choose_decompositions", format!("{e}")))?;
-    let mut rules: Vec<Rewrite<DecompLang, ()>> = Vec::new();
-    if plan.can_stream {
-        let d = plan.team;
-        for (name, rhs) in [("gather-to-ring", "ring"), ("gather-to-bcast", "bcast")] {
-            let lhs: egg::Pattern<DecompLang> = "(collective ?t 1)"
-                .parse()
-                .map_err(|e| PassError::internal("choose_decompositions", format!("{e}")))?;
-            let rhs: egg::Pattern<DecompLang> = format!("({rhs} ?t {d})")
-                .parse()
-                .map_err(|e| PassError::internal("choose_decompositions", format!("{e}")))?;
-            rules.push(
-                Rewrite::new(name, lhs, rhs)
-                    .map_err(|e| PassError::internal("choose_decompositions", e))?,
-            );
-        }
-    }
-    let runner = Runner::<DecompLang, (), ()>::default()
-        .with_expr(&start)
-        .with_iter_limit(4)
-        .with_node_limit(100)
-        .run(&rules);
-    let root = runner.roots[0];
-    let egraph = &runner.egraph;
-    let cost = CostFn {
-        model,
-        case: plan.case,
-        egraph,
+/// The plans of `s` over transport `t` with their predicted times, in candidate order.
+fn priced(model: &CostModel, s: &Site, t: Transport) -> Vec<(Plan, f64)> {
+    let Some(case) = &s.case else {
+        return Vec::new();
     };
-    let mut variants: Vec<(Decomposition, u64, f64)> = egraph[root]
-        .nodes
+    s.shapes
         .iter()
-        .filter_map(|n| cost.variant(n))
-        .collect();
-    variants.sort_by_key(|(d, s, _)| (Decomposition::ALL.iter().position(|x| x == d), *s));
-    let extractor = Extractor::new(
-        egraph,
-        CostFn {
-            model,
-            case: plan.case,
-            egraph,
-        },
-    );
-    let (best_cost, _) = extractor.find_best(root);
-    let (mut chosen, mut chunks) = cost
-        .variant(extractor.find_best_node(root))
-        .map_or((Decomposition::Collective, 1), |(d, s, _)| (d, s));
-    let mut reason = format!("lowest estimated time ({best_cost:.2} us)");
-    if let Some(f) = forced {
-        let Some(&(d, s, _)) = variants.iter().find(|(d, _, _)| *d == f) else {
-            return Err(PassError::Options(format!(
-                "`{tensor}` cannot be decomposed as `{}` (available: {})",
-                f.name(),
-                variants
-                    .iter()
-                    .map(|(d, _, _)| d.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        };
-        chosen = d;
-        chunks = s;
-        reason = "forced by the options".into();
-    }
-    let record = ExplainRecord {
-        tensor: tensor.to_string(),
-        op: text.to_string(),
-        communication: decision.describe(),
-        variants: variants
-            .iter()
-            .map(|&(d, s, c)| VariantCost {
-                variant: label(d, s),
-                cost_us: Some(c),
-            })
-            .collect(),
-        chosen: label(chosen, chunks),
-        reason: if plan.case.overlappable || chosen == Decomposition::Collective {
-            reason
-        } else {
-            format!("{reason}; the consumer cannot join the stream loop, so nothing overlaps")
-        },
-    };
-    Ok((chosen, record))
+        .filter_map(|shape| {
+            let plan = plan_of(shape, t);
+            model.cost(case, &plan).map(|c| (plan, c))
+        })
+        .collect()
 }
 
-fn apply(
-    program: &mut Program,
-    plan: &GatherPlan,
-    c: TensorId,
-    cs: &Sharding,
-    axis: usize,
-    pt: meshflow_ir::ParallelType,
-    chosen: Decomposition,
-) {
-    let swizzle = match chosen {
-        Decomposition::Collective => return,
-        Decomposition::Ring => Some(pt),
-        Decomposition::StreamBroadcast => None,
-    };
-    let stream = StreamSpec {
-        axis,
-        chunks: plan.team,
-        swizzle,
-        depth: cs.spec.device_chain(axis).len(),
-    };
-    let mut spec = cs.spec.clone();
-    spec.stream = Some(stream);
-    program.tensors[c].schedule = Some(spec.to_transforms());
-    if let Some((o, k)) = plan.consumer {
-        if let Ok(os) = Sharding::of(program, o) {
-            if os.stream().is_none() {
-                let mut ospec = os.spec.clone();
-                ospec.stream = Some(StreamSpec {
-                    axis: k,
-                    depth: ospec.device_chain(k).len(),
-                    ..stream
-                });
-                program.tensors[o].schedule = Some(ospec.to_transforms());
-            }
+/// The chosen plan of `s` over `t`: the simplest of those within [`TIE`] of the fastest.
+fn best(model: &CostModel, s: &Site, t: Transport) -> Option<(Plan, f64)> {
+    let all = priced(model, s, t);
+    let fastest = all.iter().map(|x| x.1).reduce(f64::min)?;
+    all.into_iter()
+        .filter(|x| x.1 <= fastest * (1.0 + TIE))
+        .min_by(|a, b| {
+            a.0.complexity()
+                .cmp(&b.0.complexity())
+                .then(a.1.total_cmp(&b.1))
+        })
+}
+
+/// The plan of `s` over `transport` (`None` for sites that are not priced) and its record.
+fn decide(model: &CostModel, s: &Site, transport: Transport) -> (Option<Plan>, ExplainRecord) {
+    let team = s.case.map_or(1, |c| c.team());
+    let mut variants: Vec<VariantCost> = Vec::new();
+    for t in model.transports() {
+        for (plan, c) in priced(model, s, t) {
+            variants.push(VariantCost {
+                variant: plan.label(team),
+                cost_us: Some(c),
+            });
         }
     }
+    let chosen = best(model, s, transport);
+    let Some((plan, cost)) = chosen else {
+        let what = if s.annotated {
+            s.communication.clone()
+        } else {
+            "collective".to_string()
+        };
+        return (
+            None,
+            ExplainRecord {
+                tensor: s.tensor.clone(),
+                op: s.text.clone(),
+                communication: s.communication.clone(),
+                variants: vec![VariantCost {
+                    variant: what.clone(),
+                    cost_us: None,
+                }],
+                chosen: what,
+                reason: s.fixed.unwrap_or("the only lowering").into(),
+            },
+        );
+    };
+    let fastest = priced(model, s, transport)
+        .into_iter()
+        .min_by(|a, b| a.1.total_cmp(&b.1));
+    let mut reason = match fastest {
+        Some((f, fc)) if f != plan => format!(
+            "{cost:.2} us, within {:.0} % of {} ({fc:.2} us) and simpler",
+            TIE * 100.0,
+            f.label(team)
+        ),
+        _ => format!("least predicted time ({cost:.2} us)"),
+    };
+    if let Some(f) = s.fixed {
+        reason = format!("{f}; {reason}");
+    }
+    if let Some(Case::Gather(g)) = &s.case {
+        if !g.overlappable && plan.decomposition != Decomposition::Collective {
+            reason.push_str("; the consumer cannot join the stream loop, so nothing overlaps");
+        }
+    }
+    (
+        Some(plan),
+        ExplainRecord {
+            tensor: s.tensor.clone(),
+            op: s.text.clone(),
+            communication: s.communication.clone(),
+            variants,
+            chosen: plan.label(team),
+            reason,
+        },
+    )
 }

@@ -34,7 +34,11 @@ use std::collections::BTreeMap;
 
 use meshflow_ir::{MeshId, Op, OpKind, ParallelType, Program, TensorId};
 
-use crate::analysis::{op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
+use crate::analysis::local_sharding;
+use crate::analysis::op_rules::{
+    dropped_splits, requirements_for, same_mesh, satisfies, Requirement,
+};
+use crate::analysis::{describe, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::decision::{decide, placements, Decision, Placement};
 use crate::edit::{add_tensor, decl, insert_set, value_type};
 use crate::error::PassError;
@@ -50,7 +54,13 @@ impl ProgramPass for DecomposeReshardings {
     }
 
     fn run(&self, program: &mut Program, cx: &mut PassContext) -> Result<(), PassError> {
+        for op in program.ops.iter().filter(|op| op.kind == OpKind::Set) {
+            if let (Some(&p), Some(&c)) = (op.inputs.first(), op.outputs.first()) {
+                check_partial_target(program, p, c)?;
+            }
+        }
         rfactor_outputs(program)?;
+        materialize_broadcasts(program)?;
         satisfy_requirements(program, cx)?;
         split_sets(program)
     }
@@ -62,11 +72,6 @@ fn mesh_of(program: &Program, m: MeshId) -> Result<&meshflow_ir::DeviceMesh, Pas
         .get(m)
         .map(|d| &d.mesh)
         .ok_or_else(|| PassError::internal("decompose_reshardings", format!("unknown mesh {m:?}")))
-}
-
-fn same_mesh(program: &Program, a: MeshId, b: MeshId) -> bool {
-    a == b
-        || matches!((program.meshes.get(a), program.meshes.get(b)), (Some(x), Some(y)) if x.mesh == y.mesh)
 }
 
 /// The spec of a tensor with its splits re-indexed onto value axes (partial splits dropped).
@@ -93,7 +98,12 @@ fn rfactor_outputs(program: &mut Program) -> Result<(), PassError> {
         let Some(def) = program.definition(out) else {
             return Err(PassError::tensor(
                 &d.name,
-                "a program input cannot hold partial sums (its reduction axis is split)",
+                format!(
+                    "the program input {} holds partial results and is also a program output; \
+                     an output is returned reduced: add `y = set({})` and output `y`",
+                    describe(program, out),
+                    d.name
+                ),
             ));
         };
         let mut partial = d.clone();
@@ -112,14 +122,6 @@ fn rfactor_outputs(program: &mut Program) -> Result<(), PassError> {
         insert_set(program, def + 1, p, out);
     }
     Ok(())
-}
-
-/// The sharding an op needs for one input: a mesh and device splits over the input's
-/// logical axes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-struct Requirement {
-    mesh: MeshId,
-    device: BTreeMap<ParallelType, AxisSplit>,
 }
 
 fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requirement>>, PassError> {
@@ -177,28 +179,11 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
                 return Ok(reqs);
             };
             let osh = Sharding::of(program, out)?;
-            let map = op_axis_map(program, op);
             let mesh = decl(program, out)?.mesh;
-            for (j, req) in reqs.iter_mut().enumerate() {
-                let mut device = BTreeMap::new();
-                for (&pt, s) in &osh.spec.device {
-                    let sources = map.first().and_then(|m| m.get(s.axis));
-                    for &(jj, a) in sources.into_iter().flatten() {
-                        if jj == j {
-                            device.insert(pt, AxisSplit { axis: a, ..*s });
-                        }
-                    }
-                }
-                *req = Some(Requirement { mesh, device });
-            }
+            reqs = requirements_for(program, op, mesh, &osh.spec);
         }
     }
     Ok(reqs)
-}
-
-fn satisfies(program: &Program, t: TensorId, req: &Requirement) -> Result<bool, PassError> {
-    let sh = Sharding::of(program, t)?;
-    Ok(same_mesh(program, sh.mesh, req.mesh) && sh.spec.device == req.device)
 }
 
 fn satisfy_requirements(program: &mut Program, cx: &PassContext) -> Result<(), PassError> {
@@ -209,19 +194,12 @@ fn satisfy_requirements(program: &mut Program, cx: &PassContext) -> Result<(), P
             i += 1;
             continue;
         }
+        let after = if matches!(kind, OpKind::MoeDispatch | OpKind::MoeCombine) {
+            false
+        } else {
+            place_op(program, i)?
+        };
         let reqs = requirements(program, i)?;
-        let unary = matches!(
-            kind,
-            OpKind::Gelu | OpKind::Silu | OpKind::Cast | OpKind::Sum { .. }
-        );
-        if unary {
-            if let (Some(Some(req)), Some(&x)) = (reqs.first(), program.ops[i].inputs.first()) {
-                if !satisfies(program, x, req)? && reshard_after(program, i)? {
-                    i += 2;
-                    continue;
-                }
-            }
-        }
         for (j, req) in reqs.iter().enumerate() {
             let Some(req) = req else { continue };
             let Some(&x) = program.ops[i].inputs.get(j) else {
@@ -232,54 +210,33 @@ fn satisfy_requirements(program: &mut Program, cx: &PassContext) -> Result<(), P
             }
             i += reshard_before(program, cx, i, j, req)?;
         }
-        i += 1;
+        i += 1 + usize::from(after);
     }
     Ok(())
 }
 
-/// Runs unary op `i` on its input's sharding and reshards its output after it. Returns false
-/// (and changes nothing) when that is not possible.
-fn reshard_after(program: &mut Program, i: usize) -> Result<bool, PassError> {
+/// Decides where op `i` computes ([`local_sharding::choose`]). When that is not its output's
+/// placement, the op writes `<out>_local` there and a `set` after it produces the output;
+/// returns true in that case. A `view` whose input split cannot carry over is refused.
+fn place_op(program: &mut Program, i: usize) -> Result<bool, PassError> {
     let op: Op = program.ops[i].clone();
-    let (Some(&x), Some(&o)) = (op.inputs.first(), op.outputs.first()) else {
+    if op.kind == OpKind::View {
+        refuse_communicating_view(program, &op)?;
+    }
+    let Some(choice) = local_sharding::choose(program, i)? else {
         return Ok(false);
     };
-    let xs = Sharding::of(program, x)?;
+    let Some(&o) = op.outputs.first() else {
+        return Ok(false);
+    };
     let os = Sharding::of(program, o)?;
-    if !xs.partial_types().is_empty() || !os.partial_types().is_empty() {
-        return Ok(false);
-    }
-    let map = op_axis_map(program, &op);
-    let out_axis = |a: usize| {
-        map.first()
-            .and_then(|m| m.iter().position(|src| src.contains(&(0, a))))
-    };
-    let mut spec = Spec::default();
-    for (&pt, s) in &xs.spec.device {
-        let Some(k) = out_axis(s.axis) else {
-            return Ok(false);
-        };
-        spec.device.insert(pt, AxisSplit { axis: k, ..*s });
-    }
-    if let Some(st) = xs.stream() {
-        if let Some(k) = out_axis(st.axis) {
-            spec.stream = Some(StreamSpec { axis: k, ..st });
-        }
-    }
     let od = decl(program, o)?.clone();
-    let mesh = decl(program, x)?.mesh;
-    if !spec.fits(&od.ty, mesh_of(program, mesh)?) {
-        spec.stream = None;
-        if !spec.fits(&od.ty, mesh_of(program, mesh)?) {
-            return Ok(false);
-        }
-    }
     let tmp = add_tensor(
         program,
         &format!("{}_local", od.name),
-        od.ty.clone(),
-        mesh,
-        &spec,
+        choice.partial.clone().unwrap_or_else(|| od.ty.clone()),
+        choice.mesh,
+        &choice.spec,
     );
     program.ops[i].outputs[0] = tmp;
     let new_spec = value_spec(&os);
@@ -288,6 +245,100 @@ fn reshard_after(program: &mut Program, i: usize) -> Result<bool, PassError> {
     t.schedule = Some(new_spec.to_transforms());
     insert_set(program, i + 1, tmp, o);
     Ok(true)
+}
+
+/// A `view` stays local (torch `view`): an input split that does not carry over to the output
+/// is an error naming the tensors, their placements and the split.
+fn refuse_communicating_view(program: &Program, op: &Op) -> Result<(), PassError> {
+    let (Some(&x), Some(&y)) = (op.inputs.first(), op.outputs.first()) else {
+        return Ok(());
+    };
+    let xs = Sharding::of(program, x)?;
+    let dropped: Vec<_> = dropped_splits(program, op, 0)?
+        .into_iter()
+        .filter(|(pt, _, _)| !xs.is_partial_on(*pt))
+        .collect();
+    let Some(&(pt, axis, parts)) = dropped.first() else {
+        return Ok(());
+    };
+    let v = xs.value_index(axis).unwrap_or(axis);
+    let out_shape = decl(program, y)?.ty.value_shape();
+    Err(PassError::tensor(
+        &decl(program, x)?.name,
+        format!(
+            "`{} = view(...)` of {}: its {pt} split of axis {v} into {parts} parts has no \
+             equal split on the output shape {out_shape:?} (a split must be on the first axis \
+             of its reshape group, and that output axis must divide into {parts}); a view \
+             never communicates, so use `reshape` to replicate {pt} first",
+            decl(program, y)?.name,
+            describe(program, x),
+        ),
+    ))
+}
+
+/// Inserts an `expand` before every `matmul` operand whose batch axes are broadcast (torch
+/// semantics), so the local GEMM sees equal batch axes; a 2-D right operand stays shared.
+/// The expanded operand is placed as the matmul's output requires it.
+fn materialize_broadcasts(program: &mut Program) -> Result<(), PassError> {
+    let mut i = 0;
+    while i < program.ops.len() {
+        if program.ops[i].kind != OpKind::Matmul {
+            i += 1;
+            continue;
+        }
+        let op = program.ops[i].clone();
+        let (Some(&out), [a, b]) = (op.outputs.first(), op.inputs.as_slice()) else {
+            i += 1;
+            continue;
+        };
+        let so = decl(program, out)?.ty.value_shape();
+        let nb = so.len().saturating_sub(2);
+        for (j, &x) in [(0usize, a), (1, b)] {
+            let xd = decl(program, x)?.clone();
+            let sx = xd.ty.value_shape();
+            if sx.len() < 2 || (j == 1 && sx.len() == 2) || sx[..sx.len() - 2] == so[..nb] {
+                continue;
+            }
+            let mut shape = so[..nb].to_vec();
+            shape.extend_from_slice(&sx[sx.len() - 2..]);
+            let ty = meshflow_ir::TensorType::new(xd.ty.dtype, &shape);
+            let out_mesh = decl(program, out)?.mesh;
+            let e = add_tensor(
+                program,
+                &format!("{}_expanded", xd.name),
+                ty.clone(),
+                out_mesh,
+                &Spec::default(),
+            );
+            program.ops.insert(
+                i,
+                Op {
+                    kind: OpKind::Expand,
+                    inputs: vec![x],
+                    outputs: vec![e],
+                    loc: op.loc,
+                },
+            );
+            i += 1;
+            program.ops[i].inputs[j] = e;
+            // Place the expanded operand where the matmul's output needs it.
+            let osh = Sharding::of(program, out)?;
+            let req = requirements_for(program, &program.ops[i], out_mesh, &osh.spec)
+                .into_iter()
+                .nth(j)
+                .flatten();
+            let mut spec = Spec::default();
+            if let Some(req) = req {
+                spec.device = req.device;
+            }
+            let mesh = mesh_of(program, out_mesh)?;
+            if spec.fits(&ty, mesh) && spec.divides(&ty) {
+                program.tensors[e].schedule = Some(spec.to_transforms());
+            }
+        }
+        i += 1;
+    }
+    Ok(())
 }
 
 /// Makes input `j` of op `i` satisfy `req`; returns the number of ops inserted before `i`.
@@ -314,8 +365,19 @@ fn reshard_before(
             program,
             i,
             format!(
-                "input `{}` would need splits {:?} that do not fit its shape on the op's mesh",
-                xd.name, req.device
+                "input {} would need the splits {} on mesh `{}`, which its shape {:?} does not \
+                 divide into or the mesh does not have",
+                describe(program, x),
+                spec.device
+                    .iter()
+                    .map(|(pt, s)| format!("{pt} on axis {} into {}", s.axis, s.parts))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                program
+                    .meshes
+                    .get(req.mesh)
+                    .map_or("?", |m| m.name.as_str()),
+                ty.value_shape()
             ),
         ));
     }
@@ -360,6 +422,7 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
             continue;
         }
         let (p, c) = (program.ops[i].inputs[0], program.ops[i].outputs[0]);
+        check_partial_target(program, p, c)?;
         let steps = plan_steps(program, p, c).map_err(|why| PassError::op(program, i, why))?;
         let cd = decl(program, c)?.clone();
         let mut prev = p;
@@ -371,6 +434,49 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
         }
         program.ops[i].inputs[0] = prev;
         i += 1;
+    }
+    Ok(())
+}
+
+/// A `set` into a target that holds partial results: each partial mesh axis of the target must
+/// already be partial in the producer (Partial -> Partial is free, `[P, S0] -> [P, S1]` is one
+/// all-to-all on the other axis, longer changes are planned like any other); Replicate ->
+/// Partial is refused, as in DTensor, and the target must stay on the producer's mesh.
+fn check_partial_target(program: &Program, p: TensorId, c: TensorId) -> Result<(), PassError> {
+    let ps = Sharding::of(program, p)?;
+    let cs = Sharding::of(program, c)?;
+    let partial = cs.partial_types();
+    if partial.is_empty() {
+        return Ok(());
+    }
+    let name = &decl(program, c)?.name;
+    let what = || {
+        format!(
+            "`{name} = set(...)` from {} to {}",
+            describe(program, p),
+            describe(program, c)
+        )
+    };
+    if let Some(pt) = partial.iter().find(|&&pt| !ps.is_partial_on(pt)) {
+        return Err(PassError::tensor(
+            name,
+            format!(
+                "{}: Replicate -> Partial along {pt} is refused (as in DTensor): a set cannot \
+                 create partial results, and the producer holds none along {pt}; produce them \
+                 with a reduction (`sum`, `matmul`, ...) or keep the target replicated",
+                what()
+            ),
+        ));
+    }
+    if !same_mesh(program, ps.mesh, cs.mesh) {
+        return Err(PassError::tensor(
+            name,
+            format!(
+                "{}: partial results cannot move to another mesh; reduce them first (declare \
+                 the target without reduction axes)",
+                what()
+            ),
+        ));
     }
     Ok(())
 }
@@ -398,33 +504,51 @@ fn placements_of(sh: &Sharding) -> Placements {
     out
 }
 
-/// The type and schedule of a tensor of value type `vty` placed as `pl` on `mesh`: partial
-/// sums live on one extra reduction axis, split by the partial parallel types (outer mesh
-/// axes first).
+/// The type and schedule of a tensor placed as `pl` on `mesh`, holding the value of the
+/// producer `ps` (of type `pty`): without partial sums its value type; with partial sums the
+/// producer's own type (a `set` keeps reduction axes as they are), each partial parallel type
+/// on the reduction axis it splits in the producer.
 fn materialize(
     pl: &Placements,
-    vty: &meshflow_ir::TensorType,
+    pty: &meshflow_ir::TensorType,
+    ps: &Sharding,
     mesh: &meshflow_ir::DeviceMesh,
 ) -> (meshflow_ir::TensorType, Spec) {
-    let mut ty = vty.clone();
+    let vty = value_type(pty);
     let mut spec = Spec::default();
-    for (axis, chain) in pl.chains.iter().enumerate() {
+    // Value axis `v` of the value type is logical axis `ps.value_axes[v]` of the full type.
+    let partial = !pl.partial.is_empty();
+    let logical = |v: usize| if partial { ps.value_axes.get(v).copied().unwrap_or(v) } else { v };
+    for (v, chain) in pl.chains.iter().enumerate() {
         for (depth, &pt) in chain.iter().enumerate() {
             let parts = mesh.size_of(pt).unwrap_or(1) as u64;
-            spec.device.insert(pt, AxisSplit { axis, parts, depth });
+            spec.device.insert(
+                pt,
+                AxisSplit {
+                    axis: logical(v),
+                    parts,
+                    depth,
+                },
+            );
         }
     }
-    if !pl.partial.is_empty() {
-        let axis = ty.axes.len();
-        let mut extent = 1;
-        for (depth, &pt) in pl.partial.iter().rev().enumerate() {
-            let parts = mesh.size_of(pt).unwrap_or(1) as u64;
-            extent *= parts;
-            spec.device.insert(pt, AxisSplit { axis, parts, depth });
-        }
-        ty.axes.push(meshflow_ir::Axis::reduce(extent));
+    if !partial {
+        return (vty, spec);
     }
-    (ty, spec)
+    // The partial types keep their reduction axes and their order on them.
+    let mut kept: Vec<(ParallelType, AxisSplit)> = pl
+        .partial
+        .iter()
+        .filter_map(|pt| ps.spec.device.get(pt).map(|s| (*pt, *s)))
+        .collect();
+    kept.sort_by_key(|(_, s)| (s.axis, s.depth));
+    let mut depth_on: BTreeMap<usize, usize> = BTreeMap::new();
+    for (pt, s) in kept {
+        let d = depth_on.entry(s.axis).or_insert(0);
+        spec.device.insert(pt, AxisSplit { depth: *d, ..s });
+        *d += 1;
+    }
+    (pty.clone(), spec)
 }
 
 /// A `Sharding` of the would-be tensor `(ty, spec)` on `mesh` (for the decision table).
@@ -437,9 +561,11 @@ fn sharding_of(ty: &meshflow_ir::TensorType, mesh: MeshId, spec: &Spec) -> Optio
 fn mesh_path(
     from: &Placements,
     to: &Placements,
-    vty: &meshflow_ir::TensorType,
+    pty: &meshflow_ir::TensorType,
+    ps: &Sharding,
     mesh: &meshflow_ir::DeviceMesh,
 ) -> Result<Vec<Placements>, String> {
+    let vty = &value_type(pty);
     let sizes: BTreeMap<ParallelType, u64> = ParallelType::DEVICE
         .into_iter()
         .filter_map(|pt| Some((pt, mesh.size_of(pt)? as u64)))
@@ -467,7 +593,7 @@ fn mesh_path(
     };
     let (from, to) = (&strip(from), &strip(to));
     let fits = |pl: &Placements| {
-        let (ty, spec) = materialize(pl, vty, mesh);
+        let (ty, spec) = materialize(pl, pty, ps, mesh);
         spec.fits(&ty, mesh)
     };
     plan(from, to, &extents, &sizes, &fits).ok_or_else(|| {
@@ -530,7 +656,7 @@ fn plan_steps(
     let mut steps: Vec<(MeshId, Placements)> = Vec::new();
     if same_mesh(program, ps.mesh, cs.mesh) {
         steps.extend(
-            mesh_path(&from, &to, &vty, pm)
+            mesh_path(&from, &to, &pd.ty, &ps, pm)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (cs.mesh, s)),
@@ -542,7 +668,7 @@ fn plan_steps(
     } else if pm.shape() == cm.shape() {
         // Reshard on the source mesh to the target's splits, then one transfer per pair.
         steps.extend(
-            mesh_path(&from, &to, &vty, pm)
+            mesh_path(&from, &to, &pd.ty, &ps, pm)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (ps.mesh, s)),
@@ -553,8 +679,10 @@ fn plan_steps(
     } else {
         // Replicate on the source mesh, broadcast, slice on the target mesh.
         let repl = Placements::replicated(vty.axes.len());
+        let replicated_sharding = sharding_of(&vty, cs.mesh, &Spec::default())
+            .ok_or_else(|| refuse("the replicated value has no layout".into()))?;
         steps.extend(
-            mesh_path(&from, &repl, &vty, pm)
+            mesh_path(&from, &repl, &pd.ty, &ps, pm)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (ps.mesh, s)),
@@ -566,7 +694,7 @@ fn plan_steps(
             steps.push((cs.mesh, repl.clone()));
         }
         steps.extend(
-            mesh_path(&repl, &to, &vty, cm)
+            mesh_path(&repl, &to, &vty, &replicated_sharding, cm)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (cs.mesh, s)),
@@ -575,7 +703,7 @@ fn plan_steps(
     let mut out: Vec<(MeshId, meshflow_ir::TensorType, Spec)> = Vec::new();
     for (m, pl) in steps {
         let mesh = mesh_of(program, m).map_err(err)?;
-        let (ty, spec) = materialize(&pl, &vty, mesh);
+        let (ty, spec) = materialize(&pl, &pd.ty, &ps, mesh);
         out.push((m, ty, spec));
     }
     // The last step reaches the consumer itself; a consumer cut by a Stream split whose
@@ -643,8 +771,32 @@ fn stream_safe(p: &Sharding, c: &Sharding, d: &Decision) -> bool {
 }
 
 /// Why op `index` cannot compute locally, if it cannot: an input whose sharding differs from
-/// what the op's output implies (the lowering reports this as an error).
+/// what the op's output implies, or an output split the op cannot compute on chunks (the
+/// lowering reports this as an error).
 pub(crate) fn local_mismatch(program: &Program, index: usize) -> Result<Option<String>, PassError> {
+    let op = &program.ops[index];
+    if !matches!(
+        op.kind,
+        OpKind::MoeDispatch | OpKind::MoeCombine | OpKind::Set
+    ) {
+        if let Some(&out) = op.outputs.first() {
+            let os = Sharding::of(program, out)?;
+            let map = crate::analysis::op_axis_map(program, op);
+            let stream = os.stream().map(|s| (ParallelType::Stream, s.axis));
+            let splits = os.spec.device.iter().map(|(&pt, s)| (pt, s.axis));
+            for (pt, axis) in splits.chain(stream) {
+                if !crate::analysis::local_split_ok(program, op, &map, axis) {
+                    return Ok(Some(format!(
+                        "its output {} is split along {pt} on axis {axis}, which `{}` cannot \
+                         compute chunk by chunk (decompose_reshardings computes it unsplit and \
+                         reshards after)",
+                        describe(program, out),
+                        op.kind.name()
+                    )));
+                }
+            }
+        }
+    }
     let reqs = requirements(program, index)?;
     for (j, req) in reqs.iter().enumerate() {
         let (Some(req), Some(&t)) = (req, program.ops[index].inputs.get(j)) else {
@@ -652,9 +804,9 @@ pub(crate) fn local_mismatch(program: &Program, index: usize) -> Result<Option<S
         };
         if !satisfies(program, t, req)? {
             return Ok(Some(format!(
-                "input `{}` is sharded differently from what the op computes locally \
+                "input {} is sharded differently from what the op computes locally \
                  (decompose_reshardings inserts the resharding `set`)",
-                decl(program, t)?.name
+                describe(program, t)
             )));
         }
     }

@@ -14,7 +14,8 @@
 //! around the loop, slot `i % slots` serving iteration `i`. This is safe because iterations
 //! sharing a slot run on the same worker stream (`worker(i % num_streams)`, see
 //! `assign_streams`; or all on one stream), in order: iteration `i + slots` starts only after
-//! iteration `i`'s work on that stream, and a waited communication is complete by then.
+//! iteration `i`'s work on that stream, and a waited communication is complete by then. Loops
+//! that set streams themselves (the neighbour rings) are not double-buffered.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
@@ -181,6 +182,13 @@ fn buffer_block(
         let InstKind::ForLoop { body, .. } = &mut block[k].kind else {
             break;
         };
+        // A loop that places its own streams (neighbour rings) keeps its buffers: the slots
+        // are safe only under `assign_streams`' one worker per iteration (one stream switch,
+        // first in the body).
+        if !one_stream_per_iteration(body) {
+            k += 1;
+            continue;
+        }
         buffer_block(host, body, counts, pool);
         // Case A: allocated and freed in the body.
         let mut rings: Vec<(HostTensorId, Vec<u64>)> = Vec::new();
@@ -296,6 +304,28 @@ fn buffer_block(
             block.insert(before, Inst::new(InstKind::Allocate { tensor: *ring }));
         }
         k = after + 2 * rings.len();
+    }
+}
+
+/// True when `body` runs on one stream: it switches streams at most once, as its first
+/// instruction (the shape `assign_streams` gives).
+fn one_stream_per_iteration(body: &Block) -> bool {
+    let mut switches = 0;
+    count_switches(body, &mut switches);
+    switches == 0
+        || (switches == 1
+            && body
+                .first()
+                .is_some_and(|i| matches!(i.kind, InstKind::SetCurrentStream { .. })))
+}
+
+fn count_switches(block: &Block, n: &mut usize) {
+    for inst in block {
+        match &inst.kind {
+            InstKind::SetCurrentStream { .. } => *n += 1,
+            InstKind::ForLoop { body, .. } => count_switches(body, n),
+            _ => {}
+        }
     }
 }
 

@@ -46,7 +46,10 @@
 //! outside the loop names but its allocation (its own chunk is then read by nobody).
 //!
 //! Other loops are left to `assign_streams` (which skips loops that already place their work on
-//! streams). With the default [`StreamSchedule::PerIteration`] the pass does nothing.
+//! streams). With [`StreamSchedule::Prefetch`] the pass takes every loop that qualifies; with
+//! [`StreamSchedule::Auto`] (the default) only the loops `lower_to_host` lists in
+//! [`PassContext::prefetch_loops`] (distance rings the search planned with this schedule); with
+//! [`StreamSchedule::PerIteration`] none.
 
 use std::collections::HashMap;
 
@@ -68,9 +71,11 @@ impl HostPass for PrefetchTransfers {
     }
 
     fn run(&self, host: &mut HostProgram, cx: &mut PassContext) -> Result<(), PassError> {
-        if cx.stream_schedule != StreamSchedule::Prefetch {
-            return Ok(());
-        }
+        let all = match cx.stream_schedule {
+            StreamSchedule::Prefetch => true,
+            StreamSchedule::Auto if !cx.prefetch_loops.is_empty() => false,
+            StreamSchedule::Auto | StreamSchedule::PerIteration => return Ok(()),
+        };
         let mut next_stream = host.fresh_stream_var().0;
         let mut next_comm = host.fresh_comm_id().0;
         let mut simp = Simplifier::new(host_facts(host));
@@ -79,7 +84,10 @@ impl HostPass for PrefetchTransfers {
         count_refs(&body, &mut refs);
         let mut out = Vec::with_capacity(body.len());
         for inst in body {
-            let Some(shape) = Candidate::of(&inst) else {
+            let chosen = all
+                || matches!(&inst.kind, InstKind::ForLoop { index, .. }
+                    if cx.prefetch_loops.contains(index));
+            let Some(shape) = Candidate::of(&inst).filter(|_| chosen) else {
                 out.push(inst);
                 continue;
             };

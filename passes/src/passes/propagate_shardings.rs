@@ -10,7 +10,11 @@
 //! unannotated input takes the device splits of the op's outputs it lacks (mapped back).
 //! A split is only taken when it fits: the mesh has the parallel type with that many devices,
 //! the axis divides, and the axis is not split by another type. An axis split several times
-//! lends its whole chain at once, in its order.
+//! lends its whole chain at once, in its order. Forward, a split only lands
+//! on an output axis the op can compute split ([`local_split_ok`]): through a reshape, the
+//! split of a group's first axis moves to the group's first output axis when that extent
+//! divides (the head split `[B, S, H] -> [B, S, nh, hd]` keeps `H`'s split on `nh` when
+//! `d | nh`), and the normalized axis of `softmax`/`rms_norm` is never split.
 //!
 //! Only tensors whose schedule is `None` change; annotations, including `{}` (explicitly
 //! replicated), are never overwritten. Results are written in canonical form
@@ -18,7 +22,8 @@
 
 use meshflow_ir::{Op, OpKind, Program, TensorId};
 
-use crate::analysis::{op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
+use crate::analysis::op_rules::keeps_uneven;
+use crate::analysis::{local_split_ok, op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::error::PassError;
 use crate::manager::{PassContext, ProgramPass};
 
@@ -88,13 +93,16 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
             None => None,
         });
     }
-    let fits = |t: TensorId, s: &Spec| {
+    // Uneven splits propagate only through ops that compute element by element along the
+    // split axes (as DTensor's pointwise and linear ops keep uneven placements); shape ops,
+    // row-wise ops and reductions take only splits that divide.
+    let fits = |t: TensorId, s: &Spec, op: &Op| {
         program
             .tensors
             .get(t)
             .and_then(|d| {
                 let mesh = &program.meshes.get(d.mesh)?.mesh;
-                Some(s.fits(&d.ty, mesh))
+                Some(s.fits(&d.ty, mesh) && (s.divides(&d.ty) || keeps_uneven(&op.kind)))
             })
             .unwrap_or(false)
     };
@@ -107,7 +115,13 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 continue;
             }
             let Some(axes) = map.get(o) else { continue };
-            let out_axis = |j: usize, a: usize| axes.iter().position(|src| src.contains(&(j, a)));
+            // Only onto output axes the op can compute split (not the normalized axis of a
+            // softmax, not the later axes of a reshape group, ...).
+            let out_axis = |j: usize, a: usize| {
+                axes.iter().enumerate().position(|(k, src)| {
+                    src.contains(&(j, a)) && local_split_ok(program, op, &map, k)
+                })
+            };
             let mut spec = Spec::default();
             for &j in &order {
                 let Some(ins) = op.inputs.get(j).and_then(|t| specs[t.index()].clone()) else {
@@ -126,7 +140,7 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                     for (pt, split) in chain {
                         cand.device.insert(pt, AxisSplit { axis: k, ..split });
                     }
-                    if fits(out, &cand) {
+                    if fits(out, &cand, op) {
                         spec = cand;
                     }
                 }
@@ -148,7 +162,7 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 }
                 let mut cand = spec.clone();
                 cand.stream = Some(StreamSpec { axis: k, ..st });
-                if fits(out, &cand) {
+                if fits(out, &cand, op) {
                     spec = cand;
                 }
             }
@@ -185,7 +199,7 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                     for (pt, split) in chain {
                         cand.device.insert(pt, AxisSplit { axis: a, ..split });
                     }
-                    if fits(input, &cand) {
+                    if fits(input, &cand, op) {
                         is = cand;
                     }
                 }

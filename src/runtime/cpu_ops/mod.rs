@@ -4,12 +4,16 @@
 //! round once to the output's element type; integer kernels use `i64`. Every kernel checks
 //! the shapes it is given and returns an [`OpError`] that names the problem.
 
+mod layout;
 mod moe;
+mod rows;
 
+pub use layout::{cat, expand, slice};
 pub use moe::{
     moe_combine, moe_dispatch, pack_combine, pack_dispatch, unpack_combine, unpack_dispatch,
     MoeRows,
 };
+pub use rows::{reduce, rms_norm, softmax, Reduce};
 
 use std::borrow::Cow;
 
@@ -65,7 +69,12 @@ pub(crate) fn view_err(op: &'static str) -> impl Fn(ViewError) -> OpError {
     move |source| OpError::View { op, source }
 }
 
-fn expect_shape(op: &'static str, what: &str, got: &[u64], want: &[u64]) -> Result<(), OpError> {
+pub(crate) fn expect_shape(
+    op: &'static str,
+    what: &str,
+    got: &[u64],
+    want: &[u64],
+) -> Result<(), OpError> {
     if got == want {
         Ok(())
     } else {
@@ -386,7 +395,7 @@ pub fn run_compute(
     out: &mut ViewMut<'_>,
 ) -> Result<(), OpError> {
     let (want, _) = op.arity();
-    if inputs.len() != want {
+    if inputs.len() != want || inputs.is_empty() {
         return Err(shape_err(
             op.name(),
             format!("takes {want} inputs, got {}", inputs.len()),
@@ -405,6 +414,16 @@ pub fn run_compute(
         ComputeOp::Cast => cast(&inputs[0], out),
         ComputeOp::Permute { perm } => permute(&inputs[0], perm, out),
         ComputeOp::GroupedMatmul => grouped_matmul(&inputs[0], &inputs[1], &inputs[2], out),
+        ComputeOp::Max { axis } => reduce(Reduce::Max, &inputs[0], *axis, out),
+        ComputeOp::Min { axis } => reduce(Reduce::Min, &inputs[0], *axis, out),
+        ComputeOp::Avg { axis } => reduce(Reduce::Avg, &inputs[0], *axis, out),
+        ComputeOp::Softmax { axis } => softmax(&inputs[0], *axis, out),
+        ComputeOp::RmsNorm { axis, eps } => {
+            rms_norm(&inputs[0], &inputs[1], *axis, eps.value(), out)
+        }
+        ComputeOp::Expand => expand(&inputs[0], out),
+        ComputeOp::Slice { axis, start } => slice(&inputs[0], *axis, *start, out),
+        ComputeOp::Cat { axis, .. } => cat(inputs, *axis, out),
     }
 }
 

@@ -19,6 +19,7 @@ fn reduce_op(op: ReduceOp) -> KReduceOp {
         ReduceOp::Sum => KReduceOp::Sum,
         ReduceOp::Max => KReduceOp::Max,
         ReduceOp::Min => KReduceOp::Min,
+        ReduceOp::Avg => KReduceOp::Avg,
     }
 }
 

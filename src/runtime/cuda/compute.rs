@@ -1,5 +1,6 @@
 //! Compute ops on the current stream: GEMMs through cuBLAS (f32 without TF32), elementwise,
-//! reductions, casts and layout changes through the NVRTC kernels.
+//! reductions, casts and layout changes through the NVRTC kernels (the layout and row ops of
+//! the shape-op family in `layout_ops.rs`).
 
 use meshflow_ir::{ComputeOp, DType};
 use meshflow_kernels::{BinaryOp, Gemm, KernelArg, UnaryOp, UserKernel};
@@ -70,6 +71,14 @@ impl CudaBackend {
             }
             ComputeOp::Copy => self.copy(inputs[0], out),
             ComputeOp::Permute { perm } => self.permute(inputs[0], perm, out),
+            ComputeOp::Max { .. }
+            | ComputeOp::Min { .. }
+            | ComputeOp::Avg { .. }
+            | ComputeOp::Softmax { .. }
+            | ComputeOp::RmsNorm { .. }
+            | ComputeOp::Expand
+            | ComputeOp::Slice { .. }
+            | ComputeOp::Cat { .. } => self.layout_or_row_op(op, inputs, out),
         }
     }
 

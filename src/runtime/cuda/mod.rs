@@ -36,6 +36,7 @@ mod compare;
 mod compute;
 mod launch;
 mod layout;
+mod layout_ops;
 mod memory;
 mod moe;
 mod operands;

@@ -693,11 +693,15 @@ fn reduce_f32(parts: &[Storage], op: ReduceOp) -> Vec<f32> {
     for p in it {
         for (a, b) in acc.iter_mut().zip(p.to_f32_vec()) {
             *a = match op {
-                ReduceOp::Sum => *a + b,
+                ReduceOp::Sum | ReduceOp::Avg => *a + b,
                 ReduceOp::Max => a.max(b),
                 ReduceOp::Min => a.min(b),
             };
         }
+    }
+    if op == ReduceOp::Avg && !parts.is_empty() {
+        let n = parts.len() as f32;
+        acc.iter_mut().for_each(|a| *a /= n);
     }
     acc
 }
@@ -708,11 +712,15 @@ fn reduce_i64(parts: &[Storage], op: ReduceOp) -> Vec<i64> {
     for p in it {
         for (a, b) in acc.iter_mut().zip(p.to_i64_vec()) {
             *a = match op {
-                ReduceOp::Sum => a.wrapping_add(b),
+                ReduceOp::Sum | ReduceOp::Avg => a.wrapping_add(b),
                 ReduceOp::Max => (*a).max(b),
                 ReduceOp::Min => (*a).min(b),
             };
         }
+    }
+    if op == ReduceOp::Avg && !parts.is_empty() {
+        let n = parts.len() as i64;
+        acc.iter_mut().for_each(|a| *a /= n);
     }
     acc
 }

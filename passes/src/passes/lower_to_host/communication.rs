@@ -215,6 +215,21 @@ impl Lowering<'_> {
                 }
                 Ok(())
             }
+            Decision::StreamReduce { pt, axis } => {
+                let Some(lp) = lp else {
+                    return Err(PassError::internal(
+                        "lower_to_host",
+                        "a per-step reduce outside its producer's loop",
+                    ));
+                };
+                self.emit_stream_reduce(i, lp, pt, axis, block)
+            }
+            Decision::ReduceRing { pt, axis } if lp.is_none() => {
+                // The partial sums are also read elsewhere: the loop, then one reduce-scatter.
+                let (pin, cout) = (self.host_of(p), self.host_of(c));
+                let rs = Decision::ReduceScatter { pt, axis };
+                self.emit_row(i, rs, (p, pin), (c, cout), block)
+            }
             other => {
                 // Inside a loop every other row runs per chunk of the consumer's Stream axis.
                 let axis = match (&lp, cs.stream()) {
@@ -283,7 +298,8 @@ impl Lowering<'_> {
         let (pmesh, cmesh) = (self.sharding(p).mesh, self.sharding(c).mesh);
         let (pm, cm) = (self.mesh(pmesh)?.clone(), self.mesh(cmesh)?.clone());
         let slice = |pt| Team::Slice { mesh: cmesh, pt };
-        let sum = Some(ReduceOp::Sum);
+        // Partial results are reduced with their own kind (sum, max, min or avg).
+        let sum = Some(crate::analysis::partial_kind(self.program, p));
         let coll = |kind, team, root, op, exchanged| Collective {
             kind,
             team,
@@ -400,7 +416,11 @@ impl Lowering<'_> {
                     ),
                 );
             }
-            Decision::Ring { .. } | Decision::StreamBroadcast { .. } | Decision::Unsupported(_) => {
+            Decision::Ring { .. }
+            | Decision::StreamBroadcast { .. }
+            | Decision::ReduceRing { .. }
+            | Decision::StreamReduce { .. }
+            | Decision::Unsupported(_) => {
                 return Err(PassError::internal(
                     "lower_to_host",
                     format!("row {decision:?} in emit_row"),

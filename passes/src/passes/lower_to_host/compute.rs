@@ -41,6 +41,35 @@ impl Lowering<'_> {
             OpKind::Silu => Local::Compute(ComputeOp::Silu),
             OpKind::Cast => Local::Compute(ComputeOp::Cast),
             OpKind::Sum { axis } => Local::Compute(ComputeOp::Sum { axis: *axis }),
+            OpKind::Max { axis } => Local::Compute(ComputeOp::Max { axis: *axis }),
+            OpKind::Min { axis } => Local::Compute(ComputeOp::Min { axis: *axis }),
+            OpKind::Avg { axis } => Local::Compute(ComputeOp::Avg { axis: *axis }),
+            OpKind::Softmax { axis } => Local::Compute(ComputeOp::Softmax { axis: *axis }),
+            OpKind::RmsNorm { axis, eps } => Local::Compute(ComputeOp::RmsNorm {
+                axis: *axis,
+                eps: *eps,
+            }),
+            // Splits of a reshape land on the first axes of its groups: the local buffers hold
+            // the same elements in the same row-major order.
+            OpKind::Reshape | OpKind::View | OpKind::Squeeze { .. } | OpKind::Unsqueeze { .. } => {
+                Local::Compute(ComputeOp::Copy)
+            }
+            OpKind::Permute { perm } if perm.iter().enumerate().all(|(k, &p)| k == p) => {
+                Local::Compute(ComputeOp::Copy)
+            }
+            OpKind::Permute { perm } => Local::Compute(ComputeOp::Permute { perm: perm.clone() }),
+            OpKind::Expand => Local::Compute(ComputeOp::Expand),
+            // The sliced, selected or concatenated axis is never split: local indices are global.
+            OpKind::Slice { axis, start, .. } | OpKind::Select { axis, index: start } => {
+                Local::Compute(ComputeOp::Slice {
+                    axis: *axis,
+                    start: *start,
+                })
+            }
+            OpKind::Cat { axis, inputs } => Local::Compute(ComputeOp::Cat {
+                axis: *axis,
+                inputs: *inputs,
+            }),
             OpKind::GroupedMatmul => Local::Compute(ComputeOp::GroupedMatmul),
             OpKind::Custom(c) => Local::Kernel {
                 kernel: c.kernel.clone(),
@@ -102,6 +131,27 @@ impl Lowering<'_> {
             let out_axis = stream_axis.and_then(|k| self.sharding(o).value_index(k));
             let what = format!("output of `{}`", op.kind.name());
             outputs.push(self.operand(lp.as_deref_mut(), block, o, out_axis, &what)?);
+        }
+        if let (OpKind::Select { axis, .. }, Some(&o)) = (&op.kind, outputs.first()) {
+            // `select` is a one-element slice (the axis kept) copied into the output.
+            let mut shape = self.host.tensors[inputs[0]].shape.clone();
+            if let Some(e) = shape.get_mut(*axis) {
+                *e = 1;
+            }
+            let t = self.derived(o, "selected", shape);
+            if let Local::Compute(slice) = local {
+                block.push(Inst::new(InstKind::Compute {
+                    op: slice,
+                    inputs,
+                    outputs: vec![t],
+                }));
+            }
+            block.push(Inst::new(InstKind::Compute {
+                op: ComputeOp::Copy,
+                inputs: vec![t],
+                outputs,
+            }));
+            return Ok(());
         }
         let kind = match local {
             Local::Compute(op) => InstKind::Compute {

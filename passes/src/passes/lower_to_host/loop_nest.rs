@@ -33,6 +33,24 @@ pub(crate) struct LoopCtx {
     views: HashMap<(HostTensorId, usize), HostTensorId>,
 }
 
+impl LoopCtx {
+    /// A context cutting `chunks` chunks, at chunk `index` (an expression of `var` and
+    /// `my(..)`, or of `my(..)` alone for a peeled step).
+    pub(crate) fn at(var: LoopVar, chunks: u64, index: Expr) -> LoopCtx {
+        LoopCtx {
+            var,
+            chunks,
+            index,
+            views: HashMap::new(),
+        }
+    }
+
+    /// Makes `view` the chunk of `t` along `axis` in this context (instead of a new view).
+    pub(crate) fn seed(&mut self, t: HostTensorId, axis: usize, view: HostTensorId) {
+        self.views.insert((t, axis), view);
+    }
+}
+
 impl Lowering<'_> {
     /// The stream key of the tensor `t` (from its Stream split).
     pub(crate) fn key_of(&self, t: TensorId) -> Option<StreamKey> {
@@ -64,7 +82,11 @@ impl Lowering<'_> {
                     }
                     None
                 }
-                _ => op.outputs.first().and_then(|&o| self.key_of(o)),
+                _ => op
+                    .outputs
+                    .first()
+                    .and_then(|&o| self.key_of(o))
+                    .or_else(|| self.reduce_key(i)),
             };
             let joins = groups.last().is_some_and(|g| {
                 key.is_some()
@@ -74,7 +96,7 @@ impl Lowering<'_> {
                             .ops
                             .iter()
                             .any(|&k| self.program.ops[k].outputs.contains(&t));
-                        !produced_here || self.reads_by_chunk(i, j)
+                        !produced_here || self.reads_by_chunk(i, j) || self.reduce_key(i).is_some()
                     })
             });
             match groups.last_mut() {
@@ -117,8 +139,14 @@ impl Lowering<'_> {
             }
             return Ok(());
         };
+        if self.emit_gather_ring(g, key, block)? || self.emit_reduce_ring(g, key, block)? {
+            return Ok(());
+        }
         let var = self.fresh_loop();
         self.loop_trips.insert(var, key.chunks);
+        if self.planned_prefetch(g) {
+            self.prefetch_loops.insert(var);
+        }
         let index = match key.swizzle {
             None => Expr::var(var),
             Some((mesh, pt)) => Expr::var(var)
@@ -144,7 +172,7 @@ impl Lowering<'_> {
         Ok(())
     }
 
-    fn emit_op(
+    pub(crate) fn emit_op(
         &mut self,
         i: usize,
         lp: Option<&mut LoopCtx>,

@@ -16,6 +16,14 @@
 //! - **Compute** (`compute.rs`): every other op becomes its local host op, on chunk views inside
 //!   a loop; `moe_dispatch`/`moe_combine` become the host MoE instructions over their
 //!   expert-parallel team.
+//! - **Neighbour rings** (`gather_ring.rs`, `reduce_ring.rs`): a swizzled all-gather whose
+//!   [`Plan`] is a forwarding or bidirectional ring, and every swizzled reduce-scatter, lower to
+//!   peeled loops that place their own streams (compute on the main stream, transfers one step
+//!   ahead on workers); the per-step reduce (root = loop index) is a plain stream loop.
+//!
+//! The [`Plan`]s of `choose_decompositions` (by tensor name, in [`PassContext::plans`]) pick
+//! the ring and its pieces; distance-ring loops planned with the prefetch schedule are reported
+//! in [`PassContext::prefetch_loops`] for `prefetch_transfers`.
 //! - **Uneven shards** (`uneven.rs`): buffers are padded to the largest piece; compute sees
 //!   `narrow` views of the valid extents, collectives move padded buffers and the lowering
 //!   repacks around them.
@@ -24,19 +32,22 @@
 
 mod communication;
 mod compute;
+mod gather_ring;
 mod loop_nest;
 mod naming;
 mod uneven;
 mod uneven_comm;
+mod reduce_ring;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use meshflow_ir::host::{CommId, HostTensorId, Inst, InstKind, LoopVar, Role};
+use meshflow_ir::host::{CommId, HostTensorId, Inst, InstKind, LoopVar, Role, StreamVar};
 use meshflow_ir::{DeviceMesh, EntityRef, HostProgram, MeshId, Program, TensorId};
 
 use crate::analysis::{AxisClasses, Sharding};
 use crate::error::PassError;
 use crate::manager::{LowerPass, PassContext};
+use crate::plan::Plan;
 
 /// The pass.
 pub struct LowerToHost;
@@ -46,14 +57,26 @@ impl LowerPass for LowerToHost {
         "lower_to_host"
     }
 
-    fn run(&self, program: &Program, _cx: &mut PassContext) -> Result<HostProgram, PassError> {
-        lower(program)
+    fn run(&self, program: &Program, cx: &mut PassContext) -> Result<HostProgram, PassError> {
+        let (host, prefetch) = lower_planned(program, &cx.plans)?;
+        cx.prefetch_loops = prefetch;
+        Ok(host)
     }
 }
 
-/// Lowers `program` to a host program (no allocations, streams or deferred waits yet).
+/// Lowers `program` to a host program (no allocations, streams or deferred waits yet), every
+/// decomposition as its annotation says (distance rings for swizzled all-gathers).
 pub fn lower(program: &Program) -> Result<HostProgram, PassError> {
-    let mut l = Lowering::new(program)?;
+    lower_planned(program, &BTreeMap::new()).map(|(host, _)| host)
+}
+
+/// [`lower`] following `plans` (by tensor name, see the module docs); also returns the loops
+/// planned with the prefetch schedule.
+pub fn lower_planned(
+    program: &Program,
+    plans: &BTreeMap<String, Plan>,
+) -> Result<(HostProgram, BTreeSet<LoopVar>), PassError> {
+    let mut l = Lowering::new(program, plans)?;
     let groups = l.group_steps()?;
     let mut body = Vec::new();
     for g in groups {
@@ -76,7 +99,7 @@ pub fn lower(program: &Program) -> Result<HostProgram, PassError> {
             .map(|&t| Inst::new(InstKind::Deallocate { tensor: t })),
     );
     l.host.body = full;
-    Ok(l.host)
+    Ok((l.host, l.prefetch_loops))
 }
 
 /// Internal buffers (not views) named by `inst`, in order of first appearance.
@@ -111,12 +134,20 @@ pub(crate) struct Lowering<'a> {
     pub(crate) loop_trips: HashMap<LoopVar, u64>,
     /// Per-rank extents of `narrow` views (see `uneven.rs`).
     pub(crate) lengths: HashMap<HostTensorId, Vec<meshflow_ir::Expr>>,
+    /// The plans of `choose_decompositions`, by tensor name.
+    pub(crate) plans: &'a BTreeMap<String, Plan>,
+    /// Loops to reschedule with `prefetch_transfers`.
+    pub(crate) prefetch_loops: BTreeSet<LoopVar>,
     next_comm: u32,
     next_loop: u32,
+    next_stream: u32,
 }
 
 impl<'a> Lowering<'a> {
-    fn new(program: &'a Program) -> Result<Lowering<'a>, PassError> {
+    fn new(
+        program: &'a Program,
+        plans: &'a BTreeMap<String, Plan>,
+    ) -> Result<Lowering<'a>, PassError> {
         let mut host = HostProgram::new(program.name.clone());
         for m in program.meshes.values() {
             host.meshes.push(m.clone());
@@ -151,8 +182,11 @@ impl<'a> Lowering<'a> {
             views: HashMap::new(),
             loop_trips: HashMap::new(),
             lengths: HashMap::new(),
+            plans,
+            prefetch_loops: BTreeSet::new(),
             next_comm: 0,
             next_loop: 0,
+            next_stream: 0,
         })
     }
 
@@ -188,6 +222,12 @@ impl<'a> Lowering<'a> {
     pub(crate) fn fresh_loop(&mut self) -> LoopVar {
         let v = LoopVar(self.next_loop);
         self.next_loop += 1;
+        v
+    }
+
+    pub(crate) fn fresh_stream(&mut self) -> StreamVar {
+        let v = StreamVar(self.next_stream);
+        self.next_stream += 1;
         v
     }
 

@@ -245,7 +245,11 @@ impl Lowering<'_> {
                 }
                 self.emit_row(i, decision, (p, pin), (c, cout), block)
             }
-            Decision::Ring { .. } | Decision::StreamBroadcast { .. } | Decision::Unsupported(_) => {
+            Decision::Ring { .. }
+            | Decision::StreamBroadcast { .. }
+            | Decision::ReduceRing { .. }
+            | Decision::StreamReduce { .. }
+            | Decision::Unsupported(_) => {
                 Err(PassError::internal(
                     "lower_to_host",
                     format!("row {decision:?} in emit_uneven"),
