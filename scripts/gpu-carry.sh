@@ -6,8 +6,9 @@
 #
 #   bash gpu/suite/run.sh [tests|bench|all]      # logs and JSON under $OUT (default /tmp/out)
 #
-# `tests` runs every GPU test binary (the kernels crate's as kernels_gpu; the fault matrix test
-# by test) on the GPUs present (each test prints what it skipped); `bench` runs PyTorch's
+# `tests` runs every GPU test binary (the kernels crate's as kernels_gpu, each transport alone
+# from the root crate's unit tests as meshflow_lib; the fault matrix test by test) on the GPUs
+# present (each test prints what it skipped); `bench` runs PyTorch's
 # baselines and then `meshflow bench agmm, rsmm, permute, moe` against them in the same call,
 # then the copy-engine probe (`kernels/examples/peer_bandwidth.rs`); `all` does both.
 #
@@ -33,6 +34,10 @@ done
 # The kernels crate's own GPU tests (kernels/tests/gpu.rs).
 f="$(grep -oE "\(.*/deps/gpu-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
 [ -n "$f" ] && cp "$f" "$dest/bin/kernels_gpu"
+# The root crate's unit tests: each GPU transport alone (src/runtime/cuda/transport/tests.rs).
+f="$(grep "unittests src/lib.rs" /tmp/gpu-carry-build.log | grep -oE "\(.*/deps/meshflow-[0-9a-f]+\)" |
+  tr -d '()' | tail -1)"
+[ -n "$f" ] && cp "$f" "$dest/bin/meshflow_lib"
 strip "$dest"/bin/* 2>/dev/null || true
 cp "$root/../shared/device/gpu-env.sh" "$dest/"
 # Where the tests look for examples/ (their build root) and for the meshflow binary.
@@ -61,6 +66,7 @@ tests() {
            gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe gpu_overlap; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done
+  [ -x "$B/meshflow_lib" ] && step 300 "$B/meshflow_lib" runtime::cuda --test-threads 1 --nocapture
   for t in gpu_faults_mid_collective gpu_faults_mid_collective_permute gpu_faults_mid_moe_dispatch; do
     step 300 "$B/gpu_faults" "$t" --exact --test-threads 1 --nocapture
   done

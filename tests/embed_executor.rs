@@ -329,3 +329,16 @@ fn a_failing_rank_stops_the_others() {
     }
     assert_eq!(job.failure().map(|f| f.0), Some(2));
 }
+
+#[test]
+fn recording_graphs_on_the_cpu_backend_is_refused_when_the_executor_is_made() {
+    let text = include_str!("../examples/programs/column_parallel_linear_ring.mf");
+    let options = Options::for_ranks(1).graph(true);
+    let program = meshflow::parse(text, &options).expect("parses");
+    let compiled = compile(&program, &options).expect("compiles");
+    assert!(compiled.records_graphs());
+    let job = CpuJob::for_program(&compiled, SimConfig::default());
+    let e = Executor::new(&compiled, 0, job.backend(0).expect("backend"))
+        .expect_err("the CPU backend records no graphs");
+    assert!(e.to_string().contains("does not record graphs"), "{e}");
+}

@@ -1,5 +1,6 @@
 //! The embedding API on GPUs: the caller's streams, device buffers (written in place) and
-//! borrowed NCCL communicators; the front end's PTX kernel behind a `custom` op.
+//! borrowed NCCL communicators; the front end's PTX kernel behind a `custom` op; steps
+//! recorded as CUDA graphs (`Options::graph`).
 //!
 //! Built with the `cuda` feature only (`cargo test --features cuda`); without enough GPUs each
 //! test prints why it skipped.
@@ -46,9 +47,11 @@ fn device_tensor(stream: &Stream, t: &TensorData) -> Result<CudaTensor, Error> {
 
 #[test]
 fn the_callers_stream_buffers_and_communicators_run_the_mlp() {
-    for d in support::rank_counts("the_callers_stream_buffers_and_communicators_run_the_mlp") {
+    let counts = support::rank_counts("the_callers_stream_buffers_and_communicators_run_the_mlp");
+    // Each step issued as is, then each step recorded as a CUDA graph and replayed.
+    for (d, graph) in counts.into_iter().flat_map(|d| [(d, false), (d, true)]) {
         let program = mlp(d as u64);
-        let compiled = compile(&program, &Options::for_ranks(d)).expect("compiles");
+        let compiled = compile(&program, &Options::for_ranks(d).graph(graph)).expect("compiles");
         let job = CudaJob::for_program(&compiled, config());
         let devices: Vec<Device> = (0..d).map(|r| Device::new(r).expect("device")).collect();
         let lib = NcclLib::load().expect("NCCL");
@@ -106,13 +109,16 @@ fn the_callers_stream_buffers_and_communicators_run_the_mlp() {
                 .collect()
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let ys = r.unwrap_or_else(|e| panic!("d={d} rank {rank}: {e}"));
+            let ys = r.unwrap_or_else(|e| panic!("d={d} graph={graph} rank {rank}: {e}"));
             for (s, full) in steps.iter().enumerate() {
                 let want = evaluate_with(&program, full, &kernels()).expect("reference");
                 let got = TensorData::from_f32(DType::F32, &[4, 6], &ys[s]).expect("y");
                 let e = got.rel_error(&want["y"]).expect("comparable");
-                eprintln!("d={d} rank {rank} step {s}: rel err {e:.2e}");
-                assert!(e < 1e-4, "d={d} rank {rank} step {s}: rel err {e}");
+                eprintln!("d={d} graph={graph} rank {rank} step {s}: rel err {e:.2e}");
+                assert!(
+                    e < 1e-4,
+                    "d={d} graph={graph} rank {rank} step {s}: rel err {e}"
+                );
             }
         }
     }

@@ -29,7 +29,8 @@ use std::time::{Duration, Instant};
 use hardening_support::{open_fds, row};
 use meshflow::ir::{ComputeOp, DType, DeviceId, HostProgram, Program};
 use meshflow::runtime::backend::{
-    Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex, TensorView,
+    Backend, BackendError, CommLabel, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex,
+    TensorView,
 };
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cuda::{clear_communicator_cache, AbortSignal, CudaBackend, CudaConfig};
@@ -145,7 +146,7 @@ impl<B: Backend> Backend for Faulty<B> {
     fn begin_group(&mut self) -> Result<(), BackendError> {
         self.inner.begin_group()
     }
-    fn end_group(&mut self, label: usize, ctx: InstCtx<'_>) -> Result<B::Comm, BackendError> {
+    fn end_group(&mut self, label: CommLabel, ctx: InstCtx<'_>) -> Result<B::Comm, BackendError> {
         self.inner.end_group(label, ctx)
     }
     fn wait(&mut self, comm: &B::Comm, ctx: InstCtx<'_>) -> Result<(), BackendError> {
@@ -153,6 +154,9 @@ impl<B: Backend> Backend for Faulty<B> {
     }
     fn finish(&mut self) -> Result<(), BackendError> {
         self.inner.finish()
+    }
+    fn transport_of(&self, label: CommLabel) -> Option<meshflow::passes::Transport> {
+        self.inner.transport_of(label)
     }
 }
 

@@ -27,7 +27,7 @@ use meshflow::bench::programs::{
 };
 use meshflow::bench::Timing;
 use meshflow::ir::{DType, HostProgram};
-use meshflow::runtime::cuda::{run_cuda_timed, CudaTransport, Interval, IntervalKind, TimedRun};
+use meshflow::runtime::cuda::{run_cuda_timed, Interval, IntervalKind, TimedRun, Transport};
 use meshflow::runtime::data::{SplitMix64, TensorData};
 use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::SimInputs;
@@ -43,7 +43,7 @@ const STREAMS: usize = 2;
 const STEPS: usize = 8;
 
 fn timed(what: &str, host: &HostProgram, d: usize, inputs: PerRank, profile: bool) -> TimedRun {
-    timed_over(what, host, d, inputs, profile, CudaTransport::Auto)
+    timed_over(what, host, d, inputs, profile, None)
 }
 
 /// Like [`timed`], with the transport fixed.
@@ -53,7 +53,7 @@ fn timed_over(
     d: usize,
     inputs: PerRank,
     profile: bool,
-    transport: CudaTransport,
+    transport: Option<Transport>,
 ) -> TimedRun {
     let mut o = cuda_options();
     o.config.transport = transport;
@@ -291,17 +291,17 @@ fn row_parallel_chunked_overlaps() {
             Timing::from_times(&run.times_us)
         };
         let (ce, nccl) = (
-            comm_over(CudaTransport::CopyEngine),
-            comm_over(CudaTransport::Nccl),
+            comm_over(Some(Transport::CopyEngine)),
+            comm_over(Some(Transport::Nccl)),
         );
         let (transport, comm) = if ce.us <= nccl.us {
-            (CudaTransport::CopyEngine, ce)
+            (Transport::CopyEngine, ce)
         } else {
-            (CudaTransport::Nccl, nccl)
+            (Transport::Nccl, nccl)
         };
         let name = &format!("rsmm chunked s=4 over {transport:?}");
         let timed = |what: &str, host: &HostProgram, d, inputs, profile| {
-            timed_over(what, host, d, inputs, profile, transport)
+            timed_over(what, host, d, inputs, profile, Some(transport))
         };
         let run = timed(name, &l.host, d, per_rank.clone(), true);
         let out = run.outcome.gather(&l.program).unwrap();

@@ -86,10 +86,14 @@ fn expert_rows(out: &BTreeMap<String, TensorData>) -> Vec<Vec<(i64, i64, Vec<u64
 #[test]
 fn moe_layer_matches_reference_with_expert_rows_as_multisets() {
     use meshflow::runtime::compare::random_inputs;
-    use meshflow::runtime::cuda::run_cuda;
+    use meshflow::runtime::cuda::{run_cuda_timed, Transport};
     use meshflow::runtime::reference::evaluate;
     use meshflow::runtime::SimInputs;
-    for d in rank_counts("moe_layer_matches_reference_with_expert_rows_as_multisets") {
+    // The automatic choice (MoE over NVLink for in-process GPUs with peer access), then NCCL.
+    for (d, forced) in rank_counts("moe_layer_matches_reference_with_expert_rows_as_multisets")
+        .into_iter()
+        .flat_map(|d| [(d, None), (d, Some(Transport::Nccl))])
+    {
         for (t, e, k) in [(6, 2, 2), (5, 1, 1), (4, 3, 3)] {
             let host = common::moe_host(d as i64, t, e, k, 16, 8);
             let l1 = common::level1(
@@ -106,15 +110,31 @@ fn moe_layer_matches_reference_with_expert_rows_as_multisets() {
             let inputs = random_inputs(&l1, 3).unwrap();
             let mut o = cuda_options();
             o.ranks = Some(d);
-            let out = run_cuda(
+            o.config.transport = forced;
+            let run = run_cuda_timed(
                 &host,
                 SimInputs::Full {
                     program: &l1,
                     inputs: &inputs,
                 },
                 &o,
+                0,
+                1,
             )
-            .unwrap_or_else(|err| panic!("moe d={d} t={t} e={e} k={k}: {err}"));
+            .unwrap_or_else(|err| panic!("moe d={d} t={t} e={e} k={k} {forced:?}: {err}"));
+            let used: Vec<Option<Transport>> = run.transports[&0]
+                .iter()
+                .filter(|c| c.name.starts_with("moe_"))
+                .map(|c| c.transport)
+                .collect();
+            eprintln!("moe d={d} {forced:?}: dispatch and combine over {used:?}");
+            assert_eq!(used.len(), 2, "{used:?}");
+            if forced.is_some() || d == 1 {
+                assert!(used.iter().all(|u| *u == Some(Transport::Nccl)), "{used:?}");
+            } else {
+                assert!(used[0].is_some() && used[0] == used[1], "{used:?}");
+            }
+            let out = run.outcome;
             let got = out.gather(&l1).unwrap();
             let want = evaluate(&l1, &inputs).unwrap();
             let err = got["y"].rel_error(&want["y"]).unwrap();
@@ -129,7 +149,7 @@ fn moe_layer_matches_reference_with_expert_rows_as_multisets() {
                 "moe d={d} t={t} e={e} k={k}: expert rows differ"
             );
             eprintln!(
-                "moe d={d} t={t} e={e} k={k}: y rel err {err:.2e}, expert rows equal as multisets"
+                "moe d={d} t={t} e={e} k={k} {forced:?}: y rel err {err:.2e}, expert rows equal as multisets"
             );
         }
     }

@@ -2,7 +2,8 @@
 //! both directions, to itself, strided send and receive views), broadcasts from every root,
 //! and the lowered ring and broadcast AG+GEMM loops (double-buffered receive chunks, several
 //! steps back to back), on 2 and 4 GPUs (those present), with the pull on the posting stream
-//! and on a dedicated copy stream.
+//! and on a dedicated copy stream. Also: programs recorded as CUDA graphs (and the clear
+//! refusal where a transport needs the host), and the transport every communication reports.
 //!
 //! Built with the `cuda` feature only (`cargo test --features cuda`).
 #![cfg(feature = "cuda")]
@@ -12,7 +13,7 @@ mod support;
 
 use meshflow::bench::programs::{agmm_lowered, AgVariant, Gemm3, Parts};
 use meshflow::ir::DType;
-use meshflow::runtime::cuda::{CopyStream, CudaConfig, CudaTransport};
+use meshflow::runtime::cuda::{CopyStream, CudaConfig, Transport};
 use meshflow::runtime::shard::scatter_inputs;
 use support::*;
 
@@ -22,21 +23,21 @@ fn configs() -> Vec<(&'static str, CudaConfig)> {
         (
             "nccl",
             CudaConfig {
-                transport: CudaTransport::Nccl,
+                transport: Some(Transport::Nccl),
                 ..base.clone()
             },
         ),
         (
             "copy engine",
             CudaConfig {
-                transport: CudaTransport::CopyEngine,
+                transport: Some(Transport::CopyEngine),
                 ..base.clone()
             },
         ),
         (
             "copy engine, copy stream, 3 steps",
             CudaConfig {
-                transport: CudaTransport::CopyEngine,
+                transport: Some(Transport::CopyEngine),
                 copy_stream: CopyStream::Dedicated,
                 steps: 3,
                 ..base
@@ -166,7 +167,7 @@ fn a_failing_rank_stops_a_peer_waiting_for_its_copy_engine_data() {
     // Rank 1 is not given its input: it fails before posting, while rank 0 waits for its offer.
     inputs.insert(1, std::collections::BTreeMap::new());
     let mut opts = cuda_options();
-    opts.config.transport = CudaTransport::CopyEngine;
+    opts.config.transport = Some(Transport::CopyEngine);
     opts.config.timeout = std::time::Duration::from_secs(20);
     let t0 = std::time::Instant::now();
     let err =
@@ -181,7 +182,7 @@ fn a_failing_rank_stops_a_peer_waiting_for_its_copy_engine_data() {
     assert!(t0.elapsed() < std::time::Duration::from_secs(30));
     let good = per_rank_inputs(&h, 2, 2);
     let config = CudaConfig {
-        transport: CudaTransport::CopyEngine,
+        transport: Some(Transport::CopyEngine),
         ..cuda_options().config
     };
     sim_vs_cuda_with("permute after a failure", &h, 2, good, &|_| true, &config);
@@ -231,4 +232,185 @@ fn a_send_buffer_written_right_after_the_wait_is_not_raced() {
             );
         }
     }
+}
+
+/// `run --graph`: one step recorded as a CUDA graph and replayed `steps` times gives what the
+/// sim backend gives (the automatic selection keeps to transports that replay), on 2 and 4
+/// GPUs.
+#[test]
+fn a_program_recorded_as_a_cuda_graph_matches_the_sim_backend() {
+    for d in multi_gpu_counts("a_program_recorded_as_a_cuda_graph_matches_the_sim_backend") {
+        let s = Gemm3 {
+            m: 256 * d as u64,
+            k: 128,
+            n: 64 * d as u64,
+        };
+        for v in [AgVariant::Ring, AgVariant::Broadcast, AgVariant::Collective] {
+            let l = agmm_lowered(d, s, DType::BF16, v, 2, Parts::Both).unwrap();
+            let full = std::collections::BTreeMap::from([
+                (
+                    "x".to_string(),
+                    meshflow::runtime::data::TensorData::random(DType::BF16, &[s.m, s.k], 5)
+                        .unwrap(),
+                ),
+                (
+                    "w".to_string(),
+                    meshflow::runtime::data::TensorData::random(DType::BF16, &[s.n, s.k], 6)
+                        .unwrap(),
+                ),
+            ]);
+            let inputs = scatter_inputs(&l.program, &full).unwrap();
+            let config = CudaConfig {
+                graph: true,
+                steps: 3,
+                ..cuda_options().config
+            };
+            sim_vs_cuda_with(
+                &format!("graph: agmm {}", v.name()),
+                &l.host,
+                d,
+                inputs,
+                &|_| true,
+                &config,
+            );
+        }
+    }
+}
+
+/// Recording is refused, with the reason, where a forced transport needs the host during a
+/// step; nothing hangs and a later run without graphs works.
+#[test]
+fn graph_recording_is_refused_where_a_transport_needs_the_host() {
+    for d in multi_gpu_counts("graph_recording_is_refused_where_a_transport_needs_the_host") {
+        let h = host(
+            "host p {\n  mesh m0 = $MESH\n  in a: f32[256] on m0\n  out b: f32[256] on m0\n  c0 = collective_permute(a -> b, team=slice(m0, DIDx), send=(my(m0, DIDx) + 1) % $D, recv=(my(m0, DIDx) + $DM1) % $D)\n  wait c0\n}\n",
+            &[("MESH", iota(d)), ("D", d.to_string()), ("DM1", (d - 1).to_string())],
+        );
+        let mut opts = cuda_options();
+        opts.ranks = Some(d);
+        opts.config.graph = true;
+        opts.config.transport = Some(Transport::CopyEngine);
+        let inputs = per_rank_inputs(&h, d, 3);
+        let err = meshflow::runtime::cuda::run_cuda(
+            &h,
+            meshflow::runtime::SimInputs::PerRank(inputs.clone()),
+            &opts,
+        )
+        .expect_err("the copy engine cannot be recorded");
+        let text = err.to_string();
+        eprintln!("{text}");
+        assert!(
+            text.contains("cannot be recorded as a CUDA graph") && text.contains("copy-engine"),
+            "{text}"
+        );
+        assert!(!text.contains("panicked"), "{text}");
+        let config = CudaConfig {
+            transport: Some(Transport::CopyEngine),
+            ..cuda_options().config
+        };
+        sim_vs_cuda_with("after a refused graph", &h, d, inputs, &|_| true, &config);
+    }
+}
+
+/// Every communication reports the transport that carried it, in the run's report and in the
+/// profiled trace: forced NCCL everywhere; the copy engine for a ring permute of in-process
+/// GPUs with peer access (else NCCL).
+#[test]
+fn every_communication_reports_its_transport() {
+    use meshflow::runtime::cuda::run_cuda_timed;
+    for d in multi_gpu_counts("every_communication_reports_its_transport") {
+        let h = host(
+            "host p {\n  mesh m0 = $MESH\n  in a: f32[256] on m0\n  out b: f32[256] on m0\n  out c: f32[256] on m0\n  c0 = collective_permute(a -> b, team=slice(m0, DIDx), send=(my(m0, DIDx) + 1) % $D, recv=(my(m0, DIDx) + $DM1) % $D)\n  wait c0\n  c1 = all_reduce(a -> c, team=slice(m0, DIDx), op=sum)\n  wait c1\n}\n",
+            &[("MESH", iota(d)), ("D", d.to_string()), ("DM1", (d - 1).to_string())],
+        );
+        for forced in [None, Some(Transport::Nccl)] {
+            let mut opts = cuda_options();
+            opts.ranks = Some(d);
+            opts.config.transport = forced;
+            opts.config.profile = true;
+            let inputs = per_rank_inputs(&h, d, 4);
+            let run = run_cuda_timed(
+                &h,
+                meshflow::runtime::SimInputs::PerRank(inputs),
+                &opts,
+                0,
+                1,
+            )
+            .unwrap_or_else(|e| panic!("{forced:?}: {e}"));
+            for rank in 0..d {
+                let used: Vec<(&str, Option<Transport>)> = run.transports[&rank]
+                    .iter()
+                    .map(|c| (c.name, c.transport))
+                    .collect();
+                eprintln!("{forced:?} rank {rank}: {used:?}");
+                assert_eq!(used.len(), 2, "{used:?}");
+                assert_eq!(used[1], ("all_reduce", Some(Transport::Nccl)));
+                let permute = used[0].1;
+                match forced {
+                    Some(t) => assert_eq!(permute, Some(t)),
+                    None => assert!(
+                        matches!(permute, Some(Transport::CopyEngine | Transport::Nccl)),
+                        "{used:?}"
+                    ),
+                }
+                let events = run.outcome.trace.as_ref().expect("profiled");
+                let traced: Vec<_> = events
+                    .events
+                    .iter()
+                    .filter(|e| e.rank == rank && e.name == "collective_permute")
+                    .map(|e| e.transport)
+                    .collect();
+                assert!(
+                    !traced.is_empty() && traced.iter().all(|t| *t == permute),
+                    "{traced:?} vs {permute:?}"
+                );
+            }
+        }
+    }
+}
+
+/// The command line: `run --graph --explain` on 2 GPUs records the ring as a CUDA graph over
+/// NCCL and says so; `--graph` in a run split into nodes is refused with the reason.
+#[test]
+fn run_graph_on_the_command_line() {
+    if skip_unless(2, "run_graph_on_the_command_line") {
+        return;
+    }
+    let ring = format!(
+        "{}/examples/programs/column_parallel_linear_ring.mf",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let run = |extra: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_meshflow"))
+            .args([
+                "run",
+                &ring,
+                "--backend",
+                "cuda",
+                "--ranks",
+                "2",
+                "--explain",
+            ])
+            .args(extra)
+            .output()
+            .expect("the meshflow binary runs")
+    };
+    let o = run(&["--graph"]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    eprintln!("{out}{err}");
+    assert_eq!(o.status.code(), Some(0), "{out}{err}");
+    assert!(out.lines().last().unwrap_or("").starts_with("ok "), "{out}");
+    assert!(out.contains("recorded one step as a CUDA graph"), "{out}");
+    assert!(
+        out.contains("collective_permute: nccl (ranks 0,1)"),
+        "{out}"
+    );
+    let o = run(&["--graph", "--nodes", "2"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_ne!(o.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("graph recording is not supported in runs split into nodes"),
+        "{err}"
+    );
 }

@@ -62,6 +62,7 @@ fn run_nodes(
                         host: "127.0.0.1".into(),
                         ring,
                         setup_timeout: Duration::from_secs(30),
+                        wire: Default::default(),
                     };
                     run_node(&c.host, per_rank, &spec, rendezvous, opts)
                 })

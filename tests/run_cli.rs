@@ -164,3 +164,69 @@ fn the_cuda_backend_needs_the_cuda_feature() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("built without the `cuda` feature"), "{err}");
 }
+
+#[test]
+fn the_proxy_wire_is_chosen_with_wire_and_auto_says_which() {
+    let ring = "examples/programs/column_parallel_linear_ring.mf";
+    let run = |wire: &str| {
+        meshflow(&[
+            "run",
+            ring,
+            "--ranks",
+            "2",
+            "--nodes",
+            "2",
+            "--wire",
+            wire,
+            "--explain",
+        ])
+    };
+    let o = run("tcp");
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", text(&o.stderr));
+    assert!(out.contains("proxy wire: tcp (requested)"), "{out}");
+    assert!(out.contains("through the host proxy"), "{out}");
+    // `auto` takes ibverbs only where every rank can; it says which wire and why.
+    let o = run("auto");
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", text(&o.stderr));
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("proxy wire: "))
+        .unwrap_or_else(|| panic!("no wire line in:\n{out}"));
+    if meshflow::kernels::proxy::ibverbs_available().is_err() {
+        assert!(line.starts_with("proxy wire: tcp (auto: rank"), "{line}");
+        assert!(line.contains("cannot use ibverbs"), "{line}");
+        // `ibverbs` without a device (or without the `rdma` feature) fails, saying why.
+        let o = run("ibverbs");
+        let err = text(&o.stderr);
+        assert_ne!(o.status.code(), Some(0), "{}", text(&o.stdout));
+        assert!(err.contains("ibverbs wire was requested"), "{err}");
+    } else {
+        assert!(line.starts_with("proxy wire: ibverbs (auto:"), "{line}");
+    }
+    let o = meshflow(&["run", ring, "--ranks", "2", "--wire", "udp"]);
+    assert_ne!(o.status.code(), Some(0), "{}", text(&o.stdout));
+    assert!(
+        text(&o.stderr).contains("unknown wire `udp`"),
+        "{}",
+        text(&o.stderr)
+    );
+}
+
+#[test]
+fn gpu_only_run_options_are_refused_on_the_sim_backend() {
+    let ring = "examples/programs/column_parallel_linear_ring.mf";
+    let o = meshflow(&["run", ring, "--ranks", "2", "--graph"]);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o.stdout));
+    assert!(err.contains("--graph records CUDA graphs"), "{err}");
+    let o = meshflow(&["run", ring, "--ranks", "2", "--transport", "nvlink"]);
+    let err = text(&o.stderr);
+    assert_ne!(o.status.code(), Some(0), "{}", text(&o.stdout));
+    assert!(err.contains("prices nccl and copy-engine plans"), "{err}");
+    let o = meshflow(&["run", ring, "--ranks", "2", "--explain"]);
+    let out = text(&o.stdout);
+    assert_eq!(o.status.code(), Some(0), "{out}{}", text(&o.stderr));
+    assert!(out.contains("transports: the sim backend"), "{out}");
+}

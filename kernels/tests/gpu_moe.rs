@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use half::{bf16, f16};
 use meshflow_kernels::moe::{
     bench_moe, format_bench_table, reference_combine, reference_dispatch, round_to, BenchCase,
-    MoeShape, MoeStatus, MoeTransport, NcclMoe, NvlinkMoe, TransportKind,
+    MoeShape, MoeStatus, MoeTransport, NcclMoe, NvlinkMoe,
 };
 use meshflow_kernels::nccl::{Comm, NcclLib};
 use meshflow_kernels::{DType, Device, DeviceBuffer, KernelError, Stream};
@@ -299,7 +299,7 @@ fn rank_step(
     // a team barrier (separate processes) peers may already write this step's rows into the
     // NVLink transport's expert_x / routing, so only rank-private outputs are poisoned then.
     team.sync()?;
-    if team.barrier.is_some() || t.kind() == TransportKind::Nccl {
+    if team.barrier.is_some() || t.name() == "nccl" {
         poison(stream, s.dtype, t.expert_x());
         poison(stream, DType::I32, t.routing());
     }
@@ -587,18 +587,30 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-fn make_transports(
-    kind: TransportKind,
-    devs: &[Device],
-    shape: &MoeShape,
-) -> Vec<Box<dyn MoeTransport>> {
+/// The MoE engines under test.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Engine {
+    Nccl,
+    Nvlink,
+}
+
+impl Engine {
+    fn name(self) -> &'static str {
+        match self {
+            Engine::Nccl => "nccl",
+            Engine::Nvlink => "nvlink",
+        }
+    }
+}
+
+fn make_transports(kind: Engine, devs: &[Device], shape: &MoeShape) -> Vec<Box<dyn MoeTransport>> {
     match kind {
-        TransportKind::Nvlink => NvlinkMoe::team(devs, shape)
+        Engine::Nvlink => NvlinkMoe::team(devs, shape)
             .unwrap()
             .into_iter()
             .map(|t| Box::new(t) as Box<dyn MoeTransport>)
             .collect(),
-        TransportKind::Nccl => {
+        Engine::Nccl => {
             let lib = NcclLib::load().unwrap();
             Comm::init_all(&lib, devs)
                 .unwrap()
@@ -610,7 +622,7 @@ fn make_transports(
 }
 
 /// Runs `case` on `world` GPUs with `kind`; returns the failures.
-fn run_case(kind: TransportKind, world: usize, case: &Case, seed: u64) -> Vec<String> {
+fn run_case(kind: Engine, world: usize, case: &Case, seed: u64) -> Vec<String> {
     let devs: Vec<Device> = (0..world).map(|i| Device::new(i).unwrap()).collect();
     let mut shape = case.shape(world);
     if case.top_k == 0 {
@@ -698,7 +710,7 @@ fn run_case(kind: TransportKind, world: usize, case: &Case, seed: u64) -> Vec<St
     errs.into_iter().flatten().collect()
 }
 
-fn run_all(kind: TransportKind, cases: &[Case]) {
+fn run_all(kind: Engine, cases: &[Case]) {
     let Some(n) = device_count() else { return };
     let seed = fresh_seed();
     println!(
@@ -728,12 +740,12 @@ fn run_all(kind: TransportKind, cases: &[Case]) {
 
 #[test]
 fn nccl_transport_matches_reference() {
-    run_all(TransportKind::Nccl, &cases());
+    run_all(Engine::Nccl, &cases());
 }
 
 #[test]
 fn nvlink_transport_matches_reference() {
-    run_all(TransportKind::Nvlink, &cases());
+    run_all(Engine::Nvlink, &cases());
 }
 
 #[test]
@@ -750,7 +762,7 @@ fn overflow_and_bad_ids_are_flagged_without_corruption() {
         routing: Routing::WithBadId,
         capacity_fraction: 0.5,
     };
-    for kind in [TransportKind::Nccl, TransportKind::Nvlink] {
+    for kind in [Engine::Nccl, Engine::Nvlink] {
         run_all(kind, &[case]);
     }
 }
@@ -935,7 +947,8 @@ fn moe_latency_table() {
     let mut all = Vec::new();
     for tokens in [128, 4096] {
         let case = BenchCase::deepseek(tokens);
-        all.extend(bench_moe(&devs, &case, &[TransportKind::Nvlink, TransportKind::Nccl]).unwrap());
+        all.push(bench_moe(&devs, &case, NvlinkMoe::team).unwrap());
+        all.push(bench_moe(&devs, &case, NcclMoe::team).unwrap());
     }
     println!("{}", format_bench_table(&all));
     assert!(

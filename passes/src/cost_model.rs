@@ -28,14 +28,7 @@ use crate::manager::{Decomposition, StreamSchedule};
 use crate::plan::Plan;
 use crate::profile::{Collective, Profile};
 
-/// How the bytes of a decomposed communication move.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Transport {
-    /// NCCL kernels (use SMs).
-    Nccl,
-    /// Copy-engine peer copies (no SMs).
-    CopyEngine,
-}
+pub use crate::transport::Transport;
 
 /// The profile and the search's constraints.
 #[derive(Clone, Debug, PartialEq)]

@@ -10,8 +10,9 @@
 //!   [`resharding`] (does a consumer need data its producer's device lacks),
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
 //!   [`cost_model`] (predicted times of the plans the schedule search chooses between, from a
-//!   machine [`profile`]), [`plan`] (one point of that search), [`scope_tree`] (dominators of
-//!   the structured host program, with petgraph).
+//!   machine [`profile`]), [`plan`] (one point of that search), [`transport`] (the transport
+//!   kinds the cost model and the GPU runtime share), [`scope_tree`] (dominators of the
+//!   structured host program, with petgraph).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
@@ -32,8 +33,9 @@ pub mod profile;
 pub mod redistribute;
 pub mod resharding;
 pub mod scope_tree;
+pub mod transport;
 
-pub use cost_model::{CostModel, Transport};
+pub use cost_model::CostModel;
 pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
 pub use manager::{
@@ -42,3 +44,4 @@ pub use manager::{
 };
 pub use plan::Plan;
 pub use profile::Profile;
+pub use transport::{Transport, UnknownTransport};

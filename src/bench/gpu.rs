@@ -13,8 +13,7 @@ use super::programs::{
 use super::stats::{CaseResult, PermuteResult, Timing, VariantResult};
 use super::torch::TorchBaselines;
 use crate::runtime::cuda::{
-    device_count, run_cuda_timed, CopyStream, CudaConfig, CudaLaunchError, CudaOptions,
-    CudaTransport,
+    device_count, run_cuda_timed, CopyStream, CudaConfig, CudaLaunchError, CudaOptions, Transport,
 };
 use crate::runtime::data::{SplitMix64, TensorData};
 use crate::runtime::shard::{scatter_inputs, ShardError};
@@ -132,28 +131,28 @@ const RING_PIECES: u64 = 4;
 /// How one variant runs on the backend.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 struct Setup {
-    transport: CudaTransport,
+    transport: Transport,
     copy_stream: CopyStream,
     graph: bool,
 }
 
 const NCCL: Setup = Setup {
-    transport: CudaTransport::Nccl,
+    transport: Transport::Nccl,
     copy_stream: CopyStream::Current,
     graph: false,
 };
 const CE: Setup = Setup {
-    transport: CudaTransport::CopyEngine,
+    transport: Transport::CopyEngine,
     copy_stream: CopyStream::Current,
     graph: false,
 };
 const CE_COPY_STREAM: Setup = Setup {
-    transport: CudaTransport::CopyEngine,
+    transport: Transport::CopyEngine,
     copy_stream: CopyStream::Dedicated,
     graph: false,
 };
 const NCCL_GRAPH: Setup = Setup {
-    transport: CudaTransport::Nccl,
+    transport: Transport::Nccl,
     copy_stream: CopyStream::Current,
     graph: true,
 };
@@ -216,7 +215,7 @@ impl Runner {
     ) -> Result<Measured, BenchError> {
         tracing::info!("bench: {what}");
         let mut cuda = self.cuda.clone();
-        cuda.config.transport = setup.transport;
+        cuda.config.transport = Some(setup.transport);
         cuda.config.copy_stream = setup.copy_stream;
         cuda.config.graph = setup.graph;
         let run = run_cuda_timed(
@@ -249,7 +248,7 @@ impl Runner {
         setup: Setup,
     ) -> Result<(), BenchError> {
         let mut cuda = self.cuda.clone();
-        cuda.config.transport = setup.transport;
+        cuda.config.transport = Some(setup.transport);
         cuda.config.copy_stream = setup.copy_stream;
         cuda.config.profile = true;
         cuda.config.steps = 1;

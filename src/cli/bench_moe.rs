@@ -9,18 +9,10 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, ValueEnum};
+use clap::Args;
+use meshflow::passes::Transport;
 
 use super::common::CliError;
-
-/// A MoE transport.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Transport {
-    /// NCCL grouped send/recv.
-    Nccl,
-    /// Peer-mapped stores over NVLink.
-    Nvlink,
-}
 
 /// Arguments of `bench moe`.
 #[derive(Debug, Args)]
@@ -40,8 +32,9 @@ pub struct MoeBenchArgs {
     /// Experts E (a multiple of the number of ranks).
     #[arg(long, default_value_t = 256)]
     experts: usize,
-    /// Transports (repeatable); default both.
-    #[arg(long = "transport", value_enum)]
+    /// Transports (repeatable): `nvlink` (stores into peer-mapped memory) or `nccl` (grouped
+    /// send/recv); default both.
+    #[arg(long = "transport")]
     transports: Vec<Transport>,
     /// Untimed steps.
     #[arg(long, default_value_t = 10)]
@@ -87,7 +80,7 @@ pub fn run(_args: MoeBenchArgs) -> Result<(), CliError> {
 /// Runs `bench moe`.
 #[cfg(feature = "cuda")]
 pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
-    use meshflow::kernels::moe::{bench_moe, format_bench_table, BenchCase, TransportKind};
+    use meshflow::kernels::moe::{bench_moe, format_bench_table, BenchCase, NcclMoe, NvlinkMoe};
     use meshflow::kernels::Device;
 
     use super::common::print_out;
@@ -110,17 +103,19 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             devices.len()
         )));
     }
-    let transports: Vec<TransportKind> = if args.transports.is_empty() {
-        vec![TransportKind::Nvlink, TransportKind::Nccl]
+    let transports: Vec<Transport> = if args.transports.is_empty() {
+        vec![Transport::Nvlink, Transport::Nccl]
     } else {
-        args.transports
-            .iter()
-            .map(|t| match t {
-                Transport::Nccl => TransportKind::Nccl,
-                Transport::Nvlink => TransportKind::Nvlink,
-            })
-            .collect()
+        args.transports.clone()
     };
+    if let Some(t) = transports
+        .iter()
+        .find(|t| !matches!(t, Transport::Nvlink | Transport::Nccl))
+    {
+        return Err(CliError::Usage(format!(
+            "--transport {t}: MoE dispatch and combine run over nvlink or nccl"
+        )));
+    }
     let torch = match &args.torch {
         Some(path) => Some(
             std::fs::read_to_string(path).map_err(|source| CliError::Read {
@@ -146,7 +141,14 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             warmup: args.warmup,
             ..BenchCase::deepseek(t)
         };
-        let results = bench_moe(&devices, &case, &transports).map_err(err)?;
+        let results = transports
+            .iter()
+            .map(|t| match t {
+                Transport::Nvlink => bench_moe(&devices, &case, NvlinkMoe::team),
+                _ => bench_moe(&devices, &case, NcclMoe::team),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err)?;
         text.push_str(&format!(
             "MoE dispatch/combine, {} GPU(s), T={t} tokens/rank, H={}, K={}, E={}, bf16\n",
             devices.len(),
@@ -165,7 +167,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             for r in &results {
                 text.push_str(&format!(
                     "  {} vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
-                    r.transport.name(),
+                    r.transport,
                     d / r.dispatch_us,
                     c / r.combine_us
                 ));
@@ -183,7 +185,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                     "  {{\"transport\": \"{}\", \"ranks\": {}, \"tokens\": {t}, \"hidden\": {}, \
                      \"top_k\": {}, \"experts\": {}, \"capacity\": {}, \"dispatch_us\": {:.1}, \
                      \"combine_us\": {:.1}, \"status_ok\": {}}}",
-                    r.transport.name(),
+                    r.transport,
                     r.shape.world,
                     r.shape.hidden,
                     r.shape.top_k,

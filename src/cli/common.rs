@@ -156,13 +156,18 @@ impl ScheduleArg {
     }
 }
 
-/// `--transport`: the transport the plans assume (and the GPU runtime uses).
-#[derive(Copy, Clone, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum TransportArg {
-    /// NCCL.
-    Nccl,
-    /// Copy-engine peer copies (ranks in one process).
-    CopyEngine,
+/// `--transport`: the transport the plans assume (and the GPU runtime uses): one the search
+/// prices, `nccl` or `copy-engine`.
+fn search_transport(s: &str) -> Result<meshflow::Transport, String> {
+    match s
+        .parse::<meshflow::Transport>()
+        .map_err(|e| e.to_string())?
+    {
+        t @ (meshflow::Transport::Nccl | meshflow::Transport::CopyEngine) => Ok(t),
+        t => Err(format!(
+            "the schedule search prices nccl and copy-engine plans, not {t}"
+        )),
+    }
 }
 
 /// What `lower` and `run` share about the schedule search.
@@ -177,9 +182,9 @@ pub struct SearchArgs {
     /// default, or `h100x2`) or a JSON file.
     #[arg(long, value_name = "NAME|FILE")]
     pub profile: Option<String>,
-    /// Force the transport instead of letting the search pick it.
-    #[arg(long, value_enum)]
-    pub transport: Option<TransportArg>,
+    /// Force the transport instead of letting the search pick it: `nccl` or `copy-engine`.
+    #[arg(long, value_parser = search_transport)]
+    pub transport: Option<meshflow::Transport>,
 }
 
 impl SearchArgs {
@@ -189,10 +194,7 @@ impl SearchArgs {
         if let Some(p) = &self.profile {
             model.profile = meshflow::pipeline::load_profile(p)?;
         }
-        model.transport = self.transport.map(|t| match t {
-            TransportArg::Nccl => meshflow::Transport::Nccl,
-            TransportArg::CopyEngine => meshflow::Transport::CopyEngine,
-        });
+        model.transport = self.transport;
         Ok(model)
     }
 }

@@ -1,7 +1,7 @@
 //! Multi-process sim runs. `meshflow run FILE --ranks N --nodes M` (or with
 //! `MESHFLOW_NODE_SIZE=K`) starts M node processes of this binary ([`launch`]), each running
 //! the hidden `meshflow node` subcommand ([`run`]): the ranks of one node as threads, the other
-//! nodes reached through the host proxy over TCP. Node 0 serves the rendezvous, gathers every
+//! nodes reached through the host proxy (over `--wire`: TCP by default). Node 0 serves the rendezvous, gathers every
 //! rank's outputs, compares them with the reference and prints the summary, which the launcher
 //! relays. `MESHFLOW_FAULT_EXIT=RANK:N[,RANK:N]` makes the process of `RANK` exit at its `N`-th
 //! communication (fault tests); `MESHFLOW_PROXY_ADDR` sets the address the proxies listen on and
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use meshflow::kernels::proxy::{ProxyStats, Topology};
+use meshflow::kernels::proxy::{ProxyStats, Topology, WireChoice};
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::launch::{RunOutcome, SimOptions};
@@ -43,6 +43,9 @@ pub struct SimArgs {
     /// Do not check stream ordering (races) while running (sim backend).
     #[arg(long)]
     pub no_race_check: bool,
+    /// The wire of the host proxy between nodes (`tcp`, `ibverbs`, `auto`).
+    #[arg(long, default_value = "tcp")]
+    pub wire: WireChoice,
 }
 
 /// Arguments of the hidden `node` subcommand (started by `run --nodes`).
@@ -153,6 +156,7 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         host,
         ring,
         setup_timeout: setup,
+        wire: args.sim.wire,
     };
     let sim = SimOptions {
         ranks: Some(ranks),
@@ -184,6 +188,10 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         stats.messages_received,
         stats.credit_writes,
         stats.bytes_written
+    ));
+    summary.push_str(&format!(
+        "proxy wire: {} ({})\n",
+        outcome.wire, outcome.wire_reason
     ));
     let run = RunOutcome {
         outputs,
@@ -249,6 +257,7 @@ pub fn launch(
                 .args(["--seed", &sim.seed.to_string()])
                 .args(["--streams", &sim.streams.to_string()])
                 .args(["--timeout-ms", &sim.timeout_ms.to_string()])
+                .args(["--wire", sim.wire.name()])
                 .args(["--node", &node.to_string()])
                 .args(["--node-size", &node_size.to_string()])
                 .args(["--master", &master]);

@@ -1,6 +1,7 @@
 //! `meshflow run FILE [--ranks N] [--param k=v]... [--backend sim|cuda] [--seed S]
 //! [--trace out.json] [--streams N] [--schedule S] [--profile NAME|FILE] [--transport T]
-//! [--timeout-ms T] [--no-race-check] [--nodes M]`: lowers the
+//! [--timeout-ms T] [--no-race-check] [--nodes M] [--wire tcp|ibverbs|auto] [--graph]
+//! [--explain]`: lowers the
 //! program, checks the host program across ranks, runs it on every rank with random inputs,
 //! compares the gathered outputs with an unsharded reference, and prints a summary whose last
 //! line starts with `ok` or `mismatch`. Exits 0 only when every output matches. With `--nodes M`
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use meshflow::check::check_program;
+use meshflow::kernels::proxy::WireChoice;
 use meshflow::pipeline::{compile, CompileOptions};
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::launch::{run_sim, SimInputs, SimOptions};
@@ -61,6 +63,18 @@ pub struct RunArgs {
     /// through the proxy.
     #[arg(long)]
     nodes: Option<usize>,
+    /// The wire of the host proxy between nodes: `tcp`, `ibverbs` (needs a build with
+    /// `--features rdma` and an RDMA device on every rank) or `auto` (ibverbs where every rank
+    /// can, else TCP; the run says which and why).
+    #[arg(long, default_value = "tcp")]
+    wire: WireChoice,
+    /// Record each step as a CUDA graph and replay it (`--backend cuda`); a program whose
+    /// transports need the host during a step is refused with the reason.
+    #[arg(long)]
+    graph: bool,
+    /// Also print which transport carried each communication (and the wire between nodes).
+    #[arg(long)]
+    explain: bool,
 }
 
 /// Runs `run`.
@@ -99,7 +113,21 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
     }
+    if args.graph && args.backend == BackendKind::Sim {
+        return Err(CliError::Usage(
+            "--graph records CUDA graphs: it needs --backend cuda (the sim backend has none)"
+                .into(),
+        ));
+    }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
+    if args.explain && args.backend == BackendKind::Sim {
+        summary.push_str(if nodes > 1 {
+            "transports: the sim backend moves communications through its in-process fabric, \
+             and between node processes through the host proxy (see its wire below)\n"
+        } else {
+            "transports: the sim backend moves communications through its in-process fabric\n"
+        });
+    }
     if nodes > 1 && args.backend == BackendKind::Sim {
         if args.search.schedule != super::common::ScheduleArg::Auto
             || args.search.profile.is_some()
@@ -119,6 +147,7 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
             streams: args.streams,
             timeout_ms: args.timeout_ms,
             no_race_check: args.no_race_check,
+            wire: args.wire,
         };
         return super::node::launch(&args.program, &sim, ranks, nodes, &summary);
     }
@@ -220,6 +249,10 @@ fn run_cuda(
         streams: args.streams,
         timeout: Duration::from_millis(args.timeout_ms),
         trace: args.trace.as_deref(),
+        graph: args.graph,
+        wire: args.wire,
+        transport: args.search.transport,
+        explain: args.explain,
     };
     super::run_cuda::run(compiled, inputs, &how, summary)
 }

@@ -11,8 +11,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use meshflow::kernels::proxy::WireChoice;
 use meshflow::pipeline::Compiled;
-use meshflow::runtime::cuda::{run_program_cuda, CudaConfig, CudaOptions, CudaTransport};
+use meshflow::runtime::cuda::{run_program_cuda, CudaConfig, CudaOptions, ProgramRun};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
 
@@ -34,6 +35,14 @@ pub(super) struct GpuRun<'a> {
     pub timeout: Duration,
     /// Where to write the trace.
     pub trace: Option<&'a Path>,
+    /// Record each step as a CUDA graph and replay it.
+    pub graph: bool,
+    /// The wire of the host proxy between nodes.
+    pub wire: WireChoice,
+    /// The transport `--transport` asks the plans for.
+    pub transport: Option<meshflow::Transport>,
+    /// Report the transport of every communication.
+    pub explain: bool,
 }
 
 /// Runs the compiled program on GPUs. Returns the gathered outputs, or `None` on a rank other
@@ -50,17 +59,21 @@ pub(super) fn run(
         streams,
         timeout,
         trace,
+        graph,
+        wire,
+        transport,
+        explain,
     } = *how;
     let env = TorchrunEnv::from_env().map_err(|e| CliError::Usage(e.to_string()))?;
     let exit_at_comm = match &env {
         Some(e) => exit_fault(e.rank)?,
         None => None,
     };
-    // The transport the plans assume: NCCL as planned; the copy engine where the ranks can use
-    // it (in one process, with peer access), NCCL elsewhere.
-    let transport = match compiled.transport {
-        Some(meshflow::Transport::Nccl) => CudaTransport::Nccl,
-        _ => CudaTransport::Auto,
+    // The transport the plans assume: NCCL as planned (forced); otherwise chosen per team
+    // (the copy engine where the ranks can use it: in one process, with peer access).
+    let transport = match transport.or(compiled.transport) {
+        Some(meshflow::Transport::Nccl) => Some(meshflow::Transport::Nccl),
+        _ => None,
     };
     let options = CudaOptions {
         ranks: Some(ranks),
@@ -71,6 +84,8 @@ pub(super) fn run(
             profile: trace.is_some() && env.is_none(),
             node_size,
             exit_at_comm,
+            graph,
+            wire,
             ..CudaConfig::default()
         },
     };
@@ -94,14 +109,24 @@ pub(super) fn run(
             e.rank, e.world_size, e.local_rank
         )),
     }
+    if graph {
+        summary.push_str("recorded one step as a CUDA graph and replayed it\n");
+    }
     if !run.proxy_stats.is_empty() {
         let bytes: u64 = run.proxy_stats.values().map(|p| p.bytes_written).sum();
         let messages: u64 = run.proxy_stats.values().map(|p| p.messages_received).sum();
+        let wire = match &run.wire {
+            Some((name, reason)) => format!("over {name}, {reason}"),
+            None => "no wire".to_string(),
+        };
         summary.push_str(&format!(
-            "between nodes through the host proxy (TCP): {bytes} bytes written, {messages} \
+            "between nodes through the host proxy ({wire}): {bytes} bytes written, {messages} \
              messages received ({} ranks with a peer on another node)\n",
             run.proxy_stats.len()
         ));
+    }
+    if explain {
+        summary.push_str(&explain_transports(&run));
     }
     if let Some(path) = trace {
         match &run.trace {
@@ -132,4 +157,36 @@ fn exit_fault(rank: usize) -> Result<Option<usize>, CliError> {
     Ok(super::common::fault_exits_from_env()?
         .into_iter()
         .find_map(|(r, n)| (r == rank).then_some(n)))
+}
+
+/// One line per communication: the transport each rank of this process ran it over.
+fn explain_transports(run: &ProgramRun) -> String {
+    use std::collections::BTreeSet;
+    // (label, instruction, transport) -> ranks
+    let mut uses: BTreeMap<(u32, &str, String), BTreeSet<usize>> = BTreeMap::new();
+    for (&rank, list) in &run.transports {
+        for t in list {
+            let how = t
+                .transport
+                .map_or_else(|| "none".to_string(), |t| t.to_string());
+            uses.entry((t.comm.0, t.name, how))
+                .or_default()
+                .insert(rank);
+        }
+    }
+    let mut out = String::from("transports:\n");
+    if uses.is_empty() {
+        out.push_str("  (no communication)\n");
+    }
+    for ((comm, name, how), ranks) in uses {
+        let ranks: Vec<String> = ranks.iter().map(usize::to_string).collect();
+        out.push_str(&format!(
+            "  c{comm} {name}: {how} (ranks {})\n",
+            ranks.join(",")
+        ));
+    }
+    if let Some((name, reason)) = &run.wire {
+        out.push_str(&format!("  host proxy wire: {name} ({reason})\n"));
+    }
+    out
 }

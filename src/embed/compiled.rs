@@ -24,6 +24,24 @@ pub struct Compiled {
     plans: BTreeMap<String, Plan>,
     transport: Option<Transport>,
     dumps: Vec<Dump>,
+    /// How it runs: graphs and the proxy wire, from the options.
+    run: RunSettings,
+}
+
+/// The run settings of [`Options`] a compiled program keeps for its executors.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+struct RunSettings {
+    pub graph: bool,
+    pub wire: Option<meshflow_kernels::proxy::WireChoice>,
+}
+
+impl RunSettings {
+    fn of(options: &Options) -> RunSettings {
+        RunSettings {
+            graph: options.records_graphs(),
+            wire: options.proxy_wire(),
+        }
+    }
 }
 
 /// An input or output of a host program, as one rank sees it.
@@ -61,6 +79,7 @@ pub fn compile(program: &Program, options: &Options) -> Result<Compiled, Error> 
         plans: out.plans,
         transport: out.transport,
         dumps: out.dumps,
+        run: RunSettings::of(options),
     })
 }
 
@@ -91,6 +110,7 @@ impl Compiled {
             plans: BTreeMap::new(),
             transport: None,
             dumps: Vec::new(),
+            run: RunSettings::of(options),
         })
     }
 
@@ -109,6 +129,16 @@ impl Compiled {
     /// here rather than loaded from text.
     pub fn program(&self) -> Option<&Program> {
         self.program.as_ref()
+    }
+
+    /// Whether executors record every step as a CUDA graph ([`Options::graph`]).
+    pub fn records_graphs(&self) -> bool {
+        self.run.graph
+    }
+
+    /// The wire of the host proxy chosen with [`Options::wire`], if any.
+    pub fn proxy_wire(&self) -> Option<meshflow_kernels::proxy::WireChoice> {
+        self.run.wire
     }
 
     /// The number of ranks of the job (one executor each).

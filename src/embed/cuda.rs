@@ -73,6 +73,10 @@ impl Bind for CudaBackend {
     fn abort_job(&mut self, reason: &str) {
         self.signal_failure(reason);
     }
+
+    fn records_graphs(&self) -> bool {
+        CudaBackend::records_graphs(self)
+    }
 }
 
 impl Bindings<'_, CudaBackend> {
@@ -116,8 +120,20 @@ impl CudaJob {
         }
     }
 
-    /// A job with as many ranks as `compiled` runs on, all in this process.
-    pub fn for_program(compiled: &Compiled, config: CudaConfig) -> CudaJob {
+    /// A job with as many ranks as `compiled` runs on, all in this process, with the run
+    /// settings of its options ([`Options::graph`](super::Options::graph),
+    /// [`Options::wire`](super::Options::wire)) applied to `config`, and NCCL forced where the
+    /// plans assume it ([`Compiled::transport`]) unless `config` forces a transport already.
+    pub fn for_program(compiled: &Compiled, mut config: CudaConfig) -> CudaJob {
+        if compiled.transport() == Some(meshflow_passes::Transport::Nccl) {
+            config
+                .transport
+                .get_or_insert(meshflow_passes::Transport::Nccl);
+        }
+        config.graph |= compiled.records_graphs();
+        if let Some(wire) = compiled.proxy_wire() {
+            config.wire = wire;
+        }
         CudaJob::new(compiled.world_size(), config)
     }
 

@@ -45,6 +45,13 @@ pub trait Bind: Backend {
     /// Tells the other ranks of the job that this rank failed, so that they stop at their
     /// next communication instead of waiting for it.
     fn abort_job(&mut self, reason: &str);
+
+    /// Whether the backend's own settings ask for every step to be recorded as a graph (the
+    /// CUDA backend's `CudaConfig::graph`); [`Options::graph`](super::Options::graph) asks
+    /// for it too.
+    fn records_graphs(&self) -> bool {
+        false
+    }
 }
 
 /// The caller's tensors for one run of an [`Executor`], by input or output name. Inputs are
@@ -147,7 +154,16 @@ impl<'c, B: Bind> Executor<'c, B> {
             backend.abort_job(&e.to_string());
             return Err(e);
         }
-        let evaluator = Evaluator::new(compiled.host(), backend, EvalOptions::default())?;
+        let graph = compiled.records_graphs() || backend.records_graphs();
+        let mut evaluator = Evaluator::new(compiled.host(), backend, EvalOptions::default())?;
+        if graph {
+            if let Err(source) = evaluator.backend().check_graph() {
+                let e = Error::Runtime(crate::runtime::RuntimeError::Backend { rank, source });
+                evaluator.backend_mut().abort_job(&e.to_string());
+                return Err(e);
+            }
+            evaluator.set_graph(true);
+        }
         Ok(Executor {
             compiled,
             evaluator,

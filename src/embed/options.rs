@@ -1,6 +1,7 @@
 //! [`Options`] of [`compile`](super::compile) and [`parse`].
 
 use meshflow_ir::{parse_program_with, Params, Program};
+use meshflow_kernels::proxy::WireChoice;
 use meshflow_passes::{CostModel, Decomposition, Profile, Transport};
 
 use super::Error;
@@ -25,6 +26,8 @@ pub struct Options {
     params: Params,
     compile: CompileOptions,
     check: bool,
+    graph: bool,
+    wire: Option<WireChoice>,
 }
 
 impl Default for Options {
@@ -34,6 +37,8 @@ impl Default for Options {
             params: Params::new(),
             compile: CompileOptions::default(),
             check: true,
+            graph: false,
+            wire: None,
         }
     }
 }
@@ -141,6 +146,33 @@ impl Options {
     /// True when the cross-rank check runs.
     pub fn checks(&self) -> bool {
         self.check
+    }
+
+    /// Records every step an [`Executor`](super::Executor) runs as a CUDA graph and replays
+    /// it (default off). A backend or program that cannot be recorded (the CPU backend; GPU
+    /// transports that need the host during a step: the copy engine, the host proxy, MoE over
+    /// NVLink, when forced) is refused with the reason when the executor is made; unforced,
+    /// the GPU backend then selects transports that replay.
+    pub fn graph(mut self, on: bool) -> Options {
+        self.graph = on;
+        self
+    }
+
+    /// True when steps are recorded as CUDA graphs.
+    pub fn records_graphs(&self) -> bool {
+        self.graph
+    }
+
+    /// The wire of the host proxy for GPU runs split into nodes (`tcp`, `ibverbs`, `auto`; see
+    /// [`WireChoice`]); applied to the backend settings by `CudaJob::for_program`.
+    pub fn wire(mut self, wire: WireChoice) -> Options {
+        self.wire = Some(wire);
+        self
+    }
+
+    /// The wire chosen with [`Options::wire`], if any.
+    pub fn proxy_wire(&self) -> Option<WireChoice> {
+        self.wire
     }
 
     /// The pipeline options these stand for.

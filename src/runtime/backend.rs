@@ -17,14 +17,23 @@
 //!   another stream so far (an event record there plus a stream wait here).
 //! - **Groups**: between [`Backend::begin_group`] and [`Backend::end_group`] posts are issued
 //!   together (NCCL group semantics); `end_group` returns a handle covering all of them.
-//! - [`Backend::prepare`] receives, once per program, the teams this rank takes part in (a GPU
-//!   backend creates its communicators there) and the number of communication labels.
+//! - [`Backend::prepare`] receives, once per program, the teams this rank takes part in and
+//!   what it posts under every communication label ([`PlanInfo`]): a GPU backend creates its
+//!   communicators there and selects the transport of every communication.
+//!
+//! Everything the evaluator hands a backend is named by a typed handle: buffers
+//! ([`Backend::Buffer`]), host tensors ([`HostTensorId`]), streams ([`StreamIndex`]), teams
+//! ([`TeamId`]), communication labels ([`CommLabel`], each standing for one [`CommId`] of the
+//! program) and kernels ([`KernelId`]).
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use meshflow_ir::{CommKind, ComputeOp, DType, DeviceId, HostTensorId, ReduceOp};
+use meshflow_ir::{
+    CommId, CommKind, ComputeOp, DType, DeviceId, EntityRef, HostTensorId, ReduceOp,
+};
+use meshflow_passes::Transport;
 
 use super::cpu_ops::OpError;
 use super::data::TensorData;
@@ -87,37 +96,103 @@ pub struct InstCtx<'a> {
     pub iteration: &'a [i64],
 }
 
+meshflow_ir::entity_ref!(
+    /// A team this rank takes part in: a dense index among the rank's teams of one prepared
+    /// program (see [`PlanInfo::teams`]).
+    TeamId,
+    "team"
+);
+
+meshflow_ir::entity_ref!(
+    /// A communication label of one prepared program: a dense index standing for one
+    /// [`CommId`] of the host program (see [`PlanInfo::comms`]).
+    CommLabel,
+    "label"
+);
+
+meshflow_ir::entity_ref!(
+    /// A registered kernel, resolved by name once per program ([`Backend::kernel`]).
+    KernelId,
+    "kernel"
+);
+
 /// A team this rank takes part in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TeamInfo {
-    /// Dense index of the team among this rank's teams.
-    pub slot: usize,
+    /// The team's handle (its index in [`PlanInfo::teams`]).
+    pub id: TeamId,
     /// Members in team order.
     pub members: Vec<DeviceId>,
     /// This rank's index in `members`.
     pub my_index: usize,
 }
 
+/// What a rank posts under a communication label.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommOp {
+    /// A collective of `kind`, reducing with `op` where it reduces, on `dtype` elements.
+    Collective {
+        /// The collective.
+        kind: CommKind,
+        /// The reduction (`Sum` when the instruction names none).
+        op: ReduceOp,
+        /// The element type of its buffers.
+        dtype: DType,
+    },
+    /// A collective permute.
+    Permute,
+    /// An MoE dispatch.
+    MoeDispatch,
+    /// An MoE combine.
+    MoeCombine,
+    /// The end of a coalescing group (its label covers every member).
+    Group,
+}
+
+/// A communication label of a prepared program, as this rank sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommInfo {
+    /// The label in the host program.
+    pub comm: CommId,
+    /// The instruction name (`all_gather`, `collective_permute`, `end_coalescing`, ...).
+    pub name: &'static str,
+    /// What this rank posts under it; `None` when it posts nothing (the label is only waited
+    /// on here, or this rank is not in the team).
+    pub op: Option<CommOp>,
+    /// The team it runs in (`None` for a group's end and for labels this rank does not post).
+    pub team: Option<TeamId>,
+    /// Whether it is posted inside a coalescing group.
+    pub grouped: bool,
+}
+
 /// What a backend learns about a program before it runs.
 #[derive(Clone, Debug)]
 pub struct PlanInfo<'a> {
-    /// The teams this rank takes part in, indexed by [`TeamInfo::slot`].
+    /// The teams this rank takes part in, indexed by [`TeamId`].
     pub teams: &'a [TeamInfo],
-    /// The number of communication labels (dense indices `0..comm_labels`).
-    pub comm_labels: usize,
+    /// Every communication label of the program, indexed by [`CommLabel`].
+    pub comms: &'a [CommInfo],
 }
 
-/// A registered kernel, resolved by name once per program.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-pub struct KernelId(pub usize);
+impl PlanInfo<'_> {
+    /// The number of communication labels.
+    pub fn comm_labels(&self) -> usize {
+        self.comms.len()
+    }
+
+    /// The team `id`.
+    pub fn team(&self, id: TeamId) -> Option<&TeamInfo> {
+        self.teams.get(id.index())
+    }
+}
 
 /// A communication to post. Buffers a rank does not hold are `None`.
 #[derive(Debug)]
 pub enum CommRequest<'a, Buf> {
     /// A collective (see [`CommKind`] for the buffer contracts).
     Collective {
-        /// Dense communication label.
-        label: usize,
+        /// The communication label.
+        label: CommLabel,
         /// The collective.
         kind: CommKind,
         /// The team.
@@ -133,8 +208,8 @@ pub enum CommRequest<'a, Buf> {
     },
     /// Send `input` to `send_peer`, receive `output` from `recv_peer` (team indices).
     Permute {
-        /// Dense communication label.
-        label: usize,
+        /// The communication label.
+        label: CommLabel,
         /// The team.
         team: &'a TeamInfo,
         /// Team index to send to.
@@ -148,8 +223,8 @@ pub enum CommRequest<'a, Buf> {
     },
     /// MoE dispatch (see [`InstKind::MoeDispatch`](meshflow_ir::InstKind::MoeDispatch)).
     MoeDispatch {
-        /// Dense communication label.
-        label: usize,
+        /// The communication label.
+        label: CommLabel,
         /// The expert-parallel team.
         team: &'a TeamInfo,
         /// Tokens `[B.., T, H]`.
@@ -165,8 +240,8 @@ pub enum CommRequest<'a, Buf> {
     },
     /// MoE combine (see [`InstKind::MoeCombine`](meshflow_ir::InstKind::MoeCombine)).
     MoeCombine {
-        /// Dense communication label.
-        label: usize,
+        /// The communication label.
+        label: CommLabel,
         /// The expert-parallel team.
         team: &'a TeamInfo,
         /// Expert outputs `[B.., L, C, F]`.
@@ -183,8 +258,8 @@ pub enum CommRequest<'a, Buf> {
 }
 
 impl<Buf> CommRequest<'_, Buf> {
-    /// The dense communication label.
-    pub fn label(&self) -> usize {
+    /// The communication label.
+    pub fn label(&self) -> CommLabel {
         match self {
             CommRequest::Collective { label, .. }
             | CommRequest::Permute { label, .. }
@@ -224,7 +299,7 @@ pub struct AccessSite {
     /// True for a write.
     pub write: bool,
     /// The communication label when the access was made by a communication.
-    pub comm_label: Option<usize>,
+    pub comm_label: Option<CommLabel>,
     /// The stream it was enqueued on.
     pub stream: StreamIndex,
 }
@@ -365,17 +440,35 @@ pub trait Backend {
     /// Starts a group of communications issued together.
     fn begin_group(&mut self) -> Result<(), BackendError>;
     /// Issues the group; the handle (labelled `label`) covers every member.
-    fn end_group(&mut self, label: usize, ctx: InstCtx<'_>) -> Result<Self::Comm, BackendError>;
+    fn end_group(&mut self, label: CommLabel, ctx: InstCtx<'_>)
+        -> Result<Self::Comm, BackendError>;
     /// The current stream waits for `comm`.
     fn wait(&mut self, comm: &Self::Comm, ctx: InstCtx<'_>) -> Result<(), BackendError>;
     /// Blocks the host until all enqueued work is done.
     fn finish(&mut self) -> Result<(), BackendError>;
 
+    /// Which transport executes the communications of `label` on this rank, as selected when
+    /// the program was prepared (for traces and reports); `None` where the backend has no
+    /// transports (the CPU backend) or the rank posts nothing under the label.
+    fn transport_of(&self, label: CommLabel) -> Option<Transport> {
+        let _ = label;
+        None
+    }
+
+    /// Whether the prepared program can be recorded as a replayable graph: backends that
+    /// cannot record (the default, and a GPU program whose transports need the host during a
+    /// step) say why.
+    fn check_graph(&self) -> Result<(), BackendError> {
+        Err(BackendError::Invalid(
+            "this backend does not record graphs (graph capture needs the CUDA backend)".into(),
+        ))
+    }
+
     /// Starts recording the device work of one step of the program as a replayable graph
-    /// (the evaluator then issues the step once and calls [`Backend::end_graph`]). Returns
-    /// false when the backend does not record graphs (the default); the step then runs as is.
-    fn begin_graph(&mut self) -> Result<bool, BackendError> {
-        Ok(false)
+    /// (the evaluator then issues the step once and calls [`Backend::end_graph`]); refused
+    /// as [`Backend::check_graph`] says.
+    fn begin_graph(&mut self) -> Result<(), BackendError> {
+        self.check_graph()
     }
 
     /// Ends the recording started by [`Backend::begin_graph`] and enqueues `replays` replays

@@ -172,20 +172,34 @@ pub fn run_and_compare(
     seed: u64,
     options: &SimOptions,
 ) -> Result<Comparison, CompareError> {
-    let inputs = random_inputs(level1, seed)?;
     let mut options = options.clone();
     options.ranks = Some(ranks);
-    let outcome = run_sim(
-        host,
-        SimInputs::Full {
-            program: level1,
-            inputs: &inputs,
-        },
-        &options,
-    )?;
-    let got = outcome.gather(level1)?;
-    let want = evaluate_with(level1, &inputs, &options.config.kernels)?;
-    compare_outputs(level1, &got, &want)
+    compare_with_reference(level1, seed, &options.config.kernels, |inputs| {
+        let outcome = run_sim(
+            host,
+            SimInputs::Full {
+                program: level1,
+                inputs,
+            },
+            &options,
+        )?;
+        Ok(outcome.gather(level1)?)
+    })
+}
+
+/// What every backend's run-and-compare shares: seeded inputs for `level1`, `run` on them
+/// (returning the gathered outputs), the level-1 reference (`kernels` serving its `custom`
+/// ops) and the per-output comparison.
+pub fn compare_with_reference<E: From<CompareError>>(
+    level1: &Program,
+    seed: u64,
+    kernels: &crate::runtime::sim::SimKernels,
+    run: impl FnOnce(&BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, E>,
+) -> Result<Comparison, E> {
+    let inputs = random_inputs(level1, seed)?;
+    let got = run(&inputs)?;
+    let want = evaluate_with(level1, &inputs, kernels).map_err(CompareError::from)?;
+    Ok(compare_outputs(level1, &got, &want)?)
 }
 
 /// Compares gathered outputs with reference outputs, output by output.

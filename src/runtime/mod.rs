@@ -14,7 +14,7 @@
 //! - `cuda` (feature `cuda`): the CUDA backend over NCCL and its launchers.
 //! - [`trace`]: Chrome/Perfetto traces.
 //! - [`compare`]: [`run_and_compare`] and per-output comparisons.
-//! - [`rendezvous`]: key/value stores and barriers for ranks (threads or processes, TCP).
+//! - `transport_rules`: which transport carries each communication on GPUs.
 //! - [`multinode`]: multi-process sim runs, nodes linked by the inter-node host proxy.
 
 pub mod backend;
@@ -34,12 +34,14 @@ pub mod shard_partial;
 pub mod sim;
 pub mod trace;
 mod trace_svg;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod transport_rules;
 pub mod view;
 
 pub use backend::Backend;
 pub use compare::{run_and_compare, Comparison};
 pub use data::TensorData;
-pub use evaluator::{EvalOptions, Evaluator, RuntimeError};
+pub use evaluator::{EvalOptions, Evaluator, RuntimeError, SelectedTransport};
 pub use launch::{
     run_sim, run_sim_observed, LaunchError, RunOutcome, RunResources, SimInputs, SimOptions,
 };

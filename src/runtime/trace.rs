@@ -1,10 +1,12 @@
 //! Chrome/Perfetto traces of a run: one `"X"` (complete) event per executed instruction, with
-//! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`.
+//! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`
+//! (with, for a communication on GPUs, the transport that executed it).
 //! Open the JSON in `chrome://tracing` or <https://ui.perfetto.dev>.
 
 use std::fmt::Write as _;
 
 use meshflow_ir::DeviceId;
+use meshflow_passes::Transport;
 
 /// One executed instruction.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,6 +25,9 @@ pub struct TraceEvent {
     pub start_us: f64,
     /// Duration in microseconds (host time spent issuing/executing the instruction).
     pub dur_us: f64,
+    /// For a communication on a backend with transports: the transport that executed it
+    /// (written to `args.transport`).
+    pub transport: Option<Transport>,
 }
 
 /// The events of every rank of a run.
@@ -65,6 +70,9 @@ impl Trace {
             out.push_str("\",\"iteration\":\"");
             let it: Vec<String> = e.iteration.iter().map(i64::to_string).collect();
             escape(&it.join(","), &mut out);
+            if let Some(t) = e.transport {
+                let _ = write!(out, "\",\"transport\":\"{}", t.name());
+            }
             out.push_str("\"}}");
         }
         out.push_str("\n],\"displayTimeUnit\":\"ns\"}\n");
@@ -74,5 +82,35 @@ impl Trace {
     /// Writes the JSON to `path`.
     pub fn write(&self, path: &std::path::Path) -> std::io::Result<()> {
         std::fs::write(path, self.to_json())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_communication_names_its_transport_in_the_args() {
+        let event = |transport| TraceEvent {
+            rank: 1,
+            stream: 2,
+            name: "collective_permute",
+            text: "c0 = collective_permute(a -> b, ...)".into(),
+            iteration: vec![3],
+            start_us: 1.0,
+            dur_us: 2.0,
+            transport,
+        };
+        let json = Trace {
+            events: vec![event(Some(Transport::CopyEngine)), event(None)],
+        }
+        .to_json();
+        assert_eq!(
+            json.matches("\"transport\":\"copy-engine\"").count(),
+            1,
+            "{json}"
+        );
+        assert_eq!(json.matches("\"transport\"").count(), 1, "{json}");
+        assert!(json.contains("\"iteration\":\"3\",\"transport\""), "{json}");
     }
 }

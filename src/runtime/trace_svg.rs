@@ -184,6 +184,7 @@ mod tests {
             iteration: vec![1],
             start_us: start,
             dur_us: dur,
+            transport: None,
         }
     }
 

@@ -9,13 +9,12 @@
 
 use std::sync::Barrier;
 
-use super::{MoeShape, MoeTransport, NcclMoe, NvlinkMoe, TransportKind};
+use super::{MoeShape, MoeTransport};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::event::Event;
-use crate::nccl::{Comm, NcclLib};
 use crate::stream::Stream;
 
 /// One benchmark configuration (per rank).
@@ -53,11 +52,11 @@ impl BenchCase {
     }
 }
 
-/// The measured latency of one transport on one case.
+/// The measured latency of one engine on one case.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchResult {
-    /// The transport.
-    pub transport: TransportKind,
+    /// The engine's name ([`MoeTransport::name`]: `nccl`, `nvlink`).
+    pub transport: &'static str,
     /// The layer shape run (capacity chosen from the generated routing).
     pub shape: MoeShape,
     /// Median over steps of the slowest rank's dispatch (send + recv), in µs.
@@ -103,12 +102,14 @@ fn routing(case: &BenchCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
         .collect()
 }
 
-/// Runs `case` on `devices` (one rank per device) with each of `transports`.
-pub fn bench_moe(
+/// Runs `case` on `devices` (one rank per device) with the engines `make` creates for a shape
+/// (one per rank, e.g. [`NvlinkMoe::team`](super::NvlinkMoe::team) or
+/// [`NcclMoe::team`](super::NcclMoe::team)).
+pub fn bench_moe<T: MoeTransport>(
     devices: &[Device],
     case: &BenchCase,
-    transports: &[TransportKind],
-) -> Result<Vec<BenchResult>> {
+    make: impl FnOnce(&[Device], &MoeShape) -> Result<Vec<T>>,
+) -> Result<BenchResult> {
     let world = devices.len();
     if world == 0 || case.iters == 0 {
         return Err(KernelError::InvalidArgument(
@@ -132,32 +133,16 @@ pub fn bench_moe(
         dtype: case.dtype,
     };
     shape.validate()?;
-    let mut results = Vec::new();
-    for &kind in transports {
-        let (dispatch_us, combine_us, status_ok) = match kind {
-            TransportKind::Nvlink => {
-                let ranks = NvlinkMoe::team(devices, &shape)?;
-                run(devices, case, &idx, ranks)?
-            }
-            TransportKind::Nccl => {
-                let lib = NcclLib::load()?;
-                let comms = Comm::init_all(&lib, devices)?;
-                let ranks = comms
-                    .into_iter()
-                    .map(|c| NcclMoe::new(c, &shape))
-                    .collect::<Result<Vec<_>>>()?;
-                run(devices, case, &idx, ranks)?
-            }
-        };
-        results.push(BenchResult {
-            transport: kind,
-            shape,
-            dispatch_us,
-            combine_us,
-            status_ok,
-        });
-    }
-    Ok(results)
+    let ranks = make(devices, &shape)?;
+    let transport = ranks.first().map_or("none", |r| r.name());
+    let (dispatch_us, combine_us, status_ok) = run(devices, case, &idx, ranks)?;
+    Ok(BenchResult {
+        transport,
+        shape,
+        dispatch_us,
+        combine_us,
+        status_ok,
+    })
 }
 
 /// Per-rank timings: `(dispatch ms, combine ms)` per step, and whether the status stayed clean.
@@ -278,7 +263,7 @@ pub fn format_bench_table(results: &[BenchResult]) -> String {
         let sh = &r.shape;
         s.push_str(&format!(
             "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>3}  {:<5} {:>11.1} {:>11.1}  {}\n",
-            r.transport.name(),
+            r.transport,
             sh.world,
             sh.tokens,
             sh.hidden,

@@ -1,5 +1,4 @@
-//! MoE expert-parallel dispatch and combine (DESIGN.md §6; the host IR's `moe_dispatch` /
-//! `moe_combine`).
+//! MoE expert-parallel dispatch and combine (the host IR's `moe_dispatch` / `moe_combine`).
 //!
 //! A team of `W` ranks holds `E` experts, `L = E / W` per rank; expert `e` lives on rank `e / L`
 //! as local expert `e % L`. Every rank has `T` tokens `x[T, H]`, their top-k expert ids
@@ -16,7 +15,8 @@
 //!   order without FMA contraction, rounded once (bit-identical to [`reference_combine`]). A
 //!   `(t, k)` whose row was dropped contributes nothing.
 //!
-//! Two transports implement [`MoeTransport`] (feature `cuda`):
+//! Two engines implement [`MoeTransport`] (feature `cuda`); the GPU runtime runs them as its
+//! MoE-over-NCCL and MoE-over-NVLink transports:
 //! - [`NcclMoe`]: counts by a device histogram, exchanged with NCCL; rows packed into padded
 //!   per-destination blocks (sized by the bound `T · min(K, L)` rows) and moved with grouped
 //!   send/recv, unpacked on the device. No host reads of counts.
@@ -192,25 +192,6 @@ impl MoeStatus {
     /// [`Self::TIMEOUT`] is set.
     pub fn timeout(self) -> bool {
         self.0 & Self::TIMEOUT != 0
-    }
-}
-
-/// Which transport moves the rows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TransportKind {
-    /// NCCL grouped send/recv of padded per-destination blocks ([`NcclMoe`]).
-    Nccl,
-    /// Direct stores into peer-mapped memory with device-side flags ([`NvlinkMoe`]).
-    Nvlink,
-}
-
-impl TransportKind {
-    /// Short name (`nccl`, `nvlink`).
-    pub fn name(self) -> &'static str {
-        match self {
-            TransportKind::Nccl => "nccl",
-            TransportKind::Nvlink => "nvlink",
-        }
     }
 }
 

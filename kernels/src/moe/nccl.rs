@@ -6,7 +6,7 @@
 
 use super::launch::{self, ExpertRows, NcclCombineRecv, NcclRecv};
 use super::transport::{Core, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus, TransportKind};
+use super::{MoeShape, MoeStatus};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -86,6 +86,16 @@ impl NcclMoe {
         };
         stream.synchronize()?;
         Ok(t)
+    }
+
+    /// The transports of a team whose ranks are `devices` (one GPU each, all in this process),
+    /// over communicators made with `ncclCommInitAll`. Rank `i` runs on `devices[i]`.
+    pub fn team(devices: &[Device], shape: &MoeShape) -> Result<Vec<NcclMoe>> {
+        let lib = nccl::NcclLib::load()?;
+        Comm::init_all(&lib, devices)?
+            .into_iter()
+            .map(|c| NcclMoe::new(c, shape))
+            .collect()
     }
 
     /// The communicator.
@@ -170,8 +180,8 @@ fn exchange(
 }
 
 impl MoeTransport for NcclMoe {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Nccl
+    fn name(&self) -> &'static str {
+        "nccl"
     }
 
     fn shape(&self) -> &MoeShape {

@@ -21,7 +21,7 @@
 use super::ipc::{self, IpcMapping, HANDLE_LEN};
 use super::launch::{self, ExpertRows, NvlTargets};
 use super::transport::{Core, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus, TransportKind};
+use super::{MoeShape, MoeStatus};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{KernelError, Result};
@@ -290,8 +290,8 @@ impl NvlinkMoe {
 }
 
 impl MoeTransport for NvlinkMoe {
-    fn kind(&self) -> TransportKind {
-        TransportKind::Nvlink
+    fn name(&self) -> &'static str {
+        "nvlink"
     }
 
     fn shape(&self) -> &MoeShape {

@@ -1,7 +1,7 @@
 //! The [`MoeTransport`] trait and the state both transports share: shape, sender workspace,
 //! outputs, status word and the per-step phase check.
 
-use super::{MoeShape, MoeStatus, TransportKind};
+use super::{MoeShape, MoeStatus};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -15,8 +15,9 @@ use crate::stream::Stream;
 /// [`MoeTransport::device`]) and never wait for the device. See the [module docs](super) for the
 /// semantics and the calling contract (order of the four phases, every rank in every step).
 pub trait MoeTransport: Send {
-    /// Which transport this is.
-    fn kind(&self) -> TransportKind;
+    /// The engine's name, for reports (`nccl`, `nvlink`; the runtime's transport of the same
+    /// name runs it).
+    fn name(&self) -> &'static str;
 
     /// The layer shape.
     fn shape(&self) -> &MoeShape;

@@ -263,6 +263,42 @@ impl Comm {
         self.lib.check("ncclRecv", r, self.raw)
     }
 
+    /// Issues `native` when the library has that entry point (`present`), else `p2p`, the same
+    /// operation as grouped send/recv: the one place where a missing NCCL entry point falls
+    /// back (all-to-all, gather and scatter; `name` is the NCCL call, for errors).
+    fn native_or_p2p(
+        &self,
+        name: &'static str,
+        present: bool,
+        native: impl FnOnce() -> sys::ncclResult_t,
+        p2p: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        if present {
+            let r = native();
+            self.lib.check(name, r, self.raw)
+        } else {
+            p2p()
+        }
+    }
+
+    /// Checks an all-to-all's buffers; returns the elements per rank.
+    fn all_to_all_count(
+        &self,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+        dtype: DType,
+    ) -> Result<usize> {
+        let total = send.elems(dtype)?;
+        Comm::expect_elems(recv, dtype, total, "all_to_all recv")?;
+        if total % self.size != 0 {
+            return Err(KernelError::InvalidArgument(format!(
+                "all_to_all of {total} elements over {} ranks",
+                self.size
+            )));
+        }
+        Ok(total / self.size)
+    }
+
     /// Chunk `j` of `send` goes to rank `j`, landing in chunk `rank` of its `recv` (both split
     /// into `size` equal chunks). Native `ncclAlltoAll` when the library has it, else grouped
     /// send/recv.
@@ -273,19 +309,14 @@ impl Comm {
         dtype: DType,
         stream: &Stream,
     ) -> Result<()> {
-        let total = send.elems(dtype)?;
-        Comm::expect_elems(recv, dtype, total, "all_to_all recv")?;
-        if total % self.size != 0 {
-            return Err(KernelError::InvalidArgument(format!(
-                "all_to_all of {total} elements over {} ranks",
-                self.size
-            )));
-        }
-        let count = total / self.size;
+        let count = self.all_to_all_count(send, recv, dtype)?;
         let s = self.prepare(stream, &[send, recv])?;
-        if self.lib.has_native_all_to_all() {
-            // SAFETY: symbol present (checked); extents `count * size` on both sides.
-            let r = unsafe {
+        self.native_or_p2p(
+            "ncclAlltoAll",
+            self.lib.has_native_all_to_all(),
+            // SAFETY: symbol present (checked by `native_or_p2p`'s caller); extents
+            // `count * size` on both sides (checked).
+            || unsafe {
                 self.lib.sys().ncclAlltoAll(
                     addr(send),
                     addr_mut(recv),
@@ -294,14 +325,12 @@ impl Comm {
                     self.raw,
                     s,
                 )
-            };
-            return self.lib.check("ncclAlltoAll", r, self.raw);
-        }
-        self.all_to_all_p2p(send, recv, dtype, stream)
+            },
+            || self.all_to_all_grouped(send, recv, dtype, count, stream),
+        )
     }
 
-    /// [`Comm::all_to_all`] as grouped send/recv, whatever the library offers (the fallback
-    /// when `ncclAlltoAll` is missing).
+    /// [`Comm::all_to_all`] as grouped send/recv, whatever the library offers.
     pub fn all_to_all_p2p(
         &self,
         send: &DeviceBuffer,
@@ -309,15 +338,19 @@ impl Comm {
         dtype: DType,
         stream: &Stream,
     ) -> Result<()> {
-        let total = send.elems(dtype)?;
-        Comm::expect_elems(recv, dtype, total, "all_to_all recv")?;
-        if total % self.size != 0 {
-            return Err(KernelError::InvalidArgument(format!(
-                "all_to_all of {total} elements over {} ranks",
-                self.size
-            )));
-        }
-        let bytes = total / self.size * dtype.size_bytes();
+        let count = self.all_to_all_count(send, recv, dtype)?;
+        self.all_to_all_grouped(send, recv, dtype, count, stream)
+    }
+
+    fn all_to_all_grouped(
+        &self,
+        send: &DeviceBuffer,
+        recv: &DeviceBuffer,
+        dtype: DType,
+        count: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let bytes = count * dtype.size_bytes();
         group(&self.lib, || {
             for peer in 0..self.size {
                 self.send(&send.view(peer * bytes, bytes)?, dtype, peer, stream)?;
@@ -328,6 +361,7 @@ impl Comm {
     }
 
     /// `recv (on root)` = concat over ranks of `send`; `recv` is needed on the root only.
+    /// Native `ncclGather` when the library has it, else grouped send/recv.
     pub fn gather(
         &self,
         send: &DeviceBuffer,
@@ -341,9 +375,11 @@ impl Comm {
         let recv_ptr = self.root_buffer(recv, root, dtype, count * self.size, "gather recv")?;
         let bufs: Vec<&DeviceBuffer> = std::iter::once(send).chain(recv).collect();
         let s = self.prepare(stream, &bufs)?;
-        if self.lib.has_native_gather_scatter() {
+        self.native_or_p2p(
+            "ncclGather",
+            self.lib.has_native_gather_scatter(),
             // SAFETY: symbol present; extents checked; recv null off the root.
-            let r = unsafe {
+            || unsafe {
                 self.lib.sys().ncclGather(
                     addr(send),
                     recv_ptr,
@@ -353,13 +389,12 @@ impl Comm {
                     self.raw,
                     s,
                 )
-            };
-            return self.lib.check("ncclGather", r, self.raw);
-        }
-        self.gather_p2p(send, recv, dtype, root, stream)
+            },
+            || self.gather_grouped(send, recv, dtype, root, stream),
+        )
     }
 
-    /// [`Comm::gather`] as grouped send/recv (the fallback when `ncclGather` is missing).
+    /// [`Comm::gather`] as grouped send/recv, whatever the library offers.
     pub fn gather_p2p(
         &self,
         send: &DeviceBuffer,
@@ -371,7 +406,18 @@ impl Comm {
         let count = send.elems(dtype)?;
         self.root_ok(root)?;
         self.root_buffer(recv, root, dtype, count * self.size, "gather recv")?;
-        let bytes = count * dtype.size_bytes();
+        self.gather_grouped(send, recv, dtype, root, stream)
+    }
+
+    fn gather_grouped(
+        &self,
+        send: &DeviceBuffer,
+        recv: Option<&DeviceBuffer>,
+        dtype: DType,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let bytes = send.len();
         group(&self.lib, || {
             self.send(send, dtype, root, stream)?;
             if let (Some(r), true) = (recv, self.rank == root) {
@@ -384,7 +430,7 @@ impl Comm {
     }
 
     /// Chunk `j` of `send` (on root) goes to `recv` of rank `j`; `send` is needed on the root
-    /// only.
+    /// only. Native `ncclScatter` when the library has it, else grouped send/recv.
     pub fn scatter(
         &self,
         send: Option<&DeviceBuffer>,
@@ -398,9 +444,11 @@ impl Comm {
         let send_ptr = self.root_buffer(send, root, dtype, count * self.size, "scatter send")?;
         let bufs: Vec<&DeviceBuffer> = std::iter::once(recv).chain(send).collect();
         let s = self.prepare(stream, &bufs)?;
-        if self.lib.has_native_gather_scatter() {
+        self.native_or_p2p(
+            "ncclScatter",
+            self.lib.has_native_gather_scatter(),
             // SAFETY: symbol present; extents checked; send null off the root.
-            let r = unsafe {
+            || unsafe {
                 self.lib.sys().ncclScatter(
                     send_ptr,
                     addr_mut(recv),
@@ -410,13 +458,12 @@ impl Comm {
                     self.raw,
                     s,
                 )
-            };
-            return self.lib.check("ncclScatter", r, self.raw);
-        }
-        self.scatter_p2p(send, recv, dtype, root, stream)
+            },
+            || self.scatter_grouped(send, recv, dtype, root, stream),
+        )
     }
 
-    /// [`Comm::scatter`] as grouped send/recv (the fallback when `ncclScatter` is missing).
+    /// [`Comm::scatter`] as grouped send/recv, whatever the library offers.
     pub fn scatter_p2p(
         &self,
         send: Option<&DeviceBuffer>,
@@ -428,7 +475,18 @@ impl Comm {
         let count = recv.elems(dtype)?;
         self.root_ok(root)?;
         self.root_buffer(send, root, dtype, count * self.size, "scatter send")?;
-        let bytes = count * dtype.size_bytes();
+        self.scatter_grouped(send, recv, dtype, root, stream)
+    }
+
+    fn scatter_grouped(
+        &self,
+        send: Option<&DeviceBuffer>,
+        recv: &DeviceBuffer,
+        dtype: DType,
+        root: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let bytes = recv.len();
         group(&self.lib, || {
             if let (Some(sb), true) = (send, self.rank == root) {
                 for peer in 0..self.size {

@@ -19,12 +19,12 @@ use std::collections::{HashMap, VecDeque};
 use std::ffi::CStr;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use ibverbs_sys as ffi;
 
-use super::{Completion, HostRegion, Layout, ProxyError, QpInfo, SetupStore, Wire};
+use super::{Completion, Layout, ProxyError, QpInfo, Regions, SetupStore, Wire};
 
 /// The port every queue pair uses.
 const PORT: u8 = 1;
@@ -125,8 +125,7 @@ pub struct IbvWire {
     verbs: Mutex<Verbs>,
     me: usize,
     peers: Vec<usize>,
-    send: Arc<HostRegion>,
-    recv: Arc<HostRegion>,
+    regions: Regions,
     woken: AtomicBool,
 }
 
@@ -197,9 +196,8 @@ impl IbvWire {
         let deadline = Instant::now() + timeout;
         let (ctx, name) = open_device()?;
         let n = layout.peers.len();
-        let region = layout.region_len();
-        let send = Arc::new(HostRegion::new(region.max(1)));
-        let recv = Arc::new(HostRegion::new(region.max(1)));
+        let regions = Regions::new(layout.region_len());
+        let (send, recv) = (regions.send(), regions.recv());
         let mut v = Verbs {
             ctx,
             pd: ptr::null_mut(),
@@ -255,7 +253,7 @@ impl IbvWire {
         let local = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE;
         let remote = local | ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE;
         // SAFETY: the regions' blocks never move and outlive the registrations (the wire owns
-        // both `Arc`s and drops `verbs` — deregistering — before them).
+        // the regions and drops `verbs` — deregistering — before them).
         v.send_mr =
             unsafe { ffi::ibv_reg_mr(v.pd, send.base_ptr().cast(), send.len(), local.0 as i32) };
         if v.send_mr.is_null() {
@@ -312,8 +310,7 @@ impl IbvWire {
             verbs: Mutex::new(v),
             me: layout.me,
             peers: layout.peers.clone(),
-            send,
-            recv,
+            regions,
             woken: AtomicBool::new(false),
         })
     }
@@ -510,16 +507,8 @@ impl Wire for IbvWire {
         "ibverbs"
     }
 
-    fn stage(&self, offset: usize, bytes: &[u8]) -> Result<(), ProxyError> {
-        self.send.write(offset, bytes)
-    }
-
-    fn read_staged(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError> {
-        self.send.read(offset, out)
-    }
-
-    fn read_received(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError> {
-        self.recv.read(offset, out)
+    fn regions(&self) -> &Regions {
+        &self.regions
     }
 
     fn post_write(
@@ -537,7 +526,7 @@ impl Wire for IbvWire {
         let (addr, rlen, rkey) = v.remotes[i];
         let fits_local = local_offset
             .checked_add(len)
-            .is_some_and(|e| e <= self.send.len());
+            .is_some_and(|e| e <= self.regions.send().len());
         let fits_remote = (remote_offset as u64)
             .checked_add(len as u64)
             .is_some_and(|e| e <= rlen);
@@ -636,6 +625,7 @@ impl Wire for IbvWire {
 mod tests {
     use super::*;
     use crate::proxy::{MemoryStore, Topology};
+    use std::sync::Arc;
 
     /// Here (and on CI) there is no RDMA device: opening one must be a clear error, never a
     /// panic. Where a device exists this test says so and checks the listing instead.

@@ -1,12 +1,12 @@
-//! The inter-node **host proxy** transport (pplx-garden's design, see
-//! `reference/moe-dispatch-combine.md` §1.4-1.5): the compute side never posts network work.
-//! A rank *stages* message chunks into its registered send region and *raises a flag*; a proxy
+//! The inter-node **host proxy** (pplx-garden's design): the compute side never posts network
+//! work. A rank *stages* message chunks into its registered send region and *raises a flag*; a proxy
 //! thread per rank *watches the flags*, posts **one-sided writes with an immediate** into the
 //! peers' registered receive regions, *counts the incoming immediates* per message and *raises
 //! the flag* the receiver waits on, and returns ring space to the sender with credit writes.
 //!
 //! The protocol (rings, chunk headers, immediates, credits: [`layout`]) and the proxy thread
-//! ([`Proxy`]) are independent of the wire. Two wires implement [`Wire`]:
+//! ([`Proxy`]) are independent of the wire it writes over. Two wires implement [`Wire`]
+//! ([`connect_wire`] connects the one a [`WireChoice`] asks for):
 //! - [`TcpWire`]: the same one-sided write + immediate semantics over TCP sockets; works
 //!   everywhere, so CI runs the whole proxy path, between processes acting as nodes;
 //! - `IbvWire` (feature `rdma`): RC queue pairs and `RDMA_WRITE_WITH_IMM` over ibverbs,
@@ -49,6 +49,7 @@
 //! # Ok::<(), meshflow_kernels::proxy::ProxyError>(())
 //! ```
 
+mod choose;
 mod engine;
 mod error;
 #[cfg(feature = "rdma")]
@@ -62,6 +63,7 @@ mod tcp;
 mod topology;
 mod wire;
 
+pub use choose::{connect_wire, ibverbs_available, ChosenWire, WireChoice};
 pub use engine::{Proxy, ProxyStats};
 pub use error::ProxyError;
 #[cfg(feature = "rdma")]
@@ -73,7 +75,7 @@ pub use region::HostRegion;
 pub use staged::{CancelCheck, StagedRoute};
 pub use tcp::TcpWire;
 pub use topology::{node_size_from_env, Topology, NODE_SIZE_ENV};
-pub use wire::{Completion, MemoryStore, SetupStore, Wire};
+pub use wire::{Completion, MemoryStore, Regions, SetupStore, Wire};
 
 #[cfg(test)]
 mod tests;

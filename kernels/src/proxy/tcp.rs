@@ -15,7 +15,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Completion, HostRegion, Layout, ProxyError, SetupStore, Wire};
+use super::{Completion, HostRegion, Layout, ProxyError, Regions, SetupStore, Wire};
 
 const OP_WRITE: u8 = 1;
 const HELLO_MAGIC: u32 = 0x4D46_5443; // "MFTC"
@@ -26,8 +26,7 @@ const FRAME: usize = 1 + 8 + 8 + 4;
 pub struct TcpWire {
     me: usize,
     peers: Vec<usize>,
-    send: Arc<HostRegion>,
-    recv: Arc<HostRegion>,
+    regions: Regions,
     writers: Vec<Mutex<TcpStream>>,
     tx: Mutex<Sender<Completion>>,
     rx: Mutex<Receiver<Completion>>,
@@ -158,8 +157,7 @@ impl TcpWire {
             }
         }
         let (tx, rx) = mpsc::channel();
-        let send = Arc::new(HostRegion::new(region));
-        let recv = Arc::new(HostRegion::new(region));
+        let regions = Regions::new(region);
         let closing = Arc::new(AtomicBool::new(false));
         let mut writers = Vec::with_capacity(n);
         for (i, s) in streams.into_iter().enumerate() {
@@ -171,7 +169,7 @@ impl TcpWire {
             s.set_write_timeout(Some(Duration::from_secs(60)))
                 .map_err(setup)?;
             let reader = s.try_clone().map_err(setup)?;
-            let (tx, recv, closing) = (tx.clone(), recv.clone(), closing.clone());
+            let (tx, recv, closing) = (tx.clone(), regions.recv().clone(), closing.clone());
             std::thread::Builder::new()
                 .name(format!("meshflow-proxy-tcp-{me}-{peer}"))
                 .spawn(move || read_frames(reader, peer, &recv, &tx, &closing))
@@ -181,8 +179,7 @@ impl TcpWire {
         Ok(TcpWire {
             me,
             peers: layout.peers.clone(),
-            send,
-            recv,
+            regions,
             writers,
             tx: Mutex::new(tx),
             rx: Mutex::new(rx),
@@ -278,16 +275,8 @@ impl Wire for TcpWire {
         "tcp"
     }
 
-    fn stage(&self, offset: usize, bytes: &[u8]) -> Result<(), ProxyError> {
-        self.send.write(offset, bytes)
-    }
-
-    fn read_staged(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError> {
-        self.send.read(offset, out)
-    }
-
-    fn read_received(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError> {
-        self.recv.read(offset, out)
+    fn regions(&self) -> &Regions {
+        &self.regions
     }
 
     fn post_write(
@@ -306,7 +295,9 @@ impl Wire for TcpWire {
         frame.extend_from_slice(&(remote_offset as u64).to_le_bytes());
         frame.extend_from_slice(&(len as u64).to_le_bytes());
         frame.extend_from_slice(&imm.to_le_bytes());
-        self.send.read_into(local_offset, len, &mut frame)?;
+        self.regions
+            .send()
+            .read_into(local_offset, len, &mut frame)?;
         let mut w = self.writers[i].lock().unwrap_or_else(|e| e.into_inner());
         w.write_all(&frame).map_err(|e| ProxyError::PeerLost {
             peer,

@@ -1,13 +1,16 @@
-//! The [`Wire`] trait (one-sided writes with immediates between registered regions), the
-//! [`SetupStore`] a wire exchanges its connection info through, and [`MemoryStore`], an
-//! in-process store for tests.
+//! The [`Wire`] trait (one-sided writes with immediates between the registered [`Regions`] of
+//! the ranks), the [`SetupStore`] a wire exchanges its connection info through, and
+//! [`MemoryStore`], an in-process store for tests.
+//!
+//! A wire is not a transport: it is the link the host proxy writes over. The host proxy
+//! (with its wire) is what the GPU runtime calls the host-proxy transport.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use super::ProxyError;
+use super::{HostRegion, ProxyError};
 
 /// Something a wire reports to the proxy thread.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -37,18 +40,54 @@ pub enum Completion {
     Wake,
 }
 
-/// A transport of one-sided writes with 32-bit immediates between the registered regions of
+/// The two registered regions of one rank's wire, in host memory: the send region the rank
+/// stages into (the source of its writes) and the receive region its peers write into.
+#[derive(Debug)]
+pub struct Regions {
+    send: Arc<HostRegion>,
+    recv: Arc<HostRegion>,
+}
+
+impl Regions {
+    /// Two zeroed regions of `len` bytes each (at least one).
+    pub fn new(len: usize) -> Regions {
+        Regions {
+            send: Arc::new(HostRegion::new(len.max(1))),
+            recv: Arc::new(HostRegion::new(len.max(1))),
+        }
+    }
+
+    /// The send region.
+    pub fn send(&self) -> &Arc<HostRegion> {
+        &self.send
+    }
+
+    /// The receive region.
+    pub fn recv(&self) -> &Arc<HostRegion> {
+        &self.recv
+    }
+}
+
+/// A link carrying one-sided writes with 32-bit immediates between the registered regions of
 /// the ranks (the send region of the writer, the receive region of the target). Writes to one
 /// peer complete in order (RC queue pairs, TCP streams).
 pub trait Wire: Send + Sync + fmt::Debug {
     /// The wire's name (`tcp`, `ibverbs`).
     fn name(&self) -> &'static str;
+    /// This rank's registered regions.
+    fn regions(&self) -> &Regions;
     /// Copies `bytes` into our send region at `offset` (staging).
-    fn stage(&self, offset: usize, bytes: &[u8]) -> Result<(), ProxyError>;
+    fn stage(&self, offset: usize, bytes: &[u8]) -> Result<(), ProxyError> {
+        self.regions().send.write(offset, bytes)
+    }
     /// Copies bytes of our send region at `offset` into `out`.
-    fn read_staged(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError>;
+    fn read_staged(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError> {
+        self.regions().send.read(offset, out)
+    }
     /// Copies bytes of our receive region at `offset` into `out`.
-    fn read_received(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError>;
+    fn read_received(&self, offset: usize, out: &mut [u8]) -> Result<(), ProxyError> {
+        self.regions().recv.read(offset, out)
+    }
     /// Posts a one-sided write of `len` bytes of our send region at `local_offset` into `peer`'s
     /// receive region at `remote_offset`, delivering `imm` to the peer once the bytes are there.
     fn post_write(

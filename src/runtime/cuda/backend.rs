@@ -1,254 +1,60 @@
-//! [`CudaBackend`]: the [`Backend`] of one rank on one GPU.
+//! [`CudaBackend`]: the [`Backend`] of one rank on one GPU: a [`DeviceCore`] (streams, memory,
+//! events, timeline), the NCCL communicators of its teams, and the transport objects the
+//! prepared program selected ([`Transports`]). This file only wires them together: compute
+//! runs on the core, every communication goes to the transport selected for its label.
 
-use std::cell::RefCell;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
 
-use meshflow_ir::{ComputeOp, DType, DeviceId};
-use meshflow_kernels::nccl::{self, Comm, NcclLib};
-use meshflow_kernels::{Device, DeviceBuffer, Event, KernelError, Kernels, Stream, UserKernel};
+use meshflow_ir::{ComputeOp, DType, DeviceId, EntityRef};
+use meshflow_kernels::nccl;
+use meshflow_kernels::proxy::{Proxy, Topology};
+use meshflow_kernels::{Device, DeviceBuffer, UserKernel};
+use meshflow_passes::Transport;
 
-use super::memory::{CudaBuffer, Memory};
-use super::peer::{CopyStream, CudaTransport, PeerHub};
-use super::profile::{Interval, IntervalKind, Timeline};
-use super::teams::{self, TeamKey};
-use super::user_kernels::CudaKernels;
+use super::config::{AbortSignal, CudaConfig, CudaResources};
+use super::core::{dev_err, CudaComm, DeviceCore, Group};
+use super::graph::GraphRecorder;
+use super::memory::CudaBuffer;
+use super::profile::{Interval, IntervalKind};
+use super::teams::Communicators;
+use super::transport::{Environment, PeerHub, PostCx, Posted, ProxyAccess, Transports};
 use crate::runtime::backend::{
-    Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex, TensorView,
+    Backend, BackendError, CommLabel, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex,
+    TensorView,
 };
 use crate::runtime::data::TensorData;
 use crate::runtime::rendezvous::Rendezvous;
 
-/// Settings of the CUDA backend.
-#[derive(Clone, Debug)]
-pub struct CudaConfig {
-    /// Worker streams per rank (the main stream comes on top).
-    pub stream_pool: usize,
-    /// How long the host waits for the device at the end of a run, and for peers in the
-    /// rendezvous, before giving up with an error.
-    pub timeout: Duration,
-    /// Record one [`Interval`] per compute op and communication.
-    pub profile: bool,
-    /// Kernels for `launch_kernel`.
-    pub kernels: CudaKernels,
-    /// How collective permutes and broadcasts move (copy engine between in-process ranks by
-    /// default, NCCL otherwise).
-    pub transport: CudaTransport,
-    /// Which stream runs copy-engine pulls.
-    pub copy_stream: CopyStream,
-    /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
-    /// the program body runs this many times back to back between one upload of the inputs
-    /// and one download of the outputs, and the run's device time is divided by it (at least 1).
-    pub steps: usize,
-    /// Record one step as a CUDA graph per run and replay it `steps` times (NCCL transport
-    /// only; see [`Backend::begin_graph`]).
-    pub graph: bool,
-    /// Split the ranks of a launch into nodes of this many consecutive ranks: collective
-    /// permutes and MoE dispatch/combine between ranks of different nodes go through the
-    /// inter-node host proxy over TCP, the rest stays on NCCL. `None`: `MESHFLOW_NODE_SIZE`
-    /// when it is set, else one node.
-    pub node_size: Option<usize>,
-    /// Fault tests only: the process exits at once with
-    /// [`FAULT_EXIT_STATUS`](crate::runtime::sim::FAULT_EXIT_STATUS) when this rank posts its
-    /// n-th communication (0-based), as a killed process would.
-    pub exit_at_comm: Option<usize>,
-}
-
-impl Default for CudaConfig {
-    fn default() -> CudaConfig {
-        CudaConfig {
-            stream_pool: 4,
-            timeout: Duration::from_secs(120),
-            profile: false,
-            kernels: CudaKernels::new(),
-            transport: CudaTransport::Auto,
-            copy_stream: CopyStream::Current,
-            steps: 1,
-            graph: false,
-            node_size: None,
-            exit_at_comm: None,
-        }
-    }
-}
-
-/// GPU resources the caller owns, for [`CudaBackend::with_resources`].
-#[derive(Debug)]
-pub struct CudaResources {
-    /// The GPU (its primary context, the one the CUDA runtime and PyTorch use).
-    pub device: Device,
-    /// The caller's stream (see `Stream::from_raw_borrowed`): the rank's main stream, so the
-    /// program runs in order with the caller's work on it. `None`: a stream of meshflow's.
-    pub stream: Option<Stream>,
-    /// Communicators the caller created (see `Comm::from_raw_borrowed`), each with the team it
-    /// serves: the team's members (global ranks) in team order, its rank in the communicator
-    /// being this rank's index there.
-    pub comms: Vec<(Vec<DeviceId>, Comm)>,
-}
-
-/// A flag the ranks of one run share: set by the first rank that fails, so that the others
-/// stop waiting for it (and abort their NCCL communicators) instead of hanging.
-#[derive(Clone, Debug, Default)]
-pub struct AbortSignal {
-    flag: Arc<AtomicBool>,
-    first: Arc<Mutex<Option<(DeviceId, String)>>>,
-}
-
-impl AbortSignal {
-    /// A signal that is not set.
-    pub fn new() -> AbortSignal {
-        AbortSignal::default()
-    }
-
-    /// Records that `rank` failed (the first report wins).
-    pub fn abort(&self, rank: DeviceId, reason: impl Into<String>) {
-        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
-        if first.is_none() {
-            *first = Some((rank, reason.into()));
-        }
-        self.flag.store(true, Ordering::SeqCst);
-    }
-
-    /// Whether some rank failed.
-    pub fn is_aborted(&self) -> bool {
-        self.flag.load(Ordering::SeqCst)
-    }
-
-    /// The first failure: rank and reason.
-    pub fn first(&self) -> Option<(DeviceId, String)> {
-        self.first.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-}
-
-/// A posted communication: events on the streams it ran on, filled in when its coalescing
-/// group ends (at once outside a group).
-#[derive(Clone, Debug, Default)]
-pub struct CudaComm {
-    events: Rc<RefCell<Option<Vec<Rc<Event>>>>>,
-}
-
-/// An output written through a packed temporary and copied into its strided view afterwards.
-#[derive(Debug)]
-pub(super) struct Unstage {
-    pub stream: usize,
-    pub temp: DeviceBuffer,
-    pub dst: TensorView<CudaBuffer>,
-}
-
-/// An open coalescing group.
-#[derive(Debug, Default)]
-pub(super) struct Group {
-    pub members: Vec<CudaComm>,
-    pub unstage: Vec<Unstage>,
-    pub streams: Vec<usize>,
-    pub temps: Vec<DeviceBuffer>,
-}
-
-/// The views a communication writes.
-fn request_outputs<'a>(request: &CommRequest<'a, CudaBuffer>) -> Vec<&'a TensorView<CudaBuffer>> {
-    match request {
-        CommRequest::Collective { output, .. } => output.iter().copied().collect(),
-        CommRequest::Permute { output, .. } => vec![*output],
-        CommRequest::MoeDispatch {
-            expert_x,
-            expert_counts,
-            routing,
-            ..
-        } => vec![*expert_x, *expert_counts, *routing],
-        CommRequest::MoeCombine { out, .. } => vec![*out],
-    }
-}
-
-/// Turns a kernels-crate error into a backend error naming the rank and the operation; a lost
-/// or failed peer behind the host proxy is reported as that peer's failure.
-pub(super) fn dev_err(rank: DeviceId, call: &str, e: KernelError) -> BackendError {
-    use meshflow_kernels::proxy::ProxyError;
-    match e {
-        KernelError::Proxy(ProxyError::PeerLost { peer, reason }) => BackendError::Aborted {
-            failed_rank: peer,
-            reason: format!("rank {peer} (another node) was lost during {call}: {reason}"),
-        },
-        KernelError::Proxy(ProxyError::Aborted { rank, reason }) => BackendError::Aborted {
-            failed_rank: rank,
-            reason,
-        },
-        KernelError::Proxy(ProxyError::Timeout { peer, waited, what }) => BackendError::Timeout {
-            peer,
-            waited,
-            what: format!("{call} (through the host proxy: {what})"),
-        },
-        e => BackendError::Device {
-            rank,
-            call: call.to_owned(),
-            message: e.to_string(),
-        },
-    }
-}
-
 /// The CUDA backend of one rank: device `ordinal`, a main stream and a pool of worker streams,
-/// a caching allocator, one NCCL communicator per team, and optional profiling.
+/// a caching allocator, one NCCL communicator per team, the transports its program selected,
+/// and optional profiling.
 pub struct CudaBackend {
-    pub(super) rank: DeviceId,
-    pub(super) device: Device,
-    pub(super) kernels: Kernels,
-    pub(super) streams: Vec<Stream>,
-    pub(super) current: usize,
-    pub(super) memory: Memory,
-    pub(super) config: CudaConfig,
-    rendezvous: Option<Arc<dyn Rendezvous>>,
-    pub(super) abort: Option<AbortSignal>,
-    pub(super) nccl: Option<Arc<NcclLib>>,
-    pub(super) comms: Vec<(TeamKey, Comm)>,
-    pub(super) team_comm: Vec<usize>,
-    pub(super) group: Option<Group>,
-    /// Temporaries of the op being issued, retired after it.
-    pub(super) scratch: Vec<DeviceBuffer>,
-    pub(super) timeline: Timeline,
+    core: DeviceCore,
+    config: CudaConfig,
+    comms: Communicators,
+    transports: Transports,
+    /// Kernels of `config.kernels`, loaded on first launch.
     user: Vec<Option<UserKernel>>,
-    pub(super) moe: Vec<super::moe::MoeEngine>,
-    pub(super) moe_last: Option<usize>,
-    start_barrier: Option<usize>,
-    runs: u64,
     /// Communications posted by this backend (for [`CudaConfig::exit_at_comm`]).
     posted: usize,
     failed: bool,
+    /// The graph recorded or replayed in this run.
+    graph: GraphRecorder,
     /// The copy-engine hub of an in-process launch.
-    pub(super) hub: Option<Arc<PeerHub>>,
-    /// Per team slot: the team moves permutes and broadcasts over the copy engine.
-    pub(super) team_ce: Vec<bool>,
-    /// Per communication label: instances posted so far over the copy engine.
-    pub(super) ce_seq: std::collections::HashMap<usize, u64>,
-    /// The stream of copy-engine pulls ([`CopyStream::Dedicated`]).
-    pub(super) copy_stream: Stream,
-    /// A stream that only waits for peers' reads of this rank's memory (copy-engine sends), so
-    /// that releases and the end of a run are ordered after them.
-    pub(super) peer_reads: Stream,
-    /// Per buffer: peers' reads of it (copy-engine sends) that later writes must wait for.
-    #[allow(clippy::type_complexity)]
-    pub(super) pending_reads: std::collections::HashMap<CudaBuffer, Vec<((u64, u64), Rc<Event>)>>,
-    /// The graph being recorded or replayed in this run, and whether profiling was on before.
-    graph: Option<GraphState>,
+    hub: Option<Arc<PeerHub>>,
     /// This rank's host proxy to ranks of other nodes, with the run's nodes.
-    pub(super) proxy: Option<super::proxy::ProxyAccess>,
-    /// Per team crossing nodes: this rank's route for its collective permutes.
-    pub(super) routes: Vec<(Vec<DeviceId>, meshflow_kernels::proxy::StagedRoute)>,
-}
-
-/// A step recorded as a graph: recording (`exec` empty) or replayed (until the run ends).
-#[derive(Debug)]
-struct GraphState {
-    exec: Option<meshflow_kernels::Graph>,
-    profile: bool,
+    proxy: Option<ProxyAccess>,
 }
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
-            .field("rank", &self.rank)
-            .field("device", &self.device.ordinal())
-            .field("streams", &self.streams.len())
+            .field("rank", &self.core.rank)
+            .field("device", &self.core.device.ordinal())
+            .field("streams", &self.core.streams.len())
             .field("teams", &self.comms.len())
+            .field("transports", &self.transports)
             .finish()
     }
 }
@@ -285,38 +91,8 @@ impl CudaBackend {
             comms,
         } = resources;
         let mut b = CudaBackend::on_device(rank, device, stream, config, rendezvous, abort)?;
-        let namespace = b.namespace();
         for (members, comm) in comms {
-            let invalid = |m: String| BackendError::Invalid(format!("rank {rank}: {m}"));
-            let my_index = members.iter().position(|&m| m == rank).ok_or_else(|| {
-                invalid(format!(
-                    "a communicator is given for team {members:?}, without this rank"
-                ))
-            })?;
-            if comm.size() != members.len() || comm.rank() != my_index {
-                return Err(invalid(format!(
-                    "the communicator given for team {members:?} has rank {} of {}, not {my_index} \
-                     of {}",
-                    comm.rank(),
-                    comm.size(),
-                    members.len()
-                )));
-            }
-            if !comm.device().same_as(&b.device) {
-                return Err(invalid(format!(
-                    "the communicator given for team {members:?} is on GPU {}, not {}",
-                    comm.device().ordinal(),
-                    b.device.ordinal()
-                )));
-            }
-            b.nccl.get_or_insert_with(|| comm.lib().clone());
-            let key = TeamKey {
-                namespace: namespace.clone(),
-                ordinal: b.device.ordinal(),
-                members,
-            };
-            b.comms.retain(|(k, _)| *k != key);
-            b.comms.push((key, comm));
+            b.comms.adopt(&b.core, members, comm)?;
         }
         Ok(b)
     }
@@ -324,83 +100,45 @@ impl CudaBackend {
     /// Lends the caller's device memory `data` (elements of `dtype`) to the program as a
     /// buffer, used in place; [`Backend::deallocate`] ends the loan (nothing is freed).
     pub fn import(&mut self, data: DeviceBuffer, dtype: DType) -> Result<CudaBuffer, BackendError> {
-        if !data.device().same_as(&self.device) {
+        let core = &mut self.core;
+        if !data.device().same_as(&core.device) {
             return Err(BackendError::Invalid(format!(
                 "rank {}: a caller buffer on GPU {} lent to the backend of GPU {}",
-                self.rank,
+                core.rank,
                 data.device().ordinal(),
-                self.device.ordinal()
+                core.device.ordinal()
             )));
         }
-        self.memory
-            .import(data, dtype)
-            .map_err(self.err("importing a caller buffer"))
+        let e = core.err("importing a caller buffer");
+        core.memory.import(data, dtype).map_err(e)
     }
 
     fn on_device(
         rank: DeviceId,
         device: Device,
-        main: Option<Stream>,
+        main: Option<meshflow_kernels::Stream>,
         config: CudaConfig,
         rendezvous: Option<Arc<dyn Rendezvous>>,
         abort: Option<AbortSignal>,
     ) -> Result<CudaBackend, BackendError> {
-        let pool = config.stream_pool.max(1);
-        let mut streams = Vec::with_capacity(pool + 1);
-        if let Some(main) = main {
-            if !main.device().same_as(&device) {
-                return Err(BackendError::Invalid(format!(
-                    "rank {rank}: the caller's stream is on GPU {}, not {}",
-                    main.device().ordinal(),
-                    device.ordinal()
-                )));
-            }
-            streams.push(main);
-        }
-        while streams.len() <= pool {
-            streams.push(Stream::new(&device).map_err(|e| dev_err(rank, "cuStreamCreate", e))?);
-        }
-        let timeline = Timeline::new(config.profile);
-        let copy_stream = Stream::new(&device).map_err(|e| dev_err(rank, "cuStreamCreate", e))?;
-        let peer_reads = Stream::new(&device).map_err(|e| dev_err(rank, "cuStreamCreate", e))?;
+        let core = DeviceCore::new(rank, device, main, &config, rendezvous, abort)?;
         Ok(CudaBackend {
-            rank,
-            kernels: Kernels::new(&device),
-            memory: Memory::new(&device),
-            device,
-            streams,
-            current: 0,
+            core,
             user: vec![None; config.kernels.defs.len()],
             config,
-            rendezvous,
-            abort,
-            nccl: None,
-            comms: Vec::new(),
-            team_comm: Vec::new(),
-            group: None,
-            scratch: Vec::new(),
-            timeline,
-            moe: Vec::new(),
-            moe_last: None,
-            start_barrier: None,
-            runs: 0,
+            comms: Communicators::default(),
+            transports: Transports::default(),
             posted: 0,
             failed: false,
+            graph: GraphRecorder::default(),
             hub: None,
-            team_ce: Vec::new(),
-            ce_seq: std::collections::HashMap::new(),
-            copy_stream,
-            peer_reads,
-            pending_reads: std::collections::HashMap::new(),
-            graph: None,
             proxy: None,
-            routes: Vec::new(),
         })
     }
 
     /// The GPU.
     pub fn gpu(&self) -> &Device {
-        &self.device
+        &self.core.device
     }
 
     /// Device time of the last finished run in µs, from an event at its start (its first
@@ -408,17 +146,22 @@ impl CudaBackend {
     /// [`set_start_barrier`](Self::set_start_barrier), after every rank got there) to one after
     /// all its streams were done.
     pub fn last_run_us(&self) -> Option<f64> {
-        self.timeline.last_run_us
+        self.core.timeline.last_run_us
     }
 
     /// The intervals of the last finished run (profiling mode; empty otherwise).
     pub fn intervals(&self) -> &[Interval] {
-        &self.timeline.intervals
+        &self.core.timeline.intervals
     }
 
     /// Switches profiling on or off for later runs.
     pub fn set_profiling(&mut self, on: bool) {
-        self.timeline.profile = on;
+        self.core.timeline.profile = on;
+    }
+
+    /// Whether [`CudaConfig::graph`] asks for every run to be recorded as a CUDA graph.
+    pub fn records_graphs(&self) -> bool {
+        self.config.graph
     }
 
     /// Marks this rank as failed: its communicators are aborted (not cached) when it is
@@ -431,245 +174,64 @@ impl CudaBackend {
     /// signal and the rendezvous it was given, so that they stop instead of waiting for it.
     pub fn signal_failure(&mut self, reason: &str) {
         self.failed = true;
-        if let Some(a) = &self.abort {
-            a.abort(self.rank, reason.to_string());
+        if let Some(a) = &self.core.abort {
+            a.abort(self.core.rank, reason.to_string());
         }
-        if let Some(r) = &self.rendezvous {
-            r.abort(&format!("rank {} failed: {reason}", self.rank));
+        if let Some(r) = &self.core.rendezvous {
+            r.abort(&format!("rank {} failed: {reason}", self.core.rank));
         }
-    }
-
-    /// The rendezvous namespace (keys the communicator cache).
-    pub(super) fn namespace(&self) -> String {
-        self.rendezvous
-            .as_ref()
-            .map(|r| r.namespace().to_owned())
-            .unwrap_or_else(|| "local".into())
-    }
-
-    /// The rendezvous, if any.
-    pub(super) fn rendezvous(&self) -> Option<&Arc<dyn Rendezvous>> {
-        self.rendezvous.as_ref()
-    }
-
-    pub(super) fn stream(&self) -> &Stream {
-        &self.streams[self.current]
-    }
-
-    pub(super) fn err(&self, call: &str) -> impl Fn(KernelError) -> BackendError {
-        let rank = self.rank;
-        let call = call.to_owned();
-        move |e| dev_err(rank, &call, e)
-    }
-
-    fn check_stream(&self, s: StreamIndex) -> Result<usize, BackendError> {
-        if s.0 < self.streams.len() {
-            Ok(s.0)
-        } else {
-            Err(BackendError::Invalid(format!(
-                "no stream {} (pool of {})",
-                s.0,
-                self.streams.len() - 1
-            )))
-        }
-    }
-
-    /// Events on every stream: the point after which a released buffer is free.
-    fn events_on_all_streams(&self) -> Result<Vec<Event>, BackendError> {
-        self.streams
-            .iter()
-            .chain([&self.copy_stream, &self.peer_reads])
-            .map(|s| s.record_event())
-            .collect::<Result<_, _>>()
-            .map_err(self.err("cuEventRecord"))
-    }
-
-    /// Retires the temporaries of the op just issued on the current stream.
-    pub(super) fn retire_scratch(&mut self) -> Result<(), BackendError> {
-        if self.scratch.is_empty() {
-            return Ok(());
-        }
-        let mut temps = std::mem::take(&mut self.scratch);
-        if let Some(g) = self.group.as_mut() {
-            // Inside a group the communication runs at the group's end.
-            g.temps.append(&mut temps);
-            return Ok(());
-        }
-        for t in temps {
-            let ev = self
-                .stream()
-                .record_event()
-                .map_err(self.err("cuEventRecord"))?;
-            self.memory.retire(t, vec![ev]);
-        }
-        Ok(())
-    }
-
-    /// Marks the start of the run's device work (once per run, at its first instruction that
-    /// reaches the device, or at its end): with a start barrier, first waits for every rank to
-    /// get there (so that uploads of different lengths do not skew the ranks' clocks), then
-    /// records the start event on the main stream.
-    fn step_started(&mut self) -> Result<(), BackendError> {
-        if self.timeline.is_started() {
-            return Ok(());
-        }
-        if let (Some(parties), Some(rdv)) = (self.start_barrier, self.rendezvous.clone()) {
-            let name = format!("meshflow/start/{}", self.runs);
-            rdv.barrier(&name, parties, self.config.timeout)
-                .map_err(|e| match e {
-                    crate::runtime::rendezvous::RendezvousError::Aborted(reason) => {
-                        BackendError::Aborted {
-                            failed_rank: self
-                                .abort
-                                .as_ref()
-                                .and_then(|a| a.first())
-                                .map_or(self.rank, |f| f.0),
-                            reason,
-                        }
-                    }
-                    e => BackendError::Invalid(format!("rank {}: start barrier: {e}", self.rank)),
-                })?;
-        }
-        let main = self.streams[0].clone();
-        self.timeline
-            .ensure_started(&main)
-            .map_err(self.err("cuEventRecord"))
     }
 
     /// Makes every run start with a barrier of `parties` ranks (all ranks of the run, each with
     /// such a backend on the same rendezvous), so that device times of different ranks start
     /// together; used for timing.
     pub fn set_start_barrier(&mut self, parties: usize) {
-        self.start_barrier = Some(parties);
-    }
-
-    /// After a run's device work is done: drops its graph and returns the memory the graph
-    /// used to the allocator.
-    fn end_graph_run(&mut self) -> Result<(), BackendError> {
-        let Some(state) = self.graph.take() else {
-            return Ok(());
-        };
-        drop(state.exec);
-        self.timeline.profile = state.profile;
-        let streams: Vec<Stream> = self.streams.clone();
-        self.memory
-            .end_hold(|| streams.iter().map(|s| s.record_event()).collect())
-            .map_err(self.err("cuEventRecord"))
+        self.core.start_barrier = Some(parties);
     }
 
     /// Joins the copy-engine hub of an in-process launch (every rank of the launch joins the
-    /// same hub): teams whose members all joined move permutes and broadcasts over the copy
-    /// engine (see [`CudaConfig::transport`]).
+    /// same hub): teams whose members all joined, with peer access between their GPUs, can
+    /// use the copy-engine and NVLink MoE transports (see [`CudaConfig::transport`]).
     pub fn set_peer_hub(&mut self, hub: Arc<PeerHub>) {
-        hub.register(self.rank, &self.device);
+        hub.register(self.core.rank, &self.core.device);
         self.hub = Some(hub);
     }
 
-    /// The abort error when another rank failed.
-    pub(super) fn aborted(&self) -> Option<BackendError> {
-        let a = self.abort.as_ref()?;
-        if !a.is_aborted() {
-            return None;
-        }
-        let (failed_rank, reason) = a.first().unwrap_or((self.rank, "unknown".into()));
-        Some(BackendError::Aborted {
-            failed_rank,
-            reason,
-        })
+    /// Reaches ranks of other nodes (by `topology`) through `proxy`, this rank's host proxy:
+    /// collective permutes and MoE dispatch/combine with a peer on another node use it, the
+    /// rest stays on NCCL. CUDA graph recording is refused for programs that use it.
+    pub fn set_proxy(&mut self, proxy: Arc<Proxy>, topology: Topology) {
+        self.proxy = Some(ProxyAccess { proxy, topology });
     }
 
-    /// Blocks until `done` completes, watching for aborts, NCCL errors and the timeout.
-    fn wait_device(&mut self, done: &Event) -> Result<(), BackendError> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            if done.is_complete().map_err(self.err("cuEventQuery"))? {
-                // A peer that failed during the run may have let this rank's collectives end
-                // early (aborted communicators): the device being done proves nothing then.
-                if let Some(e) = self.aborted() {
-                    self.abort_comms();
-                    return Err(e);
-                }
-                return Ok(());
-            }
-            spins += 1;
-            if spins < 200 {
-                std::thread::yield_now();
-                continue;
-            }
-            std::thread::sleep(Duration::from_micros(200));
-            if spins.is_multiple_of(50) {
-                if let Some(e) = self.aborted() {
-                    self.abort_comms();
-                    return Err(e);
-                }
-                for (key, c) in &self.comms {
-                    if let Err(e) = c.check_async_error() {
-                        let e = dev_err(
-                            self.rank,
-                            &format!("NCCL communicator of team {:?}", key.members),
-                            e,
-                        );
-                        self.abort_comms();
-                        return Err(e);
-                    }
-                }
-                if start.elapsed() > self.config.timeout {
-                    self.abort_comms();
-                    return Err(BackendError::Timeout {
-                        peer: self.rank,
-                        waited: self.config.timeout,
-                        what: "the device to finish the program (a peer may have stopped; \
-                               communicators aborted)"
-                            .into(),
-                    });
-                }
-            }
+    /// Tells the ranks of other nodes that this rank failed (their waits for its messages end
+    /// at once with the reason).
+    pub fn notify_proxy_failure(&self, reason: &str) {
+        if let Some(p) = &self.proxy {
+            p.proxy.notify_failure(self.core.rank, reason);
         }
     }
 
-    /// Connects NCCL's point-to-point channels between this rank and every other member of the
-    /// communicator `self.comms[i]` now, right after its creation, while every member is known
-    /// to be here: a one-byte send and receive with each peer in one group, waited for like a
-    /// program's end. NCCL otherwise connects a pair inside the first `ncclGroupEnd` of a
-    /// send/recv between them, which blocks the host thread until the peer posts its side, and
-    /// never returns if the peer has failed by then (no abort can reach a thread inside NCCL).
-    fn preconnect(&mut self, i: usize, lib: &Arc<NcclLib>) -> Result<(), BackendError> {
-        let Some((_, comm)) = self.comms.get(i) else {
-            return Ok(());
-        };
-        let (n, me) = (comm.size(), comm.rank());
-        if n < 2 {
-            return Ok(());
-        }
-        let bytes = DeviceBuffer::alloc(&self.device, 2 * n).map_err(self.err("cuMemAlloc"))?;
-        let s = self.streams[0].clone();
-        let e = self.err("NCCL point-to-point connection");
-        nccl::group(lib, || {
-            for p in (0..n).filter(|&p| p != me) {
-                comm.send(&bytes.view(p, 1)?, meshflow_kernels::DType::U8, p, &s)?;
-                comm.recv(&bytes.view(n + p, 1)?, meshflow_kernels::DType::U8, p, &s)?;
-            }
-            Ok(())
-        })
-        .map_err(e)?;
-        let done = s.record_event().map_err(self.err("cuEventRecord"))?;
-        self.wait_device(&done)
-    }
-
-    /// Aborts every communicator (unblocks device work waiting for a peer) and marks the rank
-    /// failed.
-    fn abort_comms(&mut self) {
+    /// Aborts every communicator and transport (unblocks device work waiting for a peer) and
+    /// marks the rank failed.
+    fn abort_all(&mut self) {
         self.failed = true;
-        self.moe_release(false);
-        self.team_comm.clear();
-        for (key, c) in self.comms.drain(..) {
-            if c.is_borrowed() {
-                // Never aborted here: the caller owns it.
-                continue;
-            }
-            if let Err(e) = c.abort() {
-                tracing::warn!(rank = self.rank, ?key.members, "ncclCommAbort failed: {e}");
+        self.transports.release(false);
+        self.comms.abort_all(self.core.rank);
+    }
+
+    /// Blocks until `done` completes (see [`DeviceCore::wait_device`]); aborts everything when
+    /// a peer failed or stopped.
+    fn wait_device(&mut self, done: &meshflow_kernels::Event) -> Result<(), BackendError> {
+        let comms = &self.comms;
+        let rank = self.core.rank;
+        match self.core.wait_device(done, || comms.async_error(rank)) {
+            Ok(()) => Ok(()),
+            Err(f) => {
+                if f.abort {
+                    self.abort_all();
+                }
+                Err(f.error)
             }
         }
     }
@@ -679,34 +241,69 @@ impl CudaBackend {
             .config
             .kernels
             .defs
-            .get(k.0)
+            .get(k.index())
             .ok_or_else(|| BackendError::Invalid(format!("unknown kernel {k:?}")))?;
-        if let Some(Some(u)) = self.user.get(k.0) {
+        if let Some(Some(u)) = self.user.get(k.index()) {
             return Ok(u.clone());
         }
-        let u = UserKernel::load(&self.device, &def.image, &def.function).map_err(|e| {
+        let u = UserKernel::load(&self.core.device, &def.image, &def.function).map_err(|e| {
             BackendError::Kernel {
                 name: def.name.clone(),
-                message: format!("loading on rank {}: {e}", self.rank),
+                message: format!("loading on rank {}: {e}", self.core.rank),
             }
         })?;
-        if let Some(slot) = self.user.get_mut(k.0) {
+        if let Some(slot) = self.user.get_mut(k.index()) {
             *slot = Some(u.clone());
         }
         Ok(u)
     }
 
-    fn host_data(&self, data: &TensorData, dst: &DeviceBuffer) -> Result<(), BackendError> {
-        use crate::runtime::data::Storage;
-        let s = &self.streams[0];
-        let r = match data.storage() {
-            Storage::F32(v) => dst.upload(s, v),
-            Storage::BF16(v) => dst.upload(s, v),
-            Storage::F16(v) => dst.upload(s, v),
-            Storage::I32(v) => dst.upload(s, v),
-            Storage::I64(v) => dst.upload(s, v),
-        };
-        r.map_err(self.err("upload (cuMemcpyHtoD)"))
+    /// Runs `op` on the core between opening and closing a compute interval, retiring its
+    /// temporaries after it.
+    fn computing(
+        &mut self,
+        name: &'static str,
+        outputs: &[&TensorView<CudaBuffer>],
+        ctx: InstCtx<'_>,
+        op: impl FnOnce(&mut DeviceCore) -> Result<(), BackendError>,
+    ) -> Result<(), BackendError> {
+        let core = &mut self.core;
+        core.step_started()?;
+        let opened = core
+            .timeline
+            .open(
+                &core.streams,
+                core.current,
+                IntervalKind::Compute,
+                name,
+                None,
+                ctx.inst,
+                ctx.iteration,
+            )
+            .map_err(core.err("cuEventRecord"))?;
+        core.before_writes(outputs)?;
+        let r = op(core);
+        let retired = core.retire_scratch();
+        r?;
+        retired?;
+        core.timeline
+            .close(&core.streams, opened)
+            .map_err(core.err("cuEventRecord"))
+    }
+}
+
+/// The views a communication writes.
+fn request_outputs<'a>(request: &CommRequest<'a, CudaBuffer>) -> Vec<&'a TensorView<CudaBuffer>> {
+    match request {
+        CommRequest::Collective { output, .. } => output.iter().copied().collect(),
+        CommRequest::Permute { output, .. } => vec![*output],
+        CommRequest::MoeDispatch {
+            expert_x,
+            expert_counts,
+            routing,
+            ..
+        } => vec![*expert_x, *expert_counts, *routing],
+        CommRequest::MoeCombine { out, .. } => vec![*out],
     }
 }
 
@@ -714,15 +311,10 @@ impl Drop for CudaBackend {
     fn drop(&mut self) {
         if self.failed {
             // Abort first: device work waiting for a peer must stop before memory is freed.
-            self.abort_comms();
+            self.abort_all();
         } else {
-            self.moe_release(true);
-            for (key, c) in self.comms.drain(..) {
-                // The caller's communicators go back to the caller, not to the cache.
-                if !c.is_borrowed() {
-                    teams::checkin(key, c);
-                }
-            }
+            self.transports.release(true);
+            self.comms.checkin_all();
         }
     }
 }
@@ -732,82 +324,27 @@ impl Backend for CudaBackend {
     type Comm = CudaComm;
 
     fn device(&self) -> DeviceId {
-        self.rank
+        self.core.rank
     }
 
     fn stream_pool_size(&self) -> usize {
-        self.streams.len() - 1
+        self.core.streams.len() - 1
     }
 
     fn prepare(&mut self, info: &PlanInfo<'_>) -> Result<(), BackendError> {
-        self.current = 0;
-        self.group = None;
-        self.team_comm.clear();
-        self.team_ce.clear();
-        if info.teams.is_empty() {
-            return Ok(());
-        }
-        let lib = match &self.nccl {
-            Some(l) => l.clone(),
-            None => {
-                let l = NcclLib::load().map_err(self.err("loading NCCL"))?;
-                self.nccl = Some(l.clone());
-                l
-            }
+        self.core.current = 0;
+        self.core.group = None;
+        self.comms.prepare(&self.core, info.teams)?;
+        let env = Environment {
+            hub: self.hub.as_ref(),
+            proxy: self.proxy.as_ref(),
+            config: &self.config,
         };
-        let namespace = self
-            .rendezvous
-            .as_ref()
-            .map(|r| r.namespace().to_owned())
-            .unwrap_or_else(|| "local".into());
-        let ordinal = self.device.ordinal();
-        let key_of = |members: &[DeviceId]| TeamKey {
-            namespace: namespace.clone(),
-            ordinal,
-            members: members.to_vec(),
-        };
-        // Teams not held yet, in the global order of their member lists.
-        let mut missing: Vec<(TeamKey, usize)> = Vec::new();
-        for t in info.teams {
-            let key = key_of(&t.members);
-            if self.comms.iter().any(|(k, _)| *k == key) || missing.iter().any(|(k, _)| *k == key) {
-                continue;
-            }
-            match teams::checkout(&key) {
-                Some(c) => self.comms.push((key, c)),
-                None => missing.push((key, t.my_index)),
-            }
-        }
-        missing.sort_by(|a, b| a.0.members.cmp(&b.0.members));
-        for (key, my_index) in missing {
-            if let Some(e) = self.aborted() {
-                return Err(e);
-            }
-            let comm = teams::create(
-                self.rank,
-                &lib,
-                &self.device,
-                self.rendezvous.as_deref(),
-                &key,
-                my_index,
-                self.config.timeout,
-            )?;
-            self.comms.push((key, comm));
-            self.preconnect(self.comms.len() - 1, &lib)?;
-        }
-        for t in info.teams {
-            let key = key_of(&t.members);
-            let i = self
-                .comms
-                .iter()
-                .position(|(k, _)| *k == key)
-                .ok_or_else(|| BackendError::Invalid(format!("no communicator for {key:?}")))?;
-            if self.team_comm.len() <= t.slot {
-                self.team_comm.resize(t.slot + 1, usize::MAX);
-            }
-            self.team_comm[t.slot] = i;
-        }
-        self.prepare_peer(info.teams)
+        self.transports.prepare(&self.core, info, &env)
+    }
+
+    fn transport_of(&self, label: CommLabel) -> Option<Transport> {
+        self.transports.transport_of(label)
     }
 
     fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<CudaBuffer, BackendError> {
@@ -815,93 +352,45 @@ impl Backend for CudaBackend {
             .map_err(|e| BackendError::Invalid(e.to_string()))?;
         let n = usize::try_from(n)
             .map_err(|_| BackendError::Invalid(format!("{shape:?} is too large")))?;
-        self.memory
-            .allocate(dtype, n)
-            .map_err(self.err("allocate (cuMemAlloc)"))
+        let e = self.core.err("allocate (cuMemAlloc)");
+        self.core.memory.allocate(dtype, n).map_err(e)
     }
 
     fn deallocate(&mut self, buffer: CudaBuffer) -> Result<(), BackendError> {
-        if self.memory.get(buffer).is_none() {
+        if self.core.memory.get(buffer).is_none() {
             return Err(BackendError::Invalid(format!(
                 "release of an unknown buffer {buffer:?}"
             )));
         }
-        let pending = self.events_on_all_streams()?;
-        self.memory.release(buffer, pending);
+        let pending = self.core.events_on_all_streams()?;
+        self.core.memory.release(buffer, pending);
         Ok(())
     }
 
     fn upload(&mut self, buffer: CudaBuffer, data: &TensorData) -> Result<(), BackendError> {
-        let entry = self
-            .memory
-            .get(buffer)
-            .ok_or_else(|| BackendError::Invalid(format!("upload into unknown {buffer:?}")))?;
-        if entry.dtype != data.dtype() {
-            return Err(BackendError::Invalid(format!(
-                "uploading {} into a {} buffer",
-                data.type_string(),
-                entry.dtype
-            )));
-        }
-        let dst = entry.data.clone();
-        self.host_data(data, &dst)
+        self.core.upload(buffer, data)
     }
 
     fn download(&mut self, view: &TensorView<CudaBuffer>) -> Result<TensorData, BackendError> {
-        self.current = 0;
-        let buf = self.input_region(view)?;
-        self.retire_scratch()?;
-        let n = view.numel() as usize;
-        let s = self.streams[0].clone();
-        let e = self.err("download (cuMemcpyDtoH)");
-        let shape = view.shape.clone();
-        let bad = |x: crate::runtime::data::DataError| BackendError::Invalid(x.to_string());
-        use crate::runtime::data::Storage;
-        let storage = match view.dtype {
-            DType::F32 => {
-                let mut v = vec![0f32; n];
-                buf.download(&s, &mut v).map_err(e)?;
-                Storage::F32(v)
-            }
-            DType::BF16 => {
-                let mut v = vec![half::bf16::ZERO; n];
-                buf.download(&s, &mut v).map_err(e)?;
-                Storage::BF16(v)
-            }
-            DType::F16 => {
-                let mut v = vec![half::f16::ZERO; n];
-                buf.download(&s, &mut v).map_err(e)?;
-                Storage::F16(v)
-            }
-            DType::I32 => {
-                let mut v = vec![0i32; n];
-                buf.download(&s, &mut v).map_err(e)?;
-                Storage::I32(v)
-            }
-            DType::I64 => {
-                let mut v = vec![0i64; n];
-                buf.download(&s, &mut v).map_err(e)?;
-                Storage::I64(v)
-            }
-        };
-        TensorData::new(shape, storage).map_err(bad)
+        self.core.download(view)
     }
 
     fn set_current_stream(&mut self, stream: StreamIndex) -> Result<(), BackendError> {
-        self.current = self.check_stream(stream)?;
+        self.core.current = self.core.check_stream(stream)?;
         Ok(())
     }
 
     fn synchronize(&mut self, stream: StreamIndex, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
-        let other = self.check_stream(stream)?;
-        self.step_started()?;
-        if other == self.current {
+        let core = &mut self.core;
+        let other = core.check_stream(stream)?;
+        core.step_started()?;
+        if other == core.current {
             return Ok(());
         }
-        let o = self.streams[other].clone();
-        self.stream()
+        let o = core.streams[other].clone();
+        core.stream()
             .join(&o)
-            .map_err(self.err("synchronize (cuStreamWaitEvent)"))
+            .map_err(core.err("synchronize (cuStreamWaitEvent)"))
     }
 
     fn compute(
@@ -911,26 +400,9 @@ impl Backend for CudaBackend {
         outputs: &[&TensorView<CudaBuffer>],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
-        self.step_started()?;
-        let opened = self
-            .timeline
-            .open(
-                &self.streams,
-                self.current,
-                IntervalKind::Compute,
-                op.name(),
-                ctx.inst,
-                ctx.iteration,
-            )
-            .map_err(self.err("cuEventRecord"))?;
-        self.before_writes(outputs)?;
-        let r = self.compute_op(op, inputs, outputs);
-        let retired = self.retire_scratch();
-        r?;
-        retired?;
-        self.timeline
-            .close(&self.streams, opened)
-            .map_err(self.err("cuEventRecord"))
+        self.computing(op.name(), outputs, ctx, |core| {
+            core.compute_op(op, inputs, outputs)
+        })
     }
 
     fn kernel(&self, name: &str) -> Option<KernelId> {
@@ -939,7 +411,7 @@ impl Backend for CudaBackend {
             .defs
             .iter()
             .position(|d| d.name == name)
-            .map(KernelId)
+            .map(KernelId::new)
     }
 
     fn launch_kernel(
@@ -950,28 +422,12 @@ impl Backend for CudaBackend {
         args: &[i64],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
-        self.step_started()?;
+        self.core.step_started()?;
         let k = self.user_kernel(kernel)?;
-        let def = self.config.kernels.defs[kernel.0].clone();
-        let opened = self
-            .timeline
-            .open(
-                &self.streams,
-                self.current,
-                IntervalKind::Compute,
-                "launch_kernel",
-                ctx.inst,
-                ctx.iteration,
-            )
-            .map_err(self.err("cuEventRecord"))?;
-        self.before_writes(outputs)?;
-        let r = self.launch_user(&k, &def, inputs, outputs, args);
-        let retired = self.retire_scratch();
-        r?;
-        retired?;
-        self.timeline
-            .close(&self.streams, opened)
-            .map_err(self.err("cuEventRecord"))
+        let def = self.config.kernels.defs[kernel.index()].clone();
+        self.computing("launch_kernel", outputs, ctx, |core| {
+            core.launch_user(&k, &def, inputs, outputs, args)
+        })
     }
 
     fn post(
@@ -979,207 +435,91 @@ impl Backend for CudaBackend {
         request: &CommRequest<'_, CudaBuffer>,
         ctx: InstCtx<'_>,
     ) -> Result<CudaComm, BackendError> {
-        if let Some(e) = self.aborted() {
+        if let Some(e) = self.core.aborted() {
             return Err(e);
         }
         if self.config.exit_at_comm == Some(self.posted) {
             tracing::warn!(
-                rank = self.rank,
+                rank = self.core.rank,
                 "injected process exit at communication #{}",
                 self.posted
             );
             std::process::exit(crate::runtime::sim::FAULT_EXIT_STATUS);
         }
         self.posted += 1;
-        self.step_started()?;
-        self.before_writes(&request_outputs(request))?;
-        if let Some(events) = self.post_ce(request, ctx)? {
-            self.retire_scratch()?;
-            return Ok(CudaComm {
-                events: Rc::new(RefCell::new(Some(
-                    events.into_iter().map(Rc::new).collect(),
-                ))),
-            });
-        }
-        let opened = match self.group {
-            Some(_) => None,
-            None => self
-                .timeline
-                .open(
-                    &self.streams,
-                    self.current,
-                    IntervalKind::Comm,
-                    request.name(),
-                    ctx.inst,
-                    ctx.iteration,
-                )
-                .map_err(self.err("cuEventRecord"))?,
+        self.core.step_started()?;
+        self.core.before_writes(&request_outputs(request))?;
+        let transport = self.transports.carrier_of(request.label())?;
+        let mut cx = PostCx {
+            core: &mut self.core,
+            comms: &self.comms,
         };
-        let r = self.post_request(request);
-        let retired = self.retire_scratch();
-        r?;
+        let posted = transport.post(&mut cx, request, ctx);
+        let core = &mut self.core;
+        let retired = core.retire_scratch();
+        let posted = posted?;
         retired?;
-        let handle = CudaComm::default();
-        match self.group.as_mut() {
-            Some(g) => {
-                if !g.streams.contains(&self.current) {
-                    g.streams.push(self.current);
-                }
-                g.members.push(handle.clone());
+        let opened = match posted {
+            Posted::Events(events) => {
+                return Ok(CudaComm::done_after(
+                    events.into_iter().map(Rc::new).collect(),
+                ))
             }
-            None => {
-                let e = self
-                    .stream()
-                    .record_event()
-                    .map_err(self.err("cuEventRecord"))?;
-                *handle.events.borrow_mut() = Some(vec![Rc::new(e)]);
-                self.timeline
-                    .close(&self.streams, opened)
-                    .map_err(self.err("cuEventRecord"))?;
-            }
-        }
-        Ok(handle)
+            Posted::OnStream(opened) => opened,
+        };
+        core.complete_on_stream(opened)
     }
 
     fn begin_group(&mut self) -> Result<(), BackendError> {
-        if self.group.is_some() {
+        if self.core.group.is_some() {
             return Err(BackendError::Invalid("nested coalescing group".into()));
         }
-        let lib = self.nccl.clone().ok_or_else(|| {
+        let lib = self.comms.loaded().map_err(|_| {
             BackendError::Invalid("a coalescing group in a program without teams".into())
         })?;
-        self.step_started()?;
-        nccl::group_start(&lib).map_err(self.err("ncclGroupStart"))?;
-        self.group = Some(Group::default());
+        let lib = lib.clone();
+        self.core.step_started()?;
+        nccl::group_start(&lib).map_err(self.core.err("ncclGroupStart"))?;
+        self.core.group = Some(Group::default());
         Ok(())
     }
 
-    fn end_group(&mut self, _label: usize, ctx: InstCtx<'_>) -> Result<CudaComm, BackendError> {
-        let g = self
-            .group
-            .take()
-            .ok_or_else(|| BackendError::Invalid("end_coalescing without a group".into()))?;
-        let lib = self
-            .nccl
-            .clone()
-            .ok_or_else(|| BackendError::Invalid("no NCCL library loaded".into()))?;
-        // The group's interval spans from its first member's stream position to its end.
-        let opened = self
-            .timeline
-            .open(
-                &self.streams,
-                self.current,
-                IntervalKind::Comm,
-                "coalesced",
-                ctx.inst,
-                ctx.iteration,
-            )
-            .map_err(self.err("cuEventRecord"))?;
-        nccl::group_end(&lib).map_err(self.err("ncclGroupEnd"))?;
-        let Group {
-            members,
-            unstage,
-            mut streams,
-            temps,
-            ..
-        } = g;
-        for u in unstage {
-            let saved = self.current;
-            self.current = u.stream;
-            let r = self.unstage(&u.temp, &u.dst);
-            self.current = saved;
-            r?;
-        }
-        if !streams.contains(&self.current) {
-            streams.push(self.current);
-        }
-        let mut events = Vec::with_capacity(streams.len());
-        for s in &streams {
-            let e = self.streams[*s]
-                .record_event()
-                .map_err(self.err("cuEventRecord"))?;
-            events.push(Rc::new(e));
-        }
-        for t in temps {
-            let pending = streams
-                .iter()
-                .map(|s| self.streams[*s].record_event())
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(self.err("cuEventRecord"))?;
-            self.memory.retire(t, pending);
-        }
-        for m in &members {
-            *m.events.borrow_mut() = Some(events.clone());
-        }
-        self.timeline
-            .close(&self.streams, opened)
-            .map_err(self.err("cuEventRecord"))?;
-        Ok(CudaComm {
-            events: Rc::new(RefCell::new(Some(events))),
-        })
+    fn end_group(&mut self, label: CommLabel, ctx: InstCtx<'_>) -> Result<CudaComm, BackendError> {
+        let lib = self.comms.loaded()?.clone();
+        let transport = self.transports.transport_of(label);
+        let core = &mut self.core;
+        let e = core.err("ncclGroupEnd");
+        core.end_group(transport, ctx, || nccl::group_end(&lib).map_err(e))
     }
 
-    fn begin_graph(&mut self) -> Result<bool, BackendError> {
+    fn check_graph(&self) -> Result<(), BackendError> {
+        let rank = self.core.rank;
+        if let Some((transport, why)) = self.transports.capture_blocker() {
+            return Err(BackendError::Invalid(format!(
+                "rank {rank}: this program cannot be recorded as a CUDA graph: it uses the \
+                 {transport} transport ({why})"
+            )));
+        }
         if self.proxy.is_some() {
             return Err(BackendError::Invalid(format!(
-                "rank {}: graph recording is not supported in runs split into nodes (transfers \
-                 through the host proxy are staged by the host)",
-                self.rank
+                "rank {rank}: graph recording is not supported in runs split into nodes \
+                 (transfers through the host proxy are staged by the host)"
             )));
         }
-        if self.team_ce.iter().any(|&c| c) {
-            return Err(BackendError::Invalid(format!(
-                "rank {}: graph recording with the copy-engine transport is not supported \
-                 (cross-GPU events do not order replays); use the NCCL transport",
-                self.rank
-            )));
-        }
-        if self.graph.is_some() {
-            return Err(BackendError::Invalid(
-                "a graph is already being recorded".into(),
-            ));
-        }
-        self.step_started()?;
-        let profile = self.timeline.profile;
-        // Timing events cannot be read back from inside a graph.
-        self.timeline.profile = false;
-        self.streams[0]
-            .begin_capture()
-            .map_err(self.err("cuStreamBeginCapture"))?;
-        self.memory.begin_hold();
-        self.graph = Some(GraphState {
-            exec: None,
-            profile,
-        });
-        Ok(true)
+        Ok(())
+    }
+
+    fn begin_graph(&mut self) -> Result<(), BackendError> {
+        self.check_graph()?;
+        self.graph.begin(&mut self.core)
     }
 
     fn end_graph(&mut self, replays: usize) -> Result<(), BackendError> {
-        let Some(state) = self.graph.as_mut() else {
-            return Err(BackendError::Invalid(
-                "end_graph without begin_graph".into(),
-            ));
-        };
-        let made = self.streams[0].end_capture();
-        if replays == 0 {
-            // Nothing will replay: forget the recording now.
-            drop(made);
-            return self.end_graph_run();
-        }
-        let exec = match made {
-            Ok(g) => g,
-            Err(e) => return Err(dev_err(self.rank, "cuStreamEndCapture", e)),
-        };
-        for _ in 0..replays {
-            exec.launch(&self.streams[0])
-                .map_err(|e| dev_err(self.rank, "cuGraphLaunch", e))?;
-        }
-        state.exec = Some(exec);
-        Ok(())
+        self.graph.end(&mut self.core, replays)
     }
 
     fn wait(&mut self, comm: &CudaComm, _ctx: InstCtx<'_>) -> Result<(), BackendError> {
-        if let Some(e) = self.aborted() {
+        if let Some(e) = self.core.aborted() {
             return Err(e);
         }
         let events = comm.events.borrow();
@@ -1188,47 +528,47 @@ impl Backend for CudaBackend {
                 "wait on a communication whose coalescing group has not ended".into(),
             )
         })?;
+        let core = &self.core;
         for e in events {
-            self.stream()
+            core.stream()
                 .wait(e)
-                .map_err(self.err("wait (cuStreamWaitEvent)"))?;
+                .map_err(core.err("wait (cuStreamWaitEvent)"))?;
         }
         Ok(())
     }
 
     fn finish(&mut self) -> Result<(), BackendError> {
-        if self.group.is_some() {
+        if self.core.group.is_some() {
             return Err(BackendError::Invalid(
                 "a coalescing group was never ended".into(),
             ));
         }
-        self.step_started()?;
-        self.runs += 1;
-        let main = self.streams[0].clone();
-        for w in self.streams[1..]
-            .iter()
-            .chain([&self.copy_stream, &self.peer_reads])
-        {
-            main.join(w).map_err(self.err("cuStreamWaitEvent"))?;
+        let core = &mut self.core;
+        core.step_started()?;
+        core.runs += 1;
+        let main = core.streams[0].clone();
+        for w in core.all_streams().skip(1) {
+            main.join(w).map_err(core.err("cuStreamWaitEvent"))?;
         }
-        let end = self
+        let end = core
             .timeline
             .end_event(&main)
-            .map_err(self.err("cuEventRecord"))?;
-        let done = main.record_event().map_err(self.err("cuEventRecord"))?;
+            .map_err(core.err("cuEventRecord"))?;
+        let done = main.record_event().map_err(core.err("cuEventRecord"))?;
         if let Err(e) = self.wait_device(&done) {
-            self.timeline.reset();
+            self.core.timeline.reset();
             return Err(e);
         }
-        if let Some(e) = self.proxy_failure() {
-            self.timeline.reset();
+        if let Some(e) = self.transports.transfer_failure(self.core.rank) {
+            self.core.timeline.reset();
             return Err(e);
         }
-        self.end_graph_run()?;
-        self.pending_reads.clear();
-        self.moe_check_status()?;
-        self.timeline
-            .collect(self.rank, end)
-            .map_err(self.err("cuEventElapsedTime"))
+        self.graph.end_run(&mut self.core)?;
+        self.core.pending_reads.clear();
+        self.transports.check_status(&self.core)?;
+        let core = &mut self.core;
+        let rank = core.rank;
+        let e = core.err("cuEventElapsedTime");
+        core.timeline.collect(rank, end).map_err(e)
     }
 }

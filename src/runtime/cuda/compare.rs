@@ -4,9 +4,9 @@
 use meshflow_ir::{HostProgram, Program};
 
 use super::launch::{run_cuda, CudaLaunchError, CudaOptions};
-use crate::runtime::compare::{compare_outputs, random_inputs, CompareError, Comparison};
+use crate::runtime::compare::{compare_with_reference, CompareError, Comparison};
 use crate::runtime::launch::SimInputs;
-use crate::runtime::reference::evaluate;
+use crate::runtime::sim::SimKernels;
 
 /// Why a GPU comparison could not be made.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -28,18 +28,17 @@ pub fn run_and_compare_cuda(
     seed: u64,
     options: &CudaOptions,
 ) -> Result<Comparison, CudaCompareError> {
-    let inputs = random_inputs(level1, seed)?;
     let mut options = options.clone();
     options.ranks = Some(ranks);
-    let outcome = run_cuda(
-        host,
-        SimInputs::Full {
-            program: level1,
-            inputs: &inputs,
-        },
-        &options,
-    )?;
-    let got = outcome.gather(level1).map_err(CompareError::from)?;
-    let want = evaluate(level1, &inputs).map_err(CompareError::from)?;
-    Ok(compare_outputs(level1, &got, &want)?)
+    compare_with_reference(level1, seed, &SimKernels::new(), |inputs| {
+        let outcome = run_cuda(
+            host,
+            SimInputs::Full {
+                program: level1,
+                inputs,
+            },
+            &options,
+        )?;
+        Ok(outcome.gather(level1).map_err(CompareError::from)?)
+    })
 }

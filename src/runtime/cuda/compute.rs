@@ -5,7 +5,7 @@
 use meshflow_ir::{ComputeOp, DType};
 use meshflow_kernels::{BinaryOp, Gemm, KernelArg, UnaryOp, UserKernel};
 
-use super::backend::CudaBackend;
+use super::core::DeviceCore;
 use super::layout::{fold, kdtype};
 use super::memory::CudaBuffer;
 use super::user_kernels::KernelDef;
@@ -34,7 +34,7 @@ fn gemm_out_ok(input: DType, out: DType) -> bool {
     out == input || (out == DType::F32 && matches!(input, DType::BF16 | DType::F16))
 }
 
-impl CudaBackend {
+impl DeviceCore {
     pub(super) fn compute_op(
         &mut self,
         op: &ComputeOp,

@@ -8,8 +8,9 @@
 //!
 //! With [`CudaConfig::node_size`] or `MESHFLOW_NODE_SIZE` the ranks form nodes of that many
 //! consecutive ranks (also on one host, to test the inter-node path): every rank with a peer on
-//! another node gets a host proxy (TCP, connected through the rendezvous), and collective
-//! permutes and MoE dispatch/combine with such peers go through it.
+//! another node gets a host proxy (over the wire of [`CudaConfig::wire`], connected through
+//! the rendezvous), and collective permutes and MoE dispatch/combine with such peers go
+//! through it.
 
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -19,15 +20,17 @@ use std::time::Instant;
 use meshflow_ir::{DeviceId, HostProgram};
 use meshflow_kernels::proxy::{node_size_from_env, Proxy, ProxyStats, Topology};
 use meshflow_kernels::{Device, KernelError};
+use meshflow_passes::Transport;
 
-use super::backend::{AbortSignal, CudaBackend, CudaConfig};
-use super::peer::{CudaTransport, PeerHub};
+use super::backend::CudaBackend;
+use super::config::{AbortSignal, CudaConfig};
 use super::profile::Interval;
 use super::teams::clear_communicator_cache;
+use super::transport::PeerHub;
 use crate::runtime::data::TensorData;
-use crate::runtime::evaluator::{EvalOptions, Evaluator, RuntimeError};
+use crate::runtime::evaluator::{EvalOptions, Evaluator, RuntimeError, SelectedTransport};
 use crate::runtime::launch::{LaunchError, RunFailure, RunOutcome, SimInputs};
-use crate::runtime::multinode::{connect_proxies, NodeSpec, DEFAULT_RING};
+use crate::runtime::multinode::{connect_proxies, NodeProxies, NodeSpec, DEFAULT_RING};
 use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous, RendezvousError};
 use crate::runtime::shard::scatter_inputs;
 use crate::runtime::sim::fabric::Failure;
@@ -82,6 +85,10 @@ pub struct TimedRun {
     pub host_us: Vec<Vec<f64>>,
     /// In runs split into nodes: the counters of every rank's host proxy (what crossed nodes).
     pub proxy_stats: BTreeMap<DeviceId, ProxyStats>,
+    /// Per rank, every communication it posts and the transport selected for it.
+    pub transports: BTreeMap<DeviceId, Vec<SelectedTransport>>,
+    /// In runs split into nodes: the wire of the host proxies and why it was chosen.
+    pub wire: Option<(&'static str, String)>,
 }
 
 /// One rank's result of [`run_rank`].
@@ -95,6 +102,10 @@ pub struct RankRun {
     pub intervals: Vec<Interval>,
     /// In runs split into nodes: the counters of this rank's host proxy.
     pub proxy_stats: Option<ProxyStats>,
+    /// Every communication this rank posts and the transport selected for it.
+    pub transports: Vec<SelectedTransport>,
+    /// In runs split into nodes: the wire of this rank's host proxy and why it was chosen.
+    pub wire: Option<(&'static str, String)>,
 }
 
 /// Number of visible GPUs, or why there are none.
@@ -178,15 +189,16 @@ fn iterate(
     Ok((last, times, host))
 }
 
-type RankResult = Result<
-    (
-        BTreeMap<String, TensorData>,
-        Vec<f64>,
-        Vec<Interval>,
-        Vec<f64>,
-    ),
-    RuntimeError,
->;
+/// What one rank of a launch returns.
+struct RankOutput {
+    outputs: BTreeMap<String, TensorData>,
+    times_us: Vec<f64>,
+    intervals: Vec<Interval>,
+    host_us: Vec<f64>,
+    transports: Vec<SelectedTransport>,
+}
+
+type RankResult = Result<RankOutput, RuntimeError>;
 
 /// Runs one rank: backend, evaluator, iterations. On failure, tells the others.
 #[allow(clippy::too_many_arguments)]
@@ -259,10 +271,13 @@ fn rank_main(
         warmup,
         iterations,
     ) {
-        Ok((out, times, host)) => {
-            let intervals = ev.backend().intervals().to_vec();
-            Ok((out, times, intervals, host))
-        }
+        Ok((outputs, times_us, host_us)) => Ok(RankOutput {
+            outputs,
+            times_us,
+            intervals: ev.backend().intervals().to_vec(),
+            host_us,
+            transports: ev.comm_transports(),
+        }),
         Err(e) => {
             fail(&e);
             ev.backend_mut().mark_failed();
@@ -286,34 +301,47 @@ fn nodes_of(world: usize, config: &CudaConfig) -> Result<Option<Topology>, CudaL
     if topology.nodes() < 2 {
         return Ok(None);
     }
-    if config.transport == CudaTransport::CopyEngine {
+    if let Some(t @ (Transport::CopyEngine | Transport::Nvlink)) = config.transport {
         return Err(CudaLaunchError::Nodes(format!(
-            "the copy-engine transport cannot reach ranks of other nodes ({} ranks in nodes of \
-             {size}); use the NCCL or automatic transport",
-            world
+            "the {t} transport cannot reach ranks of other nodes ({world} ranks in nodes of \
+             {size}); use the NCCL or automatic transport"
         )));
     }
     Ok(Some(topology))
 }
 
+/// The host proxies of a launch's ranks and their wire.
+#[derive(Default)]
+struct Proxies {
+    by_rank: BTreeMap<DeviceId, Arc<Proxy>>,
+    /// The wire's name and why it was chosen.
+    wire: Option<(&'static str, String)>,
+}
+
 /// Connects the host proxies of `ranks` (those with a peer on another node) through `rdv`,
-/// listening on `host`.
+/// listening on `host`, over the wire of `config`.
 fn connect_nodes(
     topology: &Topology,
     ranks: &[DeviceId],
     host: &str,
     rdv: &Arc<dyn Rendezvous>,
     config: &CudaConfig,
-) -> Result<BTreeMap<DeviceId, Arc<Proxy>>, CudaLaunchError> {
+) -> Result<Proxies, CudaLaunchError> {
     let spec = NodeSpec {
         node: 0,
         topology: topology.clone(),
         host: host.to_string(),
         ring: DEFAULT_RING,
         setup_timeout: config.timeout,
+        wire: config.wire,
     };
-    let proxies = connect_proxies(&spec, ranks, rdv).map_err(CudaLaunchError::Nodes)?;
-    Ok(proxies.into_iter().map(|(r, p)| (r, Arc::new(p))).collect())
+    let NodeProxies { proxies, reason } =
+        connect_proxies(&spec, ranks, rdv).map_err(CudaLaunchError::Nodes)?;
+    let wire = proxies.values().next().map(|p| (p.wire_name(), reason));
+    Ok(Proxies {
+        by_rank: proxies.into_iter().map(|(r, p)| (r, Arc::new(p))).collect(),
+        wire,
+    })
 }
 
 /// Runs `host` on GPUs `0..ranks` of this process, one thread per GPU (rank `r` on GPU `r`),
@@ -366,7 +394,7 @@ pub fn run_cuda_timed(
     let ranks: Vec<DeviceId> = (0..world).collect();
     let proxies = match &topology {
         Some(t) => connect_nodes(t, &ranks, "127.0.0.1", &rdv, &options.config)?,
-        None => BTreeMap::new(),
+        None => Proxies::default(),
     };
     // The copy-engine hub serves runs on one node only.
     let hub = topology.is_none().then(PeerHub::new);
@@ -379,6 +407,7 @@ pub fn run_cuda_timed(
             let inputs = per_rank.get(&rank).unwrap_or(&empty);
             let (rank_rdv, abort, hub) = (rdv.clone(), &abort, hub.clone());
             let proxy = proxies
+                .by_rank
                 .get(&rank)
                 .zip(topology.as_ref())
                 .map(|(p, t)| (p.clone(), t.clone()));
@@ -409,14 +438,16 @@ pub fn run_cuda_timed(
     let mut times_us = Vec::with_capacity(world);
     let mut intervals = Vec::new();
     let mut host_us = Vec::with_capacity(world);
+    let mut transports = BTreeMap::new();
     let mut errors = Vec::new();
     for (rank, r) in results {
         match r {
-            Some(Ok((out, times, iv, host))) => {
-                outputs.insert(rank, out);
-                times_us.push(times);
-                intervals.extend(iv);
-                host_us.push(host);
+            Some(Ok(out)) => {
+                outputs.insert(rank, out.outputs);
+                times_us.push(out.times_us);
+                intervals.extend(out.intervals);
+                host_us.push(out.host_us);
+                transports.insert(rank, out.transports);
             }
             Some(Err(e)) => errors.push(e),
             None => errors.push(RuntimeError::Panic {
@@ -445,7 +476,11 @@ pub fn run_cuda_timed(
     let trace = config.profile.then(|| Trace {
         events: intervals.iter().map(Interval::to_trace_event).collect(),
     });
-    let proxy_stats = proxies.iter().map(|(&r, p)| (r, p.stats())).collect();
+    let proxy_stats = proxies
+        .by_rank
+        .iter()
+        .map(|(&r, p)| (r, p.stats()))
+        .collect();
     Ok(TimedRun {
         outcome: RunOutcome {
             outputs,
@@ -456,6 +491,8 @@ pub fn run_cuda_timed(
         intervals,
         host_us,
         proxy_stats,
+        transports,
+        wire: proxies.wire,
     })
 }
 
@@ -476,13 +513,13 @@ pub fn run_rank(
     iterations: usize,
 ) -> Result<RankRun, CudaLaunchError> {
     let abort = AbortSignal::new();
-    let proxy = match nodes_of(world, config)? {
+    let (proxy, wire) = match nodes_of(world, config)? {
         Some(topology) => {
             let host_addr = proxy_host();
             let mut p = connect_nodes(&topology, &[rank], &host_addr, &rendezvous, config)?;
-            p.remove(&rank).map(|p| (p, topology))
+            (p.by_rank.remove(&rank).map(|p| (p, topology)), p.wire)
         }
-        None => None,
+        None => (None, None),
     };
     let held = proxy.as_ref().map(|(p, _)| p.clone());
     let ran = rank_main(
@@ -508,11 +545,13 @@ pub fn run_rank(
         rendezvous.barrier("meshflow/proxy/ran", world, config.timeout)?;
     }
     let proxy_stats = held.as_ref().map(|p| p.stats());
-    ran.map(|(outputs, times_us, intervals, _)| RankRun {
-        outputs,
-        times_us,
-        intervals,
+    ran.map(|out| RankRun {
+        outputs: out.outputs,
+        times_us: out.times_us,
+        intervals: out.intervals,
         proxy_stats,
+        transports: out.transports,
+        wire,
     })
     .map_err(|e| {
         LaunchError::Failed(RunFailure {

@@ -4,7 +4,7 @@
 use meshflow_ir::ComputeOp;
 use meshflow_kernels::{AxisView, RowReduce};
 
-use super::backend::CudaBackend;
+use super::core::DeviceCore;
 use super::layout::{fold, kdtype};
 use super::memory::CudaBuffer;
 use crate::runtime::backend::{BackendError, TensorView};
@@ -35,7 +35,7 @@ fn same_dtype(op: &'static str, a: &TV, b: &TV) -> Result<(), BackendError> {
     }
 }
 
-impl CudaBackend {
+impl DeviceCore {
     /// The ops of this module (see the module docs).
     pub(super) fn layout_or_row_op(
         &mut self,

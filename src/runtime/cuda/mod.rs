@@ -5,11 +5,16 @@
 //!   of worker streams; `synchronize` is an event recorded on the other stream and waited on by
 //!   the current one; compute runs on the current stream (cuBLAS GEMMs without TF32, NVRTC
 //!   kernels for elementwise ops, sums, casts and layout changes; strided views are copied to
-//!   packed temporaries where a kernel needs packed operands); communications are NCCL calls
-//!   on the current stream through one communicator per team, created once through a
-//!   [`Rendezvous`](crate::runtime::rendezvous::Rendezvous) and cached for the process; a
-//!   posted communication is an event, and `wait` makes the current stream wait for it (the
-//!   host never blocks until the end of the run).
+//!   packed temporaries where a kernel needs packed operands); a posted communication is an
+//!   event, and `wait` makes the current stream wait for it (the host never blocks until the
+//!   end of the run).
+//! - The backend is a **device core** (`core.rs`: streams, memory, events, timeline) plus one
+//!   object per **transport** (`transport/`): NCCL (one communicator per team, created once
+//!   through a [`Rendezvous`](crate::runtime::rendezvous::Rendezvous) and cached for the
+//!   process), the copy engine (in-process peers), the host proxy (ranks of other nodes), MoE
+//!   over NCCL and MoE over NVLink. The transport of every communication is selected per team
+//!   when the program is prepared ([`Transport`], [`CudaConfig::transport`]; the rules are in
+//!   `src/runtime/transport_rules.rs`), and traces and reports name it.
 //! - Profiling mode ([`CudaConfig::profile`]) records events around every compute op and
 //!   communication and reports [`Interval`]s per stream; every run also reports its device time
 //!   ([`CudaBackend::last_run_us`]).
@@ -23,39 +28,41 @@
 //! panic. A rank that fails sets a shared [`AbortSignal`]; the others stop waiting for the
 //! device, abort their communicators and report the failed rank.
 //!
-//! MoE dispatch/combine run through the NCCL MoE transport of `meshflow-kernels` (see the
-//! `moe` module for its limits on GPUs).
-//!
 //! Runs split into nodes ([`CudaConfig::node_size`] or `MESHFLOW_NODE_SIZE`) move collective
 //! permutes and MoE rows between ranks of different nodes through the inter-node host proxy
-//! over TCP (staged in host memory by each rank's thread); see the `proxy` module.
+//! over the wire [`CudaConfig::wire`] chooses (staged in host memory by each rank's thread).
 
 mod backend;
-mod comm;
 mod compare;
 mod compute;
+mod config;
+mod core;
+mod graph;
+mod group;
 mod launch;
 mod layout;
 mod layout_ops;
 mod memory;
-mod moe;
 mod operands;
-mod peer;
 mod profile;
 mod program;
-mod proxy;
 mod teams;
+mod transport;
 mod user_kernels;
 
-pub use backend::{AbortSignal, CudaBackend, CudaComm, CudaConfig, CudaResources};
+pub use self::core::CudaComm;
+pub use backend::CudaBackend;
 pub use compare::{run_and_compare_cuda, CudaCompareError};
+pub use config::{AbortSignal, CopyStream, CudaConfig, CudaResources};
 pub use launch::{
     device_count, run_cuda, run_cuda_timed, run_rank, CudaLaunchError, CudaOptions, RankRun,
     TimedRun,
 };
 pub use memory::CudaBuffer;
-pub use peer::{CopyStream, CudaTransport, PeerHub};
+pub use meshflow_kernels::proxy::WireChoice;
+pub use meshflow_passes::Transport;
 pub use profile::{Interval, IntervalKind};
 pub use program::{run_program_cuda, ProgramRun};
 pub use teams::clear_communicator_cache;
+pub use transport::PeerHub;
 pub use user_kernels::{CudaKernels, DimsFn, LaunchDims};

@@ -1,15 +1,17 @@
-//! Operands of device ops: byte ranges of views, packed copies of strided views, and outputs
-//! written through a packed temporary.
+//! Operands of device ops: byte ranges of views, packed copies of strided views, outputs
+//! written through a packed temporary, and copies between host data and buffers.
 
+use meshflow_ir::DType;
 use meshflow_kernels::DeviceBuffer;
 
-use super::backend::{CudaBackend, Unstage};
+use super::core::{DeviceCore, Unstage};
 use super::layout::{elem_bytes, fold, kdtype, packed, view_is_contiguous};
 use super::memory::CudaBuffer;
 use crate::runtime::backend::{BackendError, TensorView};
+use crate::runtime::data::{Storage, TensorData};
 
 /// Where an op writes an output: the view's own bytes, or a temporary copied into the view
-/// afterwards ([`CudaBackend::finish_output`]).
+/// afterwards ([`DeviceCore::finish_output`]).
 #[derive(Debug)]
 pub(super) struct OutSlot {
     pub buf: DeviceBuffer,
@@ -23,7 +25,7 @@ impl OutSlot {
     }
 }
 
-impl CudaBackend {
+impl DeviceCore {
     /// The whole buffer behind a view, checked against the view's element type.
     pub(super) fn backing(&self, v: &TensorView<CudaBuffer>) -> Result<DeviceBuffer, BackendError> {
         let entry = self.memory.get(v.buffer).ok_or_else(|| {
@@ -107,6 +109,22 @@ impl CudaBackend {
         })
     }
 
+    /// Copies the view `input` into the view `output` on the current stream (a communication
+    /// whose only peer is this rank).
+    pub fn local_copy(
+        &mut self,
+        what: &str,
+        input: &TensorView<CudaBuffer>,
+        output: &TensorView<CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        let send = self.input_region(input)?;
+        let slot = self.output_slot(output, &[input])?;
+        slot.buf
+            .copy_from(self.stream(), &send)
+            .map_err(self.err(&format!("{what} (local copy)")))?;
+        self.finish_output(slot)
+    }
+
     /// Copies a temporary into its view after the op (deferred to the group's end inside a
     /// coalescing group, where communications only start at the end).
     pub(super) fn finish_output(&mut self, slot: OutSlot) -> Result<(), BackendError> {
@@ -134,5 +152,79 @@ impl CudaBackend {
         self.kernels
             .strided_copy(self.stream(), kdtype(dst.dtype), temp, &l[0], &base, &l[1])
             .map_err(self.err("strided copy"))
+    }
+}
+
+impl DeviceCore {
+    /// Copies host data into a whole buffer, on the main stream.
+    pub(super) fn upload(
+        &mut self,
+        buffer: CudaBuffer,
+        data: &TensorData,
+    ) -> Result<(), BackendError> {
+        let entry = self
+            .memory
+            .get(buffer)
+            .ok_or_else(|| BackendError::Invalid(format!("upload into unknown {buffer:?}")))?;
+        if entry.dtype != data.dtype() {
+            return Err(BackendError::Invalid(format!(
+                "uploading {} into a {} buffer",
+                data.type_string(),
+                entry.dtype
+            )));
+        }
+        let dst = entry.data.clone();
+        let s = &self.streams[0];
+        let r = match data.storage() {
+            Storage::F32(v) => dst.upload(s, v),
+            Storage::BF16(v) => dst.upload(s, v),
+            Storage::F16(v) => dst.upload(s, v),
+            Storage::I32(v) => dst.upload(s, v),
+            Storage::I64(v) => dst.upload(s, v),
+        };
+        r.map_err(self.err("upload (cuMemcpyHtoD)"))
+    }
+
+    /// Copies a view to the host after all work on the main stream (host-blocking).
+    pub(super) fn download(
+        &mut self,
+        view: &TensorView<CudaBuffer>,
+    ) -> Result<TensorData, BackendError> {
+        self.current = 0;
+        let buf = self.input_region(view)?;
+        self.retire_scratch()?;
+        let n = view.numel() as usize;
+        let s = self.streams[0].clone();
+        let e = self.err("download (cuMemcpyDtoH)");
+        let shape = view.shape.clone();
+        let bad = |x: crate::runtime::data::DataError| BackendError::Invalid(x.to_string());
+        let storage = match view.dtype {
+            DType::F32 => {
+                let mut v = vec![0f32; n];
+                buf.download(&s, &mut v).map_err(e)?;
+                Storage::F32(v)
+            }
+            DType::BF16 => {
+                let mut v = vec![half::bf16::ZERO; n];
+                buf.download(&s, &mut v).map_err(e)?;
+                Storage::BF16(v)
+            }
+            DType::F16 => {
+                let mut v = vec![half::f16::ZERO; n];
+                buf.download(&s, &mut v).map_err(e)?;
+                Storage::F16(v)
+            }
+            DType::I32 => {
+                let mut v = vec![0i32; n];
+                buf.download(&s, &mut v).map_err(e)?;
+                Storage::I32(v)
+            }
+            DType::I64 => {
+                let mut v = vec![0i64; n];
+                buf.download(&s, &mut v).map_err(e)?;
+                Storage::I64(v)
+            }
+        };
+        TensorData::new(shape, storage).map_err(bad)
     }
 }

@@ -4,6 +4,7 @@
 
 use meshflow_ir::DeviceId;
 use meshflow_kernels::{Event, KernelError, Stream};
+use meshflow_passes::Transport;
 
 use crate::runtime::trace::TraceEvent;
 
@@ -28,6 +29,8 @@ pub struct Interval {
     pub kind: IntervalKind,
     /// The instruction name (`linear`, `all_gather`, `coalesced`, ...).
     pub name: &'static str,
+    /// For a communication: the transport that executed it.
+    pub transport: Option<Transport>,
     /// Pre-order index of the instruction.
     pub inst: u32,
     /// Loop variable values.
@@ -55,13 +58,15 @@ impl Interval {
             rank: self.rank,
             stream: self.stream,
             name: self.name,
-            text: match self.kind {
-                IntervalKind::Compute => "compute (GPU time)".into(),
-                IntervalKind::Comm => "communication (GPU time)".into(),
+            text: match (self.kind, self.transport) {
+                (IntervalKind::Compute, _) => "compute (GPU time)".into(),
+                (IntervalKind::Comm, None) => "communication (GPU time)".into(),
+                (IntervalKind::Comm, Some(t)) => format!("communication over {t} (GPU time)"),
             },
             iteration: self.iteration.clone(),
             start_us: self.start_us,
             dur_us: self.duration_us(),
+            transport: self.transport,
         }
     }
 }
@@ -72,6 +77,7 @@ struct Pending {
     stream: usize,
     kind: IntervalKind,
     name: &'static str,
+    transport: Option<Transport>,
     inst: u32,
     iteration: Vec<i64>,
     start: Event,
@@ -80,10 +86,11 @@ struct Pending {
 
 /// A started interval: close it with [`Timeline::close`].
 #[derive(Debug)]
-pub(super) struct Opened {
+pub(crate) struct Opened {
     stream: usize,
     kind: IntervalKind,
     name: &'static str,
+    transport: Option<Transport>,
     inst: u32,
     iteration: Vec<i64>,
     start: Event,
@@ -91,7 +98,7 @@ pub(super) struct Opened {
 
 /// The timing state of one rank.
 #[derive(Debug, Default)]
-pub(super) struct Timeline {
+pub(crate) struct Timeline {
     /// Record intervals.
     pub profile: bool,
     start: Option<Event>,
@@ -126,29 +133,33 @@ impl Timeline {
     }
 
     /// Opens an interval on `stream` (profiling mode only; `None` otherwise).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn open(
         &mut self,
         streams: &[Stream],
         stream: usize,
         kind: IntervalKind,
         name: &'static str,
+        transport: Option<Transport>,
         inst: u32,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
         match streams.get(stream) {
-            Some(s) => self.open_on(s, stream, kind, name, inst, iteration),
+            Some(s) => self.open_on(s, stream, kind, name, transport, inst, iteration),
             None => Ok(None),
         }
     }
 
     /// Opens an interval on stream `s`, reported as stream number `stream` (the run clock must
     /// be running; profiling mode only).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn open_on(
         &mut self,
         s: &Stream,
         stream: usize,
         kind: IntervalKind,
         name: &'static str,
+        transport: Option<Transport>,
         inst: u32,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
@@ -161,6 +172,7 @@ impl Timeline {
             stream,
             kind,
             name,
+            transport,
             inst,
             iteration: iteration.to_vec(),
             start,
@@ -194,6 +206,7 @@ impl Timeline {
             stream: o.stream,
             kind: o.kind,
             name: o.name,
+            transport: o.transport,
             inst: o.inst,
             iteration: o.iteration,
             start: o.start,
@@ -236,6 +249,7 @@ impl Timeline {
                 stream: p.stream,
                 kind: p.kind,
                 name: p.name,
+                transport: p.transport,
                 inst: p.inst,
                 iteration: p.iteration,
                 start_us: s,

@@ -12,6 +12,7 @@ use meshflow_kernels::proxy::ProxyStats;
 
 use super::launch::{run_cuda_timed, run_rank, CudaLaunchError, CudaOptions};
 use crate::runtime::data::TensorData;
+use crate::runtime::evaluator::SelectedTransport;
 use crate::runtime::launch::{LaunchError, SimInputs};
 use crate::runtime::rendezvous::{
     decode_tensors, encode_tensors, Rendezvous, RendezvousError, TcpRendezvous, TorchrunEnv,
@@ -35,6 +36,11 @@ pub struct ProgramRun {
     pub trace: Option<Trace>,
     /// In runs split into nodes: the host-proxy counters of the ranks of this process.
     pub proxy_stats: BTreeMap<DeviceId, ProxyStats>,
+    /// Per rank of this process, every communication it posts and the transport selected for
+    /// it.
+    pub transports: BTreeMap<DeviceId, Vec<SelectedTransport>>,
+    /// In runs split into nodes: the wire of the host proxies and why it was chosen.
+    pub wire: Option<(&'static str, String)>,
 }
 
 fn gather_all(
@@ -84,6 +90,8 @@ pub fn run_program_cuda(
             elapsed: start.elapsed(),
             trace: outcome.trace,
             proxy_stats: timed.proxy_stats,
+            transports: timed.transports,
+            wire: timed.wire,
         });
     };
     let needed = host.world_size();
@@ -143,5 +151,7 @@ pub fn run_program_cuda(
             .proxy_stats
             .map(|p| BTreeMap::from([(env.rank, p)]))
             .unwrap_or_default(),
+        transports: BTreeMap::from([(env.rank, run.transports)]),
+        wire: run.wire,
     })
 }

@@ -1,5 +1,7 @@
 //! NCCL communicators per team: created once (through the rendezvous) and cached for the
 //! process, so that later programs and repeated runs on the same devices reuse them.
+//! [`Communicators`] holds a rank's communicators of the teams of its program (the NCCL,
+//! host-proxy and MoE-over-NCCL transports use them).
 //!
 //! Creation protocol for a team (members in team order): member 0 makes a unique id and
 //! publishes it under `nccl/<members>/<generation>`; every member fetches it, all meet at a
@@ -11,16 +13,17 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use meshflow_ir::DeviceId;
-use meshflow_kernels::nccl::{Comm, NcclLib, UniqueId};
-use meshflow_kernels::Device;
+use meshflow_ir::{DeviceId, EntityRef};
+use meshflow_kernels::nccl::{self, Comm, NcclLib, UniqueId};
+use meshflow_kernels::{DType, Device, DeviceBuffer};
 
-use crate::runtime::backend::BackendError;
+use super::core::{dev_err, DeviceCore};
+use crate::runtime::backend::{BackendError, TeamInfo};
 use crate::runtime::rendezvous::Rendezvous;
 
 /// What a cached communicator is for: a rendezvous namespace, a device and a team.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub(super) struct TeamKey {
+pub(crate) struct TeamKey {
     pub namespace: String,
     pub ordinal: usize,
     pub members: Vec<DeviceId>,
@@ -41,14 +44,14 @@ fn cache() -> MutexGuard<'static, Cache> {
 }
 
 /// Takes the cached communicator of `key`, if any.
-pub(super) fn checkout(key: &TeamKey) -> Option<Comm> {
+pub(crate) fn checkout(key: &TeamKey) -> Option<Comm> {
     let mut c = cache();
     let i = c.comms.iter().position(|(k, _)| k == key)?;
     Some(c.comms.swap_remove(i).1)
 }
 
 /// Puts a healthy communicator back for later runs.
-pub(super) fn checkin(key: TeamKey, comm: Comm) {
+pub(crate) fn checkin(key: TeamKey, comm: Comm) {
     cache().comms.push((key, comm));
 }
 
@@ -72,7 +75,7 @@ fn device_error(rank: DeviceId, call: &str, message: impl ToString) -> BackendEr
 }
 
 /// Creates this rank's communicator of a team.
-pub(super) fn create(
+pub(crate) fn create(
     rank: DeviceId,
     lib: &Arc<NcclLib>,
     device: &Device,
@@ -122,4 +125,250 @@ pub(super) fn create(
     tracing::debug!(rank, ?members, generation, "ncclCommInitRank");
     Comm::init_rank(lib, device, d, &id, my_index)
         .map_err(|e| device_error(rank, &format!("ncclCommInitRank ({what})"), e))
+}
+
+/// A rank's NCCL communicators: one per team of the prepared program (from the cache, the
+/// caller, or created through the rendezvous), and the library.
+#[derive(Default)]
+pub(crate) struct Communicators {
+    lib: Option<Arc<NcclLib>>,
+    held: Vec<(TeamKey, Comm)>,
+    /// Per team of the prepared program, its index in `held`.
+    by_team: Vec<usize>,
+}
+
+impl std::fmt::Debug for Communicators {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicators")
+            .field("teams", &self.held.len())
+            .finish()
+    }
+}
+
+impl Communicators {
+    /// The NCCL library (loaded on first use).
+    pub fn lib(&mut self, rank: DeviceId) -> Result<Arc<NcclLib>, BackendError> {
+        if let Some(l) = &self.lib {
+            return Ok(l.clone());
+        }
+        let l = NcclLib::load().map_err(|e| dev_err(rank, "loading NCCL", e))?;
+        self.lib = Some(l.clone());
+        Ok(l)
+    }
+
+    /// The library, once loaded (by [`Communicators::prepare`] or [`Communicators::adopt`]).
+    pub fn loaded(&self) -> Result<&Arc<NcclLib>, BackendError> {
+        self.lib
+            .as_ref()
+            .ok_or_else(|| BackendError::Invalid("no NCCL library loaded".into()))
+    }
+
+    /// The key of a team's communicator on this rank.
+    pub fn key(core: &DeviceCore, members: &[DeviceId]) -> TeamKey {
+        TeamKey {
+            namespace: core.namespace(),
+            ordinal: core.device.ordinal(),
+            members: members.to_vec(),
+        }
+    }
+
+    /// Serves the team `members` (global ranks in team order) with the caller's communicator
+    /// `comm` (replacing a held one), after checking it is this rank's of that team, on its
+    /// GPU.
+    pub fn adopt(
+        &mut self,
+        core: &DeviceCore,
+        members: Vec<DeviceId>,
+        comm: Comm,
+    ) -> Result<(), BackendError> {
+        let rank = core.rank;
+        let invalid = |m: String| BackendError::Invalid(format!("rank {rank}: {m}"));
+        let my_index = members.iter().position(|&m| m == rank).ok_or_else(|| {
+            invalid(format!(
+                "a communicator is given for team {members:?}, without this rank"
+            ))
+        })?;
+        if comm.size() != members.len() || comm.rank() != my_index {
+            return Err(invalid(format!(
+                "the communicator given for team {members:?} has rank {} of {}, not {my_index} \
+                 of {}",
+                comm.rank(),
+                comm.size(),
+                members.len()
+            )));
+        }
+        if !comm.device().same_as(&core.device) {
+            return Err(invalid(format!(
+                "the communicator given for team {members:?} is on GPU {}, not {}",
+                comm.device().ordinal(),
+                core.device.ordinal()
+            )));
+        }
+        let key = Communicators::key(core, &members);
+        self.lib.get_or_insert_with(|| comm.lib().clone());
+        self.held.retain(|(k, _)| *k != key);
+        self.held.push((key, comm));
+        Ok(())
+    }
+
+    /// Makes sure every team of a program has a communicator: cached ones are taken, missing
+    /// ones created (in the global order of their member lists, so that ranks sharing several
+    /// teams cannot wait on each other in a cycle) and their point-to-point channels connected.
+    pub fn prepare(&mut self, core: &DeviceCore, teams: &[TeamInfo]) -> Result<(), BackendError> {
+        self.by_team.clear();
+        if teams.is_empty() {
+            return Ok(());
+        }
+        let lib = self.lib(core.rank)?;
+        let mut missing: Vec<(TeamKey, usize)> = Vec::new();
+        for t in teams {
+            let key = Communicators::key(core, &t.members);
+            if self.held.iter().any(|(k, _)| *k == key) || missing.iter().any(|(k, _)| *k == key) {
+                continue;
+            }
+            match checkout(&key) {
+                Some(c) => self.held.push((key, c)),
+                None => missing.push((key, t.my_index)),
+            }
+        }
+        missing.sort_by(|a, b| a.0.members.cmp(&b.0.members));
+        for (key, my_index) in missing {
+            if let Some(e) = core.aborted() {
+                return Err(e);
+            }
+            let comm = self.create(core, &lib, &key, my_index)?;
+            self.held.push((key, comm));
+            self.preconnect(core, &lib, self.held.len() - 1)?;
+        }
+        for t in teams {
+            let key = Communicators::key(core, &t.members);
+            let i = self
+                .held
+                .iter()
+                .position(|(k, _)| *k == key)
+                .ok_or_else(|| BackendError::Invalid(format!("no communicator for {key:?}")))?;
+            let slot = t.id.index();
+            if self.by_team.len() <= slot {
+                self.by_team.resize(slot + 1, usize::MAX);
+            }
+            self.by_team[slot] = i;
+        }
+        Ok(())
+    }
+
+    /// Creates this rank's communicator of `key` through the core's rendezvous.
+    pub fn create(
+        &self,
+        core: &DeviceCore,
+        lib: &Arc<NcclLib>,
+        key: &TeamKey,
+        my_index: usize,
+    ) -> Result<Comm, BackendError> {
+        create(
+            core.rank,
+            lib,
+            &core.device,
+            core.rendezvous.as_deref(),
+            key,
+            my_index,
+            core.timeout,
+        )
+    }
+
+    /// Connects NCCL's point-to-point channels between this rank and every other member of
+    /// `held[i]` now, right after its creation, while every member is known to be here: a
+    /// one-byte send and receive with each peer in one group, waited for like a program's end.
+    /// NCCL otherwise connects a pair inside the first `ncclGroupEnd` of a send/recv between
+    /// them, which blocks the host thread until the peer posts its side, and never returns if
+    /// the peer has failed by then (no abort can reach a thread inside NCCL).
+    fn preconnect(
+        &mut self,
+        core: &DeviceCore,
+        lib: &Arc<NcclLib>,
+        i: usize,
+    ) -> Result<(), BackendError> {
+        let Some((_, comm)) = self.held.get(i) else {
+            return Ok(());
+        };
+        let (n, me) = (comm.size(), comm.rank());
+        if n < 2 {
+            return Ok(());
+        }
+        let bytes = DeviceBuffer::alloc(&core.device, 2 * n).map_err(core.err("cuMemAlloc"))?;
+        let s = core.streams[0].clone();
+        nccl::group(lib, || {
+            for p in (0..n).filter(|&p| p != me) {
+                comm.send(&bytes.view(p, 1)?, DType::U8, p, &s)?;
+                comm.recv(&bytes.view(n + p, 1)?, DType::U8, p, &s)?;
+            }
+            Ok(())
+        })
+        .map_err(core.err("NCCL point-to-point connection"))?;
+        let done = s.record_event().map_err(core.err("cuEventRecord"))?;
+        match core.wait_device(&done, || self.async_error(core.rank)) {
+            Ok(()) => Ok(()),
+            Err(f) => {
+                if f.abort {
+                    self.abort_all(core.rank);
+                }
+                Err(f.error)
+            }
+        }
+    }
+
+    /// The communicator of `team` in the prepared program.
+    pub fn of(&self, rank: DeviceId, team: &TeamInfo) -> Result<&Comm, BackendError> {
+        self.by_team
+            .get(team.id.index())
+            .and_then(|&i| self.held.get(i))
+            .map(|(_, c)| c)
+            .ok_or_else(|| {
+                BackendError::Invalid(format!(
+                    "rank {rank}: no communicator for team {:?}",
+                    team.members
+                ))
+            })
+    }
+
+    /// The first asynchronous error of a held communicator, if any.
+    pub fn async_error(&self, rank: DeviceId) -> Option<BackendError> {
+        self.held.iter().find_map(|(key, c)| {
+            c.check_async_error().err().map(|e| {
+                dev_err(
+                    rank,
+                    &format!("NCCL communicator of team {:?}", key.members),
+                    e,
+                )
+            })
+        })
+    }
+
+    /// Aborts every communicator of meshflow's (unblocking device work waiting for a peer);
+    /// the caller's are left alone.
+    pub fn abort_all(&mut self, rank: DeviceId) {
+        self.by_team.clear();
+        for (key, c) in self.held.drain(..) {
+            if c.is_borrowed() {
+                continue;
+            }
+            if let Err(e) = c.abort() {
+                tracing::warn!(rank, ?key.members, "ncclCommAbort failed: {e}");
+            }
+        }
+    }
+
+    /// Hands the healthy communicators back to the cache (the caller's go back to the caller).
+    pub fn checkin_all(&mut self) {
+        self.by_team.clear();
+        for (key, c) in self.held.drain(..) {
+            if !c.is_borrowed() {
+                checkin(key, c);
+            }
+        }
+    }
+
+    /// The number of held communicators.
+    pub fn len(&self) -> usize {
+        self.held.len()
+    }
 }

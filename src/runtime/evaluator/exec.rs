@@ -3,14 +3,19 @@
 use std::time::Instant;
 
 use meshflow_ir::{
-    CommKind, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId, ParallelType,
+    Arena, CommKind, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId,
+    ParallelType,
 };
 
 use meshflow_ir::host::{EvalError, ExprEnv};
 
 use super::plan::{Plan, Step, StreamSel};
 use super::{State, StepError};
-use crate::runtime::backend::{Backend, CommRequest, InstCtx, StreamIndex, TensorView};
+use meshflow_passes::Transport;
+
+use crate::runtime::backend::{
+    Backend, CommLabel, CommRequest, InstCtx, StreamIndex, TeamId, TensorView,
+};
 use crate::runtime::trace::TraceEvent;
 
 /// A failed step: its instruction, the loop values, the error.
@@ -58,21 +63,27 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         })
     }
 
-    fn name(&self, t: usize) -> &str {
-        &self.program.tensors[HostTensorId::new(t)].name
+    fn name(&self, t: HostTensorId) -> &str {
+        &self.program.tensors[t].name
     }
 
-    fn view(&self, t: usize) -> Result<&TensorView<B::Buffer>, StepError> {
+    fn view(&self, t: HostTensorId) -> Result<&TensorView<B::Buffer>, StepError> {
         view_in(self.program, &self.state.views, t)
     }
 
     fn stream(&self, sel: &StreamSel<'_>) -> Result<StreamIndex, StepError> {
         match sel {
-            StreamSel::Var(v) => self.state.saved[*v].ok_or_else(|| {
-                invalid(format!(
-                    "stream variable s{v} is used before get_current_stream"
-                ))
-            }),
+            StreamSel::Var(v) => self
+                .state
+                .saved
+                .get(v.0 as usize)
+                .copied()
+                .flatten()
+                .ok_or_else(|| {
+                    invalid(format!(
+                        "stream variable {v} is used before get_current_stream"
+                    ))
+                }),
             StreamSel::Worker(e) => {
                 let pool = self.backend.stream_pool_size().max(1) as i64;
                 Ok(StreamIndex::worker(self.eval(e)?.rem_euclid(pool) as usize))
@@ -80,9 +91,9 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         }
     }
 
-    fn team_index(&self, e: &Expr, team: usize, what: &str) -> Result<usize, StepError> {
+    fn team_index(&self, e: &Expr, team: TeamId, what: &str) -> Result<usize, StepError> {
         let v = self.eval(e)?;
-        let size = self.plan.teams[team].members.len();
+        let size = self.plan.team(team).members.len();
         usize::try_from(v)
             .ok()
             .filter(|&i| i < size)
@@ -103,14 +114,15 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let fail = |s: &Self, e: StepError| (*at, s.state.iteration.clone(), e);
                 let lo = self.eval(start).map_err(|e| fail(self, e.into()))?;
                 let hi = self.eval(stop).map_err(|e| fail(self, e.into()))?;
+                let slot = var.0 as usize;
                 for v in lo..hi {
-                    self.state.loops[*var] = Some(v);
+                    self.state.loops[slot] = Some(v);
                     self.state.iteration.push(v);
                     let r = self.block(body);
                     self.state.iteration.pop();
                     r?;
                 }
-                self.state.loops[*var] = None;
+                self.state.loops[slot] = None;
                 continue;
             }
             let at = step_at(step);
@@ -121,13 +133,21 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 return Err((at, self.state.iteration.clone(), e));
             }
             if let (Some(epoch), Some(t0)) = (self.trace_epoch, started) {
-                self.record(epoch, t0, at, stream);
+                let transport = step_label(step).and_then(|l| self.backend.transport_of(l));
+                self.record(epoch, t0, at, stream, transport);
             }
         }
         Ok(())
     }
 
-    fn record(&mut self, epoch: Instant, t0: Instant, at: u32, stream: StreamIndex) {
+    fn record(
+        &mut self,
+        epoch: Instant,
+        t0: Instant,
+        at: u32,
+        stream: StreamIndex,
+        transport: Option<Transport>,
+    ) {
         let inst = self.plan.insts[at as usize];
         self.state.trace.push(TraceEvent {
             rank: self.backend.device(),
@@ -137,6 +157,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             iteration: self.state.iteration.clone(),
             start_us: t0.duration_since(epoch).as_secs_f64() * 1e6,
             dur_us: t0.elapsed().as_secs_f64() * 1e6,
+            transport,
         });
     }
 
@@ -161,7 +182,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             Step::Allocate { tensor, .. } => self.allocate(*tensor),
             Step::Deallocate { tensor, .. } => self.deallocate(*tensor),
             Step::GetStream { dst, .. } => {
-                self.state.saved[*dst] = Some(self.state.current);
+                self.state.saved[dst.0 as usize] = Some(self.state.current);
                 Ok(())
             }
             Step::SetStream { stream, .. } => {
@@ -223,7 +244,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let req = CommRequest::Collective {
                     label: *label,
                     kind: *kind,
-                    team: &self.plan.teams[*team],
+                    team: self.plan.team(*team),
                     input,
                     output,
                     root,
@@ -247,7 +268,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let views = &self.state.views;
                 let req = CommRequest::Permute {
                     label: *label,
-                    team: &self.plan.teams[*team],
+                    team: self.plan.team(*team),
                     send_peer,
                     recv_peer,
                     input: view_in(self.program, views, *input)?,
@@ -261,7 +282,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let views = &self.state.views;
                 let req = CommRequest::MoeDispatch {
                     label: *label,
-                    team: &self.plan.teams[*team],
+                    team: self.plan.team(*team),
                     x: view_in(self.program, views, t[0])?,
                     topk_idx: view_in(self.program, views, t[1])?,
                     expert_x: view_in(self.program, views, t[2])?,
@@ -276,7 +297,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let views = &self.state.views;
                 let req = CommRequest::MoeCombine {
                     label: *label,
-                    team: &self.plan.teams[*team],
+                    team: self.plan.team(*team),
                     expert_y: view_in(self.program, views, t[0])?,
                     expert_counts: view_in(self.program, views, t[1])?,
                     routing: view_in(self.program, views, t[2])?,
@@ -371,8 +392,8 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         }
     }
 
-    fn allocate(&mut self, t: usize) -> Result<(), StepError> {
-        let id = HostTensorId::new(t);
+    fn allocate(&mut self, id: HostTensorId) -> Result<(), StepError> {
+        let t = id;
         let decl = &self.program.tensors[id];
         match decl.role {
             meshflow_ir::Role::Input => {
@@ -401,8 +422,8 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         Ok(())
     }
 
-    fn deallocate(&mut self, t: usize) -> Result<(), StepError> {
-        let decl = &self.program.tensors[HostTensorId::new(t)];
+    fn deallocate(&mut self, t: HostTensorId) -> Result<(), StepError> {
+        let decl = &self.program.tensors[t];
         if decl.role != meshflow_ir::Role::Internal {
             return Err(invalid(format!(
                 "`{}` is a program {}; it cannot be deallocated",
@@ -423,8 +444,8 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
 
     fn shard(
         &mut self,
-        out: usize,
-        input: usize,
+        out: HostTensorId,
+        input: HostTensorId,
         axis: usize,
         chunks: u64,
         index: &Expr,
@@ -452,21 +473,21 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 .ok_or_else(|| invalid(format!("chunk index {i} is outside 0..{chunks}")))?;
             let part = extent / chunks;
             let view = slot.get_or_insert_with(|| TensorView {
-                tensor: HostTensorId::new(out),
+                tensor: out,
                 buffer: parent.buffer,
                 dtype: parent.dtype,
                 offset: 0,
                 shape: Vec::new(),
                 strides: Vec::new(),
             });
-            view.tensor = HostTensorId::new(out);
+            view.tensor = out;
             view.buffer = parent.buffer;
             view.dtype = parent.dtype;
             view.shape.clone_from(&parent.shape);
             view.strides.clone_from(&parent.strides);
             view.shape[axis] = part;
             view.offset = parent.offset + index * part * parent.strides[axis];
-            let decl = &self.program.tensors[HostTensorId::new(out)];
+            let decl = &self.program.tensors[out];
             if decl.shape != view.shape || decl.dtype != view.dtype {
                 return Err(invalid(format!(
                     "the chunk is {}{:?} but `{}` is declared {}{:?}",
@@ -487,8 +508,8 @@ impl<B: Backend> Cx<'_, '_, B> {
     /// `out` = elements `[start, start + length)` of `input` along `axis`.
     fn narrow(
         &mut self,
-        out: usize,
-        input: usize,
+        out: HostTensorId,
+        input: HostTensorId,
         axis: usize,
         start: &Expr,
         length: &Expr,
@@ -504,7 +525,7 @@ impl<B: Backend> Cx<'_, '_, B> {
                     parent.shape
                 ))
             })?;
-            let decl = &self.program.tensors[HostTensorId::new(out)];
+            let decl = &self.program.tensors[out];
             let cap = decl.shape.get(axis).copied().unwrap_or(0);
             let (start, len) = match (u64::try_from(s), u64::try_from(l)) {
                 (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|e| e <= extent) && l <= cap => {
@@ -520,14 +541,14 @@ impl<B: Backend> Cx<'_, '_, B> {
                 }
             };
             let view = slot.get_or_insert_with(|| TensorView {
-                tensor: HostTensorId::new(out),
+                tensor: out,
                 buffer: parent.buffer,
                 dtype: parent.dtype,
                 offset: 0,
                 shape: Vec::new(),
                 strides: Vec::new(),
             });
-            view.tensor = HostTensorId::new(out);
+            view.tensor = out;
             view.buffer = parent.buffer;
             view.dtype = parent.dtype;
             view.shape.clone_from(&parent.shape);
@@ -553,18 +574,41 @@ impl<B: Backend> Cx<'_, '_, B> {
     }
 }
 
-/// The view of tensor slot `t` (a free function so that it borrows only the view table).
+/// The view of tensor `t` (a free function so that it borrows only the view table).
 fn view_in<'s, Buf>(
     program: &HostProgram,
-    views: &'s [Option<TensorView<Buf>>],
-    t: usize,
+    views: &'s Arena<HostTensorId, Option<TensorView<Buf>>>,
+    t: HostTensorId,
 ) -> Result<&'s TensorView<Buf>, StepError> {
     views[t].as_ref().ok_or_else(|| {
         invalid(format!(
             "`{}` has no buffer here (not allocated, or deallocated)",
-            program.tensors[HostTensorId::new(t)].name
+            program.tensors[t].name
         ))
     })
+}
+
+/// The communication label a step posts, if it posts one.
+fn step_label(step: &Step<'_>) -> Option<CommLabel> {
+    match step {
+        Step::Collective { label, .. }
+        | Step::Permute { label, .. }
+        | Step::Dispatch { label, .. }
+        | Step::Combine { label, .. }
+        | Step::EndGroup { label, .. } => Some(*label),
+        Step::Allocate { .. }
+        | Step::Deallocate { .. }
+        | Step::Loop { .. }
+        | Step::GetStream { .. }
+        | Step::SetStream { .. }
+        | Step::Sync { .. }
+        | Step::Shard { .. }
+        | Step::Narrow { .. }
+        | Step::Wait { .. }
+        | Step::BeginGroup { .. }
+        | Step::Compute { .. }
+        | Step::Kernel { .. } => None,
+    }
 }
 
 fn step_at(step: &Step<'_>) -> u32 {

@@ -11,12 +11,15 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use meshflow_ir::host::EvalError;
-use meshflow_ir::{DeviceId, HostProgram};
+use meshflow_ir::{Arena, CommId, DeviceId, EntityRef, HostProgram, HostTensorId};
+use meshflow_passes::Transport;
 
-use super::backend::{Backend, BackendError, RaceReport, StreamIndex, TensorView};
+use super::backend::{
+    Backend, BackendError, CommLabel, PlanInfo, RaceReport, StreamIndex, TensorView,
+};
 use super::data::TensorData;
 use super::trace::TraceEvent;
-use plan::Plan;
+use plan::{table, Plan};
 
 /// What went wrong inside one instruction.
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -147,16 +150,30 @@ pub struct EvalOptions {
     pub trace_epoch: Option<Instant>,
 }
 
+/// One communication of a prepared program on one rank and the transport the backend selected
+/// for it (see [`Evaluator::comm_transports`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SelectedTransport {
+    /// The communication's label in the host program.
+    pub comm: CommId,
+    /// The instruction name (`all_gather`, `collective_permute`, ...).
+    pub name: &'static str,
+    /// The transport, when the backend has transports.
+    pub transport: Option<Transport>,
+}
+
 /// Mutable execution state of one rank.
 struct State<B: Backend> {
-    views: Vec<Option<TensorView<B::Buffer>>>,
-    owned: Vec<Option<B::Buffer>>,
+    views: Arena<HostTensorId, Option<TensorView<B::Buffer>>>,
+    owned: Arena<HostTensorId, Option<B::Buffer>>,
+    /// Per loop variable (indexed by `LoopVar`), its value inside the loop.
     loops: Vec<Option<i64>>,
     iteration: Vec<i64>,
     scratch: Vec<i64>,
+    /// Per stream variable (indexed by `StreamVar`), the saved stream.
     saved: Vec<Option<StreamIndex>>,
     current: StreamIndex,
-    pending: Vec<Option<B::Comm>>,
+    pending: Arena<CommLabel, Option<B::Comm>>,
     in_group: bool,
     at: Option<u32>,
     args: Vec<i64>,
@@ -173,6 +190,9 @@ pub struct Evaluator<'p, B: Backend> {
     texts: Vec<String>,
     steps: usize,
     graph: bool,
+    /// Whether a step ran without recording since the backend was prepared (a graph is only
+    /// recorded after one, so that communicators, engines and temporaries exist already).
+    warm: bool,
     host_us_per_step: Option<f64>,
 }
 
@@ -186,9 +206,9 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         let rank = backend.device();
         let plan = Plan::build(program, &backend, rank)?;
         backend
-            .prepare(&super::backend::PlanInfo {
+            .prepare(&PlanInfo {
                 teams: &plan.teams,
-                comm_labels: plan.labels.len(),
+                comms: &plan.comms,
             })
             .map_err(|source| RuntimeError::Backend { rank, source })?;
         let texts = if options.trace_epoch.is_some() {
@@ -201,14 +221,14 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         };
         let n = program.tensors.len();
         let state = State {
-            views: vec![None; n],
-            owned: vec![None; n],
+            views: table(n, None),
+            owned: table(n, None),
             loops: vec![None; plan.loop_vars],
             iteration: Vec::new(),
             scratch: Vec::new(),
             saved: vec![None; plan.stream_vars],
             current: StreamIndex::MAIN,
-            pending: vec![None; plan.labels.len()],
+            pending: table(plan.comms.len(), None),
             in_group: false,
             at: None,
             args: Vec::new(),
@@ -223,8 +243,25 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             texts,
             steps: 1,
             graph: false,
+            warm: false,
             host_us_per_step: None,
         })
+    }
+
+    /// Every communication this rank posts, with the transport the backend selected for it
+    /// when the program was prepared (in label order).
+    pub fn comm_transports(&self) -> Vec<SelectedTransport> {
+        self.plan
+            .comms
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.op.is_some())
+            .map(|(i, c)| SelectedTransport {
+                comm: c.comm,
+                name: c.name,
+                transport: self.backend.transport_of(CommLabel::new(i)),
+            })
+            .collect()
     }
 
     /// The rank.
@@ -255,8 +292,11 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         self.steps = steps.max(1);
     }
 
-    /// Makes every run record one step as a device graph and replay it (see
-    /// [`Backend::begin_graph`]; backends that do not record graphs run the steps as usual).
+    /// Makes every run record one step as a device graph and replay it `steps` times (see
+    /// [`Backend::begin_graph`]); a backend that cannot record fails the run with the reason.
+    /// The first run after the backend was prepared issues one step without recording first
+    /// (communicators, MoE engines and temporaries are made outside the recording); the
+    /// outputs are those of the last replay either way.
     pub fn set_graph(&mut self, on: bool) {
         self.graph = on;
     }
@@ -343,23 +383,31 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         };
         let steps = self.steps.max(1);
         let host_start = Instant::now();
-        let recorded = if self.graph {
+        let recording = self.graph;
+        if recording && !self.warm {
+            cx.backend
+                .check_graph()
+                .map_err(|source| RuntimeError::Backend { rank, source })?;
+            if let Err((at, iteration, err)) = cx.block(&plan.steps) {
+                return Err(self.step_error(at, &iteration, err));
+            }
+            self.warm = true;
+        }
+        if recording {
             cx.backend
                 .begin_graph()
-                .map_err(|source| RuntimeError::Backend { rank, source })?
-        } else {
-            false
-        };
-        for _ in 0..if recorded { 1 } else { steps } {
+                .map_err(|source| RuntimeError::Backend { rank, source })?;
+        }
+        for _ in 0..if recording { 1 } else { steps } {
             if let Err((at, iteration, err)) = cx.block(&plan.steps) {
-                if recorded {
+                if recording {
                     // Drop the half-made recording; the step's error is what counts.
                     let _ = cx.backend.end_graph(0);
                 }
                 return Err(self.step_error(at, &iteration, err));
             }
         }
-        if recorded {
+        if recording {
             cx.backend
                 .end_graph(steps)
                 .map_err(|source| RuntimeError::Backend { rank, source })?;
@@ -376,11 +424,10 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         self.backend.finish().map_err(be)?;
         let mut out = BTreeMap::new();
         for id in self.program.outputs() {
-            let t = meshflow_ir::EntityRef::index(id);
             if external.contains_key(&self.program.tensors[id].name) {
                 continue;
             }
-            if let Some(view) = &self.state.views[t] {
+            if let Some(view) = &self.state.views[id] {
                 let name = &self.program.tensors[id].name;
                 let data = if self.program.is_padded(id) {
                     self.backend.download_padded(view)
@@ -403,7 +450,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         s.iteration.clear();
         s.saved.iter_mut().for_each(|v| *v = None);
         s.current = StreamIndex::MAIN;
-        s.pending.iter_mut().for_each(|p| *p = None);
+        s.pending.iter_mut().for_each(|(_, p)| *p = None);
         s.in_group = false;
         s.at = None;
     }
@@ -433,12 +480,11 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             }
         }
         for (id, decl) in self.program.tensors.iter() {
-            let t = meshflow_ir::EntityRef::index(id);
-            if !self.plan.held[t] || decl.role == meshflow_ir::Role::Internal {
+            if !self.plan.held[id] || decl.role == meshflow_ir::Role::Internal {
                 continue;
             }
             if let Some(&buffer) = external.get(&decl.name) {
-                self.state.views[t] = Some(TensorView {
+                self.state.views[id] = Some(TensorView {
                     tensor: id,
                     buffer,
                     dtype: decl.dtype,
@@ -473,8 +519,8 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             };
             let be = |source| RuntimeError::Backend { rank, source };
             let buffer = self.backend.allocate(decl.dtype, &decl.shape).map_err(be)?;
-            self.state.owned[t] = Some(buffer);
-            self.state.views[t] = Some(TensorView {
+            self.state.owned[id] = Some(buffer);
+            self.state.views[id] = Some(TensorView {
                 tensor: id,
                 buffer,
                 dtype: decl.dtype,
@@ -497,14 +543,15 @@ impl<'p, B: Backend> Evaluator<'p, B> {
     }
 
     fn release_all(&mut self) {
-        for t in 0..self.state.owned.len() {
-            if let Some(b) = self.state.owned[t].take() {
+        let rank = self.rank();
+        for (_, owned) in self.state.owned.iter_mut() {
+            if let Some(b) = owned.take() {
                 if let Err(e) = self.backend.deallocate(b) {
-                    tracing::debug!(rank = self.rank(), "releasing a buffer failed: {e}");
+                    tracing::debug!(rank, "releasing a buffer failed: {e}");
                 }
             }
         }
-        self.state.views.iter_mut().for_each(|v| *v = None);
+        self.state.views.iter_mut().for_each(|(_, v)| *v = None);
     }
 
     fn step_error(&self, at: u32, iteration: &[i64], err: StepError) -> RuntimeError {
@@ -541,13 +588,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             )
         };
         let tensor = &self.program.tensors[r.tensor].name;
-        let label = |l: usize| {
-            self.plan
-                .labels
-                .get(l)
-                .map(|c| c.to_string())
-                .unwrap_or_default()
-        };
+        let label = |l: CommLabel| self.plan.comm(l).map(|c| c.to_string()).unwrap_or_default();
         let fix = match r.earlier.comm_label {
             Some(l) => match self.plan.group_of.get(l).copied().flatten() {
                 Some(g) => format!(

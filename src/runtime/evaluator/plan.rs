@@ -4,21 +4,25 @@
 //! Instructions this rank does not take part in are dropped here: a tensor exists only on the
 //! devices of its mesh, a communication involves exactly its team, and a `wait` on a label
 //! this rank never posts is a no-op.
+//!
+//! Every operand keeps its typed handle: tensors are [`HostTensorId`]s, loop and stream
+//! variables the IR's [`LoopVar`] and [`StreamVar`], teams [`TeamId`], communications
+//! [`CommLabel`] and kernels [`KernelId`].
 
 use std::collections::BTreeMap;
 
 use meshflow_ir::{
-    CommId, CommKind, ComputeOp, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, Inst,
-    InstKind, LoopVar, ReduceOp, StreamRef, Team,
+    Arena, CommId, CommKind, ComputeOp, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, Inst,
+    InstKind, LoopVar, ReduceOp, StreamRef, StreamVar, Team,
 };
 
 use super::RuntimeError;
-use crate::runtime::backend::{Backend, KernelId, TeamInfo};
+use crate::runtime::backend::{Backend, CommInfo, CommLabel, CommOp, KernelId, TeamId, TeamInfo};
 
 /// Which stream an instruction names.
 #[derive(Debug)]
 pub(crate) enum StreamSel<'p> {
-    Var(usize),
+    Var(StreamVar),
     Worker(&'p Expr),
 }
 
@@ -27,22 +31,22 @@ pub(crate) enum StreamSel<'p> {
 pub(crate) enum Step<'p> {
     Allocate {
         at: u32,
-        tensor: usize,
+        tensor: HostTensorId,
     },
     Deallocate {
         at: u32,
-        tensor: usize,
+        tensor: HostTensorId,
     },
     Loop {
         at: u32,
-        var: usize,
+        var: LoopVar,
         start: &'p Expr,
         stop: &'p Expr,
         body: Vec<Step<'p>>,
     },
     GetStream {
         at: u32,
-        dst: usize,
+        dst: StreamVar,
     },
     SetStream {
         at: u32,
@@ -54,75 +58,75 @@ pub(crate) enum Step<'p> {
     },
     Shard {
         at: u32,
-        out: usize,
-        input: usize,
+        out: HostTensorId,
+        input: HostTensorId,
         axis: usize,
         chunks: u64,
         index: &'p Expr,
     },
     Narrow {
         at: u32,
-        out: usize,
-        input: usize,
+        out: HostTensorId,
+        input: HostTensorId,
         axis: usize,
         start: &'p Expr,
         length: &'p Expr,
     },
     Collective {
         at: u32,
-        label: usize,
+        label: CommLabel,
         kind: CommKind,
-        team: usize,
-        input: Option<usize>,
-        output: Option<usize>,
+        team: TeamId,
+        input: Option<HostTensorId>,
+        output: Option<HostTensorId>,
         root: Option<&'p Expr>,
         op: ReduceOp,
     },
     Permute {
         at: u32,
-        label: usize,
-        team: usize,
+        label: CommLabel,
+        team: TeamId,
         send: &'p Expr,
         recv: &'p Expr,
-        input: usize,
-        output: usize,
+        input: HostTensorId,
+        output: HostTensorId,
     },
     /// `[x, topk_idx, expert_x, expert_counts, routing]`.
     Dispatch {
         at: u32,
-        label: usize,
-        team: usize,
-        t: [usize; 5],
+        label: CommLabel,
+        team: TeamId,
+        t: [HostTensorId; 5],
     },
     /// `[expert_y, expert_counts, routing, topk_weights, out]`.
     Combine {
         at: u32,
-        label: usize,
-        team: usize,
-        t: [usize; 5],
+        label: CommLabel,
+        team: TeamId,
+        t: [HostTensorId; 5],
     },
     Wait {
         at: u32,
-        label: usize,
+        label: CommLabel,
     },
     BeginGroup {
         at: u32,
     },
     EndGroup {
         at: u32,
-        label: usize,
+        label: CommLabel,
     },
     Compute {
         at: u32,
         op: &'p ComputeOp,
-        inputs: Vec<usize>,
-        outputs: Vec<usize>,
+        inputs: Vec<HostTensorId>,
+        outputs: Vec<HostTensorId>,
     },
     Kernel {
         at: u32,
         kernel: KernelId,
-        inputs: Vec<usize>,
-        outputs: Vec<usize>,
+        inputs: Vec<HostTensorId>,
+        outputs: Vec<HostTensorId>,
         args: &'p [Expr],
     },
 }
@@ -135,16 +139,39 @@ pub(crate) struct Plan<'p> {
     /// Per pre-order instruction, the loop variables enclosing it (outermost first).
     pub enclosing: Vec<Vec<LoopVar>>,
     pub steps: Vec<Step<'p>>,
+    /// The teams of this rank, indexed by [`TeamId`].
     pub teams: Vec<TeamInfo>,
-    pub labels: Vec<CommId>,
+    /// Every communication label, indexed by [`CommLabel`].
+    pub comms: Vec<CommInfo>,
     /// Per label, the label of the coalescing group it was posted in, if any.
-    pub group_of: Vec<Option<usize>>,
+    pub group_of: Arena<CommLabel, Option<CommLabel>>,
     pub loop_vars: usize,
     pub stream_vars: usize,
     /// Per mesh, this rank's team index along DIDx, DIDy, DIDz.
     pub my: Vec<[Option<i64>; 3]>,
     /// Per tensor, whether this rank holds it.
-    pub held: Vec<bool>,
+    pub held: Arena<HostTensorId, bool>,
+}
+
+impl Plan<'_> {
+    /// The team `id`.
+    pub fn team(&self, id: TeamId) -> &TeamInfo {
+        &self.teams[id.index()]
+    }
+
+    /// The program's label of `label`.
+    pub fn comm(&self, label: CommLabel) -> Option<CommId> {
+        self.comms.get(label.index()).map(|c| c.comm)
+    }
+}
+
+/// An arena of `n` copies of `value` (a dense table indexed by a typed handle).
+pub(crate) fn table<K: EntityRef, V: Clone>(n: usize, value: V) -> Arena<K, V> {
+    let mut a = Arena::new();
+    for _ in 0..n {
+        a.push(value.clone());
+    }
+    a
 }
 
 struct Builder<'p, 'b, B: Backend> {
@@ -152,13 +179,13 @@ struct Builder<'p, 'b, B: Backend> {
     backend: &'b B,
     rank: DeviceId,
     plan: Plan<'p>,
-    label_index: BTreeMap<CommId, usize>,
-    team_index: BTreeMap<Vec<DeviceId>, usize>,
+    label_index: BTreeMap<CommId, CommLabel>,
+    team_index: BTreeMap<Vec<DeviceId>, TeamId>,
     /// Labels posted by a step this rank runs.
-    posted: Vec<bool>,
+    posted: Arena<CommLabel, bool>,
     loop_stack: Vec<LoopVar>,
     /// Labels posted since the last `start_coalescing`, when inside a group.
-    group: Option<Vec<usize>>,
+    group: Option<Vec<CommLabel>>,
 }
 
 impl<'p> Plan<'p> {
@@ -173,7 +200,7 @@ impl<'p> Plan<'p> {
         let mut stream_vars = 0usize;
         program.walk(&mut |inst, _| {
             let mut label = |c: CommId| {
-                let n = label_index.len();
+                let n = CommLabel::new(label_index.len());
                 label_index.entry(c).or_insert(n);
             };
             if let Some(c) = inst.kind.comm_id() {
@@ -194,9 +221,18 @@ impl<'p> Plan<'p> {
                 _ => {}
             }
         });
-        let mut labels = vec![CommId(0); label_index.len()];
-        for (&c, &i) in &label_index {
-            labels[i] = c;
+        let mut comms = vec![
+            CommInfo {
+                comm: CommId(0),
+                name: "wait",
+                op: None,
+                team: None,
+                grouped: false,
+            };
+            label_index.len()
+        ];
+        for (&c, &l) in &label_index {
+            comms[l.index()].comm = c;
         }
         let my = program
             .meshes
@@ -211,16 +247,16 @@ impl<'p> Plan<'p> {
                 out
             })
             .collect();
-        let held = program
-            .tensors
-            .values()
-            .map(|t| {
+        let mut held = Arena::new();
+        for t in program.tensors.values() {
+            held.push(
                 program
                     .meshes
                     .get(t.mesh)
-                    .is_some_and(|m| m.mesh.contains(rank))
-            })
-            .collect();
+                    .is_some_and(|m| m.mesh.contains(rank)),
+            );
+        }
+        let labels = label_index.len();
         let mut b = Builder {
             program,
             backend,
@@ -230,14 +266,14 @@ impl<'p> Plan<'p> {
                 enclosing: Vec::new(),
                 steps: Vec::new(),
                 teams: Vec::new(),
-                group_of: vec![None; labels.len()],
-                labels,
+                group_of: table(labels, None),
+                comms,
                 loop_vars,
                 stream_vars,
                 my,
                 held,
             },
-            posted: vec![false; label_index.len()],
+            posted: table(labels, false),
             label_index,
             team_index: BTreeMap::new(),
             loop_stack: Vec::new(),
@@ -252,7 +288,7 @@ impl<'p> Plan<'p> {
     }
 }
 
-fn prune_waits<'p>(steps: Vec<Step<'p>>, posted: &[bool]) -> Vec<Step<'p>> {
+fn prune_waits<'p>(steps: Vec<Step<'p>>, posted: &Arena<CommLabel, bool>) -> Vec<Step<'p>> {
     steps
         .into_iter()
         .filter_map(|s| match s {
@@ -285,33 +321,30 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
         }
     }
 
-    fn tensor(&self, at: u32, t: HostTensorId) -> Result<usize, RuntimeError> {
+    fn tensor(&self, at: u32, t: HostTensorId) -> Result<HostTensorId, RuntimeError> {
         if self.program.tensors.contains(t) {
-            Ok(t.index())
+            Ok(t)
         } else {
             Err(self.err(at, format!("names unknown tensor {t:?}")))
         }
     }
 
-    fn held(&self, t: usize) -> bool {
+    fn held(&self, t: HostTensorId) -> bool {
         self.plan.held[t]
     }
 
-    fn name(&self, t: usize) -> &str {
-        &self.program.tensors[HostTensorId::new(t)].name
+    fn name(&self, t: HostTensorId) -> &str {
+        &self.program.tensors[t].name
     }
 
     /// All tensors held, none held (`Ok(false)`: skip), or an error naming the missing one.
-    fn all_or_none(&self, at: u32, ts: &[usize]) -> Result<bool, RuntimeError> {
-        let held: Vec<bool> = ts.iter().map(|&t| self.held(t)).collect();
-        if held.iter().all(|&h| h) {
-            return Ok(true);
-        }
-        if !held.iter().any(|&h| h) {
-            return Ok(false);
-        }
-        let have = ts.iter().find(|&&t| self.held(t)).copied().unwrap_or(0);
-        let miss = ts.iter().find(|&&t| !self.held(t)).copied().unwrap_or(0);
+    fn all_or_none(&self, at: u32, ts: &[HostTensorId]) -> Result<bool, RuntimeError> {
+        let (Some(&have), Some(&miss)) = (
+            ts.iter().find(|&&t| self.held(t)),
+            ts.iter().find(|&&t| !self.held(t)),
+        ) else {
+            return Ok(ts.iter().all(|&t| self.held(t)));
+        };
         Err(self.err(
             at,
             format!(
@@ -323,30 +356,38 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
         ))
     }
 
-    /// The team slot of `team` on this rank, or `None` when the rank is not a member.
-    fn team(&mut self, team: &Team) -> Option<usize> {
+    /// The team of `team` on this rank, or `None` when the rank is not a member.
+    fn team(&mut self, team: &Team) -> Option<TeamId> {
         let members = team.resolve(&self.program.meshes, self.rank)?;
         let my_index = members.iter().position(|&d| d == self.rank)?;
-        let next = self.plan.teams.len();
-        let slot = *self.team_index.entry(members.clone()).or_insert(next);
-        if slot == next {
+        let next = TeamId::new(self.plan.teams.len());
+        let id = *self.team_index.entry(members.clone()).or_insert(next);
+        if id == next {
             self.plan.teams.push(TeamInfo {
-                slot,
+                id,
                 members,
                 my_index,
             });
         }
-        Some(slot)
+        Some(id)
     }
 
-    fn label(&mut self, c: CommId) -> usize {
+    fn label(&mut self, c: CommId) -> CommLabel {
         // Every label was collected before building.
         self.label_index[&c]
     }
 
-    fn post(&mut self, c: CommId) -> usize {
+    /// Records that this rank posts `c` (what, in which team) and returns its label.
+    fn post(&mut self, at: u32, c: CommId, op: CommOp, team: Option<TeamId>) -> CommLabel {
         let l = self.label(c);
         self.posted[l] = true;
+        let info = &mut self.plan.comms[l.index()];
+        if info.op.is_none() {
+            info.name = self.plan.insts[at as usize].kind.name();
+            info.op = Some(op);
+            info.team = team;
+            info.grouped = self.group.is_some();
+        }
         if let Some(g) = self.group.as_mut() {
             g.push(l);
         }
@@ -391,16 +432,13 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 self.loop_stack.pop();
                 Step::Loop {
                     at,
-                    var: index.0 as usize,
+                    var: *index,
                     start,
                     stop,
                     body: body?,
                 }
             }
-            InstKind::GetCurrentStream { dst } => Step::GetStream {
-                at,
-                dst: dst.0 as usize,
-            },
+            InstKind::GetCurrentStream { dst } => Step::GetStream { at, dst: *dst },
             InstKind::SetCurrentStream { stream } => Step::SetStream {
                 at,
                 stream: stream_sel(stream),
@@ -462,15 +500,22 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     return Ok(None);
                 };
                 let (i, o) = (self.tensor(at, *input)?, self.tensor(at, *output)?);
+                let op = op.unwrap_or(ReduceOp::Sum);
+                let dtype = self.program.tensors[i].dtype;
+                let what = CommOp::Collective {
+                    kind: *kind,
+                    op,
+                    dtype,
+                };
                 Step::Collective {
                     at,
-                    label: self.post(*id),
+                    label: self.post(at, *id, what, Some(team)),
                     kind: *kind,
                     team,
                     input: self.held(i).then_some(i),
                     output: self.held(o).then_some(o),
                     root: root.as_ref(),
-                    op: op.unwrap_or(ReduceOp::Sum),
+                    op,
                 }
             }
             InstKind::CollectivePermute {
@@ -493,7 +538,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 }
                 Step::Permute {
                     at,
-                    label: self.post(*id),
+                    label: self.post(at, *id, CommOp::Permute, Some(team)),
                     team,
                     send: send_peer,
                     recv: recv_peer,
@@ -516,7 +561,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 let t = self.five(at, [*x, *topk_idx, *expert_x, *expert_counts, *routing])?;
                 Step::Dispatch {
                     at,
-                    label: self.post(*id),
+                    label: self.post(at, *id, CommOp::MoeDispatch, Some(team)),
                     team,
                     t,
                 }
@@ -539,7 +584,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 )?;
                 Step::Combine {
                     at,
-                    label: self.post(*id),
+                    label: self.post(at, *id, CommOp::MoeCombine, Some(team)),
                     team,
                     t,
                 }
@@ -554,7 +599,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
             }
             InstKind::EndCoalescing { id } => {
                 let members = self.group.take().unwrap_or_default();
-                let label = self.post(*id);
+                let label = self.post(at, *id, CommOp::Group, None);
                 for m in members {
                     self.plan.group_of[m] = Some(label);
                 }
@@ -566,7 +611,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 outputs,
             } => {
                 let (ins, outs) = (self.tensors(at, inputs)?, self.tensors(at, outputs)?);
-                let all: Vec<usize> = ins.iter().chain(&outs).copied().collect();
+                let all: Vec<HostTensorId> = ins.iter().chain(&outs).copied().collect();
                 if !self.all_or_none(at, &all)? {
                     return Ok(None);
                 }
@@ -584,7 +629,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 args,
             } => {
                 let (ins, outs) = (self.tensors(at, inputs)?, self.tensors(at, outputs)?);
-                let all: Vec<usize> = ins.iter().chain(&outs).copied().collect();
+                let all: Vec<HostTensorId> = ins.iter().chain(&outs).copied().collect();
                 if !self.all_or_none(at, &all)? {
                     return Ok(None);
                 }
@@ -603,32 +648,31 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
         Ok(Some(step))
     }
 
-    fn tensors(&self, at: u32, ts: &[HostTensorId]) -> Result<Vec<usize>, RuntimeError> {
+    fn tensors(&self, at: u32, ts: &[HostTensorId]) -> Result<Vec<HostTensorId>, RuntimeError> {
         ts.iter().map(|&t| self.tensor(at, t)).collect()
     }
 
-    fn five(&self, at: u32, ts: [HostTensorId; 5]) -> Result<[usize; 5], RuntimeError> {
-        let mut out = [0usize; 5];
-        for (o, t) in out.iter_mut().zip(ts) {
-            *o = self.tensor(at, t)?;
-            if !self.held(*o) {
+    fn five(&self, at: u32, ts: [HostTensorId; 5]) -> Result<[HostTensorId; 5], RuntimeError> {
+        for &t in &ts {
+            let t = self.tensor(at, t)?;
+            if !self.held(t) {
                 return Err(self.err(
                     at,
                     format!(
                         "rank {} is in the team but does not hold `{}`",
                         self.rank,
-                        self.name(*o)
+                        self.name(t)
                     ),
                 ));
             }
         }
-        Ok(out)
+        Ok(ts)
     }
 }
 
 fn stream_sel(s: &StreamRef) -> StreamSel<'_> {
     match s {
-        StreamRef::Var(v) => StreamSel::Var(v.0 as usize),
+        StreamRef::Var(v) => StreamSel::Var(*v),
         StreamRef::Worker(e) => StreamSel::Worker(e),
     }
 }

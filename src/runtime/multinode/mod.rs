@@ -1,6 +1,6 @@
 //! Multi-process sim runs: each process is a **node** that runs the ranks of that node as
 //! threads (in-process fabric between them) and reaches the ranks of the other nodes through
-//! the inter-node host proxy ([`meshflow_kernels::proxy`]) over TCP: one-sided writes with
+//! the inter-node host proxy ([`meshflow_kernels::proxy`]) over TCP or ibverbs: one-sided writes with
 //! immediates into registered receive rings, counted by the receiver's proxy thread. The
 //! fabric's message keys are unchanged, so every communication kind (collectives, collective
 //! permute, MoE dispatch/combine) crosses nodes through the proxy protocol.
@@ -23,6 +23,6 @@ mod supervise;
 
 pub use link::{ProxyLink, RendezvousStore};
 #[cfg(feature = "cuda")]
-pub(crate) use node::connect_proxies;
+pub(crate) use node::{connect_proxies, NodeProxies};
 pub use node::{local_address_toward, run_node, NodeError, NodeOutcome, NodeSpec, DEFAULT_RING};
 pub use supervise::{supervise, NodeCommand, NodeExit};

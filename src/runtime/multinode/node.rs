@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use meshflow_ir::{DeviceId, HostProgram};
-use meshflow_kernels::proxy::{Layout, Proxy, ProxyStats, TcpWire, Topology};
+use meshflow_kernels::proxy::{connect_wire, Layout, Proxy, ProxyStats, Topology, WireChoice};
 
 use super::codec::{decode_result, encode_result, NodeResult};
 use super::link::{ProxyLink, RendezvousStore};
@@ -34,6 +34,8 @@ pub struct NodeSpec {
     pub ring: usize,
     /// How long connection setup and the rendezvous steps may take.
     pub setup_timeout: Duration,
+    /// The wire of the proxies (every node of the run must name the same).
+    pub wire: WireChoice,
 }
 
 /// What a node's run produced.
@@ -45,6 +47,8 @@ pub struct NodeOutcome {
     pub proxy_stats: BTreeMap<DeviceId, ProxyStats>,
     /// The wire the proxies used.
     pub wire: &'static str,
+    /// Why that wire (`requested`, or what `auto` found).
+    pub wire_reason: String,
     /// Wall-clock time of the run (setup excluded).
     pub elapsed: Duration,
 }
@@ -79,16 +83,27 @@ fn key(name: &str, node: usize) -> String {
     format!("meshflow/node/{name}/{node}")
 }
 
+/// The proxies of a node's ranks, and why their wire was chosen.
+#[derive(Debug, Default)]
+pub(crate) struct NodeProxies {
+    /// The proxies, by rank (ranks with no peer on another node have none).
+    pub proxies: BTreeMap<DeviceId, Proxy>,
+    /// Why the wire was chosen (empty when no rank has a proxy).
+    pub reason: String,
+}
+
 /// Connects the proxies of `local` ranks (one thread each: connections are made pairwise, so
-/// the ranks of a node must not wait for each other); ranks with no peer on another node get
-/// none. Only `spec`'s topology, host, ring and setup timeout are used.
+/// the ranks of a node must not wait for each other) over the wire `spec.wire` asks for; ranks
+/// with no peer on another node get none. Only `spec`'s topology, host, ring, setup timeout
+/// and wire are used.
 pub(crate) fn connect_proxies(
     spec: &NodeSpec,
     local: &[DeviceId],
     rendezvous: &Arc<dyn Rendezvous>,
-) -> Result<BTreeMap<DeviceId, Proxy>, String> {
+) -> Result<NodeProxies, String> {
     let store = RendezvousStore(rendezvous.clone());
-    let results: Vec<(DeviceId, Result<Option<Proxy>, String>)> = std::thread::scope(|s| {
+    type Connected = Result<Option<(Proxy, String)>, String>;
+    let results: Vec<(DeviceId, Connected)> = std::thread::scope(|s| {
         let handles: Vec<_> = local
             .iter()
             .map(|&rank| {
@@ -99,7 +114,9 @@ pub(crate) fn connect_proxies(
                     if layout.peers.is_empty() {
                         return Ok(None);
                     }
-                    let wire = TcpWire::connect(
+                    let chosen = connect_wire(
+                        spec.wire,
+                        &spec.topology,
                         &layout,
                         &spec.host,
                         store,
@@ -107,8 +124,8 @@ pub(crate) fn connect_proxies(
                         spec.setup_timeout,
                     )
                     .map_err(|e| format!("rank {rank}: {e}"))?;
-                    Proxy::start(layout, Arc::new(wire))
-                        .map(Some)
+                    Proxy::start(layout, chosen.wire)
+                        .map(|p| Some((p, chosen.reason)))
                         .map_err(|e| format!("rank {rank}: {e}"))
                 });
                 (rank, h)
@@ -124,17 +141,18 @@ pub(crate) fn connect_proxies(
             })
             .collect()
     });
-    let mut proxies = BTreeMap::new();
+    let mut out = NodeProxies::default();
     for (rank, r) in results {
-        if let Some(p) = r? {
-            proxies.insert(rank, p);
+        if let Some((p, reason)) = r? {
+            out.proxies.insert(rank, p);
+            out.reason = reason;
         }
     }
-    Ok(proxies)
+    Ok(out)
 }
 
 /// Runs the ranks of `spec.node` on threads (in-process fabric between them) and reaches the
-/// ranks of the other nodes through host proxies over TCP. Every node of the run calls this
+/// ranks of the other nodes through host proxies over the wire `spec.wire` asks for. Every node of the run calls this
 /// with the same program, inputs and topology; node 0 gathers the outputs of every rank.
 ///
 /// A failing node aborts the rendezvous with its error, so the other nodes stop at their next
@@ -163,7 +181,10 @@ pub fn run_node(
             ),
         }));
     }
-    let proxies = connect_proxies(spec, &local, &rendezvous)
+    let NodeProxies {
+        proxies,
+        reason: wire_reason,
+    } = connect_proxies(spec, &local, &rendezvous)
         .map_err(|message| fail(NodeError::Setup { node, message }))?;
     let wire = proxies.values().next().map_or("none", |p| p.wire_name());
     let link = Arc::new(ProxyLink::new(
@@ -243,6 +264,7 @@ pub fn run_node(
                 outputs: None,
                 proxy_stats,
                 wire,
+                wire_reason,
                 elapsed,
             }),
             Err(failure) => Err(NodeError::Run {
@@ -273,6 +295,7 @@ pub fn run_node(
         outputs: Some(all),
         proxy_stats,
         wire,
+        wire_reason,
         elapsed,
     })
 }

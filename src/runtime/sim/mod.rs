@@ -18,13 +18,13 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use meshflow_ir::{ComputeOp, DType, DeviceId};
+use meshflow_ir::{ComputeOp, DType, DeviceId, EntityRef};
 
 pub use fabric::{Fabric, Payload, RemoteLink};
 
 use super::backend::{
-    AccessSite, Backend, BackendError, CommRequest, InstCtx, KernelId, PlanInfo, RaceReport,
-    StreamIndex, TensorView,
+    AccessSite, Backend, BackendError, CommLabel, CommRequest, InstCtx, KernelId, PlanInfo,
+    RaceReport, StreamIndex, TensorView,
 };
 use super::cpu_ops;
 use super::data::{Storage, TensorData};
@@ -590,10 +590,10 @@ impl Backend for SimBackend {
                 seq: 0,
             })
             .collect();
-        self.comm_labels = info.comm_labels;
+        self.comm_labels = info.comm_labels();
         self.clocks = self
             .race_check
-            .then(|| Clocks::new(self.pool, info.comm_labels));
+            .then(|| Clocks::new(self.pool, info.comm_labels()));
         self.current = StreamIndex::MAIN;
         self.group = None;
         Ok(())
@@ -758,7 +758,7 @@ impl Backend for SimBackend {
             .names
             .iter()
             .position(|n| n == name)
-            .map(KernelId)
+            .map(KernelId::new)
     }
 
     fn launch_kernel(
@@ -770,8 +770,8 @@ impl Backend for SimBackend {
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
         let (Some(name), Some(f)) = (
-            self.kernels.names.get(kernel.0).cloned(),
-            self.kernels.kernels.get(kernel.0).cloned(),
+            self.kernels.names.get(kernel.index()).cloned(),
+            self.kernels.kernels.get(kernel.index()).cloned(),
         ) else {
             return Err(BackendError::Invalid(format!("unknown kernel {kernel:?}")));
         };
@@ -795,19 +795,19 @@ impl Backend for SimBackend {
             return Err(self.fabric.abort_error());
         }
         self.inject_fault()?;
-        let slot = request.team().slot;
+        let id = request.team().id;
         let team = self
             .teams
-            .get_mut(slot)
-            .ok_or_else(|| BackendError::Invalid(format!("unknown team slot {slot}")))?;
+            .get_mut(id.index())
+            .ok_or_else(|| BackendError::Invalid(format!("unknown team {id:?}")))?;
         team.seq += 1;
         let tag = (team.fingerprint, team.seq);
         let current = self.current;
         let label = request.label();
         let clock = match self.clocks.as_mut() {
             Some(c) => {
-                let clock = c.post(current, label);
-                let timeline = c.comm_timeline(label);
+                let clock = c.post(current, label.index());
+                let timeline = c.comm_timeline(label.index());
                 let epoch = clock[timeline];
                 let (reads, writes) = comm::accesses(request);
                 let site = AccessSite {
@@ -838,7 +838,7 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn end_group(&mut self, label: usize, _ctx: InstCtx<'_>) -> Result<SimComm, BackendError> {
+    fn end_group(&mut self, label: CommLabel, _ctx: InstCtx<'_>) -> Result<SimComm, BackendError> {
         let members = self
             .group
             .take()
@@ -847,7 +847,7 @@ impl Backend for SimBackend {
         let mut clock: Option<Vec<u32>> = self
             .clocks
             .as_mut()
-            .map(|c| c.post(current, label).to_vec());
+            .map(|c| c.post(current, label.index()).to_vec());
         for (exchange, member_clock) in members {
             comm::finish(self, exchange)?;
             if let (Some(c), Some(m)) = (clock.as_mut(), member_clock) {

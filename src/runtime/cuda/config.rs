@@ -1,0 +1,139 @@
+//! Settings of the CUDA backend ([`CudaConfig`], [`CopyStream`]), the caller's GPU resources
+//! ([`CudaResources`]) and the abort signal the ranks of one run share ([`AbortSignal`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use meshflow_ir::DeviceId;
+use meshflow_kernels::nccl::Comm;
+use meshflow_kernels::proxy::WireChoice;
+use meshflow_kernels::{Device, Stream};
+use meshflow_passes::Transport;
+
+use super::user_kernels::CudaKernels;
+
+/// Which stream runs a copy-engine pull.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CopyStream {
+    /// The stream the communication is posted on (ordered like an NCCL call there).
+    #[default]
+    Current,
+    /// A copy stream of the rank: the pull starts once the posting stream has reached the
+    /// post, and only a `wait` orders later work after it.
+    Dedicated,
+}
+
+/// Settings of the CUDA backend.
+#[derive(Clone, Debug)]
+pub struct CudaConfig {
+    /// Worker streams per rank (the main stream comes on top).
+    pub stream_pool: usize,
+    /// How long the host waits for the device at the end of a run, and for peers in the
+    /// rendezvous, before giving up with an error.
+    pub timeout: Duration,
+    /// Record one [`Interval`](super::Interval) per compute op and communication.
+    pub profile: bool,
+    /// Kernels for `launch_kernel`.
+    pub kernels: CudaKernels,
+    /// The transport to force, where it can carry a communication; `None` (the default):
+    /// chosen per team when a program is prepared (see the selection rules in
+    /// `src/runtime/cuda/transport/select.rs` and `docs/architecture.md`):
+    /// - `Nccl`: NCCL for every communication (ranks of other nodes still go through the
+    ///   host proxy);
+    /// - `CopyEngine`: collective permutes, broadcasts and sum reduce-scatters over the copy
+    ///   engine; a team that cannot use it is an error;
+    /// - `Nvlink`: MoE dispatch and combine over the NVLink kernels; a team that cannot use
+    ///   them is an error;
+    /// - `HostProxy` cannot be forced: the split into nodes selects it.
+    pub transport: Option<Transport>,
+    /// Which stream runs copy-engine pulls.
+    pub copy_stream: CopyStream,
+    /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
+    /// the program body runs this many times back to back between one upload of the inputs
+    /// and one download of the outputs, and the run's device time is divided by it (at least 1).
+    pub steps: usize,
+    /// Record one step as a CUDA graph per run and replay it `steps` times (see
+    /// [`Evaluator::set_graph`](crate::runtime::Evaluator::set_graph)). Programs whose
+    /// transports need the host during a step (copy engine, host proxy, NVLink MoE) are
+    /// refused with the reason.
+    pub graph: bool,
+    /// Split the ranks of a launch into nodes of this many consecutive ranks: collective
+    /// permutes and MoE dispatch/combine between ranks of different nodes go through the
+    /// inter-node host proxy, the rest stays on NCCL. `None`: `MESHFLOW_NODE_SIZE` when it is
+    /// set, else one node.
+    pub node_size: Option<usize>,
+    /// The wire of the host proxy in runs split into nodes (TCP, ibverbs, or the best one
+    /// available).
+    pub wire: WireChoice,
+    /// Fault tests only: the process exits at once with
+    /// [`FAULT_EXIT_STATUS`](crate::runtime::sim::FAULT_EXIT_STATUS) when this rank posts its
+    /// n-th communication (0-based), as a killed process would.
+    pub exit_at_comm: Option<usize>,
+}
+
+impl Default for CudaConfig {
+    fn default() -> CudaConfig {
+        CudaConfig {
+            stream_pool: 4,
+            timeout: Duration::from_secs(120),
+            profile: false,
+            kernels: CudaKernels::new(),
+            transport: None,
+            copy_stream: CopyStream::Current,
+            steps: 1,
+            graph: false,
+            node_size: None,
+            wire: WireChoice::default(),
+            exit_at_comm: None,
+        }
+    }
+}
+
+/// GPU resources the caller owns, for [`CudaBackend::with_resources`](super::CudaBackend::with_resources).
+#[derive(Debug)]
+pub struct CudaResources {
+    /// The GPU (its primary context, the one the CUDA runtime and PyTorch use).
+    pub device: Device,
+    /// The caller's stream (see `Stream::from_raw_borrowed`): the rank's main stream, so the
+    /// program runs in order with the caller's work on it. `None`: a stream of meshflow's.
+    pub stream: Option<Stream>,
+    /// Communicators the caller created (see `Comm::from_raw_borrowed`), each with the team it
+    /// serves: the team's members (global ranks) in team order, its rank in the communicator
+    /// being this rank's index there.
+    pub comms: Vec<(Vec<DeviceId>, Comm)>,
+}
+
+/// A flag the ranks of one run share: set by the first rank that fails, so that the others
+/// stop waiting for it (and abort their NCCL communicators) instead of hanging.
+#[derive(Clone, Debug, Default)]
+pub struct AbortSignal {
+    flag: Arc<AtomicBool>,
+    first: Arc<Mutex<Option<(DeviceId, String)>>>,
+}
+
+impl AbortSignal {
+    /// A signal that is not set.
+    pub fn new() -> AbortSignal {
+        AbortSignal::default()
+    }
+
+    /// Records that `rank` failed (the first report wins).
+    pub fn abort(&self, rank: DeviceId, reason: impl Into<String>) {
+        let mut first = self.first.lock().unwrap_or_else(|p| p.into_inner());
+        if first.is_none() {
+            *first = Some((rank, reason.into()));
+        }
+        self.flag.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether some rank failed.
+    pub fn is_aborted(&self) -> bool {
+        self.flag.load(Ordering::SeqCst)
+    }
+
+    /// The first failure: rank and reason.
+    pub fn first(&self) -> Option<(DeviceId, String)> {
+        self.first.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}

@@ -1,0 +1,82 @@
+//! [`GraphRecorder`]: one step of a run recorded as a CUDA graph on the main stream and
+//! replayed, and the memory the recording uses held until the run's device work is done.
+
+use meshflow_kernels::Graph;
+
+use super::core::{dev_err, DeviceCore};
+use crate::runtime::backend::BackendError;
+
+/// A step recorded as a graph: recording (`exec` empty) or replayed (until the run ends).
+#[derive(Debug)]
+struct Recording {
+    exec: Option<Graph>,
+    /// Whether profiling was on before (timing events cannot be read back from a graph).
+    profile: bool,
+}
+
+/// The graph of the current run, if one is recorded.
+#[derive(Debug, Default)]
+pub(super) struct GraphRecorder {
+    recording: Option<Recording>,
+}
+
+impl GraphRecorder {
+    /// Starts capturing the core's main stream (and the streams forked from it).
+    pub fn begin(&mut self, core: &mut DeviceCore) -> Result<(), BackendError> {
+        if self.recording.is_some() {
+            return Err(BackendError::Invalid(
+                "a graph is already being recorded".into(),
+            ));
+        }
+        core.step_started()?;
+        let profile = core.timeline.profile;
+        // Timing events cannot be read back from inside a graph.
+        core.timeline.profile = false;
+        core.streams[0]
+            .begin_capture()
+            .map_err(core.err("cuStreamBeginCapture"))?;
+        core.memory.begin_hold();
+        self.recording = Some(Recording {
+            exec: None,
+            profile,
+        });
+        Ok(())
+    }
+
+    /// Ends the capture and launches `replays` replays of it (0: drop the recording).
+    pub fn end(&mut self, core: &mut DeviceCore, replays: usize) -> Result<(), BackendError> {
+        let Some(state) = self.recording.as_mut() else {
+            return Err(BackendError::Invalid(
+                "end_graph without begin_graph".into(),
+            ));
+        };
+        let made = core.streams[0].end_capture();
+        if replays == 0 {
+            // Nothing will replay: forget the recording now.
+            drop(made);
+            return self.end_run(core);
+        }
+        let exec = made.map_err(|e| dev_err(core.rank, "cuStreamEndCapture", e))?;
+        for _ in 0..replays {
+            exec.launch(&core.streams[0])
+                .map_err(|e| dev_err(core.rank, "cuGraphLaunch", e))?;
+        }
+        state.exec = Some(exec);
+        Ok(())
+    }
+
+    /// After a run's device work is done: drops its graph and returns the memory the graph
+    /// used to the allocator.
+    pub fn end_run(&mut self, core: &mut DeviceCore) -> Result<(), BackendError> {
+        let Some(state) = self.recording.take() else {
+            return Ok(());
+        };
+        drop(state.exec);
+        core.timeline.profile = state.profile;
+        let streams = core.streams.clone();
+        let e = core.err("cuEventRecord");
+        core.memory
+            .end_hold(|| streams.iter().map(|s| s.record_event()).collect())
+            .map_err(e)
+    }
+}

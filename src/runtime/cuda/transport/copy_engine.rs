@@ -1,0 +1,568 @@
+//! The copy-engine transport: collective permutes, broadcasts and sum reduce-scatters between
+//! the in-process ranks of one launch (one thread per GPU) as peer copies, without NCCL and
+//! without SMs (but for the reduction).
+//!
+//! Protocol (pull): for every (communication label, instance, sender, receiver) the sender
+//! records a *ready* event on its current stream (its send data is complete there) and offers
+//! `(send bytes, ready)` in the launch's [`PeerHub`](super::PeerHub); the receiver takes the offer (the host
+//! waits until the sender has posted), makes its copy stream wait for `ready`, pulls the bytes
+//! with `cuMemcpyPeerAsync` (a copy engine of the receiving GPU), records a *done* event and
+//! hands it back through the hub. The sender takes every *done* event of its sends before its
+//! post returns (the receivers post the same instruction at the same time, so this host wait
+//! is short) and attaches them to its send buffer: every later op that writes that buffer
+//! first waits for them on its stream (write-after-read ordering is kept per buffer, so a
+//! `wait` only waits for this rank's own receive and the next step's data can be offered
+//! without waiting for the peers' reads of the last one). The sender's peer-read stream also
+//! waits for them, so that deallocation, the allocator's reuse of send temporaries and the end
+//! of the run are ordered after the peers' reads.
+//!
+//! A reduce-scatter (sum, floating point) pulls chunk `my` of every peer's send buffer into a
+//! temporary and adds them to its own chunk (an elementwise kernel: the only SM work).
+//!
+//! Every host wait watches the run's abort signal and the backend's timeout. A step with
+//! copy-engine transfers cannot be recorded as a CUDA graph (the pulls meet through host waits,
+//! and cross-GPU events do not order replays).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use meshflow_ir::{CommKind, DeviceId, EntityRef};
+use meshflow_kernels::{Device, DeviceBuffer, Event};
+use meshflow_passes::Transport;
+
+use super::hub::{Key, Offer, PeerHub};
+use super::object::{CommTransport, PostCx, Posted};
+use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::cuda::config::CopyStream;
+use crate::runtime::cuda::core::DeviceCore;
+use crate::runtime::cuda::memory::CudaBuffer;
+use crate::runtime::cuda::profile::IntervalKind;
+
+/// A transfer this rank pulled: its `done` event on this GPU.
+struct Pulled {
+    done: Event,
+}
+
+/// The copy-engine transport of one rank.
+pub(crate) struct CopyEngine {
+    hub: Arc<PeerHub>,
+    copy_stream: CopyStream,
+    /// Per communication label: instances posted so far.
+    seq: HashMap<usize, u64>,
+}
+
+impl CopyEngine {
+    pub fn new(hub: Arc<PeerHub>, copy_stream: CopyStream) -> CopyEngine {
+        CopyEngine {
+            hub,
+            copy_stream,
+            seq: HashMap::new(),
+        }
+    }
+
+    /// The next instance number of communication `label` on this rank.
+    fn next_seq(&mut self, label: usize) -> u64 {
+        let c = self.seq.entry(label).or_insert(0);
+        let s = *c;
+        *c += 1;
+        s
+    }
+}
+
+impl CommTransport for CopyEngine {
+    fn kind(&self) -> Transport {
+        Transport::CopyEngine
+    }
+
+    fn prepare_team(
+        &mut self,
+        core: &DeviceCore,
+        team: &TeamInfo,
+        peers: Option<&[Device]>,
+    ) -> Result<(), BackendError> {
+        let peers = peers.ok_or_else(|| {
+            BackendError::Invalid(format!(
+                "rank {}: the copy engine was selected for team {:?} without peer access",
+                core.rank, team.members
+            ))
+        })?;
+        for d in peers {
+            core.device
+                .enable_peer_access(d)
+                .map_err(core.err("cuCtxEnablePeerAccess"))?;
+        }
+        Ok(())
+    }
+
+    fn post(
+        &mut self,
+        cx: &mut PostCx<'_>,
+        request: &CommRequest<'_, CudaBuffer>,
+        ctx: InstCtx<'_>,
+    ) -> Result<Posted, BackendError> {
+        let core = &mut *cx.core;
+        match request {
+            CommRequest::Permute {
+                label,
+                team,
+                send_peer,
+                recv_peer,
+                input,
+                output,
+            } => {
+                // Every member counts every instance, also one that stays on the rank, so
+                // that the instance numbers of a label agree across ranks.
+                let seq = self.next_seq(label.index());
+                if *send_peer == team.my_index && *recv_peer == team.my_index {
+                    super::nccl::check_permute(input, output)?;
+                    let opened = core.begin_op(request.name(), Transport::CopyEngine, ctx)?;
+                    core.local_copy("collective_permute", input, output)?;
+                    return Ok(Posted::OnStream(opened));
+                }
+                let t = Transfer {
+                    hub: &self.hub,
+                    copy_stream: self.copy_stream,
+                    label: label.index(),
+                    seq,
+                };
+                t.permute(core, team, *send_peer, *recv_peer, input, output, ctx)
+                    .map(Posted::Events)
+            }
+            CommRequest::Collective {
+                label,
+                kind: CommKind::Broadcast,
+                team,
+                input,
+                output,
+                root,
+                ..
+            } => {
+                let seq = self.next_seq(label.index());
+                let t = Transfer {
+                    hub: &self.hub,
+                    copy_stream: self.copy_stream,
+                    label: label.index(),
+                    seq,
+                };
+                t.broadcast(core, team, root.unwrap_or(0), *input, *output, ctx)
+                    .map(Posted::Events)
+            }
+            CommRequest::Collective {
+                label,
+                kind: CommKind::ReduceScatter,
+                team,
+                input: Some(input),
+                output: Some(output),
+                ..
+            } => {
+                let seq = self.next_seq(label.index());
+                let t = Transfer {
+                    hub: &self.hub,
+                    copy_stream: self.copy_stream,
+                    label: label.index(),
+                    seq,
+                };
+                t.reduce_scatter(core, team, input, output, ctx)
+                    .map(Posted::Events)
+            }
+            _ => Err(BackendError::Invalid(format!(
+                "{} is not carried by the copy engine (it needs both buffers on every member)",
+                request.name()
+            ))),
+        }
+    }
+
+    fn capture_blocker(&self) -> Option<&'static str> {
+        Some(
+            "copy-engine transfers meet through host waits and cross-GPU events do not order \
+             graph replays; force the NCCL transport to record graphs",
+        )
+    }
+}
+
+/// One instance of a labelled copy-engine transfer.
+struct Transfer<'h> {
+    hub: &'h PeerHub,
+    copy_stream: CopyStream,
+    label: usize,
+    seq: u64,
+}
+
+impl Transfer<'_> {
+    fn key(&self, from: DeviceId, to: DeviceId) -> Key {
+        Key {
+            label: self.label,
+            seq: self.seq,
+            from,
+            to,
+        }
+    }
+
+    /// Offers the send region to `to` (a ready event per receiver, on the current stream).
+    fn offer(
+        &self,
+        core: &DeviceCore,
+        to: DeviceId,
+        src: &DeviceBuffer,
+    ) -> Result<(), BackendError> {
+        let ready = core
+            .stream()
+            .record_event()
+            .map_err(core.err("cuEventRecord"))?;
+        self.hub.put_offer(
+            self.key(core.rank, to),
+            Offer {
+                src: src.clone(),
+                ready,
+            },
+        );
+        Ok(())
+    }
+
+    /// Takes the offer of `from` to this rank (the host waits for the sender's post).
+    fn take_offer(
+        &self,
+        core: &DeviceCore,
+        name: &'static str,
+        from: DeviceId,
+    ) -> Result<(Key, Offer), BackendError> {
+        let key = self.key(from, core.rank);
+        let deadline = Instant::now() + core.timeout;
+        let abort = || core.aborted();
+        let offer = self
+            .hub
+            .wait_for(deadline, &abort, |s| s.offers.remove(&key))
+            .map_err(|e| {
+                e.unwrap_or_else(|| {
+                    core.timeout_error(
+                        from,
+                        format!("{name} #{} instance {} data", self.label, self.seq),
+                    )
+                })
+            })?;
+        Ok((key, offer))
+    }
+
+    /// Pulls the offer of `from` into `dst` on the copy stream of the configured kind; returns
+    /// the local done event (after handing one to the sender).
+    fn pull(
+        &self,
+        core: &mut DeviceCore,
+        name: &'static str,
+        from: DeviceId,
+        dst: &DeviceBuffer,
+        ctx: InstCtx<'_>,
+    ) -> Result<Pulled, BackendError> {
+        let (key, offer) = self.take_offer(core, name, from)?;
+        if offer.src.len() != dst.len() {
+            return Err(BackendError::Invalid(format!(
+                "{name}: rank {from} sends {} bytes, rank {} receives {}",
+                offer.src.len(),
+                core.rank,
+                dst.len()
+            )));
+        }
+        let on = match self.copy_stream {
+            CopyStream::Current => core.current,
+            CopyStream::Dedicated => {
+                // The pull must not overwrite `dst` before the posting stream is done with it.
+                core.copy_stream
+                    .join(core.stream())
+                    .map_err(core.err("cuStreamWaitEvent"))?;
+                core.streams.len()
+            }
+        };
+        let s = if on == core.streams.len() {
+            core.copy_stream.clone()
+        } else {
+            core.streams[on].clone()
+        };
+        s.wait(&offer.ready)
+            .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
+        let opened = core
+            .timeline
+            .open_on(
+                &s,
+                on,
+                IntervalKind::Comm,
+                name,
+                Some(Transport::CopyEngine),
+                ctx.inst,
+                ctx.iteration,
+            )
+            .map_err(core.err("cuEventRecord"))?;
+        dst.copy_from(&s, &offer.src)
+            .map_err(core.err("cuMemcpyPeerAsync"))?;
+        core.timeline
+            .close_on(&s, opened)
+            .map_err(core.err("cuEventRecord"))?;
+        let for_sender = s.record_event().map_err(core.err("cuEventRecord"))?;
+        self.hub.put_done(key, for_sender);
+        let done = s.record_event().map_err(core.err("cuEventRecord"))?;
+        Ok(Pulled { done })
+    }
+
+    /// Takes the done events of this rank's sends to `to` (the host waits for the receivers'
+    /// posts); the peer-read stream waits for them.
+    fn collect_dones(
+        &self,
+        core: &mut DeviceCore,
+        name: &'static str,
+        to: &[DeviceId],
+    ) -> Result<Vec<Event>, BackendError> {
+        let deadline = Instant::now() + core.timeout;
+        let mut out = Vec::with_capacity(to.len());
+        for &peer in to {
+            let key = self.key(core.rank, peer);
+            let abort = || core.aborted();
+            let done = self
+                .hub
+                .wait_for(deadline, &abort, |s| s.dones.remove(&key))
+                .map_err(|e| {
+                    e.unwrap_or_else(|| {
+                        core.timeout_error(
+                            peer,
+                            format!(
+                                "{name} #{} instance {}: the receiver's copy",
+                                self.label, self.seq
+                            ),
+                        )
+                    })
+                })?;
+            core.peer_reads
+                .wait(&done)
+                .map_err(core.err("cuStreamWaitEvent (peer read done)"))?;
+            out.push(done);
+        }
+        Ok(out)
+    }
+
+    /// A collective permute over the copy engine; returns the events a `wait` waits for.
+    #[allow(clippy::too_many_arguments)]
+    fn permute(
+        &self,
+        core: &mut DeviceCore,
+        team: &TeamInfo,
+        send_peer: usize,
+        recv_peer: usize,
+        input: &TensorView<CudaBuffer>,
+        output: &TensorView<CudaBuffer>,
+        ctx: InstCtx<'_>,
+    ) -> Result<Vec<Event>, BackendError> {
+        const NAME: &str = "collective_permute";
+        super::nccl::check_permute(input, output)?;
+        let member = |i: usize| {
+            team.members.get(i).copied().ok_or_else(|| {
+                BackendError::Invalid(format!(
+                    "{NAME}: peer {i} is outside the team {:?}",
+                    team.members
+                ))
+            })
+        };
+        let (to, from) = (member(send_peer)?, member(recv_peer)?);
+        let src = core.input_region(input)?;
+        let send_temps = std::mem::take(&mut core.scratch);
+        self.offer(core, to, &src)?;
+        let slot = core.output_slot(output, &[input])?;
+        let pulled = self.pull(core, NAME, from, &slot.buf, ctx)?;
+        let events = vec![pulled.done];
+        let dones = self.collect_dones(core, NAME, &[to])?;
+        if !slot.is_direct() {
+            // The unstaging copy runs on the current stream after the pull, and after the
+            // peer's read of the send view (which may share the receive view's buffer).
+            let s = core.stream().clone();
+            if self.copy_stream == CopyStream::Dedicated {
+                s.join(&core.copy_stream)
+                    .map_err(core.err("cuStreamWaitEvent"))?;
+            }
+            for d in &dones {
+                s.wait(d).map_err(core.err("cuStreamWaitEvent"))?;
+            }
+        }
+        core.finish_output(slot)?;
+        core.retire_after_peer_reads(send_temps)?;
+        core.add_peer_reads(input, dones);
+        Ok(events)
+    }
+
+    /// A broadcast over the copy engine (every non-root pulls the root's data); returns the
+    /// events a `wait` waits for.
+    fn broadcast(
+        &self,
+        core: &mut DeviceCore,
+        team: &TeamInfo,
+        root: usize,
+        input: Option<&TensorView<CudaBuffer>>,
+        output: Option<&TensorView<CudaBuffer>>,
+        ctx: InstCtx<'_>,
+    ) -> Result<Vec<Event>, BackendError> {
+        const NAME: &str = "broadcast";
+        let root_rank = team.members.get(root).copied().ok_or_else(|| {
+            BackendError::Invalid(format!(
+                "{NAME}: root {root} is outside the team {:?}",
+                team.members
+            ))
+        })?;
+        if team.my_index != root {
+            let o = output.ok_or_else(|| {
+                BackendError::Invalid(format!(
+                    "{NAME}: this rank takes part but does not hold the receive buffer"
+                ))
+            })?;
+            let slot = core.output_slot(o, &[])?;
+            let pulled = self.pull(core, NAME, root_rank, &slot.buf, ctx)?;
+            if self.copy_stream == CopyStream::Dedicated && !slot.is_direct() {
+                let e = core
+                    .copy_stream
+                    .record_event()
+                    .map_err(core.err("cuEventRecord"))?;
+                core.stream()
+                    .wait(&e)
+                    .map_err(core.err("cuStreamWaitEvent"))?;
+            }
+            core.finish_output(slot)?;
+            return Ok(vec![pulled.done]);
+        }
+        let i = input.ok_or_else(|| {
+            BackendError::Invalid(format!("{NAME}: the root holds no send buffer"))
+        })?;
+        let src = core.input_region(i)?;
+        let send_temps = std::mem::take(&mut core.scratch);
+        let others: Vec<DeviceId> = team
+            .members
+            .iter()
+            .copied()
+            .filter(|&m| m != core.rank)
+            .collect();
+        for &m in &others {
+            self.offer(core, m, &src)?;
+        }
+        let mut events = Vec::new();
+        if let Some(o) = output {
+            let opened = core.begin_op(NAME, Transport::CopyEngine, ctx)?;
+            let slot = core.output_slot(o, &[i])?;
+            slot.buf
+                .copy_from(core.stream(), &src)
+                .map_err(core.err("broadcast (local copy)"))?;
+            core.finish_output(slot)?;
+            core.close_op(opened)?;
+            events.push(
+                core.stream()
+                    .record_event()
+                    .map_err(core.err("cuEventRecord"))?,
+            );
+        }
+        let dones = self.collect_dones(core, NAME, &others)?;
+        core.retire_after_peer_reads(send_temps)?;
+        core.add_peer_reads(i, dones);
+        Ok(events)
+    }
+
+    /// A sum reduce-scatter over the copy engine: every rank pulls its chunk of every peer's
+    /// send buffer into a temporary, then adds them to its own chunk on the current stream.
+    fn reduce_scatter(
+        &self,
+        core: &mut DeviceCore,
+        team: &TeamInfo,
+        input: &TensorView<CudaBuffer>,
+        output: &TensorView<CudaBuffer>,
+        ctx: InstCtx<'_>,
+    ) -> Result<Vec<Event>, BackendError> {
+        const NAME: &str = "reduce_scatter";
+        let d = team.members.len();
+        if input.numel() != output.numel() * d as u64 || input.dtype != output.dtype {
+            return Err(BackendError::Invalid(format!(
+                "{NAME}: a send buffer of {} {} cannot be scattered into {} chunks of {} {}",
+                input.numel(),
+                input.dtype,
+                d,
+                output.numel(),
+                output.dtype
+            )));
+        }
+        let src = core.input_region(input)?;
+        let send_temps = std::mem::take(&mut core.scratch);
+        let my = team.my_index;
+        // Peers in ring order from this rank (my + 1, my + 2, ...): at every point of the
+        // sequence each rank's memory is read by one peer, instead of every rank pulling from
+        // member 0 first.
+        let others: Vec<DeviceId> = (1..d)
+            .map(|k| (my + k) % d)
+            .filter_map(|i| team.members.get(i).copied())
+            .filter(|&m| m != core.rank)
+            .collect();
+        for &m in &others {
+            self.offer(core, m, &src)?;
+        }
+        let mine = src.chunk(my, d).map_err(core.err("reduce_scatter chunk"))?;
+        let chunk_bytes = mine.len();
+        let slot = core.output_slot(output, &[input])?;
+        let received = core.temp(chunk_bytes * others.len())?;
+        let s = core.stream().clone();
+        let mut offers = Vec::with_capacity(others.len());
+        for &from in &others {
+            let (key, offer) = self.take_offer(core, NAME, from)?;
+            if offer.src.len() != src.len() {
+                return Err(BackendError::Invalid(format!(
+                    "{NAME}: rank {from} sends {} bytes, rank {} sends {}",
+                    offer.src.len(),
+                    core.rank,
+                    src.len()
+                )));
+            }
+            s.wait(&offer.ready)
+                .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
+            offers.push((key, offer));
+        }
+        let opened = core
+            .timeline
+            .open_on(
+                &s,
+                core.current,
+                IntervalKind::Comm,
+                NAME,
+                Some(Transport::CopyEngine),
+                ctx.inst,
+                ctx.iteration,
+            )
+            .map_err(core.err("cuEventRecord"))?;
+        let kd = crate::runtime::cuda::layout::kdtype(input.dtype);
+        for (k, (key, offer)) in offers.into_iter().enumerate() {
+            let part = offer
+                .src
+                .chunk(my, d)
+                .map_err(core.err("reduce_scatter chunk"))?;
+            let dst = received
+                .view(k * chunk_bytes, chunk_bytes)
+                .map_err(core.err("reduce_scatter temporary"))?;
+            dst.copy_from(&s, &part)
+                .map_err(core.err("cuMemcpyPeerAsync"))?;
+            let for_sender = s.record_event().map_err(core.err("cuEventRecord"))?;
+            self.hub.put_done(key, for_sender);
+        }
+        for k in 0..others.len() {
+            let part = received
+                .view(k * chunk_bytes, chunk_bytes)
+                .map_err(core.err("reduce_scatter temporary"))?;
+            let a = if k == 0 { &mine } else { &slot.buf };
+            core.kernels
+                .binary(&s, meshflow_kernels::BinaryOp::Add, kd, a, &part, &slot.buf)
+                .map_err(core.err("reduce_scatter (add)"))?;
+        }
+        core.timeline
+            .close_on(&s, opened)
+            .map_err(core.err("cuEventRecord"))?;
+        let dones = self.collect_dones(core, NAME, &others)?;
+        if !slot.is_direct() {
+            for e in &dones {
+                s.wait(e).map_err(core.err("cuStreamWaitEvent"))?;
+            }
+        }
+        core.finish_output(slot)?;
+        core.retire_after_peer_reads(send_temps)?;
+        core.add_peer_reads(input, dones);
+        let done = s.record_event().map_err(core.err("cuEventRecord"))?;
+        Ok(vec![done])
+    }
+}

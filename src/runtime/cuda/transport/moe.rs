@@ -1,0 +1,399 @@
+//! MoE dispatch and combine requests on GPUs, shared by the two MoE transports
+//! (`moe_nccl.rs`, `moe_nvlink.rs`): an [`MoeTeams`] keeps one engine of `meshflow-kernels`
+//! ([`MoeTransport`]) per team and layer shape, made at the first dispatch and reused by later
+//! steps and runs; the engine source ([`EngineSource`]) says how engines are made and
+//! released.
+//!
+//! The engine owns its outputs; after a dispatch they are copied (on the stream) into the
+//! program's `expert_x`, `expert_counts` and `routing`. The engine is sized at the dispatch,
+//! before the expert width `F` of the combine is known: it is made with `F = H`, and a combine
+//! with `F < H` runs on zero-padded rows (`F > H` is refused with an error saying so). Leading
+//! batch axes (`[B.., T, H]`) are not supported on GPUs yet. Capacity overflows and bad
+//! routing raised on the device are reported when the run finishes.
+
+use meshflow_ir::{DType, DeviceId};
+use meshflow_kernels::moe::{MoeShape, MoeTransport};
+use meshflow_kernels::{DType as KDType, DeviceBuffer, KernelError, StridedLayout};
+use meshflow_passes::Transport;
+
+use super::object::{CommTransport, PostCx, Posted};
+use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::cuda::core::{dev_err, DeviceCore};
+use crate::runtime::cuda::layout::kdtype;
+use crate::runtime::cuda::memory::CudaBuffer;
+
+type TV = TensorView<CudaBuffer>;
+
+/// How the engines of one MoE transport are made and released.
+pub(super) trait EngineSource {
+    /// An engine (with whatever the source keeps beside it).
+    type Engine;
+    /// The transport the engines implement.
+    const TRANSPORT: Transport;
+
+    /// Makes this rank's engine of `team` for `shape`.
+    fn make(
+        &mut self,
+        cx: &mut PostCx<'_>,
+        team: &TeamInfo,
+        shape: &MoeShape,
+    ) -> Result<Self::Engine, BackendError>;
+
+    /// The engine's dispatch/combine object.
+    fn engine(e: &mut Self::Engine) -> &mut dyn MoeTransport;
+
+    /// The first failure of a transfer the engine made without the host.
+    fn route_failure(e: &Self::Engine) -> Option<KernelError> {
+        let _ = e;
+        None
+    }
+
+    /// Why a step with these engines cannot be recorded as a CUDA graph.
+    fn capture_blocker(&self) -> Option<&'static str>;
+
+    /// Releases an engine (healthy: its resources may be reused).
+    fn release(e: Self::Engine, healthy: bool) {
+        let _ = (e, healthy);
+    }
+}
+
+/// One engine: a team, a shape, the engine.
+struct Held<E> {
+    members: Vec<DeviceId>,
+    shape: MoeShape,
+    engine: E,
+}
+
+/// An MoE transport: the engines of one [`EngineSource`], by team and shape.
+pub(super) struct MoeTeams<S: EngineSource> {
+    source: S,
+    engines: Vec<Held<S::Engine>>,
+    /// The engine of the last dispatch (its combine follows).
+    last: Option<usize>,
+}
+
+impl<S: EngineSource> MoeTeams<S> {
+    pub fn new(source: S) -> MoeTeams<S> {
+        MoeTeams {
+            source,
+            engines: Vec::new(),
+            last: None,
+        }
+    }
+
+    fn engine(
+        &mut self,
+        cx: &mut PostCx<'_>,
+        team: &TeamInfo,
+        shape: MoeShape,
+    ) -> Result<usize, BackendError> {
+        if let Some(i) = self
+            .engines
+            .iter()
+            .position(|e| e.members == team.members && e.shape == shape)
+        {
+            return Ok(i);
+        }
+        let engine = self.source.make(cx, team, &shape)?;
+        self.engines.push(Held {
+            members: team.members.clone(),
+            shape,
+            engine,
+        });
+        Ok(self.engines.len() - 1)
+    }
+
+    /// `moe_dispatch(x, topk_idx -> expert_x, expert_counts, routing)`.
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &mut self,
+        cx: &mut PostCx<'_>,
+        team: &TeamInfo,
+        x: &TV,
+        topk_idx: &TV,
+        expert_x: &TV,
+        expert_counts: &TV,
+        routing: &TV,
+    ) -> Result<(), BackendError> {
+        const WHAT: &str = "moe_dispatch";
+        let rank = cx.core.rank;
+        let [t, h] = dims(rank, WHAT, x, "x")?;
+        let [_, k] = dims(rank, WHAT, topk_idx, "topk_idx")?;
+        let [l, c, _] = dims(rank, WHAT, expert_x, "expert_x")?;
+        if topk_idx.dtype != DType::I32
+            || expert_counts.dtype != DType::I32
+            || routing.dtype != DType::I32
+        {
+            return Err(invalid(
+                rank,
+                WHAT,
+                "topk_idx, expert_counts and routing must be i32 on GPUs",
+            ));
+        }
+        let shape = MoeShape {
+            world: team.members.len(),
+            experts: l * team.members.len(),
+            top_k: k,
+            tokens: t,
+            hidden: h,
+            out_hidden: h,
+            capacity: c,
+            dtype: kdtype(x.dtype),
+        };
+        let i = self.engine(cx, team, shape)?;
+        let core = &mut *cx.core;
+        let xb = core.input_region(x)?;
+        let ib = core.input_region(topk_idx)?;
+        let s = core.stream().clone();
+        let e = core.err(WHAT);
+        let engine = S::engine(&mut self.engines[i].engine);
+        engine.dispatch(&s, &xb, &ib).map_err(&e)?;
+        let outs = [
+            engine.expert_x().clone(),
+            engine.expert_counts().clone(),
+            engine.routing().clone(),
+        ];
+        self.last = Some(i);
+        for (src, dst) in outs.iter().zip([expert_x, expert_counts, routing]) {
+            let slot = core.output_slot(dst, &[])?;
+            slot.buf.copy_from(&s, src).map_err(&e)?;
+            core.finish_output(slot)?;
+        }
+        Ok(())
+    }
+
+    /// `moe_combine(expert_y, expert_counts, routing, topk_weights -> out)`.
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &mut self,
+        cx: &mut PostCx<'_>,
+        team: &TeamInfo,
+        expert_y: &TV,
+        expert_counts: &TV,
+        routing: &TV,
+        topk_weights: &TV,
+        out: &TV,
+    ) -> Result<(), BackendError> {
+        const WHAT: &str = "moe_combine";
+        let core = &mut *cx.core;
+        let rank = core.rank;
+        let i = self
+            .last
+            .filter(|&i| {
+                self.engines
+                    .get(i)
+                    .is_some_and(|e| e.members == team.members)
+            })
+            .ok_or_else(|| invalid(rank, WHAT, "no moe_dispatch of this team precedes it"))?;
+        let shape = self.engines[i].shape;
+        let [l, c, f] = dims(rank, WHAT, expert_y, "expert_y")?;
+        let [t, f_out] = dims(rank, WHAT, out, "out")?;
+        if l != shape.local_experts() || c != shape.capacity || t != shape.tokens || f != f_out {
+            return Err(invalid(
+                rank,
+                WHAT,
+                format!(
+                    "expert_y {:?} / out {:?} do not match the dispatch {shape:?}",
+                    expert_y.shape, out.shape
+                ),
+            ));
+        }
+        let h = shape.out_hidden;
+        if f > h {
+            return Err(invalid(
+                rank,
+                WHAT,
+                format!("expert width F={f} is larger than the token width H={h}; the GPU MoE engine is sized at the dispatch and handles F <= H"),
+            ));
+        }
+        let es = kdtype(expert_y.dtype).size_bytes();
+        let s = core.stream().clone();
+        let e = core.err(WHAT);
+        let y = core.input_region(expert_y)?;
+        let counts = core.input_region(expert_counts)?;
+        let routes = core.input_region(routing)?;
+        let w = core.input_region(topk_weights)?;
+        let weights = if topk_weights.dtype == DType::F32 {
+            w
+        } else {
+            let wf = core.temp(topk_weights.numel() as usize * 4)?;
+            core.kernels
+                .cast(&s, &w, kdtype(topk_weights.dtype), &wf, KDType::F32)
+                .map_err(&e)?;
+            wf
+        };
+        let (y_in, out_buf) = if f == h {
+            (y, None)
+        } else {
+            let yp = core.temp(l * c * h * es)?;
+            yp.zero(&s).map_err(&e)?;
+            let src = StridedLayout::contiguous(&[l * c, f]);
+            let dst = StridedLayout {
+                shape: vec![l * c, f],
+                strides: vec![h, 1],
+                offset: 0,
+            };
+            core.kernels
+                .strided_copy(&s, kdtype(expert_y.dtype), &y, &src, &yp, &dst)
+                .map_err(&e)?;
+            (yp, Some(core.temp(t * h * es)?))
+        };
+        let slot = core.output_slot(out, &[expert_y, topk_weights])?;
+        let target: DeviceBuffer = out_buf.clone().unwrap_or_else(|| slot.buf.clone());
+        S::engine(&mut self.engines[i].engine)
+            .combine(&s, &y_in, &counts, &routes, &weights, &target)
+            .map_err(&e)?;
+        if let Some(ob) = out_buf {
+            let src = StridedLayout {
+                shape: vec![t, f],
+                strides: vec![h, 1],
+                offset: 0,
+            };
+            let dst = StridedLayout::contiguous(&[t, f]);
+            core.kernels
+                .strided_copy(&s, kdtype(out.dtype), &ob, &src, &slot.buf, &dst)
+                .map_err(&e)?;
+        }
+        core.finish_output(slot)
+    }
+}
+
+impl<S: EngineSource> CommTransport for MoeTeams<S> {
+    fn kind(&self) -> Transport {
+        S::TRANSPORT
+    }
+
+    fn post(
+        &mut self,
+        cx: &mut PostCx<'_>,
+        request: &CommRequest<'_, CudaBuffer>,
+        ctx: InstCtx<'_>,
+    ) -> Result<Posted, BackendError> {
+        let name = request.name();
+        if cx.core.group.is_some() {
+            return Err(invalid(
+                cx.core.rank,
+                name,
+                "MoE ops cannot be coalesced on GPUs",
+            ));
+        }
+        let opened = cx.core.begin_op(name, S::TRANSPORT, ctx)?;
+        match request {
+            CommRequest::MoeDispatch {
+                team,
+                x,
+                topk_idx,
+                expert_x,
+                expert_counts,
+                routing,
+                ..
+            } => self.dispatch(cx, team, x, topk_idx, expert_x, expert_counts, routing)?,
+            CommRequest::MoeCombine {
+                team,
+                expert_y,
+                expert_counts,
+                routing,
+                topk_weights,
+                out,
+                ..
+            } => self.combine(
+                cx,
+                team,
+                expert_y,
+                expert_counts,
+                routing,
+                topk_weights,
+                out,
+            )?,
+            CommRequest::Collective { .. } | CommRequest::Permute { .. } => {
+                return Err(BackendError::Invalid(format!(
+                    "{name} is not carried by an MoE transport"
+                )))
+            }
+        }
+        Ok(Posted::OnStream(opened))
+    }
+
+    fn capture_blocker(&self) -> Option<&'static str> {
+        self.source.capture_blocker()
+    }
+
+    fn transfer_failure(&self, rank: DeviceId) -> Option<BackendError> {
+        let e = self
+            .engines
+            .iter()
+            .find_map(|h| S::route_failure(&h.engine))?;
+        Some(dev_err(rank, "a transfer through the host proxy", e))
+    }
+
+    /// Reads and clears every engine's device status (the device is idle); an error names the
+    /// problem (capacity overflow, bad expert ids or routing, a peer timeout).
+    fn check_status(&mut self, core: &DeviceCore) -> Result<(), BackendError> {
+        let s = core.streams[0].clone();
+        for held in &mut self.engines {
+            let capacity = held.shape.capacity;
+            let eng = S::engine(&mut held.engine);
+            let st = eng.status(&s).map_err(core.err("MoE status"))?;
+            if st.is_ok() {
+                continue;
+            }
+            eng.clear_status(&s).map_err(core.err("MoE status"))?;
+            let mut why = Vec::new();
+            if st.overflow() {
+                why.push(format!(
+                    "an expert received more rows than the capacity C={capacity} (rows dropped)"
+                ));
+            }
+            if st.bad_expert() {
+                why.push("a topk_idx entry is not an expert id".to_string());
+            }
+            if st.bad_routing() {
+                why.push("combine met counts or routing no dispatch produces".to_string());
+            }
+            if st.timeout() {
+                why.push("a peer's rows never arrived (timeout)".to_string());
+            }
+            return Err(BackendError::Invalid(format!(
+                "rank {}: MoE on team {:?}: {}",
+                core.rank,
+                held.members,
+                why.join("; ")
+            )));
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, healthy: bool) {
+        for held in self.engines.drain(..) {
+            S::release(held.engine, healthy);
+        }
+        self.last = None;
+    }
+}
+
+fn invalid(rank: usize, what: &str, message: impl std::fmt::Display) -> BackendError {
+    BackendError::Invalid(format!("rank {rank}: {what}: {message}"))
+}
+
+fn dims<const N: usize>(
+    rank: usize,
+    what: &str,
+    v: &TV,
+    names: &str,
+) -> Result<[usize; N], BackendError> {
+    if v.shape.len() != N {
+        return Err(invalid(
+            rank,
+            what,
+            format!(
+                "`{names}` must have {N} axes on GPUs (no leading batch axes yet), has shape {:?}",
+                v.shape
+            ),
+        ));
+    }
+    let mut out = [0usize; N];
+    for (o, &s) in out.iter_mut().zip(&v.shape) {
+        *o = usize::try_from(s).map_err(|_| invalid(rank, what, "extent does not fit usize"))?;
+    }
+    Ok(out)
+}

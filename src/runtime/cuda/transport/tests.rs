@@ -1,0 +1,383 @@
+//! Each transport alone, on 2 GPUs: two ranks (one thread each) build a device core and one
+//! transport object, post communications to it directly (no program, no selection) and
+//! check the bytes that arrived. Without 2 GPUs every test prints why it skipped.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshflow_ir::{CommKind, DType, EntityRef, ReduceOp};
+use meshflow_kernels::proxy::{Topology, WireChoice};
+use meshflow_kernels::{Device, Event};
+
+use super::object::{CommTransport, PostCx, Posted};
+use super::{copy_engine, moe_nccl, moe_nvlink, nccl, proxy, PeerHub};
+use crate::runtime::backend::{CommLabel, CommRequest, InstCtx, TeamId, TeamInfo, TensorView};
+use crate::runtime::cuda::config::{CopyStream, CudaConfig};
+use crate::runtime::cuda::core::DeviceCore;
+use crate::runtime::cuda::memory::CudaBuffer;
+use crate::runtime::cuda::teams::Communicators;
+use crate::runtime::data::TensorData;
+use crate::runtime::multinode::{connect_proxies, NodeSpec, DEFAULT_RING};
+use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous};
+
+type TV = TensorView<CudaBuffer>;
+
+const CTX: InstCtx<'static> = InstCtx {
+    inst: 0,
+    iteration: &[],
+};
+
+/// True (after printing why) when this machine has fewer than 2 GPUs.
+fn skip(test: &str) -> bool {
+    match Device::count() {
+        Ok(n) if n >= 2 => false,
+        Ok(n) => {
+            eprintln!("skipped: {test} needs 2 GPUs, this machine has {n}");
+            true
+        }
+        Err(e) => {
+            eprintln!("skipped: {test} needs 2 GPUs: {e}");
+            true
+        }
+    }
+}
+
+/// One rank of the pair: its core, its communicator of the pair, and the pair as a team.
+struct Rank {
+    core: DeviceCore,
+    comms: Communicators,
+    team: TeamInfo,
+}
+
+impl Rank {
+    fn new(r: usize, rdv: &Arc<dyn Rendezvous>) -> Rank {
+        let config = CudaConfig {
+            timeout: Duration::from_secs(60),
+            ..CudaConfig::default()
+        };
+        let device = Device::new(r).expect("GPU");
+        let core =
+            DeviceCore::new(r, device, None, &config, Some(rdv.clone()), None).expect("core");
+        let team = TeamInfo {
+            id: TeamId::new(0),
+            members: vec![0, 1],
+            my_index: r,
+        };
+        let mut comms = Communicators::default();
+        comms
+            .prepare(&core, std::slice::from_ref(&team))
+            .expect("communicator");
+        Rank { core, comms, team }
+    }
+
+    fn tensor(&mut self, data: &TensorData) -> TV {
+        let n = data.shape().iter().product::<u64>() as usize;
+        let buffer = self.core.memory.allocate(data.dtype(), n).expect("alloc");
+        self.core.upload(buffer, data).expect("upload");
+        TensorView {
+            tensor: meshflow_ir::HostTensorId::new(0),
+            buffer,
+            dtype: data.dtype(),
+            offset: 0,
+            strides: crate::runtime::view::contiguous_strides(data.shape()),
+            shape: data.shape().to_vec(),
+        }
+    }
+
+    fn zeros(&mut self, dtype: DType, shape: &[u64]) -> TV {
+        let n = shape.iter().product::<u64>() as usize;
+        self.tensor(&TensorData::from_f32(dtype, shape, &vec![0.0; n]).expect("zeros"))
+    }
+
+    fn post(&mut self, t: &mut dyn CommTransport, request: &CommRequest<'_, CudaBuffer>) {
+        let mut cx = PostCx {
+            core: &mut self.core,
+            comms: &self.comms,
+        };
+        let posted = t.post(&mut cx, request, CTX).expect("post");
+        self.core.retire_scratch().expect("retire");
+        if let Posted::Events(events) = posted {
+            let waits: Vec<Event> = events;
+            for e in &waits {
+                self.core.streams[0].wait(e).expect("wait");
+            }
+        }
+    }
+
+    /// Waits for everything, then reads `v`.
+    fn read(&mut self, v: &TV) -> Vec<f32> {
+        let main = self.core.streams[0].clone();
+        for s in self.core.all_streams().skip(1) {
+            main.join(s).expect("join");
+        }
+        main.synchronize().expect("sync");
+        self.core
+            .download(v)
+            .expect("download")
+            .storage()
+            .to_f32_vec()
+    }
+}
+
+/// Runs `f` on ranks 0 and 1 (one thread each) and returns their results.
+fn pair<T: Send>(name: &str, f: impl Fn(&mut Rank) -> T + Sync) -> [T; 2] {
+    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new(format!("transport-{name}")));
+    let results: Vec<T> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2)
+            .map(|r| {
+                let (rdv, f) = (&rdv, &f);
+                s.spawn(move || f(&mut Rank::new(r, rdv)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("rank")).collect()
+    });
+    let [a, b]: [T; 2] = results.try_into().unwrap_or_else(|_| unreachable!());
+    [a, b]
+}
+
+fn values(rank: usize, n: usize) -> Vec<f32> {
+    (0..n).map(|i| (rank * 1000 + i) as f32).collect()
+}
+
+fn permute<'a>(team: &'a TeamInfo, input: &'a TV, output: &'a TV) -> CommRequest<'a, CudaBuffer> {
+    let other = 1 - team.my_index;
+    CommRequest::Permute {
+        label: CommLabel::new(0),
+        team,
+        send_peer: other,
+        recv_peer: other,
+        input,
+        output,
+    }
+}
+
+/// Each rank sends its values to the other through `t`; returns what each received.
+fn exchange(
+    name: &str,
+    make: impl Fn(&mut Rank) -> Box<dyn CommTransport> + Sync,
+) -> [Vec<f32>; 2] {
+    pair(name, |r| {
+        let mut t = make(r);
+        let mine = TensorData::from_f32(DType::F32, &[64], &values(r.team.my_index, 64)).unwrap();
+        let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[64]));
+        let team = r.team.clone();
+        r.post(t.as_mut(), &permute(&team, &i, &o));
+        r.read(&o)
+    })
+}
+
+#[test]
+fn nccl_transport_alone_moves_a_permute_and_an_all_reduce() {
+    if skip("nccl_transport_alone_moves_a_permute_and_an_all_reduce") {
+        return;
+    }
+    let got = exchange("nccl-permute", |_| Box::new(nccl::NcclTransport));
+    assert_eq!(got, [values(1, 64), values(0, 64)]);
+    let sums = pair("nccl-all-reduce", |r| {
+        let mine = TensorData::from_f32(DType::F32, &[16], &values(r.team.my_index, 16)).unwrap();
+        let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[16]));
+        let team = r.team.clone();
+        let req = CommRequest::Collective {
+            label: CommLabel::new(1),
+            kind: CommKind::AllReduce,
+            team: &team,
+            input: Some(&i),
+            output: Some(&o),
+            root: None,
+            op: ReduceOp::Sum,
+        };
+        r.post(&mut nccl::NcclTransport, &req);
+        r.read(&o)
+    });
+    let want: Vec<f32> = (0..16).map(|i| (2 * i + 1000) as f32).collect();
+    assert_eq!(sums, [want.clone(), want]);
+}
+
+/// The hub of the pair, or `None` (after printing why) without peer access.
+fn hub_with_peers(test: &str) -> Option<Arc<PeerHub>> {
+    let hub = PeerHub::new();
+    let devices: Vec<Device> = (0..2).map(|i| Device::new(i).expect("GPU")).collect();
+    for (r, d) in devices.iter().enumerate() {
+        hub.register(r, d);
+    }
+    let (ok, _) = hub
+        .peer_access(&[0, 1], Duration::from_secs(5), &|| None)
+        .expect("peer access");
+    if !ok {
+        eprintln!("skipped: {test} needs peer access between GPUs 0 and 1");
+        return None;
+    }
+    Some(hub)
+}
+
+fn peers() -> Vec<Device> {
+    (0..2).map(|i| Device::new(i).expect("GPU")).collect()
+}
+
+#[test]
+fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
+    let test = "copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters";
+    if skip(test) {
+        return;
+    }
+    let Some(hub) = hub_with_peers(test) else {
+        return;
+    };
+    for stream in [CopyStream::Current, CopyStream::Dedicated] {
+        let got = pair("ce", |r| {
+            let mut ce = copy_engine::CopyEngine::new(hub.clone(), stream);
+            ce.prepare_team(&r.core, &r.team, Some(&peers()))
+                .expect("peer access");
+            let me = r.team.my_index;
+            let team = r.team.clone();
+            let mine = TensorData::from_f32(DType::F32, &[32], &values(me, 32)).unwrap();
+            let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[32]));
+            r.post(&mut ce, &permute(&team, &i, &o));
+            let b = r.zeros(DType::F32, &[32]);
+            let bc = CommRequest::Collective {
+                label: CommLabel::new(1),
+                kind: CommKind::Broadcast,
+                team: &team,
+                input: Some(&i),
+                output: Some(&b),
+                root: Some(1),
+                op: ReduceOp::Sum,
+            };
+            r.post(&mut ce, &bc);
+            let rs_out = r.zeros(DType::F32, &[16]);
+            let rs = CommRequest::Collective {
+                label: CommLabel::new(2),
+                kind: CommKind::ReduceScatter,
+                team: &team,
+                input: Some(&i),
+                output: Some(&rs_out),
+                root: None,
+                op: ReduceOp::Sum,
+            };
+            r.post(&mut ce, &rs);
+            (r.read(&o), r.read(&b), r.read(&rs_out))
+        });
+        for (me, (permuted, broadcast, reduced)) in got.into_iter().enumerate() {
+            assert_eq!(permuted, values(1 - me, 32), "{stream:?}");
+            assert_eq!(broadcast, values(1, 32), "{stream:?}");
+            let want: Vec<f32> = (0..16).map(|i| (2 * (16 * me + i) + 1000) as f32).collect();
+            assert_eq!(reduced, want, "{stream:?}");
+        }
+    }
+}
+
+#[test]
+fn host_proxy_transport_alone_moves_a_permute_between_nodes() {
+    if skip("host_proxy_transport_alone_moves_a_permute_between_nodes") {
+        return;
+    }
+    let topology = Topology::contiguous(2, 1).expect("two nodes");
+    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("transport-proxy-setup"));
+    let spec = NodeSpec {
+        node: 0,
+        topology: topology.clone(),
+        host: "127.0.0.1".into(),
+        ring: DEFAULT_RING,
+        setup_timeout: Duration::from_secs(30),
+        wire: WireChoice::Tcp,
+    };
+    let proxies = connect_proxies(&spec, &[0, 1], &rdv).expect("proxies");
+    let proxies: BTreeMap<usize, _> = proxies
+        .proxies
+        .into_iter()
+        .map(|(r, p)| (r, Arc::new(p)))
+        .collect();
+    let got = exchange("proxy", |r| {
+        let access = proxy::ProxyAccess {
+            proxy: proxies[&r.team.my_index].clone(),
+            topology: topology.clone(),
+        };
+        Box::new(proxy::HostProxy::new(access))
+    });
+    assert_eq!(got, [values(1, 64), values(0, 64)]);
+}
+
+/// A dispatch, the identity as the experts, a combine: each rank's output is `x[t] · Σ_k w`.
+fn moe_round_trip(name: &str, make: impl Fn(&mut Rank) -> Box<dyn CommTransport> + Sync) {
+    let (t, h, k, l, c) = (4u64, 8u64, 2u64, 2u64, 8u64);
+    let e = 2 * l;
+    let got = pair(name, |r| {
+        let mut moe = make(r);
+        let me = r.team.my_index;
+        let team = r.team.clone();
+        let x = TensorData::from_f32(DType::F32, &[t, h], &values(me, (t * h) as usize)).unwrap();
+        let ids: Vec<i64> = (0..t)
+            .flat_map(|tok| [tok % e, (tok + 1 + me as u64) % e])
+            .map(|v| v as i64)
+            .collect();
+        let idx = TensorData::from_i64(DType::I32, &[t, k], &ids).unwrap();
+        let w: Vec<f32> = (0..t).flat_map(|_| [0.5, 0.25]).collect();
+        let w = TensorData::from_f32(DType::F32, &[t, k], &w).unwrap();
+        let (x, idx, w) = (r.tensor(&x), r.tensor(&idx), r.tensor(&w));
+        let ex = r.zeros(DType::F32, &[l, c, h]);
+        let counts = r.tensor(&TensorData::from_i64(DType::I32, &[l], &[0; 2]).unwrap());
+        let routing = r.tensor(&TensorData::from_i64(DType::I32, &[l, c, 2], &[0; 32]).unwrap());
+        let out = r.zeros(DType::F32, &[t, h]);
+        let d = CommRequest::MoeDispatch {
+            label: CommLabel::new(0),
+            team: &team,
+            x: &x,
+            topk_idx: &idx,
+            expert_x: &ex,
+            expert_counts: &counts,
+            routing: &routing,
+        };
+        r.post(moe.as_mut(), &d);
+        let cb = CommRequest::MoeCombine {
+            label: CommLabel::new(1),
+            team: &team,
+            expert_y: &ex,
+            expert_counts: &counts,
+            routing: &routing,
+            topk_weights: &w,
+            out: &out,
+        };
+        r.post(moe.as_mut(), &cb);
+        let rows: f32 = r.read(&counts).iter().sum();
+        let out = r.read(&out);
+        moe.check_status(&r.core).expect("clean MoE status");
+        moe.release(true);
+        (rows, out)
+    });
+    let rows: f32 = got.iter().map(|g| g.0).sum();
+    assert_eq!(
+        rows,
+        (2 * t * k) as f32,
+        "every (token, k) reached its expert"
+    );
+    for (me, (_, out)) in got.into_iter().enumerate() {
+        let want: Vec<f32> = values(me, (t * h) as usize)
+            .iter()
+            .map(|v| v * 0.75)
+            .collect();
+        assert_eq!(out, want, "rank {me}");
+    }
+}
+
+#[test]
+fn moe_over_nccl_alone_round_trips_tokens() {
+    if skip("moe_over_nccl_alone_round_trips_tokens") {
+        return;
+    }
+    moe_round_trip("moe-nccl", |_| Box::new(moe_nccl::moe_over_nccl(None)));
+}
+
+#[test]
+fn moe_over_nvlink_alone_round_trips_tokens() {
+    let test = "moe_over_nvlink_alone_round_trips_tokens";
+    if skip(test) {
+        return;
+    }
+    let Some(hub) = hub_with_peers(test) else {
+        return;
+    };
+    moe_round_trip("moe-nvlink", |_| {
+        Box::new(moe_nvlink::moe_over_nvlink(hub.clone()))
+    });
+}
