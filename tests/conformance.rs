@@ -285,7 +285,10 @@ fn conformance_cases_lower_check_and_run() {
     for src in SOURCES {
         let tally = tallies.entry(src).or_default();
         for path in cases::files(src) {
-            let label = format!("{src}/{}", path.file_name().unwrap_or_default().to_string_lossy());
+            let label = format!(
+                "{src}/{}",
+                path.file_name().unwrap_or_default().to_string_lossy()
+            );
             let case = match parse_case(&path) {
                 Ok(c) => c,
                 Err(e) => {
@@ -293,7 +296,11 @@ fn conformance_cases_lower_check_and_run() {
                     continue;
                 }
             };
-            let expected_prefix = if src == "dtensor" { "pytorch " } else { "nvfuser " };
+            let expected_prefix = if src == "dtensor" {
+                "pytorch "
+            } else {
+                "nvfuser "
+            };
             if !case.source.starts_with(expected_prefix) {
                 failures.push(format!(
                     "{label}: a case under {src}/ must cite a `{expected_prefix}` source"

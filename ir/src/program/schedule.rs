@@ -137,6 +137,14 @@ pub enum ScheduleError {
         /// The transform, printed.
         transform: String,
     },
+    /// A merge whose extent does not fit in 64 bits.
+    #[error("transform #{index} `{transform}`: the merged extent does not fit in 64 bits")]
+    ExtentOverflow {
+        /// Position of the transform in the schedule.
+        index: usize,
+        /// The transform, printed.
+        transform: String,
+    },
     /// `reorder` whose argument is not a permutation of the loop axes.
     #[error("transform #{index} `{transform}`: not a permutation of 0..{rank}")]
     BadReorder {
@@ -297,8 +305,14 @@ impl LoopDomain {
                     }
                     let (o, i) = (loop_axes[axis], loop_axes[axis + 1]);
                     let merged = ids.len();
+                    let extent = ids[o].extent.checked_mul(ids[i].extent).ok_or_else(|| {
+                        ScheduleError::ExtentOverflow {
+                            index,
+                            transform: t.to_string(),
+                        }
+                    })?;
                     ids.push(IterDomain {
-                        extent: ids[o].extent * ids[i].extent,
+                        extent,
                         reduction: ids[o].reduction && ids[i].reduction,
                         pt: ParallelType::Serial,
                         def: IdDef::Merge { outer: o, inner: i },
@@ -419,6 +433,12 @@ pub enum LayoutError {
     /// A ragged axis merged with another.
     #[error("logical axis {axis} is split unevenly and merged with another axis; uneven pieces cannot be merged")]
     RaggedMerge {
+        /// The logical axis.
+        axis: usize,
+    },
+    /// The pieces of an unevenly split axis cover more elements than fit in 64 bits.
+    #[error("logical axis {axis} is split into pieces whose extents multiply past 2^64")]
+    ExtentOverflow {
         /// The logical axis.
         axis: usize,
     },
@@ -618,7 +638,10 @@ impl Layout {
                 let id = domain.loop_axes[l.position];
                 order.iter().position(|&o| o == id).unwrap_or(usize::MAX)
             });
-            let covered: u64 = leaves.iter().map(|l| l.extent).product();
+            let covered = leaves
+                .iter()
+                .try_fold(1u64, |acc, l| acc.checked_mul(l.extent))
+                .ok_or(LayoutError::ExtentOverflow { axis })?;
             let ragged = subtree_ragged(domain, axis);
             if ragged {
                 if covered != virtual_extent(domain, axis) {

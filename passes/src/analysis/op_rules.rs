@@ -152,9 +152,8 @@ pub fn forward_spec(
         })
     };
     let mut spec = Spec::default();
-    let fits = |cand: &Spec| {
-        cand.fits(&od.ty, mesh) && (cand.divides(&od.ty) || keeps_uneven(&op.kind))
-    };
+    let fits =
+        |cand: &Spec| cand.fits(&od.ty, mesh) && (cand.divides(&od.ty) || keeps_uneven(&op.kind));
     // A chain of splits of one axis moves as one.
     let mut chains: BTreeMap<usize, Vec<(ParallelType, AxisSplit)>> = BTreeMap::new();
     for (&pt, s) in &xs.spec.device {
@@ -178,8 +177,7 @@ pub fn forward_spec(
             let mut cand = spec.clone();
             cand.stream = Some(StreamSpec { axis: k, ..st });
             // The chunks must cut the same thing: the local shard on both or on neither.
-            if xs.spec.device_chain(st.axis) == cand.device_chain(k) && fits(&cand)
-            {
+            if xs.spec.device_chain(st.axis) == cand.device_chain(k) && fits(&cand) {
                 spec = cand;
             }
         }

@@ -518,7 +518,13 @@ fn materialize(
     let mut spec = Spec::default();
     // Value axis `v` of the value type is logical axis `ps.value_axes[v]` of the full type.
     let partial = !pl.partial.is_empty();
-    let logical = |v: usize| if partial { ps.value_axes.get(v).copied().unwrap_or(v) } else { v };
+    let logical = |v: usize| {
+        if partial {
+            ps.value_axes.get(v).copied().unwrap_or(v)
+        } else {
+            v
+        }
+    };
     for (v, chain) in pl.chains.iter().enumerate() {
         for (depth, &pt) in chain.iter().enumerate() {
             let parts = mesh.size_of(pt).unwrap_or(1) as u64;

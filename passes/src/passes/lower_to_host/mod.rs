@@ -35,9 +35,9 @@ mod compute;
 mod gather_ring;
 mod loop_nest;
 mod naming;
+mod reduce_ring;
 mod uneven;
 mod uneven_comm;
-mod reduce_ring;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 

@@ -249,12 +249,10 @@ impl Lowering<'_> {
             | Decision::StreamBroadcast { .. }
             | Decision::ReduceRing { .. }
             | Decision::StreamReduce { .. }
-            | Decision::Unsupported(_) => {
-                Err(PassError::internal(
-                    "lower_to_host",
-                    format!("row {decision:?} in emit_uneven"),
-                ))
-            }
+            | Decision::Unsupported(_) => Err(PassError::internal(
+                "lower_to_host",
+                format!("row {decision:?} in emit_uneven"),
+            )),
         }
     }
 
