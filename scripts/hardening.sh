@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism.
+# Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism,
+# the mutation corpus, bad inputs and the race checker's run time.
 #
 #   scripts/hardening.sh                 # CPU (sim) rows; fuzzing 60 s per target
 #   FUZZ_SECONDS=300 scripts/hardening.sh
@@ -11,6 +12,9 @@
 #   cargo test --release --test runtime_fault_matrix      fault rows (sim)
 #   cargo test --release --test runtime_resources         memory rows (sim)
 #   cargo test --release --test runtime_determinism       determinism rows (sim)
+#   cargo test --release --test check_mutations           mutations rejected / total
+#   cargo test --release --test bad_inputs                bad inputs tried, panics
+#   cargo test --release --test runtime_race -- --ignored race_check_timings   race-check time
 #   cargo test --release --features cuda --test gpu_faults --test gpu_determinism   GPU rows
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -43,7 +47,16 @@ run_tests() { # cargo test args...; collects HARDENING rows
   grep -o 'HARDENING|.*' "$log" >>"$rows"
   rm -f "$log"
 }
-run_tests --test runtime_fault_matrix --test runtime_resources --test runtime_determinism
+run_tests --test runtime_fault_matrix --test runtime_resources --test runtime_determinism \
+  --test check_mutations --test bad_inputs
+timing_log="$(mktemp)"
+if ! cargo test --release --test runtime_race -- --ignored --nocapture race_check_timings \
+  >"$timing_log" 2>&1; then
+  echo "FAILED: race_check_timings" >&2
+  status=1
+fi
+grep -o 'HARDENING|.*' "$timing_log" >>"$rows"
+rm -f "$timing_log"
 if [ "$gpu" = 1 ]; then
   run_tests --features cuda --test gpu_faults --test gpu_determinism
 fi
@@ -73,4 +86,20 @@ echo "## Determinism"
 echo
 table determinism "| backend | example | same seed | stream pool | lowering | other seed |" \
   "|---|---|---|---|---|---|"
+plain() { # name header separator: rows without a GPU placeholder
+  echo "$2"
+  echo "$3"
+  grep "^HARDENING|$1|" "$rows" | cut -d'|' -f3- |
+    awk -F'|' '{ printf "|"; for (i = 1; i <= NF; i++) printf " %s |", $i; print "" }'
+  echo
+}
+echo "## Static check: mutation corpus"
+echo
+plain mutations "| rejected with the expected message | mutations |" "|---|---|"
+echo "## Bad inputs"
+echo
+plain bad_inputs "| inputs | panics | outcomes |" "|---|---|---|"
+echo "## Race checking: stream all-reduce loop, 2 ranks, CPU backend"
+echo
+plain race_time "| iterations | race checking on | off |" "|---|---|---|"
 exit $status

@@ -88,6 +88,7 @@ pub mod bench;
 pub mod check;
 pub mod embed;
 pub mod launch;
+pub mod ordering;
 pub mod pipeline;
 pub mod runtime;
 

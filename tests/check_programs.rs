@@ -413,3 +413,87 @@ fn checking_a_huge_world_is_linear() {
         assert!(elapsed.as_secs() < 30, "checking took {elapsed:?}");
     }
 }
+
+/// The stream-order check accepts everything the lowering emits: every example at 1 to 8
+/// ranks, with both stream schedules and 1 to 3 worker streams (no false positive), and the
+/// chunked all-reduce example with 40000 chunks, which it folds rather than unrolls.
+#[test]
+fn every_lowered_example_passes_the_stream_order_check() {
+    use meshflow::ir::{parse_program_with, Params};
+    use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/programs");
+    let mut names: Vec<_> = std::fs::read_dir(&dir)
+        .expect("examples/programs")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|e| e == "mf"))
+        .collect();
+    names.sort();
+    let (mut checked, mut not_lowered) = (0, 0);
+    for path in &names {
+        let text = std::fs::read_to_string(path).expect("readable");
+        for ranks in 1..=8i64 {
+            let params: Params = [("ranks".to_string(), ranks)].into();
+            let Ok(program) = parse_program_with(&text, &params) else {
+                not_lowered += 1;
+                continue;
+            };
+            for schedule in [StreamSchedule::PerIteration, StreamSchedule::Prefetch] {
+                for streams in [1, 2, 3] {
+                    let options = CompileOptions {
+                        num_streams: streams,
+                        stream_schedule: schedule,
+                        ..CompileOptions::default()
+                    };
+                    let Ok(out) = compile(&program, &options) else {
+                        not_lowered += 1;
+                        continue;
+                    };
+                    let world = out.host.world_size();
+                    check_program(&out.host, world).unwrap_or_else(|e| {
+                        panic!(
+                            "{} at {ranks} ranks, {schedule:?}, {streams} streams: {e}\n{}",
+                            path.display(),
+                            out.host
+                        )
+                    });
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!("{checked} lowered programs pass; {not_lowered} (program, ranks) do not lower");
+    assert!(checked >= 200, "{checked}");
+    let text = std::fs::read_to_string(dir.join("row_parallel_linear_chunked.mf")).unwrap();
+    let params: Params = [("ranks".to_string(), 2), ("s".to_string(), 40_000)].into();
+    let program = parse_program_with(&text, &params).unwrap();
+    let host = compile(&program, &CompileOptions::default()).unwrap().host;
+    let start = Instant::now();
+    check_program(&host, 2).unwrap_or_else(|e| panic!("{e}"));
+    eprintln!("checked 40000 chunks in {:?}", start.elapsed());
+}
+
+/// Regression: the check summary printed every rank's count (128 numbers on one line).
+#[test]
+fn the_summary_of_a_large_world_is_short() {
+    let mut counts = vec![3usize; 128];
+    counts[5] = 5;
+    let report = CheckReport {
+        world_size: 128,
+        events_per_rank: counts,
+        teams: vec![(0..128).collect()],
+        collectives_per_team: vec![3],
+        point_to_point: 0,
+        groups: 0,
+    };
+    let text = report.to_string();
+    assert!(
+        text.contains("386 communications (3 to 5 per rank)"),
+        "{text}"
+    );
+    assert!(text.len() < 200, "{text}");
+    let even = CheckReport {
+        events_per_rank: vec![3; 128],
+        ..report
+    };
+    assert!(even.to_string().contains("(3 per rank)"), "{even}");
+}

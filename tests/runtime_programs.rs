@@ -316,3 +316,128 @@ fn coalesced_collectives_on_a_two_dimensional_mesh_and_a_pair() {
         "rank 4 does not hold `ga`"
     );
 }
+
+/// A bf16 linear whose result is cast to f32, sharded by rows over `ranks`.
+const MIXED: &str = r#"
+program mixed_precision {
+  param ranks = 2
+  mesh m0 = iota(ranks)
+  input x: bf16[16, 64] on m0 {outer_split(0, ranks), parallelize(0, DIDx)}
+  input w: bf16[32, 64] on m0
+  tensor h: bf16[16, 32, r64] on m0 {outer_split(0, ranks), parallelize(0, DIDx)}
+  tensor y: f32[16, 32] on m0 {outer_split(0, ranks), parallelize(0, DIDx)}
+  h = linear(x, w)
+  y = cast(h)
+  output y
+}
+"#;
+
+fn compiled(text: &str, ranks: i64) -> (meshflow::ir::Program, meshflow::ir::HostProgram) {
+    let params = BTreeMap::from([("ranks".to_string(), ranks)]);
+    let program = meshflow::ir::parse_program_with(text, &params).expect("parses");
+    let out = meshflow::pipeline::compile(&program, &Default::default()).expect("lowers");
+    (out.program, out.host)
+}
+
+/// Issue 17, bug 3: a bf16 linear cast to f32 carries bf16 rounding error. Its comparison
+/// follows the least precise type the value passed through (bf16), not its own type (f32):
+/// the same results with bf16-sized differences (one bf16 step on a third of the elements,
+/// as a GPU's GEMM that accumulates in another order gives) pass, where f32's tolerance
+/// reported a mismatch.
+#[test]
+fn mixed_precision_is_judged_by_its_least_precise_type() {
+    let (l1, host) = compiled(MIXED, 2);
+    let cmp = run_and_compare(&l1, &host, 2, 7, &options()).expect("runs");
+    assert!(cmp.passed(), "{cmp}");
+    assert_eq!(cmp.outputs[0].tolerance, 1e-2, "{cmp}");
+    let inputs = random_inputs(&l1, 7).unwrap();
+    let want = evaluate(&l1, &inputs).unwrap();
+    let y = want["y"].storage().to_f32_vec();
+    let bumped: Vec<f32> = y
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            let b = half::bf16::from_f32(v);
+            if i % 3 == 0 {
+                half::bf16::from_bits(b.to_bits() + 1).to_f32()
+            } else {
+                v
+            }
+        })
+        .collect();
+    let got = BTreeMap::from([(
+        "y".to_string(),
+        meshflow::runtime::TensorData::from_f32(meshflow::ir::DType::F32, &[16, 32], &bumped)
+            .unwrap(),
+    )]);
+    let cmp = compare_outputs(&l1, &got, &want).unwrap();
+    assert!(
+        cmp.outputs[0].error > 1e-4,
+        "{cmp}: the difference must exceed f32's tolerance"
+    );
+    assert!(
+        cmp.passed(),
+        "bf16-sized differences are within tolerance: {cmp}"
+    );
+}
+
+/// A kernel bug in the CPU backend is caught: the reference is independent of the backend's
+/// kernels (it shared them before, and a bug cancelled out). The planted `linear` kernel
+/// drops the last term of every dot product.
+#[test]
+fn a_kernel_bug_planted_in_the_cpu_backend_is_a_mismatch() {
+    let bad_linear = |ins: &[meshflow::runtime::view::View<'_>],
+                      outs: &mut [meshflow::runtime::view::ViewMut<'_>],
+                      _: &[i64]| {
+        let (x, w) = (ins[0].to_f32(), ins[1].to_f32());
+        let (sx, sw) = (ins[0].shape().to_vec(), ins[1].shape().to_vec());
+        let (m, k, n) = (sx[0] as usize, sx[1] as usize, sw[0] as usize);
+        let mut y = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                // Bug: `k - 1` instead of `k`.
+                y[i * n + j] = (0..k - 1).map(|kk| x[i * k + kk] * w[j * k + kk]).sum();
+            }
+        }
+        outs[0].assign_f32(&y).map_err(|e| e.to_string())
+    };
+    for ranks in [1, 2, 4] {
+        let (l1, host) = compiled(MIXED, ranks);
+        let mut opts = options();
+        let good = run_and_compare(&l1, &host, ranks as usize, 3, &opts).unwrap();
+        assert!(good.passed(), "{ranks} ranks: {good}");
+        opts.config.kernels.replace_op("linear", bad_linear);
+        let bad = run_and_compare(&l1, &host, ranks as usize, 3, &opts).unwrap();
+        eprintln!("{ranks} ranks, planted bug: {bad}");
+        assert!(
+            !bad.passed(),
+            "{ranks} ranks: the planted bug passed: {bad}"
+        );
+        assert!(bad.to_string().starts_with("mismatch"), "{bad}");
+    }
+    // An f32 program: a bug as small as a 1e-4 relative scale is caught too.
+    let (l1, host) = compiled(&MIXED.replace("bf16", "f32"), 2);
+    let mut opts = options();
+    opts.config.kernels.replace_op("linear", bad_scale);
+    let bad = run_and_compare(&l1, &host, 2, 3, &opts).unwrap();
+    assert!(!bad.passed(), "{bad}");
+}
+
+/// A `linear` that is right up to a relative scale of 1 + 1e-4.
+fn bad_scale(
+    ins: &[meshflow::runtime::view::View<'_>],
+    outs: &mut [meshflow::runtime::view::ViewMut<'_>],
+    _: &[i64],
+) -> Result<(), String> {
+    let (x, w) = (ins[0].to_f32(), ins[1].to_f32());
+    let (sx, sw) = (ins[0].shape().to_vec(), ins[1].shape().to_vec());
+    let (m, k, n) = (sx[0] as usize, sx[1] as usize, sw[0] as usize);
+    let mut y = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let dot: f32 = (0..k).map(|kk| x[i * k + kk] * w[j * k + kk]).sum();
+            y[i * n + j] = dot * (1.0 + 1e-4);
+        }
+    }
+    outs[0].assign_f32(&y).map_err(|e| e.to_string())
+}

@@ -185,3 +185,136 @@ $WAIT  gelu(x -> a)
     opts.config.race_check = false;
     assert!(run_sim(&racy, SimInputs::PerRank(per_rank), &opts).is_ok());
 }
+
+/// The lowered chunked all-reduce loop (`row_parallel_linear_chunked`) with `n` chunks on two
+/// ranks: a linear into a double-buffered chunk on worker `i % 2`, an all-reduce of it into
+/// chunk `i` of `y`, a wait.
+fn stream_all_reduce(n: i64) -> meshflow::ir::HostProgram {
+    let t = r#"
+host stream_all_reduce {
+  mesh m0 = [0, 1]
+  in x: f32[$ROWS, 8] on m0
+  in w: f32[6, 8] on m0
+  out y: f32[$ROWS, 6] on m0
+  tensor x_chunk: f32[2, 8] on m0
+  tensor p_chunk: f32[2, 6] on m0
+  tensor y_chunk: f32[2, 6] on m0
+  tensor ring: f32[4, 6] on m0
+  allocate y
+  allocate ring
+  s0 = get_current_stream
+  for i0 in 0..$N {
+    set_current_stream worker(i0 % 2)
+    synchronize s0
+    x_chunk = shard_by_stream(x, axis=0, chunks=$N, index=i0)
+    p_chunk = shard_by_stream(ring, axis=0, chunks=2, index=i0 % 2)
+    linear(x_chunk, w -> p_chunk)
+    y_chunk = shard_by_stream(y, axis=0, chunks=$N, index=i0)
+    c0 = all_reduce(p_chunk -> y_chunk, team=slice(m0, DIDx), op=sum)
+    wait c0
+  }
+  set_current_stream s0
+  for i1 in 0..2 {
+    synchronize worker(i1)
+  }
+  deallocate ring
+}
+"#;
+    host(t, &[("ROWS", 2 * n), ("N", n)])
+}
+
+/// Runs `host` on two ranks with one evaluator each and returns rank 0's race-check cost.
+fn race_cost(host: &meshflow::ir::HostProgram) -> meshflow::runtime::sim::RaceCheckCost {
+    use meshflow::ir::{DType, Role};
+    use meshflow::runtime::sim::{Fabric, SimBackend};
+    use meshflow::runtime::{EvalOptions, Evaluator};
+    let fabric = std::sync::Arc::new(Fabric::new());
+    let config = options().config;
+    let inputs: BTreeMap<String, TensorData> = host
+        .tensors
+        .values()
+        .filter(|t| t.role == Role::Input)
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorData::random(DType::F32, &t.shape, 5).unwrap(),
+            )
+        })
+        .collect();
+    let costs: Vec<_> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..2)
+            .map(|rank| {
+                let (fabric, config, inputs) = (fabric.clone(), &config, &inputs);
+                s.spawn(move || {
+                    let backend = SimBackend::new(rank, fabric, config);
+                    let mut ev = Evaluator::new(host, backend, EvalOptions::default()).unwrap();
+                    ev.run(inputs).unwrap();
+                    ev.backend().race_check_cost()
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    costs[0]
+}
+
+/// The race checker's work grows linearly with the iterations: 20x more iterations of a
+/// stream all-reduce loop check 20x more accesses for at most ~20x the work (a checker
+/// that scans every earlier access of a buffer does ~10x more work per access at 2000
+/// iterations than at 100). Work is counted, not timed.
+#[test]
+fn race_checking_costs_linear_work_in_the_iterations() {
+    let small = race_cost(&stream_all_reduce(100));
+    let large = race_cost(&stream_all_reduce(2000));
+    eprintln!("100 iterations: {small:?}; 2000 iterations: {large:?}");
+    assert!(small.accesses >= 500, "{small:?}");
+    assert_eq!(
+        large.accesses * 100,
+        small.accesses * 2000,
+        "{large:?} vs {small:?}"
+    );
+    let per_access = |c: meshflow::runtime::sim::RaceCheckCost| c.work as f64 / c.accesses as f64;
+    assert!(per_access(large) <= 8.0, "{large:?}");
+    assert!(
+        large.work <= 21 * small.work,
+        "20x the iterations cost {}x the work",
+        large.work as f64 / small.work as f64
+    );
+}
+
+/// The figures of docs/hardening.md: CPU-backend run time of the stream all-reduce loop on
+/// two ranks, with and without race checking. Prints rows; asserts nothing about time (run
+/// it optimized: `cargo test --release --test runtime_race -- --ignored --nocapture`).
+#[test]
+#[ignore = "timing figures for docs/hardening.md, run by scripts/hardening.sh"]
+fn race_check_timings() {
+    use meshflow::ir::{DType, Role};
+    for n in [1_000, 10_000, 20_000, 40_000] {
+        let host = stream_all_reduce(n);
+        let x = TensorData::random(DType::F32, &[2 * n as u64, 8], 1).unwrap();
+        let w = TensorData::random(DType::F32, &[6, 8], 2).unwrap();
+        let per_rank: BTreeMap<usize, BTreeMap<String, TensorData>> = (0..2)
+            .map(|r| {
+                let inputs = host
+                    .tensors
+                    .values()
+                    .filter(|t| t.role == Role::Input)
+                    .map(|t| {
+                        let data = if t.name == "x" { x.clone() } else { w.clone() };
+                        (t.name.clone(), data)
+                    })
+                    .collect();
+                (r, inputs)
+            })
+            .collect();
+        let mut cells = vec![n.to_string()];
+        for race_check in [true, false] {
+            let mut opts = options();
+            opts.config.race_check = race_check;
+            let started = std::time::Instant::now();
+            run_sim(&host, SimInputs::PerRank(per_rank.clone()), &opts).unwrap();
+            cells.push(format!("{:.0} ms", started.elapsed().as_secs_f64() * 1e3));
+        }
+        eprintln!("HARDENING|race_time|{}", cells.join("|"));
+    }
+}

@@ -167,9 +167,62 @@ fn expressions_nested_too_deeply() {
     let (line, _, message) = program_error(&text);
     assert_eq!(line, 2);
     assert!(message.contains("nested too deeply"), "{message}");
-    let long = format!("mesh m = [{}]", vec!["1"; 500].join(" + "));
+    let long = format!("mesh m = [{}]", vec!["1"; 1100].join(" + "));
     let (_, _, message) = program_error(&program_text(&[&long]));
+    assert!(message.contains("expression is too long"), "{message}");
+}
+
+/// Regression: the nesting limit counted the terms of a flat sum (its left-deep tree), so a
+/// 65-term sum was "nested too deeply". Nesting counts parentheses and negations; a flat sum
+/// may have hundreds of terms.
+#[test]
+fn flat_sums_are_not_nesting() {
+    for terms in [65, 500] {
+        let sum = vec!["1"; terms].join(" + ");
+        let text = program_text(&["param d = 4", &format!("param n = {sum} - d")]);
+        parse_program(&text).unwrap_or_else(|e| panic!("{terms} terms: {e}"));
+        let host = host_text(&[&format!("for i0 in 0..{sum} {{"), "}"]);
+        parse_host(&host).unwrap_or_else(|e| panic!("{terms} terms: {e}"));
+    }
+    let deep = format!("param n = {}1{}", "(".repeat(65), ")".repeat(65));
+    let (_, _, message) = program_error(&program_text(&[&deep]));
     assert!(message.contains("nested too deeply"), "{message}");
+}
+
+/// Regression: a 10 MB identifier was echoed whole in the error message.
+#[test]
+fn long_tokens_are_not_echoed_whole() {
+    let name = "x".repeat(10 << 20);
+    let text = program_text(&[&format!("input {name}: f32[4] on m0")]);
+    let e = parse_program(&text).expect_err("too long");
+    let shown = e.to_string();
+    assert!(
+        shown.len() < 300,
+        "{} bytes: {}",
+        shown.len(),
+        &shown[..300]
+    );
+    assert!(shown.contains("10485760 characters"), "{shown}");
+    assert!(shown.contains("at most 256"), "{shown}");
+    let host = format!(
+        "host {name} {{
+}}
+"
+    );
+    let shown = parse_host(&host).expect_err("too long").to_string();
+    assert!(shown.len() < 300, "{}", shown.len());
+    let kernel = host_text(&[&format!(
+        "launch_kernel(x -> y, kernel=\"{}\", args=[])",
+        "k".repeat(1 << 20)
+    )]);
+    let shown = parse_host(&kernel).expect_err("too long").to_string();
+    assert!(shown.len() < 300, "{}", shown.len());
+    // A parameter override named on the command line is shortened too.
+    let params: Params = [(name.clone(), 1)].into();
+    let shown = parse_program_with(&program_text(&[]), &params)
+        .expect_err("undeclared")
+        .to_string();
+    assert!(shown.len() < 300, "{}", shown.len());
 }
 
 #[test]

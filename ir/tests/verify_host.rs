@@ -609,3 +609,26 @@ fn narrow_view_shape_and_bounds() {
     let program = meshflow_ir::parse_host(&ok).expect("parses");
     assert!(meshflow_ir::verify_host(&program).is_ok(), "{ok}");
 }
+
+/// Regression: top-k routing to more experts than the team holds was caught only when the
+/// program ran.
+#[test]
+fn moe_dispatch_top_k_beyond_the_experts() {
+    let text = host_text(&[
+        "mesh m0 = [0, 1]",
+        "in x: f32[6, 16] on m0",
+        "in idx: i32[6, 5] on m0",
+        "out ex: f32[2, 12, 16] on m0",
+        "out counts: i32[2] on m0",
+        "out routing: i32[2, 12, 2] on m0",
+        "c0 = moe_dispatch(x, idx -> ex, counts, routing, team=slice(m0, DIDx))",
+        "wait c0",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "`moe_dispatch`: top-5 routing (`idx` has K = 5) needs at least 5 experts, but the team \
+         of 2 holds 2 each (4 in all)",
+        8,
+        3,
+    );
+}

@@ -366,3 +366,72 @@ fn every_error_is_reported() {
     expect_diag(&diags, "output `a` is listed twice", 4, 3);
     assert!(diags.len() >= 6, "{diags:#?}");
 }
+
+/// Regression: a long name given through the API was echoed whole by every diagnostic that
+/// names the tensor. Names are limited to 256 characters and messages show long tokens cut.
+#[test]
+fn long_names_are_rejected_and_not_echoed_whole() {
+    let text = program_text(&[
+        MESH,
+        X,
+        "tensor y: f32[64, 32] on m0",
+        "y = gelu(x)",
+        "output y",
+    ]);
+    let mut p = parse_program(&text).expect("parses");
+    let long = "y".repeat(1 << 20);
+    for (_, t) in p.tensors.iter_mut() {
+        if t.name == "y" {
+            t.name = long.clone();
+        }
+    }
+    let errors = verify_program(&p).expect_err("the name is too long");
+    let shown = errors.to_string();
+    assert!(
+        shown.contains("1048576 characters, longer than 256"),
+        "{}",
+        &shown[..200]
+    );
+    for line in shown.lines() {
+        assert!(line.len() < 400, "{} bytes: {}", line.len(), &line[..200]);
+    }
+}
+
+/// Regression: MoE argument errors (top-k beyond the experts, weights that do not match the
+/// routing) were caught only when the program ran, not by `parse`, `lower` or `check`.
+#[test]
+fn moe_arguments() {
+    let moe = |k: u64, wk: u64| {
+        program_text(&[
+            "mesh m0 = [0, 1]",
+            "input x: f32[8, 16] on m0",
+            &format!("input idx: i32[8, {k}] on m0"),
+            &format!("input w: f32[8, {wk}] on m0"),
+            "input we: f32[4, 16, 8] on m0",
+            "tensor ex: f32[4, 8, 16] on m0",
+            "tensor counts: i32[4] on m0",
+            "tensor routing: i32[4, 8, 2] on m0",
+            "tensor ey: f32[4, 8, 8, r16] on m0",
+            "tensor y: f32[8, 8] on m0",
+            "ex, counts, routing = moe_dispatch(x, idx)",
+            "ey = grouped_matmul(ex, counts, we)",
+            "y = moe_combine(ey, counts, routing, w)",
+            "output y",
+        ])
+    };
+    let ok = parse_program(&moe(2, 2)).expect("parses");
+    verify_program(&ok).expect("verifies");
+    expect_diag(
+        &program_errors(&moe(5, 5)),
+        "top-5 routing needs at least 5 experts, but expert_x declares E = 4",
+        12,
+        3,
+    );
+    expect_diag(
+        &program_errors(&moe(2, 3)),
+        "`moe_combine`: `w` must have the shape of `idx` ([8, 2]: one weight per token and \
+         routed expert), has [8, 3]",
+        14,
+        3,
+    );
+}

@@ -26,6 +26,21 @@ impl fmt::Display for Site {
     }
 }
 
+/// One side of a [`CheckError::Race`]: the instruction, its iteration and what it does.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RaceAccess {
+    /// The instruction and iteration.
+    pub site: Site,
+    /// What it does: ``writes `ag_chunk` as communication c0``, ``reads `y` on stream main``.
+    pub access: String,
+}
+
+impl fmt::Display for RaceAccess {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}", self.site, self.access)
+    }
+}
+
 /// A rank that cannot progress, in a [`CheckError::Deadlock`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StuckRank {
@@ -289,6 +304,35 @@ pub enum CheckError {
         /// The ranks that finished.
         finished: Vec<DeviceId>,
     },
+    /// Two accesses of one buffer on one rank that no stream order, `synchronize` or `wait`
+    /// orders: a communication or compute on another stream may still touch the elements.
+    #[error(
+        "rank {rank}: race on buffer `{buffer}`: {earlier}, and {later}, with nothing ordering \
+         them: {fix}"
+    )]
+    Race {
+        /// The rank.
+        rank: DeviceId,
+        /// The buffer (the tensor it was allocated for).
+        buffer: String,
+        /// The access made first in program order.
+        earlier: RaceAccess,
+        /// The access that may overlap it.
+        later: RaceAccess,
+        /// What would order them.
+        fix: String,
+    },
+    /// The stream-order analysis would take too many steps.
+    #[error(
+        "checking stream order on {world_size} ranks exceeds {limit} steps: loops too large to \
+         check (a loop folds when its stream choices and chunk indices repeat with a period)"
+    )]
+    OrderTooLarge {
+        /// The world size checked.
+        world_size: usize,
+        /// The cap.
+        limit: usize,
+    },
     /// Errors of one category left out of the report.
     #[error(
         "... and {count} more error(s) of kind `{category}` (the same mistake on other ranks or \
@@ -339,6 +383,8 @@ impl CheckError {
             CheckError::UnmatchedSend { .. } => "unmatched send",
             CheckError::UnmatchedRecv { .. } => "unmatched receive",
             CheckError::Deadlock { .. } => "deadlock",
+            CheckError::Race { .. } => "race",
+            CheckError::OrderTooLarge { .. } => "stream order too large",
             CheckError::More { .. } => "more",
         }
     }
@@ -359,9 +405,11 @@ impl CheckError {
             CheckError::SizeMismatch { send_site, .. } => send_site,
             CheckError::SequenceMismatch { site_b, .. } => site_b,
             CheckError::MissingCollective { site_a, .. } => site_a,
+            CheckError::Race { later, .. } => &later.site,
             CheckError::WorldTooSmall { .. }
             | CheckError::TooManyInstances { .. }
             | CheckError::Deadlock { .. }
+            | CheckError::OrderTooLarge { .. }
             | CheckError::More { .. } => return None,
         };
         Some(&site.inst.text)

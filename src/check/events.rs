@@ -61,6 +61,49 @@ impl Buffer {
     }
 }
 
+/// Which elements of which buffer a communication operand is: a tensor, or a chunk of a
+/// chunk of it (`shard_by_stream` and `narrow` views, as evaluated on the rank).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Slice {
+    /// The tensor the views are cut from.
+    pub base: HostTensorId,
+    /// The cuts, outermost first.
+    pub cuts: Vec<Cut>,
+}
+
+/// One cut of a [`Slice`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Cut {
+    /// Chunk `index` of `chunks` equal chunks along `axis` (`shard_by_stream`).
+    Chunk {
+        /// The axis.
+        axis: usize,
+        /// How many chunks.
+        chunks: u64,
+        /// Which chunk.
+        index: i64,
+    },
+    /// Elements `[start, start + length)` along `axis` (`narrow`).
+    Narrow {
+        /// The axis.
+        axis: usize,
+        /// The first element.
+        start: i64,
+        /// How many elements.
+        length: i64,
+    },
+}
+
+impl Slice {
+    /// The whole of `tensor`.
+    pub fn whole(tensor: HostTensorId) -> Slice {
+        Slice {
+            base: tensor,
+            cuts: Vec::new(),
+        }
+    }
+}
+
 /// The values of the enclosing loop variables, outermost first.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Iteration(pub Vec<(LoopVar, i64)>);
@@ -119,6 +162,10 @@ pub struct CommEvent {
     pub send: Option<Buffer>,
     /// The buffer received into, when this rank holds it.
     pub recv: Option<Buffer>,
+    /// What `send` is a view of, when known.
+    pub send_slice: Option<Slice>,
+    /// What `recv` is a view of, when known.
+    pub recv_slice: Option<Slice>,
     /// The element count that must agree across the team (the NCCL count: one member's
     /// chunk, or the message size), when it could be derived from the rank's buffers.
     pub count: Option<u64>,
@@ -144,6 +191,8 @@ pub struct Instances {
     /// The interned teams (device ids in team order).
     pub teams: Vec<Vec<DeviceId>>,
     team_ids: HashMap<Vec<DeviceId>, TeamId>,
+    /// The program's tensor names, by tensor index.
+    pub tensor_names: Vec<String>,
 }
 
 impl Instances {
@@ -171,6 +220,33 @@ impl Instances {
     /// The members of a team.
     pub fn team(&self, team: TeamId) -> &[DeviceId] {
         self.teams.get(team.0).map_or(&[], Vec::as_slice)
+    }
+
+    /// How a slice is printed: `` `y` `` or `` `y` chunk 1/2 on axis 0 ``.
+    pub fn slice_text(&self, slice: &Slice) -> String {
+        use meshflow_ir::EntityRef;
+        let name = self
+            .tensor_names
+            .get(slice.base.index())
+            .map_or("?", String::as_str);
+        let mut out = format!("`{name}`");
+        for cut in &slice.cuts {
+            match cut {
+                Cut::Chunk {
+                    axis,
+                    chunks,
+                    index,
+                } => out.push_str(&format!(" chunk {index}/{chunks} on axis {axis}")),
+                Cut::Narrow {
+                    axis,
+                    start,
+                    length,
+                } => out.push_str(&format!(
+                    " elements [{start}, {start} + {length}) on axis {axis}"
+                )),
+            }
+        }
+        out
     }
 
     /// The instruction of an event.

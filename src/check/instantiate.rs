@@ -11,7 +11,7 @@ use meshflow_ir::{
 };
 
 use super::error::{CheckError, CheckErrors, Site};
-use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration};
+use super::events::{Buffer, CommEvent, Cut, EventKind, InstInfo, Instances, Iteration, Slice};
 use super::teams::TeamTable;
 
 /// The most loop iterations plus communications instantiated over all ranks.
@@ -137,6 +137,8 @@ struct Walker<'h, 'o> {
     /// The actual shape of every view on this rank, as of the last view instruction: the
     /// pieces of uneven shards have per-rank extents.
     shapes: HashMap<HostTensorId, Vec<u64>>,
+    /// The slice each view tensor stands for now (tensors not listed are whole).
+    views: HashMap<HostTensorId, Option<Slice>>,
 }
 
 impl Walker<'_, '_> {
@@ -239,6 +241,14 @@ impl Walker<'_, '_> {
         Ok(())
     }
 
+    /// The slice `tensor` stands for now (`None`: unknown).
+    fn slice(&self, tensor: HostTensorId) -> Option<Slice> {
+        match self.views.get(&tensor) {
+            Some(s) => s.clone(),
+            None => Some(Slice::whole(tensor)),
+        }
+    }
+
     fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
         let t = self.host.tensors.get(tensor)?;
         let member = self.in_mesh.get(&t.mesh)?.get(self.rank).copied();
@@ -284,8 +294,28 @@ impl Walker<'_, '_> {
             return;
         };
         let rank = self.rank;
+        // What the view stands for (main slice matching of collectives); `None`: unknown.
+        let mut slice = if self.holds(out).is_some() {
+            self.slice(input)
+        } else {
+            None
+        };
         match &inst.kind {
-            InstKind::ShardByStream { chunks, .. } => {
+            InstKind::ShardByStream { chunks, index, .. } => {
+                let env = RankEnv {
+                    meshes: &self.host.meshes,
+                    rank: self.rank,
+                    loops: &self.loops,
+                };
+                let i = index.eval(&env).ok();
+                slice = slice.zip(i).map(|(mut s, index)| {
+                    s.cuts.push(Cut::Chunk {
+                        axis,
+                        chunks: *chunks,
+                        index,
+                    });
+                    s
+                });
                 if *chunks == 0 || !extent.is_multiple_of(*chunks) {
                     let site = self.site(ord);
                     let detail = format!(
@@ -321,10 +351,18 @@ impl Walker<'_, '_> {
                     return;
                 }
                 shape[axis] = l as u64;
+                if let Some(sl) = slice.as_mut() {
+                    sl.cuts.push(Cut::Narrow {
+                        axis,
+                        start: s,
+                        length: l,
+                    });
+                }
             }
             _ => return,
         }
         self.shapes.insert(out, shape);
+        self.views.insert(out, slice);
     }
 
     fn require(
@@ -500,6 +538,8 @@ impl Walker<'_, '_> {
             recv_peer: None,
             send: None,
             recv: None,
+            send_slice: None,
+            recv_slice: None,
             count: None,
             dtype: None,
             iteration: Iteration(self.loops.clone()),
@@ -669,6 +709,8 @@ impl Walker<'_, '_> {
             }
             _ => return,
         }
+        event.send_slice = event.send.and_then(|b| self.slice(b.tensor));
+        event.recv_slice = event.recv.and_then(|b| self.slice(b.tensor));
         if let Some(events) = self.out.events.get_mut(rank) {
             events.push(event);
         }
@@ -700,6 +742,7 @@ pub(crate) fn instantiate_all(
     let mut insts = Vec::new();
     let nodes = build_nodes(host, &host.body, &mut insts);
     let mut out = Instances::new(world_size, insts);
+    out.tensor_names = host.tensors.values().map(|t| t.name.clone()).collect();
     let mut errors = Vec::new();
     let mut reported = HashSet::new();
     let mut budget = MAX_INSTANCES;
@@ -731,6 +774,7 @@ pub(crate) fn instantiate_all(
             group: None,
             next_group: 0,
             shapes: HashMap::new(),
+            views: HashMap::new(),
         };
         if walker.walk(&nodes).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {

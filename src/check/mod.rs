@@ -29,12 +29,15 @@
 //!    in inconsistent orders are reported with the instruction, iteration and peers every
 //!    stuck rank waits for.
 //!
+//! 5. **Stream order.** On every rank, every access to a buffer is ordered (by stream
+//!    order, `synchronize` or `wait`) after the earlier accesses it conflicts with: a
+//!    dropped or misplaced `wait`, or a receive buffer reused before its transfer completes,
+//!    is a race naming both instructions and the buffer. Happens-before is symbolic in loop
+//!    indices: long periodic loops are folded, not unrolled (see `streams`).
+//!
 //! Independent errors are all collected; the report lists the first per category and
 //! instruction (the same mistake on other ranks or iterations is counted, not repeated), at
 //! most [`MAX_ERRORS_PER_CATEGORY`](error::MAX_ERRORS_PER_CATEGORY) per category.
-//!
-//! A missing `wait` is a data race on one rank, not a cross-rank mismatch: the runtime
-//! detects it, this check does not.
 
 #[doc(hidden)]
 pub mod corpus;
@@ -44,15 +47,19 @@ pub mod events;
 mod instantiate;
 mod p2p;
 mod sequence;
+mod streams;
 mod teams;
 
 use std::fmt;
 
 use meshflow_ir::{DeviceId, HostProgram};
 
-pub use error::{CheckError, CheckErrors, Site, StuckRank};
-pub use events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, TeamId};
+pub use error::{CheckError, CheckErrors, RaceAccess, Site, StuckRank};
+pub use events::{
+    Buffer, CommEvent, Cut, EventKind, InstInfo, Instances, Iteration, Slice, TeamId,
+};
 pub use instantiate::MAX_INSTANCES;
+pub use streams::MAX_STEPS;
 
 /// What a successful check covered.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -72,14 +79,27 @@ pub struct CheckReport {
 }
 
 impl fmt::Display for CheckReport {
+    /// One line; the per-rank communication counts are listed up to 8 ranks, summarized
+    /// beyond (`2 to 5 per rank`), so a large world does not print thousands of numbers.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let total: usize = self.events_per_rank.iter().sum();
+        let counts = &self.events_per_rank;
+        let total: usize = counts.iter().sum();
+        let (lo, hi) = (
+            counts.iter().min().copied().unwrap_or(0),
+            counts.iter().max().copied().unwrap_or(0),
+        );
+        let per_rank = if lo == hi {
+            format!("{lo} per rank")
+        } else if counts.len() <= 8 {
+            format!("per rank {counts:?}")
+        } else {
+            format!("{lo} to {hi} per rank")
+        };
         write!(
             f,
-            "{} ranks, {total} communications (per rank {:?}), {} teams, {} point-to-point \
-             messages, {} coalesced groups: no mismatch, no deadlock",
+            "{} ranks, {total} communications ({per_rank}), {} teams, {} point-to-point \
+             messages, {} coalesced groups: no mismatch, no deadlock, no race",
             self.world_size,
-            self.events_per_rank,
             self.teams.len(),
             self.point_to_point,
             self.groups
@@ -110,6 +130,7 @@ pub fn check_program(host: &HostProgram, world_size: usize) -> Result<CheckRepor
     if errors.is_empty() {
         errors.extend(deadlock::simulate(&instances, &aligned, &matches));
     }
+    errors.extend(streams::check(host, world_size));
     if !errors.is_empty() {
         return Err(CheckErrors::capped(errors));
     }

@@ -54,7 +54,7 @@ fn site(inst: &Instances, e: &CommEvent) -> Site {
 }
 
 /// What differs between two members' collectives at the same position, if anything.
-fn difference(a: &CommEvent, b: &CommEvent) -> Option<String> {
+fn difference(inst: &Instances, a: &CommEvent, b: &CommEvent) -> Option<String> {
     if a.kind != b.kind {
         return Some(format!("kind {} vs {}", a.kind, b.kind));
     }
@@ -75,6 +75,40 @@ fn difference(a: &CommEvent, b: &CommEvent) -> Option<String> {
         if x != y {
             return Some(format!("size {x} vs {y} elements"));
         }
+    }
+    operands(inst, a, b)
+}
+
+/// Whether two members operate on different data: for a collective, every member sends
+/// from and receives into the same tensor and slice (two equal-size collectives issued in
+/// swapped order would otherwise combine one tensor with another); for a collective
+/// permute, `send_recv` or MoE op, the same tensors (each member's slice is its own). The
+/// CPU backend checks the same at run time (`Operands` of its fabric).
+fn operands(inst: &Instances, a: &CommEvent, b: &CommEvent) -> Option<String> {
+    let by_slice =
+        matches!(a.kind, EventKind::Collective(k) if k != meshflow_ir::CommKind::SendRecv);
+    let sides = [
+        ("send", a.send, b.send, &a.send_slice, &b.send_slice),
+        ("receive", a.recv, b.recv, &a.recv_slice, &b.recv_slice),
+    ];
+    for (role, x, y, sx, sy) in sides {
+        let (Some(x), Some(y)) = (x, y) else {
+            continue;
+        };
+        let differ =
+            x.tensor != y.tensor || (by_slice && matches!((sx, sy), (Some(p), Some(q)) if p != q));
+        if !differ {
+            continue;
+        }
+        let show = |s: &Option<super::events::Slice>, t: meshflow_ir::HostTensorId| match s {
+            Some(s) if by_slice => inst.slice_text(s),
+            _ => inst.slice_text(&super::events::Slice::whole(t)),
+        };
+        return Some(format!(
+            "{role} buffer {} vs {}: the members would combine different data",
+            show(sx, x.tensor),
+            show(sy, y.tensor)
+        ));
     }
     None
 }
@@ -115,7 +149,7 @@ pub(crate) fn check(inst: &Instances, aligned: &Aligned) -> Vec<CheckError> {
                     break 'positions;
                 };
                 let ev_b = &inst.events[rank_b][i];
-                if let Some(difference) = difference(ev_a, ev_b) {
+                if let Some(difference) = difference(inst, ev_a, ev_b) {
                     errors.push(CheckError::SequenceMismatch {
                         team: members.clone(),
                         index: k,

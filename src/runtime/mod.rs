@@ -3,8 +3,8 @@
 //! gather and compare.
 //!
 //! - [`data`], [`view`]: host tensors and strided views.
-//! - [`cpu_ops`]: numeric kernels (sim backend and reference).
-//! - [`mod@reference`]: the level-1 interpreter on full tensors.
+//! - [`cpu_ops`]: numeric kernels of the sim backend.
+//! - [`mod@reference`]: the level-1 interpreter on full tensors, with its own naive kernels.
 //! - [`shard`]: scatter/gather by a level-1 tensor's layout.
 //! - [`backend`]: the [`Backend`] trait (shaped for CUDA streams, events and NCCL).
 //! - [`evaluator`]: [`Evaluator`], one rank's interpreter of a host program.

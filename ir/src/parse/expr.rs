@@ -18,7 +18,13 @@ pub(crate) struct PExpr {
     pub kind: PKind,
     /// Where the expression starts (for a binary operation: where its operator is).
     pub pos: Pos,
+    /// Nodes in the tree (bounded by [`MAX_TERMS`]).
+    pub size: usize,
 }
+
+/// The most operators and operands one expression may have. Trees are walked recursively
+/// (printing, evaluation, dropping), so their size is bounded as well as their nesting.
+pub(crate) const MAX_TERMS: usize = 1024;
 
 #[derive(Clone, Debug)]
 pub(crate) enum PKind {
@@ -78,26 +84,21 @@ fn bin_op(cur: &Cursor, ops: &[(&str, BinOp)]) -> Option<BinOp> {
     ops.iter().find(|(s, _)| cur.is_punct(s)).map(|&(_, op)| op)
 }
 
-fn height(e: &PExpr) -> usize {
-    // Trees are built bottom-up and checked at every node, so this stays shallow.
-    match &e.kind {
-        PKind::Bin(_, a, b) => 1 + height(a).max(height(b)),
-        PKind::Neg(a) => 1 + height(a),
-        _ => 1,
-    }
-}
-
 fn make_bin(op: BinOp, a: PExpr, b: PExpr, pos: Pos) -> Result<PExpr, ParseError> {
-    // Keep trees shallow enough that recursive printing, evaluation and dropping are safe.
-    if height(&a).max(height(&b)) >= MAX_DEPTH {
+    // Nesting (parentheses, negations) is capped where it is parsed; the size cap keeps a
+    // long flat sum's left-deep tree small enough for recursive printing, evaluation and
+    // dropping.
+    let size = a.size + b.size + 1;
+    if size > MAX_TERMS {
         return Err(error_at(
             pos,
-            format!("expression is nested too deeply (more than {MAX_DEPTH} levels)"),
+            format!("expression is too long (more than {MAX_TERMS} operators and operands)"),
         ));
     }
     Ok(PExpr {
         kind: PKind::Bin(op, Box::new(a), Box::new(b)),
         pos,
+        size,
     })
 }
 
@@ -138,6 +139,7 @@ fn parse_primary(cur: &mut Cursor, depth: usize) -> Result<PExpr, ParseError> {
             Ok(PExpr {
                 kind: PKind::Lit(i128::from(v)),
                 pos,
+                size: 1,
             })
         }
         Tok::Punct("-") => {
@@ -147,13 +149,12 @@ fn parse_primary(cur: &mut Cursor, depth: usize) -> Result<PExpr, ParseError> {
                 return Ok(PExpr {
                     kind: PKind::Lit(-i128::from(v)),
                     pos,
+                    size: 1,
                 });
             }
             let inner = parse_primary(cur, depth + 1)?;
-            if height(&inner) >= MAX_DEPTH {
-                return Err(error_at(pos, "expression is nested too deeply"));
-            }
             Ok(PExpr {
+                size: inner.size + 1,
                 kind: PKind::Neg(Box::new(inner)),
                 pos,
             })
@@ -188,6 +189,7 @@ fn parse_primary(cur: &mut Cursor, depth: usize) -> Result<PExpr, ParseError> {
             Ok(PExpr {
                 kind: PKind::My { mesh, mesh_pos, pt },
                 pos,
+                size: 1,
             })
         }
         Tok::Ident(name) => {
@@ -195,6 +197,7 @@ fn parse_primary(cur: &mut Cursor, depth: usize) -> Result<PExpr, ParseError> {
             Ok(PExpr {
                 kind: PKind::Name(name),
                 pos,
+                size: 1,
             })
         }
         _ => Err(cur.unexpected("an integer expression")),

@@ -11,6 +11,11 @@
 
 use std::fmt;
 
+use crate::text::{clip, MAX_NAME_LEN};
+
+/// The longest string literal (a kernel name), in bytes.
+pub(crate) const MAX_STRING_LEN: usize = 4096;
+
 /// A position in the text: 1-based line and column (in characters).
 #[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Pos {
@@ -41,7 +46,7 @@ impl fmt::Display for Tok {
     /// How a token is named in "expected X, found Y" messages.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Tok::Ident(s) => write!(f, "`{s}`"),
+            Tok::Ident(s) => write!(f, "`{}`", clip(s)),
             Tok::Int(v) => write!(f, "`{v}`"),
             Tok::Float(v) => write!(f, "`{v}`"),
             Tok::Str(_) => f.write_str("a string literal"),
@@ -116,6 +121,13 @@ impl Lexer<'_> {
         {
             s.push(c);
             self.bump();
+        }
+        if s.len() > MAX_NAME_LEN {
+            return Tok::Error(format!(
+                "identifier `{}` is {} characters long; names have at most {MAX_NAME_LEN}",
+                clip(&s),
+                s.len()
+            ));
         }
         Tok::Ident(s)
     }
@@ -199,6 +211,12 @@ impl Lexer<'_> {
                 Some('"') => return Ok(Tok::Str(s)),
                 Some('\\') => s.push(self.escape(here)?),
                 Some(c) => s.push(c),
+            }
+            if s.len() > MAX_STRING_LEN {
+                return Err((
+                    start,
+                    format!("string literal is longer than {MAX_STRING_LEN} characters"),
+                ));
             }
         }
     }

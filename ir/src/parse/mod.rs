@@ -38,7 +38,8 @@ pub struct ParseError {
 
 impl fmt::Display for ParseError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}: {}", self.line, self.col, self.message)
+        let message = crate::text::clip_tokens(&self.message);
+        write!(f, "{}:{}: {message}", self.line, self.col)
     }
 }
 

@@ -63,7 +63,8 @@ pub(crate) fn parse(text: &str, overrides: &Params) -> Result<Program, ParseErro
         return Err(error_at(
             header,
             format!(
-                "parameter `{unknown}` is not declared in program `{}` ({list})",
+                "parameter `{}` is not declared in program `{}` ({list})",
+                crate::text::clip(unknown),
                 p.program.name
             ),
         ));

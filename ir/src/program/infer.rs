@@ -230,6 +230,17 @@ pub fn infer_output_types(
             if e == 0 || c == 0 {
                 return Err(err(kind, "expert count and capacity must be at least 1"));
             }
+            let k = idx[idx.len() - 1];
+            if k > e {
+                return Err(err(
+                    kind,
+                    format!(
+                        "top-{k} routing needs at least {k} experts, but expert_x declares E = \
+                         {e} (topk_idx is {}, expert_x {decl})",
+                        shape_str(idx)
+                    ),
+                ));
+            }
             let mut ex = iters(batch);
             ex.extend([Axis::iter(e), Axis::iter(c), Axis::iter(h)]);
             let mut counts = iters(batch);

@@ -438,6 +438,16 @@ impl HostChecker<'_> {
         false
     }
 
+    /// The number of devices in `team`, when its mesh is known.
+    fn team_size(&self, team: &crate::host::Team) -> Option<usize> {
+        use crate::host::Team;
+        match team {
+            Team::Devices(d) => Some(d.len()),
+            Team::Mesh(m) => self.p.meshes.get(*m).map(|d| d.mesh.size()),
+            Team::Slice { mesh, pt } => self.p.meshes.get(*mesh)?.mesh.size_of(*pt),
+        }
+    }
+
     fn moe(&mut self, kind: &InstKind, here: &Location) {
         const FLOATS: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
         const INTS: [DType; 2] = [DType::I32, DType::I64];
@@ -503,6 +513,24 @@ impl HostChecker<'_> {
                 self.want_shape(&counts, &want, inst, "[B.., L]", here);
                 want.extend([c, 2]);
                 self.want_shape(&routing, &want, inst, "[B.., L, C, 2]", here);
+                let team = match kind {
+                    InstKind::MoeDispatch { team, .. } => self.team_size(team),
+                    _ => None,
+                };
+                let k = idx.shape.last().copied().unwrap_or(0);
+                if let Some(w) = team {
+                    let experts = l.saturating_mul(w as u64);
+                    if k > experts {
+                        self.push(
+                            here,
+                            format!(
+                                "`{inst}`: top-{k} routing (`{}` has K = {k}) needs at least {k} \
+                                 experts, but the team of {w} holds {l} each ({experts} in all)",
+                                idx.name
+                            ),
+                        );
+                    }
+                }
             }
             InstKind::MoeCombine {
                 expert_y,

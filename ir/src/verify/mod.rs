@@ -90,7 +90,8 @@ pub struct Diagnostic {
 
 impl fmt::Display for Diagnostic {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.location, self.message)
+        let text = format!("{}: {}", self.location, self.message);
+        f.write_str(&crate::text::clip_tokens(&text))
     }
 }
 

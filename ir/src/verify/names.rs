@@ -3,11 +3,17 @@
 use std::collections::HashMap;
 
 use super::{Diagnostic, Location};
-use crate::text::{is_valid_name, KEYWORDS};
+use crate::text::{clip, is_valid_name, KEYWORDS, MAX_NAME_LEN};
 
 /// Why `name` cannot name a `kind`, if it cannot.
 pub(super) fn name_problem(name: &str, kind: &str) -> Option<String> {
-    if KEYWORDS.contains(&name) {
+    let len = name.chars().count();
+    if len > MAX_NAME_LEN {
+        Some(format!(
+            "`{}` is not a valid {kind} name: {len} characters, longer than {MAX_NAME_LEN}",
+            clip(name)
+        ))
+    } else if KEYWORDS.contains(&name) {
         Some(format!("`{name}` is a keyword and cannot name a {kind}"))
     } else if !is_valid_name(name) {
         Some(format!(

@@ -307,6 +307,7 @@ impl Checker<'_> {
                 self.same_mesh(op, &here);
                 if arity_ok {
                     self.types(op, &here, &text);
+                    self.moe_pair(op, &here, &defined_by);
                 }
             }
         }
@@ -370,6 +371,39 @@ impl Checker<'_> {
                     }
                 }
             }
+        }
+    }
+
+    /// A `moe_combine` whose routing comes from a `moe_dispatch` weighs each token's rows
+    /// with one weight per routed expert: `topk_weights` has `topk_idx`'s shape.
+    fn moe_pair(&mut self, op: &Op, here: &Location, defined_by: &HashMap<TensorId, usize>) {
+        if op.kind != crate::program::OpKind::MoeCombine {
+            return;
+        }
+        let (Some(&routing), Some(&weights)) = (op.inputs.get(2), op.inputs.get(3)) else {
+            return;
+        };
+        let Some(dispatch) = defined_by.get(&routing).and_then(|&i| self.p.ops.get(i)) else {
+            return;
+        };
+        if dispatch.kind != crate::program::OpKind::MoeDispatch {
+            return;
+        }
+        let Some(&idx) = dispatch.inputs.get(1) else {
+            return;
+        };
+        let shape = |t: TensorId| self.p.tensors.get(t).map(|d| d.ty.value_shape());
+        let (Some(want), Some(got)) = (shape(idx), shape(weights)) else {
+            return;
+        };
+        if want != got {
+            let message = format!(
+                "`moe_combine`: `{}` must have the shape of `{}` ({want:?}: one weight per token \
+                 and routed expert), has {got:?}",
+                self.tensor_name(weights),
+                self.tensor_name(idx)
+            );
+            self.push(here.clone(), message);
         }
     }
 

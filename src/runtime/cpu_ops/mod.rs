@@ -1,4 +1,5 @@
-//! Numeric CPU kernels on strided views, shared by the sim backend and the level-1 reference.
+//! Numeric CPU kernels on strided views: the sim backend's kernels (the level-1 reference
+//! has its own, independent ones in `runtime::reference`).
 //!
 //! Floating-point kernels read their inputs as `f32`, accumulate in `f32` in a fixed order and
 //! round once to the output's element type; integer kernels use `i64`. Every kernel checks

@@ -8,7 +8,7 @@
 
 use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 
-use super::fabric::{MailKey, Payload};
+use super::fabric::{MailKey, Operands, Payload};
 use super::{SimBackend, SimBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
 use crate::runtime::cpu_ops::{self, MoeRows};
@@ -62,6 +62,7 @@ pub(super) struct Exchange {
     members: Vec<DeviceId>,
     tag: (u64, u64),
     finish: Finish,
+    operands: Operands,
 }
 
 /// The buffers a request reads and writes.
@@ -75,15 +76,8 @@ pub(super) fn accesses<'r>(req: &'r CommRequest<'_, SimBuffer>) -> (Vec<&'r TV>,
             root,
             ..
         } => {
-            // What this member's part reads and writes: a rooted kind's sending side does not
-            // write its receive buffer, and its receiving side does not read its send buffer.
-            let is_root = *root == Some(team.my_index);
-            let (reads, writes) = match kind {
-                CommKind::SendRecv => (is_root, !is_root),
-                CommKind::Gather | CommKind::Reduce => (true, is_root),
-                CommKind::Scatter | CommKind::Broadcast => (is_root, true),
-                _ => (true, true),
-            };
+            let (reads, writes) =
+                crate::ordering::collective_accesses(*kind, *root == Some(team.my_index));
             (
                 input.iter().copied().filter(|_| reads).collect(),
                 output.iter().copied().filter(|_| writes).collect(),
@@ -181,10 +175,17 @@ pub(super) fn start(
     let team = req.team();
     let (d, my) = (team.members.len(), team.my_index);
     let me = be.device;
+    let ops = operands(req);
     let send = |be: &SimBackend, k: usize, p: Payload| -> Result<(), BackendError> {
         let key = (me, team.members[k], tag.0, tag.1);
-        be.fabric
-            .send_bounded(key, p, be.max_in_flight, be.timeout, name)
+        be.fabric.send_checked(
+            key,
+            p,
+            Some(ops.clone()),
+            be.max_in_flight,
+            be.timeout,
+            name,
+        )
     };
     let others = (0..d).filter(|&k| k != my);
     let finish = match req {
@@ -492,7 +493,45 @@ pub(super) fn start(
         members: team.members.clone(),
         tag,
         finish,
+        operands: ops,
     })
+}
+
+/// What a request operates on, as peers compare it: for a collective, the send and
+/// receive tensors and the chunk of them (view offsets); for the other kinds the tensors
+/// only (each member's chunk of a permute is its own).
+fn operands(req: &CommRequest<'_, SimBuffer>) -> Operands {
+    let at = |v: &TV, slice: bool| (v.tensor, if slice { v.offset } else { 0 });
+    match req {
+        CommRequest::Collective {
+            kind,
+            input,
+            output,
+            ..
+        } => {
+            let slice = *kind != CommKind::SendRecv;
+            Operands {
+                name: req.name(),
+                input: input.map(|v| at(v, slice)),
+                output: output.map(|v| at(v, slice)),
+            }
+        }
+        CommRequest::Permute { input, output, .. } => Operands {
+            name: req.name(),
+            input: Some(at(input, false)),
+            output: Some(at(output, false)),
+        },
+        CommRequest::MoeDispatch { x, expert_x, .. } => Operands {
+            name: req.name(),
+            input: Some(at(x, false)),
+            output: Some(at(expert_x, false)),
+        },
+        CommRequest::MoeCombine { expert_y, out, .. } => Operands {
+            name: req.name(),
+            input: Some(at(expert_y, false)),
+            output: Some(at(out, false)),
+        },
+    }
 }
 
 /// Sends `msgs[k]` to member `k` (keeping its own), returning the sources in team order.
@@ -529,7 +568,8 @@ fn receive(be: &SimBackend, ex: &Exchange, src: Src) -> Result<Payload, BackendE
         Src::Remote(k) => {
             let key: MailKey = (ex.members[k], be.device, ex.tag.0, ex.tag.1);
             let what = format!("{} on team {:?}", ex.name, ex.members);
-            be.fabric.recv(key, be.timeout, &what)
+            be.fabric
+                .recv_checked(key, be.timeout, &what, Some(&ex.operands))
         }
     }
 }

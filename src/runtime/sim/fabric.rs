@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use meshflow_ir::DeviceId;
+use meshflow_ir::{DeviceId, EntityRef, HostTensorId};
 
 use crate::runtime::backend::BackendError;
 use crate::runtime::cpu_ops::MoeRows;
@@ -72,10 +72,56 @@ pub trait RemoteLink: Send + Sync + fmt::Debug {
     fn failure(&self) -> Option<Failure>;
 }
 
+/// What the sender of a message operates on, so that the receiver can tell when the two
+/// ranks are in different operations that happen to share a team position (two equal-size
+/// collectives issued in swapped order). Only messages between ranks of one process carry
+/// it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Operands {
+    /// The operation (`all_reduce`, ...).
+    pub name: &'static str,
+    /// The send buffer: tensor, and element offset of the view (when the rank holds it).
+    pub input: Option<(HostTensorId, u64)>,
+    /// The receive buffer, likewise.
+    pub output: Option<(HostTensorId, u64)>,
+}
+
+impl Operands {
+    /// Why the sender's operands differ from the receiver's, comparing what both hold.
+    pub fn mismatch(&self, mine: &Operands) -> Option<String> {
+        if self.name != mine.name {
+            return Some(format!("{} vs {}", self.name, mine.name));
+        }
+        let show = |(t, o): (HostTensorId, u64)| format!("tensor #{} at element {o}", t.index());
+        for (role, theirs, ours) in [
+            ("send", self.input, mine.input),
+            ("receive", self.output, mine.output),
+        ] {
+            if let (Some(a), Some(b)) = (theirs, ours) {
+                if a != b {
+                    return Some(format!(
+                        "its {role} buffer is {}, this rank's is {}",
+                        show(a),
+                        show(b)
+                    ));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// A message in flight.
+#[derive(Debug)]
+struct Mail {
+    payload: Payload,
+    operands: Option<Operands>,
+}
+
 /// The messages in flight, and how many each `(source, destination)` pair has in flight.
 #[derive(Debug, Default)]
 struct Mailbox {
-    messages: HashMap<MailKey, Payload>,
+    messages: HashMap<MailKey, Mail>,
     per_pair: HashMap<(DeviceId, DeviceId), usize>,
 }
 
@@ -84,13 +130,14 @@ impl Mailbox {
         self.messages.contains_key(key)
     }
 
-    fn insert(&mut self, key: MailKey, payload: Payload) {
-        if self.messages.insert(key, payload).is_none() {
+    fn insert(&mut self, key: MailKey, payload: Payload, operands: Option<Operands>) {
+        let mail = Mail { payload, operands };
+        if self.messages.insert(key, mail).is_none() {
             *self.per_pair.entry((key.0, key.1)).or_insert(0) += 1;
         }
     }
 
-    fn remove(&mut self, key: &MailKey) -> Option<Payload> {
+    fn remove(&mut self, key: &MailKey) -> Option<Mail> {
         let p = self.messages.remove(key)?;
         if let Some(n) = self.per_pair.get_mut(&(key.0, key.1)) {
             *n -= 1;
@@ -110,7 +157,7 @@ impl Mailbox {
     }
 
     fn values(&self) -> impl Iterator<Item = &Payload> {
-        self.messages.values()
+        self.messages.values().map(|m| &m.payload)
     }
 
     fn len(&self) -> usize {
@@ -196,6 +243,19 @@ impl Fabric {
         timeout: Duration,
         what: &str,
     ) -> Result<(), BackendError> {
+        self.send_checked(key, payload, None, limit, timeout, what)
+    }
+
+    /// [`Fabric::send_bounded`], with the sender's operands for [`Fabric::recv_checked`].
+    pub fn send_checked(
+        &self,
+        key: MailKey,
+        payload: Payload,
+        operands: Option<Operands>,
+        limit: usize,
+        timeout: Duration,
+        what: &str,
+    ) -> Result<(), BackendError> {
         if let Some(link) = self.remote_for(key.1) {
             return link.send(key, payload).inspect_err(|_| self.check_remote());
         }
@@ -238,7 +298,7 @@ impl Fabric {
                 key.0, key.1, key.3
             )));
         }
-        mail.insert(key, payload);
+        mail.insert(key, payload, operands);
         drop(mail);
         self.arrived.notify_all();
         Ok(())
@@ -251,9 +311,39 @@ impl Fabric {
         timeout: Duration,
         what: &str,
     ) -> Result<Payload, BackendError> {
+        self.recv_checked(key, timeout, what, None)
+    }
+
+    /// [`Fabric::recv`]; when both sides gave their operands and they differ, an error
+    /// naming the difference instead of data from another operation.
+    pub fn recv_checked(
+        &self,
+        key: MailKey,
+        timeout: Duration,
+        what: &str,
+        mine: Option<&Operands>,
+    ) -> Result<Payload, BackendError> {
+        let mail = self.recv_mail(key, timeout, what)?;
+        if let (Some(theirs), Some(mine)) = (&mail.operands, mine) {
+            if let Some(why) = theirs.mismatch(mine) {
+                return Err(BackendError::Invalid(format!(
+                    "rank {} is in a different operation at this position of the team's \
+                     sequence ({why}): the members issue their collectives in different orders",
+                    key.0
+                )));
+            }
+        }
+        Ok(mail.payload)
+    }
+
+    fn recv_mail(&self, key: MailKey, timeout: Duration, what: &str) -> Result<Mail, BackendError> {
         if let Some(link) = self.remote_for(key.0) {
             return link
                 .recv(key, timeout, what)
+                .map(|payload| Mail {
+                    payload,
+                    operands: None,
+                })
                 .inspect_err(|_| self.check_remote());
         }
         let start = Instant::now();

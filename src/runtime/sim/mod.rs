@@ -11,6 +11,7 @@
 
 mod comm;
 pub mod fabric;
+mod kernels;
 mod race;
 
 use std::borrow::Cow;
@@ -21,6 +22,7 @@ use std::time::Duration;
 use meshflow_ir::{ComputeOp, DType, DeviceId, EntityRef};
 
 pub use fabric::{Fabric, Payload, RemoteLink};
+pub use kernels::{SimKernelFn, SimKernels};
 
 use super::backend::{
     AccessSite, Backend, BackendError, CommLabel, CommRequest, InstCtx, KernelId, PlanInfo,
@@ -29,66 +31,7 @@ use super::backend::{
 use super::cpu_ops;
 use super::data::{Storage, TensorData};
 use super::view::{View, ViewMut};
-use race::{Access, Clocks, Region};
-
-/// A kernel an embedder registers for `launch_kernel` on the sim backend: inputs, outputs
-/// (written in place) and scalar arguments.
-pub type SimKernelFn =
-    dyn Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String> + Send + Sync;
-
-/// Named kernels for `launch_kernel`.
-#[derive(Clone, Default)]
-pub struct SimKernels {
-    names: Vec<String>,
-    kernels: Vec<Arc<SimKernelFn>>,
-}
-
-impl fmt::Debug for SimKernels {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimKernels")
-            .field("names", &self.names)
-            .finish()
-    }
-}
-
-impl SimKernels {
-    /// No kernels.
-    pub fn new() -> SimKernels {
-        SimKernels::default()
-    }
-
-    /// Registers (or replaces) the kernel called `name`.
-    pub fn register(
-        &mut self,
-        name: impl Into<String>,
-        kernel: impl Fn(&[View<'_>], &mut [ViewMut<'_>], &[i64]) -> Result<(), String>
-            + Send
-            + Sync
-            + 'static,
-    ) {
-        let name = name.into();
-        match self.names.iter().position(|n| *n == name) {
-            Some(i) => self.kernels[i] = Arc::new(kernel),
-            None => {
-                self.names.push(name);
-                self.kernels.push(Arc::new(kernel));
-            }
-        }
-    }
-}
-
-impl SimKernels {
-    /// The kernel registered as `name`.
-    pub fn get(&self, name: &str) -> Option<&SimKernelFn> {
-        let i = self.names.iter().position(|n| n == name)?;
-        self.kernels.get(i).map(|k| &**k)
-    }
-
-    /// The registered names, in registration order.
-    pub fn names(&self) -> impl Iterator<Item = &str> {
-        self.names.iter().map(String::as_str)
-    }
-}
+use crate::ordering::{Access, Clocks, Scope, Shadow};
 
 /// What an injected fault does.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -196,7 +139,7 @@ pub struct SimBuffer {
 struct SimBuf {
     storage: Storage,
     shape: Vec<u64>,
-    accesses: Vec<Access>,
+    accesses: Shadow<AccessSite>,
     /// Which elements have been written (tracked when allocations are poisoned), so that
     /// reading back an output the program never wrote is an error, not silent garbage.
     written: Option<Vec<bool>>,
@@ -272,6 +215,16 @@ pub struct SimBackend {
     clocks: Option<Clocks>,
     group: Option<Vec<GroupMember>>,
     posted: usize,
+    race_cost: RaceCheckCost,
+}
+
+/// What race checking has cost a rank (see [`SimBackend::race_check_cost`]).
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+pub struct RaceCheckCost {
+    /// Buffer accesses checked.
+    pub accesses: u64,
+    /// Access records and runs visited while checking and recording them.
+    pub work: u64,
 }
 
 impl SimBackend {
@@ -302,6 +255,7 @@ impl SimBackend {
             clocks: None,
             group: None,
             posted: 0,
+            race_cost: RaceCheckCost::default(),
         }
     }
 
@@ -350,7 +304,7 @@ impl SimBackend {
             bytes: storage.size_bytes(),
             storage,
             shape: data.shape().to_vec(),
-            accesses: Vec::new(),
+            accesses: Shadow::new(),
             written: self.poison.then(|| vec![written; n]),
         };
         self.insert(buf)
@@ -487,17 +441,30 @@ impl SimBackend {
             .iter()
             .map(|v| (*v, false))
             .chain(writes.iter().map(|v| (*v, true)));
+        let scope = Scope::default();
         let mut regions = Vec::new();
         for (v, write) in all {
-            let b = self.buf(v.buffer)?;
-            let region = Region::of(&b.shape, v);
-            if let Some(r) = race::conflict(&b.accesses, &b.shape, &region, write, clock) {
-                let mut later = site.clone();
-                later.write = write;
+            let b = self.buf_mut(v.buffer)?;
+            let region = Arc::new(race::region_of(&b.shape, v));
+            let mut s = site.clone();
+            s.write = write;
+            let access = Access {
+                region: &region,
+                write,
+                timeline,
+                epoch,
+                clock,
+                site: s,
+            };
+            let before = b.accesses.work();
+            let conflict = b.accesses.conflict(&b.shape, &access, &scope);
+            self.race_cost.work += b.accesses.work() - before;
+            self.race_cost.accesses += 1;
+            if let Some(r) = conflict {
                 return Err(BackendError::Race(Box::new(RaceReport {
                     tensor: v.tensor,
-                    earlier: r.site.clone(),
-                    later,
+                    earlier: r.site,
+                    later: access.site,
                 })));
             }
             regions.push((v.buffer, region, write));
@@ -506,15 +473,26 @@ impl SimBackend {
             let mut s = site.clone();
             s.write = write;
             let access = Access {
-                region,
+                region: &region,
                 write,
                 timeline,
                 epoch,
+                clock,
                 site: s,
             };
-            race::record(&mut self.buf_mut(buffer)?.accesses, access, clock);
+            let b = self.buf_mut(buffer)?;
+            let before = b.accesses.work();
+            b.accesses.record(&b.shape, &access, &scope);
+            self.race_cost.work += b.accesses.work() - before;
         }
         Ok(())
+    }
+
+    /// What race checking has cost this rank so far, over every run and buffer: accesses
+    /// checked and the work done for them (for tests that bound the checker's cost without
+    /// timing it).
+    pub fn race_check_cost(&self) -> RaceCheckCost {
+        self.race_cost
     }
 
     /// Race-checks a compute op on the current stream.
@@ -528,8 +506,8 @@ impl SimBackend {
         let Some(clocks) = self.clocks.as_mut() else {
             return Ok(());
         };
-        let (timeline, epoch, clock) = clocks.tick(current);
-        let clock = clock.to_vec();
+        let (timeline, epoch) = clocks.tick(current.0);
+        let clock = clocks.clock(current.0).to_vec();
         let site = AccessSite {
             inst: ctx.inst,
             iteration: ctx.iteration.into(),
@@ -591,9 +569,7 @@ impl Backend for SimBackend {
             })
             .collect();
         self.comm_labels = info.comm_labels();
-        self.clocks = self
-            .race_check
-            .then(|| Clocks::new(self.pool, info.comm_labels()));
+        self.clocks = self.race_check.then(|| Clocks::new(info.comm_labels()));
         self.current = StreamIndex::MAIN;
         self.group = None;
         Ok(())
@@ -626,7 +602,7 @@ impl Backend for SimBackend {
         let buf = SimBuf {
             storage,
             shape: shape.to_vec(),
-            accesses: Vec::new(),
+            accesses: Shadow::new(),
             written,
             bytes,
         };
@@ -703,7 +679,7 @@ impl Backend for SimBackend {
         }
         let current = self.current;
         if let Some(c) = self.clocks.as_mut() {
-            c.sync(current, stream);
+            c.sync(current.0, stream.0);
         }
         Ok(())
     }
@@ -747,7 +723,15 @@ impl Backend for SimBackend {
                 Cow::Borrowed(&out.strides),
             )
             .map_err(|e| BackendError::Invalid(e.to_string()))?;
-            cpu_ops::run_compute(op, &ins, &mut o).map_err(BackendError::from)
+            match self.kernels.replacement(op.name()) {
+                Some(k) => k(&ins, std::slice::from_mut(&mut o), &[]).map_err(|message| {
+                    BackendError::Kernel {
+                        name: op.name().to_string(),
+                        message,
+                    }
+                }),
+                None => cpu_ops::run_compute(op, &ins, &mut o).map_err(BackendError::from),
+            }
         })();
         self.put_storages(&[out], storages);
         r
@@ -806,8 +790,8 @@ impl Backend for SimBackend {
         let label = request.label();
         let clock = match self.clocks.as_mut() {
             Some(c) => {
-                let clock = c.post(current, label.index());
-                let timeline = c.comm_timeline(label.index());
+                let clock = c.post(current.0, label.index());
+                let timeline = label.index();
                 let epoch = clock[timeline];
                 let (reads, writes) = comm::accesses(request);
                 let site = AccessSite {
@@ -847,11 +831,11 @@ impl Backend for SimBackend {
         let mut clock: Option<Vec<u32>> = self
             .clocks
             .as_mut()
-            .map(|c| c.post(current, label.index()).to_vec());
+            .map(|c| c.post(current.0, label.index()).to_vec());
         for (exchange, member_clock) in members {
             comm::finish(self, exchange)?;
             if let (Some(c), Some(m)) = (clock.as_mut(), member_clock) {
-                race::join_into(c, &m);
+                crate::ordering::join_into(c, &m);
             }
         }
         Ok(SimComm {
@@ -865,7 +849,7 @@ impl Backend for SimBackend {
         }
         let current = self.current;
         if let (Some(c), Some(clock)) = (self.clocks.as_mut(), comm.clock.as_ref()) {
-            c.join(current, clock);
+            c.join(current.0, clock);
         }
         Ok(())
     }
@@ -882,7 +866,7 @@ impl Backend for SimBackend {
         // Buffers that outlive the run (caller-owned ones) forget their accesses: everything
         // is complete, so nothing recorded so far can race with what comes later.
         if let Some(c) = self.clocks.as_mut() {
-            *c = Clocks::new(self.pool, self.comm_labels);
+            *c = Clocks::new(self.comm_labels);
             for b in self.slots.iter_mut().filter_map(|s| s.buf.as_mut()) {
                 b.accesses.clear();
             }

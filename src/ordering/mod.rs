@@ -1,0 +1,35 @@
+//! Happens-before between the operations of one rank, shared by the CPU backend's dynamic
+//! race checker ([`crate::runtime::sim`]) and the static stream-order check
+//! ([`crate::check`]).
+//!
+//! - [`clock`]: vector clocks over a rank's streams and communication labels ([`Clocks`]).
+//! - [`region`]: the elements of a buffer an access touches ([`Region`], [`Span`]).
+//! - [`shadow`]: per buffer, the accesses later ones must be checked against ([`Shadow`]),
+//!   pruned as happens-before edges supersede them, so checking costs time linear in the
+//!   accesses.
+
+pub mod clock;
+pub mod region;
+pub mod shadow;
+
+pub use clock::{join_into, ordered, Clocks, Timeline};
+pub use region::{Region, Span};
+pub use shadow::{Access, Entry, Scope, Shadow};
+
+use meshflow_ir::CommKind;
+
+/// Which of its buffers one member of a collective touches: `(reads the send buffer,
+/// writes the receive buffer)`. Every member of the symmetric kinds does both; a rooted
+/// kind's root does both (its own chunk or copy), the other members only their side.
+pub fn collective_accesses(kind: CommKind, is_root: bool) -> (bool, bool) {
+    match kind {
+        CommKind::AllGather
+        | CommKind::ReduceScatter
+        | CommKind::AllReduce
+        | CommKind::AllToAll => (true, true),
+        _ if is_root && kind != CommKind::SendRecv => (true, true),
+        CommKind::SendRecv if is_root => (true, false),
+        CommKind::Broadcast | CommKind::Scatter | CommKind::SendRecv => (false, true),
+        CommKind::Gather | CommKind::Reduce => (true, false),
+    }
+}
