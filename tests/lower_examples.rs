@@ -265,8 +265,8 @@ fn every_example_lowers_and_verifies_at_every_rank_count() {
             lowered += 1;
         }
     }
-    // 6 single-mesh examples at 5 rank counts; 4 examples need 2 ranks (4 counts).
-    assert_eq!(lowered, 6 * 5 + 4 * 4);
+    // 7 single-mesh examples at 5 rank counts; 4 examples need 2 ranks (4 counts).
+    assert_eq!(lowered, 7 * 5 + 4 * 4);
 }
 
 #[test]

@@ -68,7 +68,10 @@
 //! logical tensors. An embedder's own op, `custom(inputs.., kernel="NAME", args=[..])`, is
 //! computed by the kernel it registers with the backend and lowers to `launch_kernel` (see
 //! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
-//! **resharding**, lowered to a communication.
+//! **resharding**, lowered to a communication. `moe_dispatch` / `moe_combine` route tokens to
+//! experts and back over an expert-parallel team; the [`moe`] module states their semantics
+//! bit for bit (one travelling row per token and destination member, the summation order of
+//! the combine, FP8 dispatch).
 //!
 //! ## Ops
 //!
@@ -79,7 +82,8 @@
 //! `view(x)` (to the declared output shape), `permute(x, perm=[0, 2, 1, 3])`, `expand(x)` (to the
 //! declared shape, torch `expand`), `squeeze(x, axis=a)`, `unsqueeze(x, axis=a)`,
 //! `slice(x, axis=a, start=s, end=e)`, `select(x, axis=a, index=i)` and `cat(x, y, .., axis=a)`;
-//! MoE `moe_dispatch`, `grouped_matmul`, `moe_combine`; and `custom`. See [`OpKind`].
+//! MoE `moe_dispatch` (`wire=f8e4m3, scale=token|block128` for FP8 transfer), `grouped_matmul`,
+//! `moe_combine`; and `custom`. See [`OpKind`].
 //!
 //! An op runs on the mesh of its outputs. Its inputs may live on other meshes or be sharded
 //! otherwise: the passes insert the resharding `set`s, and compute an op where its inputs already
@@ -195,6 +199,7 @@ pub mod dtype;
 pub mod entity;
 pub mod host;
 pub mod mesh;
+pub mod moe;
 pub mod parse;
 pub mod program;
 pub mod span;
@@ -208,6 +213,7 @@ pub use host::{
     InstKind, LoopVar, ReduceOp, Role, StreamRef, StreamVar, Team,
 };
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
+pub use moe::{Fp8Scales, MoeWire};
 pub use parse::{parse_host, parse_program, parse_program_with, Params, ParseError};
 pub use program::{
     Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, ProgramBuilder, TensorDecl,

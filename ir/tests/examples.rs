@@ -68,6 +68,7 @@ fn examples_with_other_rank_counts() {
             ],
         ),
         ("moe_layer", [d(1), d(2), d(3), d(8)]),
+        ("moe_layer_fp8", [d(1), d(2), d(3), d(8)]),
         (
             "pipeline_two_meshes",
             [

@@ -425,6 +425,29 @@ fn moe_dispatch_shapes() {
 }
 
 #[test]
+fn moe_dispatch_fp8_needs_divisible_widths() {
+    let text = host_text(&[
+        "mesh m0 = [0, 1]",
+        "in x: bf16[6, 48] on m0",
+        "in idx: i32[6, 2] on m0",
+        "out ex: bf16[2, 12, 48] on m0",
+        "out counts: i32[2] on m0",
+        "out routing: i32[2, 12, 2] on m0",
+        "c0 = moe_dispatch(x, idx -> ex, counts, routing, team=slice(m0, DIDx), wire=f8e4m3, scale=block128)",
+        "wait c0",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "`moe_dispatch`: `x`: FP8 dispatch with block128 scales needs a token width divisible \
+         by 128, the tokens have 48 channels",
+        8,
+        3,
+    );
+    let token = text.replace("scale=block128", "scale=token");
+    assert!(meshflow_ir::verify_host(&meshflow_ir::parse_host(&token).unwrap()).is_ok());
+}
+
+#[test]
 fn moe_combine_shapes() {
     let text = host_text(&[
         "mesh m0 = [0, 1]",

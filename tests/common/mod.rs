@@ -2,7 +2,9 @@
 //! lowering tests do not depend on the parser), parameterized like their `param`s.
 #![allow(dead_code)]
 
-use meshflow::ir::{DType, DeviceMesh, ParallelType::*, Program, ProgramBuilder};
+use meshflow::ir::{
+    DType, DeviceMesh, Fp8Scales, MoeWire, ParallelType::*, Program, ProgramBuilder,
+};
 
 /// `column_parallel_linear_{collective,broadcast,ring}`.
 pub fn column_parallel(variant: &str, d: u64) -> Program {
@@ -73,19 +75,37 @@ pub fn mlp_2d_mesh(ranks: u64) -> Program {
 
 /// `moe_layer` with `d` devices.
 pub fn moe_layer(d: u64) -> Program {
-    let (t, e, k, h, f) = (6, 2, 2, 16, 8);
-    let mut b = ProgramBuilder::new("moe_layer");
+    moe_layer_of("moe_layer", d, (6, 16, 8), DType::F32, MoeWire::Native)
+}
+
+/// `moe_layer_fp8` with `d` devices.
+pub fn moe_layer_fp8(d: u64) -> Program {
+    let wire = MoeWire::Fp8E4m3(Fp8Scales::Block128);
+    moe_layer_of("moe_layer_fp8", d, (8, 256, 64), DType::BF16, wire)
+}
+
+/// The MoE layer examples: `(t, h, f)` tokens per device and widths, 2 experts per device,
+/// top-2.
+fn moe_layer_of(
+    name: &str,
+    d: u64,
+    (t, h, f): (u64, u64, u64),
+    dt: DType,
+    wire: MoeWire,
+) -> Program {
+    let (e, k) = (2, 2);
+    let mut b = ProgramBuilder::new(name);
     let m = b
         .mesh("m0", DeviceMesh::iota(vec![d as usize], 0).unwrap())
         .unwrap();
-    let x = b.input("x", DType::F32, &[t * d, h], m).unwrap();
+    let x = b.input("x", dt, &[t * d, h], m).unwrap();
     let idx = b.input("topk_idx", DType::I32, &[t * d, k], m).unwrap();
     let tw = b.input("topk_weights", DType::F32, &[t * d, k], m).unwrap();
-    let we = b.input("w_experts", DType::F32, &[e * d, h, f], m).unwrap();
+    let we = b.input("w_experts", dt, &[e * d, h, f], m).unwrap();
     for t in [x, idx, tw, we] {
         b.schedule(t).outer_split(0, d).parallelize(0, DIDx);
     }
-    let (ex, counts, routing) = b.moe_dispatch(x, idx, e * d, t * d).unwrap();
+    let (ex, counts, routing) = b.moe_dispatch_with(x, idx, e * d, t * d, wire).unwrap();
     for (t, name) in [
         (ex, "expert_x"),
         (counts, "expert_counts"),
@@ -351,6 +371,7 @@ pub fn example(name: &str, ranks: u64) -> Option<Program> {
         "fsdp_tp_weight" if ranks >= 2 => fsdp_tp_weight(ranks),
         "mlp_2d_mesh" if ranks >= 2 => mlp_2d_mesh(ranks),
         "moe_layer" => moe_layer(ranks),
+        "moe_layer_fp8" => moe_layer_fp8(ranks),
         "pipeline_two_meshes" if ranks >= 2 => pipeline_two_meshes(ranks),
         "row_parallel_linear_chunked" => row_parallel(ranks),
         "row_parallel_linear_ring" => row_parallel_ring(ranks),
@@ -360,13 +381,14 @@ pub fn example(name: &str, ranks: u64) -> Option<Program> {
 }
 
 /// The stems of `examples/programs/*.mf`.
-pub const EXAMPLES: [&str; 10] = [
+pub const EXAMPLES: [&str; 11] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
     "fsdp_tp_weight",
     "mlp_2d_mesh",
     "moe_layer",
+    "moe_layer_fp8",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
     "row_parallel_linear_ring",

@@ -15,6 +15,7 @@ pub use expr::{BinOp, EvalError, Expr, ExprEnv, LoopVar};
 use crate::dtype::DType;
 use crate::entity::Arena;
 use crate::mesh::{DeviceId, DeviceMesh, ParallelType};
+use crate::moe::MoeWire;
 use crate::program::{MeshDecl, MeshId};
 use crate::span::SourceLoc;
 
@@ -549,8 +550,9 @@ pub enum InstKind {
         /// The group's label.
         id: CommId,
     },
-    /// MoE dispatch over `team`: every `(t, k)` row of `x` goes to the team member owning
-    /// expert `topk_idx[t, k]`.
+    /// MoE dispatch over `team`: every token of `x` travels once to each team member owning
+    /// one of its experts `topk_idx[t, ..]`, encoded as `wire`, and fans out to those experts'
+    /// rows there (see [`crate::moe`]).
     MoeDispatch {
         /// The label a `wait` names.
         id: CommId,
@@ -566,8 +568,12 @@ pub enum InstKind {
         expert_counts: HostTensorId,
         /// Source of each row `[B.., L, C, 2]` (i32: team-global token, top-k slot).
         routing: HostTensorId,
+        /// How travelling tokens are encoded.
+        wire: MoeWire,
     },
-    /// MoE combine over `team`: expert outputs go back to their tokens, weighted and summed.
+    /// MoE combine over `team`: each member sums the weighted outputs of a token's experts it
+    /// holds into one row, which goes back to the token's member and is added there in member
+    /// order (see [`crate::moe`]).
     MoeCombine {
         /// The label a `wait` names.
         id: CommId,

@@ -3,6 +3,7 @@
 use std::fmt::{self, Write as _};
 
 use crate::host::{Block, Expr, HostProgram, HostTensorId, InstKind, Role, StreamRef, Team};
+use crate::moe::MoeWire;
 use crate::program::MeshId;
 
 struct Printer<'a> {
@@ -168,13 +169,20 @@ impl Printer<'_> {
                     expert_x,
                     expert_counts,
                     routing,
-                } => writeln!(
-                    f,
-                    "{id} = moe_dispatch({} -> {}, team={})",
-                    self.tensors(&[*x, *topk_idx]),
-                    self.tensors(&[*expert_x, *expert_counts, *routing]),
-                    self.team(team)
-                )?,
+                    wire,
+                } => {
+                    write!(
+                        f,
+                        "{id} = moe_dispatch({} -> {}, team={}",
+                        self.tensors(&[*x, *topk_idx]),
+                        self.tensors(&[*expert_x, *expert_counts, *routing]),
+                        self.team(team)
+                    )?;
+                    if *wire != MoeWire::Native {
+                        write!(f, ", {wire}")?;
+                    }
+                    writeln!(f, ")")?
+                }
                 InstKind::MoeCombine {
                     id,
                     team,

@@ -459,6 +459,7 @@ impl HostChecker<'_> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
                 ..
             } => {
                 let inst = "moe_dispatch";
@@ -481,6 +482,9 @@ impl HostChecker<'_> {
                 }
                 let nb = x.shape.len() - 2;
                 let (batch, t, h) = (&x.shape[..nb], x.shape[nb], x.shape[nb + 1]);
+                if let Some(why) = wire.width_error(h) {
+                    self.push(here, format!("`{inst}`: `{}`: {why}", x.name));
+                }
                 if idx.shape.len() != nb + 2 || idx.shape[..nb + 1] != x.shape[..nb + 1] {
                     self.push(
                         here,

@@ -139,11 +139,11 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
     };
     match op.kind {
         OpKind::Set => {}
-        OpKind::MoeDispatch | OpKind::MoeCombine => {
+        OpKind::MoeDispatch { .. } | OpKind::MoeCombine => {
             // The expert-parallel type is the one splitting the expert axis of expert_x /
             // expert_y; token tensors must be split on their token axis by it.
             let (experts, token_inputs, expert_inputs): (TensorId, &[usize], &[usize]) =
-                if op.kind == OpKind::MoeDispatch {
+                if matches!(op.kind, OpKind::MoeDispatch { .. }) {
                     (op.outputs[0], &[0, 1], &[])
                 } else {
                     (op.inputs[0], &[3], &[0, 1, 2])
@@ -194,7 +194,7 @@ fn satisfy_requirements(program: &mut Program, cx: &PassContext) -> Result<(), P
             i += 1;
             continue;
         }
-        let after = if matches!(kind, OpKind::MoeDispatch | OpKind::MoeCombine) {
+        let after = if matches!(kind, OpKind::MoeDispatch { .. } | OpKind::MoeCombine) {
             false
         } else {
             place_op(program, i)?
@@ -783,7 +783,7 @@ pub(crate) fn local_mismatch(program: &Program, index: usize) -> Result<Option<S
     let op = &program.ops[index];
     if !matches!(
         op.kind,
-        OpKind::MoeDispatch | OpKind::MoeCombine | OpKind::Set
+        OpKind::MoeDispatch { .. } | OpKind::MoeCombine | OpKind::Set
     ) {
         if let Some(&out) = op.outputs.first() {
             let os = Sharding::of(program, out)?;

@@ -278,7 +278,20 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 self.state.pending[*label] = Some(handle);
                 Ok(())
             }
-            Step::Dispatch { label, team, t, .. } => {
+            Step::Dispatch {
+                label,
+                team,
+                t,
+                wire,
+                ..
+            } => {
+                if !self.backend.supports_moe_wire(*wire) {
+                    return Err(invalid(format!(
+                        "rank {}: this backend cannot move MoE tokens as `{wire}` yet (its \
+                         moe_dispatch supports the native wire only)",
+                        self.backend.device()
+                    )));
+                }
                 let views = &self.state.views;
                 let req = CommRequest::MoeDispatch {
                     label: *label,
@@ -288,6 +301,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                     expert_x: view_in(self.program, views, t[2])?,
                     expert_counts: view_in(self.program, views, t[3])?,
                     routing: view_in(self.program, views, t[4])?,
+                    wire: *wire,
                 };
                 let handle = self.backend.post(&req, ctx)?;
                 self.state.pending[*label] = Some(handle);

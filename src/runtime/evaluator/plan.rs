@@ -91,12 +91,13 @@ pub(crate) enum Step<'p> {
         input: HostTensorId,
         output: HostTensorId,
     },
-    /// `[x, topk_idx, expert_x, expert_counts, routing]`.
+    /// `[x, topk_idx, expert_x, expert_counts, routing]`, tokens encoded as `wire`.
     Dispatch {
         at: u32,
         label: CommLabel,
         team: TeamId,
         t: [HostTensorId; 5],
+        wire: meshflow_ir::MoeWire,
     },
     /// `[expert_y, expert_counts, routing, topk_weights, out]`.
     Combine {
@@ -554,6 +555,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
             } => {
                 let Some(team) = self.team(team) else {
                     return Ok(None);
@@ -564,6 +566,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     label: self.post(at, *id, CommOp::MoeDispatch, Some(team)),
                     team,
                     t,
+                    wire: *wire,
                 }
             }
             InstKind::MoeCombine {

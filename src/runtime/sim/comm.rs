@@ -5,6 +5,11 @@
 //! the row-major element order, as NCCL does (so a buffer `[1, 12]` splits into 4 chunks of
 //! 3 elements: leading extent-1 axes never matter). Reductions combine contributions in team order (accumulating in
 //! `f32`, or `i64` for integers, and rounding once), so every member gets the same bits.
+//!
+//! MoE combine is the one exchange in two rounds: `start` sends this member's `topk_weights`
+//! to every member; `finish` receives them, reduces the local expert rows into one partial
+//! per (token, member) (see `cpu_ops::pack_combine`), sends those back under a second key
+//! ([`PARTIALS`]) and sums the partials it receives in member order.
 
 use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 
@@ -16,6 +21,10 @@ use crate::runtime::data::{Storage, TensorData};
 use crate::runtime::view::View;
 
 type TV = TensorView<SimBuffer>;
+
+/// Set in the sequence number of the second round of a MoE combine (the partials), so its
+/// messages never share a key with the first (the weights). Sequence numbers stay far below.
+pub(super) const PARTIALS: u64 = 1 << 63;
 
 /// Where one piece of a result comes from.
 #[derive(Debug)]
@@ -49,9 +58,13 @@ enum Finish {
         sources: Vec<Src>,
     },
     Combine {
-        weights: TensorData,
+        /// `expert_y`, `expert_counts` and `routing` as read at the start.
+        rows: [TensorData; 3],
+        /// The members' weights (this member's own, the others' from the fabric).
+        weights: Vec<Src>,
+        tokens: u64,
+        top_k: u64,
         out: TV,
-        sources: Vec<Src>,
     },
 }
 
@@ -434,6 +447,7 @@ pub(super) fn start(
             expert_x,
             expert_counts,
             routing,
+            wire,
             ..
         } => {
             let s = &expert_x.shape;
@@ -445,8 +459,14 @@ pub(super) fn start(
                 .ok_or_else(|| {
                     invalid(name, format!("expert_x must be [B.., L, C, H], has {s:?}"))
                 })?;
-            let msgs =
-                cpu_ops::pack_dispatch(&be.view(x)?, &be.view(topk_idx)?, my, d, local_experts)?;
+            let msgs = cpu_ops::pack_dispatch(
+                &be.view(x)?,
+                &be.view(topk_idx)?,
+                my,
+                d,
+                local_experts,
+                *wire,
+            )?;
             let sources = distribute(be, msgs, my, &send)?;
             Finish::Dispatch {
                 outs: [
@@ -472,19 +492,37 @@ pub(super) fn start(
                 .map(|nb| s[nb])
                 .filter(|&t| t > 0)
                 .ok_or_else(|| invalid(name, format!("out must be [B.., T, F], has {s:?}")))?;
-            let msgs = cpu_ops::pack_combine(
-                &be.view(expert_y)?,
-                &be.view(expert_counts)?,
-                &be.view(routing)?,
-                d,
-                tokens,
-            )?;
-            let weights = be.view(topk_weights)?.to_tensor();
-            let sources = distribute(be, msgs, my, &send)?;
+            let ws = &topk_weights.shape;
+            let top_k = match ws.len().checked_sub(2) {
+                Some(nb) if ws[..nb] == s[..nb] && ws[nb] == tokens => ws[nb + 1],
+                _ => {
+                    return Err(invalid(
+                        name,
+                        format!("topk_weights {ws:?} does not match out {s:?}"),
+                    ))
+                }
+            };
+            let rows = [
+                be.view(expert_y)?.to_tensor(),
+                be.view(expert_counts)?.to_tensor(),
+                be.view(routing)?.to_tensor(),
+            ];
+            let w = Storage::F32(be.view(topk_weights)?.to_f32());
+            let mut weights = Vec::with_capacity(d);
+            for k in 0..d {
+                if k == my {
+                    weights.push(Src::Local(Payload::Data(w.clone())));
+                } else {
+                    send(be, k, Payload::Data(w.clone()))?;
+                    weights.push(Src::Remote(k));
+                }
+            }
             Finish::Combine {
+                rows,
                 weights,
+                tokens,
+                top_k,
                 out: (*out).clone(),
-                sources,
             }
         }
     };
@@ -710,18 +748,62 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
             })
         }
         Finish::Combine {
+            rows,
             weights,
+            tokens,
+            top_k,
             out,
-            sources,
         } => {
-            let mut msgs = Vec::with_capacity(sources.len());
-            for src in sources {
+            let mut ws = Vec::with_capacity(weights.len());
+            for src in weights {
+                let peer = src_rank(be, &ex, &src);
                 let p = receive(be, &ex, src)?;
-                msgs.push(moe(&ex, p)?);
+                let w = data(&ex, p)?;
+                same_dtype(name, peer, w.dtype(), DType::F32)?;
+                ws.push(w.to_f32_vec());
+            }
+            let [y, counts, routing] = &rows;
+            let msgs = cpu_ops::pack_combine(
+                &View::of(y),
+                &View::of(counts),
+                &View::of(routing),
+                &ws,
+                tokens,
+                top_k,
+            )?;
+            // Round two, under its own key: the partials go back to the tokens' members.
+            let my = ex.members.iter().position(|&m| m == be.device).unwrap_or(0);
+            let second = Exchange {
+                name,
+                members: ex.members.clone(),
+                tag: (ex.tag.0, ex.tag.1 | PARTIALS),
+                finish: Finish::Nothing,
+                operands: ex.operands.clone(),
+            };
+            let mut sources = Vec::with_capacity(msgs.len());
+            for (k, m) in msgs.into_iter().enumerate() {
+                if k == my {
+                    sources.push(Src::Local(Payload::Moe(m)));
+                } else {
+                    let key = (be.device, second.members[k], second.tag.0, second.tag.1);
+                    be.fabric.send_checked(
+                        key,
+                        Payload::Moe(m),
+                        Some(second.operands.clone()),
+                        be.max_in_flight,
+                        be.timeout,
+                        name,
+                    )?;
+                    sources.push(Src::Remote(k));
+                }
+            }
+            let mut partials = Vec::with_capacity(sources.len());
+            for src in sources {
+                let p = receive(be, &second, src)?;
+                partials.push(moe(&second, p)?);
             }
             be.write_views(&[&out], |outs| {
-                cpu_ops::unpack_combine(&msgs, &View::of(&weights), &mut outs[0])
-                    .map_err(Into::into)
+                cpu_ops::unpack_combine(&partials, &mut outs[0]).map_err(Into::into)
             })
         }
     }

@@ -873,4 +873,8 @@ impl Backend for SimBackend {
         }
         Ok(())
     }
+
+    fn supports_moe_wire(&self, _wire: meshflow_ir::MoeWire) -> bool {
+        true
+    }
 }

@@ -338,7 +338,7 @@ fn gather(
         let op = &program.ops[*u];
         let compute = !matches!(
             op.kind,
-            OpKind::Set | OpKind::MoeDispatch | OpKind::MoeCombine
+            OpKind::Set | OpKind::MoeDispatch { .. } | OpKind::MoeCombine
         );
         if let (true, Some(&o)) = (compute, op.outputs.first()) {
             work = work_of(program, *u, o)?;
@@ -423,7 +423,7 @@ fn reduce(
     let compute = producer.is_some_and(|u| {
         !matches!(
             program.ops[u].kind,
-            OpKind::Set | OpKind::MoeDispatch | OpKind::MoeCombine
+            OpKind::Set | OpKind::MoeDispatch { .. } | OpKind::MoeCombine
         ) && program.ops[u].outputs.len() == 1
     });
     let work = match producer {

@@ -75,7 +75,7 @@ impl Lowering<'_> {
                 kernel: c.kernel.clone(),
                 args: c.args.clone(),
             },
-            OpKind::MoeDispatch | OpKind::MoeCombine => {
+            OpKind::MoeDispatch { .. } | OpKind::MoeCombine => {
                 return Err(PassError::internal(
                     "lower_to_host",
                     "MoE op lowered as compute",
@@ -205,7 +205,7 @@ impl Lowering<'_> {
         let vrank = |l: &Self, t: TensorId| l.sharding(t).value_axes.len();
         // (tensor, axis that must carry the expert-parallel split, role)
         let (experts, checks): (TensorId, Vec<(TensorId, usize, &str)>) = match op.kind {
-            OpKind::MoeDispatch => {
+            OpKind::MoeDispatch { .. } => {
                 let (x, idx) = (op.inputs[0], op.inputs[1]);
                 let (ex, counts, routing) = (op.outputs[0], op.outputs[1], op.outputs[2]);
                 let nb = vrank(self, ex).saturating_sub(3);
@@ -266,7 +266,7 @@ impl Lowering<'_> {
         let pt = ep.ok_or_else(|| PassError::internal("lower_to_host", "no MoE tensors"))?;
         let team = Team::Slice { mesh, pt };
         let h = |t: TensorId| self.host_of(t);
-        let kind = if op.kind == OpKind::MoeDispatch {
+        let kind = if let OpKind::MoeDispatch { wire } = op.kind {
             let (x, topk_idx) = (h(op.inputs[0]), h(op.inputs[1]));
             let (expert_x, expert_counts, routing) =
                 (h(op.outputs[0]), h(op.outputs[1]), h(op.outputs[2]));
@@ -278,6 +278,7 @@ impl Lowering<'_> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
             }) as Box<dyn FnOnce(_) -> InstKind>
         } else {
             let (expert_y, expert_counts, routing, topk_weights) = (

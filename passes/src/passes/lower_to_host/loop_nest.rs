@@ -68,7 +68,7 @@ impl Lowering<'_> {
         let mut groups: Vec<Group> = Vec::new();
         for (i, op) in self.program.ops.iter().enumerate() {
             let key = match op.kind {
-                OpKind::MoeDispatch | OpKind::MoeCombine => {
+                OpKind::MoeDispatch { .. } | OpKind::MoeCombine => {
                     let streamed = op
                         .inputs
                         .iter()
@@ -180,7 +180,7 @@ impl Lowering<'_> {
     ) -> Result<(), PassError> {
         match self.program.ops[i].kind {
             OpKind::Set => self.emit_set(i, lp, block),
-            OpKind::MoeDispatch | OpKind::MoeCombine => self.emit_moe(i, block),
+            OpKind::MoeDispatch { .. } | OpKind::MoeCombine => self.emit_moe(i, block),
             _ => self.emit_compute(i, lp, block),
         }
     }
