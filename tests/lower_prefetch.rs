@@ -10,10 +10,11 @@ use meshflow::ir::{parse_program_with, Params, Program};
 use meshflow::pipeline::{compile, CompileOptions, StreamSchedule};
 use meshflow::runtime::{run_and_compare, SimOptions};
 
-const EXAMPLES: [&str; 10] = [
+const EXAMPLES: [&str; 11] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
+    "fsdp_tp_weight",
     "mlp_2d_mesh",
     "moe_layer",
     "moe_layer_fp8",

@@ -42,7 +42,7 @@ fn examples() -> Vec<(String, Program, HostProgram)> {
         .filter(|p| p.extension().is_some_and(|e| e == "mf"))
         .collect();
     files.sort();
-    assert_eq!(files.len(), 10, "the ten example programs");
+    assert_eq!(files.len(), 11, "the eleven example programs");
     files
         .into_iter()
         .map(|path| {

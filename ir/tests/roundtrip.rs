@@ -211,6 +211,8 @@ fn expr(nm: usize) -> impl Strategy<Value = Expr> {
             BinOp::Mul,
             BinOp::Div,
             BinOp::Mod,
+            BinOp::Min,
+            BinOp::Max,
         ]);
         (op, inner.clone(), inner).prop_map(|(op, a, b)| Expr::Bin(op, Box::new(a), Box::new(b)))
     })
@@ -284,6 +286,15 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
                 axis,
                 chunks,
                 index
+            }
+        ),
+        (t(), t(), small_or_any_usize(), expr(nm), expr(nm)).prop_map(
+            |(out, input, axis, start, length)| InstKind::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length
             }
         ),
         (

@@ -30,6 +30,7 @@ pub mod manager;
 pub mod passes;
 pub mod plan;
 pub mod profile;
+pub mod redistribute;
 pub mod resharding;
 pub mod scope_tree;
 pub mod transport;

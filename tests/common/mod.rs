@@ -312,12 +312,63 @@ pub fn row_parallel_ring(d: u64) -> Program {
     b.build().unwrap()
 }
 
+/// `fsdp_tp_weight` with `ranks` devices on a `(ranks / 2, 2)` mesh.
+pub fn fsdp_tp_weight(ranks: u64) -> Program {
+    let (tp, dp) = (2, ranks / 2);
+    let n = 6 * ranks + 1;
+    let mut b = ProgramBuilder::new("fsdp_tp_weight");
+    let m = b
+        .mesh(
+            "m",
+            DeviceMesh::iota(vec![dp as usize, tp as usize], 0).unwrap(),
+        )
+        .unwrap();
+    let x = b.input("x", DType::F32, &[4 * dp, 24], m).unwrap();
+    let w1 = b.input("w1", DType::F32, &[n, 24], m).unwrap();
+    let w2 = b.input("w2", DType::F32, &[n, 24], m).unwrap();
+    b.schedule(x).outer_split(0, dp).parallelize(0, DIDy);
+    b.schedule(w1)
+        .outer_split(0, tp)
+        .parallelize(0, DIDx)
+        .outer_split(1, dp)
+        .parallelize(1, DIDy);
+    b.schedule(w2)
+        .outer_split(0, dp)
+        .parallelize(0, DIDy)
+        .outer_split(1, tp)
+        .parallelize(1, DIDx);
+    let tp_copy = |b: &mut ProgramBuilder, w, name: &str| {
+        let t = b.set(w).unwrap();
+        b.rename(t, name).unwrap();
+        b.schedule(t).outer_split(0, tp).parallelize(0, DIDx);
+        t
+    };
+    let w1_tp = tp_copy(&mut b, w1, "w1_tp");
+    let w2_tp = tp_copy(&mut b, w2, "w2_tp");
+    let h1 = b.linear(x, w1_tp).unwrap();
+    b.rename(h1, "h1").unwrap();
+    let a1 = b.gelu(h1).unwrap();
+    b.rename(a1, "a1").unwrap();
+    let h2 = b.linear(x, w2_tp).unwrap();
+    b.rename(h2, "h2").unwrap();
+    let y = b.add(a1, h2).unwrap();
+    b.rename(y, "y").unwrap();
+    b.schedule(y)
+        .outer_split(0, dp)
+        .parallelize(0, DIDy)
+        .outer_split(2, tp)
+        .parallelize(2, DIDx);
+    b.output(y);
+    b.build().unwrap()
+}
+
 /// Every example by file stem, for `ranks` devices (`None` where the example does not fit).
 pub fn example(name: &str, ranks: u64) -> Option<Program> {
     Some(match name {
         "column_parallel_linear_collective" => column_parallel("collective", ranks),
         "column_parallel_linear_broadcast" => column_parallel("broadcast", ranks),
         "column_parallel_linear_ring" => column_parallel("ring", ranks),
+        "fsdp_tp_weight" if ranks >= 2 => fsdp_tp_weight(ranks),
         "mlp_2d_mesh" if ranks >= 2 => mlp_2d_mesh(ranks),
         "moe_layer" => moe_layer(ranks),
         "moe_layer_fp8" => moe_layer_fp8(ranks),
@@ -330,10 +381,11 @@ pub fn example(name: &str, ranks: u64) -> Option<Program> {
 }
 
 /// The stems of `examples/programs/*.mf`.
-pub const EXAMPLES: [&str; 10] = [
+pub const EXAMPLES: [&str; 11] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
+    "fsdp_tp_weight",
     "mlp_2d_mesh",
     "moe_layer",
     "moe_layer_fp8",

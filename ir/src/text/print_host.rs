@@ -103,6 +103,20 @@ impl Printer<'_> {
                     self.tensor(*input),
                     self.expr(index)
                 )?,
+                InstKind::Narrow {
+                    out,
+                    input,
+                    axis,
+                    start,
+                    length,
+                } => writeln!(
+                    f,
+                    "{} = narrow({}, axis={axis}, start={}, length={})",
+                    self.tensor(*out),
+                    self.tensor(*input),
+                    self.expr(start),
+                    self.expr(length)
+                )?,
                 InstKind::Communication {
                     id,
                     kind,

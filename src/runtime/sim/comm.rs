@@ -1,7 +1,9 @@
 //! Communications on the sim fabric, in two phases: [`start`] reads the send buffers and
 //! delivers every outgoing message (never blocking); [`finish`] receives the incoming ones and
 //! writes the receive buffers. A coalescing group starts all its members before finishing
-//! any, like an NCCL group. Reductions combine contributions in team order (accumulating in
+//! any, like an NCCL group. Chunked kinds cut their buffers into equal contiguous chunks of
+//! the row-major element order, as NCCL does (so a buffer `[1, 12]` splits into 4 chunks of
+//! 3 elements: leading extent-1 axes never matter). Reductions combine contributions in team order (accumulating in
 //! `f32`, or `i64` for integers, and rounding once), so every member gets the same bits.
 //!
 //! MoE combine is the one exchange in two rounds: `start` sends this member's `topk_weights`
@@ -16,7 +18,7 @@ use super::{SimBackend, SimBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
 use crate::runtime::cpu_ops::{self, MoeRows};
 use crate::runtime::data::{Storage, TensorData};
-use crate::runtime::view::{cut_axis, View};
+use crate::runtime::view::View;
 
 type TV = TensorView<SimBuffer>;
 
@@ -35,8 +37,8 @@ enum Src {
 #[derive(Copy, Clone, Debug)]
 enum Part {
     Whole,
-    /// Chunk `index` of `parts` along axis 0.
-    Chunk(u64, u64),
+    /// Chunk `index` of the team-size equal chunks of the row-major elements.
+    Chunk(u64),
 }
 
 #[derive(Debug)]
@@ -133,17 +135,18 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
     })
 }
 
-fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    let axis = cut_axis(&v.shape);
-    match v.shape.get(axis) {
-        Some(&n) if n % d as u64 == 0 => Ok(()),
-        _ => Err(invalid(
+fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
+    if d > 0 && v.numel().is_multiple_of(d as u64) {
+        Ok(())
+    } else {
+        Err(invalid(
             name,
             format!(
-                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
-                v.shape
+                "the {what} buffer of shape {:?} ({} elements) cannot be cut into {d} equal chunks",
+                v.shape,
+                v.numel()
             ),
-        )),
+        ))
     }
 }
 
@@ -155,15 +158,23 @@ fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError>
     }
 }
 
-/// Reads `v` (or chunk `k` of `d` along its cut axis, see [`cut_axis`]).
+/// Reads `v` (or chunk `k` of `d` equal chunks of its row-major elements).
 fn read(be: &SimBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
-    let view = be.view(v)?;
+    let all = be.view(v)?.to_storage();
     match chunk {
-        None => Ok(view.to_storage()),
-        Some((k, d)) => view
-            .chunk(cut_axis(&v.shape), d, k)
-            .map(|c| c.to_storage())
-            .ok_or_else(|| BackendError::Invalid(format!("chunk {k} of {d} of {:?}", v.shape))),
+        None => Ok(all),
+        Some((k, d)) => {
+            let n = all.len() as u64;
+            if d == 0 || k >= d || !n.is_multiple_of(d) {
+                return Err(BackendError::Invalid(format!(
+                    "chunk {k} of {d} of {:?}",
+                    v.shape
+                )));
+            }
+            let c = (n / d) as usize;
+            let k = k as usize;
+            Ok(all.slice(k * c..(k + 1) * c))
+        }
     }
 }
 
@@ -203,7 +214,7 @@ pub(super) fn start(
             match kind {
                 CommKind::AllGather => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    first_axis_divisible(name, o, d, "receive")?;
+                    divisible(name, o, d, "receive")?;
                     same_numel(
                         name,
                         o.numel(),
@@ -221,7 +232,7 @@ pub(super) fn start(
                                 Some(p) => Src::Local(p),
                                 None => Src::Remote(k),
                             };
-                            (Part::Chunk(k as u64, d as u64), src)
+                            (Part::Chunk(k as u64), src)
                         })
                         .collect();
                     Finish::Write {
@@ -234,7 +245,7 @@ pub(super) fn start(
                     let scatter = *kind == CommKind::ReduceScatter;
                     let mut own = None;
                     if scatter {
-                        first_axis_divisible(name, i, d, "send")?;
+                        divisible(name, i, d, "send")?;
                         same_numel(
                             name,
                             i.numel(),
@@ -306,16 +317,14 @@ pub(super) fn start(
                             None => Src::Remote(k),
                         };
                         if *kind == CommKind::Gather {
-                            first_axis_divisible(name, o, d, "receive")?;
+                            divisible(name, o, d, "receive")?;
                             same_numel(
                                 name,
                                 o.numel(),
                                 i.numel() * d as u64,
                                 "receive = team size x send",
                             )?;
-                            let parts = (0..d)
-                                .map(|k| (Part::Chunk(k as u64, d as u64), src(k)))
-                                .collect();
+                            let parts = (0..d).map(|k| (Part::Chunk(k as u64), src(k))).collect();
                             Finish::Write {
                                 out: o.clone(),
                                 parts,
@@ -333,7 +342,7 @@ pub(super) fn start(
                 CommKind::Scatter => {
                     if my == r {
                         let i = need(name, *input, "send")?;
-                        first_axis_divisible(name, i, d, "send")?;
+                        divisible(name, i, d, "send")?;
                         let mut own = None;
                         for k in 0..d {
                             let chunk = read(be, i, Some((k as u64, d as u64)))?;
@@ -379,8 +388,8 @@ pub(super) fn start(
                 }
                 CommKind::AllToAll => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    first_axis_divisible(name, i, d, "send")?;
-                    first_axis_divisible(name, o, d, "receive")?;
+                    divisible(name, i, d, "send")?;
+                    divisible(name, o, d, "receive")?;
                     same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
                     let mut own = None;
                     for k in 0..d {
@@ -398,7 +407,7 @@ pub(super) fn start(
                                 Some(p) => Src::Local(p),
                                 None => Src::Remote(k),
                             };
-                            (Part::Chunk(k as u64, d as u64), src)
+                            (Part::Chunk(k as u64), src)
                         })
                         .collect();
                     Finish::Write {
@@ -666,18 +675,35 @@ pub(super) fn finish(be: &mut SimBackend, mut ex: Exchange) -> Result<(), Backen
                 same_dtype(name, peer, piece.dtype(), out.dtype)?;
                 pieces.push((part, piece));
             }
-            be.write_views(&[&out], |outs| {
-                for (part, piece) in &pieces {
-                    let r = match *part {
-                        Part::Whole => outs[0].assign_storage(piece),
-                        Part::Chunk(k, d) => match outs[0].chunk_mut(cut_axis(&out.shape), d, k) {
-                            Some(mut c) => c.assign_storage(piece),
-                            None => return Err(invalid(name, "receive buffer cannot be chunked")),
-                        },
-                    };
-                    r.map_err(|e| invalid(name, format!("received data does not fit: {e}")))?;
+            // Chunks cover the receive buffer in order: concatenate them, then write once.
+            let mut whole: Option<Storage> = None;
+            let mut next = 0u64;
+            for (part, piece) in pieces {
+                match part {
+                    Part::Whole => whole = Some(piece),
+                    Part::Chunk(k) if k == next => {
+                        next += 1;
+                        match &mut whole {
+                            None => whole = Some(piece),
+                            Some(w) => {
+                                if !w.extend_from(&piece, 0..piece.len()) {
+                                    return Err(invalid(name, "received chunks of mixed types"));
+                                }
+                            }
+                        }
+                    }
+                    Part::Chunk(..) => {
+                        return Err(invalid(name, "receive chunks out of order"));
+                    }
                 }
-                Ok(())
+            }
+            let Some(whole) = whole else {
+                return Ok(());
+            };
+            be.write_views(&[&out], |outs| {
+                outs[0]
+                    .assign_storage(&whole)
+                    .map_err(|e| invalid(name, format!("received data does not fit: {e}")))
             })
         }
         Finish::Reduce { out, sources, op } => {

@@ -639,6 +639,13 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn download_padded(
+        &mut self,
+        view: &TensorView<SimBuffer>,
+    ) -> Result<TensorData, BackendError> {
+        Ok(self.view(view)?.to_tensor())
+    }
+
     fn download(&mut self, view: &TensorView<SimBuffer>) -> Result<TensorData, BackendError> {
         if let Some(written) = self.buf_mut(view.buffer)?.written.as_ref() {
             let (mut total, mut unwritten) = (0u64, 0u64);
