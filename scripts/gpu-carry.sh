@@ -11,6 +11,8 @@
 # present (each test prints what it skipped); `bench` runs PyTorch's
 # baselines and then `meshflow bench agmm, rsmm, permute, moe` against them in the same call,
 # then the copy-engine probe (`kernels/examples/peer_bandwidth.rs`); `all` does both.
+# `python` runs the Python package's GPU tests (python/gpu/run.sh) from the wheel that
+# scripts/python-carry.sh packs into gpu/python/ (run it too, before carrying).
 #
 #   GPU_ENV=path/gpu-env.sh TORCH_BASELINES=path/torch_baselines.py scripts/gpu-carry.sh
 #
@@ -100,6 +102,7 @@ bench() {
   case "${1:-all}" in
     tests) tests ;;
     bench) bench ;;
+    python) OUT="$OUT" bash "$root/python/gpu/run.sh" "$root/gpu/python" ;;
     *) tests; bench ;;
   esac
   log end

@@ -2,14 +2,18 @@
 //!
 //! Every rank runs in its own thread. After warm-up the ranks synchronize once, then queue
 //! `iters` steps back to back (no host synchronization inside the timed loop, so the GPUs run in
-//! lockstep through the transport's own waits); CUDA events around `dispatch` (send + recv) and
-//! `combine` (send + recv) time each step on each rank. A step's time is the slowest rank's;
-//! the result is the median over steps. The expert computation is the identity (`expert_y` is
-//! `expert_x`, so `F = H`).
+//! lockstep through the transport's own waits); CUDA events around the dispatch (send + recv,
+//! the weights travelling with the rows, padding not zeroed) and the combine (send + recv) time
+//! each step on each rank. A step's time is the slowest rank's; the result is the median over
+//! steps. The expert computation is the identity (`expert_y` is `expert_x`, so `F = H`).
+//! Bandwidth is reported the way DeepEP does, on the deduplicated bytes ([`MoeTraffic`]: the
+//! busiest rank's received bytes over the phase time).
 
 use std::sync::Barrier;
 
-use meshflow::kernels::moe::{MoeShape, MoeTransport};
+use meshflow::kernels::moe::{
+    CombineRequest, DispatchRequest, MoeShape, MoeTraffic, MoeTransport, MoeWire,
+};
 use meshflow::kernels::{DType, Device, DeviceBuffer, Event, KernelError, Result, Stream};
 
 /// One benchmark configuration (per rank).
@@ -25,6 +29,8 @@ pub struct MoeCase {
     pub experts: usize,
     /// Element type.
     pub dtype: DType,
+    /// How dispatch encodes the rows.
+    pub wire: MoeWire,
     /// Timed steps.
     pub iters: usize,
     /// Untimed steps first.
@@ -41,6 +47,7 @@ impl MoeCase {
             top_k: 8,
             experts: 256,
             dtype: DType::BF16,
+            wire: MoeWire::Native,
             iters: 50,
             warmup: 10,
         }
@@ -54,12 +61,28 @@ pub struct MoeResult {
     pub transport: &'static str,
     /// The layer shape run (capacity chosen from the generated routing).
     pub shape: MoeShape,
+    /// How dispatch encoded the rows.
+    pub wire: MoeWire,
+    /// The bytes of one step (the same routing every step).
+    pub traffic: MoeTraffic,
     /// Median over steps of the slowest rank's dispatch (send + recv), in µs.
     pub dispatch_us: f64,
     /// Median over steps of the slowest rank's combine (send + recv), in µs.
     pub combine_us: f64,
     /// Whether every rank's status word stayed clean (no overflow, no timeout).
     pub status_ok: bool,
+}
+
+impl MoeResult {
+    /// Dispatch bandwidth in GB/s: the busiest rank's received bytes over the dispatch time.
+    pub fn dispatch_gbps(&self) -> f64 {
+        MoeTraffic::gbps(self.traffic.max_bytes().0, self.dispatch_us)
+    }
+
+    /// Combine bandwidth in GB/s: the busiest rank's received bytes over the combine time.
+    pub fn combine_gbps(&self) -> f64 {
+        MoeTraffic::gbps(self.traffic.max_bytes().1, self.combine_us)
+    }
 }
 
 /// Small deterministic generator (xorshift64*).
@@ -98,12 +121,13 @@ fn routing(case: &MoeCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
 }
 
 /// Runs `case` on `devices` (one rank per device) with the engines `make` creates for a shape
-/// (one per rank, e.g. [`NvlinkMoe::team`](meshflow::kernels::moe::NvlinkMoe::team) or
-/// [`NcclMoe::team`](meshflow::kernels::moe::NcclMoe::team)).
+/// and the case's wire format (one per rank, e.g.
+/// [`NvlinkMoe::team_with_wire`](meshflow::kernels::moe::NvlinkMoe::team_with_wire) or
+/// [`NcclMoe::team_with_wire`](meshflow::kernels::moe::NcclMoe::team_with_wire)).
 pub fn measure_moe<T: MoeTransport>(
     devices: &[Device],
     case: &MoeCase,
-    make: impl FnOnce(&[Device], &MoeShape) -> Result<Vec<T>>,
+    make: impl FnOnce(&[Device], &MoeShape, MoeWire) -> Result<Vec<T>>,
 ) -> Result<MoeResult> {
     let world = devices.len();
     if world == 0 || case.iters == 0 {
@@ -128,12 +152,16 @@ pub fn measure_moe<T: MoeTransport>(
         dtype: case.dtype,
     };
     shape.validate()?;
-    let ranks = make(devices, &shape)?;
+    case.wire.validate(&shape)?;
+    let traffic = MoeTraffic::from_routing(&shape, case.wire, &idx)?;
+    let ranks = make(devices, &shape, case.wire)?;
     let transport = ranks.first().map_or("none", |r| r.name());
     let (dispatch_us, combine_us, status_ok) = run(devices, case, &idx, ranks)?;
     Ok(MoeResult {
         transport,
         shape,
+        wire: case.wire,
+        traffic,
         dispatch_us,
         combine_us,
         status_ok,
@@ -202,16 +230,22 @@ fn rank_loop<T: MoeTransport>(
     let topk = DeviceBuffer::from_slice(&stream, idx)?;
     let w = DeviceBuffer::from_slice(&stream, &vec![1.0f32 / s.top_k as f32; s.tokens * s.top_k])?;
     let out = DeviceBuffer::alloc(dev, s.tokens * s.y_row_bytes())?;
-    let (ex, counts, routing) = (
-        t.expert_x().clone(),
-        t.expert_counts().clone(),
-        t.routing().clone(),
-    );
+    let ex = t.expert_x().clone();
+    let dispatch = DispatchRequest {
+        x: &x,
+        topk_idx: &topk,
+        weights: Some(&w),
+        zero_padding: false,
+    };
+    let combine = CombineRequest {
+        expert_y: &ex,
+        weights: None,
+    };
     let warm = (|| -> Result<()> {
         x.memset(&stream, 0x3C)?;
         for _ in 0..case.warmup {
-            t.dispatch(&stream, &x, &topk)?;
-            t.combine(&stream, &ex, &counts, &routing, &w, &out)?;
+            t.dispatch_with(&stream, &dispatch)?;
+            t.combine_with(&stream, &combine, &out)?;
         }
         stream.synchronize()
     })();
@@ -225,9 +259,9 @@ fn rank_loop<T: MoeTransport>(
                 Event::timing(dev)?,
             ];
             e[0].record(&stream)?;
-            t.dispatch(&stream, &x, &topk)?;
+            t.dispatch_with(&stream, &dispatch)?;
             e[1].record(&stream)?;
-            t.combine(&stream, &ex, &counts, &routing, &w, &out)?;
+            t.combine_with(&stream, &combine, &out)?;
             e[2].record(&stream)?;
             events.push(e);
         }
@@ -249,15 +283,19 @@ fn rank_loop<T: MoeTransport>(
     timed
 }
 
-/// The results as a text table (one line per transport and case).
+/// The results as a text table (one line per transport and case). MB are the busiest rank's
+/// received bytes per phase (10^6), GB/s those bytes over the phase time.
 pub fn moe_table(results: &[MoeResult]) -> String {
     let mut s = String::from(
-        "transport  W     T     H  K    E   C  dtype  dispatch_us  combine_us  status\n",
+        "transport  W     T     H  K    E    C  wire          dispatch_us  MB     GB/s  \
+         combine_us  MB     GB/s  status\n",
     );
     for r in results {
         let sh = &r.shape;
+        let (db, cb) = r.traffic.max_bytes();
         s.push_str(&format!(
-            "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>3}  {:<5} {:>11.1} {:>11.1}  {}\n",
+            "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>4}  {:<12} {:>11.1} {:>6.1} {:>6.1} \
+             {:>11.1} {:>6.1} {:>6.1}  {}\n",
             r.transport,
             sh.world,
             sh.tokens,
@@ -265,9 +303,13 @@ pub fn moe_table(results: &[MoeResult]) -> String {
             sh.top_k,
             sh.experts,
             sh.capacity,
-            sh.dtype.name(),
+            format!("{} {}", sh.dtype.name(), r.wire.name()),
             r.dispatch_us,
+            db as f64 / 1e6,
+            r.dispatch_gbps(),
             r.combine_us,
+            cb as f64 / 1e6,
+            r.combine_gbps(),
             if r.status_ok { "ok" } else { "FLAGGED" }
         ));
     }

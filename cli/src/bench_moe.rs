@@ -1,18 +1,39 @@
 //! `meshflow bench moe [--ranks N] [--tokens T]... [--hidden H] [--top-k K] [--experts E]
-//! [--transport nccl|nvlink]... [--warmup W] [--iters I] [--torch torch.json] [--json FILE]`:
-//! MoE dispatch and combine latency on the GPUs of this machine (one thread per GPU), for the
-//! NCCL transport (grouped send/recv of capacity-padded blocks, counts exchanged on the
-//! device) and the NVLink transport (stores into peer-mapped memory, device-side flags).
-//! Reported per case: the median over steps of the slowest rank, in µs. With `--torch`, the
-//! PyTorch figures of a baseline script's JSON (`--torch`, see `bench/README.md`) from the same
-//! machine are printed next to ours.
+//! [--transport nccl|nvlink]... [--wire native|fp8-token|fp8-block128]... [--warmup W]
+//! [--iters I] [--torch torch.json] [--json FILE]`: MoE dispatch and combine latency of the
+//! kernels crate's transports on the GPUs of this machine (one thread per GPU): the NCCL
+//! transport (one grouped send/recv of `T`-row blocks per phase, counts on the device) and the
+//! NVLink transport (one kernel per phase storing into peer-mapped memory, device-side flags).
+//! Each token travels once per destination rank; the weights travel with the dispatch.
+//! Reported per case: the median over steps of the slowest rank, in µs, and the busiest rank's
+//! deduplicated received bytes over that time in GB/s (DeepEP's way; see
+//! `meshflow_kernels::moe::MoeTraffic`). With `--torch`, the PyTorch figures of
+//! a baseline script's JSON (`--torch`, see `bench/README.md`) from the same machine are
+//! printed next to ours.
+//!
+//! `--json` writes a list of rows with the keys `path` (`kernels`), `transport`, `dtype` (the
+//! element type, or the FP8 wire), `world`, `tokens`, `dispatch_us`, `combine_us`,
+//! `dispatch_gbps`, `combine_gbps`, `torch_dispatch_us`, `torch_combine_us` (null without
+//! `--torch`), `device`, and also `wire`, `hidden`, `top_k`, `experts`, `capacity`,
+//! `dispatch_bytes`, `combine_bytes`, `status_ok`.
 
 use std::path::PathBuf;
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 use meshflow::passes::Transport;
 
 use super::common::CliError;
+
+/// How dispatch encodes token rows.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Wire {
+    /// The rows as they are (bf16).
+    Native,
+    /// FP8 E4M3 with one scale per token.
+    Fp8Token,
+    /// FP8 E4M3 with one scale per 128 channels.
+    Fp8Block128,
+}
 
 /// Arguments of `bench moe`.
 #[derive(Debug, Args)]
@@ -36,6 +57,9 @@ pub struct MoeBenchArgs {
     /// send/recv); default both.
     #[arg(long = "transport")]
     transports: Vec<Transport>,
+    /// Dispatch wire formats (repeatable); default native and fp8-block128.
+    #[arg(long = "wire", value_enum)]
+    wires: Vec<Wire>,
     /// Untimed steps.
     #[arg(long, default_value_t = 10)]
     warmup: usize,
@@ -80,7 +104,8 @@ pub fn run(_args: MoeBenchArgs) -> Result<(), CliError> {
 /// Runs `bench moe`.
 #[cfg(feature = "cuda")]
 pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
-    use meshflow::kernels::moe::{NcclMoe, NvlinkMoe};
+    use meshflow::kernels::fp8::Fp8Scales;
+    use meshflow::kernels::moe::{MoeWire, NcclMoe, NvlinkMoe};
     use meshflow::kernels::Device;
     use meshflow_bench::moe::{measure_moe, moe_table, MoeCase};
 
@@ -131,69 +156,103 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
     } else {
         args.tokens.clone()
     };
+    let wires: Vec<MoeWire> = if args.wires.is_empty() {
+        vec![MoeWire::Native, MoeWire::Fp8E4m3(Fp8Scales::Block128)]
+    } else {
+        args.wires
+            .iter()
+            .map(|w| match w {
+                Wire::Native => MoeWire::Native,
+                Wire::Fp8Token => MoeWire::Fp8E4m3(Fp8Scales::PerToken),
+                Wire::Fp8Block128 => MoeWire::Fp8E4m3(Fp8Scales::Block128),
+            })
+            .collect()
+    };
+    let device = devices
+        .first()
+        .map_or(String::new(), |d| d.name().to_string());
     let mut all = Vec::new();
     let mut text = String::new();
     for &t in &tokens {
-        let case = MoeCase {
-            hidden: args.hidden,
-            top_k: args.top_k,
-            experts: args.experts,
-            iters: args.iters.max(1),
-            warmup: args.warmup,
-            ..MoeCase::deepseek(t)
-        };
-        let results = transports
-            .iter()
-            .map(|t| match t {
-                Transport::Nvlink => measure_moe(&devices, &case, NvlinkMoe::team),
-                _ => measure_moe(&devices, &case, NcclMoe::team),
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(err)?;
-        text.push_str(&format!(
-            "MoE dispatch/combine, {} GPU(s), T={t} tokens/rank, H={}, K={}, E={}, bf16\n",
-            devices.len(),
-            args.hidden,
-            args.top_k,
-            args.experts
-        ));
-        text.push_str(&moe_table(&results));
-        if let Some((d, c)) = torch
+        let torch_us = torch
             .as_deref()
-            .and_then(|j| torch_figures(j, t, args.hidden, args.top_k, args.experts))
-        {
+            .and_then(|j| torch_figures(j, t, args.hidden, args.top_k, args.experts));
+        for &wire in &wires {
+            let case = MoeCase {
+                hidden: args.hidden,
+                top_k: args.top_k,
+                experts: args.experts,
+                wire,
+                iters: args.iters.max(1),
+                warmup: args.warmup,
+                ..MoeCase::deepseek(t)
+            };
+            let results = transports
+                .iter()
+                .map(|transport| match transport {
+                    Transport::Nvlink => measure_moe(&devices, &case, NvlinkMoe::team_with_wire),
+                    _ => measure_moe(&devices, &case, NcclMoe::team_with_wire),
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(err)?;
             text.push_str(&format!(
-                "torch all_to_all_single (same machine): dispatch {d:.1} us, combine {c:.1} us\n"
+                "MoE dispatch/combine, {} x {device}, T={t} tokens/rank, H={}, K={}, E={}, bf16, \
+                 {} dispatch\n",
+                devices.len(),
+                args.hidden,
+                args.top_k,
+                args.experts,
+                wire.name()
             ));
-            for r in &results {
+            text.push_str(&moe_table(&results));
+            if let Some((d, c)) = torch_us {
                 text.push_str(&format!(
-                    "  {} vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
-                    r.transport,
-                    d / r.dispatch_us,
-                    c / r.combine_us
+                    "torch all_to_all_single (same machine): dispatch {d:.1} us, combine {c:.1} us\n"
                 ));
+                for r in &results {
+                    text.push_str(&format!(
+                        "  {} vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
+                        r.transport,
+                        d / r.dispatch_us,
+                        c / r.combine_us
+                    ));
+                }
             }
+            text.push('\n');
+            all.extend(results.into_iter().map(|r| (t, r, torch_us)));
         }
-        text.push('\n');
-        all.extend(results.into_iter().map(|r| (t, r)));
     }
     print_out(&text)?;
     if let Some(path) = &args.json {
+        let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
         let rows: Vec<String> = all
             .iter()
-            .map(|(t, r)| {
+            .map(|(t, r, torch_us)| {
+                let (db, cb) = r.traffic.max_bytes();
+                let dtype = match r.wire {
+                    MoeWire::Native => r.shape.dtype.name().to_string(),
+                    w => w.name().to_string(),
+                };
                 format!(
-                    "  {{\"transport\": \"{}\", \"ranks\": {}, \"tokens\": {t}, \"hidden\": {}, \
-                     \"top_k\": {}, \"experts\": {}, \"capacity\": {}, \"dispatch_us\": {:.1}, \
-                     \"combine_us\": {:.1}, \"status_ok\": {}}}",
+                    "  {{\"path\": \"kernels\", \"transport\": \"{}\", \"dtype\": \"{dtype}\", \
+                     \"world\": {}, \"tokens\": {t}, \"dispatch_us\": {:.1}, \"combine_us\": {:.1}, \
+                     \"dispatch_gbps\": {:.1}, \"combine_gbps\": {:.1}, \"torch_dispatch_us\": {}, \
+                     \"torch_combine_us\": {}, \"device\": \"{device}\", \"wire\": \"{}\", \
+                     \"hidden\": {}, \"top_k\": {}, \"experts\": {}, \"capacity\": {}, \
+                     \"dispatch_bytes\": {db}, \"combine_bytes\": {cb}, \"status_ok\": {}}}",
                     r.transport,
                     r.shape.world,
+                    r.dispatch_us,
+                    r.combine_us,
+                    r.dispatch_gbps(),
+                    r.combine_gbps(),
+                    num(torch_us.map(|x| x.0)),
+                    num(torch_us.map(|x| x.1)),
+                    r.wire.name(),
                     r.shape.hidden,
                     r.shape.top_k,
                     r.shape.experts,
                     r.shape.capacity,
-                    r.dispatch_us,
-                    r.combine_us,
                     r.status_ok
                 )
             })

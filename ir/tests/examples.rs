@@ -50,6 +50,15 @@ fn examples_with_other_rank_counts() {
         ),
         ("column_parallel_linear_ring", [d(1), d(2), d(3), d(8)]),
         (
+            "fsdp_tp_weight",
+            [
+                Err((13, 17, "mesh `m`: iota(0, 2) has no devices (dp = 0)")),
+                d(2),
+                d(2),
+                d(8),
+            ],
+        ),
+        (
             "mlp_2d_mesh",
             [
                 Err((8, 17, "mesh `m`: iota(0, 2) has no devices (dp = 0)")),
@@ -59,6 +68,7 @@ fn examples_with_other_rank_counts() {
             ],
         ),
         ("moe_layer", [d(1), d(2), d(3), d(8)]),
+        ("moe_layer_fp8", [d(1), d(2), d(3), d(8)]),
         (
             "pipeline_two_meshes",
             [

@@ -421,3 +421,84 @@ fn overriding_an_undeclared_parameter() {
         "parameter `tp` is not declared in program `t` (declared: ranks, d)"
     );
 }
+
+#[test]
+fn moe_dispatch_wire_attributes() {
+    let moe = |call: &str| {
+        program_text(&[
+            "mesh m0 = [0, 1]",
+            "input x: bf16[8, 128] on m0",
+            "input idx: i32[8, 2] on m0",
+            "tensor ex: bf16[4, 8, 128] on m0",
+            "tensor c: i32[4] on m0",
+            "tensor r: i32[4, 8, 2] on m0",
+            call,
+            "output ex",
+        ])
+    };
+    let ok = moe("ex, c, r = moe_dispatch(x, idx, wire=f8e4m3, scale=block128)");
+    let p = parse_program(&ok).unwrap();
+    assert_eq!(
+        p.ops[0].kind,
+        meshflow_ir::OpKind::MoeDispatch {
+            wire: meshflow_ir::MoeWire::Fp8E4m3(meshflow_ir::Fp8Scales::Block128)
+        }
+    );
+    assert_eq!(parse_program(&p.to_string()).unwrap(), p);
+    let native = moe("ex, c, r = moe_dispatch(x, idx, wire=native)");
+    assert!(!parse_program(&native).unwrap().to_string().contains("wire"));
+    assert_error(
+        program_error(&moe("ex, c, r = moe_dispatch(x, idx, wire=f8e4m3)")),
+        8,
+        46,
+        "`wire=f8e4m3` needs `scale=token` or `scale=block128`",
+    );
+    assert_error(
+        program_error(&moe("ex, c, r = moe_dispatch(x, idx, scale=token)")),
+        8,
+        46,
+        "`scale` is only for `wire=f8e4m3`",
+    );
+    assert_error(
+        program_error(&moe("ex, c, r = moe_dispatch(x, idx, wire=fp4)")),
+        8,
+        40,
+        "unknown wire format `fp4` (expected native or f8e4m3)",
+    );
+    assert_error(
+        program_error(&moe(
+            "ex, c, r = moe_dispatch(x, idx, wire=f8e4m3, scale=tile)",
+        )),
+        8,
+        54,
+        "unknown FP8 scale granularity `tile` (expected token or block128)",
+    );
+    assert_error(
+        program_error(&moe("ex, c, r = moe_dispatch(x, idx, axis=1)")),
+        8,
+        35,
+        "unknown attribute `axis` of `moe_dispatch` (expected `wire` or `scale`)",
+    );
+    // The verifier checks the token width against the scales.
+    let narrow = ok.replace(", 128]", ", 48]");
+    let e = meshflow_ir::verify_program(&parse_program(&narrow).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("needs a token width divisible by 128"), "{e}");
+    // The host form takes the same attributes.
+    let host = host_text(&[
+        "mesh m0 = [0, 1]",
+        "in x: bf16[8, 128] on m0",
+        "in idx: i32[8, 2] on m0",
+        "out ex: bf16[2, 16, 128] on m0",
+        "out c: i32[2] on m0",
+        "out r: i32[2, 16, 2] on m0",
+        "c0 = moe_dispatch(x, idx -> ex, c, r, team=slice(m0, DIDx), wire=f8e4m3)",
+    ]);
+    assert_error(
+        host_error(&host),
+        8,
+        74,
+        "`wire=f8e4m3` needs `scale=token` or `scale=block128`",
+    );
+}

@@ -7,8 +7,8 @@ use meshflow_ir::program::MeshDecl;
 use meshflow_ir::{
     parse_host, parse_program, verify_host, verify_program, Axis, CommId, CommKind, ComputeOp,
     CustomOp, DType, DeviceMesh, EntityRef, Epsilon, HostProgram, HostTensor, HostTensorId, Inst,
-    InstKind, MeshId, Op, OpKind, ParallelType, Program, ReduceOp, Role, SourceLoc, StreamRef,
-    StreamVar, Team, TensorDecl, TensorId, TensorType, Transform,
+    InstKind, MeshId, MoeWire, Op, OpKind, ParallelType, Program, ReduceOp, Role, SourceLoc,
+    StreamRef, StreamVar, Team, TensorDecl, TensorId, TensorType, Transform,
 };
 use proptest::collection::vec;
 use proptest::prelude::*;
@@ -119,10 +119,10 @@ fn op_kind() -> impl Strategy<Value = OpKind> {
             OpKind::Gelu,
             OpKind::Silu,
             OpKind::Cast,
-            OpKind::MoeDispatch,
             OpKind::GroupedMatmul,
             OpKind::MoeCombine,
         ]),
+        select(MoeWire::ALL.to_vec()).prop_map(|wire| OpKind::MoeDispatch { wire }),
         small_or_any_usize().prop_map(|axis| OpKind::Sum { axis }),
         ("\\PC{1,8}", vec(any::<i64>(), 0..3), 0usize..3, 1usize..3).prop_map(
             |(kernel, args, inputs, outputs)| OpKind::Custom(CustomOp {
@@ -211,6 +211,8 @@ fn expr(nm: usize) -> impl Strategy<Value = Expr> {
             BinOp::Mul,
             BinOp::Div,
             BinOp::Mod,
+            BinOp::Min,
+            BinOp::Max,
         ]);
         (op, inner.clone(), inner).prop_map(|(op, a, b)| Expr::Bin(op, Box::new(a), Box::new(b)))
     })
@@ -286,6 +288,15 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
                 index
             }
         ),
+        (t(), t(), small_or_any_usize(), expr(nm), expr(nm)).prop_map(
+            |(out, input, axis, start, length)| InstKind::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length
+            }
+        ),
         (
             comm(),
             select(CommKind::ALL.to_vec()),
@@ -319,15 +330,18 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
         comm().prop_map(|comm| InstKind::Wait { comm }),
         Just(InstKind::StartCoalescing),
         comm().prop_map(|id| InstKind::EndCoalescing { id }),
-        (comm(), team(nm), vec(t(), 5)).prop_map(|(id, team, v)| InstKind::MoeDispatch {
-            id,
-            team,
-            x: v[0],
-            topk_idx: v[1],
-            expert_x: v[2],
-            expert_counts: v[3],
-            routing: v[4],
-        }),
+        (comm(), team(nm), vec(t(), 5), select(MoeWire::ALL.to_vec())).prop_map(
+            |(id, team, v, wire)| InstKind::MoeDispatch {
+                id,
+                team,
+                x: v[0],
+                topk_idx: v[1],
+                expert_x: v[2],
+                expert_counts: v[3],
+                routing: v[4],
+                wire,
+            }
+        ),
         (comm(), team(nm), vec(t(), 5)).prop_map(|(id, team, v)| InstKind::MoeCombine {
             id,
             team,

@@ -425,6 +425,29 @@ fn moe_dispatch_shapes() {
 }
 
 #[test]
+fn moe_dispatch_fp8_needs_divisible_widths() {
+    let text = host_text(&[
+        "mesh m0 = [0, 1]",
+        "in x: bf16[6, 48] on m0",
+        "in idx: i32[6, 2] on m0",
+        "out ex: bf16[2, 12, 48] on m0",
+        "out counts: i32[2] on m0",
+        "out routing: i32[2, 12, 2] on m0",
+        "c0 = moe_dispatch(x, idx -> ex, counts, routing, team=slice(m0, DIDx), wire=f8e4m3, scale=block128)",
+        "wait c0",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "`moe_dispatch`: `x`: FP8 dispatch with block128 scales needs a token width divisible \
+         by 128, the tokens have 48 channels",
+        8,
+        3,
+    );
+    let token = text.replace("scale=block128", "scale=token");
+    assert!(meshflow_ir::verify_host(&meshflow_ir::parse_host(&token).unwrap()).is_ok());
+}
+
+#[test]
 fn moe_combine_shapes() {
     let text = host_text(&[
         "mesh m0 = [0, 1]",
@@ -572,6 +595,42 @@ fn every_error_is_reported() {
     expect_diag(&diags, "stream `s2` is used before", 15, 3);
     expect_diag(&diags, "team `slice(m0, DIDz)`", 16, 3);
     assert_eq!(diags.len(), 6, "{diags:#?}");
+}
+
+#[test]
+fn narrow_view_shape_and_bounds() {
+    // A narrow keeps every other extent; its capacity lies within the viewed extent.
+    let text = host(&[
+        "allocate t",
+        "v = narrow(t, axis=1, start=0, length=2)",
+        "deallocate t",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "view `v` has shape [2, 4] but a narrowing of `t` (shape [8, 4]) along axis 1 keeps every other extent",
+        9,
+        3,
+    );
+    let text = host(&[
+        "allocate t",
+        "v = narrow(t, axis=0, start=7, length=2)",
+        "deallocate t",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "elements [7, 7 + 2) along axis 0 do not fit `t` (extent 8)",
+        9,
+        3,
+    );
+    // Per-rank bounds are fine: they are checked across ranks and at run time.
+    let ok = host(&[
+        "allocate t",
+        "v = narrow(t, axis=0, start=0, length=min(2, 8 - 2 * my(m0, DIDx)))",
+        "copy(v -> v)",
+        "deallocate t",
+    ]);
+    let program = meshflow_ir::parse_host(&ok).expect("parses");
+    assert!(meshflow_ir::verify_host(&program).is_ok(), "{ok}");
 }
 
 /// Regression: top-k routing to more experts than the team holds was caught only when the

@@ -1,22 +1,41 @@
 // moe.cu: MoE expert-parallel dispatch / combine kernels (host side: kernels/src/moe/).
 //
-// Two transports share these kernels:
-// - NCCL: route (histogram + per-destination offsets, one block) -> pack into padded
-//   per-destination send blocks -> NCCL grouped send/recv (host) -> scan received counts ->
-//   unpack into expert_x.
-//   Combine: pack expert rows per source rank -> NCCL -> index (t, k) slots -> weighted reduce.
-// - NVLink: per row, reserve a slot in the receiver's per-expert counter (system-scope atomic)
-//   and store the row straight into the peer's expert_x (16-byte stores) -> release flags (epoch);
-//   receivers acquire the flags, read the counters, zero the padding. Combine: copy expert rows
-//   straight into the sources' [T, K, F] slots with an epoch mark -> flags -> weighted reduce.
+// Both transports move ONE wire row per (token, destination rank). A wire row is
+// [payload][f32 scales][meta: token i32, K expert ids i32, K weights f32], each region padded to
+// 16 bytes (kernels/src/moe/wire.rs, WireLayout). The payload is the token row as is (native) or
+// E4M3 codes (FP8, per-token or per-128-channel scales). On arrival the receiver fans a row out
+// to its local experts (expert_x, routing) and records, per received row and k, which expert row
+// it went to (`fan`). The combine reduces, per received row, the weighted outputs of its local
+// expert rows in k order into ONE partial row, rounded to T, sent back to the token's rank; that
+// rank sums the partials in ascending rank order (`sent_pos[t][r]` says where token t's partial
+// from rank r lies) and rounds once.
 //
-// Row order inside an expert is unspecified (atomics); counts and the combine result are exact
-// (the combine sums over k in order, in f32, without contraction, and rounds once).
+// - NCCL: dispatch_send (route + pack into per-destination blocks [16-byte count header][T rows],
+//   counts by the last block) -> grouped send/recv (host) -> dispatch_recv (fan-out, counts by the
+//   last block) ... combine_send (reduce into per-source blocks of T partial rows) -> grouped
+//   send/recv -> combine_recv (sum).
+// - NVLink: the same kernels store straight into peer memory (the symmetric allocation of each
+//   rank: receive rows [W][T], counts [W], flags) and raise release flags carrying the step number
+//   (epoch, kept on the device in `state[0]` so steps replay in CUDA graphs); receivers acquire.
+//   One kernel per phase; the combine's late weights (when not given at dispatch) take one more.
+//
+// Row order inside an expert is unspecified (atomics); counts and the combine result are exact.
+// No kernel scans over experts with one block: any E (E > 1024 included) works with any block
+// size, and there is no block-wide running total to race on (the missing barrier of
+// pplx-garden's chunked expert scan, PR #9, cannot happen here).
+// All float math uses explicit round-to-nearest intrinsics (NVRTC contracts a*b+c into FMA
+// otherwise), so results are bit-identical to the CPU reference.
 
 #define MOE_OVERFLOW 1u
 #define MOE_BAD_EXPERT 2u
 #define MOE_BAD_ROUTING 4u
 #define MOE_TIMEOUT 8u
+
+#define WIRE_NATIVE 0u
+#define WIRE_FP8_TOKEN 1u
+#define WIRE_FP8_BLOCK 2u
+
+#define FULL_MASK 0xffffffffu
 
 // ---- memory-model helpers -------------------------------------------------------------------
 
@@ -33,10 +52,34 @@ __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
 __device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-__device__ __forceinline__ int atomic_add_sys(int* p, int v) {
-    int old;
-    asm volatile("atom.relaxed.sys.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-    return old;
+// Loads of data other GPUs (or other blocks) wrote: cached in L2 only, never a stale L1 line.
+__device__ __forceinline__ int ld_cg_i32(const void* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_cg_f32(const void* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ unsigned short ld_cg_u16(const void* p) {
+    unsigned short v;
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    return v;
+}
+// One element of T that another GPU wrote (see ld_cg_i32).
+template <typename T> __device__ T load_cg(const char* p);
+template <> __device__ __forceinline__ float load_cg<float>(const char* p) { return ld_cg_f32(p); }
+template <> __device__ __forceinline__ bf16 load_cg<bf16>(const char* p) {
+    bf16 r;
+    r.bits = ld_cg_u16(p);
+    return r;
+}
+template <> __device__ __forceinline__ f16 load_cg<f16>(const char* p) {
+    f16 r;
+    r.bits = ld_cg_u16(p);
+    return r;
 }
 __device__ __forceinline__ u64 global_timer_ns() {
     u64 t;
@@ -66,32 +109,48 @@ __device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u
     __syncthreads();
 }
 
-// Called by every block at the end of a send kernel: the last block to finish raises
-// `*flag_ptrs[d] = epoch` (release, system scope) for every destination d, after all blocks'
-// stores (local and peer) are visible system-wide. `done` is a zeroed counter, reset here.
-__device__ void grid_done_signal(unsigned* done, const u64* flag_ptrs, i64 world, unsigned epoch) {
+// Called by every block at its end: returns true (to every thread of the block) in the last block
+// to arrive. Each block fences its stores (system scope) before arriving, so the last block sees
+// every block's stores (read them with ld_relaxed_gpu / ld_cg_*) and may publish them. `done` is a
+// zeroed counter, reset here for the next launch.
+__device__ bool grid_last_block(unsigned* done) {
+    __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence_system();
-        if (atomicAdd(done, 1u) == gridDim.x - 1) {
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (last) {
             __threadfence_system();
             *done = 0u;
-            for (i64 d = 0; d < world; ++d) st_release_sys((unsigned*)flag_ptrs[d], epoch);
         }
+    }
+    __syncthreads();
+    return last;
+}
+
+// The last block's thread 0 raises `*(peer_sym[d] + flags_off + 4 * rank) = epoch` for every
+// destination d (release, system scope), after a system-scope fence over the block's prior stores.
+__device__ void raise_peer_flags(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,
+                                 unsigned epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (i64 d = 0; d < world; ++d)
+            st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank, epoch);
     }
 }
 
-// ---- row copies (one warp per row) ------------------------------------------------------------
+// ---- 16-byte vectors and row copies (one warp per row) ----------------------------------------
 
 struct alignas(16) U128 { unsigned a, b, c, d; };
 
-__device__ __forceinline__ U128 ld_v4(const U128* p) {
+__device__ __forceinline__ U128 ld_cg_v4(const void* p) {
     U128 v;
-    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
     return v;
 }
-__device__ __forceinline__ void st_v4(U128* p, U128 v) {
+__device__ __forceinline__ void st_v4(void* p, U128 v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.a), "r"(v.b), "r"(v.c),
                  "r"(v.d) : "memory");
 }
@@ -100,18 +159,17 @@ __device__ __forceinline__ void st_v4(U128* p, U128 v) {
 // when both rows are 16-byte aligned and the length is a multiple of 16, else 2-byte elements.
 __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, i64 bytes, int lane) {
     if ((((u64)dst | (u64)src | (u64)bytes) & 15u) == 0) {
-        const U128* s = (const U128*)src;
-        U128* d = (U128*)dst;
-        i64 n = bytes >> 4;
+        const i64 n = bytes >> 4;
         i64 i = lane;
         for (; i + 96 < n; i += 128) {
-            U128 a = ld_v4(s + i), b = ld_v4(s + i + 32), c = ld_v4(s + i + 64), e = ld_v4(s + i + 96);
-            st_v4(d + i, a);
-            st_v4(d + i + 32, b);
-            st_v4(d + i + 64, c);
-            st_v4(d + i + 96, e);
+            U128 a = ld_cg_v4(src + 16 * i), b = ld_cg_v4(src + 16 * (i + 32));
+            U128 c = ld_cg_v4(src + 16 * (i + 64)), e = ld_cg_v4(src + 16 * (i + 96));
+            st_v4(dst + 16 * i, a);
+            st_v4(dst + 16 * (i + 32), b);
+            st_v4(dst + 16 * (i + 64), c);
+            st_v4(dst + 16 * (i + 96), e);
         }
-        for (; i < n; i += 32) st_v4(d + i, ld_v4(s + i));
+        for (; i < n; i += 32) st_v4(dst + 16 * i, ld_cg_v4(src + 16 * i));
     } else {
         const unsigned short* s = (const unsigned short*)src;
         unsigned short* d = (unsigned short*)dst;
@@ -121,9 +179,8 @@ __device__ __forceinline__ void warp_copy_row(char* dst, const char* src, i64 by
 
 __device__ __forceinline__ void warp_zero_row(char* dst, i64 bytes, int lane) {
     if ((((u64)dst | (u64)bytes) & 15u) == 0) {
-        U128* d = (U128*)dst;
         U128 z = {0u, 0u, 0u, 0u};
-        for (i64 i = lane; i < (bytes >> 4); i += 32) st_v4(d + i, z);
+        for (i64 i = lane; i < (bytes >> 4); i += 32) st_v4(dst + 16 * i, z);
     } else {
         unsigned short* d = (unsigned short*)dst;
         for (i64 i = lane; i < (bytes >> 1); i += 32) d[i] = 0;
@@ -138,336 +195,448 @@ __device__ __forceinline__ i64 warp_id() { return thread_index() >> 5; }
 __device__ __forceinline__ i64 warp_count() { return thread_count() >> 5; }
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 
-// ---- block-wide exclusive scan over any length ------------------------------------------------
+// ---- FP8 E4M3 (mirrors kernels/src/fp8.rs bit for bit) -------------------------------------
 
-// out[i] = in[0] + ... + in[i-1] for i < n, processed in chunks of blockDim.x (a multiple of 32);
-// returns the total to every thread. `in` is read with relaxed gpu-scope loads (it may have been
-// built with atomics). The barrier between reading the running total and advancing it is the one
-// pplx-garden PR #9 is missing.
-__device__ int block_exclusive_scan(const int* in, int* out, i64 n) {
-    __shared__ int warp_sums[32];
-    __shared__ int running;
-    const int lane = lane_id(), warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-    __syncthreads();  // a previous call may still be reading `running`
-    if (threadIdx.x == 0) running = 0;
-    __syncthreads();
-    for (i64 base = 0; base < n; base += blockDim.x) {
-        i64 i = base + threadIdx.x;
-        int v = i < n ? ld_relaxed_gpu(in + i) : 0;
-        int x = v;
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
+// Round to nearest even, saturating to +-448 (infinities too), NaN -> 0x7f | sign.
+__device__ __forceinline__ unsigned f32_to_e4m3(float v) {
+    const unsigned u = __float_as_uint(v);
+    const unsigned sign = (u >> 24) & 0x80u;
+    const unsigned a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7fu;
+    if (a >= 0x43e00000u) return sign | 0x7eu;
+    if (a >= 0x3c800000u) {
+        const unsigned rounded = (a + 0x7ffffu + ((a >> 20) & 1u)) >> 20;
+        return sign | (rounded - (120u << 3));
+    }
+    const int exp = (int)(a >> 23);
+    if (exp == 0) return sign;
+    const unsigned mant = (a & 0x7fffffu) | 0x800000u;
+    const int shift = 141 - exp;
+    if (shift > 24) return sign;
+    unsigned q = mant >> shift;
+    const unsigned rem = mant & ((1u << shift) - 1u);
+    const unsigned half = 1u << (shift - 1);
+    if (rem > half || (rem == half && (q & 1u) != 0u)) q += 1u;
+    return sign | q;
+}
+
+__device__ __forceinline__ float e4m3_to_f32(unsigned b) {
+    const unsigned sign = (b & 0x80u) << 24;
+    const unsigned e = (b >> 3) & 0xfu, m = b & 7u;
+    if (e == 15u && m == 7u) return __uint_as_float(sign | 0x7fc00000u);
+    if (e == 0u) return __uint_as_float(__float_as_uint(__fmul_rn((float)m, 0.001953125f)) | sign);
+    return __uint_as_float(sign | ((e + 120u) << 23) | (m << 20));
+}
+
+// max(m, |v|) over finite v (non-finite values do not count toward a scale).
+__device__ __forceinline__ float amax_finite(float m, float v) {
+    const unsigned a = __float_as_uint(v) & 0x7fffffffu;
+    if (a >= 0x7f800000u) return m;
+    const float f = __uint_as_float(a);
+    return f > m ? f : m;
+}
+
+__device__ __forceinline__ float fp8_scale(float amax) {
+    return amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
+}
+
+template <typename T> struct alignas(16) Pack16 { T v[16]; };
+
+// 16 elements of T at p (16-byte aligned) as f32.
+template <typename T> __device__ __forceinline__ void load16(const T* p, float* v) {
+    Pack16<T> x = *(const Pack16<T>*)p;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = to_f32(x.v[j]);
+}
+
+// Stores e4m3(v[j] / scale) for j < 16 as 16 bytes at dst (16-byte aligned).
+__device__ __forceinline__ void store_codes16(char* dst, const float* v, float scale) {
+    unsigned w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int j = 0; j < 16; ++j) w[j >> 2] |= f32_to_e4m3(__fdiv_rn(v[j], scale)) << (8 * (j & 3));
+    U128 q = {w[0], w[1], w[2], w[3]};
+    st_v4(dst, q);
+}
+
+// ---- wire rows ----------------------------------------------------------------------------
+
+// The warp writes token row `x_row` (h elements of T) as a wire row at `dst`: payload (copied or
+// quantized), scales, and the metadata (token, the K expert ids, the K weights or zeros).
+template <typename T>
+__device__ void warp_write_wire_row(char* dst, const T* x_row, i64 h, unsigned wire, i64 scale_off,
+                                    i64 meta_off, i32 token, const i32* idx_row,
+                                    const float* w_row, i64 top_k, int lane) {
+    if (wire == WIRE_NATIVE) {
+        warp_copy_row(dst, (const char*)x_row, h * (i64)sizeof(T), lane);
+    } else if (wire == WIRE_FP8_TOKEN) {
+        float amax = 0.0f;
+        for (i64 i = (i64)lane * 16; i < h; i += 512) {
+            float v[16];
+            load16(x_row + i, v);
+#pragma unroll
+            for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[j]);
         }
-        if (lane == 31) warp_sums[warp] = x;
-        __syncthreads();
-        if (warp == 0) {
-            int s = lane < nwarps ? warp_sums[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, s, o);
-                if (lane >= o) s += y;
+        for (int o = 16; o > 0; o >>= 1) {
+            float other = __shfl_xor_sync(FULL_MASK, amax, o);
+            amax = other > amax ? other : amax;
+        }
+        const float scale = fp8_scale(amax);
+        for (i64 i = (i64)lane * 16; i < h; i += 512) {
+            float v[16];
+            load16(x_row + i, v);
+            store_codes16(dst + i, v, scale);
+        }
+        if (lane == 0) *(float*)(dst + scale_off) = scale;
+    } else {
+        // 128-channel blocks: lanes 8g..8g+7 cover one block of each 512-channel stretch (h is a
+        // multiple of 128, so a group is wholly inside the row or wholly past it).
+        for (i64 base = 0; base < h; base += 512) {
+            const i64 i = base + (i64)lane * 16;
+            const bool active = i < h;
+            float v[16];
+            float amax = 0.0f;
+            if (active) {
+                load16(x_row + i, v);
+#pragma unroll
+                for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[j]);
             }
-            warp_sums[lane] = s;
+            for (int o = 4; o > 0; o >>= 1) {
+                float other = __shfl_xor_sync(FULL_MASK, amax, o);
+                amax = other > amax ? other : amax;
+            }
+            if (active) {
+                const float scale = fp8_scale(amax);
+                store_codes16(dst + i, v, scale);
+                if ((lane & 7) == 0) ((float*)(dst + scale_off))[i / 128] = scale;
+            }
         }
-        __syncthreads();
-        int prefix = running + (warp > 0 ? warp_sums[warp - 1] : 0);
-        if (i < n) out[i] = prefix + x - v;
-        int chunk_total = warp_sums[nwarps - 1];
-        __syncthreads();  // every thread has read `running` and `warp_sums` (the PR #9 barrier)
-        if (threadIdx.x == 0) running += chunk_total;
-        __syncthreads();
     }
-    return running;
+    if (lane == 0) *(i32*)(dst + meta_off) = token;
+    i32* idx = (i32*)(dst + meta_off + 4);
+    float* w = (float*)(dst + meta_off + 4 + 4 * top_k);
+    for (i64 k = lane; k < top_k; k += 32) {
+        idx[k] = idx_row[k];
+        w[k] = w_row != 0 ? w_row[k] : 0.0f;
+    }
 }
 
-// ---- dispatch, sender side (both transports) --------------------------------------------------
+// The warp writes the payload of wire row `src` into expert row `out_row` (h elements of T):
+// copied, or dequantized (code * scale, rounded to T).
+template <typename T>
+__device__ void warp_read_wire_row(T* out_row, const char* src, i64 h, unsigned wire, i64 scale_off,
+                                   int lane) {
+    if (wire == WIRE_NATIVE) {
+        warp_copy_row((char*)out_row, src, h * (i64)sizeof(T), lane);
+        return;
+    }
+    for (i64 i = (i64)lane * 16; i < h; i += 512) {
+        const U128 c = ld_cg_v4(src + i);
+        const unsigned w[4] = {c.a, c.b, c.c, c.d};
+        const float s = ld_cg_f32(src + scale_off + 4 * (wire == WIRE_FP8_TOKEN ? 0 : i / 128));
+        Pack16<T> o;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            o.v[j] = from_f32<T>(__fmul_rn(e4m3_to_f32((w[j >> 2] >> (8 * (j & 3))) & 0xffu), s));
+        *(Pack16<T>*)(out_row + i) = o;
+    }
+}
 
-// NCCL, one block. cnt[e] = rows for expert e; pos[t*K+k] = rank of the row among expert e's
-// rows (-1 for an invalid expert id); base[e] = offset of expert e's first row inside its
-// destination's send block (the experts of a destination are contiguous, ascending).
-extern "C" __global__ void __launch_bounds__(1024) moe_route(const i32* topk_idx, i64 rows,
-                                                             i64 experts, i64 local_experts,
-                                                             i32* cnt, i32* pos, i32* base,
-                                                             unsigned* status) {
-    for (i64 e = threadIdx.x; e < experts; e += blockDim.x) cnt[e] = 0;
-    __syncthreads();
-    for (i64 i = threadIdx.x; i < rows; i += blockDim.x) {
-        int e = topk_idx[i];
-        if (e < 0 || e >= experts) {
-            pos[i] = -1;
-            atomicOr(status, MOE_BAD_EXPERT);
+// ---- dispatch, sender side ------------------------------------------------------------------
+
+// One warp per (token t, destination r): if any valid expert of t lives on r, reserve position
+// `pos` in r's rows (atomic on the local counter cnt[r]) and write the wire row there;
+// sent_pos[t * W + r] = pos or -1. Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
+// `row_at(r, pos)` is where the row goes.
+template <typename T, typename RowAt>
+__device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
+                               i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
+                               i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
+                               i32* cnt, i32* sent_pos, unsigned* status) {
+    const int lane = lane_id();
+    for (i64 item = warp_id(); item < tokens * world; item += warp_count()) {
+        const i64 t = item / world, r = item - t * world;
+        const i32* idx = topk_idx + t * top_k;
+        bool hit = false;
+        for (i64 k = lane; k < top_k; k += 32) {
+            const int e = idx[k];
+            if (e < 0 || e >= experts) {
+                if (r == 0) atomicOr(status, MOE_BAD_EXPERT);
+            } else if (e / local_experts == r) {
+                hit = true;
+            }
+        }
+        hit = __any_sync(FULL_MASK, hit);
+        int pos = -1;
+        if (hit) {
+            if (lane == 0) pos = atomicAdd(cnt + r, 1);
+            pos = __shfl_sync(FULL_MASK, pos, 0);
+            warp_write_wire_row<T>(row_at(r, pos), x + t * hidden, hidden, wire, scale_off, meta_off,
+                                   (i32)t, idx, weights != 0 ? weights + t * top_k : 0, top_k,
+                                   lane);
+        }
+        if (lane == 0) sent_pos[t * world + r] = pos;
+    }
+}
+
+struct BlockRowAt {
+    char* send;
+    i64 block_bytes, stride;
+    __device__ char* operator()(i64 r, i64 pos) const { return send + r * block_bytes + 16 + pos * stride; }
+};
+
+struct PeerRowAt {
+    const u64* peer_sym;
+    i64 rows_off, rank, tokens, stride;
+    __device__ char* operator()(i64 r, i64 pos) const {
+        return (char*)peer_sym[r] + rows_off + (rank * tokens + pos) * stride;
+    }
+};
+
+// NCCL: rows into per-destination blocks [16-byte header: count][T rows]; the last block writes
+// the headers and zeroes the counters.
+template <typename T>
+__device__ void nccl_dispatch_send(const T* x, const i32* topk_idx, const float* weights,
+                                   i64 tokens, i64 top_k, i64 experts, i64 local_experts,
+                                   i64 world, i64 hidden, unsigned wire, i64 stride, i64 scale_off,
+                                   i64 meta_off, char* send, i64 block_bytes, i32* cnt,
+                                   i32* sent_pos, unsigned* status, unsigned* done) {
+    BlockRowAt at = {send, block_bytes, stride};
+    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, hidden,
+                      wire, scale_off, meta_off, cnt, sent_pos, status);
+    if (grid_last_block(done)) {
+        for (i64 r = threadIdx.x; r < world; r += blockDim.x) {
+            *(i32*)(send + r * block_bytes) = ld_relaxed_gpu(cnt + r);
+            cnt[r] = 0;
+        }
+    }
+}
+
+// NVLink: rows straight into every receiver's area rows[W][T] (slot [rank][pos]); the last block
+// writes each receiver's count slot [rank], zeroes the counters, raises the receivers' dispatch
+// flags [rank] = epoch and stores the epoch for the later phases of this step.
+template <typename T>
+__device__ void nvl_dispatch_send(const T* x, const i32* topk_idx, const float* weights,
+                                  i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
+                                  i64 rank, i64 hidden, unsigned wire, i64 stride, i64 scale_off,
+                                  i64 meta_off, const u64* peer_sym, i64 rows_off, i64 counts_off,
+                                  i64 flags_off, i32* cnt, i32* sent_pos, unsigned* status,
+                                  unsigned* state) {
+    const unsigned epoch = *(volatile unsigned*)state + 1u;
+    PeerRowAt at = {peer_sym, rows_off, rank, tokens, stride};
+    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, hidden,
+                      wire, scale_off, meta_off, cnt, sent_pos, status);
+    if (grid_last_block(state + 1)) {
+        for (i64 r = threadIdx.x; r < world; r += blockDim.x) {
+            ((i32*)((char*)peer_sym[r] + counts_off))[rank] = ld_relaxed_gpu(cnt + r);
+            cnt[r] = 0;
+        }
+        __threadfence_system();
+        raise_peer_flags(peer_sym, flags_off, world, rank, epoch);
+        if (threadIdx.x == 0) *(volatile unsigned*)state = epoch;
+    }
+}
+
+// ---- dispatch, receiver side (both transports) ------------------------------------------------
+
+// Where the rows and the count of source s lie: for s == rank in `own`, else in `other`; rows of
+// s start at base + s * block_bytes + row_off, its count (i32) at cnt_base + s * cnt_stride.
+struct Sources {
+    const char* own_rows;
+    const char* other_rows;
+    i64 block_bytes, row_off;
+    const char* own_cnt;
+    const char* other_cnt;
+    i64 cnt_stride;
+    i64 rank;
+    __device__ const char* rows(i64 s) const {
+        return (s == rank ? own_rows : other_rows) + s * block_bytes + row_off;
+    }
+    __device__ int count(i64 s) const {
+        return ld_cg_i32((s == rank ? own_cnt : other_cnt) + s * cnt_stride);
+    }
+};
+
+// The number of valid rows of source s (out-of-range counts raise MOE_BAD_ROUTING, clamped).
+__device__ __forceinline__ i64 valid_rows(const Sources& src, i64 s, i64 tokens, unsigned* status,
+                                          bool report) {
+    int n = src.count(s);
+    if (n < 0 || n > tokens) {
+        if (report) atomicOr(status, MOE_BAD_ROUTING);
+        n = n < 0 ? 0 : (int)tokens;
+    }
+    return n;
+}
+
+// One warp per received row (s, j): for each k (in order) whose expert lives here, a row of that
+// local expert (atomic counter ecnt[le]; dropped past C with MOE_OVERFLOW) gets the token and its
+// routing (s * T + t, k); fan[(s * T + j) * K + k] = that expert row, or -1. The last block writes
+// counts[le] = min(ecnt[le], C) and zeroes ecnt.
+template <typename T>
+__device__ void fan_out(const Sources& src, i64 tokens, i64 top_k, i64 experts, i64 local_experts,
+                        i64 world, i64 capacity, i64 hidden, unsigned wire, i64 stride,
+                        i64 scale_off, i64 meta_off, T* expert_x, i32* routing, i32* fan, i32* ecnt,
+                        i32* counts, unsigned* status, unsigned* done) {
+    const int lane = lane_id();
+    const i64 rank = src.rank;
+    for (i64 item = warp_id(); item < world * tokens; item += warp_count()) {
+        const i64 s = item / tokens, j = item - s * tokens;
+        if (j >= valid_rows(src, s, tokens, status, lane == 0 && j == 0)) continue;
+        const char* row = src.rows(s) + j * stride;
+        const i64 t = ld_cg_i32(row + meta_off);
+        const bool token_ok = t >= 0 && t < tokens;
+        if (!token_ok && lane == 0) atomicOr(status, MOE_BAD_ROUTING);
+        const char* idx = row + meta_off + 4;
+        i32* fan_row = fan + item * top_k;
+        for (i64 k = 0; k < top_k; ++k) {
+            const int e = ld_cg_i32(idx + 4 * k);
+            int f = -1;
+            if (token_ok && e >= 0 && e < experts && e / local_experts == rank) {
+                const i64 le = e - rank * local_experts;
+                int slot = 0;
+                if (lane == 0) slot = atomicAdd(ecnt + le, 1);
+                slot = __shfl_sync(FULL_MASK, slot, 0);
+                if (slot < capacity) {
+                    const i64 r = le * capacity + slot;
+                    warp_read_wire_row<T>(expert_x + r * hidden, row, hidden, wire, scale_off, lane);
+                    if (lane == 0) store_pair(routing + r * 2, (i32)(s * tokens + t), (i32)k);
+                    f = (int)r;
+                } else if (lane == 0) {
+                    atomicOr(status, MOE_OVERFLOW);
+                }
+            }
+            if (lane == 0) fan_row[k] = f;
+        }
+    }
+    if (grid_last_block(done)) {
+        for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
+            const int total = ld_relaxed_gpu(ecnt + le);
+            counts[le] = total < capacity ? total : (i32)capacity;
+            ecnt[le] = 0;
+        }
+    }
+}
+
+// Zeroes the padding rows [counts[le], hi) of every local expert, hi = prev[le] (rows past the
+// previous step's count are already zero) or C when prev is null; routing alike.
+extern "C" __global__ void moe_zero_padding(char* expert_x, i64 row_bytes, i32* routing,
+                                            const i32* counts, const i32* prev, i64 local_experts,
+                                            i64 capacity) {
+    const int lane = lane_id();
+    for (i64 r = warp_id(); r < local_experts * capacity; r += warp_count()) {
+        const i64 le = r / capacity, j = r - le * capacity;
+        const i64 hi = prev != 0 ? prev[le] : capacity;
+        if (j < counts[le] || j >= hi) continue;
+        warp_zero_row(expert_x + r * row_bytes, row_bytes, lane);
+        if (lane == 0) store_pair(routing + r * 2, 0, 0);
+    }
+}
+
+// ---- combine, expert side ------------------------------------------------------------------
+
+// One warp per received row (s, j): the partial P = sum over k (in order) with fan >= 0 of
+// w[t, k] * y[fan], in f32 with separate multiply and add from +0, rounded once to T, stored at
+// dst_at(s, j). Weights come from the wire row (given at dispatch) or, when `late`, from
+// w_self (s == rank) / w_peers + s * T * K.
+template <typename T, typename DstAt>
+__device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, const i32* fan,
+                                i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,
+                                i64 meta_off, bool late, const float* w_self,
+                                const float* w_peers, unsigned* status) {
+    const int VEC = 16 / (int)sizeof(T);
+    const int lane = lane_id();
+    const i64 rank = src.rank;
+    const bool vec = (width % VEC) == 0 && aligned16(y);
+    for (i64 item = warp_id(); item < world * tokens; item += warp_count()) {
+        const i64 s = item / tokens, j = item - s * tokens;
+        if (j >= valid_rows(src, s, tokens, status, false)) continue;
+        const char* row = src.rows(s) + j * stride;
+        const i64 t = ld_cg_i32(row + meta_off);
+        if (t < 0 || t >= tokens) continue;
+        const char* w_at = late ? (const char*)((s == rank ? w_self : w_peers + s * tokens * top_k) +
+                                                t * top_k)
+                                : row + meta_off + 4 + 4 * top_k;
+        const i32* fan_row = fan + item * top_k;
+        T* dst = (T*)dst_at(s, j);
+        if (vec) {
+            for (i64 v = lane; v < width / VEC; v += 32) {
+                float acc[16 / sizeof(T)];
+#pragma unroll
+                for (int q = 0; q < VEC; ++q) acc[q] = 0.0f;
+                for (i64 k = 0; k < top_k; ++k) {
+                    const int f = fan_row[k];
+                    if (f < 0) continue;
+                    const float w = ld_cg_f32(w_at + 4 * k);
+                    const Vec16<T> yv = *(const Vec16<T>*)(y + (i64)f * width + v * VEC);
+#pragma unroll
+                    for (int q = 0; q < VEC; ++q)
+                        acc[q] = __fadd_rn(acc[q], __fmul_rn(w, to_f32(yv.v[q])));
+                }
+                Vec16<T> o;
+#pragma unroll
+                for (int q = 0; q < VEC; ++q) o.v[q] = from_f32<T>(acc[q]);
+                *(Vec16<T>*)(dst + v * VEC) = o;
+            }
         } else {
-            pos[i] = atomicAdd(cnt + e, 1);
+            for (i64 c = lane; c < width; c += 32) {
+                float acc = 0.0f;
+                for (i64 k = 0; k < top_k; ++k) {
+                    const int f = fan_row[k];
+                    if (f < 0) continue;
+                    const float w = ld_cg_f32(w_at + 4 * k);
+                    acc = __fadd_rn(acc, __fmul_rn(w, to_f32(y[(i64)f * width + c])));
+                }
+                dst[c] = from_f32<T>(acc);
+            }
         }
     }
-    __syncthreads();
-    i64 world = experts / local_experts;
-    for (i64 d = 0; d < world; ++d)
-        block_exclusive_scan(cnt + d * local_experts, base + d * local_experts, local_experts);
 }
 
-// NCCL: one warp per (t, k) row: x[t] goes to row base[e] + pos of destination d's send block
-// (meta = team-global token, k).
-extern "C" __global__ void moe_nccl_dispatch_pack(const char* x, i64 row_bytes, const i32* topk_idx,
-                                                  const i32* pos, const i32* base, i64 tokens,
-                                                  i64 top_k, i64 local_experts, i64 rank,
-                                                  i64 pair_rows, char* send_x, i32* send_meta) {
-    const int lane = lane_id();
-    for (i64 i = warp_id(); i < tokens * top_k; i += warp_count()) {
-        int p = pos[i];
-        if (p < 0) continue;
-        int e = topk_idx[i];
-        i64 d = e / local_experts;
-        i64 row = d * pair_rows + base[e] + p;
-        i64 t = i / top_k, k = i - t * top_k;
-        warp_copy_row(send_x + row * row_bytes, x + t * row_bytes, row_bytes, lane);
-        if (lane == 0) store_pair(send_meta + row * 2, (i32)(rank * tokens + t), (i32)k);
-    }
-}
+struct LocalDstAt {
+    char* send;
+    i64 tokens, row_bytes;
+    __device__ char* operator()(i64 s, i64 j) const { return send + (s * tokens + j) * row_bytes; }
+};
 
-// NVLink: one warp per (t, k) row: lane 0 reserves a row of expert e in the receiver's counter
-// (system-scope atomic add at `peer_sym[d] + counter_off`), the warp stores x[t] (16-byte
-// vectors) and (team-global token, k) straight into the receiver's expert_x / routing. Rows
-// past C are dropped (MOE_OVERFLOW). The last block raises the dispatch flags.
-extern "C" __global__ void moe_nvl_dispatch_send(const char* x, i64 row_bytes, const i32* topk_idx,
-                                                 i64 tokens, i64 top_k, i64 experts,
-                                                 i64 local_experts, i64 capacity, i64 rank,
-                                                 const u64* peer_sym, i64 x_off, i64 routing_off,
-                                                 i64 counter_off, unsigned* status,
-                                                 unsigned* done, const u64* flag_ptrs, i64 world,
-                                                 unsigned epoch) {
-    const int lane = lane_id();
-    for (i64 i = warp_id(); i < tokens * top_k; i += warp_count()) {
-        int e = topk_idx[i];
-        if (e < 0 || e >= experts) {
-            if (lane == 0) atomicOr(status, MOE_BAD_EXPERT);
-            continue;
-        }
-        i64 d = e / local_experts, le = e - d * local_experts;
-        char* peer = (char*)peer_sym[d];
-        int slot = 0;
-        if (lane == 0) slot = atomic_add_sys((i32*)(peer + counter_off) + le, 1);
-        slot = __shfl_sync(0xffffffffu, slot, 0);
-        if (slot >= capacity) {
-            if (lane == 0) atomicOr(status, MOE_OVERFLOW);
-            continue;
-        }
-        i64 row = le * capacity + slot;
-        i64 t = i / top_k, k = i - t * top_k;
-        warp_copy_row(peer + x_off + row * row_bytes, x + t * row_bytes, row_bytes, lane);
-        if (lane == 0) store_pair((i32*)(peer + routing_off) + row * 2, (i32)(rank * tokens + t), (i32)k);
+struct PeerDstAt {
+    const u64* peer_sym;
+    i64 off, rank, tokens, row_bytes;
+    __device__ char* operator()(i64 s, i64 j) const {
+        return (char*)peer_sym[s] + off + (rank * tokens + j) * row_bytes;
     }
-    grid_done_signal(done, flag_ptrs, world, epoch);
-}
+};
 
-// ---- dispatch, receiver side: NVLink ----------------------------------------------------------
+// ---- combine, token side -------------------------------------------------------------------
 
-// Waits for every sender's flag, then counts[le] = min(rows reserved, C) (MOE_OVERFLOW past C),
-// resets the other parity's counters for the next step, and zeroes padding rows and routing.
-extern "C" __global__ void moe_nvl_dispatch_recv(const unsigned* flags, i64 world, unsigned epoch,
-                                                 u64 timeout_ns, const i32* counters,
-                                                 i32* counters_next, i32* counts,
-                                                 i64 local_experts, i64 capacity, char* expert_x,
-                                                 i64 row_bytes, i32* routing, unsigned* status) {
-    block_wait_flags(flags, world, epoch, timeout_ns, status);
-    for (i64 le = thread_index(); le < local_experts; le += thread_count()) {
-        int total = ld_relaxed_gpu(counters + le);
-        counts[le] = total < capacity ? total : (i32)capacity;
-        if (total > capacity) atomicOr(status, MOE_OVERFLOW);
-        counters_next[le] = 0;
-    }
-    const int lane = lane_id();
-    for (i64 r = warp_id(); r < local_experts * capacity; r += warp_count()) {
-        i64 le = r / capacity, j = r - le * capacity;
-        if (j < ld_relaxed_gpu(counters + le)) continue;
-        warp_zero_row(expert_x + r * row_bytes, row_bytes, lane);
-        if (lane == 0) store_pair(routing + r * 2, 0, 0);
-    }
-}
-
-// ---- dispatch, receiver side: NCCL ------------------------------------------------------------
-
-// One block. c(s, le) = rows source s sent for local expert le (own counts for s == rank).
-// src_off[s][le]: first row of (s, le) in s's block; src_total[s]: rows in s's block;
-// dst_off[s][le]: first row of (s, le) in expert le; counts[le] = min(total, C).
-extern "C" __global__ void __launch_bounds__(1024) moe_nccl_dispatch_scan(const i32* self_cnt, const i32* recv_cnt, i64 rank,
-                                                  i64 world, i64 local_experts, i64 capacity,
-                                                  i32* src_off, i32* dst_off, i32* src_total,
-                                                  i32* counts, unsigned* status) {
-    for (i64 s = 0; s < world; ++s) {
-        const i32* c = s == rank ? self_cnt : recv_cnt + s * local_experts;
-        int total = block_exclusive_scan(c, src_off + s * local_experts, local_experts);
-        if (threadIdx.x == 0) src_total[s] = total;
-    }
-    for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
-        i64 run = 0;
-        bool bad = false;
-        for (i64 s = 0; s < world; ++s) {
-            const i32* c = s == rank ? self_cnt : recv_cnt + s * local_experts;
-            dst_off[s * local_experts + le] = (i32)(run < 0x7fffffff ? run : 0x7fffffff);
-            int v = ld_relaxed_gpu(c + le);
-            if (v < 0) bad = true; else run += v;
-        }
-        counts[le] = run < capacity ? (i32)run : (i32)capacity;
-        if (run > capacity) atomicOr(status, MOE_OVERFLOW);
-        if (bad) atomicOr(status, MOE_BAD_ROUTING);
-    }
-}
-
-// One warp per received row: finds its expert by binary search in src_off[s], places it at
-// dst_off + rank-in-segment (dropped past C), copies its routing; then zeroes padding rows.
-extern "C" __global__ void moe_nccl_dispatch_unpack(const char* recv_x, const char* send_x,
-                                                    const i32* recv_meta, const i32* send_meta,
-                                                    i64 rank, i64 world, i64 pair_rows,
-                                                    i64 local_experts, i64 capacity, i64 row_bytes,
-                                                    const i32* src_off, const i32* dst_off,
-                                                    const i32* src_total, const i32* counts,
-                                                    char* expert_x, i32* routing) {
-    const int lane = lane_id();
-    for (i64 r = warp_id(); r < world * pair_rows; r += warp_count()) {
-        i64 s = r / pair_rows, j = r - s * pair_rows;
-        if (j >= src_total[s]) continue;
-        const i32* off = src_off + s * local_experts;
-        i64 lo = 0, hi = local_experts;  // largest le with off[le] <= j
-        while (hi - lo > 1) {
-            i64 mid = (lo + hi) >> 1;
-            if (off[mid] <= j) lo = mid; else hi = mid;
-        }
-        i64 dst = (i64)dst_off[s * local_experts + lo] + (j - off[lo]);
-        if (dst < 0 || dst >= capacity) continue;
-        const char* src = (s == rank ? send_x : recv_x) + r * row_bytes;
-        const i32* meta = (s == rank ? send_meta : recv_meta) + r * 2;
-        i64 row = lo * capacity + dst;
-        warp_copy_row(expert_x + row * row_bytes, src, row_bytes, lane);
-        if (lane == 0) store_pair(routing + row * 2, meta[0], meta[1]);
-    }
-    for (i64 r = warp_id(); r < local_experts * capacity; r += warp_count()) {
-        i64 le = r / capacity, j = r - le * capacity;
-        if (j < counts[le]) continue;
-        warp_zero_row(expert_x + r * row_bytes, row_bytes, lane);
-        if (lane == 0) store_pair(routing + r * 2, 0, 0);
-    }
-}
-
-// ---- combine, expert side ---------------------------------------------------------------------
-
-// Reads row r = (le, j) of the expert side; returns false for padding or invalid routing.
-__device__ __forceinline__ bool expert_row_source(const i32* counts, const i32* routing, i64 r,
-                                                  i64 capacity, i64 tokens, i64 top_k, i64 world,
-                                                  i64* s, i64* t, i64* k, unsigned* status,
-                                                  int lane) {
-    i64 le = r / capacity, j = r - le * capacity;
-    int c = counts[le];
-    if (c < 0 || c > capacity) {
-        if (lane == 0 && j == 0) atomicOr(status, MOE_BAD_ROUTING);
-        c = c < 0 ? 0 : (int)capacity;
-    }
-    if (j >= c) return false;
-    i64 g = routing[r * 2], kk = routing[r * 2 + 1];
-    if (g < 0 || g >= world * tokens || kk < 0 || kk >= top_k) {
-        if (lane == 0) atomicOr(status, MOE_BAD_ROUTING);
-        return false;
-    }
-    *s = g / tokens;
-    *t = g - *s * tokens;
-    *k = kk;
-    return true;
-}
-
-// NVLink: one warp per valid expert row: y row -> slot [t, k] of source s (peer memory), mark
-// [t, k] = epoch; the last block raises the combine flags.
-extern "C" __global__ void moe_nvl_combine_send(const char* y, i64 row_bytes, const i32* counts,
-                                                const i32* routing, i64 local_experts,
-                                                i64 capacity, i64 tokens, i64 top_k, i64 world,
-                                                const u64* peer_sym, i64 slots_off, i64 marks_off,
-                                                unsigned epoch, unsigned* status, unsigned* done,
-                                                const u64* flag_ptrs) {
-    const int lane = lane_id();
-    for (i64 r = warp_id(); r < local_experts * capacity; r += warp_count()) {
-        i64 s, t, k;
-        if (!expert_row_source(counts, routing, r, capacity, tokens, top_k, world, &s, &t, &k,
-                               status, lane))
-            continue;
-        char* peer = (char*)peer_sym[s];
-        i64 slot = t * top_k + k;
-        warp_copy_row(peer + slots_off + slot * row_bytes, y + r * row_bytes, row_bytes, lane);
-        if (lane == 0) ((unsigned*)(peer + marks_off))[slot] = epoch;
-    }
-    grid_done_signal(done, flag_ptrs, world, epoch);
-}
-
-// NCCL: one warp per valid expert row: y row -> next free row of source s's send block.
-extern "C" __global__ void moe_nccl_combine_pack(const char* y, i64 row_bytes, const i32* counts,
-                                                 const i32* routing, i64 local_experts,
-                                                 i64 capacity, i64 tokens, i64 top_k, i64 world,
-                                                 i64 pair_rows, i32* send_cnt, char* send_x,
-                                                 i32* send_meta, unsigned* status) {
-    const int lane = lane_id();
-    for (i64 r = warp_id(); r < local_experts * capacity; r += warp_count()) {
-        i64 s, t, k;
-        if (!expert_row_source(counts, routing, r, capacity, tokens, top_k, world, &s, &t, &k,
-                               status, lane))
-            continue;
-        int slot = 0;
-        if (lane == 0) slot = atomicAdd(send_cnt + s, 1);
-        slot = __shfl_sync(0xffffffffu, slot, 0);
-        if (slot >= pair_rows) {
-            if (lane == 0) atomicOr(status, MOE_BAD_ROUTING);
-            continue;
-        }
-        i64 row = s * pair_rows + slot;
-        warp_copy_row(send_x + row * row_bytes, y + r * row_bytes, row_bytes, lane);
-        if (lane == 0) store_pair(send_meta + row * 2, (i32)t, (i32)k);
-    }
-}
-
-// NCCL: slot_idx[t*K+k] = row (s * pair_rows + j) of the received (or own) block holding y(t, k).
-extern "C" __global__ void moe_nccl_combine_index(const i32* send_cnt, const i32* recv_cnt,
-                                                  const i32* send_meta, const i32* recv_meta,
-                                                  i64 rank, i64 world, i64 pair_rows, i64 tokens,
-                                                  i64 top_k, i32* slot_idx, unsigned* status) {
-    for (i64 r = thread_index(); r < world * pair_rows; r += thread_count()) {
-        i64 s = r / pair_rows, j = r - s * pair_rows;
-        i64 n = s == rank ? ld_relaxed_gpu(send_cnt + s) : recv_cnt[s];
-        if (j >= n) continue;
-        const i32* meta = (s == rank ? send_meta : recv_meta) + r * 2;
-        i64 t = meta[0], k = meta[1];
-        if (t < 0 || t >= tokens || k < 0 || k >= top_k) {
-            atomicOr(status, MOE_BAD_ROUTING);
-            continue;
-        }
-        if (atomicExch(slot_idx + t * top_k + k, (int)r) != -1) atomicOr(status, MOE_BAD_ROUTING);
-    }
-}
-
-// ---- combine, token side: out[t] = sum_k w[t, k] * y(t, k) -------------------------------------
-
-// Sums in k order in f32 with explicit round-to-nearest multiply and add (no FMA contraction, so
-// the result is bit-identical to a plain host loop) and rounds once to T.
-template <typename T, typename RowOf>
-__device__ void combine_reduce(RowOf row_of, const float* weights, T* out, i64 tokens, i64 top_k,
-                               i64 width) {
+// out[t] = sum over r in ascending order with p = sent_pos[t * W + r] >= 0 of the partial at
+// partial_at(r, p), in f32 from +0, rounded once to T.
+template <typename T>
+__device__ void sum_partials(const char* own, const char* other, i64 rank, const i32* sent_pos,
+                             T* out, i64 tokens, i64 world, i64 width) {
     const int VEC = 16 / (int)sizeof(T);
     const bool vec = (width % VEC) == 0 && aligned16(out);
     const i64 per_token = vec ? width / VEC : width;
+    const i64 row_bytes = width * (i64)sizeof(T);
     for (i64 c = thread_index(); c < tokens * per_token; c += thread_count()) {
-        i64 t = c / per_token, f0 = (c - t * per_token) * (vec ? VEC : 1);
+        const i64 t = c / per_token, f0 = (c - t * per_token) * (vec ? VEC : 1);
         float acc[16 / sizeof(T)];
-        for (int v = 0; v < VEC; ++v) acc[v] = 0.0f;
-        for (i64 k = 0; k < top_k; ++k) {
-            const T* row = row_of(t * top_k + k);
-            if (row == 0) continue;
-            float w = weights[t * top_k + k];
+        for (int q = 0; q < VEC; ++q) acc[q] = 0.0f;
+        for (i64 r = 0; r < world; ++r) {
+            const i64 p = sent_pos[t * world + r];
+            if (p < 0) continue;
+            const char* row = (r == rank ? own : other) + (r * tokens + p) * row_bytes;
             if (vec) {
-                Vec16<T> y = *(const Vec16<T>*)(row + f0);
-                for (int v = 0; v < VEC; ++v) acc[v] = __fadd_rn(acc[v], __fmul_rn(w, to_f32(y.v[v])));
+                const U128 raw = ld_cg_v4(row + f0 * (i64)sizeof(T));
+                const Vec16<T> pv = *(const Vec16<T>*)&raw;
+#pragma unroll
+                for (int q = 0; q < VEC; ++q) acc[q] = __fadd_rn(acc[q], to_f32(pv.v[q]));
             } else {
-                acc[0] = __fadd_rn(acc[0], __fmul_rn(w, to_f32(row[f0])));
+                acc[0] = __fadd_rn(acc[0], to_f32(load_cg<T>(row + f0 * (i64)sizeof(T))));
             }
         }
         if (vec) {
             Vec16<T> o;
-            for (int v = 0; v < VEC; ++v) o.v[v] = from_f32<T>(acc[v]);
+#pragma unroll
+            for (int q = 0; q < VEC; ++q) o.v[q] = from_f32<T>(acc[q]);
             *(Vec16<T>*)(out + t * width + f0) = o;
         } else {
             out[t * width + f0] = from_f32<T>(acc[0]);
@@ -475,44 +644,93 @@ __device__ void combine_reduce(RowOf row_of, const float* weights, T* out, i64 t
     }
 }
 
-template <typename T> struct SlotRows {
-    const char* slots;
-    const unsigned* marks;
-    unsigned epoch;
-    i64 row_bytes;
-    __device__ const T* operator()(i64 slot) const {
-        return marks[slot] == epoch ? (const T*)(slots + slot * row_bytes) : (const T*)0;
-    }
-};
+// ---- NVLink late weights ---------------------------------------------------------------------
 
-template <typename T> struct IndexedRows {
-    const char* recv_x;
-    const char* send_x;
-    const i32* slot_idx;
-    i64 rank, pair_rows, row_bytes;
-    __device__ const T* operator()(i64 slot) const {
-        i64 r = slot_idx[slot];
-        if (r < 0) return (const T*)0;
-        return (const T*)((r / pair_rows == rank ? send_x : recv_x) + r * row_bytes);
+// Copies this rank's weights [n = T * K] into slot [rank] of every peer's weight area; the last
+// block raises the peers' weight flags [rank] = this step's epoch.
+extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64 world, i64 rank,
+                                                const u64* peer_sym, i64 w_off, i64 w_flags_off,
+                                                unsigned* state) {
+    const unsigned epoch = *(volatile unsigned*)state;
+    for (i64 i = thread_index(); i < world * n; i += thread_count()) {
+        const i64 r = i / n, q = i - r * n;
+        ((float*)((char*)peer_sym[r] + w_off))[rank * n + q] = weights[q];
     }
-};
+    if (grid_last_block(state + 2)) raise_peer_flags(peer_sym, w_flags_off, world, rank, epoch);
+}
 
-#define MOE_REDUCE(T)                                                                            \
-    extern "C" __global__ void moe_nvl_combine_recv_##T(                                         \
-        const unsigned* flags, i64 world, unsigned epoch, u64 timeout_ns, unsigned* status,     \
-        const char* slots, const unsigned* marks, const float* weights, T* out, i64 tokens,     \
-        i64 top_k, i64 width) {                                                                  \
-        block_wait_flags(flags, world, epoch, timeout_ns, status);                               \
-        SlotRows<T> rows = {slots, marks, epoch, width * (i64)sizeof(T)};                        \
-        combine_reduce<T>(rows, weights, out, tokens, top_k, width);                             \
-    }                                                                                            \
-    extern "C" __global__ void moe_nccl_combine_reduce_##T(                                      \
-        const char* recv_x, const char* send_x, const i32* slot_idx, i64 rank, i64 pair_rows,    \
-        const float* weights, T* out, i64 tokens, i64 top_k, i64 width) {                        \
-        IndexedRows<T> rows = {recv_x, send_x, slot_idx, rank, pair_rows, width * (i64)sizeof(T)}; \
-        combine_reduce<T>(rows, weights, out, tokens, top_k, width);                             \
+// ---- typed entry points ----------------------------------------------------------------------
+
+#define MOE_KERNELS(T)                                                                             \
+    extern "C" __global__ void moe_nccl_dispatch_send_##T(                                         \
+        const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
+        i64 experts, i64 local_experts, i64 world, i64 hidden, unsigned wire, i64 stride,           \
+        i64 scale_off, i64 meta_off, char* send, i64 block_bytes, i32* cnt, i32* sent_pos,         \
+        unsigned* status, unsigned* done) {                                                        \
+        nccl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,  \
+                              hidden, wire, stride, scale_off, meta_off, send, block_bytes, cnt,   \
+                              sent_pos, status, done);                                             \
+    }                                                                                              \
+    extern "C" __global__ void moe_nvl_dispatch_send_##T(                                          \
+        const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
+        i64 experts, i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire,            \
+        i64 stride, i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,                \
+        i64 counts_off, i64 flags_off, i32* cnt, i32* sent_pos, unsigned* status,                  \
+        unsigned* state) {                                                                         \
+        nvl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,   \
+                             rank, hidden, wire, stride, scale_off, meta_off, peer_sym, rows_off,  \
+                             counts_off, flags_off, cnt, sent_pos, status, state);                 \
+    }                                                                                              \
+    /* flags == 0: no wait (NCCL); else wait for flags[W] >= state[0] first (NVLink). */           \
+    extern "C" __global__ void moe_dispatch_recv_##T(                                              \
+        const unsigned* flags, const unsigned* state, u64 timeout_ns, const char* own_rows,        \
+        const char* other_rows, i64 block_bytes, i64 row_off, const char* own_cnt,                 \
+        const char* other_cnt, i64 cnt_stride, i64 rank, i64 tokens, i64 top_k, i64 experts,       \
+        i64 local_experts, i64 world, i64 capacity, i64 hidden, unsigned wire, i64 stride,         \
+        i64 scale_off, i64 meta_off, T* expert_x, i32* routing, i32* fan, i32* ecnt, i32* counts,  \
+        unsigned* status, unsigned* done) {                                                        \
+        if (flags != 0) block_wait_flags(flags, world, *state, timeout_ns, status);                \
+        Sources src = {own_rows, other_rows, block_bytes, row_off, own_cnt, other_cnt,             \
+                       cnt_stride, rank};                                                          \
+        fan_out<T>(src, tokens, top_k, experts, local_experts, world, capacity, hidden, wire,      \
+                   stride, scale_off, meta_off, expert_x, routing, fan, ecnt, counts, status,      \
+                   done);                                                                          \
+    }                                                                                              \
+    extern "C" __global__ void moe_nccl_combine_send_##T(                                          \
+        const char* own_rows, const char* other_rows, i64 block_bytes, i64 row_off,                \
+        const char* own_cnt, const char* other_cnt, i64 cnt_stride, i64 rank, const T* y,          \
+        const i32* fan, i64 tokens, i64 top_k, i64 world, i64 width, i64 stride, i64 meta_off,     \
+        unsigned late, const float* w_self, const float* w_peers, char* send, unsigned* status) {  \
+        Sources src = {own_rows, other_rows, block_bytes, row_off, own_cnt, other_cnt,             \
+                       cnt_stride, rank};                                                          \
+        LocalDstAt at = {send, tokens, width * (i64)sizeof(T)};                                    \
+        reduce_partials<T>(at, src, y, fan, tokens, top_k, world, width, stride, meta_off,         \
+                           late != 0, w_self, w_peers, status);                                    \
+    }                                                                                              \
+    /* late != 0: wait for the weight flags (>= state[0]) first. The last block raises the */      \
+    /* sources' combine flags. */                                                                  \
+    extern "C" __global__ void moe_nvl_combine_send_##T(                                           \
+        const unsigned* w_flags, unsigned* state, u64 timeout_ns, const char* rows,                \
+        const char* cnts, i64 rank, const T* y, const i32* fan, i64 tokens, i64 top_k, i64 world,  \
+        i64 width, i64 stride, i64 meta_off, unsigned late, const float* w_area,                   \
+        const u64* peer_sym, i64 partials_off, i64 flags_off, unsigned* status) {                  \
+        const unsigned epoch = *(volatile unsigned*)state;                                         \
+        if (late != 0) block_wait_flags(w_flags, world, epoch, timeout_ns, status);                \
+        Sources src = {rows, rows, tokens * stride, 0, cnts, cnts, 4, rank};                       \
+        PeerDstAt at = {peer_sym, partials_off, rank, tokens, width * (i64)sizeof(T)};             \
+        reduce_partials<T>(at, src, y, fan, tokens, top_k, world, width, stride, meta_off,         \
+                           late != 0, w_area + rank * tokens * top_k, w_area, status);             \
+        if (grid_last_block(state + 3)) raise_peer_flags(peer_sym, flags_off, world, rank, epoch); \
+    }                                                                                              \
+    /* flags == 0: no wait (NCCL); else wait for flags[W] >= state[0] first (NVLink). */           \
+    extern "C" __global__ void moe_combine_recv_##T(                                               \
+        const unsigned* flags, const unsigned* state, u64 timeout_ns, unsigned* status,            \
+        const char* own, const char* other, i64 rank, const i32* sent_pos, T* out, i64 tokens,     \
+        i64 world, i64 width) {                                                                    \
+        if (flags != 0) block_wait_flags(flags, world, *state, timeout_ns, status);                \
+        sum_partials<T>(own, other, rank, sent_pos, out, tokens, world, width);                    \
     }
 
-MOE_REDUCE(f32)
-MOE_REDUCE(bf16)
-MOE_REDUCE(f16)
+MOE_KERNELS(f32)
+MOE_KERNELS(bf16)
+MOE_KERNELS(f16)

@@ -19,6 +19,9 @@ struct Allocation {
     free_stream: Option<Stream>,
     /// Memory of the caller ([`DeviceBuffer::from_raw_borrowed`]): never freed here.
     borrowed: bool,
+    /// What keeps borrowed memory allocated (e.g. the Python object owning it), released with
+    /// the last view.
+    _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Drop for Allocation {
@@ -119,6 +122,7 @@ impl DeviceBuffer {
                 device,
                 free_stream,
                 borrowed: false,
+                _owner: None,
             }),
             offset: 0,
             len: bytes,
@@ -138,6 +142,22 @@ impl DeviceBuffer {
         device: &Device,
         ptr: u64,
         bytes: usize,
+    ) -> Result<DeviceBuffer> {
+        // SAFETY: forwarded from the caller.
+        unsafe { DeviceBuffer::from_raw_owned_by(device, ptr, bytes, None) }
+    }
+
+    /// [`DeviceBuffer::from_raw_borrowed`] with `owner` kept alive until the last view of the
+    /// buffer is dropped (e.g. the Python object that owns the memory).
+    ///
+    /// # Safety
+    /// As [`DeviceBuffer::from_raw_borrowed`], where holding `owner` may be what keeps the
+    /// memory allocated.
+    pub(crate) unsafe fn from_raw_owned_by(
+        device: &Device,
+        ptr: u64,
+        bytes: usize,
+        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
     ) -> Result<DeviceBuffer> {
         if bytes > 0 {
             device.bind()?;
@@ -162,6 +182,7 @@ impl DeviceBuffer {
                 device: device.clone(),
                 free_stream: None,
                 borrowed: true,
+                _owner: owner,
             }),
             offset: 0,
             len: bytes,

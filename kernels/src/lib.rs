@@ -10,9 +10,13 @@
 //!   sum over an axis, fill);
 //! - NCCL through checked-in bindgen bindings loaded with libloading: [`nccl`];
 //! - MoE expert-parallel dispatch / combine over NCCL or NVLink peer memory: [`moe`] (its shape,
-//!   status and CPU reference exist without the `cuda` feature too);
+//!   status, traffic accounting and CPU reference exist without the `cuda` feature too), with
+//!   FP8 (E4M3) dispatch ([`fp8`], pure Rust);
 //! - the inter-node host proxy ([`proxy`]): one-sided writes with immediates over TCP, or over
-//!   ibverbs RC queue pairs with the `rdma` feature. It needs no CUDA and exists in every build.
+//!   ibverbs RC queue pairs with the `rdma` feature. It needs no CUDA and exists in every build;
+//! - with the `python` feature, the Python objects that carry raw CUDA handles: DLPack capsules
+//!   of device tensors (borrowed in place, or exported) and torch streams (`python`), for the
+//!   repository's Python package.
 //!
 //! Every library is loaded at run time, so the `cuda` build compiles anywhere; a missing driver,
 //! GPU or library is a [`KernelError`] value, never a panic. Without the `cuda` feature only the
@@ -59,8 +63,10 @@
 // The crate docs link the CUDA types, which exist only with the `cuda` feature.
 #![cfg_attr(not(feature = "cuda"), allow(rustdoc::broken_intra_doc_links))]
 
+pub mod dlpack;
 mod dtype;
 mod error;
+pub mod fp8;
 
 pub use dtype::{BinaryOp, DType, Element, ReduceOp, UnaryOp};
 pub use error::{KernelError, Result};
@@ -87,6 +93,8 @@ mod pinned;
 #[cfg(feature = "cuda")]
 mod probe;
 pub mod proxy;
+#[cfg(feature = "python")]
+pub mod python;
 #[cfg(feature = "cuda")]
 mod stream;
 

@@ -32,6 +32,7 @@ pub mod options;
 pub mod passes;
 pub mod plan;
 pub mod profile;
+pub mod redistribute;
 pub mod resharding;
 pub mod scope_tree;
 pub mod transport;

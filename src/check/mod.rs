@@ -11,7 +11,9 @@
 //!    ids, buffers, loop iteration and coalescing group. Roots and peers must evaluate to a
 //!    team index in `0..team size`; every member must hold the buffers its part needs (the
 //!    contract of each kind is on [`meshflow_ir::CommKind`]), and a rank that holds every
-//!    buffer of a communication must be in its team.
+//!    buffer of a communication must be in its team (except for a `send_recv` or a
+//!    `collective_permute` over an explicit list of devices: between overlapping meshes other
+//!    devices hold both buffers and rightly stay out of a transfer between two others).
 //! 2. **Team sequences.** Every member of a team issues the same sequence of collectives on
 //!    it (collective permutes and MoE dispatch/combine included): same kind, root, element
 //!    count and dtype, position by position. For a collective permute, the send peers of the
@@ -52,7 +54,9 @@ use std::fmt;
 use meshflow_ir::{DeviceId, HostProgram};
 
 pub use error::{CheckError, CheckErrors, RaceAccess, Site, StuckRank};
-pub use events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice, TeamId};
+pub use events::{
+    Buffer, CommEvent, Cut, EventKind, InstInfo, Instances, Iteration, Slice, TeamId,
+};
 pub use instantiate::MAX_INSTANCES;
 pub use streams::MAX_STEPS;
 

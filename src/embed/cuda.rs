@@ -124,7 +124,18 @@ impl CudaJob {
     /// settings of its options ([`Options::graph`](super::Options::graph),
     /// [`Options::wire`](super::Options::wire)) applied to `config`, and NCCL forced where the
     /// plans assume it ([`Compiled::transport`]) unless `config` forces a transport already.
-    pub fn for_program(compiled: &Compiled, mut config: CudaConfig) -> CudaJob {
+    pub fn for_program(compiled: &Compiled, config: CudaConfig) -> CudaJob {
+        let rendezvous: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("meshflow-embed"));
+        CudaJob::for_program_with_rendezvous(compiled, config, rendezvous)
+    }
+
+    /// [`CudaJob::for_program`] for ranks that may live in other processes (e.g. one per GPU
+    /// under torchrun), meeting through `rendezvous`.
+    pub fn for_program_with_rendezvous(
+        compiled: &Compiled,
+        mut config: CudaConfig,
+        rendezvous: Arc<dyn Rendezvous>,
+    ) -> CudaJob {
         if compiled.transport() == Some(meshflow_passes::Transport::Nccl) {
             config
                 .transport
@@ -134,7 +145,7 @@ impl CudaJob {
         if let Some(wire) = compiled.proxy_wire() {
             config.wire = wire;
         }
-        CudaJob::new(compiled.world_size(), config)
+        CudaJob::with_rendezvous(compiled.world_size(), config, rendezvous)
     }
 
     /// The number of ranks.

@@ -237,6 +237,8 @@ pub enum CommRequest<'a, Buf> {
         expert_counts: &'a TensorView<Buf>,
         /// Routing `[B.., L, C, 2]`.
         routing: &'a TensorView<Buf>,
+        /// How travelling tokens are encoded.
+        wire: meshflow_ir::MoeWire,
     },
     /// MoE combine (see [`InstKind::MoeCombine`](meshflow_ir::InstKind::MoeCombine)).
     MoeCombine {
@@ -396,6 +398,15 @@ pub trait Backend {
     fn upload(&mut self, buffer: Self::Buffer, data: &TensorData) -> Result<(), BackendError>;
     /// Copies a view to the host, after all enqueued work (host-blocking).
     fn download(&mut self, view: &TensorView<Self::Buffer>) -> Result<TensorData, BackendError>;
+    /// [`Backend::download`] of a padded buffer (uneven shards): the program leaves its
+    /// padding unwritten, so a backend that checks that outputs are fully written skips the
+    /// check here.
+    fn download_padded(
+        &mut self,
+        view: &TensorView<Self::Buffer>,
+    ) -> Result<TensorData, BackendError> {
+        self.download(view)
+    }
 
     /// Makes `stream` current.
     fn set_current_stream(&mut self, stream: StreamIndex) -> Result<(), BackendError>;
@@ -437,6 +448,14 @@ pub trait Backend {
     fn wait(&mut self, comm: &Self::Comm, ctx: InstCtx<'_>) -> Result<(), BackendError>;
     /// Blocks the host until all enqueued work is done.
     fn finish(&mut self) -> Result<(), BackendError>;
+
+    /// Whether `moe_dispatch` can encode travelling tokens as `wire` here. The evaluator
+    /// refuses a dispatch this backend cannot encode, with an error naming it, rather than
+    /// letting it move other bits than the program says. Default: only
+    /// [`MoeWire::Native`](meshflow_ir::MoeWire::Native).
+    fn supports_moe_wire(&self, wire: meshflow_ir::MoeWire) -> bool {
+        wire == meshflow_ir::MoeWire::Native
+    }
 
     /// Which transport executes the communications of `label` on this rank, as selected when
     /// the program was prepared (for traces and reports); `None` where the backend has no

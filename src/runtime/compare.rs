@@ -214,10 +214,12 @@ pub fn random_inputs(
             message: e.to_string(),
         };
         let experts = program.ops.iter().find_map(|op| {
-            (op.kind == OpKind::MoeDispatch && op.inputs.get(1) == Some(&t)).then(|| {
-                let ty = &program.tensors[*op.outputs.first()?].ty.value_shape();
-                ty.len().checked_sub(3).map(|nb| ty[nb])
-            })?
+            (matches!(op.kind, OpKind::MoeDispatch { .. }) && op.inputs.get(1) == Some(&t)).then(
+                || {
+                    let ty = &program.tensors[*op.outputs.first()?].ty.value_shape();
+                    ty.len().checked_sub(3).map(|nb| ty[nb])
+                },
+            )?
         });
         let weights = program
             .ops

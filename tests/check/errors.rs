@@ -158,3 +158,36 @@ fn the_report_stays_one_short_line_at_any_world_size() {
         assert!(text.len() < 160, "{} characters: {text}", text.len());
     }
 }
+
+#[test]
+fn per_rank_sizes_of_narrow_views_size_the_collectives() {
+    // Each rank gathers the valid rows of its shard: the counts differ by rank, which is a
+    // mismatch; and a narrow reaching past its tensor on some rank is reported.
+    let text = "host uneven {
+  mesh m0 = [0, 1]
+  in x: f32[3, 4] on m0
+  out y: f32[6, 4] on m0
+  tensor v: f32[3, 4] on m0
+  tensor w: f32[6, 4] on m0
+  allocate y
+  v = narrow(x, axis=0, start=0, length=3 - my(m0, DIDx))
+  w = narrow(y, axis=0, start=0, length=6 - 2 * my(m0, DIDx))
+  c0 = all_gather(v -> w, team=slice(m0, DIDx))
+  wait c0
+}";
+    let host = meshflow::ir::parse_host(text).unwrap();
+    let msg = check_program(&host, 2).unwrap_err().to_string();
+    assert!(
+        msg.contains("sequence mismatch") || msg.contains("disagree"),
+        "{msg}"
+    );
+    let past = text.replace("length=3 - my(m0, DIDx))", "length=3 + my(m0, DIDx))");
+    let host = meshflow::ir::parse_host(&past).unwrap();
+    let msg = check_program(&host, 2).unwrap_err().to_string();
+    assert!(msg.contains("do not fit this rank's extent 3"), "{msg}");
+    let even = text
+        .replace("length=3 - my(m0, DIDx))", "length=3)")
+        .replace("length=6 - 2 * my(m0, DIDx))", "length=6)");
+    let host = meshflow::ir::parse_host(&even).unwrap();
+    check_program(&host, 2).expect("equal sizes pass");
+}

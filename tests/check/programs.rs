@@ -235,6 +235,7 @@ fn moe_dispatch_and_combine_pass() {
             expert_x: ex,
             expert_counts: counts,
             routing,
+            wire: meshflow::ir::MoeWire::Native,
         }));
         b.push(wait(0));
         b.push(compute(ComputeOp::Copy, vec![ex], vec![ey]));

@@ -45,7 +45,7 @@ fn every_example_matches_the_reference_at_every_rank_count() {
             }
         }
     }
-    assert_eq!(runs, (6 * 5 + 3 * 4) * 3);
+    assert_eq!(runs, (7 * 5 + 4 * 4) * 3);
 }
 
 #[test]

@@ -214,6 +214,43 @@ fn moe_layer_dispatches_and_combines() {
 }
 
 #[test]
+fn fsdp_weights_unshard_by_their_shard_order() {
+    // `w1` (FSDP2 on top of TP: rows over DIDx, then DIDy) unshards with one all-gather over
+    // DIDy; `w2` (DTensor's default order: DIDy outer) gathers over DIDx and DIDy.
+    let host = lower("fsdp_tp_weight", 4);
+    let teams: Vec<String> = comms(&host, CommKind::AllGather)
+        .iter()
+        .map(|(i, _)| match &i.kind {
+            InstKind::Communication { output, team, .. } => format!(
+                "{} {}",
+                host.tensors[*output].name,
+                match team {
+                    Team::Slice { pt, .. } => pt.name(),
+                    _ => "?",
+                }
+            ),
+            _ => String::new(),
+        })
+        .collect();
+    assert_eq!(
+        teams,
+        vec![
+            "w1_tp_gathered DIDy",
+            "w2_tp_step_gathered DIDx",
+            "w2_tp_step_1_gathered DIDy"
+        ],
+        "{host}"
+    );
+    assert_eq!(
+        insts(&host)
+            .iter()
+            .filter(|(i, _)| i.kind.is_communication())
+            .count(),
+        3
+    );
+}
+
+#[test]
 fn every_example_lowers_and_verifies_at_every_rank_count() {
     let mut lowered = 0;
     for name in common::EXAMPLES {
@@ -229,8 +266,8 @@ fn every_example_lowers_and_verifies_at_every_rank_count() {
             lowered += 1;
         }
     }
-    // 6 single-mesh examples at 5 rank counts; 3 examples need 2 ranks (4 counts).
-    assert_eq!(lowered, 6 * 5 + 3 * 4);
+    // 7 single-mesh examples at 5 rank counts; 4 examples need 2 ranks (4 counts).
+    assert_eq!(lowered, 7 * 5 + 4 * 4);
 }
 
 #[test]

@@ -7,7 +7,6 @@
 #[path = "../support/mod.rs"]
 mod support;
 
-mod conformance;
 mod end_to_end;
 mod examples;
 mod op_chains;

@@ -11,12 +11,14 @@ use meshflow::pipeline::StreamSchedule;
 use meshflow::runtime::{run_and_compare, CpuOptions};
 use meshflow::{compile, Options};
 
-const EXAMPLES: [&str; 9] = [
+const EXAMPLES: [&str; 11] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
+    "fsdp_tp_weight",
     "mlp_2d_mesh",
     "moe_layer",
+    "moe_layer_fp8",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
     "row_parallel_linear_ring",

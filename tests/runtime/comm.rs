@@ -314,5 +314,5 @@ fn mismatched_buffer_sizes_are_errors_not_panics() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("all_gather"), "{err}");
-    assert!(err.contains("cannot be cut into 2 chunks"), "{err}");
+    assert!(err.contains("cannot be cut into 2 equal chunks"), "{err}");
 }

@@ -162,3 +162,24 @@ fn a_split_that_does_not_match_the_mesh_is_an_error() {
         Err(ShardError::MeshMismatch { parts: 2, .. })
     ));
 }
+
+#[test]
+fn uneven_shards_are_padded_with_zeros() {
+    // 5 rows over 4 devices: 2, 2, 1, 0 rows, every local tensor padded to 2 rows.
+    let p = program(
+        "  mesh m = [0, 1, 2, 3]\n  input x: f32[5, 1] on m {outer_split(0, 4), parallelize(0, DIDx)}",
+    );
+    let locals = round_trip(&p, first());
+    let rows: Vec<Vec<f32>> = (0..4).map(|d| locals[&d].storage().to_f32_vec()).collect();
+    assert_eq!(
+        rows,
+        vec![vec![0., 1.], vec![2., 3.], vec![4., 0.], vec![0., 0.]]
+    );
+    // Nested: 18 rows on a (4, 2) mesh, [DIDy, DIDx]: pieces 3, 2, 3, 2, 3, 2, 2, 1.
+    let p = program(
+        "  mesh m = iota(4, 2)\n  input x: f32[18] on m {outer_split(0, 4), parallelize(0, DIDy), outer_split(1, 2), parallelize(1, DIDx)}",
+    );
+    let locals = round_trip(&p, first());
+    assert_eq!(locals[&6].storage().to_f32_vec(), vec![15., 16., 0.]);
+    assert_eq!(locals[&7].storage().to_f32_vec(), vec![17., 0., 0.]);
+}

@@ -1,7 +1,9 @@
 //! The example programs of `examples/programs/*.mf`, built with `ProgramBuilder` (so the
 //! lowering tests do not depend on the parser), parameterized like their `param`s.
 
-use meshflow::ir::{DType, DeviceMesh, ParallelType::*, Program, ProgramBuilder};
+use meshflow::ir::{
+    DType, DeviceMesh, Fp8Scales, MoeWire, ParallelType::*, Program, ProgramBuilder,
+};
 
 /// `column_parallel_linear_{collective,broadcast,ring}`.
 pub fn column_parallel(variant: &str, d: u64) -> Program {
@@ -72,19 +74,37 @@ pub fn mlp_2d_mesh(ranks: u64) -> Program {
 
 /// `moe_layer` with `d` devices.
 pub fn moe_layer(d: u64) -> Program {
-    let (t, e, k, h, f) = (6, 2, 2, 16, 8);
-    let mut b = ProgramBuilder::new("moe_layer");
+    moe_layer_of("moe_layer", d, (6, 16, 8), DType::F32, MoeWire::Native)
+}
+
+/// `moe_layer_fp8` with `d` devices.
+pub fn moe_layer_fp8(d: u64) -> Program {
+    let wire = MoeWire::Fp8E4m3(Fp8Scales::Block128);
+    moe_layer_of("moe_layer_fp8", d, (8, 256, 64), DType::BF16, wire)
+}
+
+/// The MoE layer examples: `(t, h, f)` tokens per device and widths, 2 experts per device,
+/// top-2.
+fn moe_layer_of(
+    name: &str,
+    d: u64,
+    (t, h, f): (u64, u64, u64),
+    dt: DType,
+    wire: MoeWire,
+) -> Program {
+    let (e, k) = (2, 2);
+    let mut b = ProgramBuilder::new(name);
     let m = b
         .mesh("m0", DeviceMesh::iota(vec![d as usize], 0).unwrap())
         .unwrap();
-    let x = b.input("x", DType::F32, &[t * d, h], m).unwrap();
+    let x = b.input("x", dt, &[t * d, h], m).unwrap();
     let idx = b.input("topk_idx", DType::I32, &[t * d, k], m).unwrap();
     let tw = b.input("topk_weights", DType::F32, &[t * d, k], m).unwrap();
-    let we = b.input("w_experts", DType::F32, &[e * d, h, f], m).unwrap();
+    let we = b.input("w_experts", dt, &[e * d, h, f], m).unwrap();
     for t in [x, idx, tw, we] {
         b.schedule(t).outer_split(0, d).parallelize(0, DIDx);
     }
-    let (ex, counts, routing) = b.moe_dispatch(x, idx, e * d, t * d).unwrap();
+    let (ex, counts, routing) = b.moe_dispatch_with(x, idx, e * d, t * d, wire).unwrap();
     for (t, name) in [
         (ex, "expert_x"),
         (counts, "expert_counts"),
@@ -291,14 +311,66 @@ pub fn row_parallel_ring(d: u64) -> Program {
     b.build().unwrap()
 }
 
+/// `fsdp_tp_weight` with `ranks` devices on a `(ranks / 2, 2)` mesh.
+pub fn fsdp_tp_weight(ranks: u64) -> Program {
+    let (tp, dp) = (2, ranks / 2);
+    let n = 6 * ranks + 1;
+    let mut b = ProgramBuilder::new("fsdp_tp_weight");
+    let m = b
+        .mesh(
+            "m",
+            DeviceMesh::iota(vec![dp as usize, tp as usize], 0).unwrap(),
+        )
+        .unwrap();
+    let x = b.input("x", DType::F32, &[4 * dp, 24], m).unwrap();
+    let w1 = b.input("w1", DType::F32, &[n, 24], m).unwrap();
+    let w2 = b.input("w2", DType::F32, &[n, 24], m).unwrap();
+    b.schedule(x).outer_split(0, dp).parallelize(0, DIDy);
+    b.schedule(w1)
+        .outer_split(0, tp)
+        .parallelize(0, DIDx)
+        .outer_split(1, dp)
+        .parallelize(1, DIDy);
+    b.schedule(w2)
+        .outer_split(0, dp)
+        .parallelize(0, DIDy)
+        .outer_split(1, tp)
+        .parallelize(1, DIDx);
+    let tp_copy = |b: &mut ProgramBuilder, w, name: &str| {
+        let t = b.set(w).unwrap();
+        b.rename(t, name).unwrap();
+        b.schedule(t).outer_split(0, tp).parallelize(0, DIDx);
+        t
+    };
+    let w1_tp = tp_copy(&mut b, w1, "w1_tp");
+    let w2_tp = tp_copy(&mut b, w2, "w2_tp");
+    let h1 = b.linear(x, w1_tp).unwrap();
+    b.rename(h1, "h1").unwrap();
+    let a1 = b.gelu(h1).unwrap();
+    b.rename(a1, "a1").unwrap();
+    let h2 = b.linear(x, w2_tp).unwrap();
+    b.rename(h2, "h2").unwrap();
+    let y = b.add(a1, h2).unwrap();
+    b.rename(y, "y").unwrap();
+    b.schedule(y)
+        .outer_split(0, dp)
+        .parallelize(0, DIDy)
+        .outer_split(2, tp)
+        .parallelize(2, DIDx);
+    b.output(y);
+    b.build().unwrap()
+}
+
 /// Every example by file stem, for `ranks` devices (`None` where the example does not fit).
 pub fn example(name: &str, ranks: u64) -> Option<Program> {
     Some(match name {
         "column_parallel_linear_collective" => column_parallel("collective", ranks),
         "column_parallel_linear_broadcast" => column_parallel("broadcast", ranks),
         "column_parallel_linear_ring" => column_parallel("ring", ranks),
+        "fsdp_tp_weight" if ranks >= 2 => fsdp_tp_weight(ranks),
         "mlp_2d_mesh" if ranks >= 2 => mlp_2d_mesh(ranks),
         "moe_layer" => moe_layer(ranks),
+        "moe_layer_fp8" => moe_layer_fp8(ranks),
         "pipeline_two_meshes" if ranks >= 2 => pipeline_two_meshes(ranks),
         "row_parallel_linear_chunked" => row_parallel(ranks),
         "row_parallel_linear_ring" => row_parallel_ring(ranks),
@@ -308,12 +380,14 @@ pub fn example(name: &str, ranks: u64) -> Option<Program> {
 }
 
 /// The stems of `examples/programs/*.mf`.
-pub const EXAMPLES: [&str; 9] = [
+pub const EXAMPLES: [&str; 11] = [
     "column_parallel_linear_broadcast",
     "column_parallel_linear_collective",
     "column_parallel_linear_ring",
+    "fsdp_tp_weight",
     "mlp_2d_mesh",
     "moe_layer",
+    "moe_layer_fp8",
     "pipeline_two_meshes",
     "row_parallel_linear_chunked",
     "row_parallel_linear_ring",

@@ -204,19 +204,22 @@ fn syntax_and_lowering_errors_name_the_place() {
     .unwrap();
     let err = fails(&["parse", bad.to_str().unwrap()]);
     assert!(err.contains("bad.mf:3:"), "{err}");
-    // A stream gather with the wrong chunk count: the error names the op.
+    // A split inside a serial piece (`_StridedShard`-like, not a chain of outer splits) is
+    // refused: the error names the tensor, the placement and what is supported.
     let unsupported = dir.join("unsupported.mf");
     std::fs::write(
         &unsupported,
         "program p {\n  mesh m0 = [0, 1, 2, 3]\n  \
          input x: f32[16, 4] on m0 {outer_split(0, 4), parallelize(0, DIDx)}\n  \
-         tensor ag: f32[16, 4] on m0 {outer_split(0, 2), parallelize(0, Stream)}\n  \
-         ag = set(x)\n  output ag\n}\n",
+         tensor y: f32[16, 4] on m0 {inner_split(0, 4), parallelize(1, DIDx)}\n  \
+         y = set(x)\n  output y\n}\n",
     )
     .unwrap();
     let err = fails(&["lower", unsupported.to_str().unwrap()]);
     assert!(
-        err.contains("`ag = set(x)`") && err.contains("one chunk per team member"),
+        err.contains("tensor `y`")
+            && err.contains("DIDx split of logical axis 0")
+            && err.contains("only chains of outer splits"),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).ok();

@@ -42,6 +42,7 @@ fn every_example_runs_with_the_cli_on_three_ranks() {
         "mlp_2d_mesh",
         "moe_layer",
         "pipeline_two_meshes",
+        "fsdp_tp_weight",
     ] {
         let path = format!("examples/programs/{name}.mf");
         let o = meshflow(&["run", &path, "--ranks", "3", "--seed", "11"]);

@@ -15,6 +15,7 @@ pub use expr::{BinOp, EvalError, Expr, ExprEnv, LoopVar};
 use crate::dtype::DType;
 use crate::entity::Arena;
 use crate::mesh::{DeviceId, DeviceMesh, ParallelType};
+use crate::moe::MoeWire;
 use crate::program::{MeshDecl, MeshId};
 use crate::span::SourceLoc;
 
@@ -163,8 +164,12 @@ impl ReduceOp {
 
 /// The kind of a collective [`InstKind::Communication`].
 ///
-/// Buffers (team size `d`, team-relative root `r`):
-/// - `all_gather`: `out` = `d` equal chunks along axis 0, chunk `j` from member `j`.
+/// Buffers (team size `d`, team-relative root `r`). A *chunk* is one of `d` equal contiguous
+/// pieces of a buffer's row-major elements (NCCL's convention): the buffer's shape does not
+/// matter, so `[1, 12]` over 4 members is 4 chunks of 3 elements, and `[2, 6]` 4 chunks of 3.
+/// The lowering stages an exchanged axis to the front (a `permute`) when the chunks would not
+/// be slabs along it.
+/// - `all_gather`: `out` = `d` chunks, chunk `j` from member `j`.
 /// - `reduce_scatter`: `in` = `d` chunks; member `j` gets the reduction of chunk `j`.
 /// - `all_reduce`: `out` = the reduction of every member's `in`.
 /// - `broadcast`: `out` on every member = `in` of member `r`.
@@ -483,6 +488,22 @@ pub enum InstKind {
         /// The chunk index, in `0..chunks`.
         index: Expr,
     },
+    /// `out` becomes a view of elements `[start, start + length)` of `input` along `axis`: a
+    /// per-rank piece of a padded buffer (the valid part of an uneven shard, or one member's
+    /// slot). `start` and `length` are evaluated per rank and iteration; `out`'s declared
+    /// extent along `axis` is its capacity, at least every `length`.
+    Narrow {
+        /// The view.
+        out: HostTensorId,
+        /// The tensor viewed.
+        input: HostTensorId,
+        /// The axis narrowed.
+        axis: usize,
+        /// First element along `axis`.
+        start: Expr,
+        /// Number of elements along `axis`.
+        length: Expr,
+    },
     /// A collective over `team`, posted on the current stream (see [`CommKind`]).
     Communication {
         /// The label a `wait` names.
@@ -529,8 +550,9 @@ pub enum InstKind {
         /// The group's label.
         id: CommId,
     },
-    /// MoE dispatch over `team`: every `(t, k)` row of `x` goes to the team member owning
-    /// expert `topk_idx[t, k]`.
+    /// MoE dispatch over `team`: every token of `x` travels once to each team member owning
+    /// one of its experts `topk_idx[t, ..]`, encoded as `wire`, and fans out to those experts'
+    /// rows there (see [`crate::moe`]).
     MoeDispatch {
         /// The label a `wait` names.
         id: CommId,
@@ -546,8 +568,12 @@ pub enum InstKind {
         expert_counts: HostTensorId,
         /// Source of each row `[B.., L, C, 2]` (i32: team-global token, top-k slot).
         routing: HostTensorId,
+        /// How travelling tokens are encoded.
+        wire: MoeWire,
     },
-    /// MoE combine over `team`: expert outputs go back to their tokens, weighted and summed.
+    /// MoE combine over `team`: each member sums the weighted outputs of a token's experts it
+    /// holds into one row, which goes back to the token's member and is added there in member
+    /// order (see [`crate::moe`]).
     MoeCombine {
         /// The label a `wait` names.
         id: CommId,
@@ -597,6 +623,7 @@ impl InstKind {
             InstKind::SetCurrentStream { .. } => "set_current_stream",
             InstKind::Synchronize { .. } => "synchronize",
             InstKind::ShardByStream { .. } => "shard_by_stream",
+            InstKind::Narrow { .. } => "narrow",
             InstKind::Communication { kind, .. } => kind.name(),
             InstKind::CollectivePermute { .. } => "collective_permute",
             InstKind::Wait { .. } => "wait",
@@ -677,7 +704,9 @@ impl InstKind {
     pub fn tensors(&self) -> Vec<HostTensorId> {
         match self {
             InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => vec![*tensor],
-            InstKind::ShardByStream { out, input, .. } => vec![*out, *input],
+            InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. } => {
+                vec![*out, *input]
+            }
             _ => {
                 let mut t = self.reads();
                 t.extend(self.writes());
@@ -697,6 +726,7 @@ impl InstKind {
                 stream: StreamRef::Worker(e),
             } => vec![e],
             InstKind::ShardByStream { index, .. } => vec![index],
+            InstKind::Narrow { start, length, .. } => vec![start, length],
             InstKind::Communication { root: Some(r), .. } => vec![r],
             InstKind::CollectivePermute {
                 send_peer,
@@ -857,6 +887,35 @@ impl HostProgram {
             }
         });
         CommId(next)
+    }
+
+    /// True when `t` is viewed through a `narrow` (directly or through other views): its
+    /// buffer is padded for uneven shards, and the program need not write the padding.
+    pub fn is_padded(&self, t: HostTensorId) -> bool {
+        let mut parent = std::collections::HashMap::new();
+        let mut narrowed = Vec::new();
+        self.walk(&mut |inst, _| match &inst.kind {
+            InstKind::ShardByStream { out, input, .. } => {
+                parent.insert(*out, *input);
+            }
+            InstKind::Narrow { out, input, .. } => {
+                parent.insert(*out, *input);
+                narrowed.push(*input);
+            }
+            _ => {}
+        });
+        narrowed.into_iter().any(|mut v| {
+            for _ in 0..=parent.len() {
+                if v == t {
+                    return true;
+                }
+                match parent.get(&v) {
+                    Some(&p) => v = p,
+                    None => return false,
+                }
+            }
+            false
+        })
     }
 
     /// A name not yet used by any tensor, built from `base`.

@@ -5,6 +5,7 @@ use super::cursor::{error_at, Cursor};
 use super::expr::parse_parallel_type;
 use super::host::{Attrs, HostParser};
 use super::lexer::{Pos, Tok};
+use super::moe_wire::{moe_wire, scale_value, wire_value};
 use super::ParseError;
 use crate::host::{CommId, CommKind, ComputeOp, HostTensorId, InstKind, ReduceOp, Team};
 
@@ -195,13 +196,24 @@ impl HostParser {
             "moe_combine"
         };
         let mut team = None;
+        let (mut fp8, mut scale) = (None, None);
         let pos = self.cur.pos();
-        let (ins, outs, attrs) = self.args(inst, &["team"], &mut |p, _| {
-            team = Some(p.team()?);
+        let keys: &[&str] = if dispatch {
+            &["team", "wire", "scale"]
+        } else {
+            &["team"]
+        };
+        let (ins, outs, attrs) = self.args(inst, keys, &mut |p, key| {
+            match key {
+                "wire" => fp8 = Some(wire_value(&mut p.cur)?),
+                "scale" => scale = Some(scale_value(&mut p.cur)?),
+                _ => team = Some(p.team()?),
+            }
             Ok(())
         })?;
         let team = team.ok_or_else(|| attrs.missing("team"))?;
         Ok(if dispatch {
+            let wire = moe_wire(fp8, scale, attrs.close)?;
             let i = self.exactly(ins, 2, "inputs", inst, pos)?;
             let o = self.exactly(outs, 3, "outputs", inst, pos)?;
             InstKind::MoeDispatch {
@@ -212,6 +224,7 @@ impl HostParser {
                 expert_x: o[0],
                 expert_counts: o[1],
                 routing: o[2],
+                wire,
             }
         } else {
             let i = self.exactly(ins, 4, "inputs", inst, pos)?;

@@ -13,6 +13,7 @@ mod host;
 mod host_calls;
 mod lexer;
 mod mesh;
+mod moe_wire;
 mod program;
 
 use std::collections::BTreeMap;

@@ -9,8 +9,10 @@ use super::cursor::{error_at, Cursor, NameTable};
 use super::expr::{eval, param_note, parse_expr, parse_parallel_type, PExpr, ParamValues};
 use super::lexer::{Pos, Tok};
 use super::mesh::parse_mesh;
+use super::moe_wire::{moe_wire, scale_value, wire_value};
 use super::{Params, ParseError};
 use crate::dtype::DType;
+use crate::moe::Fp8Scales;
 use crate::program::{
     Axis, CustomOp, Epsilon, MeshDecl, MeshId, Op, OpKind, Program, TensorDecl, TensorId,
     TensorType, Transform,
@@ -403,6 +405,18 @@ impl ProgramParser<'_> {
                 }
                 attrs.eps = Some(self.cur.expect_epsilon()?);
             }
+            "wire" => {
+                if attrs.wire.is_some() {
+                    return Err(twice());
+                }
+                attrs.wire = Some(wire_value(&mut self.cur)?);
+            }
+            "scale" => {
+                if attrs.scale.is_some() {
+                    return Err(twice());
+                }
+                attrs.scale = Some(scale_value(&mut self.cur)?);
+            }
             "kernel" => {
                 if attrs.kernel.is_some() {
                     return Err(twice());
@@ -457,6 +471,7 @@ fn op_keys(op: &str) -> &'static [&'static str] {
         "select" => &["axis", "index"],
         "rms_norm" => &["axis", "eps"],
         "custom" => &["kernel", "args"],
+        "moe_dispatch" => &["wire", "scale"],
         _ => &[],
     }
 }
@@ -472,6 +487,9 @@ struct OpAttrs {
     eps: Option<Epsilon>,
     kernel: Option<String>,
     args: Option<Vec<i64>>,
+    /// `wire=`: `Some(true)` for `f8e4m3`, `Some(false)` for `native`.
+    wire: Option<bool>,
+    scale: Option<Fp8Scales>,
 }
 
 impl OpAttrs {
@@ -484,6 +502,8 @@ impl OpAttrs {
             || self.eps.is_some()
             || self.kernel.is_some()
             || self.args.is_some()
+            || self.wire.is_some()
+            || self.scale.is_some()
     }
 }
 
@@ -548,7 +568,9 @@ fn op_kind(name: &str, pos: Pos, attrs: Option<OpAttrs>, close: Pos) -> Result<O
             axis: axis()?,
             eps: attrs.eps.unwrap_or_default(),
         },
-        "moe_dispatch" => OpKind::MoeDispatch,
+        "moe_dispatch" => OpKind::MoeDispatch {
+            wire: moe_wire(attrs.wire, attrs.scale, close)?,
+        },
         "grouped_matmul" => OpKind::GroupedMatmul,
         "moe_combine" => OpKind::MoeCombine,
         "custom" => match attrs.kernel {

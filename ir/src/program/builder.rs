@@ -24,6 +24,7 @@ use super::{
 };
 use crate::dtype::DType;
 use crate::mesh::{DeviceMesh, ParallelType};
+use crate::moe::MoeWire;
 use crate::span::SourceLoc;
 use crate::verify::{verify_program, VerifyErrors};
 
@@ -297,6 +298,19 @@ impl ProgramBuilder {
         experts: u64,
         capacity: u64,
     ) -> Result<(TensorRef, TensorRef, TensorRef), BuildError> {
+        self.moe_dispatch_with(x, topk_idx, experts, capacity, MoeWire::Native)
+    }
+
+    /// [`moe_dispatch`](Self::moe_dispatch) with travelling tokens encoded as `wire` (e.g.
+    /// FP8, see [`crate::moe`]).
+    pub fn moe_dispatch_with(
+        &mut self,
+        x: TensorRef,
+        topk_idx: TensorRef,
+        experts: u64,
+        capacity: u64,
+        wire: MoeWire,
+    ) -> Result<(TensorRef, TensorRef, TensorRef), BuildError> {
         let xt = &self.decl(x)?.ty;
         let xs = xt.value_shape();
         let mut ex = xs[..xs.len().saturating_sub(2)].to_vec();
@@ -306,7 +320,7 @@ impl ProgramBuilder {
             TensorType::new(DType::I32, &[]),
             TensorType::new(DType::I32, &[]),
         ];
-        let outs = self.op(OpKind::MoeDispatch, &[x, topk_idx], &declared)?;
+        let outs = self.op(OpKind::MoeDispatch { wire }, &[x, topk_idx], &declared)?;
         Ok((outs[0], outs[1], outs[2]))
     }
 

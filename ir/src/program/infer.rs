@@ -191,7 +191,7 @@ pub fn infer_output_types(
         | OpKind::Cat { .. }
         | OpKind::Softmax { .. }
         | OpKind::RmsNorm { .. } => super::infer_ops::infer(kind, inputs, declared)?,
-        OpKind::MoeDispatch => {
+        OpKind::MoeDispatch { wire } => {
             need_float(0, "the tokens")?;
             need_int(1, "topk_idx")?;
             need_rank(0, 2, "the tokens")?;
@@ -199,6 +199,9 @@ pub fn infer_output_types(
             let (x, idx) = (&v[0], &v[1]);
             let batch = &x[..x.len() - 2];
             let (t, h) = (x[x.len() - 2], x[x.len() - 1]);
+            if let Some(why) = wire.width_error(h) {
+                return Err(err(kind, why));
+            }
             if idx.len() != x.len() || &idx[..idx.len() - 2] != batch || idx[idx.len() - 2] != t {
                 return Err(err(
                     kind,

@@ -26,6 +26,7 @@ pub use schedule::{
 use crate::dtype::DType;
 use crate::entity::Arena;
 use crate::mesh::DeviceMesh;
+use crate::moe::MoeWire;
 use crate::span::SourceLoc;
 
 crate::entity_ref!(
@@ -280,15 +281,21 @@ pub enum OpKind {
     },
     /// MoE dispatch: `x[B.., T, H], topk_idx[B.., T, K] -> expert_x[B.., E, C, H],
     /// expert_counts[B.., E] (i32), routing[B.., E, C, 2] (i32: source token, top-k slot)`.
-    /// Rows of expert `e` are the `(t, k)` with `topk_idx[t, k] == e`, in ascending `(t, k)`
-    /// order; rows past the count are padding (zero).
-    MoeDispatch,
+    /// Rows of expert `e` are the `(t, k)` with `topk_idx[t, k] == e` (order unspecified; the
+    /// reference uses ascending `(t, k)`); rows past the count are padding. Each token travels
+    /// once per member hosting one of its experts, encoded as `wire` (see [`crate::moe`]).
+    MoeDispatch {
+        /// How travelling tokens are encoded (`expert_x` keeps the dtype of `x`).
+        wire: MoeWire,
+    },
     /// `expert_x[B.., E, C, H], expert_counts[B.., E], w[E, H, F] -> [B.., E, C, F, rH]`: one
     /// GEMM per expert over its valid rows; padding rows are zero.
     GroupedMatmul,
     /// `expert_y[B.., E, C, F], expert_counts[B.., E], routing[B.., E, C, 2],
-    /// topk_weights[B.., T, K] -> out[B.., T, F]` with `out[t] = sum_k w[t, k] * y(t, k)`,
-    /// accumulated in f32 and rounded once.
+    /// topk_weights[B.., T, K] -> out[B.., T, F]` with `out[t] = Σ_k w[t, k] · y(t, k)`: each
+    /// member hosting some of the token's experts sums its share in `k` order (f32, rounded to
+    /// the dtype), the token's member sums those partials in member order (f32, rounded once);
+    /// see [`crate::moe`] for the exact order.
     MoeCombine,
     /// An embedder's own op, computed by the kernel it registers under [`CustomOp::kernel`]
     /// (see [`CustomOp`] for the contract).
@@ -353,7 +360,7 @@ impl OpKind {
             OpKind::Cat { .. } => "cat",
             OpKind::Softmax { .. } => "softmax",
             OpKind::RmsNorm { .. } => "rms_norm",
-            OpKind::MoeDispatch => "moe_dispatch",
+            OpKind::MoeDispatch { .. } => "moe_dispatch",
             OpKind::GroupedMatmul => "grouped_matmul",
             OpKind::MoeCombine => "moe_combine",
             OpKind::Custom(_) => "custom",
@@ -361,7 +368,8 @@ impl OpKind {
     }
 
     /// The attributes as written after the inputs in the text format (`axis=1`,
-    /// `kernel="k", args=[1]`), empty for an op without attributes.
+    /// `kernel="k", args=[1]`, `wire=f8e4m3, scale=token`), empty for an op without
+    /// attributes (and for `moe_dispatch` on its default native wire).
     pub fn attributes(&self) -> String {
         match self {
             OpKind::Sum { axis }
@@ -381,6 +389,7 @@ impl OpKind {
             }
             OpKind::Select { axis, index } => format!("axis={axis}, index={index}"),
             OpKind::RmsNorm { axis, eps } => format!("axis={axis}, eps={eps}"),
+            OpKind::MoeDispatch { wire } => wire.to_string(),
             OpKind::Custom(c) => {
                 let mut s = format!("kernel=\"{}\"", c.kernel.escape_default());
                 if !c.args.is_empty() {
@@ -420,7 +429,7 @@ impl OpKind {
             | OpKind::Mul
             | OpKind::RmsNorm { .. } => (2, 1),
             OpKind::Cat { inputs, .. } => (*inputs, 1),
-            OpKind::MoeDispatch => (2, 3),
+            OpKind::MoeDispatch { .. } => (2, 3),
             OpKind::GroupedMatmul => (3, 1),
             OpKind::MoeCombine => (4, 1),
             OpKind::Custom(c) => (c.inputs, c.outputs),

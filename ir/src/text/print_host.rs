@@ -3,6 +3,7 @@
 use std::fmt::{self, Write as _};
 
 use crate::host::{Block, Expr, HostProgram, HostTensorId, InstKind, Role, StreamRef, Team};
+use crate::moe::MoeWire;
 use crate::program::MeshId;
 
 struct Printer<'a> {
@@ -102,6 +103,20 @@ impl Printer<'_> {
                     self.tensor(*input),
                     self.expr(index)
                 )?,
+                InstKind::Narrow {
+                    out,
+                    input,
+                    axis,
+                    start,
+                    length,
+                } => writeln!(
+                    f,
+                    "{} = narrow({}, axis={axis}, start={}, length={})",
+                    self.tensor(*out),
+                    self.tensor(*input),
+                    self.expr(start),
+                    self.expr(length)
+                )?,
                 InstKind::Communication {
                     id,
                     kind,
@@ -154,13 +169,20 @@ impl Printer<'_> {
                     expert_x,
                     expert_counts,
                     routing,
-                } => writeln!(
-                    f,
-                    "{id} = moe_dispatch({} -> {}, team={})",
-                    self.tensors(&[*x, *topk_idx]),
-                    self.tensors(&[*expert_x, *expert_counts, *routing]),
-                    self.team(team)
-                )?,
+                    wire,
+                } => {
+                    write!(
+                        f,
+                        "{id} = moe_dispatch({} -> {}, team={}",
+                        self.tensors(&[*x, *topk_idx]),
+                        self.tensors(&[*expert_x, *expert_counts, *routing]),
+                        self.team(team)
+                    )?;
+                    if *wire != MoeWire::Native {
+                        write!(f, ", {wire}")?;
+                    }
+                    writeln!(f, ")")?
+                }
                 InstKind::MoeCombine {
                     id,
                     team,

@@ -386,7 +386,7 @@ impl Checker<'_> {
         let Some(dispatch) = defined_by.get(&routing).and_then(|&i| self.p.ops.get(i)) else {
             return;
         };
-        if dispatch.kind != crate::program::OpKind::MoeDispatch {
+        if !matches!(dispatch.kind, crate::program::OpKind::MoeDispatch { .. }) {
             return;
         }
         let Some(&idx) = dispatch.inputs.get(1) else {

@@ -41,7 +41,7 @@ pub fn files(dir: &PathBuf, ext: &str) -> Vec<(String, String)> {
 /// Every example program.
 pub fn examples() -> Vec<(String, String)> {
     let out = files(&examples_dir(), "mf");
-    assert!(out.len() >= 9, "expected the nine example programs");
+    assert!(out.len() >= 10, "expected the ten example programs");
     out
 }
 

@@ -22,7 +22,7 @@ use cudarc::driver::{result, sys};
 pub use elementwise::{fill_pattern, poison_bits};
 pub use layout::{StridedLayout, MAX_RANK};
 pub use rows::{AxisView, RowReduce};
-pub(crate) use sources::moe_reduce_name;
+pub(crate) use sources::moe_typed_name;
 pub use sources::Source;
 pub use user::{KernelArg, UserKernel};
 

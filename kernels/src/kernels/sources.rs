@@ -2,7 +2,7 @@
 //!
 //! Adding a source: put the `.cu` file in `kernels/cuda/`, add a [`Source`] variant and its entry
 //! in [`Source::text`] / [`Source::functions`], and write the launching code in a sibling module
-//! (future MoE dispatch/combine kernels go to `moe.cu` + `kernels/moe.rs`).
+//! (the kernels of `moe.cu` are launched from [`crate::moe`]).
 
 use crate::dtype::{BinaryOp, DType, UnaryOp};
 
@@ -134,31 +134,30 @@ impl Source {
     }
 }
 
-/// The kernels of `moe.cu`: dtype-free row movers plus the typed combine reductions.
+/// The dtype-generic kernels of `moe.cu`.
+const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
+
+/// The kernels of `moe.cu` instantiated per float type (`moe_<kind>_<dtype>`).
+pub(crate) const MOE_TYPED: [&str; 6] = [
+    "nccl_dispatch_send",
+    "nvl_dispatch_send",
+    "dispatch_recv",
+    "nccl_combine_send",
+    "nvl_combine_send",
+    "combine_recv",
+];
+
+/// The kernels of `moe.cu`.
 fn moe_functions() -> Vec<String> {
-    let mut v: Vec<String> = [
-        "moe_route",
-        "moe_nccl_dispatch_pack",
-        "moe_nvl_dispatch_send",
-        "moe_nvl_dispatch_recv",
-        "moe_nccl_dispatch_scan",
-        "moe_nccl_dispatch_unpack",
-        "moe_nvl_combine_send",
-        "moe_nccl_combine_pack",
-        "moe_nccl_combine_index",
-    ]
-    .iter()
-    .map(|s| (*s).to_owned())
-    .collect();
+    let mut v: Vec<String> = MOE_PLAIN.iter().map(|s| (*s).to_owned()).collect();
     for d in FLOATS {
-        v.push(moe_reduce_name("nvl_combine_recv", d));
-        v.push(moe_reduce_name("nccl_combine_reduce", d));
+        v.extend(MOE_TYPED.iter().map(|k| moe_typed_name(k, d)));
     }
     v
 }
 
-/// Name of a typed MoE combine reduction (`moe_<kind>_<dtype>`).
-pub(crate) fn moe_reduce_name(kind: &str, d: DType) -> String {
+/// Name of a typed MoE kernel (`moe_<kind>_<dtype>`).
+pub(crate) fn moe_typed_name(kind: &str, d: DType) -> String {
     format!("moe_{kind}_{}", d.name())
 }
 
@@ -209,16 +208,30 @@ mod tests {
             assert!(text(Source::Copy).contains(&format!("MF_COPY({b},")));
             assert!(text(Source::Fill).contains(&format!("MF_FILL({b},")));
         }
+        for f in MOE_PLAIN {
+            assert!(
+                text(Source::Moe).contains(&format!(" {f}(")),
+                "{f} missing from moe.cu"
+            );
+        }
+        for k in MOE_TYPED {
+            assert!(
+                text(Source::Moe).contains(&format!(" moe_{k}_##T(")),
+                "moe_{k}_##T missing from moe.cu"
+            );
+        }
+        for d in FLOATS {
+            assert!(text(Source::Moe).contains(&format!("MOE_KERNELS({})", d.name())));
+        }
         for d in FLOATS {
             assert!(text(Source::Rows).contains(&format!("MF_ROWS({})", d.name())));
         }
         for f in Source::Moe.functions() {
-            let literal = text(Source::Moe).contains(&format!(" {f}("));
-            let typed = ["f32", "bf16", "f16"].iter().any(|d| {
-                f.ends_with(&format!("_{d}"))
-                    && text(Source::Moe).contains(&format!("MOE_REDUCE({d})"))
-            });
-            assert!(literal || typed, "{f} missing from moe.cu");
+            let plain = MOE_PLAIN.contains(&f.as_str());
+            let typed = MOE_TYPED
+                .iter()
+                .any(|k| FLOATS.iter().any(|d| f == moe_typed_name(k, *d)));
+            assert!(plain || typed, "{f} is not a moe.cu kernel");
         }
     }
 
@@ -229,7 +242,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + 15 + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 6 * 3) + 15);
     }
 
     #[test]

@@ -1,34 +1,51 @@
-//! MoE expert-parallel dispatch and combine (the host IR's `moe_dispatch` / `moe_combine`).
+//! MoE expert-parallel dispatch and combine (the host IR's `moe_dispatch` / `moe_combine`,
+//! whose documentation in the `meshflow-ir` crate states the semantics these kernels implement
+//! bit for bit).
 //!
 //! A team of `W` ranks holds `E` experts, `L = E / W` per rank; expert `e` lives on rank `e / L`
 //! as local expert `e % L`. Every rank has `T` tokens `x[T, H]`, their top-k expert ids
-//! `topk_idx[T, K]` (i32, distinct per token) and weights `w[T, K]` (f32).
+//! `topk_idx[T, K]` (i32) and weights `w[T, K]` (f32).
 //!
-//! - **Dispatch** sends row `x[t]` of every `(t, k)` to expert `topk_idx[t, k]` and produces on
-//!   each rank `expert_counts[L]` (i32), `expert_x[L, C, H]` (rows past a count are zero) and
-//!   `routing[L, C, 2]` (i32: team-global token `src_rank * T + t`, and `k`; zero past a count).
-//!   The row order inside an expert is unspecified (it comes from atomics); counts and the row
-//!   multiset are exact. `C` (the capacity) is a host-known upper bound: rows past it are
-//!   dropped on the device and [`MoeStatus::overflow`] is raised, never a memory corruption.
-//! - **Combine** takes `expert_y[L, C, F]` with the dispatch's counts and routing, returns every
-//!   valid row to its token's rank and computes `out[t] = Σ_k w[t, k] · y(t, k)` in f32, in `k`
-//!   order without FMA contraction, rounded once (bit-identical to [`reference_combine`]). A
-//!   `(t, k)` whose row was dropped contributes nothing.
+//! - **Dispatch** moves each token **once per destination rank** (a rank hosting at least one
+//!   of its experts) as one *wire row* ([`WireLayout`]: the payload, FP8 scales if any, the
+//!   token index, its `K` expert ids and, when given at dispatch, its `K` weights). On arrival
+//!   the receiver fans the row out to its local experts: `expert_counts[L]` (i32),
+//!   `expert_x[L, C, H]` and `routing[L, C, 2]` (i32: team-global token `src_rank * T + t`,
+//!   and `k`). The row order inside an expert is unspecified (atomics); counts and the row
+//!   multiset are exact. Rows past a count are padding (zeroed only on request,
+//!   [`DispatchRequest::zero_padding`]). `C` (the capacity) is a host-known upper bound: rows
+//!   past it are dropped and [`MoeStatus::overflow`] is raised, never a memory corruption.
+//!   With [`MoeWire::Fp8E4m3`] the payload is E4M3 codes plus f32 scales (per token or per 128
+//!   channels, [`crate::fp8`]), dequantized into `expert_x` on arrival.
+//! - **Combine** takes `expert_y[L, C, F]`. For every received token, the expert side reduces
+//!   the weighted outputs of its local rows in `k` order (`P = Σ w[t, k] · y(t, k)` in f32,
+//!   separate multiply and add, rounded once to the dtype) and sends **one row per (token,
+//!   rank)** back; the token's rank sums the partials in ascending rank order in f32 and
+//!   rounds once: `out[t] = Σ_r P_r(t)`. A `(t, k)` whose row was dropped contributes nothing.
+//!   [`reference_combine`] computes exactly this.
+//!
+//! The weights travel with the dispatch ([`DispatchRequest::weights`], one pass) or are given
+//! to the combine ([`CombineRequest::weights`]), which then first copies every rank's `[T, K]`
+//! weights to every peer (one more exchange).
 //!
 //! Two engines implement [`MoeTransport`] (feature `cuda`); the GPU runtime runs them as its
 //! MoE-over-NCCL and MoE-over-NVLink transports:
-//! - [`NcclMoe`]: counts by a device histogram, exchanged with NCCL; rows packed into padded
-//!   per-destination blocks (sized by the bound `T · min(K, L)` rows) and moved with grouped
-//!   send/recv, unpacked on the device. No host reads of counts.
-//! - [`NvlinkMoe`]: peer-mapped receive buffers; senders reserve each row in the receiver's
-//!   per-expert counter with a system-scope atomic, store it straight into the peer's `expert_x`
-//!   with 16-byte stores and raise epoch flags (release, system scope) that receivers acquire. Ranks live in
-//!   one process ([`NvlinkMoe::team`]) or in several (CUDA IPC: [`NvlinkMoe::new_ipc`],
-//!   [`NvlinkMoe::export_handles`], [`NvlinkMoe::import_handles`]).
+//! - [`NcclMoe`]: one kernel routes and packs the wire rows into per-destination blocks (a
+//!   16-byte count header, then up to `T` rows), moved with one grouped send/recv per peer;
+//!   one kernel fans out; the combine reduces into per-source blocks, one grouped send/recv,
+//!   one kernel sums. No host reads of counts: blocks are sized by the bound `T` rows.
+//! - [`NvlinkMoe`]: peer-mapped receive areas; one kernel per phase (dispatch send: route,
+//!   stores into the receivers' areas, counts and release flags; dispatch receive: acquire,
+//!   fan-out, counts; combine send: reduce, stores into the sources' areas, flags; combine
+//!   receive: acquire, sum). The step number (epoch) lives on the device, so a step can be
+//!   captured in a CUDA graph and replayed. Ranks live in one process ([`NvlinkMoe::team`])
+//!   or in several (CUDA IPC: [`NvlinkMoe::new_ipc`], [`NvlinkMoe::export_handles`],
+//!   [`NvlinkMoe::import_handles`]).
 //!
-//! Every method only enqueues work on the given stream: there is no GPU→CPU synchronization in
-//! dispatch or combine. The device-side status ([`MoeTransport::status`]) is read separately,
-//! outside the hot path.
+//! Every method only enqueues work on the given stream: there is no GPU→CPU synchronization
+//! and no allocation in dispatch or combine. The device-side status ([`MoeTransport::status`])
+//! and the received row counts ([`MoeTransport::received_rows`]) are read separately, off the
+//! hot path. [`MoeTraffic`] counts the bytes a step moves (deduplicated), for GB/s figures.
 //!
 //! **Protocol contract.** Each rank calls, per step and in this order, `dispatch_send`,
 //! `dispatch_recv`, `combine_send`, `combine_recv` (the object checks the order), on streams of
@@ -39,9 +56,17 @@
 //! `combine_send(s)` → peers' `combine_recv(s)` → peers' `dispatch_send(s + 1)` is what makes
 //! that safe without extra round trips.
 
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod layout;
+#[cfg(test)]
+mod model;
 mod reference;
+mod traffic;
+mod wire;
 
 pub use reference::{reference_combine, reference_dispatch, round_to, ReferenceDispatch};
+pub use traffic::MoeTraffic;
+pub use wire::{MoeWire, WireLayout};
 
 #[cfg(feature = "cuda")]
 mod ipc;
@@ -59,7 +84,7 @@ pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]
 pub use nvlink::NvlinkMoe;
 #[cfg(feature = "cuda")]
-pub use transport::MoeTransport;
+pub use transport::{CombineRequest, DispatchRequest, MoeTransport};
 
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
@@ -91,23 +116,12 @@ impl MoeShape {
         self.experts / self.world.max(1)
     }
 
-    /// The most rows one rank can send to one other rank in a dispatch: `T · min(K, L)` (top-k
-    /// ids are distinct per token).
-    pub fn pair_rows(&self) -> usize {
-        self.tokens * self.top_k.min(self.local_experts())
-    }
-
-    /// The most rows one rank can return to one other rank in a combine: `min(L · C, T · K)`.
-    pub fn combine_pair_rows(&self) -> usize {
-        (self.local_experts() * self.capacity).min(self.pair_rows())
-    }
-
-    /// Bytes of one `x` row.
+    /// Bytes of one `x` / `expert_x` row.
     pub fn x_row_bytes(&self) -> usize {
         self.hidden * self.dtype.size_bytes()
     }
 
-    /// Bytes of one `expert_y` / `out` row.
+    /// Bytes of one `expert_y` / `out` row (and of one combine partial on the wire).
     pub fn y_row_bytes(&self) -> usize {
         self.out_hidden * self.dtype.size_bytes()
     }
@@ -147,7 +161,8 @@ impl MoeShape {
                 .checked_mul(self.tokens)
                 .and_then(|v| v.checked_mul(self.top_k)),
         ) || !fits(self.local_experts().checked_mul(self.capacity))
-            || !fits(self.world.checked_mul(self.pair_rows()))
+            || !fits(self.hidden.checked_mul(8))
+            || !fits(self.out_hidden.checked_mul(8))
         {
             return bad("row counts do not fit in i32".into());
         }
@@ -162,9 +177,9 @@ pub struct MoeStatus(pub u32);
 impl MoeStatus {
     /// An expert received more than `C` rows; the extra rows were dropped.
     pub const OVERFLOW: u32 = 1;
-    /// A `topk_idx` entry was not an expert id; its row was skipped.
+    /// A `topk_idx` entry was not an expert id; it was skipped.
     pub const BAD_EXPERT: u32 = 2;
-    /// Combine met counts or routing that no dispatch of this shape produces; rows skipped.
+    /// A received row or count was out of range (a peer with another shape); it was skipped.
     pub const BAD_ROUTING: u32 = 4;
     /// A receiver waited longer than the timeout for a peer's flag (a dead or absent peer).
     pub const TIMEOUT: u32 = 8;
@@ -212,16 +227,8 @@ mod tests {
     fn derived_sizes() {
         let s = shape();
         assert_eq!(s.local_experts(), 128);
-        assert_eq!(s.pair_rows(), 1024);
-        assert_eq!(s.combine_pair_rows(), 1024);
         assert_eq!(s.x_row_bytes(), 14336);
-        let few = MoeShape {
-            experts: 2,
-            top_k: 2,
-            ..s
-        };
-        assert_eq!(few.pair_rows(), 128);
-        assert_eq!(few.combine_pair_rows(), 32);
+        assert_eq!(s.y_row_bytes(), 14336);
         assert!(s.validate().is_ok());
     }
 

@@ -1,12 +1,14 @@
-//! The NCCL transport: device histogram and packing, padded per-destination blocks moved with
-//! grouped send/recv, device-side unpacking. No host reads of counts: the blocks are sized by
-//! the bound `T · min(K, L)` rows (dispatch) and `min(L · C, T · min(K, L))` rows (combine), so
-//! NCCL moves the padded size whatever the routing. That is the price of a host-sync-free
-//! NCCL path; [`super::NvlinkMoe`] moves only the real rows.
+//! The NCCL transport: one kernel routes and packs one wire row per (token, destination) into
+//! per-destination blocks (`[16-byte count header][T rows]`), one grouped send/recv per peer
+//! moves them, one kernel fans them out. The combine reduces into per-source blocks of `T`
+//! partial rows (row `j` answers the source's row `j`), one grouped send/recv, one kernel sums.
+//! No host reads of counts: NCCL moves whole blocks (sized by the bound `T` rows), whatever the
+//! routing; [`super::NvlinkMoe`] moves only the rows used.
 
-use super::kernel_calls::{self, ExpertRows, NcclCombineRecv, NcclRecv};
-use super::transport::{Core, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus};
+use super::kernel_calls::{self, LateWeights, RecvOutputs, SendInputs, SendState, SourceRows};
+use super::layout::{nccl_block_bytes, NCCL_HEADER as HEADER};
+use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
+use super::{MoeShape, MoeStatus, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -19,34 +21,31 @@ use crate::stream::Stream;
 pub struct NcclMoe {
     core: Core,
     comm: Comm,
-    expert_x: DeviceBuffer,
-    routing: DeviceBuffer,
-    /// `[W]` blocks of rows (dispatch: `P` rows of H; combine: `Pc` rows of F).
-    send_x: DeviceBuffer,
-    recv_x: DeviceBuffer,
-    /// `[W, P, 2]` i32 (dispatch: team-global token, k; combine: local token, k).
-    send_meta: DeviceBuffer,
-    recv_meta: DeviceBuffer,
-    recv_cnt: DeviceBuffer,
-    src_off: DeviceBuffer,
-    dst_off: DeviceBuffer,
-    src_total: DeviceBuffer,
-    comb_send_cnt: DeviceBuffer,
-    comb_recv_cnt: DeviceBuffer,
-    slot_idx: DeviceBuffer,
-    /// Sender workspace: rows per expert `[E]`, rank of each row in its expert `[T * K]`,
-    /// offset of each expert in its destination's block `[E]`.
-    cnt: DeviceBuffer,
-    pos: DeviceBuffer,
-    base: DeviceBuffer,
+    /// Bytes of one dispatch block: the header and `T` wire rows.
+    block_bytes: usize,
+    /// `[W]` dispatch blocks out and in.
+    send: DeviceBuffer,
+    recv: DeviceBuffer,
+    /// `[W, T]` combine partial rows out and in.
+    comb_send: DeviceBuffer,
+    comb_recv: DeviceBuffer,
+    /// `[W, T, K]` f32 weights received from every peer (combine without dispatch weights).
+    w_recv: DeviceBuffer,
+    /// `[2]` u32 grid counters (dispatch send, dispatch receive).
+    done: DeviceBuffer,
     /// Peers on other nodes are reached through the host proxy instead of NCCL.
     route: Option<StagedRoute>,
 }
 
 impl NcclMoe {
     /// Creates the transport for `comm`'s rank (the team is `comm`'s ranks, `shape.world` of
-    /// them) on `comm`'s device; allocates every buffer.
+    /// them) on `comm`'s device, with native rows; allocates every buffer.
     pub fn new(comm: Comm, shape: &MoeShape) -> Result<NcclMoe> {
+        NcclMoe::with_wire(comm, shape, MoeWire::Native)
+    }
+
+    /// [`NcclMoe::new`] with token rows encoded as `wire`.
+    pub fn with_wire(comm: Comm, shape: &MoeShape, wire: MoeWire) -> Result<NcclMoe> {
         if comm.size() != shape.world {
             return Err(KernelError::InvalidArgument(format!(
                 "NCCL communicator has {} ranks, the MoE team {}",
@@ -55,46 +54,48 @@ impl NcclMoe {
             )));
         }
         let device = comm.device().clone();
-        let core = Core::new(&device, shape, comm.rank())?;
+        let core = Core::new(&device, shape, wire, comm.rank())?;
         let stream = Stream::new(&device)?;
-        let (w, l, c) = (shape.world, shape.local_experts(), shape.capacity);
-        let (pair, cpair) = (shape.pair_rows(), shape.combine_pair_rows());
-        let block = (pair * shape.x_row_bytes()).max(cpair * shape.y_row_bytes());
-        let alloc = |bytes: usize| DeviceBuffer::alloc(&device, bytes);
-        let send_x = alloc(w * block)?;
-        let send_meta = alloc(w * pair * 8)?;
-        let t = NcclMoe {
-            expert_x: alloc(l * c * shape.x_row_bytes())?,
-            routing: alloc(l * c * 8)?,
-            recv_x: alloc(w * block)?,
-            recv_meta: alloc(w * pair * 8)?,
-            recv_cnt: kernel_calls::zeroed_i32(&stream, w * l)?,
-            src_off: kernel_calls::zeroed_i32(&stream, w * l)?,
-            dst_off: kernel_calls::zeroed_i32(&stream, w * l)?,
-            src_total: kernel_calls::zeroed_i32(&stream, w)?,
-            comb_send_cnt: kernel_calls::zeroed_i32(&stream, w)?,
-            comb_recv_cnt: kernel_calls::zeroed_i32(&stream, w)?,
-            slot_idx: DeviceBuffer::alloc_elems(&device, DType::I32, shape.tokens * shape.top_k)?,
-            cnt: kernel_calls::zeroed_i32(&stream, shape.experts)?,
-            pos: kernel_calls::zeroed_i32(&stream, shape.tokens * shape.top_k)?,
-            base: kernel_calls::zeroed_i32(&stream, shape.experts)?,
-            send_x,
-            send_meta,
+        let (w, t, k) = (shape.world, shape.tokens, shape.top_k);
+        let block_bytes = nccl_block_bytes(shape, wire);
+        let zeroed = |bytes: usize| -> Result<DeviceBuffer> {
+            let b = DeviceBuffer::alloc(&device, bytes.max(16))?;
+            b.zero(&stream)?;
+            Ok(b)
+        };
+        let part = w * t * shape.y_row_bytes();
+        let me = NcclMoe {
+            block_bytes,
+            send: zeroed(w * block_bytes)?,
+            recv: zeroed(w * block_bytes)?,
+            comb_send: zeroed(part)?,
+            comb_recv: zeroed(part)?,
+            w_recv: zeroed(w * t * k * 4)?,
+            done: zeroed_u32(&device, &stream, 2)?,
             core,
             comm,
             route: None,
         };
         stream.synchronize()?;
-        Ok(t)
+        Ok(me)
     }
 
     /// The transports of a team whose ranks are `devices` (one GPU each, all in this process),
     /// over communicators made with `ncclCommInitAll`. Rank `i` runs on `devices[i]`.
     pub fn team(devices: &[Device], shape: &MoeShape) -> Result<Vec<NcclMoe>> {
+        NcclMoe::team_with_wire(devices, shape, MoeWire::Native)
+    }
+
+    /// [`NcclMoe::team`] with token rows encoded as `wire`.
+    pub fn team_with_wire(
+        devices: &[Device],
+        shape: &MoeShape,
+        wire: MoeWire,
+    ) -> Result<Vec<NcclMoe>> {
         let lib = nccl::NcclLib::load()?;
         Comm::init_all(&lib, devices)?
             .into_iter()
-            .map(|c| NcclMoe::new(c, shape))
+            .map(|c| NcclMoe::with_wire(c, shape, wire))
             .collect()
     }
 
@@ -122,58 +123,71 @@ impl NcclMoe {
     }
 }
 
-/// Exchanges, with every peer `p`, block `p` of each send buffer of `blocks` (`counts` (i32),
-/// `rows` (bytes) and `meta` (i32)) for block `p` of the matching receive buffer (each tuple
-/// is `(send, recv, bytes per block)`): one NCCL group with the peers of this node, and the
-/// three blocks as one message through `route` with peers on other nodes. Nothing to do on a
-/// team of one.
+/// Where the fan-out and the combine find the rows of every source: this rank's own rows in
+/// its send blocks, the others' in the receive blocks, each count in its block's header.
+fn sources<'a>(
+    send: &'a DeviceBuffer,
+    recv: &'a DeviceBuffer,
+    block_bytes: usize,
+) -> SourceRows<'a> {
+    SourceRows {
+        own: send,
+        other: recv,
+        block_bytes,
+        row_off: HEADER,
+        own_cnt: send,
+        other_cnt: recv,
+        cnt_stride: block_bytes,
+    }
+}
+
+/// One exchange block: `bytes` per peer, peer `p`'s part of the send buffer at `p *
+/// send_stride` (0: the same part for every peer) and of the receive buffer at `p * bytes`.
+#[derive(Clone, Copy)]
+struct Block<'a> {
+    send: &'a DeviceBuffer,
+    send_stride: usize,
+    recv: &'a DeviceBuffer,
+    bytes: usize,
+}
+
+/// Exchanges `block` with every peer: one NCCL group with the peers of this node, one message
+/// through `route` with peers on other nodes. Nothing to do on a team of one.
 fn exchange(
     comm: &Comm,
     route: Option<&mut StagedRoute>,
     stream: &Stream,
     rank: usize,
-    blocks: [(&DeviceBuffer, &DeviceBuffer, usize, DType); 3],
+    block: Block<'_>,
 ) -> Result<()> {
-    if comm.size() == 1 {
+    if comm.size() == 1 || block.bytes == 0 {
         return Ok(());
     }
     let peers: Vec<usize> = (0..comm.size()).filter(|p| *p != rank).collect();
     let remote = |p: usize| route.as_ref().is_some_and(|r| r.is_remote(p));
     let (far, near): (Vec<usize>, Vec<usize>) = peers.iter().partition(|&&p| remote(p));
-    let block_views = |p: usize, send: bool| -> Result<Vec<DeviceBuffer>> {
-        blocks
-            .iter()
-            .filter(|b| b.2 > 0)
-            .map(|&(s, r, bytes, _)| (if send { s } else { r }).view(p * bytes, bytes))
-            .collect()
-    };
+    let send_view = |p: usize| block.send.view(p * block.send_stride, block.bytes);
+    let recv_view = |p: usize| block.recv.view(p * block.bytes, block.bytes);
     // The sends to other nodes first (they only wait for this rank's packing), then the NCCL
     // group of this node, then the messages of the other nodes.
     let mut tag = route.map(|r| (r.next_tag(), r));
     if let Some((tag, r)) = &mut tag {
         for &p in &far {
-            let parts = block_views(p, true)?;
-            r.send(stream, p, *tag, &parts.iter().collect::<Vec<_>>())?;
+            r.send(stream, p, *tag, &[&send_view(p)?])?;
         }
     }
     if !near.is_empty() {
         nccl::group(comm.lib(), || {
             for &p in &near {
-                for (send, recv, bytes, dtype) in blocks {
-                    if bytes == 0 {
-                        continue;
-                    }
-                    comm.send(&send.view(p * bytes, bytes)?, dtype, p, stream)?;
-                    comm.recv(&recv.view(p * bytes, bytes)?, dtype, p, stream)?;
-                }
+                comm.send(&send_view(p)?, DType::U8, p, stream)?;
+                comm.recv(&recv_view(p)?, DType::U8, p, stream)?;
             }
             Ok(())
         })?;
     }
     if let Some((tag, r)) = &mut tag {
         for &p in &far {
-            let parts = block_views(p, false)?;
-            r.recv(stream, p, *tag, &parts.iter().collect::<Vec<_>>())?;
+            r.recv(stream, p, *tag, &[&recv_view(p)?])?;
         }
     }
     Ok(())
@@ -188,6 +202,10 @@ impl MoeTransport for NcclMoe {
         &self.core.shape
     }
 
+    fn wire(&self) -> MoeWire {
+        self.core.wire
+    }
+
     fn rank(&self) -> usize {
         self.core.rank
     }
@@ -196,82 +214,96 @@ impl MoeTransport for NcclMoe {
         &self.core.device
     }
 
-    fn dispatch_send(
-        &mut self,
-        stream: &Stream,
-        x: &DeviceBuffer,
-        topk_idx: &DeviceBuffer,
-    ) -> Result<()> {
-        self.core.check_dispatch_inputs(x, topk_idx)?;
+    fn dispatch_send(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()> {
+        self.core.check_dispatch(req)?;
         let NcclMoe {
             core,
             comm,
-            send_x,
-            recv_x,
-            send_meta,
-            recv_meta,
-            recv_cnt,
-            cnt,
-            pos,
-            base,
+            block_bytes,
+            send,
+            recv,
+            done,
             route,
             ..
         } = self;
+        let block_bytes = *block_bytes;
         core.step(
             "dispatch_send",
             Phase::Idle,
             Phase::DispatchSent,
             stream,
             |c| {
-                let s = c.shape;
-                kernel_calls::route(&c.kernels, stream, &s, topk_idx, cnt, pos, base, &c.status)?;
-                kernel_calls::nccl_dispatch_pack(
-                    &c.kernels, stream, &s, c.rank, x, topk_idx, pos, base, send_x, send_meta,
-                )?;
-                let l = s.local_experts();
-                exchange(
-                    comm,
-                    route.as_mut(),
+                c.weights_at_dispatch = req.weights.is_some();
+                let inp = SendInputs {
+                    x: req.x,
+                    topk_idx: req.topk_idx,
+                    weights: req.weights,
+                };
+                let st = SendState {
+                    cnt: &c.cnt,
+                    sent_pos: &c.sent_pos,
+                    status: &c.status,
+                };
+                kernel_calls::nccl_dispatch_send(
+                    &c.kernels,
                     stream,
-                    c.rank,
-                    [
-                        (cnt, recv_cnt, l * 4, DType::I32),
-                        (send_x, recv_x, s.pair_rows() * s.x_row_bytes(), DType::U8),
-                        (send_meta, recv_meta, s.pair_rows() * 8, DType::I32),
-                    ],
-                )
+                    &c.shape,
+                    c.wire,
+                    &inp,
+                    &st,
+                    send,
+                    block_bytes,
+                    &done.view(0, 4)?,
+                )?;
+                let block = Block {
+                    send,
+                    send_stride: block_bytes,
+                    recv,
+                    bytes: block_bytes,
+                };
+                exchange(comm, route.as_mut(), stream, c.rank, block)?;
+                c.zero_padding = req.zero_padding;
+                Ok(())
             },
         )
     }
 
     fn dispatch_recv(&mut self, stream: &Stream) -> Result<()> {
-        let bufs = NcclRecv {
-            send_x: &self.send_x,
-            recv_x: &self.recv_x,
-            send_meta: &self.send_meta,
-            recv_meta: &self.recv_meta,
-            recv_cnt: &self.recv_cnt,
-            src_off: &self.src_off,
-            dst_off: &self.dst_off,
-            src_total: &self.src_total,
-        };
-        let (expert_x, routing, own_cnt) = (&self.expert_x, &self.routing, &self.cnt);
-        self.core.step(
+        let done = self.done.view(4, 4)?;
+        let NcclMoe {
+            core,
+            block_bytes,
+            send,
+            recv,
+            ..
+        } = self;
+        let src = sources(send, recv, *block_bytes);
+        core.step(
             "dispatch_recv",
             Phase::DispatchSent,
             Phase::Dispatched,
             stream,
             |c| {
-                kernel_calls::nccl_dispatch_recv(
-                    &c.kernels, stream, &c.shape, c.rank, own_cnt, &bufs, &c.counts, expert_x,
-                    routing, &c.status,
-                )
+                let out = RecvOutputs {
+                    expert_x: &c.expert_x,
+                    routing: &c.routing,
+                    fan: &c.fan,
+                    ecnt: &c.ecnt,
+                    counts: &c.counts,
+                    status: &c.status,
+                    done: &done,
+                };
+                kernel_calls::dispatch_recv(
+                    &c.kernels, stream, &c.shape, c.wire, c.rank, None, &src, &out,
+                )?;
+                let zero = c.zero_padding;
+                c.finish_padding(stream, zero)
             },
         )
     }
 
     fn expert_x(&self) -> &DeviceBuffer {
-        &self.expert_x
+        &self.core.expert_x
     }
 
     fn expert_counts(&self) -> &DeviceBuffer {
@@ -279,30 +311,24 @@ impl MoeTransport for NcclMoe {
     }
 
     fn routing(&self) -> &DeviceBuffer {
-        &self.routing
+        &self.core.routing
     }
 
-    fn combine_send(
-        &mut self,
-        stream: &Stream,
-        expert_y: &DeviceBuffer,
-        expert_counts: &DeviceBuffer,
-        routing: &DeviceBuffer,
-    ) -> Result<()> {
-        self.core
-            .check_combine_inputs(expert_y, expert_counts, routing)?;
+    fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {
+        self.core.check_combine(req)?;
         let NcclMoe {
             core,
             comm,
-            send_x,
-            recv_x,
-            send_meta,
-            recv_meta,
-            comb_send_cnt,
-            comb_recv_cnt,
+            block_bytes,
+            send,
+            recv,
+            comb_send,
+            comb_recv,
+            w_recv,
             route,
             ..
         } = self;
+        let src = sources(send, recv, *block_bytes);
         core.step(
             "combine_send",
             Phase::Dispatched,
@@ -310,62 +336,73 @@ impl MoeTransport for NcclMoe {
             stream,
             |c| {
                 let s = c.shape;
-                let rows = ExpertRows {
-                    y: expert_y,
-                    counts: expert_counts,
-                    routing,
+                let tk4 = s.tokens * s.top_k * 4;
+                let late = match req.weights {
+                    Some(w) => {
+                        let block = Block {
+                            send: w,
+                            send_stride: 0,
+                            recv: w_recv,
+                            bytes: tk4,
+                        };
+                        exchange(comm, route.as_mut(), stream, c.rank, block)?;
+                        Some(LateWeights {
+                            w_self: w,
+                            w_peers: w_recv,
+                        })
+                    }
+                    None => None,
                 };
-                comb_send_cnt.zero(stream)?;
-                kernel_calls::nccl_combine_pack(
+                kernel_calls::nccl_combine_send(
                     &c.kernels,
                     stream,
                     &s,
-                    &rows,
-                    comb_send_cnt,
-                    send_x,
-                    send_meta,
+                    c.wire,
+                    c.rank,
+                    &src,
+                    req.expert_y,
+                    &c.fan,
+                    late.as_ref(),
+                    comb_send,
                     &c.status,
                 )?;
-                let cpair = s.combine_pair_rows();
-                exchange(
-                    comm,
-                    route.as_mut(),
-                    stream,
-                    c.rank,
-                    [
-                        (comb_send_cnt, comb_recv_cnt, 4, DType::I32),
-                        (send_x, recv_x, cpair * s.y_row_bytes(), DType::U8),
-                        (send_meta, recv_meta, cpair * 8, DType::I32),
-                    ],
-                )
+                let part = s.tokens * s.y_row_bytes();
+                let block = Block {
+                    send: comb_send,
+                    send_stride: part,
+                    recv: comb_recv,
+                    bytes: part,
+                };
+                exchange(comm, route.as_mut(), stream, c.rank, block)
             },
         )
     }
 
-    fn combine_recv(
-        &mut self,
-        stream: &Stream,
-        weights: &DeviceBuffer,
-        out: &DeviceBuffer,
-    ) -> Result<()> {
-        self.core.check_combine_outputs(weights, out)?;
-        let bufs = NcclCombineRecv {
-            send_cnt: &self.comb_send_cnt,
-            recv_cnt: &self.comb_recv_cnt,
-            send_x: &self.send_x,
-            recv_x: &self.recv_x,
-            send_meta: &self.send_meta,
-            recv_meta: &self.recv_meta,
-            slot_idx: &self.slot_idx,
-        };
-        self.core.step(
+    fn combine_recv(&mut self, stream: &Stream, out: &DeviceBuffer) -> Result<()> {
+        self.core.check_out(out)?;
+        let NcclMoe {
+            core,
+            comb_send,
+            comb_recv,
+            ..
+        } = self;
+        core.step(
             "combine_recv",
             Phase::CombineSent,
             Phase::Idle,
             stream,
             |c| {
-                kernel_calls::nccl_combine_recv(
-                    &c.kernels, stream, &c.shape, c.rank, &bufs, weights, out, &c.status,
+                kernel_calls::combine_recv(
+                    &c.kernels,
+                    stream,
+                    &c.shape,
+                    c.rank,
+                    None,
+                    comb_send,
+                    comb_recv,
+                    &c.sent_pos,
+                    out,
+                    &c.status,
                 )
             },
         )
@@ -377,5 +414,13 @@ impl MoeTransport for NcclMoe {
 
     fn clear_status(&self, stream: &Stream) -> Result<()> {
         self.core.status.zero(stream)
+    }
+
+    fn received_rows(&self, stream: &Stream) -> Result<Vec<usize>> {
+        let rank = self.core.rank;
+        self.core.read_counts(stream, |s| {
+            let blocks = if s == rank { &self.send } else { &self.recv };
+            blocks.view(s * self.block_bytes, 4)
+        })
     }
 }

@@ -1,84 +1,43 @@
 //! The NVLink transport: every rank owns one symmetric allocation (same layout on every rank)
-//! that its peers map, either in this process (peer access) or through CUDA IPC.
+//! that its peers map, either in this process (peer access) or through CUDA IPC. One kernel per
+//! phase, no host work between them, the step number (epoch) on the device: a whole step can be
+//! captured in a CUDA graph and replayed.
 //!
 //! Per step `s` (epoch `s`, flags are never reset):
-//! 1. `dispatch_send`: one kernel, one warp per `(t, k)` row: reserve a row in the receiver's
-//!    per-expert counter (`atom.add.sys`; counters double-buffered by epoch parity), store the
-//!    row (16-byte vectors) and its routing straight into the receiver's `expert_x` /
-//!    `routing`; the last block raises `dispatch_flag[me] = s` in every receiver
-//!    (`st.release.sys` after `__threadfence_system`).
-//! 2. `dispatch_recv`: acquire all `W` flags, `counts = min(counter, C)` (overflow flagged), reset
-//!    the other parity's counters for step `s + 1`, zero padding rows.
-//! 3. `combine_send`: every valid expert row goes straight into slot `[t, k]` of its source's
-//!    `[T, K, F]` receive area with `mark[t, k] = s`; then `combine_flag[me] = s` everywhere.
-//! 4. `combine_recv`: acquire all flags, `out[t] = Σ_k w · slot[t, k]` over marked slots.
+//! 1. `dispatch_send`: one warp per (token, destination rank) stores the wire row straight into
+//!    the receiver's `rows[me][pos]` (`pos` from a local counter, no remote atomics); the last
+//!    block writes the receivers' `counts[me]` and raises `dispatch_flags[me] = s`
+//!    (`st.release.sys` after a system-scope fence), then stores `s` as the local epoch.
+//! 2. `dispatch_recv`: acquire all `W` flags, fan every received row out to the local experts,
+//!    counts by the last block.
+//! 3. `combine_send`: (weights not given at dispatch: one kernel copies this rank's `[T, K]`
+//!    weights into every peer's `weights[me]` and raises `weight_flags[me]`, the next waits for
+//!    them) one warp per received row reduces its local expert rows into one partial stored in
+//!    the source's `partials[me][pos]`; then `combine_flags[me] = s` everywhere.
+//! 4. `combine_recv`: acquire all flags, `out[t] = Σ_r partials[r][sent_pos[t, r]]` in rank
+//!    order.
 //!
-//! Reuse across steps needs no acknowledgements: a peer writes into this rank's buffers in step
-//! `s + 1` only after its `combine_recv(s)`, which waited for this rank's `combine_send(s)`, which
-//! follows (in stream order) this rank's reads of step `s`'s dispatch outputs and counters; the
-//! combine slots are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
+//! Reuse across steps needs no acknowledgements: a peer writes into this rank's areas in step
+//! `s + 1` only after its `combine_recv(s)`, which waited for this rank's `combine_send(s)`,
+//! which follows (in stream order) every read of step `s`'s rows, counts and weights; the
+//! partials are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
 use super::ipc::{self, IpcMapping, HANDLE_LEN};
-use super::kernel_calls::{self, ExpertRows, NvlTargets};
-use super::transport::{Core, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus};
+use super::kernel_calls::{
+    self, FlagWait, NvlLocal, PeerRegions, RecvOutputs, SendInputs, SendState, SourceRows,
+};
+use super::layout::SymLayout;
+use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
+use super::{MoeShape, MoeStatus, MoeWire, WireLayout};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{KernelError, Result};
 use crate::stream::Stream;
 
-/// Byte offsets of the regions of the symmetric allocation (identical on every rank).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct SymLayout {
-    /// `expert_x[L, C, H]`.
-    x: usize,
-    /// `routing[L, C, 2]` i32.
-    routing: usize,
-    /// `[2, L]` i32 row counters, by epoch parity.
-    counters: usize,
-    /// `[W]` u32 dispatch flags, one per sender.
-    dispatch_flags: usize,
-    /// `[W]` u32 combine flags, one per sender.
-    combine_flags: usize,
-    /// `[T, K, F]` combine receive slots.
-    slots: usize,
-    /// `[T, K]` u32 epoch marks of the slots.
-    marks: usize,
-    total: usize,
-}
-
-impl SymLayout {
-    fn of(shape: &MoeShape) -> SymLayout {
-        let (l, c, w) = (shape.local_experts(), shape.capacity, shape.world);
-        let tk = shape.tokens * shape.top_k;
-        let mut at = 0usize;
-        let mut region = |bytes: usize| {
-            let start = at;
-            at = (at + bytes).div_ceil(256) * 256;
-            start
-        };
-        SymLayout {
-            x: region(l * c * shape.x_row_bytes()),
-            routing: region(l * c * 8),
-            counters: region(2 * l * 4),
-            dispatch_flags: region(w * 4),
-            combine_flags: region(w * 4),
-            slots: region(tk * shape.y_row_bytes()),
-            marks: region(tk * 4),
-            total: at.max(256),
-        }
-    }
-
-    fn counters(&self, shape: &MoeShape, epoch: u32) -> usize {
-        self.counters + (epoch as usize % 2) * shape.local_experts() * 4
-    }
-}
-
-/// Device address tables of the peers (`[W]` u64 each), built once the team is connected.
+/// The `[W]` u64 table of every rank's symmetric base address, built once the team is
+/// connected.
 struct Tables {
     peer_sym: DeviceBuffer,
-    dispatch_flag_ptrs: DeviceBuffer,
-    combine_flag_ptrs: DeviceBuffer,
 }
 
 /// What keeps a peer's symmetric allocation reachable (the payloads are held for their `Drop`).
@@ -93,34 +52,39 @@ enum PeerMemory {
 }
 
 /// Magic prefix of [`NvlinkMoe::export_handles`].
-const HANDLE_MAGIC: &[u8; 8] = b"MFMOEIP1";
+const HANDLE_MAGIC: &[u8; 8] = b"MFMOEIP2";
+
+/// Slots of the `[8]` u32 device state: the epoch, then the grid counters of the kernels.
+const STATE_WORDS: usize = 8;
+const STATE_DISPATCH_RECV_DONE: usize = 4;
 
 /// One rank's NVLink MoE transport (see the [module docs](super) and the protocol above).
 pub struct NvlinkMoe {
     core: Core,
     layout: SymLayout,
     sym: DeviceBuffer,
-    expert_x: DeviceBuffer,
-    routing: DeviceBuffer,
-    /// `[2]` u32 grid-completion counters (dispatch copy, combine send).
-    done: DeviceBuffer,
+    /// `[8]` u32: `[0]` the epoch, `[1]` dispatch send, `[2]` weights, `[3]` combine send and
+    /// `[4]` dispatch receive grid counters.
+    state: DeviceBuffer,
     peers: Vec<PeerMemory>,
     tables: Option<Tables>,
     flag_timeout_ns: u64,
 }
 
 impl NvlinkMoe {
-    fn unconnected(device: &Device, shape: &MoeShape, rank: usize) -> Result<NvlinkMoe> {
-        let core = Core::new(device, shape, rank)?;
-        let layout = SymLayout::of(shape);
+    fn unconnected(
+        device: &Device,
+        shape: &MoeShape,
+        wire: MoeWire,
+        rank: usize,
+    ) -> Result<NvlinkMoe> {
+        let core = Core::new(device, shape, wire, rank)?;
+        let layout = SymLayout::of(shape, wire);
         let stream = Stream::new(device)?;
         let sym = DeviceBuffer::alloc(device, layout.total)?;
         sym.zero(&stream)?;
-        let (l, c) = (shape.local_experts(), shape.capacity);
         let t = NvlinkMoe {
-            expert_x: sym.view(layout.x, l * c * shape.x_row_bytes())?,
-            routing: sym.view(layout.routing, l * c * 8)?,
-            done: kernel_calls::zeroed_i32(&stream, 2)?,
+            state: zeroed_u32(device, &stream, STATE_WORDS)?,
             sym,
             layout,
             core,
@@ -132,29 +96,31 @@ impl NvlinkMoe {
         Ok(t)
     }
 
-    /// Builds the address tables from every rank's symmetric base address.
+    /// Builds the address table from every rank's symmetric base address.
     fn connect(&mut self, bases: &[u64], peers: Vec<PeerMemory>) -> Result<()> {
         let stream = Stream::new(&self.core.device)?;
-        let me = self.core.rank as u64;
-        let lay = self.layout;
-        let table = |off: usize, per_rank: u64| {
-            let addrs: Vec<u64> = bases.iter().map(|b| b + off as u64 + per_rank).collect();
-            kernel_calls::address_table(&stream, &addrs)
-        };
         self.tables = Some(Tables {
-            peer_sym: table(0, 0)?,
-            dispatch_flag_ptrs: table(lay.dispatch_flags, me * 4)?,
-            combine_flag_ptrs: table(lay.combine_flags, me * 4)?,
+            peer_sym: kernel_calls::address_table(&stream, bases)?,
         });
+        stream.synchronize()?;
         self.peers = peers;
         Ok(())
     }
 
     /// Creates the transports of a team whose ranks are `devices` (one distinct GPU per rank,
-    /// all in this process): enables peer access between every pair and exchanges the
-    /// symmetric buffers' addresses. Rank `i` of the result runs on `devices[i]`; hand each to
-    /// the thread driving that GPU.
+    /// all in this process), with native rows: enables peer access between every pair and
+    /// exchanges the symmetric buffers' addresses. Rank `i` of the result runs on
+    /// `devices[i]`; hand each to the thread driving that GPU.
     pub fn team(devices: &[Device], shape: &MoeShape) -> Result<Vec<NvlinkMoe>> {
+        NvlinkMoe::team_with_wire(devices, shape, MoeWire::Native)
+    }
+
+    /// [`NvlinkMoe::team`] with token rows encoded as `wire`.
+    pub fn team_with_wire(
+        devices: &[Device],
+        shape: &MoeShape,
+        wire: MoeWire,
+    ) -> Result<Vec<NvlinkMoe>> {
         if devices.len() != shape.world {
             return Err(KernelError::InvalidArgument(format!(
                 "NVLink MoE team of {} ranks given {} devices",
@@ -177,7 +143,7 @@ impl NvlinkMoe {
         let mut ranks = devices
             .iter()
             .enumerate()
-            .map(|(r, d)| NvlinkMoe::unconnected(d, shape, r))
+            .map(|(r, d)| NvlinkMoe::unconnected(d, shape, wire, r))
             .collect::<Result<Vec<_>>>()?;
         let bases: Vec<u64> = ranks.iter().map(|r| r.sym.addr()).collect();
         let syms: Vec<DeviceBuffer> = ranks.iter().map(|r| r.sym.clone()).collect();
@@ -198,11 +164,22 @@ impl NvlinkMoe {
         Ok(ranks)
     }
 
-    /// Creates rank `rank` of a multi-process team on `device`. Before use, every rank sends
-    /// [`export_handles`](Self::export_handles) to every other (a rendezvous of the caller's
-    /// choice) and calls [`import_handles`](Self::import_handles) with all of them.
+    /// Creates rank `rank` of a multi-process team on `device`, with native rows. Before use,
+    /// every rank sends [`export_handles`](Self::export_handles) to every other (a rendezvous
+    /// of the caller's choice) and calls [`import_handles`](Self::import_handles) with all of
+    /// them.
     pub fn new_ipc(device: &Device, shape: &MoeShape, rank: usize) -> Result<NvlinkMoe> {
-        NvlinkMoe::unconnected(device, shape, rank)
+        NvlinkMoe::unconnected(device, shape, MoeWire::Native, rank)
+    }
+
+    /// [`NvlinkMoe::new_ipc`] with token rows encoded as `wire` (every rank alike).
+    pub fn new_ipc_with_wire(
+        device: &Device,
+        shape: &MoeShape,
+        wire: MoeWire,
+        rank: usize,
+    ) -> Result<NvlinkMoe> {
+        NvlinkMoe::unconnected(device, shape, wire, rank)
     }
 
     /// This rank's CUDA IPC handle and layout check, as bytes for the rendezvous.
@@ -279,13 +256,29 @@ impl NvlinkMoe {
         self.flag_timeout_ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
     }
 
-    fn tables(&self) -> Result<&Tables> {
-        self.tables.as_ref().ok_or_else(|| {
-            KernelError::InvalidArgument(format!(
-                "NVLink MoE rank {} is not connected: call import_handles first",
-                self.core.rank
-            ))
-        })
+    /// A view of region `off` of `bytes` bytes of this rank's symmetric allocation.
+    fn region(sym: &DeviceBuffer, off: usize, bytes: usize) -> Result<DeviceBuffer> {
+        sym.view(off, bytes.max(4))
+    }
+}
+
+fn not_connected(rank: usize) -> KernelError {
+    KernelError::InvalidArgument(format!(
+        "NVLink MoE rank {rank} is not connected: call import_handles first"
+    ))
+}
+
+/// The peer regions of `layout` through `tables`.
+fn peer_regions<'a>(tables: &'a Tables, l: &SymLayout) -> PeerRegions<'a> {
+    PeerRegions {
+        peer_sym: &tables.peer_sym,
+        rows: l.rows,
+        counts: l.counts,
+        dispatch_flags: l.dispatch_flags,
+        partials: l.partials,
+        combine_flags: l.combine_flags,
+        weights: l.weights,
+        weight_flags: l.weight_flags,
     }
 }
 
@@ -298,6 +291,10 @@ impl MoeTransport for NvlinkMoe {
         &self.core.shape
     }
 
+    fn wire(&self) -> MoeWire {
+        self.core.wire
+    }
+
     fn rank(&self) -> usize {
         self.core.rank
     }
@@ -306,43 +303,45 @@ impl MoeTransport for NvlinkMoe {
         &self.core.device
     }
 
-    fn dispatch_send(
-        &mut self,
-        stream: &Stream,
-        x: &DeviceBuffer,
-        topk_idx: &DeviceBuffer,
-    ) -> Result<()> {
-        self.core.check_dispatch_inputs(x, topk_idx)?;
-        self.tables()?;
+    fn dispatch_send(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()> {
+        self.core.check_dispatch(req)?;
+        let rank = self.core.rank;
         let NvlinkMoe {
             core,
             layout,
-            done,
+            state,
             tables,
             ..
         } = self;
-        let tables = tables
-            .as_ref()
-            .ok_or_else(|| KernelError::InvalidArgument("not connected".into()))?;
+        let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
         core.step(
             "dispatch_send",
             Phase::Idle,
             Phase::DispatchSent,
             stream,
             |c| {
-                c.epoch = c.epoch.wrapping_add(1);
-                let s = c.shape;
-                let dispatch_done = done.view(0, 4)?;
-                let targets = NvlTargets {
-                    peer_sym: &tables.peer_sym,
-                    x_off: layout.x,
-                    routing_off: layout.routing,
-                    counter_off: layout.counters(&s, c.epoch),
-                    flag_ptrs: &tables.dispatch_flag_ptrs,
-                    done: &dispatch_done,
+                c.weights_at_dispatch = req.weights.is_some();
+                c.zero_padding = req.zero_padding;
+                let inp = SendInputs {
+                    x: req.x,
+                    topk_idx: req.topk_idx,
+                    weights: req.weights,
+                };
+                let st = SendState {
+                    cnt: &c.cnt,
+                    sent_pos: &c.sent_pos,
+                    status: &c.status,
                 };
                 kernel_calls::nvl_dispatch_send(
-                    &c.kernels, stream, &s, c.rank, x, topk_idx, &targets, &c.status, c.epoch,
+                    &c.kernels,
+                    stream,
+                    &c.shape,
+                    c.wire,
+                    c.rank,
+                    &inp,
+                    &st,
+                    &peer_regions(tables, layout),
+                    state,
                 )
             },
         )
@@ -353,42 +352,66 @@ impl MoeTransport for NvlinkMoe {
             core,
             layout,
             sym,
-            expert_x,
-            routing,
+            state,
             flag_timeout_ns,
             ..
         } = self;
+        let s = core.shape;
+        let rows = NvlinkMoe::region(
+            sym,
+            layout.rows,
+            s.world * s.tokens * WireLayout::of(&s, core.wire).stride,
+        )?;
+        let counts = NvlinkMoe::region(sym, layout.counts, s.world * 4)?;
+        let flags = NvlinkMoe::region(sym, layout.dispatch_flags, s.world * 4)?;
+        let done = state.view(STATE_DISPATCH_RECV_DONE * 4, 4)?;
         core.step(
             "dispatch_recv",
             Phase::DispatchSent,
             Phase::Dispatched,
             stream,
             |c| {
-                let s = c.shape;
-                let l4 = s.local_experts() * 4;
-                let flags = sym.view(layout.dispatch_flags, s.world * 4)?;
-                let counters = sym.view(layout.counters(&s, c.epoch), l4)?;
-                let next = sym.view(layout.counters(&s, c.epoch.wrapping_add(1)), l4)?;
-                kernel_calls::nvl_dispatch_recv(
+                let wait = FlagWait {
+                    flags: &flags,
+                    state,
+                    timeout_ns: *flag_timeout_ns,
+                };
+                let src = SourceRows {
+                    own: &rows,
+                    other: &rows,
+                    block_bytes: s.tokens * WireLayout::of(&s, c.wire).stride,
+                    row_off: 0,
+                    own_cnt: &counts,
+                    other_cnt: &counts,
+                    cnt_stride: 4,
+                };
+                let out = RecvOutputs {
+                    expert_x: &c.expert_x,
+                    routing: &c.routing,
+                    fan: &c.fan,
+                    ecnt: &c.ecnt,
+                    counts: &c.counts,
+                    status: &c.status,
+                    done: &done,
+                };
+                kernel_calls::dispatch_recv(
                     &c.kernels,
                     stream,
-                    &s,
-                    &flags,
-                    c.epoch,
-                    *flag_timeout_ns,
-                    &counters,
-                    &next,
-                    &c.counts,
-                    expert_x,
-                    routing,
-                    &c.status,
-                )
+                    &c.shape,
+                    c.wire,
+                    c.rank,
+                    Some(&wait),
+                    &src,
+                    &out,
+                )?;
+                let zero = c.zero_padding;
+                c.finish_padding(stream, zero)
             },
         )
     }
 
     fn expert_x(&self) -> &DeviceBuffer {
-        &self.expert_x
+        &self.core.expert_x
     }
 
     fn expert_counts(&self) -> &DeviceBuffer {
@@ -396,95 +419,101 @@ impl MoeTransport for NvlinkMoe {
     }
 
     fn routing(&self) -> &DeviceBuffer {
-        &self.routing
+        &self.core.routing
     }
 
-    fn combine_send(
-        &mut self,
-        stream: &Stream,
-        expert_y: &DeviceBuffer,
-        expert_counts: &DeviceBuffer,
-        routing: &DeviceBuffer,
-    ) -> Result<()> {
-        self.core
-            .check_combine_inputs(expert_y, expert_counts, routing)?;
-        self.tables()?;
+    fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {
+        self.core.check_combine(req)?;
+        let rank = self.core.rank;
         let NvlinkMoe {
             core,
             layout,
-            done,
+            sym,
+            state,
             tables,
+            flag_timeout_ns,
             ..
         } = self;
-        let tables = tables
-            .as_ref()
-            .ok_or_else(|| KernelError::InvalidArgument("not connected".into()))?;
+        let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
+        let s = core.shape;
+        let stride = WireLayout::of(&s, core.wire).stride;
+        let weight_flags = NvlinkMoe::region(sym, layout.weight_flags, s.world * 4)?;
+        let rows = NvlinkMoe::region(sym, layout.rows, s.world * s.tokens * stride)?;
+        let counts = NvlinkMoe::region(sym, layout.counts, s.world * 4)?;
+        let weights = NvlinkMoe::region(sym, layout.weights, s.world * s.tokens * s.top_k * 4)?;
+        let local = NvlLocal {
+            weight_flags: &weight_flags,
+            rows: &rows,
+            counts: &counts,
+            weights: &weights,
+        };
         core.step(
             "combine_send",
             Phase::Dispatched,
             Phase::CombineSent,
             stream,
             |c| {
-                let combine_done = done.view(4, 4)?;
-                let rows = ExpertRows {
-                    y: expert_y,
-                    counts: expert_counts,
-                    routing,
-                };
+                let peers = peer_regions(tables, layout);
+                if let Some(w) = req.weights {
+                    kernel_calls::nvl_weights_send(
+                        &c.kernels, stream, &s, c.rank, w, &peers, state,
+                    )?;
+                }
                 kernel_calls::nvl_combine_send(
                     &c.kernels,
                     stream,
-                    &c.shape,
-                    &rows,
-                    &tables.peer_sym,
-                    layout.slots,
-                    layout.marks,
-                    c.epoch,
+                    &s,
+                    c.wire,
+                    c.rank,
+                    &local,
+                    req.expert_y,
+                    &c.fan,
+                    req.weights.is_some(),
+                    &peers,
+                    state,
+                    *flag_timeout_ns,
                     &c.status,
-                    &combine_done,
-                    &tables.combine_flag_ptrs,
                 )
             },
         )
     }
 
-    fn combine_recv(
-        &mut self,
-        stream: &Stream,
-        weights: &DeviceBuffer,
-        out: &DeviceBuffer,
-    ) -> Result<()> {
-        self.core.check_combine_outputs(weights, out)?;
+    fn combine_recv(&mut self, stream: &Stream, out: &DeviceBuffer) -> Result<()> {
+        self.core.check_out(out)?;
         let NvlinkMoe {
             core,
             layout,
             sym,
+            state,
             flag_timeout_ns,
             ..
         } = self;
+        let s = core.shape;
+        let flags = NvlinkMoe::region(sym, layout.combine_flags, s.world * 4)?;
+        let partials =
+            NvlinkMoe::region(sym, layout.partials, s.world * s.tokens * s.y_row_bytes())?;
         core.step(
             "combine_recv",
             Phase::CombineSent,
             Phase::Idle,
             stream,
             |c| {
-                let s = c.shape;
-                let tk = s.tokens * s.top_k;
-                let flags = sym.view(layout.combine_flags, s.world * 4)?;
-                let slots = sym.view(layout.slots, tk * s.y_row_bytes())?;
-                let marks = sym.view(layout.marks, tk * 4)?;
-                kernel_calls::nvl_combine_recv(
+                let wait = FlagWait {
+                    flags: &flags,
+                    state,
+                    timeout_ns: *flag_timeout_ns,
+                };
+                kernel_calls::combine_recv(
                     &c.kernels,
                     stream,
-                    &s,
-                    &flags,
-                    c.epoch,
-                    *flag_timeout_ns,
-                    &c.status,
-                    &slots,
-                    &marks,
-                    weights,
+                    &c.shape,
+                    c.rank,
+                    Some(&wait),
+                    &partials,
+                    &partials,
+                    &c.sent_pos,
                     out,
+                    &c.status,
                 )
             },
         )
@@ -496,6 +525,11 @@ impl MoeTransport for NvlinkMoe {
 
     fn clear_status(&self, stream: &Stream) -> Result<()> {
         self.core.status.zero(stream)
+    }
+
+    fn received_rows(&self, stream: &Stream) -> Result<Vec<usize>> {
+        self.core
+            .read_counts(stream, |s| self.sym.view(self.layout.counts + 4 * s, 4))
     }
 }
 

@@ -2,11 +2,12 @@
 //!
 //! Rows of an expert are kept in the canonical order (source rank, token, k); the GPU transports
 //! may order them differently, so tests compare per-expert multisets. Values are f32 holding
-//! values of the shape's dtype.
+//! values of the shape's dtype. The combine follows the summation order of the module docs
+//! (per-rank partials in `k` order, rounded to the dtype, then summed in rank order).
 
 use half::{bf16, f16};
 
-use super::MoeShape;
+use super::{MoeShape, MoeWire};
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 
@@ -17,7 +18,7 @@ pub struct ReferenceDispatch {
     pub counts: Vec<i32>,
     /// `(team-global token, k)` of every kept row, per local expert.
     pub rows: Vec<Vec<(i32, i32)>>,
-    /// `[L, C, H]`, zero past each count.
+    /// `[L, C, H]`, zero past each count (FP8 rows dequantized).
     pub expert_x: Vec<f32>,
     /// `[L, C, 2]`, zero past each count.
     pub routing: Vec<i32>,
@@ -44,15 +45,23 @@ fn check_len(what: &str, rank: usize, got: usize, want: usize) -> Result<()> {
     }
 }
 
+/// The expert id `e` if it names an expert of `shape`.
+fn expert(shape: &MoeShape, e: i32) -> Option<usize> {
+    usize::try_from(e).ok().filter(|&e| e < shape.experts)
+}
+
 /// Dispatch as seen by `rank`, from every rank's tokens `x[s]` (`[T, H]`) and `topk_idx[s]`
-/// (`[T, K]`). Entries that are not expert ids are skipped (the GPU raises `BAD_EXPERT`).
+/// (`[T, K]`), each row encoded as `wire`. Entries that are not expert ids are skipped (the
+/// GPU raises `BAD_EXPERT`).
 pub fn reference_dispatch(
     shape: &MoeShape,
+    wire: MoeWire,
     rank: usize,
     x: &[Vec<f32>],
     topk_idx: &[Vec<i32>],
 ) -> Result<ReferenceDispatch> {
     shape.validate()?;
+    wire.validate(shape)?;
     let (w, t, k, h, c) = (
         shape.world,
         shape.tokens,
@@ -78,24 +87,30 @@ pub fn reference_dispatch(
     for (s, (xs, idx)) in x.iter().zip(topk_idx).enumerate() {
         check_len("x", s, xs.len(), t * h)?;
         check_len("topk_idx", s, idx.len(), t * k)?;
-        for (i, &e) in idx.iter().enumerate() {
-            let Ok(e) = usize::try_from(e) else { continue };
-            if e >= shape.experts || e / l != rank {
+        for tt in 0..t {
+            let mine: Vec<(usize, usize)> = (0..k)
+                .filter_map(|kk| expert(shape, idx[tt * k + kk]).map(|e| (kk, e)))
+                .filter(|&(_, e)| e / l == rank)
+                .collect();
+            if mine.is_empty() {
                 continue;
             }
-            let le = e % l;
-            let j = out.rows[le].len();
-            if j >= c {
-                out.overflow = true;
-                continue;
-            }
-            let (tt, kk) = (i / k, i % k);
+            // One row travels to this rank; it fans out to the local experts in k order.
+            let row = wire.arrived_row(shape, &xs[tt * h..(tt + 1) * h])?;
             let token = i32::try_from(s * t + tt).unwrap_or(i32::MAX);
-            out.rows[le].push((token, kk as i32));
-            let dst = (le * c + j) * h;
-            out.expert_x[dst..dst + h].copy_from_slice(&xs[tt * h..(tt + 1) * h]);
-            out.routing[(le * c + j) * 2] = token;
-            out.routing[(le * c + j) * 2 + 1] = kk as i32;
+            for (kk, e) in mine {
+                let le = e % l;
+                let j = out.rows[le].len();
+                if j >= c {
+                    out.overflow = true;
+                    continue;
+                }
+                out.rows[le].push((token, kk as i32));
+                let dst = (le * c + j) * h;
+                out.expert_x[dst..dst + h].copy_from_slice(&row);
+                out.routing[(le * c + j) * 2] = token;
+                out.routing[(le * c + j) * 2 + 1] = kk as i32;
+            }
         }
     }
     for (cnt, rows) in out.counts.iter_mut().zip(&out.rows) {
@@ -104,29 +119,57 @@ pub fn reference_dispatch(
     Ok(out)
 }
 
-/// Combine on one rank: `out[t] = Σ_k w[t, k] · y(t, k)` over `[T, F]`, accumulated in f32 in
-/// `k` order (separate multiply and add) and rounded once to the dtype. `row(t, k)` is the
-/// expert output for `(t, k)`, or `None` for a row that was dropped (it contributes nothing).
+/// Combine on one rank from its `topk_idx[T, K]` and `weights[T, K]`: for each token, every
+/// rank `r` hosting one of its experts returns `P_r = Σ_k w[t, k] · y(t, k)` over the token's
+/// experts on `r` in `k` order (f32, separate multiply and add, starting from +0), rounded to
+/// the dtype; `out[t]` is the sum of those partials in ascending `r` (f32, from +0), rounded
+/// once. `row(t, k)` is the expert output for `(t, k)`, or `None` for a row that was dropped
+/// (it contributes nothing). Ids that are not experts are skipped.
 pub fn reference_combine(
     shape: &MoeShape,
+    topk_idx: &[i32],
     weights: &[f32],
     row: impl Fn(usize, usize) -> Option<Vec<f32>>,
 ) -> Result<Vec<f32>> {
-    let (t, k, f) = (shape.tokens, shape.top_k, shape.out_hidden);
+    let (t, k, f, l) = (
+        shape.tokens,
+        shape.top_k,
+        shape.out_hidden,
+        shape.local_experts(),
+    );
     check_len("weights", 0, weights.len(), t * k)?;
+    check_len("topk_idx", 0, topk_idx.len(), t * k)?;
     let mut out = vec![0.0f32; t * f];
+    let mut partial = vec![0.0f32; f];
     for (tt, acc) in out.chunks_mut(f.max(1)).enumerate().take(t) {
-        for kk in 0..k {
-            let Some(y) = row(tt, kk) else { continue };
-            if y.len() != f {
-                return Err(KernelError::InvalidArgument(format!(
-                    "reference MoE: expert row for token {tt}, slot {kk} has {} elements, expected {f}",
-                    y.len()
-                )));
+        for r in 0..shape.world {
+            let mut any = false;
+            partial.fill(0.0);
+            for kk in 0..k {
+                let Some(e) = expert(shape, topk_idx[tt * k + kk]) else {
+                    continue;
+                };
+                if e / l != r {
+                    continue;
+                }
+                any = true;
+                let Some(y) = row(tt, kk) else { continue };
+                if y.len() != f {
+                    return Err(KernelError::InvalidArgument(format!(
+                        "reference MoE: expert row for token {tt}, slot {kk} has {} elements, \
+                         expected {f}",
+                        y.len()
+                    )));
+                }
+                let wk = weights[tt * k + kk];
+                for (p, yv) in partial.iter_mut().zip(y) {
+                    *p += wk * yv;
+                }
             }
-            let wk = weights[tt * k + kk];
-            for (a, yv) in acc.iter_mut().zip(y) {
-                *a += wk * yv;
+            if any {
+                for (a, p) in acc.iter_mut().zip(&partial) {
+                    *a += round_to(shape.dtype, *p);
+                }
             }
         }
         for a in acc.iter_mut() {
@@ -139,6 +182,7 @@ pub fn reference_combine(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fp8::Fp8Scales;
 
     fn shape(world: usize, experts: usize, top_k: usize, capacity: usize) -> MoeShape {
         MoeShape {
@@ -162,14 +206,14 @@ mod tests {
         ];
         // rank 0 tokens: (0: e1, e2) (1: e3, e0) (2: e1, e3); rank 1: (0: e0, e2) (1: e1, e2) (2: e3, e2)
         let idx = vec![vec![1, 2, 3, 0, 1, 3], vec![0, 2, 1, 2, 3, 2]];
-        let r0 = reference_dispatch(&s, 0, &x, &idx).unwrap();
+        let r0 = reference_dispatch(&s, MoeWire::Native, 0, &x, &idx).unwrap();
         assert_eq!(r0.counts, vec![2, 3]);
         assert_eq!(r0.rows[0], vec![(1, 1), (3, 0)]);
         assert_eq!(r0.rows[1], vec![(0, 0), (2, 0), (4, 0)]);
         assert_eq!(&r0.expert_x[..4], &[10., 11., 100., 101.]);
         assert_eq!(&r0.expert_x[4..8], &[0.; 4]);
         assert_eq!(&r0.routing[..4], &[1, 1, 3, 0]);
-        let r1 = reference_dispatch(&s, 1, &x, &idx).unwrap();
+        let r1 = reference_dispatch(&s, MoeWire::Native, 1, &x, &idx).unwrap();
         assert_eq!(r1.counts, vec![4, 3]);
         assert!(!r1.overflow);
     }
@@ -179,35 +223,65 @@ mod tests {
         let s = shape(1, 2, 1, 2);
         let x = vec![vec![1.; 6]];
         let idx = vec![vec![0, 0, 0]];
-        let r = reference_dispatch(&s, 0, &x, &idx).unwrap();
+        let r = reference_dispatch(&s, MoeWire::Native, 0, &x, &idx).unwrap();
         assert_eq!(r.counts, vec![2, 0]);
         assert!(r.overflow);
-        let r = reference_dispatch(&s, 0, &x, &[vec![0, 7, -1]]).unwrap();
+        let r = reference_dispatch(&s, MoeWire::Native, 0, &x, &[vec![0, 7, -1]]).unwrap();
         assert_eq!(r.counts, vec![1, 0]);
         assert!(!r.overflow);
-        assert!(reference_dispatch(&s, 0, &x, &[vec![0, 1]]).is_err());
-        assert!(reference_dispatch(&s, 1, &x, &idx).is_err());
+        assert!(reference_dispatch(&s, MoeWire::Native, 0, &x, &[vec![0, 1]]).is_err());
+        assert!(reference_dispatch(&s, MoeWire::Native, 1, &x, &idx).is_err());
     }
 
     #[test]
-    fn combine_weights_in_k_order_and_rounds_once() {
+    fn fp8_dispatch_dequantizes_each_token_once() {
+        let s = MoeShape {
+            hidden: 16,
+            tokens: 1,
+            dtype: DType::BF16,
+            ..shape(1, 2, 2, 2)
+        };
+        let row: Vec<f32> = (0..16).map(|i| round_to(s.dtype, 0.1 + i as f32)).collect();
+        let wire = MoeWire::Fp8E4m3(Fp8Scales::PerToken);
+        let r = reference_dispatch(&s, wire, 0, std::slice::from_ref(&row), &[vec![1, 0]]).unwrap();
+        let want = wire.arrived_row(&s, &row).unwrap();
+        assert_eq!(&r.expert_x[..16], &want[..]);
+        assert_eq!(&r.expert_x[32..48], &want[..]);
+        assert!(reference_dispatch(
+            &s,
+            MoeWire::Fp8E4m3(Fp8Scales::Block128),
+            0,
+            &[row],
+            &[vec![1, 0]]
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn combine_sums_rank_partials_in_rank_order() {
+        // 2 ranks x 2 experts; the token picks e2 (rank 1), e0 (rank 0), e3 (rank 1).
         let s = MoeShape {
             dtype: DType::BF16,
             tokens: 1,
-            ..shape(1, 2, 2, 2)
+            ..shape(2, 4, 3, 2)
         };
-        let out = reference_combine(&s, &[0.5, 0.25], |_, k| {
-            Some(if k == 0 {
-                vec![1.0, 2.0]
-            } else {
-                vec![4.0, 1.0 / 3.0]
-            })
-        })
-        .unwrap();
-        assert_eq!(out[0], 1.5);
-        assert_eq!(out[1], round_to(DType::BF16, 1.0 + 0.25 / 3.0));
-        let dropped = reference_combine(&s, &[0.5, 0.25], |_, k| (k == 1).then(|| vec![4.0, 4.0]));
-        assert_eq!(dropped.unwrap(), vec![1.0, 1.0]);
-        assert!(reference_combine(&s, &[0.5], |_, _| None).is_err());
+        let w = [0.5, 0.25, 1.0];
+        let y = |k: usize| -> Vec<f32> {
+            match k {
+                0 => vec![1.0, 1.0 / 3.0],
+                1 => vec![4.0, 3.0],
+                _ => vec![0.125, 1e-3],
+            }
+        };
+        let out = reference_combine(&s, &[2, 0, 3], &w, |_, k| Some(y(k))).unwrap();
+        let r = |v: f32| round_to(DType::BF16, v);
+        // Rank 0's partial: 0.25 * y1; rank 1's: 0.5 * y0 + 1.0 * y2.
+        let p0 = [r(0.25 * 4.0), r(0.25 * 3.0)];
+        let p1 = [r(0.5 * 1.0 + 0.125), r(0.5 * (1.0f32 / 3.0) + 1e-3)];
+        assert_eq!(out, vec![r(p0[0] + p1[0]), r(p0[1] + p1[1])]);
+        // A dropped row contributes nothing; bad ids are skipped.
+        let dropped = reference_combine(&s, &[2, 0, 9], &w, |_, k| (k == 1).then(|| y(k))).unwrap();
+        assert_eq!(dropped, vec![1.0, 0.75]);
+        assert!(reference_combine(&s, &[2, 0, 3], &[0.5], |_, _| None).is_err());
     }
 }

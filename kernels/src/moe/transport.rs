@@ -1,13 +1,40 @@
-//! The [`MoeTransport`] trait and the state both transports share: shape, sender workspace,
-//! outputs, status word and the per-step phase check.
+//! The [`MoeTransport`] trait, its requests, and the state both transports share: shape, wire
+//! format, outputs, status word, padding bookkeeping and the per-step phase check.
 
-use super::{MoeShape, MoeStatus};
+use super::{MoeShape, MoeStatus, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};
 use crate::kernels::Kernels;
 use crate::stream::Stream;
+
+/// The inputs of a dispatch (device buffers of this rank's device).
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchRequest<'a> {
+    /// Tokens `x[T, H]` of the shape's dtype. With FP8 dispatch its address must be 16-byte
+    /// aligned.
+    pub x: &'a DeviceBuffer,
+    /// Expert ids `topk_idx[T, K]` (i32).
+    pub topk_idx: &'a DeviceBuffer,
+    /// Combine weights `[T, K]` (f32), sent with the rows; then the combine takes none. Every
+    /// rank of a step gives them at the same phase.
+    pub weights: Option<&'a DeviceBuffer>,
+    /// Zero the padding rows of `expert_x` and `routing` (rows past each count). Costs a pass
+    /// over the rows that held data in the last step; without it their content is unspecified.
+    pub zero_padding: bool,
+}
+
+/// The inputs of a combine.
+#[derive(Clone, Copy, Debug)]
+pub struct CombineRequest<'a> {
+    /// Expert outputs `expert_y[L, C, F]` of the shape's dtype, rows aligned with the last
+    /// dispatch's `expert_x` (padding rows are never read).
+    pub expert_y: &'a DeviceBuffer,
+    /// This rank's weights `[T, K]` (f32) when the dispatch carried none: they are first copied
+    /// to every peer (one more exchange). `None` when the dispatch carried them.
+    pub weights: Option<&'a DeviceBuffer>,
+}
 
 /// One rank's MoE dispatch/combine engine for one layer shape: created once, reused every step.
 ///
@@ -22,55 +49,39 @@ pub trait MoeTransport: Send {
     /// The layer shape.
     fn shape(&self) -> &MoeShape;
 
+    /// How token rows are encoded on the wire.
+    fn wire(&self) -> MoeWire;
+
     /// This rank's index in the team.
     fn rank(&self) -> usize;
 
     /// The device this rank runs on.
     fn device(&self) -> &Device;
 
-    /// Starts a dispatch: `x[T, H]` (the shape's dtype) and `topk_idx[T, K]` (i32). The inputs
-    /// may be reused once the stream has passed this call.
-    fn dispatch_send(
-        &mut self,
-        stream: &Stream,
-        x: &DeviceBuffer,
-        topk_idx: &DeviceBuffer,
-    ) -> Result<()>;
+    /// Starts a dispatch. The inputs may be reused once the stream has passed this call.
+    fn dispatch_send(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()>;
 
     /// Finishes the dispatch: after it (in stream order) [`expert_x`](Self::expert_x),
     /// [`expert_counts`](Self::expert_counts) and [`routing`](Self::routing) hold this rank's
     /// rows. Waits on the device (not the host) for the peers' rows.
     fn dispatch_recv(&mut self, stream: &Stream) -> Result<()>;
 
-    /// `expert_x[L, C, H]` written by the last dispatch (owned by the transport; peers write it
-    /// during the next dispatch).
+    /// `expert_x[L, C, H]` written by the last dispatch (owned by the transport; rewritten by
+    /// the next dispatch).
     fn expert_x(&self) -> &DeviceBuffer;
 
     /// `expert_counts[L]` (i32) written by the last dispatch.
     fn expert_counts(&self) -> &DeviceBuffer;
 
-    /// `routing[L, C, 2]` (i32) written by the last dispatch.
+    /// `routing[L, C, 2]` (i32: team-global token, k) written by the last dispatch.
     fn routing(&self) -> &DeviceBuffer;
 
-    /// Starts a combine of `expert_y[L, C, F]` (the shape's dtype) with the counts and routing of
-    /// the last dispatch (usually [`expert_counts`](Self::expert_counts) and
-    /// [`routing`](Self::routing)). `expert_y` may be reused once the stream has passed this call.
-    fn combine_send(
-        &mut self,
-        stream: &Stream,
-        expert_y: &DeviceBuffer,
-        expert_counts: &DeviceBuffer,
-        routing: &DeviceBuffer,
-    ) -> Result<()>;
+    /// Starts a combine of the last dispatch's rows.
+    fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()>;
 
-    /// Finishes the combine: `out[T, F] = Σ_k weights[t, k] · y(t, k)` with this rank's
-    /// `weights[T, K]` (f32).
-    fn combine_recv(
-        &mut self,
-        stream: &Stream,
-        weights: &DeviceBuffer,
-        out: &DeviceBuffer,
-    ) -> Result<()>;
+    /// Finishes the combine: `out[T, F]` (the shape's dtype) receives every token's sum of
+    /// partials.
+    fn combine_recv(&mut self, stream: &Stream, out: &DeviceBuffer) -> Result<()>;
 
     /// Reads the device status word (blocks until `stream` is idle: keep it off the hot path).
     fn status(&self, stream: &Stream) -> Result<MoeStatus>;
@@ -78,18 +89,49 @@ pub trait MoeTransport: Send {
     /// Clears the device status word (enqueued on `stream`).
     fn clear_status(&self, stream: &Stream) -> Result<()>;
 
+    /// Rows this rank received from each source in the last dispatch, `[W]` (blocks until
+    /// `stream` is idle: for traffic figures off the hot path, see [`super::MoeTraffic`]).
+    fn received_rows(&self, stream: &Stream) -> Result<Vec<usize>>;
+
     /// [`dispatch_send`](Self::dispatch_send) then [`dispatch_recv`](Self::dispatch_recv).
+    fn dispatch_with(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()> {
+        self.dispatch_send(stream, req)?;
+        self.dispatch_recv(stream)
+    }
+
+    /// [`combine_send`](Self::combine_send) then [`combine_recv`](Self::combine_recv).
+    fn combine_with(
+        &mut self,
+        stream: &Stream,
+        req: &CombineRequest<'_>,
+        out: &DeviceBuffer,
+    ) -> Result<()> {
+        self.combine_send(stream, req)?;
+        self.combine_recv(stream, out)
+    }
+
+    /// A whole dispatch without weights, padding zeroed (the weights come with
+    /// [`combine`](Self::combine)).
     fn dispatch(
         &mut self,
         stream: &Stream,
         x: &DeviceBuffer,
         topk_idx: &DeviceBuffer,
     ) -> Result<()> {
-        self.dispatch_send(stream, x, topk_idx)?;
-        self.dispatch_recv(stream)
+        self.dispatch_with(
+            stream,
+            &DispatchRequest {
+                x,
+                topk_idx,
+                weights: None,
+                zero_padding: true,
+            },
+        )
     }
 
-    /// [`combine_send`](Self::combine_send) then [`combine_recv`](Self::combine_recv).
+    /// A whole combine of `expert_y` with this rank's `weights[T, K]` (f32) into `out[T, F]`.
+    /// `expert_counts` and `routing` must be (copies of) the last dispatch's; they are checked
+    /// for size only (the transport keeps where each row came from).
     fn combine(
         &mut self,
         stream: &Stream,
@@ -99,8 +141,31 @@ pub trait MoeTransport: Send {
         weights: &DeviceBuffer,
         out: &DeviceBuffer,
     ) -> Result<()> {
-        self.combine_send(stream, expert_y, expert_counts, routing)?;
-        self.combine_recv(stream, weights, out)
+        let s = *self.shape();
+        let rows = s.local_experts() * s.capacity;
+        for (buf, bytes, what) in [
+            (
+                expert_counts,
+                s.local_experts() * 4,
+                "combine input expert_counts",
+            ),
+            (routing, rows * 8, "combine input routing"),
+        ] {
+            if buf.len() != bytes {
+                return Err(KernelError::InvalidArgument(format!(
+                    "MoE {what} has {} bytes, the shape needs {bytes}",
+                    buf.len()
+                )));
+            }
+        }
+        self.combine_with(
+            stream,
+            &CombineRequest {
+                expert_y,
+                weights: Some(weights),
+            },
+            out,
+        )
     }
 }
 
@@ -118,43 +183,83 @@ pub(crate) enum Phase {
 /// State shared by both transports.
 pub(crate) struct Core {
     pub shape: MoeShape,
+    pub wire: MoeWire,
     pub rank: usize,
     pub device: Device,
     pub kernels: Kernels,
     phase: Phase,
-    /// Step number, raised (wrapping) by every dispatch_send; flags and marks carry it. Starts
-    /// at 0, the value the zeroed flags hold, so step 1 is the first to wait for.
-    pub epoch: u32,
+    /// Whether the current step's dispatch carried the weights.
+    pub weights_at_dispatch: bool,
+    /// Whether the current step's dispatch zeroes the padding.
+    pub zero_padding: bool,
     /// Status word (u32).
     pub status: DeviceBuffer,
     /// Output `expert_counts[L]`.
     pub counts: DeviceBuffer,
+    /// Output `expert_x[L, C, H]`, zeroed at creation.
+    pub expert_x: DeviceBuffer,
+    /// Output `routing[L, C, 2]`, zeroed at creation.
+    pub routing: DeviceBuffer,
+    /// `[L]` row counters of the fan-out (zeroed by its kernel after use).
+    pub ecnt: DeviceBuffer,
+    /// `[W, T, K]` i32: the expert row of each received row and k.
+    pub fan: DeviceBuffer,
+    /// `[T, W]` i32: where each token went in each destination (-1: not sent).
+    pub sent_pos: DeviceBuffer,
+    /// `[W]` i32 per-destination row counters of the sender (zeroed by its kernel).
+    pub cnt: DeviceBuffer,
+    /// `[L]` i32: the counts of the last padding-zeroing dispatch.
+    pub prev_counts: DeviceBuffer,
+    /// Whether every row at or past `prev_counts` is zero (then zeroing the padding only
+    /// touches the rows `[counts, prev_counts)`).
+    pub padding_clean: bool,
 }
 
 impl Core {
-    pub fn new(device: &Device, shape: &MoeShape, rank: usize) -> Result<Core> {
+    pub fn new(device: &Device, shape: &MoeShape, wire: MoeWire, rank: usize) -> Result<Core> {
         shape.validate()?;
+        wire.validate(shape)?;
         if rank >= shape.world {
             return Err(KernelError::InvalidArgument(format!(
                 "MoE rank {rank} is outside a team of {}",
                 shape.world
             )));
         }
-        let i32s = |n: usize| DeviceBuffer::alloc_elems(device, DType::I32, n);
         let stream = Stream::new(device)?;
-        let status = i32s(1)?;
-        status.zero(&stream)?;
-        stream.synchronize()?;
-        Ok(Core {
+        let zeroed = |bytes: usize| -> Result<DeviceBuffer> {
+            let b = DeviceBuffer::alloc(device, bytes.max(4))?;
+            b.zero(&stream)?;
+            Ok(b)
+        };
+        let (w, t, k, l, c) = (
+            shape.world,
+            shape.tokens,
+            shape.top_k,
+            shape.local_experts(),
+            shape.capacity,
+        );
+        let core = Core {
             shape: *shape,
+            wire,
             rank,
             device: device.clone(),
             kernels: device.kernels(),
             phase: Phase::Idle,
-            epoch: 0,
-            status,
-            counts: i32s(shape.local_experts())?,
-        })
+            weights_at_dispatch: false,
+            zero_padding: false,
+            status: zeroed(4)?,
+            counts: zeroed(l * 4)?,
+            expert_x: zeroed(l * c * shape.x_row_bytes())?,
+            routing: zeroed(l * c * 8)?,
+            ecnt: zeroed(l * 4)?,
+            fan: zeroed(w * t * k * 4)?,
+            sent_pos: zeroed(t * w * 4)?,
+            cnt: zeroed(w * 4)?,
+            prev_counts: zeroed(l * 4)?,
+            padding_clean: true,
+        };
+        stream.synchronize()?;
+        Ok(core)
     }
 
     /// Runs `op` (which enqueues the phase `from -> to`) after checking the order; a failure
@@ -199,28 +304,54 @@ impl Core {
         Ok(())
     }
 
-    pub fn check_dispatch_inputs(&self, x: &DeviceBuffer, topk_idx: &DeviceBuffer) -> Result<()> {
+    /// Checks a dispatch request's buffers (before any phase change).
+    pub fn check_dispatch(&self, req: &DispatchRequest<'_>) -> Result<()> {
         let s = &self.shape;
-        self.expect_buffer(x, s.tokens * s.x_row_bytes(), "dispatch input x")?;
-        self.expect_buffer(topk_idx, s.tokens * s.top_k * 4, "dispatch input topk_idx")
+        self.expect_buffer(req.x, s.tokens * s.x_row_bytes(), "dispatch input x")?;
+        if self.wire != MoeWire::Native && !req.x.addr().is_multiple_of(16) {
+            return Err(KernelError::InvalidArgument(format!(
+                "MoE dispatch input x at {:#x} is not 16-byte aligned ({} dispatch reads it \
+                 in 16-byte vectors)",
+                req.x.addr(),
+                self.wire.name()
+            )));
+        }
+        self.expect_buffer(
+            req.topk_idx,
+            s.tokens * s.top_k * 4,
+            "dispatch input topk_idx",
+        )?;
+        if let Some(w) = req.weights {
+            self.expect_buffer(w, s.tokens * s.top_k * 4, "dispatch input weights")?;
+        }
+        Ok(())
     }
 
-    pub fn check_combine_inputs(
-        &self,
-        expert_y: &DeviceBuffer,
-        counts: &DeviceBuffer,
-        routing: &DeviceBuffer,
-    ) -> Result<()> {
+    /// Checks a combine request against the step's dispatch.
+    pub fn check_combine(&self, req: &CombineRequest<'_>) -> Result<()> {
         let s = &self.shape;
         let rows = s.local_experts() * s.capacity;
-        self.expect_buffer(expert_y, rows * s.y_row_bytes(), "combine input expert_y")?;
-        self.expect_buffer(counts, s.local_experts() * 4, "combine input expert_counts")?;
-        self.expect_buffer(routing, rows * 8, "combine input routing")
+        self.expect_buffer(
+            req.expert_y,
+            rows * s.y_row_bytes(),
+            "combine input expert_y",
+        )?;
+        match (req.weights, self.weights_at_dispatch) {
+            (Some(w), false) => {
+                self.expect_buffer(w, s.tokens * s.top_k * 4, "combine input weights")
+            }
+            (None, true) => Ok(()),
+            (Some(_), true) => Err(KernelError::InvalidArgument(
+                "MoE combine given weights, but this step's dispatch carried them already".into(),
+            )),
+            (None, false) => Err(KernelError::InvalidArgument(
+                "MoE combine needs weights: this step's dispatch carried none".into(),
+            )),
+        }
     }
 
-    pub fn check_combine_outputs(&self, weights: &DeviceBuffer, out: &DeviceBuffer) -> Result<()> {
+    pub fn check_out(&self, out: &DeviceBuffer) -> Result<()> {
         let s = &self.shape;
-        self.expect_buffer(weights, s.tokens * s.top_k * 4, "combine input weights")?;
         self.expect_buffer(out, s.tokens * s.y_row_bytes(), "combine output out")
     }
 
@@ -228,4 +359,49 @@ impl Core {
         let v = self.status.to_vec::<i32>(stream)?;
         Ok(MoeStatus(v.first().map_or(0, |x| *x as u32)))
     }
+
+    /// Reads `[W]` i32 counts found at `count_at(s)` (a 4-byte view) as row numbers.
+    pub fn read_counts(
+        &self,
+        stream: &Stream,
+        count_at: impl Fn(usize) -> Result<DeviceBuffer>,
+    ) -> Result<Vec<usize>> {
+        (0..self.shape.world)
+            .map(|s| {
+                let v = count_at(s)?.to_vec::<i32>(stream)?;
+                Ok(v.first().map_or(0, |x| usize::try_from(*x).unwrap_or(0)))
+            })
+            .collect()
+    }
+
+    /// After the fan-out of a dispatch: zero the padding if asked (keeping the bookkeeping of
+    /// which rows may hold stale data).
+    pub fn finish_padding(&mut self, stream: &Stream, zero: bool) -> Result<()> {
+        use super::kernel_calls;
+        if !zero {
+            self.padding_clean = false;
+            return Ok(());
+        }
+        let out = kernel_calls::RecvOutputs {
+            expert_x: &self.expert_x,
+            routing: &self.routing,
+            fan: &self.fan,
+            ecnt: &self.ecnt,
+            counts: &self.counts,
+            status: &self.status,
+            done: &self.status,
+        };
+        let prev = self.padding_clean.then_some(&self.prev_counts);
+        kernel_calls::zero_padding(&self.kernels, stream, &self.shape, &out, prev)?;
+        self.prev_counts.copy_from(stream, &self.counts)?;
+        self.padding_clean = true;
+        Ok(())
+    }
+}
+
+/// A `[n]` u32 zeroed device buffer.
+pub(crate) fn zeroed_u32(device: &Device, stream: &Stream, n: usize) -> Result<DeviceBuffer> {
+    let b = DeviceBuffer::alloc_elems(device, DType::I32, n.max(1))?;
+    b.zero(stream)?;
+    Ok(b)
 }

@@ -233,7 +233,7 @@ pub fn op_axis_map(program: &Program, op: &Op) -> AxisMap {
                 put(0, nb + 2, 1, 1);
             }
         }
-        OpKind::MoeDispatch => {
+        OpKind::MoeDispatch { .. } => {
             // x[B.., T, H], topk_idx[B.., T, K] -> expert_x[B.., E, C, H], counts[B.., E],
             // routing[B.., E, C, 2].
             let nb = vrank(0).saturating_sub(2);

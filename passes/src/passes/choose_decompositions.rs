@@ -41,7 +41,7 @@ use crate::plan::Plan;
 use crate::profile::transport_key;
 use crate::Transport;
 
-use sites::{apply, site, Site};
+use sites::{apply, local_copies, site, Site};
 
 /// Plans within this fraction of the best count as ties, won by the simplest.
 const TIE: f64 = 0.01;
@@ -61,11 +61,25 @@ impl ProgramPass for ChooseDecompositions {
                 all.push(restrict(s, cx)?);
             }
         }
+        // A forced decomposition of a resharding that moves nothing between devices (every
+        // team it would use has one device) keeps the collective (a local copy) and has no
+        // other decomposition.
+        let mut local = local_copies(program)?;
+        local.retain(|n| !all.iter().any(|s| &s.tensor == n));
+        for (name, &forced) in &cx.options.decompositions {
+            if local.contains(name) && forced != Decomposition::Collective {
+                return Err(PassError::Options(format!(
+                    "`{name}` cannot be decomposed as `{}`: its resharding moves nothing between \
+                     devices (every team it would use has one device)",
+                    forced.name()
+                )));
+            }
+        }
         if let Some(name) = cx
             .options
             .decompositions
             .keys()
-            .find(|n| !all.iter().any(|s| &s.tensor == *n))
+            .find(|n| !all.iter().any(|s| &s.tensor == *n) && !local.contains(*n))
         {
             let open: Vec<&str> = all
                 .iter()

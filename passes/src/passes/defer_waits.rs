@@ -72,7 +72,8 @@ impl WaitCtx {
         match &inst.kind {
             InstKind::Wait { .. }
             | InstKind::Synchronize { .. }
-            | InstKind::ShardByStream { .. } => false,
+            | InstKind::ShardByStream { .. }
+            | InstKind::Narrow { .. } => false,
             InstKind::GetCurrentStream { .. }
             | InstKind::SetCurrentStream { .. }
             | InstKind::StartCoalescing

@@ -62,6 +62,10 @@ fn simplify_block(block: &mut Block, facts: &Facts) -> Result<(), PassError> {
             }
             | InstKind::ShardByStream { index: e, .. }
             | InstKind::Communication { root: Some(e), .. } => s(e),
+            InstKind::Narrow { start, length, .. } => {
+                s(start);
+                s(length);
+            }
             InstKind::CollectivePermute {
                 id,
                 team,

@@ -52,6 +52,15 @@ pub(super) enum Item<'h> {
         chunks: u64,
         index: &'h Expr,
     },
+    /// Elements `[start, start + length)` of `input` along `axis`.
+    Narrow {
+        ord: u32,
+        out: usize,
+        input: usize,
+        axis: usize,
+        start: &'h Expr,
+        length: &'h Expr,
+    },
     /// A communication: taken by team members; reads and writes the buffers they hold
     /// (`strict`: MoE ops, skipped unless every buffer is held).
     Comm {
@@ -225,6 +234,24 @@ impl<'h> Builder<'h> {
                         index,
                     }
                 }
+                InstKind::Narrow {
+                    out,
+                    input,
+                    axis,
+                    start,
+                    length,
+                } => {
+                    self.uses(start);
+                    self.uses(length);
+                    Item::Narrow {
+                        ord,
+                        out: idx(*out),
+                        input: idx(*input),
+                        axis: *axis,
+                        start,
+                        length,
+                    }
+                }
                 InstKind::Wait { comm } => Item::Wait {
                     label: self.label(*comm),
                 },
@@ -307,6 +334,15 @@ fn foldable<'h>(body: &[Item<'h>], var: LoopVar) -> Option<Vec<&'h Expr>> {
                 _ => return None,
             },
             Item::Shard { index, .. } => classify(index, var),
+            Item::Narrow { start, length, .. } => {
+                for e in [start, length] {
+                    match classify(e, var) {
+                        Dep::Regular { moduli: m, .. } => moduli.extend(m),
+                        Dep::Irregular => return None,
+                    }
+                }
+                continue;
+            }
             _ => continue,
         };
         match dep {

@@ -350,6 +350,27 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                     *v = view;
                 }
             }
+            Item::Narrow {
+                ord,
+                out,
+                input,
+                axis,
+                start,
+                length,
+            } => {
+                if !(self.held(*out) && self.held(*input)) {
+                    return Ok(());
+                }
+                let s = self.eval(*ord, "narrow start", start);
+                let l = self.eval(*ord, "narrow length", length);
+                let view = s.zip(l).and_then(|(s, l)| {
+                    let parent = self.views.get(*input)?.as_ref()?;
+                    narrow(parent, *axis, s, l)
+                });
+                if let Some(v) = self.views.get_mut(*out) {
+                    *v = view;
+                }
+            }
             Item::Comm {
                 ord,
                 label,
@@ -670,6 +691,24 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         self.active.pop();
         result
     }
+}
+
+/// Elements `[start, start + length)` of `parent` along `axis`, or `None` when they do not
+/// lie inside it (the runtime reports that).
+fn narrow(parent: &View, axis: usize, start: i64, length: i64) -> Option<View> {
+    let span = parent.spans.get(axis)?;
+    let (start, length) = (u64::try_from(start).ok()?, u64::try_from(length).ok()?);
+    let lo = span.lo.checked_add(start)?;
+    let hi = lo.checked_add(length)?;
+    if span.period != 0 || hi > span.hi {
+        return None;
+    }
+    let mut spans = parent.spans.clone();
+    spans[axis] = Span::new(lo, hi);
+    Some(View {
+        buffer: parent.buffer,
+        spans,
+    })
 }
 
 /// Chunk `index` of `chunks` of `parent` along `axis`, or `None` when it does not exist

@@ -1,8 +1,15 @@
 //! Communications on the CPU fabric, in two phases: [`start`] reads the send buffers and
 //! delivers every outgoing message (never blocking); [`finish`] receives the incoming ones and
 //! writes the receive buffers. A coalescing group starts all its members before finishing
-//! any, like an NCCL group. Reductions combine contributions in team order (accumulating in
+//! any, like an NCCL group. Chunked kinds cut their buffers into equal contiguous chunks of
+//! the row-major element order, as NCCL does (so a buffer `[1, 12]` splits into 4 chunks of
+//! 3 elements: leading extent-1 axes never matter). Reductions combine contributions in team order (accumulating in
 //! `f32`, or `i64` for integers, and rounding once), so every member gets the same bits.
+//!
+//! MoE combine is the one exchange in two rounds: `start` sends this member's `topk_weights`
+//! to every member; `finish` receives them, reduces the local expert rows into one partial
+//! per (token, member) (see `cpu_ops::pack_combine`), sends those back under a second key
+//! ([`PARTIALS`]) and sums the partials it receives in member order.
 
 use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 
@@ -11,9 +18,13 @@ use super::{CpuBackend, CpuBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
 use crate::runtime::cpu_ops::{self, MoeRows};
 use crate::runtime::data::{Storage, TensorData};
-use crate::runtime::view::{cut_axis, View};
+use crate::runtime::view::View;
 
 type TV = TensorView<CpuBuffer>;
+
+/// Set in the sequence number of the second round of a MoE combine (the partials), so its
+/// messages never share a key with the first (the weights). Sequence numbers stay far below.
+pub(super) const PARTIALS: u64 = 1 << 63;
 
 /// Where one piece of a result comes from.
 #[derive(Debug)]
@@ -26,8 +37,8 @@ enum Src {
 #[derive(Copy, Clone, Debug)]
 enum Part {
     Whole,
-    /// Chunk `index` of `parts` along axis 0.
-    Chunk(u64, u64),
+    /// Chunk `index` of the team-size equal chunks of the row-major elements.
+    Chunk(u64),
 }
 
 #[derive(Debug)]
@@ -47,9 +58,13 @@ enum Finish {
         sources: Vec<Src>,
     },
     Combine {
-        weights: TensorData,
+        /// `expert_y`, `expert_counts` and `routing` as read at the start.
+        rows: [TensorData; 3],
+        /// The members' weights (this member's own, the others' from the fabric).
+        weights: Vec<Src>,
+        tokens: u64,
+        top_k: u64,
         out: TV,
-        sources: Vec<Src>,
     },
 }
 
@@ -120,17 +135,18 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
     })
 }
 
-fn first_axis_divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    let axis = cut_axis(&v.shape);
-    match v.shape.get(axis) {
-        Some(&n) if n % d as u64 == 0 => Ok(()),
-        _ => Err(invalid(
+fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
+    if d > 0 && v.numel().is_multiple_of(d as u64) {
+        Ok(())
+    } else {
+        Err(invalid(
             name,
             format!(
-                "the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
-                v.shape
+                "the {what} buffer of shape {:?} ({} elements) cannot be cut into {d} equal chunks",
+                v.shape,
+                v.numel()
             ),
-        )),
+        ))
     }
 }
 
@@ -142,15 +158,23 @@ fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError>
     }
 }
 
-/// Reads `v` (or chunk `k` of `d` along its cut axis, see [`cut_axis`]).
+/// Reads `v` (or chunk `k` of `d` equal chunks of its row-major elements).
 fn read(be: &CpuBackend, v: &TV, chunk: Option<(u64, u64)>) -> Result<Storage, BackendError> {
-    let view = be.view(v)?;
+    let all = be.view(v)?.to_storage();
     match chunk {
-        None => Ok(view.to_storage()),
-        Some((k, d)) => view
-            .chunk(cut_axis(&v.shape), d, k)
-            .map(|c| c.to_storage())
-            .ok_or_else(|| BackendError::Invalid(format!("chunk {k} of {d} of {:?}", v.shape))),
+        None => Ok(all),
+        Some((k, d)) => {
+            let n = all.len() as u64;
+            if d == 0 || k >= d || !n.is_multiple_of(d) {
+                return Err(BackendError::Invalid(format!(
+                    "chunk {k} of {d} of {:?}",
+                    v.shape
+                )));
+            }
+            let c = (n / d) as usize;
+            let k = k as usize;
+            Ok(all.slice(k * c..(k + 1) * c))
+        }
     }
 }
 
@@ -190,7 +214,7 @@ pub(super) fn start(
             match kind {
                 CommKind::AllGather => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    first_axis_divisible(name, o, d, "receive")?;
+                    divisible(name, o, d, "receive")?;
                     same_numel(
                         name,
                         o.numel(),
@@ -208,7 +232,7 @@ pub(super) fn start(
                                 Some(p) => Src::Local(p),
                                 None => Src::Remote(k),
                             };
-                            (Part::Chunk(k as u64, d as u64), src)
+                            (Part::Chunk(k as u64), src)
                         })
                         .collect();
                     Finish::Write {
@@ -221,7 +245,7 @@ pub(super) fn start(
                     let scatter = *kind == CommKind::ReduceScatter;
                     let mut own = None;
                     if scatter {
-                        first_axis_divisible(name, i, d, "send")?;
+                        divisible(name, i, d, "send")?;
                         same_numel(
                             name,
                             i.numel(),
@@ -293,16 +317,14 @@ pub(super) fn start(
                             None => Src::Remote(k),
                         };
                         if *kind == CommKind::Gather {
-                            first_axis_divisible(name, o, d, "receive")?;
+                            divisible(name, o, d, "receive")?;
                             same_numel(
                                 name,
                                 o.numel(),
                                 i.numel() * d as u64,
                                 "receive = team size x send",
                             )?;
-                            let parts = (0..d)
-                                .map(|k| (Part::Chunk(k as u64, d as u64), src(k)))
-                                .collect();
+                            let parts = (0..d).map(|k| (Part::Chunk(k as u64), src(k))).collect();
                             Finish::Write {
                                 out: o.clone(),
                                 parts,
@@ -320,7 +342,7 @@ pub(super) fn start(
                 CommKind::Scatter => {
                     if my == r {
                         let i = need(name, *input, "send")?;
-                        first_axis_divisible(name, i, d, "send")?;
+                        divisible(name, i, d, "send")?;
                         let mut own = None;
                         for k in 0..d {
                             let chunk = read(be, i, Some((k as u64, d as u64)))?;
@@ -366,8 +388,8 @@ pub(super) fn start(
                 }
                 CommKind::AllToAll => {
                     let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    first_axis_divisible(name, i, d, "send")?;
-                    first_axis_divisible(name, o, d, "receive")?;
+                    divisible(name, i, d, "send")?;
+                    divisible(name, o, d, "receive")?;
                     same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
                     let mut own = None;
                     for k in 0..d {
@@ -385,7 +407,7 @@ pub(super) fn start(
                                 Some(p) => Src::Local(p),
                                 None => Src::Remote(k),
                             };
-                            (Part::Chunk(k as u64, d as u64), src)
+                            (Part::Chunk(k as u64), src)
                         })
                         .collect();
                     Finish::Write {
@@ -425,6 +447,7 @@ pub(super) fn start(
             expert_x,
             expert_counts,
             routing,
+            wire,
             ..
         } => {
             let s = &expert_x.shape;
@@ -436,8 +459,14 @@ pub(super) fn start(
                 .ok_or_else(|| {
                     invalid(name, format!("expert_x must be [B.., L, C, H], has {s:?}"))
                 })?;
-            let msgs =
-                cpu_ops::pack_dispatch(&be.view(x)?, &be.view(topk_idx)?, my, d, local_experts)?;
+            let msgs = cpu_ops::pack_dispatch(
+                &be.view(x)?,
+                &be.view(topk_idx)?,
+                my,
+                d,
+                local_experts,
+                *wire,
+            )?;
             let sources = distribute(be, msgs, my, &send)?;
             Finish::Dispatch {
                 outs: [
@@ -463,19 +492,37 @@ pub(super) fn start(
                 .map(|nb| s[nb])
                 .filter(|&t| t > 0)
                 .ok_or_else(|| invalid(name, format!("out must be [B.., T, F], has {s:?}")))?;
-            let msgs = cpu_ops::pack_combine(
-                &be.view(expert_y)?,
-                &be.view(expert_counts)?,
-                &be.view(routing)?,
-                d,
-                tokens,
-            )?;
-            let weights = be.view(topk_weights)?.to_tensor();
-            let sources = distribute(be, msgs, my, &send)?;
+            let ws = &topk_weights.shape;
+            let top_k = match ws.len().checked_sub(2) {
+                Some(nb) if ws[..nb] == s[..nb] && ws[nb] == tokens => ws[nb + 1],
+                _ => {
+                    return Err(invalid(
+                        name,
+                        format!("topk_weights {ws:?} does not match out {s:?}"),
+                    ))
+                }
+            };
+            let rows = [
+                be.view(expert_y)?.to_tensor(),
+                be.view(expert_counts)?.to_tensor(),
+                be.view(routing)?.to_tensor(),
+            ];
+            let w = Storage::F32(be.view(topk_weights)?.to_f32());
+            let mut weights = Vec::with_capacity(d);
+            for k in 0..d {
+                if k == my {
+                    weights.push(Src::Local(Payload::Data(w.clone())));
+                } else {
+                    send(be, k, Payload::Data(w.clone()))?;
+                    weights.push(Src::Remote(k));
+                }
+            }
             Finish::Combine {
+                rows,
                 weights,
+                tokens,
+                top_k,
                 out: (*out).clone(),
-                sources,
             }
         }
     };
@@ -628,18 +675,35 @@ pub(super) fn finish(be: &mut CpuBackend, mut ex: Exchange) -> Result<(), Backen
                 same_dtype(name, peer, piece.dtype(), out.dtype)?;
                 pieces.push((part, piece));
             }
-            be.write_views(&[&out], |outs| {
-                for (part, piece) in &pieces {
-                    let r = match *part {
-                        Part::Whole => outs[0].assign_storage(piece),
-                        Part::Chunk(k, d) => match outs[0].chunk_mut(cut_axis(&out.shape), d, k) {
-                            Some(mut c) => c.assign_storage(piece),
-                            None => return Err(invalid(name, "receive buffer cannot be chunked")),
-                        },
-                    };
-                    r.map_err(|e| invalid(name, format!("received data does not fit: {e}")))?;
+            // Chunks cover the receive buffer in order: concatenate them, then write once.
+            let mut whole: Option<Storage> = None;
+            let mut next = 0u64;
+            for (part, piece) in pieces {
+                match part {
+                    Part::Whole => whole = Some(piece),
+                    Part::Chunk(k) if k == next => {
+                        next += 1;
+                        match &mut whole {
+                            None => whole = Some(piece),
+                            Some(w) => {
+                                if !w.extend_from(&piece, 0..piece.len()) {
+                                    return Err(invalid(name, "received chunks of mixed types"));
+                                }
+                            }
+                        }
+                    }
+                    Part::Chunk(..) => {
+                        return Err(invalid(name, "receive chunks out of order"));
+                    }
                 }
-                Ok(())
+            }
+            let Some(whole) = whole else {
+                return Ok(());
+            };
+            be.write_views(&[&out], |outs| {
+                outs[0]
+                    .assign_storage(&whole)
+                    .map_err(|e| invalid(name, format!("received data does not fit: {e}")))
             })
         }
         Finish::Reduce { out, sources, op } => {
@@ -684,18 +748,62 @@ pub(super) fn finish(be: &mut CpuBackend, mut ex: Exchange) -> Result<(), Backen
             })
         }
         Finish::Combine {
+            rows,
             weights,
+            tokens,
+            top_k,
             out,
-            sources,
         } => {
-            let mut msgs = Vec::with_capacity(sources.len());
-            for src in sources {
+            let mut ws = Vec::with_capacity(weights.len());
+            for src in weights {
+                let peer = src_rank(be, &ex, &src);
                 let p = receive(be, &ex, src)?;
-                msgs.push(moe(&ex, p)?);
+                let w = data(&ex, p)?;
+                same_dtype(name, peer, w.dtype(), DType::F32)?;
+                ws.push(w.to_f32_vec());
+            }
+            let [y, counts, routing] = &rows;
+            let msgs = cpu_ops::pack_combine(
+                &View::of(y),
+                &View::of(counts),
+                &View::of(routing),
+                &ws,
+                tokens,
+                top_k,
+            )?;
+            // Round two, under its own key: the partials go back to the tokens' members.
+            let my = ex.members.iter().position(|&m| m == be.device).unwrap_or(0);
+            let second = Exchange {
+                name,
+                members: ex.members.clone(),
+                tag: (ex.tag.0, ex.tag.1 | PARTIALS),
+                finish: Finish::Nothing,
+                operands: ex.operands.clone(),
+            };
+            let mut sources = Vec::with_capacity(msgs.len());
+            for (k, m) in msgs.into_iter().enumerate() {
+                if k == my {
+                    sources.push(Src::Local(Payload::Moe(m)));
+                } else {
+                    let key = (be.device, second.members[k], second.tag.0, second.tag.1);
+                    be.fabric.send_checked(
+                        key,
+                        Payload::Moe(m),
+                        Some(second.operands.clone()),
+                        be.max_in_flight,
+                        be.timeout,
+                        name,
+                    )?;
+                    sources.push(Src::Remote(k));
+                }
+            }
+            let mut partials = Vec::with_capacity(sources.len());
+            for src in sources {
+                let p = receive(be, &second, src)?;
+                partials.push(moe(&second, p)?);
             }
             be.write_views(&[&out], |outs| {
-                cpu_ops::unpack_combine(&msgs, &View::of(&weights), &mut outs[0])
-                    .map_err(Into::into)
+                cpu_ops::unpack_combine(&partials, &mut outs[0]).map_err(Into::into)
             })
         }
     }

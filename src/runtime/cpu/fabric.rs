@@ -38,10 +38,7 @@ impl Payload {
     pub fn size_bytes(&self) -> u64 {
         match self {
             Payload::Data(s) => s.size_bytes(),
-            Payload::Moe(m) => m
-                .rows
-                .size_bytes()
-                .saturating_add((m.meta.len() as u64).saturating_mul(32)),
+            Payload::Moe(m) => m.size_bytes(),
         }
     }
 }

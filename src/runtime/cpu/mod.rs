@@ -620,6 +620,13 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn download_padded(
+        &mut self,
+        view: &TensorView<CpuBuffer>,
+    ) -> Result<TensorData, BackendError> {
+        Ok(self.view(view)?.to_tensor())
+    }
+
     fn download(&mut self, view: &TensorView<CpuBuffer>) -> Result<TensorData, BackendError> {
         if let Some(written) = self.buf_mut(view.buffer)?.written.as_ref() {
             let (mut total, mut unwritten) = (0u64, 0u64);
@@ -847,5 +854,9 @@ impl Backend for CpuBackend {
             }
         }
         Ok(())
+    }
+
+    fn supports_moe_wire(&self, _wire: meshflow_ir::MoeWire) -> bool {
+        true
     }
 }

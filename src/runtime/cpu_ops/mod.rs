@@ -7,13 +7,12 @@
 
 mod layout;
 mod moe;
+mod moe_combine;
 mod rows;
 
 pub use layout::{cat, expand, slice};
-pub use moe::{
-    moe_combine, moe_dispatch, pack_combine, pack_dispatch, unpack_combine, unpack_dispatch,
-    MoeRows,
-};
+pub use moe::{moe_dispatch, pack_dispatch, unpack_dispatch, Fp8Rows, MoeRows};
+pub use moe_combine::{moe_combine, pack_combine, unpack_combine};
 pub use rows::{reduce, rms_norm, softmax, Reduce};
 
 use std::borrow::Cow;

@@ -1,39 +1,82 @@
-//! MoE dispatch and combine: the row packing both the level-1 reference and the CPU backend's
-//! expert-parallel exchange are built from.
+//! MoE dispatch: the rows the sim backend's expert-parallel exchange moves and the level-1
+//! reference's `moe_dispatch` (the one-member case). The semantics, bit for bit, are those of
+//! the `meshflow_ir::moe` module docs.
 //!
-//! Semantics (pplx-kernels'): on an expert-parallel team of `W` members with `L` local experts
-//! each (`E = W * L`), expert `e` lives on member `e / L` as local expert `e % L`. Dispatch
-//! sends row `x[t]` for every `(t, k)` to expert `topk_idx[t, k]`; a member appends the rows it
-//! receives in canonical order (source team index, then token, then `k`), writes the per-expert
-//! counts, zero padding, and the routing `(team-global token = src * T + t, k)` of every row.
-//! Combine sends each valid expert row back to its token's member, which computes
-//! `out[t] = sum_k w[t, k] * y(t, k)` accumulated in `f32` in `k` order and rounded once. The
-//! level-1 reference is the one-member case.
+//! Dispatch sends each token **once per member** hosting one of its experts (a row with the
+//! `(local expert, k)` pairs it fans out to, in `k` order), quantized to FP8 when the wire says
+//! so; the member appends the rows it receives in canonical order (source member, then token,
+//! then `k`), writes the per-expert counts, zero padding, and the routing `(team-global token
+//! = src * T + t, k)` of every row. The combine is in [`super::moe_combine`].
+
+use meshflow_ir::{Fp8Scales, MoeWire};
+use meshflow_kernels::fp8;
 
 use super::{shape_err, view_err, OpError};
 use crate::runtime::data::Storage;
 use crate::runtime::view::{View, ViewMut};
 
-/// Rows travelling between team members, each with integer metadata.
+/// FP8 payload of dispatched rows: E4M3 codes (`width` per row) and f32 scales.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Fp8Rows {
+    /// The codes, `width` per row.
+    pub codes: Vec<u8>,
+    /// The scales, one per row or one per 128 channels of a row.
+    pub scales: Vec<f32>,
+    /// Which of the two.
+    pub granularity: Fp8Scales,
+}
+
+/// Rows travelling between team members.
 ///
-/// Dispatch metadata is `[batch, local expert, team-global token, k]`; combine metadata is
-/// `[batch, local token, k, 0]`.
+/// Dispatch rows carry `meta = [batch, team-global token, from, to]`, their fan-out targets
+/// `targets[from..to]` (`[local expert, k]` in `k` order) and the token (native in `rows`, or
+/// FP8 in `fp8` with an empty `rows` of the token dtype). Combine rows carry `meta = [batch,
+/// member-local token, 0, 0]` and one partial row each in `rows`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeRows {
-    /// Metadata per row.
+    /// Metadata per row (see above).
     pub meta: Vec<[i64; 4]>,
-    /// Row data, `meta.len() * width` elements.
+    /// Dispatch fan-out targets `[local expert, k]`; empty in a combine.
+    pub targets: Vec<[i64; 2]>,
+    /// Row data, `meta.len() * width` elements (empty for FP8 rows).
     pub rows: Storage,
+    /// FP8 dispatch rows.
+    pub fp8: Option<Fp8Rows>,
     /// Elements per row.
     pub width: u64,
 }
 
-fn routing_err(op: &'static str, message: String) -> OpError {
+impl MoeRows {
+    /// An empty message of rows of `dtype`, `width` each.
+    pub(super) fn empty(dtype: meshflow_ir::DType, width: u64) -> MoeRows {
+        MoeRows {
+            meta: Vec::new(),
+            targets: Vec::new(),
+            rows: Storage::zeros(dtype, 0),
+            fp8: None,
+            width,
+        }
+    }
+
+    /// Bytes the message body occupies (row data, FP8 codes and scales, metadata).
+    pub fn size_bytes(&self) -> u64 {
+        let fp8 = self.fp8.as_ref().map_or(0, |f| {
+            (f.codes.len() as u64).saturating_add((f.scales.len() as u64).saturating_mul(4))
+        });
+        self.rows
+            .size_bytes()
+            .saturating_add(fp8)
+            .saturating_add((self.meta.len() as u64).saturating_mul(32))
+            .saturating_add((self.targets.len() as u64).saturating_mul(16))
+    }
+}
+
+pub(super) fn routing_err(op: &'static str, message: String) -> OpError {
     OpError::Routing { op, message }
 }
 
 /// Splits `[B.., X, Y]` into `(batch, X, Y)`.
-fn batch_2(op: &'static str, what: &str, s: &[u64]) -> Result<(u64, u64, u64), OpError> {
+pub(super) fn batch_2(op: &'static str, what: &str, s: &[u64]) -> Result<(u64, u64, u64), OpError> {
     if s.len() < 2 {
         return Err(shape_err(
             op,
@@ -44,14 +87,24 @@ fn batch_2(op: &'static str, what: &str, s: &[u64]) -> Result<(u64, u64, u64), O
     Ok((s[..nb].iter().product(), s[nb], s[nb + 1]))
 }
 
-/// Packs the rows of `x[B.., T, H]` for each of `team` members by `topk_idx[B.., T, K]`,
-/// in ascending `(token, k)` order. `my_index` numbers the tokens team-globally.
+/// The kernels crate's name for a scale granularity.
+pub(super) fn kernel_scales(s: Fp8Scales) -> fp8::Fp8Scales {
+    match s {
+        Fp8Scales::PerToken => fp8::Fp8Scales::PerToken,
+        Fp8Scales::Block128 => fp8::Fp8Scales::Block128,
+    }
+}
+
+/// Packs the tokens of `x[B.., T, H]` for each of `team` members by `topk_idx[B.., T, K]`: one
+/// row per (token, member hosting one of its experts), in ascending (batch, token) order,
+/// encoded as `wire`. `my_index` numbers the tokens team-globally.
 pub fn pack_dispatch(
     x: &View<'_>,
     topk_idx: &View<'_>,
     my_index: usize,
     team: usize,
     local_experts: u64,
+    wire: MoeWire,
 ) -> Result<Vec<MoeRows>, OpError> {
     const OP: &str = "moe_dispatch";
     let (b, t, h) = batch_2(OP, "x", x.shape())?;
@@ -68,21 +121,31 @@ pub fn pack_dispatch(
             ),
         ));
     }
+    if let Some(why) = wire.width_error(h) {
+        return Err(shape_err(OP, why));
+    }
     let experts = local_experts * team as u64;
     let (xs, idx) = (x.to_storage(), topk_idx.to_i64());
+    let xf = (wire != MoeWire::Native).then(|| xs.to_f32_vec());
     let mut out: Vec<MoeRows> = (0..team)
-        .map(|_| MoeRows {
-            meta: Vec::new(),
-            rows: Storage::zeros(x.dtype(), 0),
-            width: h,
+        .map(|_| {
+            let mut m = MoeRows::empty(x.dtype(), h);
+            if let MoeWire::Fp8E4m3(granularity) = wire {
+                m.fp8 = Some(Fp8Rows {
+                    codes: Vec::new(),
+                    scales: Vec::new(),
+                    granularity,
+                });
+            }
+            m
         })
         .collect();
-    let h = h as usize;
-    for bb in 0..b {
-        for tt in 0..t {
-            for kk in 0..k {
-                let flat = ((bb * t + tt) * k + kk) as usize;
-                let e = idx[flat];
+    let (h, k) = (h as usize, k as usize);
+    for bb in 0..b as usize {
+        for tt in 0..t as usize {
+            let row_at = bb * t as usize + tt;
+            let ids = &idx[row_at * k..(row_at + 1) * k];
+            for (kk, &e) in ids.iter().enumerate() {
                 if e < 0 || e as u64 >= experts {
                     return Err(routing_err(
                         OP,
@@ -91,19 +154,70 @@ pub fn pack_dispatch(
                         ),
                     ));
                 }
-                let dest = &mut out[(e as u64 / local_experts) as usize];
-                let token = my_index as i64 * t as i64 + tt as i64;
-                dest.meta
-                    .push([bb as i64, e % local_experts as i64, token, kk as i64]);
-                let row = ((bb * t + tt) as usize) * h;
-                dest.rows.extend_from(&xs, row..row + h);
+            }
+            let token = my_index as i64 * t as i64 + tt as i64;
+            let mut quantized: Option<(Vec<u8>, Vec<f32>)> = None;
+            for (d, dest) in out.iter_mut().enumerate() {
+                let from = dest.targets.len() as i64;
+                for (kk, &e) in ids.iter().enumerate() {
+                    if (e as u64 / local_experts) as usize == d {
+                        dest.targets.push([e % local_experts as i64, kk as i64]);
+                    }
+                }
+                let to = dest.targets.len() as i64;
+                if to == from {
+                    continue;
+                }
+                dest.meta.push([bb as i64, token, from, to]);
+                let range = row_at * h..(row_at + 1) * h;
+                match (&mut dest.fp8, wire, &xf) {
+                    (Some(f), MoeWire::Fp8E4m3(g), Some(xf)) => {
+                        if quantized.is_none() {
+                            quantized =
+                                Some(fp8::quantize_row(&xf[range], kernel_scales(g)).ok_or_else(
+                                    || shape_err(OP, format!("{h} channels cannot be quantized")),
+                                )?);
+                        }
+                        if let Some((codes, scales)) = &quantized {
+                            f.codes.extend_from_slice(codes);
+                            f.scales.extend_from_slice(scales);
+                        }
+                    }
+                    _ => {
+                        dest.rows.extend_from(&xs, range);
+                    }
+                }
             }
         }
     }
     Ok(out)
 }
 
-/// Appends received rows (`msgs` in source team order) into `expert_x[B.., L, C, H]`,
+/// The token of row `i` of `msg` as it arrives: the native row, or the FP8 row dequantized
+/// and rounded to `dtype`.
+fn arrived_row(op: &'static str, msg: &MoeRows, i: usize, h: usize) -> Result<Storage, OpError> {
+    let short = || shape_err(op, "a received message is shorter than its metadata");
+    match &msg.fp8 {
+        None => {
+            if msg.rows.len() < (i + 1) * h {
+                return Err(short());
+            }
+            Ok(msg.rows.slice(i * h..(i + 1) * h))
+        }
+        Some(f) => {
+            let g = kernel_scales(f.granularity);
+            let n = g
+                .per_row(h)
+                .ok_or_else(|| shape_err(op, "FP8 rows of a bad width"))?;
+            let codes = f.codes.get(i * h..(i + 1) * h).ok_or_else(short)?;
+            let scales = f.scales.get(i * n..(i + 1) * n).ok_or_else(short)?;
+            let v = fp8::dequantize_row(codes, scales, g).ok_or_else(short)?;
+            Ok(Storage::from_f32(msg.rows.dtype(), &v))
+        }
+    }
+}
+
+/// Fans received rows (`msgs` in source team order) out into `expert_x[B.., L, C, H]`,
 /// writing `counts[B.., L]`, `routing[B.., L, C, 2]` and zero padding.
 pub fn unpack_dispatch(
     msgs: &[MoeRows],
@@ -153,33 +267,39 @@ pub fn unpack_dispatch(
                 ),
             ));
         }
-        for (i, &[bb, le, token, kk]) in msg.meta.iter().enumerate() {
-            if bb < 0 || bb as u64 >= b || le < 0 || le as u64 >= l {
+        for (i, &[bb, token, from, to]) in msg.meta.iter().enumerate() {
+            if bb < 0 || bb as u64 >= b || from < 0 || to < from || to as usize > msg.targets.len()
+            {
                 return Err(routing_err(
                     OP,
-                    format!("row for batch {bb}, local expert {le} is out of range"),
+                    format!("received row {i} (batch {bb}, targets {from}..{to}) is out of range"),
                 ));
             }
-            let g = (bb as u64 * l + le as u64) as usize;
-            let r = cnt[g] as u64;
-            if r >= c {
-                return Err(OpError::Capacity {
-                    expert: my_index as i64 * l as i64 + le,
-                    capacity: c,
-                });
+            let row = arrived_row(OP, msg, i, h as usize)?;
+            for &[le, kk] in &msg.targets[from as usize..to as usize] {
+                if le < 0 || le as u64 >= l {
+                    return Err(routing_err(
+                        OP,
+                        format!("row for local expert {le} is out of range 0..{l}"),
+                    ));
+                }
+                let g = (bb as u64 * l + le as u64) as usize;
+                let r = cnt[g] as u64;
+                if r >= c {
+                    return Err(OpError::Capacity {
+                        expert: my_index as i64 * l as i64 + le,
+                        capacity: c,
+                    });
+                }
+                let dst = ((g as u64 * c + r) * h) as usize;
+                if !ex.write_at(dst, &row, 0..h as usize) {
+                    return Err(shape_err(OP, "a received row does not fit expert_x"));
+                }
+                let ri = ((g as u64 * c + r) * 2) as usize;
+                rt[ri] = token;
+                rt[ri + 1] = kk;
+                cnt[g] += 1;
             }
-            let dst = ((g as u64 * c + r) * h) as usize;
-            let src = i * h as usize;
-            if !ex.write_at(dst, &msg.rows, src..src + h as usize) {
-                return Err(shape_err(
-                    OP,
-                    "a received message is shorter than its metadata",
-                ));
-            }
-            let ri = ((g as u64 * c + r) * 2) as usize;
-            rt[ri] = token;
-            rt[ri + 1] = kk;
-            cnt[g] += 1;
         }
     }
     expert_x.assign_storage(&ex).map_err(view_err(OP))?;
@@ -187,153 +307,13 @@ pub fn unpack_dispatch(
     routing.assign_i64(&rt).map_err(view_err(OP))
 }
 
-/// Packs the valid rows of `expert_y[B.., L, C, F]` back to the members owning their tokens
-/// (`tokens` tokens per member).
-pub fn pack_combine(
-    expert_y: &View<'_>,
-    counts: &View<'_>,
-    routing: &View<'_>,
-    team: usize,
-    tokens: u64,
-) -> Result<Vec<MoeRows>, OpError> {
-    const OP: &str = "moe_combine";
-    let s = expert_y.shape();
-    if s.len() < 3 {
-        return Err(shape_err(
-            OP,
-            format!("expert_y must be [B.., L, C, F], has {s:?}"),
-        ));
-    }
-    let nb = s.len() - 3;
-    let (l, c, f) = (s[nb], s[nb + 1], s[nb + 2]);
-    let mut want = s[..nb].to_vec();
-    want.push(l);
-    if counts.shape() != want.as_slice() {
-        return Err(shape_err(
-            OP,
-            format!("expert_counts must be {want:?}, is {:?}", counts.shape()),
-        ));
-    }
-    want.extend([c, 2]);
-    if routing.shape() != want.as_slice() {
-        return Err(shape_err(
-            OP,
-            format!("routing must be {want:?}, is {:?}", routing.shape()),
-        ));
-    }
-    let (ys, cnt, rt) = (expert_y.to_storage(), counts.to_i64(), routing.to_i64());
-    let mut out: Vec<MoeRows> = (0..team)
-        .map(|_| MoeRows {
-            meta: Vec::new(),
-            rows: Storage::zeros(expert_y.dtype(), 0),
-            width: f,
-        })
-        .collect();
-    let total_tokens = tokens * team as u64;
-    for (g, &n) in cnt.iter().enumerate() {
-        if n < 0 || n as u64 > c {
-            return Err(routing_err(
-                OP,
-                format!("expert count {n} is outside 0..={c}"),
-            ));
-        }
-        let bb = g as u64 / l.max(1);
-        for r in 0..n as u64 {
-            let ri = ((g as u64 * c + r) * 2) as usize;
-            let (token, kk) = (rt[ri], rt[ri + 1]);
-            if token < 0 || token as u64 >= total_tokens {
-                return Err(routing_err(
-                    OP,
-                    format!("routing names token {token}, outside 0..{total_tokens}"),
-                ));
-            }
-            let dest = &mut out[(token as u64 / tokens) as usize];
-            dest.meta
-                .push([bb as i64, (token as u64 % tokens) as i64, kk, 0]);
-            let row = ((g as u64 * c + r) * f) as usize;
-            dest.rows.extend_from(&ys, row..row + f as usize);
-        }
-    }
-    Ok(out)
-}
-
-/// Combines received expert rows: `out[B.., T, F] = sum_k w[t, k] * y(t, k)` with
-/// `weights[B.., T, K]`, accumulated in `f32` in `k` order and rounded once.
-pub fn unpack_combine(
-    msgs: &[MoeRows],
-    weights: &View<'_>,
-    out: &mut ViewMut<'_>,
-) -> Result<(), OpError> {
-    const OP: &str = "moe_combine";
-    let (b, t, k) = batch_2(OP, "topk_weights", weights.shape())?;
-    let (bo, to, f) = batch_2(OP, "out", out.shape())?;
-    let wb = &weights.shape()[..weights.shape().len() - 2];
-    if (bo, to) != (b, t) || &out.shape()[..out.shape().len() - 2] != wb {
-        return Err(shape_err(
-            OP,
-            format!(
-                "out {:?} does not match topk_weights {:?}",
-                out.shape(),
-                weights.shape()
-            ),
-        ));
-    }
-    // slot[(b, t, k)] = (message, row)
-    let mut slot: Vec<Option<(usize, usize)>> = vec![None; (b * t * k) as usize];
-    for (mi, msg) in msgs.iter().enumerate() {
-        if msg.width != f {
-            return Err(shape_err(
-                OP,
-                format!("received rows of width {}, out has {f}", msg.width),
-            ));
-        }
-        for (ri, &[bb, tt, kk, _]) in msg.meta.iter().enumerate() {
-            if bb < 0 || bb as u64 >= b || tt < 0 || tt as u64 >= t || kk < 0 || kk as u64 >= k {
-                return Err(routing_err(
-                    OP,
-                    format!("expert row for batch {bb}, token {tt}, slot {kk} is out of range"),
-                ));
-            }
-            let s = &mut slot[((bb as u64 * t + tt as u64) * k + kk as u64) as usize];
-            if s.replace((mi, ri)).is_some() {
-                return Err(routing_err(
-                    OP,
-                    format!("two expert rows for token {tt}, slot {kk}"),
-                ));
-            }
-        }
-    }
-    let rows: Vec<Vec<f32>> = msgs.iter().map(|m| m.rows.to_f32_vec()).collect();
-    let w = weights.to_f32();
-    let f = f as usize;
-    let mut res = vec![0f32; (b * t) as usize * f];
-    for (bt, acc) in res.chunks_mut(f.max(1)).enumerate().take((b * t) as usize) {
-        for kk in 0..k as usize {
-            let flat = bt * k as usize + kk;
-            let Some((mi, ri)) = slot[flat] else {
-                return Err(routing_err(
-                    OP,
-                    format!(
-                        "no expert row came back for token {}, slot {kk}",
-                        bt as u64 % t.max(1)
-                    ),
-                ));
-            };
-            let y = &rows[mi][ri * f..(ri + 1) * f];
-            let wk = w[flat];
-            for (a, &yv) in acc.iter_mut().zip(y) {
-                *a += wk * yv;
-            }
-        }
-    }
-    out.assign_f32(&res).map_err(view_err(OP))
-}
-
 /// Level-1 `moe_dispatch` on full tensors: `expert_x[B.., E, C, H]` receives, per expert,
-/// the rows `(t, k)` with `topk_idx[t, k] == e` in ascending `(t, k)` order.
+/// the rows `(t, k)` with `topk_idx[t, k] == e` in ascending `(t, k)` order (FP8 rows
+/// quantized and dequantized as the wire says).
 pub fn moe_dispatch(
     x: &View<'_>,
     topk_idx: &View<'_>,
+    wire: MoeWire,
     expert_x: &mut ViewMut<'_>,
     counts: &mut ViewMut<'_>,
     routing: &mut ViewMut<'_>,
@@ -345,19 +325,6 @@ pub fn moe_dispatch(
             format!("expert_x must be [B.., E, C, H], has {s:?}"),
         )
     })?;
-    let msgs = pack_dispatch(x, topk_idx, 0, 1, experts)?;
+    let msgs = pack_dispatch(x, topk_idx, 0, 1, experts, wire)?;
     unpack_dispatch(&msgs, 0, expert_x, counts, routing)
-}
-
-/// Level-1 `moe_combine` on full tensors.
-pub fn moe_combine(
-    expert_y: &View<'_>,
-    counts: &View<'_>,
-    routing: &View<'_>,
-    weights: &View<'_>,
-    out: &mut ViewMut<'_>,
-) -> Result<(), OpError> {
-    let (_, tokens, _) = batch_2("moe_combine", "topk_weights", weights.shape())?;
-    let msgs = pack_combine(expert_y, counts, routing, 1, tokens)?;
-    unpack_combine(&msgs, weights, out)
 }

@@ -2,7 +2,7 @@
 
 use std::borrow::Cow;
 
-use meshflow_ir::{ComputeOp, DType};
+use meshflow_ir::{ComputeOp, DType, Fp8Scales, MoeWire};
 
 use super::*;
 use crate::runtime::data::TensorData;
@@ -215,6 +215,7 @@ fn moe_dispatch_and_combine_reference_semantics() {
     moe_dispatch(
         &View::of(&x),
         &View::of(&idx),
+        MoeWire::Native,
         &mut ViewMut::of(&mut ex),
         &mut ViewMut::of(&mut counts),
         &mut ViewMut::of(&mut routing),
@@ -248,6 +249,7 @@ fn moe_dispatch_and_combine_reference_semantics() {
         &View::of(&counts),
         &View::of(&routing),
         &View::of(&w),
+        1,
         &mut ViewMut::of(&mut out),
     )
     .unwrap();
@@ -272,6 +274,7 @@ fn moe_dispatch_and_combine_reference_semantics() {
     let err = moe_dispatch(
         &View::of(&x),
         &View::of(&idx),
+        MoeWire::Native,
         &mut ViewMut::of(&mut small),
         &mut ViewMut::of(&mut counts),
         &mut ViewMut::of(&mut r3),
@@ -289,11 +292,132 @@ fn moe_dispatch_and_combine_reference_semantics() {
     assert!(moe_dispatch(
         &View::of(&x),
         &View::of(&bad),
+        MoeWire::Native,
         &mut ViewMut::of(&mut ex),
         &mut ViewMut::of(&mut counts),
         &mut ViewMut::of(&mut routing)
     )
     .is_err());
+}
+
+#[test]
+fn moe_fp8_dispatch_quantizes_each_token_once_and_combine_sums_groups_in_order() {
+    use meshflow_kernels::fp8;
+    // 2 tokens of 128 channels (bf16), 4 experts, top-3.
+    let xv: Vec<f32> = (0..256)
+        .map(|i| half::bf16::from_f32((i as f32 - 90.0) * 0.173).to_f32())
+        .collect();
+    let x = TensorData::from_f32(DType::BF16, &[2, 128], &xv).unwrap();
+    let idx = TensorData::from_i64(DType::I32, &[2, 3], &[3, 0, 1, 2, 3, 0]).unwrap();
+    for scales in Fp8Scales::ALL {
+        let mut ex = TensorData::poison(DType::BF16, &[4, 2, 128]).unwrap();
+        let mut counts = TensorData::poison(DType::I32, &[4]).unwrap();
+        let mut routing = TensorData::poison(DType::I32, &[4, 2, 2]).unwrap();
+        moe_dispatch(
+            &View::of(&x),
+            &View::of(&idx),
+            MoeWire::Fp8E4m3(scales),
+            &mut ViewMut::of(&mut ex),
+            &mut ViewMut::of(&mut counts),
+            &mut ViewMut::of(&mut routing),
+        )
+        .unwrap();
+        let ks = match scales {
+            Fp8Scales::PerToken => fp8::Fp8Scales::PerToken,
+            Fp8Scales::Block128 => fp8::Fp8Scales::Block128,
+        };
+        let (codes, sc) = fp8::quantize_row(&xv[..128], ks).unwrap();
+        let want: Vec<f32> = fp8::dequantize_row(&codes, &sc, ks)
+            .unwrap()
+            .into_iter()
+            .map(|v| half::bf16::from_f32(v).to_f32())
+            .collect();
+        // Token 0 went to experts 3, 0 and 1: the same dequantized row in each.
+        let got = f(&ex);
+        assert_eq!(&got[..128], &want[..]);
+        assert_eq!(&got[256..384], &want[..]);
+        assert_eq!(&got[3 * 256..3 * 256 + 128], &want[..]);
+        assert_ne!(&got[..128], &xv[..128], "FP8 changes the values");
+        assert_eq!(counts.storage().to_i64_vec(), vec![2, 1, 1, 2]);
+    }
+    // Combine over 2 groups of 2 experts: token 0 has experts 3 (group 1), 0 and 1 (group 0).
+    let mut ex = TensorData::zeros(DType::BF16, &[4, 2, 128]).unwrap();
+    let mut counts = TensorData::zeros(DType::I32, &[4]).unwrap();
+    let mut routing = TensorData::zeros(DType::I32, &[4, 2, 2]).unwrap();
+    moe_dispatch(
+        &View::of(&x),
+        &View::of(&idx),
+        MoeWire::Native,
+        &mut ViewMut::of(&mut ex),
+        &mut ViewMut::of(&mut counts),
+        &mut ViewMut::of(&mut routing),
+    )
+    .unwrap();
+    let w = TensorData::from_f32(DType::F32, &[2, 3], &[0.3, 0.7, 1.1, 0.9, 0.45, 0.2]).unwrap();
+    let wv = f(&w);
+    let r = |v: f32| half::bf16::from_f32(v).to_f32();
+    for groups in [1u64, 2, 4] {
+        let mut out = TensorData::poison(DType::BF16, &[2, 128]).unwrap();
+        moe_combine(
+            &View::of(&ex),
+            &View::of(&counts),
+            &View::of(&routing),
+            &View::of(&w),
+            groups,
+            &mut ViewMut::of(&mut out),
+        )
+        .unwrap();
+        let per = 4 / groups as usize;
+        for t in 0..2 {
+            let e = &idx.storage().to_i64_vec()[t * 3..t * 3 + 3];
+            for c in [0usize, 17, 127] {
+                let xval = xv[t * 128 + c];
+                let mut acc = 0f32;
+                for g in 0..groups as usize {
+                    let mut p = 0f32;
+                    let mut any = false;
+                    for k in 0..3 {
+                        if e[k] as usize / per == g {
+                            p += wv[t * 3 + k] * xval;
+                            any = true;
+                        }
+                    }
+                    if any {
+                        acc += r(p);
+                    }
+                }
+                assert_eq!(
+                    f(&out)[t * 128 + c].to_bits(),
+                    r(acc).to_bits(),
+                    "groups {groups}"
+                );
+            }
+        }
+    }
+    // Experts that cannot be split over the groups are an error.
+    let mut out = TensorData::zeros(DType::BF16, &[2, 128]).unwrap();
+    assert!(moe_combine(
+        &View::of(&ex),
+        &View::of(&counts),
+        &View::of(&routing),
+        &View::of(&w),
+        3,
+        &mut ViewMut::of(&mut out),
+    )
+    .is_err());
+    // FP8 needs a width the scales divide.
+    let narrow = TensorData::zeros(DType::BF16, &[2, 40]).unwrap();
+    let mut ex = TensorData::zeros(DType::BF16, &[4, 2, 40]).unwrap();
+    let err = moe_dispatch(
+        &View::of(&narrow),
+        &View::of(&idx),
+        MoeWire::Fp8E4m3(Fp8Scales::PerToken),
+        &mut ViewMut::of(&mut ex),
+        &mut ViewMut::of(&mut counts),
+        &mut ViewMut::of(&mut routing),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("divisible by 16"), "{err}");
 }
 
 #[test]

@@ -64,6 +64,14 @@ pub(crate) enum Step<'p> {
         chunks: u64,
         index: &'p Expr,
     },
+    Narrow {
+        at: u32,
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        start: &'p Expr,
+        length: &'p Expr,
+    },
     Collective {
         at: u32,
         label: CommLabel,
@@ -83,12 +91,13 @@ pub(crate) enum Step<'p> {
         input: HostTensorId,
         output: HostTensorId,
     },
-    /// `[x, topk_idx, expert_x, expert_counts, routing]`.
+    /// `[x, topk_idx, expert_x, expert_counts, routing]`, tokens encoded as `wire`.
     Dispatch {
         at: u32,
         label: CommLabel,
         team: TeamId,
         t: [HostTensorId; 5],
+        wire: meshflow_ir::MoeWire,
     },
     /// `[expert_y, expert_counts, routing, topk_weights, out]`.
     Combine {
@@ -459,6 +468,26 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     index,
                 }
             }
+            InstKind::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length,
+            } => {
+                let (o, i) = (self.tensor(at, *out)?, self.tensor(at, *input)?);
+                if !self.all_or_none(at, &[o, i])? {
+                    return Ok(None);
+                }
+                Step::Narrow {
+                    at,
+                    out: o,
+                    input: i,
+                    axis: *axis,
+                    start,
+                    length,
+                }
+            }
             InstKind::Communication {
                 id,
                 kind,
@@ -526,6 +555,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
             } => {
                 let Some(team) = self.team(team) else {
                     return Ok(None);
@@ -536,6 +566,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     label: self.post(at, *id, CommOp::MoeDispatch, Some(team)),
                     team,
                     t,
+                    wire: *wire,
                 }
             }
             InstKind::MoeCombine {

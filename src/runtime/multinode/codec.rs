@@ -2,17 +2,19 @@
 //! rendezvous.
 //!
 //! Payload layout (little endian): `kind: u8` (0 data, 1 MoE rows), then for data a storage,
-//! for MoE rows `rows: u64, meta: [i64; 4] * rows, width: u64, storage`. A storage is
+//! for MoE rows `rows: u64, meta: [i64; 4] * rows, targets: u64, [i64; 2] * targets, width:
+//! u64, storage, fp8: u8` (0 none; 1 per-token or 2 block scales, then `codes: u64, bytes,
+//! scales: u64, f32 * scales`). A storage is
 //! `dtype: u8, len: u64, elements` (raw bits). Node results: `ok: u8`, then either the error
 //! text or `ranks: u32` and per rank `rank: u64, len: u64, tensors` in the rendezvous wire form.
 
 use std::collections::BTreeMap;
 
-use meshflow_ir::DeviceId;
+use meshflow_ir::{DeviceId, Fp8Scales};
 
 use crate::runtime::bytes::{put_storage, ByteReader};
 use crate::runtime::cpu::Payload;
-use crate::runtime::cpu_ops::MoeRows;
+use crate::runtime::cpu_ops::{Fp8Rows, MoeRows};
 use crate::runtime::data::TensorData;
 use crate::runtime::rendezvous::{decode_tensors, encode_tensors};
 
@@ -32,8 +34,29 @@ pub fn encode_payload(p: &Payload) -> Vec<u8> {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
             }
+            out.extend_from_slice(&(m.targets.len() as u64).to_le_bytes());
+            for t in &m.targets {
+                for v in t {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+            }
             out.extend_from_slice(&m.width.to_le_bytes());
             put_storage(&mut out, &m.rows);
+            match &m.fp8 {
+                None => out.push(0),
+                Some(f) => {
+                    out.push(match f.granularity {
+                        Fp8Scales::PerToken => 1,
+                        Fp8Scales::Block128 => 2,
+                    });
+                    out.extend_from_slice(&(f.codes.len() as u64).to_le_bytes());
+                    out.extend_from_slice(&f.codes);
+                    out.extend_from_slice(&(f.scales.len() as u64).to_le_bytes());
+                    for v in &f.scales {
+                        out.extend_from_slice(&v.to_bits().to_le_bytes());
+                    }
+                }
+            }
         }
     }
     out
@@ -54,9 +77,44 @@ pub fn decode_payload(bytes: &[u8]) -> Result<Payload, String> {
                 }
                 meta.push(row);
             }
+            let n = r.count(16)?;
+            let mut targets = Vec::with_capacity(n);
+            for _ in 0..n {
+                targets.push([r.u64()? as i64, r.u64()? as i64]);
+            }
             let width = r.u64()?;
             let rows = r.storage()?;
-            Payload::Moe(MoeRows { meta, rows, width })
+            let fp8 = match r.u8()? {
+                0 => None,
+                g @ (1 | 2) => {
+                    let n = r.count(1)?;
+                    let codes = r.take(n)?.to_vec();
+                    let n = r.count(4)?;
+                    let mut scales = Vec::with_capacity(n);
+                    for _ in 0..n {
+                        let b = r.take(4)?;
+                        scales.push(f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]])));
+                    }
+                    let granularity = if g == 1 {
+                        Fp8Scales::PerToken
+                    } else {
+                        Fp8Scales::Block128
+                    };
+                    Some(Fp8Rows {
+                        codes,
+                        scales,
+                        granularity,
+                    })
+                }
+                k => return Err(format!("unknown FP8 scale kind {k}")),
+            };
+            Payload::Moe(MoeRows {
+                meta,
+                targets,
+                rows,
+                fp8,
+                width,
+            })
         }
         k => return Err(format!("unknown message kind {k}")),
     };
@@ -126,8 +184,21 @@ mod tests {
             Payload::Data(Storage::I32(vec![i32::MIN, 7])),
             Payload::Moe(MoeRows {
                 meta: vec![[1, 2, 3, -4], [5, 6, 7, 8]],
+                targets: vec![[0, 1], [3, -2]],
                 rows: Storage::I64(vec![i64::MAX, 1, 2, 3]),
+                fp8: None,
                 width: 2,
+            }),
+            Payload::Moe(MoeRows {
+                meta: vec![[0, 9, 0, 1]],
+                targets: vec![[1, 0]],
+                rows: Storage::BF16(vec![]),
+                fp8: Some(Fp8Rows {
+                    codes: vec![0x7e, 0, 0xff, 1],
+                    scales: vec![0.5, f32::NAN],
+                    granularity: Fp8Scales::Block128,
+                }),
+                width: 4,
             }),
         ];
         for p in &cases {

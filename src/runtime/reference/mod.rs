@@ -1,12 +1,14 @@
 //! The level-1 reference: an interpreter of a [`Program`] on full (unsharded) tensors,
 //! independent of the kernels it judges.
 //!
-//! Every op is evaluated by the naive code of [`ops`] and [`moe`] (plain loops, `f64`
-//! accumulation, one rounding to the output's element type per op), which shares nothing with
-//! the backends' kernels in [`cpu_ops`](crate::runtime::cpu_ops): a kernel bug shows up as a
-//! mismatch instead of cancelling out. Reduction axes are dropped from values (a consumer sees
-//! only the non-reduction axes). `moe_dispatch` orders each expert's rows by ascending
-//! `(token, k)`; a capacity overflow is an error naming the expert.
+//! Every op is evaluated by the naive code of the `ops` and `moe` submodules (plain loops,
+//! `f64` accumulation, one rounding to the output's element type per op), which shares nothing
+//! with the backends' kernels in [`cpu_ops`](crate::runtime::cpu_ops): a kernel bug shows up as
+//! a mismatch instead of cancelling out. Reduction axes are dropped from values (a consumer
+//! sees only the non-reduction axes). `moe_dispatch` orders each expert's rows by ascending
+//! `(token, k)` and applies its wire (the `fp8` submodule: FP8 quantization and dequantization
+//! of each token, exactly as the `meshflow_ir::moe` docs define it); a capacity overflow is an
+//! error naming the expert.
 //!
 //! A `custom` op runs the closure registered under its kernel name in the [`CpuKernels`] given
 //! to [`evaluate_with`] — the embedder's own kernel, called once on the full tensors (a custom
@@ -19,6 +21,7 @@
 //! what the comparison's tolerance follows ([`tolerance`](crate::runtime::compare::tolerance)).
 
 mod dense;
+mod fp8;
 mod moe;
 mod ops;
 

@@ -1,9 +1,14 @@
 //! MoE ops of the reference on full tensors: dispatch gives each expert its rows in ascending
-//! `(token, k)` order, zero padding and the routing `(token, k)` of each row; combine is
-//! `out[t] = sum_k w[t, k] * y(t, k)`. The sharded backends must agree with this bit for bit
-//! on the dispatched rows and within tolerance on the combined values.
+//! `(token, k)` order (as they arrive over the op's wire), zero padding and the routing
+//! `(token, k)` of each row; combine is `out[t] = sum_k w[t, k] * y(t, k)` in `f64`, rounded
+//! once. The sharded backends must agree with this bit for bit on the dispatched rows and
+//! within tolerance on the combined values (they sum in the two stages of the
+//! `meshflow_ir::moe` docs, rounding each partial to the dtype).
+
+use meshflow_ir::MoeWire;
 
 use super::dense::{numel, Dense};
+use super::fp8::over_wire;
 use super::ops::{same_shape, OutType};
 
 /// Splits `[B.., X, Y]` into `(batch shape, X, Y)`.
@@ -67,8 +72,14 @@ pub(crate) fn grouped_matmul(
 }
 
 /// `moe_dispatch(x[B.., T, H], topk_idx[B.., T, K])` into `expert_x[B.., E, C, H]`,
-/// `counts[B.., E]` and `routing[B.., E, C, 2]`.
-pub(crate) fn dispatch(x: &Dense, idx: &Dense, outs: &[OutType]) -> Result<Vec<Dense>, String> {
+/// `counts[B.., E]` and `routing[B.., E, C, 2]`, the tokens travelling as `wire` (FP8:
+/// quantized and dequantized, [`super::fp8`]).
+pub(crate) fn dispatch(
+    x: &Dense,
+    idx: &Dense,
+    wire: MoeWire,
+    outs: &[OutType],
+) -> Result<Vec<Dense>, String> {
     let [(ex_t, ex_s), (cnt_t, cnt_s), (rt_t, rt_s)] = outs else {
         return Err("moe_dispatch has three outputs".into());
     };
@@ -86,7 +97,7 @@ pub(crate) fn dispatch(x: &Dense, idx: &Dense, outs: &[OutType]) -> Result<Vec<D
     same_shape("routing", rt_s, &with(batch, &[e, c, 2]))?;
     let b = numel(batch)?;
     let (t, h, k, e, c) = (t as usize, h as usize, k as usize, e as usize, c as usize);
-    let (xv, iv) = (x.floats(), idx.ints());
+    let (xv, iv) = (over_wire(&x.floats(), h, wire, x.dtype), idx.ints());
     let mut rows = vec![0.0f64; b * e * c * h];
     let mut counts = vec![0i64; b * e];
     let mut routing = vec![0i64; b * e * c * 2];

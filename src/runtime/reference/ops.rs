@@ -59,7 +59,7 @@ pub(crate) fn run(kind: &OpKind, ins: &[&Dense], outs: &[OutType]) -> Result<Vec
             input(2)?,
             out(0)?,
         )?),
-        OpKind::MoeDispatch => moe::dispatch(input(0)?, input(1)?, outs),
+        OpKind::MoeDispatch { wire } => moe::dispatch(input(0)?, input(1)?, *wire, outs),
         OpKind::MoeCombine => one(moe::combine(
             input(0)?,
             input(1)?,
@@ -90,7 +90,7 @@ pub(crate) fn handles(kind: &OpKind) -> bool {
             | OpKind::Silu
             | OpKind::Sum { .. }
             | OpKind::GroupedMatmul
-            | OpKind::MoeDispatch
+            | OpKind::MoeDispatch { .. }
             | OpKind::MoeCombine
     )
 }

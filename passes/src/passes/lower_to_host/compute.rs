@@ -75,7 +75,7 @@ impl Lowering<'_> {
                 kernel: c.kernel.clone(),
                 args: c.args.clone(),
             },
-            OpKind::MoeDispatch | OpKind::MoeCombine => {
+            OpKind::MoeDispatch { .. } | OpKind::MoeCombine => {
                 return Err(PassError::internal(
                     "lower_to_host",
                     "MoE op lowered as compute",
@@ -124,13 +124,13 @@ impl Lowering<'_> {
                 .and_then(|k| map.first()?.get(k)?.iter().find(|(jj, _)| *jj == j))
                 .and_then(|&(_, a)| self.sharding(t).value_index(a));
             let what = format!("input of `{}`", op.kind.name());
-            inputs.push(self.maybe_chunk(lp.as_deref_mut(), block, t, axis, &what)?);
+            inputs.push(self.operand(lp.as_deref_mut(), block, t, axis, &what)?);
         }
         let mut outputs = Vec::with_capacity(op.outputs.len());
         for &o in &op.outputs {
             let out_axis = stream_axis.and_then(|k| self.sharding(o).value_index(k));
             let what = format!("output of `{}`", op.kind.name());
-            outputs.push(self.maybe_chunk(lp.as_deref_mut(), block, o, out_axis, &what)?);
+            outputs.push(self.operand(lp.as_deref_mut(), block, o, out_axis, &what)?);
         }
         if let (OpKind::Select { axis, .. }, Some(&o)) = (&op.kind, outputs.first()) {
             // `select` is a one-element slice (the axis kept) copied into the output.
@@ -160,23 +160,19 @@ impl Lowering<'_> {
                 outputs,
             },
             Local::Kernel { kernel, mut args } => {
-                // The local extents of the first output's chunk follow the op's own args.
+                // The local extents of the first output's chunk (per rank, for uneven
+                // shards) follow the op's own args.
                 let shape = outputs
                     .first()
-                    .and_then(|&o| self.host.tensors.get(o))
-                    .map(|d| d.shape.clone())
+                    .map(|&o| self.extents(o))
                     .unwrap_or_default();
-                for e in shape {
-                    let e = i64::try_from(e).map_err(|_| {
-                        PassError::op(self.program, i, "an output extent does not fit in i64")
-                    })?;
-                    args.push(e);
-                }
+                let mut all: Vec<Expr> = args.drain(..).map(Expr::c).collect();
+                all.extend(shape);
                 InstKind::CallKernel {
                     kernel,
                     inputs,
                     outputs,
-                    args: args.into_iter().map(Expr::c).collect(),
+                    args: all,
                 }
             }
         };
@@ -209,7 +205,7 @@ impl Lowering<'_> {
         let vrank = |l: &Self, t: TensorId| l.sharding(t).value_axes.len();
         // (tensor, axis that must carry the expert-parallel split, role)
         let (experts, checks): (TensorId, Vec<(TensorId, usize, &str)>) = match op.kind {
-            OpKind::MoeDispatch => {
+            OpKind::MoeDispatch { .. } => {
                 let (x, idx) = (op.inputs[0], op.inputs[1]);
                 let (ex, counts, routing) = (op.outputs[0], op.outputs[1], op.outputs[2]);
                 let nb = vrank(self, ex).saturating_sub(3);
@@ -270,7 +266,7 @@ impl Lowering<'_> {
         let pt = ep.ok_or_else(|| PassError::internal("lower_to_host", "no MoE tensors"))?;
         let team = Team::Slice { mesh, pt };
         let h = |t: TensorId| self.host_of(t);
-        let kind = if op.kind == OpKind::MoeDispatch {
+        let kind = if let OpKind::MoeDispatch { wire } = op.kind {
             let (x, topk_idx) = (h(op.inputs[0]), h(op.inputs[1]));
             let (expert_x, expert_counts, routing) =
                 (h(op.outputs[0]), h(op.outputs[1]), h(op.outputs[2]));
@@ -282,6 +278,7 @@ impl Lowering<'_> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
             }) as Box<dyn FnOnce(_) -> InstKind>
         } else {
             let (expert_y, expert_counts, routing, topk_weights) = (

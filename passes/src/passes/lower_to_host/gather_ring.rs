@@ -121,7 +121,7 @@ impl Lowering<'_> {
             && others.iter().all(|&i| {
                 !matches!(
                     self.program.ops[i].kind,
-                    OpKind::Set | OpKind::MoeDispatch | OpKind::MoeCombine
+                    OpKind::Set | OpKind::MoeDispatch { .. } | OpKind::MoeCombine
                 )
             });
         if !fits {

@@ -6,7 +6,7 @@ use meshflow_ir::{EntityRef, Expr, HostTensorId, LoopVar, Role};
 
 use super::super::fold::{lcm, Window};
 use super::super::prog::{Item, Sel};
-use super::{shard, whole, Seen, Shifts, View, Walker, MAX_PERIOD, MAX_REACH};
+use super::{narrow, shard, whole, Seen, Shifts, View, Walker, MAX_PERIOD, MAX_REACH};
 use crate::ordering::Span;
 
 impl Walker<'_, '_, '_> {
@@ -179,6 +179,24 @@ impl Walker<'_, '_, '_> {
                     let view = self.quiet_eval(index).and_then(|i| {
                         let parent = views.get(*input)?.as_ref()?;
                         shard(parent, *axis, *chunks, i)
+                    });
+                    views[*o] = view;
+                }
+                Item::Narrow {
+                    out: o,
+                    input,
+                    axis,
+                    start,
+                    length,
+                    ..
+                } => {
+                    if !(self.held(*o) && self.held(*input)) {
+                        continue;
+                    }
+                    let s = self.quiet_eval(start).zip(self.quiet_eval(length));
+                    let view = s.and_then(|(s, l)| {
+                        let parent = views.get(*input)?.as_ref()?;
+                        narrow(parent, *axis, s, l)
                     });
                     views[*o] = view;
                 }

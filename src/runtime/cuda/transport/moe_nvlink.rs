@@ -4,8 +4,9 @@
 //! peer access; the engines of a team are made together by its first member through the
 //! launch's [`PeerHub`] and each member takes its own.
 //!
-//! The kernels number their steps with a host-side epoch and wait on device flags, so a step
-//! with them cannot be recorded as a CUDA graph (a replay would reuse the recorded epoch).
+//! The engines keep their step number on the device and can be replayed in a CUDA graph (the
+//! kernels crate tests that), but recording runtime steps that use them is not enabled yet: the
+//! transport still refuses graph recording until the runtime path is tested on GPUs.
 
 use std::sync::Arc;
 
@@ -63,8 +64,8 @@ impl EngineSource for NvlinkEngines {
 
     fn capture_blocker(&self) -> Option<&'static str> {
         Some(
-            "the NVLink MoE kernels number their steps on the host (a replay would reuse the \
-             recorded step); force the NCCL transport to record graphs",
+            "recording steps with the NVLink MoE transport is not enabled yet; force the NCCL \
+             transport to record graphs",
         )
     }
 }

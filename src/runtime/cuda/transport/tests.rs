@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use meshflow_ir::{CommKind, DType, EntityRef, ReduceOp};
+use meshflow_ir::{CommKind, DType, EntityRef, MoeWire, ReduceOp};
 use meshflow_kernels::proxy::{Topology, WireChoice};
 use meshflow_kernels::{Device, Event};
 
@@ -327,6 +327,7 @@ fn moe_round_trip(name: &str, make: impl Fn(&mut Rank) -> Box<dyn CommTransport>
             expert_x: &ex,
             expert_counts: &counts,
             routing: &routing,
+            wire: MoeWire::Native,
         };
         r.post(moe.as_mut(), &d);
         let cb = CommRequest::MoeCombine {
