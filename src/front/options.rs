@@ -159,7 +159,7 @@ impl Options {
         self.check
     }
 
-    /// Records every step an [`Executor`](super::Executor) runs as a CUDA graph and replays
+    /// Records every step an [`Executor`](crate::Executor) runs as a CUDA graph and replays
     /// it (default off). A backend or program that cannot be recorded (the CPU backend; GPU
     /// transports that need the host during a step: the copy engine, the host proxy, MoE over
     /// NVLink, when forced) is refused with the reason when the executor is made; unforced,

@@ -281,7 +281,7 @@ fn race_checking_costs_linear_work_in_the_iterations() {
 
 /// The figures of docs/hardening.md: CPU-backend run time of the stream all-reduce loop on
 /// two ranks, with and without race checking. Prints rows; asserts nothing about time (run
-/// it optimized: `cargo test --release --test runtime_race -- --ignored --nocapture`).
+/// it optimized: `cargo test --release --test runtime -- --ignored --nocapture race_check_timings`).
 #[test]
 #[ignore = "timing figures for docs/hardening.md, run by scripts/hardening.sh"]
 fn race_check_timings() {
