@@ -29,7 +29,7 @@ rm -rf "$dest"
 mkdir -p "$dest/bin"
 cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$dest/bin/"
 for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_faults gpu_multiprocess gpu_overlap \
-         gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe; do
+         gpu_programs gpu_proxy gpu_transport gpu_shape_ops embed_gpu gpu_moe; do
   f="$(grep -oE "\(.*/deps/$t-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
   [ -n "$f" ] && cp "$f" "$dest/bin/$t"
 done
@@ -65,7 +65,7 @@ log() { echo "=== $* ($(date +%T))"; }
 step() { local t=$1; shift; log "$*"; timeout "$t" "$@"; echo "rc=$? for $*"; }
 tests() {
   for t in kernels_gpu gpu_comm gpu_determinism gpu_errors gpu_examples gpu_multiprocess \
-           gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe gpu_overlap; do
+           gpu_programs gpu_proxy gpu_transport gpu_shape_ops embed_gpu gpu_moe gpu_overlap; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done
   [ -x "$B/meshflow_lib" ] && step 300 "$B/meshflow_lib" runtime::cuda --test-threads 1 --nocapture
