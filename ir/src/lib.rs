@@ -66,7 +66,7 @@
 //!
 //! The meaning of a level-1 program is the unsharded computation: every op is defined on
 //! logical tensors. An embedder's own op, `custom(inputs.., kernel="NAME", args=[..])`, is
-//! computed by the kernel it registers with the backend and lowers to `launch_kernel` (see
+//! computed by the kernel it registers with the backend and lowers to `call_kernel` (see
 //! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
 //! **resharding**, lowered to a communication. `moe_dispatch` / `moe_combine` route tokens to
 //! experts and back over an expert-parallel team; the [`moe`] module states their semantics

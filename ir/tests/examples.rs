@@ -161,3 +161,16 @@ fn text_round_trips_through_from_str() {
         );
     }
 }
+
+#[test]
+fn the_earlier_spelling_launch_kernel_still_parses() {
+    let (_, text) = host_examples()
+        .into_iter()
+        .find(|(name, _)| name.contains("compute_and_kernels"))
+        .expect("the kernels example");
+    let old = text.replace("call_kernel(", "launch_kernel(");
+    assert_ne!(old, text);
+    let program = parse_host(&old).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(program, parse_host(&text).expect("parses"));
+    assert!(program.to_string().contains("call_kernel("));
+}

@@ -367,7 +367,7 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
             }
         }),
         (any::<String>(), ts(3), ts(3), vec(expr(nm), 0..3)).prop_map(
-            |(kernel, inputs, outputs, args)| InstKind::LaunchKernel {
+            |(kernel, inputs, outputs, args)| InstKind::CallKernel {
                 kernel,
                 inputs,
                 outputs,

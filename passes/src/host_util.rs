@@ -124,7 +124,7 @@ pub fn map_tensors(kind: &mut InstKind, f: &mut impl FnMut(HostTensorId) -> Host
         InstKind::Compute {
             inputs, outputs, ..
         }
-        | InstKind::LaunchKernel {
+        | InstKind::CallKernel {
             inputs, outputs, ..
         } => {
             for t in inputs.iter_mut().chain(outputs.iter_mut()) {

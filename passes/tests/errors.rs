@@ -7,14 +7,14 @@ use meshflow_passes::PassError;
 
 fn lower_err(p: &Program) -> String {
     match common::run(p, common::all_passes()) {
-        Ok((out, _)) => panic!("expected an error, got:\n{}", out.host),
+        Ok(out) => panic!("expected an error, got:\n{}", out.host),
         Err(e) => e.to_string(),
     }
 }
 
 fn lower_ok(p: &Program) -> meshflow_ir::HostProgram {
     match common::run(p, common::all_passes()) {
-        Ok((out, _)) => out.host,
+        Ok(out) => out.host,
         Err(e) => panic!("expected a lowering, got: {e}"),
     }
 }
@@ -153,11 +153,11 @@ fn lowering_without_decomposition_reports_the_resharding_op() {
     b.rename(y, "y").unwrap();
     b.output(y);
     let p = b.build().unwrap();
-    let mut m = meshflow_passes::PassManager::new(common::all_passes());
-    m.disable("decompose_reshardings").unwrap();
-    let e = m
-        .run(p.clone(), &mut meshflow_passes::PassContext::new(&p))
-        .unwrap_err();
+    let options = meshflow_passes::PassOptions {
+        disabled_passes: vec!["decompose_reshardings".into()],
+        ..common::verifying()
+    };
+    let e = common::all_passes().run(p.clone(), &options).unwrap_err();
     assert!(matches!(e, PassError::UnsupportedOp { .. }), "{e}");
     let text = e.to_string();
     assert!(

@@ -18,13 +18,13 @@ use super::teams::TeamTable;
 pub const MAX_INSTANCES: usize = 1_000_000;
 
 /// The instructions that matter to the check, with their index in [`Instances::insts`].
-enum Node<'a> {
+enum Item<'a> {
     Loop {
         ord: usize,
         index: LoopVar,
         start: &'a Expr,
         stop: &'a Expr,
-        body: Vec<Node<'a>>,
+        body: Vec<Item<'a>>,
     },
     Comm {
         ord: usize,
@@ -43,12 +43,12 @@ enum Node<'a> {
     },
 }
 
-fn build_nodes<'a>(
+fn build_items<'a>(
     host: &HostProgram,
     block: &'a [Inst],
     insts: &mut Vec<InstInfo>,
-) -> Vec<Node<'a>> {
-    let mut nodes = Vec::new();
+) -> Vec<Item<'a>> {
+    let mut items = Vec::new();
     for inst in block {
         let relevant = matches!(
             inst.kind,
@@ -66,26 +66,26 @@ fn build_nodes<'a>(
             text: inst_to_string(host, inst),
             loc: inst.loc,
         });
-        nodes.push(match &inst.kind {
+        items.push(match &inst.kind {
             InstKind::ForLoop {
                 index,
                 start,
                 stop,
                 body,
-            } => Node::Loop {
+            } => Item::Loop {
                 ord,
                 index: *index,
                 start,
                 stop,
-                body: build_nodes(host, body, insts),
+                body: build_items(host, body, insts),
             },
-            InstKind::StartCoalescing => Node::StartGroup { ord },
-            InstKind::EndCoalescing { .. } => Node::EndGroup { ord },
-            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Node::View { ord, inst },
-            _ => Node::Comm { ord, inst },
+            InstKind::StartCoalescing => Item::StartGroup { ord },
+            InstKind::EndCoalescing { .. } => Item::EndGroup { ord },
+            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Item::View { ord, inst },
+            _ => Item::Comm { ord, inst },
         });
     }
-    nodes
+    items
 }
 
 /// Expression values on one rank.
@@ -191,10 +191,10 @@ impl Walker<'_, '_> {
         }
     }
 
-    fn walk(&mut self, nodes: &[Node<'_>]) -> Result<(), Abort> {
-        for node in nodes {
-            match node {
-                Node::Loop {
+    fn walk(&mut self, items: &[Item<'_>]) -> Result<(), Abort> {
+        for item in items {
+            match item {
+                Item::Loop {
                     ord,
                     index,
                     start,
@@ -214,7 +214,7 @@ impl Walker<'_, '_> {
                         self.loops.pop();
                     }
                 }
-                Node::StartGroup { ord } => {
+                Item::StartGroup { ord } => {
                     if self.group.is_some() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "start_coalescing inside an open coalescing group".into();
@@ -224,18 +224,18 @@ impl Walker<'_, '_> {
                         self.next_group += 1;
                     }
                 }
-                Node::EndGroup { ord } => {
+                Item::EndGroup { ord } => {
                     if self.group.take().is_none() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "end_coalescing without start_coalescing".into();
                         self.report(*ord, CheckError::Malformed { rank, site, detail });
                     }
                 }
-                Node::Comm { ord, inst } => {
+                Item::Comm { ord, inst } => {
                     self.spend()?;
                     self.communication(*ord, inst);
                 }
-                Node::View { ord, inst } => self.view(*ord, inst),
+                Item::View { ord, inst } => self.view(*ord, inst),
             }
         }
         Ok(())
@@ -740,7 +740,7 @@ pub(crate) fn instantiate_all(
         return Err(CheckErrors::capped(fatal));
     }
     let mut insts = Vec::new();
-    let nodes = build_nodes(host, &host.body, &mut insts);
+    let items = build_items(host, &host.body, &mut insts);
     let mut out = Instances::new(world_size, insts);
     out.tensor_names = host.tensors.values().map(|t| t.name.clone()).collect();
     let mut errors = Vec::new();
@@ -776,7 +776,7 @@ pub(crate) fn instantiate_all(
             shapes: HashMap::new(),
             views: HashMap::new(),
         };
-        if walker.walk(&nodes).is_err() {
+        if walker.walk(&items).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {
                 world_size,
                 limit: MAX_INSTANCES,

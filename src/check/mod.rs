@@ -3,7 +3,7 @@
 //! A host program is rank-agnostic: every rank runs the same instructions, with its own values
 //! of `my(mesh, pt)` and `rank`. [`check_program`] instantiates the program on every rank of a
 //! world, unrolling loops, and checks that the communications of all ranks fit together
-//! before anything runs (DESIGN.md §3, point 5):
+//! before anything runs:
 //!
 //! 1. **Instantiation.** Each rank walks the body with its own values, skipping the
 //!    communications whose team it is not in ([`meshflow_ir::Team::resolve`]), and records
@@ -40,7 +40,6 @@
 //! most [`MAX_ERRORS_PER_CATEGORY`](error::MAX_ERRORS_PER_CATEGORY) per category.
 
 #[doc(hidden)]
-pub mod corpus;
 mod deadlock;
 pub mod error;
 pub mod events;

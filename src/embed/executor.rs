@@ -14,7 +14,7 @@ use crate::runtime::data::TensorData;
 use crate::runtime::{EvalOptions, Evaluator};
 
 /// A [`Backend`] that can run on tensors the caller owns: what [`Executor`] needs on top of
-/// the backend trait. Implemented by the CPU backend ([`SimBackend`](crate::runtime::SimBackend),
+/// the backend trait. Implemented by the CPU backend ([`CpuBackend`](crate::runtime::CpuBackend),
 /// tensors [`CpuTensor`](super::CpuTensor)) and, with feature `cuda`, the CUDA backend
 /// (device buffers the caller allocated).
 pub trait Bind: Backend {

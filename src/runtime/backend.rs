@@ -2,7 +2,7 @@
 //! device runtime.
 //!
 //! The trait is shaped for a GPU runtime (CUDA streams and events, cuBLAS, NCCL) and is also
-//! implemented by the embedded CPU [`SimBackend`](super::sim::SimBackend):
+//! implemented by the embedded CPU [`CpuBackend`](super::cpu::CpuBackend):
 //!
 //! - **Buffers** are opaque handles ([`Backend::Buffer`]). Allocation returns at once on the
 //!   host; deallocation is deferred by the backend until the work already enqueued on the
@@ -424,7 +424,7 @@ pub trait Backend {
     /// Resolves a registered kernel by name.
     fn kernel(&self, name: &str) -> Option<KernelId>;
     /// Enqueues a registered kernel on the current stream.
-    fn launch_kernel(
+    fn call_kernel(
         &mut self,
         kernel: KernelId,
         inputs: &[&TensorView<Self::Buffer>],

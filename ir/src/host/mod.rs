@@ -599,8 +599,8 @@ pub enum InstKind {
         /// Outputs (written in place).
         outputs: Vec<HostTensorId>,
     },
-    /// Launches a kernel registered by name with the backend (an embedder's own kernel).
-    LaunchKernel {
+    /// Calls a kernel registered by name with the backend (an embedder's own kernel).
+    CallKernel {
         /// The registered name.
         kernel: String,
         /// Inputs.
@@ -632,7 +632,7 @@ impl InstKind {
             InstKind::MoeDispatch { .. } => "moe_dispatch",
             InstKind::MoeCombine { .. } => "moe_combine",
             InstKind::Compute { op, .. } => op.name(),
-            InstKind::LaunchKernel { .. } => "launch_kernel",
+            InstKind::CallKernel { .. } => "call_kernel",
         }
     }
 
@@ -673,7 +673,7 @@ impl InstKind {
                 topk_weights,
                 ..
             } => vec![*expert_y, *expert_counts, *routing, *topk_weights],
-            InstKind::Compute { inputs, .. } | InstKind::LaunchKernel { inputs, .. } => {
+            InstKind::Compute { inputs, .. } | InstKind::CallKernel { inputs, .. } => {
                 inputs.clone()
             }
             _ => Vec::new(),
@@ -693,7 +693,7 @@ impl InstKind {
                 ..
             } => vec![*expert_x, *expert_counts, *routing],
             InstKind::MoeCombine { out, .. } => vec![*out],
-            InstKind::Compute { outputs, .. } | InstKind::LaunchKernel { outputs, .. } => {
+            InstKind::Compute { outputs, .. } | InstKind::CallKernel { outputs, .. } => {
                 outputs.clone()
             }
             _ => Vec::new(),
@@ -733,7 +733,7 @@ impl InstKind {
                 recv_peer,
                 ..
             } => vec![send_peer, recv_peer],
-            InstKind::LaunchKernel { args, .. } => args.iter().collect(),
+            InstKind::CallKernel { args, .. } => args.iter().collect(),
             _ => Vec::new(),
         }
     }

@@ -216,7 +216,7 @@ impl Printer<'_> {
                     }
                     f.write_str(")\n")?;
                 }
-                InstKind::LaunchKernel {
+                InstKind::CallKernel {
                     kernel,
                     inputs,
                     outputs,
@@ -224,7 +224,7 @@ impl Printer<'_> {
                 } => {
                     write!(
                         f,
-                        "launch_kernel({} -> {}, kernel=\"{}\"",
+                        "call_kernel({} -> {}, kernel=\"{}\"",
                         self.tensors(inputs),
                         self.tensors(outputs),
                         kernel.escape_default()

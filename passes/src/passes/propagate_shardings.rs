@@ -25,7 +25,8 @@ use meshflow_ir::{Op, OpKind, Program, TensorId};
 use crate::analysis::op_rules::keeps_uneven;
 use crate::analysis::{local_split_ok, op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::error::PassError;
-use crate::manager::{PassContext, ProgramPass};
+use crate::manager::ProgramPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct PropagateShardings;

@@ -398,7 +398,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                         .iter()
                         .map(|&t| view_in(program, views, t))
                         .collect::<Result<Vec<_>, _>>()?;
-                    Ok::<_, StepError>(backend.launch_kernel(*kernel, &ins, &outs, &values, ctx)?)
+                    Ok::<_, StepError>(backend.call_kernel(*kernel, &ins, &outs, &values, ctx)?)
                 })();
                 self.state.args = values;
                 r

@@ -625,7 +625,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     outputs: outs,
                 }
             }
-            InstKind::LaunchKernel {
+            InstKind::CallKernel {
                 kernel,
                 inputs,
                 outputs,

@@ -180,7 +180,7 @@ pub(super) fn site(
         annotated: false,
         apply: Apply::Nothing,
     };
-    let schedule = cx.stream_schedule;
+    let schedule = cx.options.stream_schedule;
     match decision {
         Decision::AllGather { pt, axis } if cs.stream().is_none() => {
             if cx.is_annotated(&c_name) {

@@ -1,5 +1,5 @@
 //! Compute lowering: local ops (on chunk views inside a stream loop; `custom` ops become
-//! `launch_kernel`) and the MoE communication ops.
+//! `call_kernel`) and the MoE communication ops.
 
 use meshflow_ir::host::{ComputeOp, Expr, Inst, InstKind, Team};
 use meshflow_ir::{OpKind, ParallelType, TensorId};
@@ -15,7 +15,7 @@ use crate::passes::decompose_reshardings::local_mismatch;
 enum Local {
     /// A built-in compute op.
     Compute(ComputeOp),
-    /// `launch_kernel` of an embedder's kernel (a `custom` op).
+    /// `call_kernel` of an embedder's kernel (a `custom` op).
     Kernel { kernel: String, args: Vec<i64> },
 }
 
@@ -168,7 +168,7 @@ impl Lowering<'_> {
                     .unwrap_or_default();
                 let mut all: Vec<Expr> = args.drain(..).map(Expr::c).collect();
                 all.extend(shape);
-                InstKind::LaunchKernel {
+                InstKind::CallKernel {
                     kernel,
                     inputs,
                     outputs,
