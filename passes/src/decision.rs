@@ -9,6 +9,9 @@
 //! | split on `a` -> split on `b` | [`Decision::AllToAll`] |
 //! | partial sums -> replicated | [`Decision::AllReduce`] / [`Decision::Reduce`] (other mesh) |
 //! | partial sums -> split on `b` | [`Decision::ReduceScatter`] |
+//! | the innermost splits of `a` (several parallel types, outer mesh axis first, even) -> replicated | [`Decision::MergedAllGather`] (over their flattened team) |
+//! | partial sums along several parallel types -> replicated | [`Decision::MergedAllReduce`] (over their flattened team) |
+//! | partial sums along several parallel types -> the innermost splits of `b` (outer mesh axis first, even) | [`Decision::MergedReduceScatter`] (over their flattened team) |
 //! | partial sums with a Stream split on `a` and `swizzle1d(pt)` -> split on `a` | [`Decision::ReduceRing`] (a ring of running sums) |
 //! | partial sums with a Stream split on `a`, no swizzle -> split on `a` | [`Decision::StreamReduce`] (root = loop index) |
 //! | replicated -> replicated, other mesh | [`Decision::Broadcast`] (to the target mesh) |
@@ -22,8 +25,14 @@
 //! into steps (e.g. all-gather on the source mesh, then a broadcast or per-pair transfer).
 //!
 //! Axes are value-axis indices (= host axes). A consumer with a Stream split on another axis
-//! makes any of these per-chunk (lowered inside the stream loop). Changes on two parallel types
-//! at once are [`Decision::Unsupported`] here; `decompose_reshardings` splits them into steps.
+//! makes any of these per-chunk (lowered inside the stream loop). Changes on several parallel
+//! types at once are one collective over their flattened team (`flattened(m, DIDy, DIDx)`) only
+//! in the three merged rows, which DTensor's planner merges too: the members of a flattened team
+//! are in row-major order of the mesh axes, so the changed splits must be the innermost levels
+//! of their axis' chain in mesh order (outer mesh axis outermost) and divide the axis evenly
+//! (over uneven pieces one collective over the flattened team cuts the axis differently from
+//! nested ones). Other changes on several parallel types are [`Decision::Unsupported`] here;
+//! `decompose_reshardings` splits them into steps.
 
 use std::collections::BTreeMap;
 
@@ -130,6 +139,28 @@ pub enum Decision {
         /// The value axis.
         axis: usize,
     },
+    /// The innermost splits of value axis `axis` along `pts` (outer mesh axis first) to
+    /// replicated: one all-gather over their flattened team.
+    MergedAllGather {
+        /// The parallel types, outer mesh axis first.
+        pts: Vec<ParallelType>,
+        /// The gathered value axis.
+        axis: usize,
+    },
+    /// Partial sums along `pts` (outer mesh axis first) to replicated: one all-reduce over
+    /// their flattened team.
+    MergedAllReduce {
+        /// The parallel types, outer mesh axis first.
+        pts: Vec<ParallelType>,
+    },
+    /// Partial sums along `pts` (outer mesh axis first) to the innermost splits of value axis
+    /// `axis`, in that order: one reduce-scatter over their flattened team.
+    MergedReduceScatter {
+        /// The parallel types, outer mesh axis first.
+        pts: Vec<ParallelType>,
+        /// The value axis.
+        axis: usize,
+    },
     /// Partial sums computed chunk by chunk in a swizzled stream loop over `axis` (one chunk
     /// per team member) to split on `axis`: running sums travel around a ring of neighbours,
     /// each rank adding its partial product of the chunk on arrival.
@@ -188,6 +219,11 @@ impl Decision {
             Decision::ReduceScatter { pt, .. } => format!("reduce_scatter over {pt}"),
             Decision::ReduceRing { pt, .. } => format!("reduce_scatter ring over {pt}"),
             Decision::StreamReduce { pt, .. } => format!("stream reduce over {pt}"),
+            Decision::MergedAllGather { pts, .. } => format!("all_gather over {}", names(pts)),
+            Decision::MergedAllReduce { pts } => format!("all_reduce over {}", names(pts)),
+            Decision::MergedReduceScatter { pts, .. } => {
+                format!("reduce_scatter over {}", names(pts))
+            }
             Decision::SendRecv => "send_recv per device pair".into(),
             Decision::Broadcast => "broadcast to another mesh".into(),
             Decision::Gather { pt, .. } => format!("gather over {pt} to another mesh"),
@@ -196,6 +232,80 @@ impl Decision {
             Decision::Unsupported(why) => format!("unsupported: {why}"),
         }
     }
+}
+
+/// `DIDy, DIDx`.
+fn names(pts: &[ParallelType]) -> String {
+    pts.iter().map(|p| p.name()).collect::<Vec<_>>().join(", ")
+}
+
+/// Per value axis of `sh`, its device splits over teams of more than one device, outermost
+/// first: `(parallel type, parts)`.
+fn chain_of(sh: &Sharding, axis: usize) -> Vec<(ParallelType, u64)> {
+    let mut levels: Vec<(usize, ParallelType, u64)> = placements(sh)
+        .into_iter()
+        .filter_map(|(pt, p)| match p {
+            Placement::Split { axis: a, parts, depth } if a == axis && parts > 1 => {
+                Some((depth, pt, parts))
+            }
+            _ => None,
+        })
+        .collect();
+    levels.sort();
+    levels.into_iter().map(|(_, pt, parts)| (pt, parts)).collect()
+}
+
+/// One of the merged rows for a change along several parallel types `changed` at once, if
+/// it is one (see the module docs).
+fn merged(p: &Sharding, c: &Sharding, changed: &[ParallelType], stream: bool) -> Option<Decision> {
+    if stream || p.stream().is_some() || c.stream().is_some() {
+        return None;
+    }
+    let (pv, cv) = (placements(p), placements(c));
+    let mut pts = changed.to_vec();
+    pts.sort_by_key(|pt| std::cmp::Reverse(pt.device_rank()));
+    if pts.iter().all(|pt| pv.get(pt) == Some(&Placement::Partial) && !cv.contains_key(pt)) {
+        return Some(Decision::MergedAllReduce { pts });
+    }
+    // The innermost levels of `sh`'s chain on `axis` are `pts` in mesh order and the whole
+    // chain divides the axis evenly; the other side keeps the rest of the chain.
+    let innermost = |sh: &Sharding, other: &Sharding, axis: usize| -> bool {
+        if sh.spec.is_strided() || other.spec.is_strided() {
+            return false;
+        }
+        let chain = chain_of(sh, axis);
+        let k = pts.len();
+        let Some(rest) = chain.len().checked_sub(k) else {
+            return false;
+        };
+        let inner: Vec<ParallelType> = chain[rest..].iter().map(|&(pt, _)| pt).collect();
+        let parts: u64 = chain.iter().map(|&(_, n)| n).product();
+        let even = sh
+            .value_axes
+            .get(axis)
+            .and_then(|&a| sh.layout.axes.get(a))
+            .is_some_and(|x| !x.ragged && x.extent.is_multiple_of(parts));
+        inner == pts && even && chain_of(other, axis) == chain[..rest]
+    };
+    let split_axis = |v: &BTreeMap<ParallelType, Placement>| -> Option<usize> {
+        let axes: Vec<usize> = pts
+            .iter()
+            .map(|pt| match v.get(pt) {
+                Some(Placement::Split { axis, .. }) => Some(*axis),
+                _ => None,
+            })
+            .collect::<Option<_>>()?;
+        axes.windows(2).all(|w| w[0] == w[1]).then(|| axes[0])
+    };
+    if pts.iter().all(|pt| !cv.contains_key(pt)) {
+        let axis = split_axis(&pv)?;
+        return innermost(p, c, axis).then_some(Decision::MergedAllGather { pts, axis });
+    }
+    if pts.iter().all(|pt| pv.get(pt) == Some(&Placement::Partial)) {
+        let axis = split_axis(&cv)?;
+        return innermost(c, p, axis).then_some(Decision::MergedReduceScatter { pts, axis });
+    }
+    None
 }
 
 /// The decision for `c = set(p)`.
@@ -242,6 +352,9 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
         return Decision::LocalCopy;
     };
     if r.device.len() > 1 {
+        if let Some(d) = merged(p, c, &r.device, r.stream) {
+            return d;
+        }
         let pts: Vec<&str> = r.device.iter().map(|p| p.name()).collect();
         return Decision::Unsupported(format!(
             "the sharding changes along {} at once (decompose_reshardings splits this into steps)",

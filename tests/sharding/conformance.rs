@@ -34,7 +34,7 @@ use meshflow::ir::parse::{parse_program_with, Params};
 use meshflow::ir::{HostProgram, InstKind};
 use meshflow::runtime::compare::run_and_compare;
 use meshflow::runtime::ranks::CpuOptions;
-use meshflow::{compile, Options};
+use meshflow::compile;
 
 /// Static communication counts of a host program by instruction name. A communication over
 /// one device, or a collective permute of every member to itself (devices copying the data
@@ -129,7 +129,7 @@ fn run_case(case: &Case) -> Outcome {
                 return out;
             }
         };
-        let compiled = match compile(&program, &Options::new().check(false)) {
+        let compiled = match compile(&program, &case.options()) {
             Ok(c) => c,
             Err(e) => {
                 lowered_all = false;

@@ -1,5 +1,6 @@
 //! Communication lowering: one resharding `set` to the communication of its decision-table
-//! row. Teams are mesh slices along the parallel type (`slice(m, pt)`), so 2-D meshes work;
+//! row. Teams are mesh slices along the parallel type (`slice(m, pt)`), so 2-D meshes work, or
+//! for the merged rows the flattened sub-mesh over several (`flattened(m, DIDy, DIDx)`);
 //! transfers between meshes use explicit device teams. Collectives exchange chunks along axis
 //! 0: when the exchanged axis is not outermost (or a view is not contiguous), the data is
 //! staged through a `permute` (or `copy`) into a temporary and back.
@@ -298,6 +299,7 @@ impl Lowering<'_> {
         let (pmesh, cmesh) = (self.sharding(p).mesh, self.sharding(c).mesh);
         let (pm, cm) = (self.mesh(pmesh)?.clone(), self.mesh(cmesh)?.clone());
         let slice = |pt| Team::Slice { mesh: cmesh, pt };
+        let flat = |pts| Team::Flattened { mesh: cmesh, pts };
         // Partial results are reduced with their own kind (sum, max, min or avg).
         let sum = Some(crate::analysis::partial_kind(self.program, p));
         let coll = |kind, team, root, op, exchanged| Collective {
@@ -321,6 +323,17 @@ impl Lowering<'_> {
             Decision::ReduceScatter { pt, axis } => self.collective(
                 block,
                 coll(CommKind::ReduceScatter, slice(pt), None, sum, Some(axis)),
+            ),
+            Decision::MergedAllGather { pts, axis } => self.collective(
+                block,
+                coll(CommKind::AllGather, flat(pts), None, None, Some(axis)),
+            ),
+            Decision::MergedAllReduce { pts } => {
+                self.collective(block, coll(CommKind::AllReduce, flat(pts), None, sum, None))
+            }
+            Decision::MergedReduceScatter { pts, axis } => self.collective(
+                block,
+                coll(CommKind::ReduceScatter, flat(pts), None, sum, Some(axis)),
             ),
             Decision::LocalSlice { pt, axis } => {
                 let parts = self.sharding(c).split(pt).map_or(1, |s| s.parts);
