@@ -71,8 +71,6 @@ pub use wire::{MoeWire, WireLayout};
 #[cfg(feature = "cuda")]
 mod bench;
 #[cfg(feature = "cuda")]
-mod ipc;
-#[cfg(feature = "cuda")]
 mod launch;
 #[cfg(feature = "cuda")]
 mod nccl;
