@@ -28,8 +28,8 @@ dest="$root/gpu/suite"
 rm -rf "$dest"
 mkdir -p "$dest/bin"
 cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$dest/bin/"
-for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_faults gpu_multiprocess gpu_overlap \
-         gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe; do
+for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_faults gpu_ipc gpu_multiprocess \
+         gpu_overlap gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe; do
   f="$(grep -oE "\(.*/deps/$t-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
   [ -n "$f" ] && cp "$f" "$dest/bin/$t"
 done
@@ -64,7 +64,7 @@ n="$(nvidia-smi -L | wc -l)"
 log() { echo "=== $* ($(date +%T))"; }
 step() { local t=$1; shift; log "$*"; timeout "$t" "$@"; echo "rc=$? for $*"; }
 tests() {
-  for t in kernels_gpu gpu_comm gpu_determinism gpu_errors gpu_examples gpu_multiprocess \
+  for t in kernels_gpu gpu_comm gpu_determinism gpu_errors gpu_examples gpu_ipc gpu_multiprocess \
            gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe gpu_overlap; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done
