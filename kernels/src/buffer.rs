@@ -22,9 +22,9 @@ struct Allocation {
     /// What keeps borrowed memory allocated (e.g. the Python object owning it), released with
     /// the last view.
     _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
-    /// The CUDA IPC handle of the driver allocation holding `ptr` and `ptr`'s offset in it,
-    /// once exported ([`DeviceBuffer::export_ipc`]).
-    ipc: OnceLock<(crate::ipc::IpcHandle, usize)>,
+    /// The CUDA IPC export of the driver allocation holding `ptr` (with `ptr`'s offset in
+    /// it), once made ([`DeviceBuffer::export_ipc`]).
+    ipc: OnceLock<crate::ipc::IpcExport>,
 }
 
 impl Drop for Allocation {
@@ -273,7 +273,7 @@ impl DeviceBuffer {
     }
 
     /// The device address of the allocation's first byte and the cache of its IPC export.
-    pub(crate) fn allocation_start(&self) -> (u64, &OnceLock<(crate::ipc::IpcHandle, usize)>) {
+    pub(crate) fn allocation_start(&self) -> (u64, &OnceLock<crate::ipc::IpcExport>) {
         (self.alloc.ptr, &self.alloc.ipc)
     }
 

@@ -50,6 +50,18 @@ impl fmt::Debug for IpcHandle {
     }
 }
 
+/// What [`DeviceBuffer::export_ipc`] returns: the handle, where the view starts in the
+/// allocation, and the allocation's size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IpcExport {
+    /// The handle of the whole driver allocation.
+    pub handle: IpcHandle,
+    /// Bytes from the allocation's start to the view's first byte.
+    pub offset: usize,
+    /// Bytes of the whole allocation.
+    pub allocation_bytes: usize,
+}
+
 /// The start and size of the driver allocation holding device address `ptr` (the context of
 /// `device` is made current).
 fn address_range(device: &Device, ptr: u64) -> Result<(u64, usize)> {
@@ -98,12 +110,14 @@ impl DeviceBuffer {
             return Ok(false);
         }
         self.device().bind()?;
-        let mut capable: i32 = 0;
-        // SAFETY: a query on a live device address; `capable` is a valid out pointer of the
-        // attribute's type (a 32-bit boolean).
+        // The attribute is a boolean the driver writes as an int; 8 zeroed bytes hold either
+        // width.
+        let mut capable: u64 = 0;
+        // SAFETY: a query on a live device address; `capable` is a valid, large enough out
+        // pointer for the attribute.
         let r = unsafe {
             sys::cuPointerGetAttribute(
-                (&mut capable as *mut i32).cast(),
+                (&mut capable as *mut u64).cast(),
                 sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
                 start,
             )
@@ -112,20 +126,25 @@ impl DeviceBuffer {
         Ok(capable != 0)
     }
 
-    /// The IPC handle of the driver allocation holding this view, and the view's byte offset
-    /// in it: a peer process maps it with [`DeviceBuffer::open_ipc`] and takes
-    /// `view(offset, len)`. Exported once per allocation (later calls reuse the handle).
-    pub fn export_ipc(&self) -> Result<(IpcHandle, usize)> {
+    /// The IPC handle of the driver allocation holding this view, the view's byte offset in
+    /// it and the allocation's size: a peer process maps it with [`DeviceBuffer::open_ipc`]
+    /// and takes `view(offset, len)`. Exported once per allocation (later calls reuse the
+    /// handle).
+    pub fn export_ipc(&self) -> Result<IpcExport> {
         let (start, cache) = self.allocation_start();
         if start == 0 {
             return Err(KernelError::InvalidArgument(
                 "an empty buffer cannot be shared over CUDA IPC".into(),
             ));
         }
-        if let Some((h, at)) = cache.get() {
-            return Ok((*h, at + self.offset()));
+        let found = |e: &IpcExport| IpcExport {
+            offset: e.offset + self.offset(),
+            ..*e
+        };
+        if let Some(e) = cache.get() {
+            return Ok(found(e));
         }
-        let (base, _) = address_range(self.device(), start)?;
+        let (base, size) = address_range(self.device(), start)?;
         let mut raw = sys::CUipcMemHandle_st {
             reserved: [0; IPC_HANDLE_BYTES],
         };
@@ -134,20 +153,24 @@ impl DeviceBuffer {
         drv("cuIpcGetMemHandle", unsafe {
             sys::cuIpcGetMemHandle(&mut raw, base).result()
         })?;
-        let handle = IpcHandle(raw.reserved.map(|c| c as u8));
         let at = usize::try_from(start - base).map_err(|_| {
             KernelError::InvalidArgument("an allocation offset does not fit usize".into())
         })?;
-        let (h, at) = *cache.get_or_init(|| (handle, at));
-        Ok((h, at + self.offset()))
+        let e = IpcExport {
+            handle: IpcHandle(raw.reserved.map(|c| c as u8)),
+            offset: at,
+            allocation_bytes: size,
+        };
+        Ok(found(cache.get_or_init(|| e)))
     }
 
     /// Maps the allocation behind `handle` (exported by another process of this host) into
     /// this process for `device`, with peer access enabled by the driver as needed. The
-    /// result covers the whole allocation and is unmapped when its last view is dropped: the
+    /// result covers the whole allocation (its size as the driver reports it, else `bytes`,
+    /// the size the exporter announced) and is unmapped when its last view is dropped: the
     /// caller keeps it alive while device work uses it. Fails cleanly on a handle the driver
     /// does not know, on one of this process, and between GPUs without peer access.
-    pub fn open_ipc(device: &Device, handle: &IpcHandle) -> Result<DeviceBuffer> {
+    pub fn open_ipc(device: &Device, handle: &IpcHandle, bytes: usize) -> Result<DeviceBuffer> {
         device.bind()?;
         let raw = sys::CUipcMemHandle_st {
             reserved: handle.0.map(|b| b as std::ffi::c_char),
@@ -167,12 +190,10 @@ impl DeviceBuffer {
             addr,
             device: device.clone(),
         };
-        let (base, size) = address_range(device, addr)?;
-        if base != addr {
-            return Err(KernelError::InvalidArgument(
-                "a CUDA IPC mapping does not start its address range".into(),
-            ));
-        }
+        let size = match address_range(device, addr) {
+            Ok((base, size)) if base == addr => size,
+            Ok(_) | Err(_) => bytes,
+        };
         Ok(DeviceBuffer::mapped(device, addr, size, Box::new(mapping)))
     }
 }

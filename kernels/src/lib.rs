@@ -115,7 +115,7 @@ pub use gemm::{Gemm, GemmLayout};
 #[cfg(feature = "cuda")]
 pub use graph::Graph;
 #[cfg(feature = "cuda")]
-pub use ipc::{IpcHandle, IPC_HANDLE_BYTES};
+pub use ipc::{IpcExport, IpcHandle, IPC_HANDLE_BYTES};
 #[cfg(feature = "cuda")]
 pub use kernels::{
     fill_pattern, poison_bits, AxisView, KernelArg, Kernels, RowReduce, Source, StridedLayout,

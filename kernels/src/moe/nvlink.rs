@@ -185,13 +185,13 @@ impl NvlinkMoe {
 
     /// This rank's CUDA IPC handle and layout check, as bytes for the rendezvous.
     pub fn export_handles(&self) -> Result<Vec<u8>> {
-        let (handle, offset) = self.sym.export_ipc()?;
-        if offset != 0 {
+        let export = self.sym.export_ipc()?;
+        if export.offset != 0 {
             return Err(KernelError::InvalidArgument(
                 "the NVLink MoE symmetric buffer is not a whole allocation".into(),
             ));
         }
-        let handle = handle.to_bytes();
+        let handle = export.handle.to_bytes();
         let mut out = Vec::with_capacity(HANDLE_MAGIC.len() + 16 + HANDLE_LEN);
         out.extend_from_slice(HANDLE_MAGIC);
         out.extend_from_slice(&(self.core.rank as u64).to_le_bytes());
@@ -218,7 +218,8 @@ impl NvlinkMoe {
                 bases.push(self.sym.addr());
                 peers.push(PeerMemory::Own);
             } else {
-                let mapping = DeviceBuffer::open_ipc(&self.core.device, &handle)?;
+                let mapping =
+                    DeviceBuffer::open_ipc(&self.core.device, &handle, self.layout.total)?;
                 if mapping.len() < self.layout.total {
                     return Err(KernelError::InvalidArgument(format!(
                         "NVLink MoE import: rank {r} maps {} bytes, the layout needs {}",

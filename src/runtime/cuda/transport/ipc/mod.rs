@@ -116,7 +116,7 @@ impl IpcLink {
                 Ok(r) => r
                     .pad
                     .export_ipc()
-                    .map(|(h, _)| (r.net.port(), h))
+                    .map(|e| (r.net.port(), e.handle))
                     .map_err(|e| e.to_string()),
                 Err(why) => Err(why.clone()),
             },
@@ -209,7 +209,7 @@ impl IpcLink {
         if self.lock().pads.contains_key(&peer) {
             return Ok(Ok(()));
         }
-        match DeviceBuffer::open_ipc(&self.device, &pad_handle) {
+        match DeviceBuffer::open_ipc(&self.device, &pad_handle, 8 * MAX_RANKS) {
             Ok(pad) if pad.len() >= 8 * MAX_RANKS => {
                 self.lock().pads.insert(peer, pad);
                 Ok(Ok(()))
@@ -305,11 +305,12 @@ impl IpcLink {
         core: &DeviceCore,
         peer: DeviceId,
         handle: &meshflow_kernels::IpcHandle,
+        bytes: usize,
     ) -> Result<DeviceBuffer, BackendError> {
         if let Some(b) = self.lock().maps.get(&peer).and_then(|m| m.get(handle)) {
             return Ok(b.clone());
         }
-        let buf = DeviceBuffer::open_ipc(&self.device, handle)
+        let buf = DeviceBuffer::open_ipc(&self.device, handle, bytes)
             .map_err(core.err(&format!("cuIpcOpenMemHandle (memory of rank {peer})")))?;
         let mut s = self.lock();
         let maps = s.maps.entry(peer).or_default();
@@ -441,7 +442,7 @@ impl PeerLink for IpcLink {
     }
 
     fn offer(&self, core: &DeviceCore, key: &Key, src: &DeviceBuffer) -> Result<(), BackendError> {
-        let (handle, offset) = src
+        let export = src
             .export_ipc()
             .map_err(core.err("cuIpcGetMemHandle (send region)"))?;
         let n = {
@@ -459,8 +460,9 @@ impl PeerLink for IpcLink {
                 key: key.clone(),
                 offer: OfferMsg {
                     n,
-                    handle,
-                    offset: offset as u64,
+                    handle: export.handle,
+                    allocation: export.allocation_bytes as u64,
+                    offset: export.offset as u64,
                     len: src.len() as u64,
                 },
             },
@@ -494,7 +496,13 @@ impl PeerLink for IpcLink {
             s.received.insert(from, msg.n);
             s.taken.insert(key.clone(), msg.n);
         }
-        let whole = self.mapped(core, from, &msg.handle)?;
+        let bytes = usize::try_from(msg.allocation).map_err(|_| {
+            BackendError::Invalid(format!(
+                "rank {}: {what}: rank {from} offers an allocation of {} bytes",
+                self.rank, msg.allocation
+            ))
+        })?;
+        let whole = self.mapped(core, from, &msg.handle, bytes)?;
         let region = usize::try_from(msg.offset)
             .ok()
             .zip(usize::try_from(msg.len).ok())

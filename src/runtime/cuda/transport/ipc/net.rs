@@ -5,7 +5,8 @@
 //!
 //! Frames (little endian): `len: u32` then `len` bytes: `kind: u8` and its fields:
 //! `HELLO from: u64` (first on every connection), `OFFER label, seq, from, to: u64, n: u32,
-//! handle: [u8; 64], offset, len: u64`, `DONE label, seq, from, to: u64, n: u32`, `BYE` (the
+//! handle: [u8; 64], allocation, offset, len: u64`, `DONE label, seq, from, to: u64, n: u32`,
+//! `BYE` (the
 //! sender is done with this connection; an end without it means the peer's process stopped).
 
 use std::collections::HashMap;
@@ -32,12 +33,13 @@ const READ_SLICE: Duration = Duration::from_millis(200);
 /// Host waits spin this many times (yielding the thread) before sleeping.
 const SPINS: usize = 2000;
 
-/// An offer received from a peer: the `n`-th transfer from it, in its allocation `handle` at
-/// `offset`, `len` bytes.
+/// An offer received from a peer: the `n`-th transfer from it, in its allocation `handle` (of
+/// `allocation` bytes) at `offset`, `len` bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) struct OfferMsg {
     pub n: u32,
     pub handle: IpcHandle,
+    pub allocation: u64,
     pub offset: u64,
     pub len: u64,
 }
@@ -75,6 +77,7 @@ impl Msg {
                 put_key(&mut body, key);
                 body.extend_from_slice(&offer.n.to_le_bytes());
                 body.extend_from_slice(&offer.handle.to_bytes());
+                put_u64(&mut body, offer.allocation);
                 put_u64(&mut body, offer.offset);
                 put_u64(&mut body, offer.len);
             }
@@ -131,6 +134,7 @@ impl Msg {
                 } else {
                     let handle = IpcHandle::from_bytes(take(IPC_HANDLE_BYTES)?)
                         .map_err(|e| e.to_string())?;
+                    let allocation = u64_of(take(8)?);
                     let offset = u64_of(take(8)?);
                     let len = u64_of(take(8)?);
                     Msg::Offer {
@@ -138,6 +142,7 @@ impl Msg {
                         offer: OfferMsg {
                             n,
                             handle,
+                            allocation,
                             offset,
                             len,
                         },
@@ -494,6 +499,7 @@ mod tests {
                 offer: OfferMsg {
                     n: 5,
                     handle,
+                    allocation: 1 << 34,
                     offset: 4096,
                     len: 1 << 33,
                 },
@@ -523,6 +529,7 @@ mod tests {
         let offer = OfferMsg {
             n: 1,
             handle,
+            allocation: 512,
             offset: 0,
             len: 8,
         };
