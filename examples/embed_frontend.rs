@@ -19,7 +19,7 @@ use std::process::ExitCode;
 
 use meshflow::ir::{DType, DeviceMesh, ParallelType::DIDx, Program, ProgramBuilder, TensorType};
 use meshflow::runtime::data::SplitMix64;
-use meshflow::{compile, Bindings, Compiled, CpuJob, Executor, Options, SimConfig, TensorData};
+use meshflow::{compile, Bindings, Compiled, CpuConfig, CpuJob, Executor, Options, TensorData};
 
 /// The front end's model: sizes, and the weights as it stores them (full, row-major f32).
 struct Mlp {
@@ -125,7 +125,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Runs every rank on the CPU backend, one thread and one executor each, on tensors this
 /// front end owns; returns each rank's `y`.
 fn run_cpu(mlp: &Mlp, compiled: &Compiled) -> Result<Vec<Vec<f32>>, meshflow::Error> {
-    let mut config = SimConfig::default();
+    let mut config = CpuConfig::default();
     config.kernels.register("bias_gelu", |ins, outs, _args| {
         let ([h, b], [y]) = (ins, outs) else {
             return Err("bias_gelu takes (h, b) -> y".into());
@@ -241,7 +241,7 @@ mod gpu {
     use meshflow::kernels::nccl::{Comm, NcclLib};
     use meshflow::kernels::{Device, DeviceBuffer, Stream};
     use meshflow::{
-        compile, Bindings, CudaConfig, CudaJob, CudaResources, CudaTensor, Executor, LaunchDims,
+        compile, Bindings, CudaConfig, CudaJob, CudaResources, CudaTensor, Executor, GridDims,
         Options,
     };
 
@@ -272,7 +272,7 @@ mod gpu {
             "bias_gelu",
             BIAS_GELU_PTX,
             "bias_gelu",
-            |_ins, outs, _args| LaunchDims::linear(outs[0].iter().product(), 256),
+            |_ins, outs, _args| GridDims::linear(outs[0].iter().product(), 256),
         );
         let job = CudaJob::for_program(&compiled, config);
         // The front end's own GPUs and communicators (one per rank, created together).

@@ -14,11 +14,17 @@
 # `python` runs the Python package's GPU tests (python/gpu/run.sh) from the wheel that
 # scripts/python-carry.sh packs into gpu/python/ (run it too, before carrying).
 #
-#   scripts/gpu-carry.sh            # needs ../shared/device/gpu-env.sh and
-#                                   # ../shared/bench/torch_baselines.py beside the checkout
+#   GPU_ENV=path/gpu-env.sh TORCH_BASELINES=path/torch_baselines.py scripts/gpu-carry.sh
+#
+# gpu-env.sh (library paths of the GPU machine) and torch_baselines.py (PyTorch's figures) are
+# kept outside this repository; both default to the machine's shared folder next to the
+# checkout.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
+shared="$(cd "$root/.." && pwd)/shared"
+gpu_env="${GPU_ENV:-$shared/device/gpu-env.sh}"
+torch_baselines="${TORCH_BASELINES:-$shared/bench/torch_baselines.py}"
 target="${CARGO_TARGET_DIR:-$root/target}"
 cargo build --release --features cuda
 cargo build --release --features cuda -p meshflow-kernels --example peer_bandwidth
@@ -27,25 +33,32 @@ cargo test --release --features cuda --workspace --no-run 2>&1 | tee /tmp/gpu-ca
 dest="$root/gpu/suite"
 rm -rf "$dest"
 mkdir -p "$dest/bin"
+# The test build above rebuilt the binary with the test hooks (feature `fault-injection`,
+# `MESHFLOW_FAULT_EXIT`) that the multi-process fault tests need; it is the one carried.
 cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$dest/bin/"
-for t in gpu_comm gpu_determinism gpu_errors gpu_examples gpu_faults gpu_ipc gpu_multiprocess \
-         gpu_overlap gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe; do
-  f="$(grep -oE "\(.*/deps/$t-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
-  [ -n "$f" ] && cp "$f" "$dest/bin/$t"
-done
-# The kernels crate's own GPU tests (kernels/tests/gpu.rs).
-f="$(grep -oE "\(.*/deps/gpu-[0-9a-f]+\)" /tmp/gpu-carry-build.log | tr -d '()' | tail -1)"
-[ -n "$f" ] && cp "$f" "$dest/bin/kernels_gpu"
+# The GPU test binaries, by source (cargo names two of them `gpu`): the root crate's
+# (tests/gpu/), the binary's (cli/tests/cli_gpu/), the benchmarks' (bench/tests/bench_gpu/), and
+# the kernels crate's (kernels/tests/gpu.rs as kernels_gpu, gpu_moe.rs).
+pick() { # SOURCE NAME
+  local f
+  f="$(grep -F " $1 (" /tmp/gpu-carry-build.log | grep -oE "\(.*/deps/[^)]+\)" | tr -d '()' | tail -1)"
+  [ -n "$f" ] && cp "$f" "$dest/bin/$2"
+}
+pick tests/gpu/main.rs gpu
+pick tests/cli_gpu/main.rs cli_gpu
+pick tests/bench_gpu/main.rs bench_gpu
+pick tests/gpu.rs kernels_gpu
+pick tests/gpu_moe.rs gpu_moe
 # The root crate's unit tests: each GPU transport alone (src/runtime/cuda/transport/tests.rs).
 f="$(grep "unittests src/lib.rs" /tmp/gpu-carry-build.log | grep -oE "\(.*/deps/meshflow-[0-9a-f]+\)" |
   tr -d '()' | tail -1)"
 [ -n "$f" ] && cp "$f" "$dest/bin/meshflow_lib"
 strip "$dest"/bin/* 2>/dev/null || true
-cp "$root/../shared/device/gpu-env.sh" "$dest/"
+cp "$gpu_env" "$dest/gpu-env.sh"
 # Where the tests look for examples/ (their build root) and for the meshflow binary.
 echo "$root" > "$dest/built-root"
 echo "$target/release/meshflow" > "$dest/built-exe"
-cp "$root/../shared/bench/torch_baselines.py" "$dest/"
+cp "$torch_baselines" "$dest/torch_baselines.py"
 cat > "$dest/run.sh" <<'RUN'
 #!/usr/bin/env bash
 # Runs the carried GPU tests and/or benchmarks (see scripts/gpu-carry.sh).
@@ -64,13 +77,18 @@ n="$(nvidia-smi -L | wc -l)"
 log() { echo "=== $* ($(date +%T))"; }
 step() { local t=$1; shift; log "$*"; timeout "$t" "$@"; echo "rc=$? for $*"; }
 tests() {
-  for t in kernels_gpu gpu_comm gpu_determinism gpu_errors gpu_examples gpu_ipc gpu_multiprocess \
-           gpu_programs gpu_proxy gpu_transport embed_gpu gpu_moe gpu_overlap; do
+  [ -x "$B/kernels_gpu" ] && step 300 "$B/kernels_gpu" --test-threads 1 --nocapture
+  # Every GPU test of the root crate but the fault matrix and the multi-process CUDA IPC
+  # tests, then those, each fault case in a process of its own.
+  [ -x "$B/gpu" ] && step 600 "$B/gpu" --skip faults:: --skip ipc:: --test-threads 1 --nocapture
+  # The ranks in processes of their own (CUDA IPC): copy engine and NVLink MoE.
+  [ -x "$B/gpu" ] && step 400 "$B/gpu" ipc:: --test-threads 1 --nocapture
+  for t in cli_gpu gpu_moe bench_gpu; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done
   [ -x "$B/meshflow_lib" ] && step 300 "$B/meshflow_lib" runtime::cuda --test-threads 1 --nocapture
   for t in gpu_faults_mid_collective gpu_faults_mid_collective_permute gpu_faults_mid_moe_dispatch; do
-    step 300 "$B/gpu_faults" "$t" --exact --test-threads 1 --nocapture
+    step 300 "$B/gpu" "faults::$t" --exact --test-threads 1 --nocapture
   done
 }
 bench() {

@@ -2,20 +2,20 @@
 # Produces the tables of docs/hardening.md: fuzzing, fault injection, memory, determinism,
 # the mutation corpus, bad inputs and the race checker's run time.
 #
-#   scripts/hardening.sh                 # CPU (sim) rows; fuzzing 60 s per target
+#   scripts/hardening.sh                 # CPU rows; fuzzing 60 s per target
 #   FUZZ_SECONDS=300 scripts/hardening.sh
 #   NO_FUZZ=1 scripts/hardening.sh       # skip fuzzing (needs cargo-fuzz otherwise)
 #   scripts/hardening.sh --gpu           # also the GPU rows (needs GPUs and the CUDA libraries)
 #
 # Every row comes from a test or the fuzz script; the tests assert what the rows say:
 #   fuzz/run.sh SECONDS                                   fuzzing rows
-#   cargo test --release --test runtime_fault_matrix      fault rows (sim)
-#   cargo test --release --test runtime_resources         memory rows (sim)
-#   cargo test --release --test runtime_determinism       determinism rows (sim)
-#   cargo test --release --test check_mutations           mutations rejected / total
-#   cargo test --release --test bad_inputs                bad inputs tried, panics
-#   cargo test --release --test runtime_race -- --ignored race_check_timings   race-check time
-#   cargo test --release --features cuda --test gpu_faults --test gpu_determinism   GPU rows
+#   cargo test --release --test hardening fault_matrix    fault rows (CPU)
+#   cargo test --release --test hardening resources       memory rows (CPU)
+#   cargo test --release --test hardening determinism     determinism rows (CPU)
+#   cargo test --release --test check mutations           mutations rejected / total
+#   cargo test --release --test check bad_inputs          bad inputs tried, panics
+#   cargo test --release --test runtime -- --ignored race_check_timings   race-check time
+#   cargo test --release --features cuda --test gpu -- faults:: determinism::   GPU rows
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -36,10 +36,10 @@ else
 fi
 echo
 
-run_tests() { # cargo test args...; collects HARDENING rows
+run_tests() { # cargo test args... [-- test filters]; collects HARDENING rows
   local log
   log="$(mktemp)"
-  if ! cargo test --release "$@" -- --nocapture --test-threads=1 >"$log" 2>&1; then
+  if ! cargo test --release "$@" --nocapture --test-threads=1 >"$log" 2>&1; then
     echo "FAILED: cargo test --release $*" >&2
     grep -E "panicked|FAILED|error" "$log" | head -20 >&2
     status=1
@@ -47,10 +47,10 @@ run_tests() { # cargo test args...; collects HARDENING rows
   grep -o 'HARDENING|.*' "$log" >>"$rows"
   rm -f "$log"
 }
-run_tests --test runtime_fault_matrix --test runtime_resources --test runtime_determinism \
-  --test check_mutations --test bad_inputs
+run_tests --test hardening --
+run_tests --test check -- mutations:: bad_inputs::
 timing_log="$(mktemp)"
-if ! cargo test --release --test runtime_race -- --ignored --nocapture race_check_timings \
+if ! cargo test --release --test runtime -- --ignored --nocapture race_check_timings \
   >"$timing_log" 2>&1; then
   echo "FAILED: race_check_timings" >&2
   status=1
@@ -58,9 +58,9 @@ fi
 grep -o 'HARDENING|.*' "$timing_log" >>"$rows"
 rm -f "$timing_log"
 if [ "$gpu" = 1 ]; then
-  run_tests --features cuda --test gpu_faults --test gpu_determinism
+  run_tests --features cuda --test gpu -- faults:: determinism::
 fi
-gpu_cmd='cargo test --release --features cuda --test gpu_faults --test gpu_determinism -- --nocapture --test-threads=1'
+gpu_cmd='cargo test --release --features cuda --test gpu -- --nocapture --test-threads=1 faults:: determinism::'
 
 table() { # name header separator [gpu placeholder]
   local name="$1"
@@ -80,7 +80,7 @@ table faults "| backend | operation | ranks | fault | every rank stopped after |
   "|---|---|---|---|---|---|---|"
 echo "## Memory (reused evaluator: after 10 steps / after 1000 steps)"
 echo
-table memory "| backend | example | ranks | VmRSS | VmHWM | sim buffers live | open fds |" \
+table memory "| backend | example | ranks | VmRSS | VmHWM | CPU buffers live | open fds |" \
   "|---|---|---|---|---|---|---|"
 echo "## Determinism"
 echo

@@ -16,7 +16,7 @@
 //!
 //! ```
 //! use meshflow::ir::{DType, DeviceMesh, ParallelType::DIDx, ProgramBuilder, TensorType};
-//! use meshflow::{compile, Bindings, CpuJob, Executor, Options, SimConfig, TensorData};
+//! use meshflow::{compile, Bindings, CpuJob, Executor, Options, CpuConfig, TensorData};
 //!
 //! fn main() -> Result<(), meshflow::Error> {
 //!     // 1. Build: y = double(x), x split by rows over ranks 0 and 1.
@@ -36,7 +36,7 @@
 //!     assert_eq!(reloaded.host(), compiled.host());
 //!
 //!     // 3. Register the kernel: local input chunks, output chunks written in place, args.
-//!     let mut config = SimConfig::default();
+//!     let mut config = CpuConfig::default();
 //!     config.kernels.register("double", |ins, outs, _args| {
 //!         let x = ins[0].to_f32();
 //!         let y: Vec<f32> = x.iter().map(|v| 2.0 * v).collect();
@@ -84,22 +84,22 @@ pub use meshflow_ir as ir;
 pub use meshflow_kernels as kernels;
 pub use meshflow_passes as passes;
 
-pub mod bench;
 pub mod check;
 pub mod embed;
+pub mod error;
+pub mod front;
 pub mod launch;
 pub mod ordering;
 pub mod pipeline;
 pub mod runtime;
 
-pub use embed::{
-    compile, parse, Bind, Bindings, Compiled, CpuJob, CpuTensor, Error, Executor, Options,
-    TensorInfo,
-};
+pub use embed::{Bind, Bindings, CpuJob, CpuTensor, Executor};
 #[cfg(feature = "cuda")]
 pub use embed::{
-    CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, LaunchDims,
+    CudaBackend, CudaConfig, CudaJob, CudaKernels, CudaResources, CudaTensor, GridDims,
 };
+pub use error::Error;
+pub use front::{compile, format_of, load, parse, Compiled, Format, Options, TensorInfo};
 pub use meshflow_passes::{CostModel, Decomposition, Plan, Profile, Transport};
-pub use runtime::sim::SimKernels;
-pub use runtime::{SimBackend, SimConfig, TensorData};
+pub use runtime::cpu::CpuKernels;
+pub use runtime::{CpuBackend, CpuConfig, TensorData};

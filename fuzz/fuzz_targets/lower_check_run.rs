@@ -1,7 +1,7 @@
 //! The whole pipeline on fuzzed level-1 text: parse -> verify -> lower
-//! (`meshflow::pipeline::compile`, verifying after every pass) -> cross-rank check
+//! (`meshflow::compile`, verifying after every pass) -> cross-rank check
 //! (`meshflow::check::check_program`) -> for small programs (at most 8 ranks, small tensors) a
-//! sim run against the level-1 reference with a short receive timeout.
+//! CPU run against the level-1 reference with a short receive timeout.
 //!
 //! Every stage may reject its input with an error; none may panic, overflow its stack, hang or
 //! allocate absurdly. A program the cross-rank check accepts must not deadlock, so the run uses
@@ -13,14 +13,14 @@ use std::time::Duration;
 use libfuzzer_sys::fuzz_target;
 use meshflow::check::check_program;
 use meshflow::ir::{parse_program, verify_program, Program};
-use meshflow::pipeline::{compile, CompileOptions};
+use meshflow::{compile, Options};
 use meshflow::runtime::compare::run_and_compare;
-use meshflow::runtime::{SimConfig, SimOptions};
+use meshflow::runtime::{CpuConfig, CpuOptions};
 
 /// Largest world size that is checked across ranks: the check is linear in the world size
-/// (`tests/check_programs.rs` checks a million ranks), but a fuzzer iteration must stay short.
+/// (`tests/check/programs.rs` checks a million ranks), but a fuzzer iteration must stay short.
 const MAX_CHECK_RANKS: usize = 1 << 16;
-/// Largest world size that is run on the sim backend.
+/// Largest world size that is run on the CPU backend.
 const MAX_RUN_RANKS: usize = 8;
 /// Largest total element count of the level-1 tensors of a program that is run.
 const MAX_RUN_ELEMENTS: u64 = 1 << 16;
@@ -46,18 +46,15 @@ fuzz_target!(|data: &[u8]| {
     if verify_program(&program).is_err() {
         return;
     }
-    let options = CompileOptions {
-        verify: true,
-        ..CompileOptions::default()
-    };
+    let options = Options::new().check(false).verify_each_pass(true);
     let Ok(compiled) = compile(&program, &options) else {
         return;
     };
-    let world = compiled.host.world_size();
+    let world = compiled.host().world_size();
     if world > MAX_CHECK_RANKS {
         return;
     }
-    if check_program(&compiled.host, world).is_err() {
+    if check_program(compiled.host(), world).is_err() {
         return;
     }
     if world == 0 || world > MAX_RUN_RANKS {
@@ -66,14 +63,14 @@ fuzz_target!(|data: &[u8]| {
     if total_elements(&program).is_none_or(|n| n > MAX_RUN_ELEMENTS) {
         return;
     }
-    let sim = SimOptions {
+    let cpu = CpuOptions {
         ranks: None,
-        config: SimConfig {
+        config: CpuConfig {
             timeout: Duration::from_millis(200),
             memory_limit: Some(64 << 20),
-            ..SimConfig::default()
+            ..CpuConfig::default()
         },
         trace: false,
     };
-    let _ = run_and_compare(&program, &compiled.host, world, 7, &sim);
+    let _ = run_and_compare(&program, compiled.host(), world, 7, &cpu);
 });

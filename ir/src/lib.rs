@@ -26,15 +26,30 @@
 //! loop domain (see [`program::schedule`]): `outer_split(a, p)` turns axis `a` of extent `E`
 //! into `[p, E/p]`, `inner_split(a, f)` into `[E/f, f]`, `merge(a)` joins `a` and `a+1`,
 //! `reorder(...)` permutes, `parallelize(a, pt)` marks an axis `DIDx/DIDy/DIDz/Stream/Serial`
-//! and `swizzle1d(a, pt)` swizzles a Stream axis. Splits must divide their extent. A
-//! tensor with no schedule is *unannotated* (sharding propagation fills it in); an explicit
-//! empty schedule `{}` means replicated on the mesh and is never changed.
+//! and `swizzle1d(a, pt)` swizzles a Stream axis. A tensor with no schedule is *unannotated*
+//! (sharding propagation fills it in); an explicit empty schedule `{}` means replicated on
+//! the mesh and is never changed.
 //!
 //! - **Device splits.** A loop axis parallelized `DIDx` with extent `p` (equal to the mesh
 //!   extent along `DIDx`) means device `j` of each `DIDx` team holds chunk `j` of the `p`
 //!   chunks of that logical axis. Devices of a team hold disjoint chunks; devices that differ
 //!   only along other mesh axes hold the same data (replication). A device split on a
 //!   **reduction** axis means each device holds a *partial sum* over its chunk.
+//! - **Several splits of one axis.** One logical axis may be split several times, each piece
+//!   on its own parallel type, as a *chain*: every split cuts the inner piece of the previous
+//!   one, and a device's piece is found level by level. On a mesh `iota(dy, dx)`,
+//!   `{outer_split(0, dy), parallelize(0, DIDy), outer_split(1, dx), parallelize(1, DIDx)}`
+//!   gives device `(y, x)` block `y * dx + x` of the rows (DTensor's `[Shard(0), Shard(0)]`);
+//!   the other order, DIDx outer, is FSDP2 + TP's `[_StridedShard(0, dx), Shard(0)]`; a
+//!   `Stream` split outside a device split (`[Stream, DIDx]`) splits every stream chunk over
+//!   the devices (collective-based pipelining).
+//! - **Uneven splits.** An `outer_split` need not divide: pieces follow the chunk rule
+//!   (`torch.chunk`, DTensor's `Shard`): `ceil(E/p)` elements each, trailing pieces shorter or
+//!   empty (10 rows over 4 devices: `3, 3, 3, 1`), applied level by level to the actual
+//!   extent of each piece (18 rows over `iota(4, 2)` with `[DIDy, DIDx]`:
+//!   `3, 2, 3, 2, 3, 2, 2, 1`). Every device's buffer has the same, *padded* local shape (the
+//!   largest piece); its piece is a prefix of it (see the host IR's `narrow`). An
+//!   `inner_split` must divide.
 //! - **Stream splits.** A loop axis parallelized `Stream` with extent `s` is a **host for-loop
 //!   over `s` chunks** of that axis: iteration `i` computes (or communicates) chunk `i` only.
 //!   Consecutive ops that share the same Stream split run in one loop, so communication of
@@ -51,7 +66,7 @@
 //!
 //! The meaning of a level-1 program is the unsharded computation: every op is defined on
 //! logical tensors. An embedder's own op, `custom(inputs.., kernel="NAME", args=[..])`, is
-//! computed by the kernel it registers with the backend and lowers to `launch_kernel` (see
+//! computed by the kernel it registers with the backend and lowers to `call_kernel` (see
 //! [`CustomOp`] for its contract). A `set` whose input and output are sharded differently is a
 //! **resharding**, lowered to a communication. `moe_dispatch` / `moe_combine` route tokens to
 //! experts and back over an expert-parallel team; the [`moe`] module states their semantics
@@ -110,8 +125,8 @@
 //! A host program declares meshes and tensors with **local** (per-device) shapes and has a
 //! structured body: [`InstKind::ForLoop`] nests blocks; everything else is a straight-line
 //! instruction. One program serves every rank: scalar [`Expr`]essions (constants, loop
-//! indices, `my(mesh, pt)`, `rank`, `+ - * / %` with Euclidean `/` and `%`) are pure and
-//! evaluated per rank and per iteration. A tensor exists only on the devices of its mesh; an
+//! indices, `my(mesh, pt)`, `rank`, `+ - * / %` with Euclidean `/` and `%`, `min(a, b)`,
+//! `max(a, b)`) are pure and evaluated per rank and per iteration. A tensor exists only on the devices of its mesh; an
 //! instruction whose tensors a rank does not hold is skipped on that rank, and a
 //! communication involves exactly the ranks of its team.
 //!
@@ -132,7 +147,13 @@
 //! **Buffers and views.** `allocate t` creates `t`'s buffer (contents undefined);
 //! `deallocate t` releases it after the work already enqueued on it. `v =
 //! shard_by_stream(t, axis=a, chunks=s, index=e)` makes `v` a view of chunk `e` of `t` along
-//! `a`; writes through a view land in `t`.
+//! `a` (`s` equal chunks); `v = narrow(t, axis=a, start=e1, length=e2)` a view of elements
+//! `[e1, e1 + e2)` along `a`, both evaluated per rank and iteration: the valid part of a padded
+//! buffer (`min(3, 10 - 3 * my(m, DIDx))` rows of an uneven shard) or a member's slot of a
+//! padded collective buffer. A `narrow` view's declared extent along `a` is its capacity (the
+//! longest piece); its actual extent is the length on that rank. Writes through a view land in
+//! `t`. Collectives move whole padded buffers (NCCL has no v-collectives); compute ops read
+//! and write `narrow` views, so kernels see only valid elements and padding is never data.
 //!
 //! ## Text format
 //!

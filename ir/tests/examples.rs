@@ -50,6 +50,15 @@ fn examples_with_other_rank_counts() {
         ),
         ("column_parallel_linear_ring", [d(1), d(2), d(3), d(8)]),
         (
+            "fsdp_tp_weight",
+            [
+                Err((13, 17, "mesh `m`: iota(0, 2) has no devices (dp = 0)")),
+                d(2),
+                d(2),
+                d(8),
+            ],
+        ),
+        (
             "mlp_2d_mesh",
             [
                 Err((8, 17, "mesh `m`: iota(0, 2) has no devices (dp = 0)")),
@@ -151,4 +160,17 @@ fn text_round_trips_through_from_str() {
             Ok(&p)
         );
     }
+}
+
+#[test]
+fn the_earlier_spelling_launch_kernel_still_parses() {
+    let (_, text) = host_examples()
+        .into_iter()
+        .find(|(name, _)| name.contains("compute_and_kernels"))
+        .expect("the kernels example");
+    let old = text.replace("call_kernel(", "launch_kernel(");
+    assert_ne!(old, text);
+    let program = parse_host(&old).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(program, parse_host(&text).expect("parses"));
+    assert!(program.to_string().contains("call_kernel("));
 }

@@ -332,7 +332,7 @@ const HOST_WORDS: &[&str] = &[
     "moe_combine",
     "linear",
     "perm",
-    "launch_kernel",
+    "call_kernel",
     "kernel",
     "\"k\\n\"",
     "args",

@@ -212,7 +212,7 @@ fn long_tokens_are_not_echoed_whole() {
     let shown = parse_host(&host).expect_err("too long").to_string();
     assert!(shown.len() < 300, "{}", shown.len());
     let kernel = host_text(&[&format!(
-        "launch_kernel(x -> y, kernel=\"{}\", args=[])",
+        "call_kernel(x -> y, kernel=\"{}\", args=[])",
         "k".repeat(1 << 20)
     )]);
     let shown = parse_host(&kernel).expect_err("too long").to_string();
@@ -346,13 +346,13 @@ fn host_variables_of_the_wrong_form() {
 
 #[test]
 fn host_strings_and_structure() {
-    let text = host(&["launch_kernel(x -> y, kernel=\"abc)"]);
-    assert_error(host_error(&text), 5, 32, "unterminated string literal");
-    let text = host(&["launch_kernel(x -> y, kernel=\"a\\qb\")"]);
+    let text = host(&["call_kernel(x -> y, kernel=\"abc)"]);
+    assert_error(host_error(&text), 5, 30, "unterminated string literal");
+    let text = host(&["call_kernel(x -> y, kernel=\"a\\qb\")"]);
     assert_error(
         host_error(&text),
         5,
-        34,
+        32,
         "unknown escape `\\q` in string literal",
     );
     let text = host(&["for i0 in 0..2 {", "  tensor t: f32[4] on m0", "}"]);

@@ -211,6 +211,8 @@ fn expr(nm: usize) -> impl Strategy<Value = Expr> {
             BinOp::Mul,
             BinOp::Div,
             BinOp::Mod,
+            BinOp::Min,
+            BinOp::Max,
         ]);
         (op, inner.clone(), inner).prop_map(|(op, a, b)| Expr::Bin(op, Box::new(a), Box::new(b)))
     })
@@ -286,6 +288,15 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
                 index
             }
         ),
+        (t(), t(), small_or_any_usize(), expr(nm), expr(nm)).prop_map(
+            |(out, input, axis, start, length)| InstKind::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length
+            }
+        ),
         (
             comm(),
             select(CommKind::ALL.to_vec()),
@@ -356,7 +367,7 @@ fn simple_inst(nm: usize, nt: usize) -> BoxedStrategy<InstKind> {
             }
         }),
         (any::<String>(), ts(3), ts(3), vec(expr(nm), 0..3)).prop_map(
-            |(kernel, inputs, outputs, args)| InstKind::LaunchKernel {
+            |(kernel, inputs, outputs, args)| InstKind::CallKernel {
                 kernel,
                 inputs,
                 outputs,

@@ -597,6 +597,42 @@ fn every_error_is_reported() {
     assert_eq!(diags.len(), 6, "{diags:#?}");
 }
 
+#[test]
+fn narrow_view_shape_and_bounds() {
+    // A narrow keeps every other extent; its capacity lies within the viewed extent.
+    let text = host(&[
+        "allocate t",
+        "v = narrow(t, axis=1, start=0, length=2)",
+        "deallocate t",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "view `v` has shape [2, 4] but a narrowing of `t` (shape [8, 4]) along axis 1 keeps every other extent",
+        9,
+        3,
+    );
+    let text = host(&[
+        "allocate t",
+        "v = narrow(t, axis=0, start=7, length=2)",
+        "deallocate t",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "elements [7, 7 + 2) along axis 0 do not fit `t` (extent 8)",
+        9,
+        3,
+    );
+    // Per-rank bounds are fine: they are checked across ranks and at run time.
+    let ok = host(&[
+        "allocate t",
+        "v = narrow(t, axis=0, start=0, length=min(2, 8 - 2 * my(m0, DIDx)))",
+        "copy(v -> v)",
+        "deallocate t",
+    ]);
+    let program = meshflow_ir::parse_host(&ok).expect("parses");
+    assert!(meshflow_ir::verify_host(&program).is_ok(), "{ok}");
+}
+
 /// Regression: top-k routing to more experts than the team holds was caught only when the
 /// program ran.
 #[test]

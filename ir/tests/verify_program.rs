@@ -170,10 +170,11 @@ fn an_input_may_hold_partial_sums() {
 
 #[test]
 fn schedule_does_not_replay() {
-    let text = program_text(&[MESH, "input x: f32[64, 32] on m0 {outer_split(0, 3)}"]);
+    // An outer split cuts unevenly by the chunk rule; an inner split must divide.
+    let text = program_text(&[MESH, "input x: f32[64, 32] on m0 {inner_split(0, 3)}"]);
     expect_diag(
         &program_errors(&text),
-        "schedule of `x`: transform #0 `outer_split(0, 3)`: extent 64 is not divisible by 3",
+        "schedule of `x`: transform #0 `inner_split(0, 3)`: extent 64 is not divisible by 3",
         3,
         3,
     );
@@ -344,7 +345,7 @@ fn output_listed_twice() {
 fn every_error_is_reported() {
     let text = program_text(&[
         MESH,
-        "input x: f32[64, r32] on m0 {outer_split(0, 3)}",
+        "input x: f32[64, r32] on m0 {inner_split(0, 3)}",
         "tensor a: f32[64, 32] on m0",
         "tensor unused: f32[4] on m0",
         "a = gelu(x)",

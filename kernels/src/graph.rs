@@ -1,5 +1,5 @@
 //! CUDA graphs: record the device work issued to a stream (and the streams forked from it
-//! through events) once, then replay it with one launch.
+//! through events) once, then replay it with one call.
 
 use std::fmt;
 
@@ -9,7 +9,7 @@ use crate::device::{drv, Device};
 use crate::error::Result;
 use crate::stream::Stream;
 
-/// An instantiated graph of one device, replayed with [`Graph::launch`]. Destroyed on drop
+/// An instantiated graph of one device, replayed with [`Graph::replay`]. Destroyed on drop
 /// (after the device work of its launches, which the caller must have waited for).
 pub struct Graph {
     graph: sys::CUgraph,
@@ -60,7 +60,7 @@ impl Stream {
 
 impl Graph {
     /// Enqueues one replay of the graph on `stream` (of the graph's device).
-    pub fn launch(&self, stream: &Stream) -> Result<()> {
+    pub fn replay(&self, stream: &Stream) -> Result<()> {
         stream.expect_device(&self.device, "a graph launch")?;
         let s = stream.bind_raw()?;
         // SAFETY: a live executable graph and a live stream of the same context.

@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use meshflow_kernels::fp8::Fp8Scales;
 use meshflow_kernels::moe::{
-    bench_moe, format_bench_table, reference_combine, round_to, BenchCase, CombineRequest,
-    DispatchRequest, MoeShape, MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
+    reference_combine, round_to, CombineRequest, DispatchRequest, MoeShape, MoeStatus,
+    MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
 };
 use meshflow_kernels::{BinaryOp, DType, Device, DeviceBuffer, Stream};
 use moe_common::*;
@@ -563,7 +563,7 @@ fn graph_rank(
             break;
         }
         if let Some(g) = &graph {
-            g.launch(&stream).unwrap();
+            g.replay(&stream).unwrap();
         }
         stream.synchronize().unwrap();
         let out = download_floats(&stream, &bufs.out, s.dtype);
@@ -750,31 +750,5 @@ fn ipc_child_rank() {
     assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 
-// ---- latency ---------------------------------------------------------------------------------
-
-/// Dispatch / combine latency at T = 128 and 4096 tokens per rank (H = 7168, K = 8, E = 256,
-/// bf16 and FP8 dispatch) on every visible GPU (at most 8), both transports. Run with
-/// `--ignored`.
-#[test]
-#[ignore = "benchmark: run explicitly"]
-fn moe_latency_table() {
-    let Some(n) = device_count() else { return };
-    let devs: Vec<Device> = (0..n.min(8)).map(|i| Device::new(i).unwrap()).collect();
-    println!("MoE latency on {} x {}", devs.len(), devs[0].name());
-    let mut all = Vec::new();
-    for tokens in [128, 4096] {
-        for wire in [MoeWire::Native, FP8_BLOCK] {
-            let case = BenchCase {
-                wire,
-                ..BenchCase::deepseek(tokens)
-            };
-            all.push(bench_moe(&devs, &case, NvlinkMoe::team_with_wire).unwrap());
-            all.push(bench_moe(&devs, &case, NcclMoe::team_with_wire).unwrap());
-        }
-    }
-    println!("{}", format_bench_table(&all));
-    assert!(
-        all.iter().all(|r| r.status_ok),
-        "a bench run flagged overflow or a timeout"
-    );
-}
+// The dispatch/combine latency table is a benchmark: `meshflow bench moe` and
+// `bench/tests/bench_gpu/moe_latency.rs`.

@@ -24,7 +24,7 @@
 
 use meshflow_ir::DType;
 
-use crate::manager::{Decomposition, StreamSchedule};
+use crate::options::{Decomposition, StreamSchedule};
 use crate::plan::Plan;
 use crate::profile::{Collective, Profile};
 

@@ -11,8 +11,8 @@
 //! | partial sums -> split on `b` | [`Decision::ReduceScatter`] |
 //! | partial sums with a Stream split on `a` and `swizzle1d(pt)` -> split on `a` | [`Decision::ReduceRing`] (a ring of running sums) |
 //! | partial sums with a Stream split on `a`, no swizzle -> split on `a` | [`Decision::StreamReduce`] (root = loop index) |
-//! | same splits, other mesh of the same shape | [`Decision::SendRecv`] (one per device pair) |
-//! | replicated -> replicated, other mesh | [`Decision::Broadcast`] |
+//! | replicated -> replicated, other mesh | [`Decision::Broadcast`] (to the target mesh) |
+//! | same splits, other mesh of the same shape | [`Decision::SendRecv`] (one per device pair; a device that keeps its shard copies it) |
 //! | split on a 1-D mesh -> replicated on devices of that mesh | [`Decision::Gather`] |
 //! | replicated -> split on a 1-D mesh sharing a device | [`Decision::Scatter`] |
 //!
@@ -35,12 +35,14 @@ use crate::resharding;
 /// Where a tensor's data lies along one device parallel type, in value-axis terms.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum Placement {
-    /// Split on value axis `axis` into `parts`.
+    /// Split on value axis `axis` into `parts`, at position `depth` of the axis' chain.
     Split {
         /// Value axis.
         axis: usize,
         /// Parts.
         parts: u64,
+        /// Position in the axis' chain of splits (0 = outermost).
+        depth: usize,
     },
     /// Each device holds a partial sum (a split reduction axis).
     Partial,
@@ -56,12 +58,22 @@ pub fn placements(sh: &Sharding) -> BTreeMap<ParallelType, Placement> {
                 Some(axis) => Placement::Split {
                     axis,
                     parts: s.parts,
+                    depth: s.depth,
                 },
                 None => Placement::Partial,
             };
             (pt, p)
         })
         .collect()
+}
+
+/// `split on axis 1`, `partial sums` or `replicated`.
+fn describe(p: Option<Placement>) -> String {
+    match p {
+        Some(Placement::Split { axis, .. }) => format!("a split of axis {axis}"),
+        Some(Placement::Partial) => "partial sums".into(),
+        None => "replicated".into(),
+    }
 }
 
 /// One row of the decision table (see the module docs).
@@ -198,11 +210,11 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
                 .flatten()
         };
         let no_partial = !pv.values().any(|p| *p == Placement::Partial);
-        if pv == cv && no_partial && pm.shape() == cm.shape() {
-            return Decision::SendRecv;
-        }
         if pv.is_empty() && cv.is_empty() {
             return Decision::Broadcast;
+        }
+        if pv == cv && no_partial && pm.shape() == cm.shape() {
+            return Decision::SendRecv;
         }
         // Rooted collectives need the root to hold the send buffer (gather, reduce: every
         // receiver is in the sender mesh) or one sender in the receiving mesh (scatter).
@@ -237,6 +249,26 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
         ));
     }
     let team = pm.size_of(pt).unwrap_or(1) as u64;
+    // One step changes the innermost split of a chain: a split with others inside it cuts
+    // pieces they cut again, so it can be neither gathered nor added alone.
+    let inner = |sh: &Sharding, what: &str| -> Option<String> {
+        let Some(Placement::Split { axis, depth, .. }) = placements(sh).get(&pt).copied() else {
+            return None;
+        };
+        // Splits inside this one over teams of one device cut nothing.
+        let inside = placements(sh).iter().any(|(&q, p)| {
+            matches!(*p, Placement::Split { axis: a, depth: d, parts } if a == axis && d > depth && parts > 1 && q != pt)
+        });
+        inside.then(|| {
+            format!(
+                "the {what}'s {pt} split is not the innermost split of its axis (the splits \
+                 inside it must change first)"
+            )
+        })
+    };
+    if let Some(why) = inner(p, "producer").or_else(|| inner(c, "consumer")) {
+        return Decision::Unsupported(why);
+    }
     match (pv.get(&pt).copied(), cv.get(&pt).copied()) {
         (Some(Placement::Split { axis, .. }), None) if r.stream => {
             let Some(cs) = c.stream() else {
@@ -286,11 +318,14 @@ pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> D
         {
             Decision::AllToAll { pt, from, to }
         }
-        (_, Some(Placement::Partial)) => {
-            Decision::Unsupported(format!("the consumer holds partial sums along {pt}"))
-        }
+        (_, Some(Placement::Partial)) => Decision::Unsupported(format!(
+            "the consumer holds partial sums along {pt} but the producer does not: nothing \
+             creates partial sums (Replicate -> Partial is refused, as in DTensor)"
+        )),
         (p, c) => Decision::Unsupported(format!(
-            "no communication turns {p:?} into {c:?} along {pt}"
+            "no communication turns {} into {} along {pt}",
+            describe(p),
+            describe(c)
         )),
     }
 }

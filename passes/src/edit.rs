@@ -59,8 +59,8 @@ pub fn spec_from_placements(placements: &BTreeMap<ParallelType, Placement>) -> O
     let mut spec = Spec::default();
     for (&pt, p) in placements {
         match *p {
-            Placement::Split { axis, parts } => {
-                spec.device.insert(pt, AxisSplit { axis, parts });
+            Placement::Split { axis, parts, depth } => {
+                spec.device.insert(pt, AxisSplit { axis, parts, depth });
             }
             Placement::Partial => return None,
         }

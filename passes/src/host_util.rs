@@ -24,7 +24,9 @@ pub fn walk_paths(block: &Block, f: &mut impl FnMut(&Inst, &[usize])) {
 pub fn view_inputs(host: &HostProgram) -> HashMap<HostTensorId, HostTensorId> {
     let mut out = HashMap::new();
     host.walk(&mut |inst, _| {
-        if let InstKind::ShardByStream { out: v, input, .. } = &inst.kind {
+        if let InstKind::ShardByStream { out: v, input, .. }
+        | InstKind::Narrow { out: v, input, .. } = &inst.kind
+        {
             out.insert(*v, *input);
         }
     });
@@ -47,8 +49,25 @@ pub fn base_of(views: &HashMap<HostTensorId, HostTensorId>, mut t: HostTensorId)
 /// Per communication label: the tensors it reads and the tensors it writes.
 pub fn comm_io(host: &HostProgram) -> HashMap<CommId, (Vec<HostTensorId>, Vec<HostTensorId>)> {
     let mut out: HashMap<CommId, (Vec<HostTensorId>, Vec<HostTensorId>)> = HashMap::new();
+    // The tensors of the coalescing group being walked: its `end_coalescing` label covers them.
+    let mut group: Option<(Vec<HostTensorId>, Vec<HostTensorId>)> = None;
     host.walk(&mut |inst, _| {
+        match &inst.kind {
+            InstKind::StartCoalescing => group = Some(Default::default()),
+            InstKind::EndCoalescing { id } => {
+                if let Some((r, w)) = group.take() {
+                    let e = out.entry(*id).or_default();
+                    e.0.extend(r);
+                    e.1.extend(w);
+                }
+            }
+            _ => {}
+        }
         if inst.kind.is_communication() {
+            if let Some(g) = &mut group {
+                g.0.extend(inst.kind.reads());
+                g.1.extend(inst.kind.writes());
+            }
             if let Some(id) = inst.kind.comm_id() {
                 let e = out.entry(id).or_default();
                 e.0.extend(inst.kind.reads());
@@ -69,7 +88,7 @@ pub fn map_tensors(kind: &mut InstKind, f: &mut impl FnMut(HostTensorId) -> Host
                 map_tensors(&mut inst.kind, f);
             }
         }
-        InstKind::ShardByStream { out, input, .. } => {
+        InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. } => {
             m(out);
             m(input);
         }
@@ -105,7 +124,7 @@ pub fn map_tensors(kind: &mut InstKind, f: &mut impl FnMut(HostTensorId) -> Host
         InstKind::Compute {
             inputs, outputs, ..
         }
-        | InstKind::LaunchKernel {
+        | InstKind::CallKernel {
             inputs, outputs, ..
         } => {
             for t in inputs.iter_mut().chain(outputs.iter_mut()) {
@@ -185,6 +204,10 @@ pub fn is_join_loop(inst: &Inst) -> bool {
 
 /// Index to insert before so as to come before the loop at `k` and its stream prologue.
 pub fn before_prologue(block: &Block, k: usize) -> usize {
+    // Inside a coalescing group only communications may stand: go before its start.
+    if let Some(start) = group_start(block, k) {
+        return start;
+    }
     let is_loop = matches!(
         block.get(k).map(|i| &i.kind),
         Some(InstKind::ForLoop { .. })
@@ -201,9 +224,30 @@ pub fn before_prologue(block: &Block, k: usize) -> usize {
     }
 }
 
+/// The index of the `start_coalescing` of the group that instruction `k` of `block` is in
+/// (`k` itself when it is a `start_coalescing`), if any.
+fn group_start(block: &Block, k: usize) -> Option<usize> {
+    for j in (0..=k.min(block.len().saturating_sub(1))).rev() {
+        match block.get(j).map(|i| &i.kind) {
+            Some(InstKind::StartCoalescing) => return Some(j),
+            Some(InstKind::EndCoalescing { .. }) if j < k => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
 /// Index to insert at so as to come after the instruction at `k` and, for a stream loop, its
 /// epilogue (`set_current_stream s; for .. { synchronize worker(..) }`).
 pub fn after_epilogue(block: &Block, k: usize) -> usize {
+    if group_start(block, k).is_some() {
+        if let Some(end) = block[k..]
+            .iter()
+            .position(|i| matches!(i.kind, InstKind::EndCoalescing { .. }))
+        {
+            return k + end + 1;
+        }
+    }
     let is_loop = matches!(
         block.get(k).map(|i| &i.kind),
         Some(InstKind::ForLoop { .. })

@@ -1,8 +1,9 @@
 //! meshflow-passes: the pass manager and every pass that lowers a sharded level-1 program to
 //! the host IR.
 //!
-//! - [`manager`]: [`PassManager`], the pass traits ([`ProgramPass`], [`LowerPass`],
-//!   [`HostPass`]) and the shared [`PassContext`].
+//! - [`manager`]: [`PassManager`] and its typed [`Stage`]s, the pass traits
+//!   ([`ProgramPass`], [`LowerPass`], [`HostPass`]).
+//! - [`options`]: [`PassOptions`] and the [`PassContext`] that borrows them.
 //! - [`passes`]: one type per pass, named by a verb phrase (`PropagateShardings`,
 //!   `DecomposeReshardings`, `ChooseDecompositions`, `LowerToHost`, `SimplifyIndices`,
 //!   `AssignStreams`, `InsertAllocations`, `DeferWaits`, and the verifiers).
@@ -11,8 +12,8 @@
 //!   [`decision`] (the decision table), [`index`] (egg-based index arithmetic),
 //!   [`cost_model`] (predicted times of the plans the schedule search chooses between, from a
 //!   machine [`profile`]), [`plan`] (one point of that search), [`transport`] (the transport
-//!   kinds the cost model and the GPU runtime share), [`scope_tree`] (dominators of the
-//!   structured host program, with petgraph).
+//!   kinds the cost model and the GPU runtime share), [`scope_tree`] (the innermost
+//!   block holding a set of instructions, from their paths).
 //!
 //! The one ordered pass list is `meshflow::pipeline` in the root crate.
 #![forbid(unsafe_code)]
@@ -27,9 +28,11 @@ pub mod explain;
 pub mod host_util;
 pub mod index;
 pub mod manager;
+pub mod options;
 pub mod passes;
 pub mod plan;
 pub mod profile;
+pub mod redistribute;
 pub mod resharding;
 pub mod scope_tree;
 pub mod transport;
@@ -38,9 +41,10 @@ pub use cost_model::CostModel;
 pub use error::PassError;
 pub use explain::{ExplainRecord, VariantCost};
 pub use manager::{
-    Decomposition, Dump, DumpAfter, HostPass, LowerPass, Pass, PassContext, PassManager,
-    PassOutput, PassTiming, ProgramPass, StreamSchedule,
+    Dump, DumpAfter, HostPass, Ir, LowerPass, Lowered, PassManager, PassOutput, PassTiming,
+    ProgramPass, Stage,
 };
+pub use options::{Decomposition, PassContext, PassOptions, StreamSchedule};
 pub use plan::Plan;
 pub use profile::Profile;
 pub use transport::{Transport, UnknownTransport};

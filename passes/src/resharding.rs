@@ -1,11 +1,12 @@
 //! Resharding detection: does a consumer need data its producer's device does not hold?
 //!
 //! For each value axis, a tensor's [`Layout`](meshflow_ir::program::Layout) cuts the axis into
-//! leaves with strides. The index a device holds (or a stream iteration visits) along the axis
-//! is `sum(digit * stride)` over its device and Stream leaves, where the digit of a device leaf
-//! is `my(pt)` and that of a Stream leaf is the loop index `i`, or `(i + my(pt)) % extent` when
-//! swizzled (`swizzle1d`). Producer and consumer are compared digit by digit (leaves of equal
-//! stride), with the egg-backed [`Simplifier`] proving the digits equal under the facts
+//! a chain of leaves. The piece a device holds (or a stream iteration visits) along the axis
+//! is determined level by level by the digits of its device and Stream leaves: the digit of a
+//! device leaf is `my(pt)` and that of a Stream leaf is the loop index `i`, or
+//! `(i + my(pt)) % extent` when swizzled (`swizzle1d`). Producer and consumer are compared
+//! digit by digit (leaves at the same level of the chain, which holds for uneven pieces too),
+//! with the egg-backed [`Simplifier`] proving the digits equal under the facts
 //! `0 <= my(pt) < team size` and `0 <= i < chunks`.
 //!
 //! - **Device types.** For each `pt`, the producer's and the consumer's `pt` leaves must give
@@ -51,17 +52,44 @@ fn mesh0() -> MeshId {
     MeshId::new(0)
 }
 
-/// The digits of value axis `v` of `sh`, keyed by stride, for the leaves `keep` selects.
+/// The level of leaf `k` of an axis as a key that orders like a stride (larger = coarser)
+/// and compares across layouts: the leaves of an axis form a chain of splits (see
+/// [`crate::analysis::sharding`]), so a level is identified by its position from the
+/// outermost, whatever the extents (uneven pieces pad differently per layout).
+fn level_key(k: usize) -> u64 {
+    u64::MAX - k as u64
+}
+
+/// The level of every leaf of `axis`: its position among the leaves before it that cut
+/// something (a split into one part is no level: a team of one device).
+fn levels(axis: &meshflow_ir::program::AxisLayout) -> Vec<usize> {
+    let mut n = 0;
+    axis.leaves
+        .iter()
+        .map(|l| {
+            let k = n;
+            if l.extent > 1 {
+                n += 1;
+            }
+            k
+        })
+        .collect()
+}
+
+/// The digits of value axis `v` of `sh`, keyed by level, for the leaves `keep` selects.
 fn digits(
     sh: &Sharding,
     v: usize,
-    keep: &dyn Fn(&meshflow_ir::program::Leaf) -> bool,
+    keep: &dyn Fn(u64, &meshflow_ir::program::Leaf) -> bool,
 ) -> BTreeMap<u64, Expr> {
     let mut out = BTreeMap::new();
     let Some(axis) = sh.value_axes.get(v).and_then(|&a| sh.layout.axes.get(a)) else {
         return out;
     };
-    for leaf in axis.leaves.iter().filter(|l| keep(l)) {
+    for (leaf, k) in axis.leaves.iter().zip(levels(axis)) {
+        if leaf.extent <= 1 || !keep(level_key(k), leaf) {
+            continue;
+        }
         let digit = match leaf.pt {
             pt if pt.is_device() => Expr::my(mesh0(), pt),
             ParallelType::Stream => match leaf.swizzle {
@@ -72,7 +100,7 @@ fn digits(
             },
             _ => continue,
         };
-        out.insert(leaf.stride, digit);
+        out.insert(level_key(k), digit);
     }
     out
 }
@@ -103,6 +131,11 @@ pub fn analyze(p: &Sharding, p_mesh: &DeviceMesh, c: &Sharding, c_mesh: &DeviceM
     let mut simp = Simplifier::new(facts);
     let rank = p.value_axes.len().min(c.value_axes.len());
     for pt in ParallelType::DEVICE {
+        // A team of one device holds everything its parallel type could split: a split or a
+        // partial sum over it changes nothing.
+        if !out.mesh_changed && p_mesh.size_of(pt) == Some(1) && c_mesh.size_of(pt) == Some(1) {
+            continue;
+        }
         let partial = |sh: &Sharding| {
             sh.split(pt)
                 .filter(|_| sh.is_partial_on(pt))
@@ -114,7 +147,7 @@ pub fn analyze(p: &Sharding, p_mesh: &DeviceMesh, c: &Sharding, c_mesh: &DeviceM
             if changed {
                 break;
             }
-            let keep = |l: &meshflow_ir::program::Leaf| l.pt == pt;
+            let keep = |_: u64, l: &meshflow_ir::program::Leaf| l.pt == pt;
             changed = !same_digits(&mut simp, &digits(p, v, &keep), &digits(c, v, &keep));
         }
         if changed {
@@ -128,13 +161,13 @@ pub fn analyze(p: &Sharding, p_mesh: &DeviceMesh, c: &Sharding, c_mesh: &DeviceM
                     && ps.chunks == cs.chunks
                     && ps.swizzle == cs.swizzle
             });
-            let keep_p = |l: &meshflow_ir::program::Leaf| {
+            let keep_p = |_: u64, l: &meshflow_ir::program::Leaf| {
                 l.pt.is_device() || (same_loop && l.pt == ParallelType::Stream)
             };
             let held = digits(p, v, &keep_p);
             if let Some(&grain) = held.keys().next() {
-                let keep_c = |l: &meshflow_ir::program::Leaf| {
-                    (l.pt.is_device() || l.pt == ParallelType::Stream) && l.stride >= grain
+                let keep_c = |key: u64, l: &meshflow_ir::program::Leaf| {
+                    (l.pt.is_device() || l.pt == ParallelType::Stream) && key >= grain
                 };
                 out.stream = !same_digits(&mut simp, &held, &digits(c, v, &keep_c));
             }

@@ -1,98 +1,122 @@
-//! The structured tree of a host program as a petgraph graph, and its dominator tree.
+//! The structured tree of a host program, and the innermost block holding a set of
+//! instructions.
 //!
-//! Nodes are blocks and instructions; a block has an edge to each of its instructions, and a
-//! `for` instruction an edge to its body block. `petgraph::algo::dominators::simple_fast` from
-//! the top block gives each node's dominators. For a set of instructions, the innermost block
-//! among their common dominators holds them all; since a structured block is entered at its
-//! start and left at its end, that block also post-dominates them, so it is where a buffer
-//! used by all of them is allocated (before the first) and freed (after the last).
+//! An instruction is named by its path: its index in the top block, then, inside each `for`
+//! loop on the way down, its index in the loop's body. Blocks nest, so the innermost block
+//! holding a set of instructions is read off the longest common prefix of their paths: the
+//! body named by that prefix when every path goes below it, else (one of the instructions is
+//! the loop the prefix names) the block holding that loop. A structured block is entered at
+//! its start and left at its end, so that block is where a buffer used by all of the
+//! instructions is allocated (before the first) and freed (after the last).
 
-use std::collections::HashMap;
+use std::collections::HashSet;
 
 use meshflow_ir::host::{Block, InstKind};
-use petgraph::algo::dominators::{simple_fast, Dominators};
-use petgraph::graph::{DiGraph, NodeIndex};
 
-/// A node of the tree: a block or an instruction, with its path (loop indices from the top;
-/// for a block, the path of the loop whose body it is).
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Scope {
-    Block(Vec<usize>),
-    Inst(Vec<usize>),
-}
-
-/// The tree and its dominators.
+/// The paths of every instruction of a host program's body.
 pub struct ScopeTree {
-    graph: DiGraph<Scope, ()>,
-    doms: Dominators<NodeIndex>,
-    insts: HashMap<Vec<usize>, NodeIndex>,
+    insts: HashSet<Vec<usize>>,
 }
 
 impl ScopeTree {
     /// Builds the tree of `body`.
     pub fn build(body: &Block) -> ScopeTree {
-        let mut graph = DiGraph::new();
-        let mut insts = HashMap::new();
-        let root = graph.add_node(Scope::Block(Vec::new()));
-        fn rec(
-            graph: &mut DiGraph<Scope, ()>,
-            insts: &mut HashMap<Vec<usize>, NodeIndex>,
-            block: &Block,
-            node: NodeIndex,
-            prefix: &mut Vec<usize>,
-        ) {
+        fn rec(insts: &mut HashSet<Vec<usize>>, block: &Block, prefix: &mut Vec<usize>) {
             for (k, inst) in block.iter().enumerate() {
                 prefix.push(k);
-                let n = graph.add_node(Scope::Inst(prefix.clone()));
-                graph.add_edge(node, n, ());
-                insts.insert(prefix.clone(), n);
+                insts.insert(prefix.clone());
                 if let InstKind::ForLoop { body, .. } = &inst.kind {
-                    let b = graph.add_node(Scope::Block(prefix.clone()));
-                    graph.add_edge(n, b, ());
-                    rec(graph, insts, body, b, prefix);
+                    rec(insts, body, prefix);
                 }
                 prefix.pop();
             }
         }
-        rec(&mut graph, &mut insts, body, root, &mut Vec::new());
-        let doms = simple_fast(&graph, root);
-        ScopeTree { graph, doms, insts }
+        let mut insts = HashSet::new();
+        rec(&mut insts, body, &mut Vec::new());
+        ScopeTree { insts }
     }
 
-    /// Dominators of `n`, from the top block down to `n`.
-    fn chain(&self, n: NodeIndex) -> Vec<NodeIndex> {
-        let mut c: Vec<NodeIndex> = self
-            .doms
-            .dominators(n)
-            .map(|it| it.collect())
-            .unwrap_or_default();
-        c.reverse();
-        c
-    }
-
-    /// The innermost block holding every instruction at `paths`: its path, and the indices
-    /// (in that block) of the first and last of its instructions containing one of them.
+    /// The innermost block holding every instruction at `paths`: its path (that of the loop
+    /// whose body it is; empty for the top block), and the indices (in that block) of the
+    /// first and last of its instructions containing one of them. `None` when `paths` is
+    /// empty or names an instruction that does not exist.
     pub fn enclosing(&self, paths: &[Vec<usize>]) -> Option<(Vec<usize>, usize, usize)> {
-        let chains: Vec<Vec<NodeIndex>> = paths
-            .iter()
-            .map(|p| self.insts.get(p).map(|&n| self.chain(n)))
-            .collect::<Option<_>>()?;
-        let first = chains.first()?;
-        let common = (0..first.len())
-            .take_while(|&k| chains.iter().all(|c| c.get(k) == first.get(k)))
-            .count();
-        // The innermost common block (the common chain may end on a shared instruction).
-        let at = (0..common)
-            .rev()
-            .find(|&k| matches!(self.graph[first[k]], Scope::Block(_)))?;
-        let Scope::Block(path) = &self.graph[first[at]] else {
+        let first = paths.first()?;
+        if !paths.iter().all(|p| self.insts.contains(p)) {
             return None;
+        }
+        let common = (0..first.len())
+            .take_while(|&k| paths.iter().all(|p| p.get(k) == first.get(k)))
+            .count();
+        // The prefix names a loop that is itself one of the instructions: its block holds all.
+        let depth = if paths.iter().any(|p| p.len() == common) {
+            common.checked_sub(1)?
+        } else {
+            common
         };
-        let index = |c: &Vec<NodeIndex>| match &self.graph[*c.get(at + 1)?] {
-            Scope::Inst(p) => p.last().copied(),
-            Scope::Block(_) => None,
-        };
-        let indices: Vec<usize> = chains.iter().map(index).collect::<Option<_>>()?;
-        Some((path.clone(), *indices.iter().min()?, *indices.iter().max()?))
+        let indices = paths.iter().map(|p| p.get(depth).copied());
+        let (mut lo, mut hi) = (usize::MAX, 0);
+        for i in indices {
+            let i = i?;
+            lo = lo.min(i);
+            hi = hi.max(i);
+        }
+        Some((first[..depth].to_vec(), lo, hi))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshflow_ir::parse_host;
+
+    /// `a; for { b; for { c; d } }; e` as a tree.
+    fn tree() -> ScopeTree {
+        let host = parse_host(
+            "host t {\n  mesh m = [0]\n  in x: f32[4] on m\n  out y: f32[4] on m\n  \
+             copy(x -> y)\n  for i0 in 0..2 {\n    copy(x -> y)\n    for i1 in 0..2 {\n      \
+             copy(x -> y)\n      copy(x -> y)\n    }\n  }\n  copy(x -> y)\n}\n",
+        )
+        .expect("parses");
+        ScopeTree::build(&host.body)
+    }
+
+    #[test]
+    fn siblings_share_their_block() {
+        let t = tree();
+        assert_eq!(
+            t.enclosing(&[vec![1, 1, 0], vec![1, 1, 1]]),
+            Some((vec![1, 1], 0, 1))
+        );
+        assert_eq!(t.enclosing(&[vec![0], vec![2]]), Some((vec![], 0, 2)));
+    }
+
+    #[test]
+    fn instructions_at_different_depths_meet_in_the_outer_block() {
+        let t = tree();
+        assert_eq!(t.enclosing(&[vec![0], vec![1, 1, 1]]), Some((vec![], 0, 1)));
+        assert_eq!(
+            t.enclosing(&[vec![1, 0], vec![1, 1, 0]]),
+            Some((vec![1], 0, 1))
+        );
+    }
+
+    #[test]
+    fn a_loop_and_an_instruction_in_its_body_meet_around_the_loop() {
+        let t = tree();
+        assert_eq!(t.enclosing(&[vec![1], vec![1, 1, 0]]), Some((vec![], 1, 1)));
+        assert_eq!(
+            t.enclosing(&[vec![1, 1, 1], vec![1, 1]]),
+            Some((vec![1], 1, 1))
+        );
+        assert_eq!(t.enclosing(&[vec![2]]), Some((vec![], 2, 2)));
+    }
+
+    #[test]
+    fn unknown_or_no_instructions_have_no_block() {
+        let t = tree();
+        assert_eq!(t.enclosing(&[]), None);
+        assert_eq!(t.enclosing(&[vec![0], vec![7]]), None);
+        assert_eq!(t.enclosing(&[vec![0, 0]]), None);
     }
 }

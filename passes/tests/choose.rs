@@ -5,7 +5,7 @@ mod common;
 
 use meshflow_ir::host::{CommKind, InstKind};
 use meshflow_ir::{DType, ParallelType::*, Program};
-use meshflow_passes::{Decomposition, PassContext, PassError, PassManager};
+use meshflow_passes::{Decomposition, PassError, PassOptions, PassOutput};
 
 /// `y = linear(x, w)`: x sequence-parallel (M split), w column-parallel; nothing else
 /// annotated, so x must be gathered before the GEMM.
@@ -24,13 +24,13 @@ fn column_parallel(d: u64, m: u64, k: u64, n: u64) -> Program {
 fn run(
     p: &Program,
     forced: &[(&str, Decomposition)],
-) -> Result<(meshflow_ir::HostProgram, PassContext), PassError> {
-    let mut cx = PassContext::new(p);
+) -> Result<(meshflow_ir::HostProgram, PassOutput), PassError> {
+    let mut options = PassOptions::default();
     for (t, d) in forced {
-        cx.decompositions.insert(t.to_string(), *d);
+        options.decompositions.insert(t.to_string(), *d);
     }
-    let out = PassManager::new(common::all_passes()).run(p.clone(), &mut cx)?;
-    Ok((out.host, cx))
+    let out = common::all_passes().run(p.clone(), &options)?;
+    Ok((out.host.clone(), out))
 }
 
 fn has_permute(h: &meshflow_ir::HostProgram) -> bool {
@@ -126,11 +126,9 @@ fn overrides_of_unknown_or_annotated_tensors_are_errors() {
 fn copy_engine_transport_changes_the_estimates() {
     let p = column_parallel(4, 4096, 4096, 4096);
     let nccl = run(&p, &[]).unwrap().1.explain[0].clone();
-    let mut cx = PassContext::new(&p);
-    cx.cost_model.transport = Some(meshflow_passes::Transport::CopyEngine);
-    PassManager::new(common::all_passes())
-        .run(p.clone(), &mut cx)
-        .unwrap();
+    let mut options = PassOptions::default();
+    options.cost_model.transport = Some(meshflow_passes::Transport::CopyEngine);
+    let cx = common::all_passes().run(p.clone(), &options).unwrap();
     let ce = cx.explain[0].clone();
     assert_ne!(nccl.variants, ce.variants);
     assert!(

@@ -1,4 +1,4 @@
-//! `custom` ops through propagation, resharding and lowering to `launch_kernel`.
+//! `custom` ops through propagation, resharding and lowering to `call_kernel`.
 
 mod common;
 
@@ -42,7 +42,7 @@ fn launches(host: &meshflow_ir::HostProgram) -> Vec<(String, Vec<String>, Vec<Ex
     common::insts(host)
         .into_iter()
         .filter_map(|(i, depth)| match &i.kind {
-            InstKind::LaunchKernel {
+            InstKind::CallKernel {
                 kernel,
                 inputs,
                 args,
@@ -62,7 +62,7 @@ fn launches(host: &meshflow_ir::HostProgram) -> Vec<(String, Vec<String>, Vec<Ex
 }
 
 #[test]
-fn tensor_parallel_mlp_with_a_custom_op_lowers_to_launch_kernel() {
+fn tensor_parallel_mlp_with_a_custom_op_lowers_to_call_kernel() {
     let host = common::lower_full(&mlp(4, false));
     insta::assert_snapshot!(host.to_string());
     let l = launches(&host);
@@ -84,7 +84,7 @@ fn tensor_parallel_mlp_with_a_custom_op_lowers_to_launch_kernel() {
 
 #[test]
 fn a_replicated_input_is_resliced_to_the_split_the_custom_op_needs() {
-    let (out, _) = common::run(&mlp(4, true), common::all_passes()).expect("lowers");
+    let out = common::run(&mlp(4, true), common::all_passes()).expect("lowers");
     let l = launches(&out.host);
     let (_, inputs, _, _) = &l[0];
     assert_eq!(inputs[0], "h");

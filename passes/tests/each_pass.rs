@@ -49,14 +49,16 @@ fn mlp(d: u64) -> Program {
 
 fn level1(p: &Program, pass: &dyn ProgramPass) -> (String, Program) {
     let mut out = p.clone();
-    let mut cx = PassContext::new(p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(p, &options);
     pass.run(&mut out, &mut cx).expect("pass succeeds");
     (format!("{p}--- after {} ---\n{out}", pass.name()), out)
 }
 
 fn host_pass(h: &HostProgram, pass: &dyn HostPass, p: &Program) -> (String, HostProgram) {
     let mut out = h.clone();
-    let mut cx = PassContext::new(p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(p, &options);
     pass.run(&mut out, &mut cx).expect("pass succeeds");
     (format!("{h}--- after {} ---\n{out}", pass.name()), out)
 }
@@ -64,7 +66,8 @@ fn host_pass(h: &HostProgram, pass: &dyn HostPass, p: &Program) -> (String, Host
 /// The program just before lowering, and the raw lowering.
 fn lowered(p: &Program) -> (Program, HostProgram) {
     let mut p = p.clone();
-    let mut cx = PassContext::new(&p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(&p, &options);
     PropagateShardings.run(&mut p, &mut cx).unwrap();
     DecomposeReshardings.run(&mut p, &mut cx).unwrap();
     ChooseDecompositions.run(&mut p, &mut cx).unwrap();
@@ -81,7 +84,8 @@ fn propagate_shardings() {
 #[test]
 fn decompose_reshardings() {
     let mut p = mlp(2);
-    let mut cx = PassContext::new(&p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(&p, &options);
     PropagateShardings.run(&mut p, &mut cx).unwrap();
     let (text, out) = level1(&p, &DecomposeReshardings);
     // x is gathered before the first linear; y's partial sums are reduced into y.
@@ -93,7 +97,8 @@ fn decompose_reshardings() {
 #[test]
 fn choose_decompositions() {
     let mut p = mlp(2);
-    let mut cx = PassContext::new(&p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(&p, &options);
     PropagateShardings.run(&mut p, &mut cx).unwrap();
     DecomposeReshardings.run(&mut p, &mut cx).unwrap();
     let before = p.clone();
@@ -137,7 +142,8 @@ fn assign_streams() {
 #[test]
 fn insert_allocations() {
     let (p, h) = lowered(&ring(4));
-    let mut cx = PassContext::new(&p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(&p, &options);
     let mut h = h;
     AssignStreams.run(&mut h, &mut cx).unwrap();
     let (text, out) = host_pass(&h, &InsertAllocations, &p);
@@ -154,7 +160,8 @@ fn insert_allocations() {
 #[test]
 fn defer_waits() {
     let (p, h) = lowered(&ring(4));
-    let mut cx = PassContext::new(&p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = PassContext::new(&p, &options);
     let mut h = h;
     AssignStreams.run(&mut h, &mut cx).unwrap();
     InsertAllocations.run(&mut h, &mut cx).unwrap();

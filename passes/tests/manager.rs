@@ -3,7 +3,7 @@
 mod common;
 
 use meshflow_ir::{DType, ParallelType::*, Program};
-use meshflow_passes::{PassContext, PassError, PassManager};
+use meshflow_passes::{PassError, PassManager, PassOptions, Stage};
 
 fn ring() -> Program {
     let (mut b, m) = common::builder("ring", 2);
@@ -22,24 +22,34 @@ fn ring() -> Program {
 }
 
 fn manager() -> PassManager {
-    PassManager::new(common::all_passes())
+    common::all_passes()
+}
+
+fn with(f: impl FnOnce(&mut PassOptions)) -> PassOptions {
+    let mut o = common::verifying();
+    f(&mut o);
+    o
 }
 
 #[test]
 fn unknown_pass_names_list_the_valid_ones() {
-    let e = manager().disable("fuse_everything").unwrap_err();
+    let p = ring();
+    let o = with(|o| o.disabled_passes.push("fuse_everything".into()));
+    let e = manager().run(p.clone(), &o).unwrap_err();
     let PassError::UnknownPass { name, valid } = &e else {
         panic!("{e}");
     };
     assert_eq!(name, "fuse_everything");
     assert!(valid.contains("propagate_shardings") && valid.contains("defer_waits"));
-    assert!(manager().dump_after("nope").is_err());
+    let o = with(|o| o.dump_after = Some("nope".into()));
+    assert!(manager().run(p, &o).is_err());
 }
 
 #[test]
 fn required_passes_cannot_be_disabled() {
     for p in ["lower_to_host", "verify_program", "verify_host"] {
-        let e = manager().disable(p).unwrap_err();
+        let o = with(|o| o.disabled_passes.push(p.into()));
+        let e = manager().check_options(&o).unwrap_err();
         assert!(matches!(e, PassError::CannotDisable { .. }), "{e}");
         assert!(e.to_string().contains(p));
     }
@@ -47,12 +57,10 @@ fn required_passes_cannot_be_disabled() {
 
 #[test]
 fn disabled_passes_are_skipped_and_reported() {
-    let mut m = manager();
-    m.disable("assign_streams").unwrap();
-    m.disable("defer_waits").unwrap();
-    let p = ring();
-    let mut cx = PassContext::new(&p);
-    let out = m.run(p, &mut cx).unwrap();
+    let o = with(|o| {
+        o.disabled_passes = vec!["assign_streams".into(), "defer_waits".into()];
+    });
+    let out = manager().run(ring(), &o).unwrap();
     let text = out.host.to_string();
     assert!(!text.contains("get_current_stream"), "{text}");
     assert!(!text.contains("_ring"), "no double buffering: {text}");
@@ -69,35 +77,46 @@ fn disabled_passes_are_skipped_and_reported() {
 #[test]
 fn dumps_after_one_pass_or_all() {
     let p = ring();
-    let mut m = manager();
-    m.dump_after("lower_to_host").unwrap();
-    let out = m.run(p.clone(), &mut PassContext::new(&p)).unwrap();
+    let o = with(|o| o.dump_after = Some("lower_to_host".into()));
+    let out = manager().run(p.clone(), &o).unwrap();
     assert_eq!(out.dumps.len(), 1);
     assert!(out.dumps[0].text.starts_with("host ring {"));
-    let mut m = manager();
-    m.dump_after("all").unwrap();
-    let out = m.run(p.clone(), &mut PassContext::new(&p)).unwrap();
+    let o = with(|o| o.dump_after = Some("all".into()));
+    let out = manager().run(p, &o).unwrap();
     assert_eq!(out.dumps.len(), 10);
     assert!(out.dumps[1].text.starts_with("program ring {"));
 }
 
 #[test]
 fn timings_are_reported_for_every_pass_in_order() {
-    let p = ring();
-    let out = manager().run(p.clone(), &mut PassContext::new(&p)).unwrap();
+    let out = manager().run(ring(), &common::verifying()).unwrap();
     let names: Vec<_> = out.timings.iter().map(|t| t.pass).collect();
     assert_eq!(names, manager().pass_names());
     assert!(out.timings.iter().all(|t| t.ran));
 }
 
 #[test]
-fn passes_in_the_wrong_phase_are_an_error() {
-    use meshflow_passes::passes::{PropagateShardings, SimplifyIndices};
-    use meshflow_passes::Pass;
-    let p = ring();
-    let m = PassManager::new(vec![Pass::Host(Box::new(SimplifyIndices))]);
-    assert!(m.run(p.clone(), &mut PassContext::new(&p)).is_err());
-    let m = PassManager::new(vec![Pass::Program(Box::new(PropagateShardings))]);
-    let e = m.run(p.clone(), &mut PassContext::new(&p)).unwrap_err();
-    assert!(e.to_string().contains("no lowering"), "{e}");
+fn a_stage_chain_runs_passes_in_the_order_written() {
+    use meshflow_passes::passes::{LowerToHost, PropagateShardings, SimplifyIndices};
+    let o = common::verifying();
+    let out = Stage::start(ring(), &o)
+        .and_then(|s| s.then(&PropagateShardings))
+        .and_then(|s| s.lower(&LowerToHost))
+        .and_then(|s| s.then(&SimplifyIndices))
+        .unwrap()
+        .finish();
+    let names: Vec<_> = out.timings.iter().map(|t| t.pass).collect();
+    assert_eq!(
+        names,
+        ["propagate_shardings", "lower_to_host", "simplify_indices"]
+    );
+    assert_eq!(out.program.name, "ring");
+}
+
+#[test]
+fn zero_streams_are_refused_before_any_pass_runs() {
+    let o = with(|o| o.num_streams = 0);
+    let e = manager().run(ring(), &o).unwrap_err();
+    assert!(matches!(e, PassError::Options(_)), "{e}");
+    assert!(e.to_string().contains("at least 1"), "{e}");
 }

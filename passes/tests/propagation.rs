@@ -10,7 +10,8 @@ use meshflow_passes::ProgramPass;
 
 fn propagate(p: &Program) -> Program {
     let mut p = p.clone();
-    let mut cx = meshflow_passes::PassContext::new(&p);
+    let options = meshflow_passes::PassOptions::default();
+    let mut cx = meshflow_passes::PassContext::new(&p, &options);
     PropagateShardings
         .run(&mut p, &mut cx)
         .expect("propagation succeeds");

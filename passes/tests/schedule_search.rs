@@ -6,7 +6,7 @@ mod common;
 
 use meshflow_ir::{DType, ParallelType::DIDx, Program};
 use meshflow_passes::{
-    CostModel, Decomposition, ExplainRecord, PassContext, PassManager, Profile, StreamSchedule,
+    CostModel, Decomposition, ExplainRecord, PassOptions, PassOutput, Profile, StreamSchedule,
     Transport,
 };
 use serde_json::Value;
@@ -42,13 +42,15 @@ fn rsmm(d: u64, m: u64, k: u64, n: u64) -> Program {
 }
 
 /// The decision records of compiling `p` with the built-in `profile`.
-fn search(p: &Program, profile: &str) -> (Vec<ExplainRecord>, PassContext) {
-    let mut cx = PassContext::new(p);
-    cx.cost_model = CostModel::new(Profile::builtin(profile).unwrap());
-    PassManager::new(common::all_passes())
-        .run(p.clone(), &mut cx)
+fn search(p: &Program, profile: &str) -> (Vec<ExplainRecord>, PassOutput) {
+    let options = PassOptions {
+        cost_model: CostModel::new(Profile::builtin(profile).unwrap()),
+        ..PassOptions::default()
+    };
+    let out = common::all_passes()
+        .run(p.clone(), &options)
         .unwrap_or_else(|e| panic!("{profile}: {e}"));
-    (cx.explain.clone(), cx)
+    (out.explain.clone(), out)
 }
 
 const PROFILES: [&str; 2] = ["h200x2", "h100x2"];

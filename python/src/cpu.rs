@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use meshflow::ir::host::Role;
-use meshflow::{Bindings, Compiled, Executor, SimBackend, SimConfig, TensorData};
+use meshflow::{Bindings, Compiled, Executor, CpuBackend, CpuConfig, TensorData};
 
 use crate::data::{from_numpy, to_numpy};
 use crate::errors::{error, BindingError, ExecutionError};
@@ -32,9 +32,9 @@ impl CpuJob {
     fn new(world_size: usize, timeout: f64) -> PyResult<CpuJob> {
         let timeout = Duration::try_from_secs_f64(timeout)
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("timeout: {e}")))?;
-        let config = SimConfig {
+        let config = CpuConfig {
             timeout,
-            ..SimConfig::default()
+            ..CpuConfig::default()
         };
         Ok(CpuJob {
             job: meshflow::CpuJob::new(world_size, config),
@@ -64,7 +64,7 @@ pub struct CpuExecutor {
     compiled: &'static Compiled,
     rank: usize,
     /// Set up once and reused by every step (its communication sequence goes on).
-    exec: Mutex<Executor<'static, SimBackend>>,
+    exec: Mutex<Executor<'static, CpuBackend>>,
 }
 
 #[pymethods]

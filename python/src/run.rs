@@ -12,7 +12,7 @@ use pyo3::types::PyDict;
 
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::reference::evaluate;
-use meshflow::{Bindings, Compiled, CpuJob, Executor, SimConfig, TensorData};
+use meshflow::{Bindings, Compiled, CpuJob, Executor, CpuConfig, TensorData};
 
 use crate::data::to_numpy;
 use crate::errors::{error, ExecutionError};
@@ -116,7 +116,7 @@ fn run_cpu(
     compiled: &Compiled,
     inputs: &BTreeMap<String, TensorData>,
 ) -> PyResult<BTreeMap<String, TensorData>> {
-    let job = CpuJob::for_program(compiled, SimConfig::default());
+    let job = CpuJob::for_program(compiled, CpuConfig::default());
     let parts = inputs
         .iter()
         .map(|(name, full)| Ok((name.as_str(), compiled.scatter(name, full)?)))

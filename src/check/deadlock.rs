@@ -11,7 +11,7 @@
 
 //!
 //! The simulation is event-driven and linear in the number of events: a collective is one
-//! *meeting* node shared by its members (not a need from every member to every other, which
+//! *meeting* vertex shared by its members (not a need from every member to every other, which
 //! is quadratic in the team size), and only ranks that just advanced are re-examined.
 
 use std::collections::HashMap;

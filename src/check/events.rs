@@ -62,13 +62,36 @@ impl Buffer {
 }
 
 /// Which elements of which buffer a communication operand is: a tensor, or a chunk of a
-/// chunk of it (`shard_by_stream` views, as evaluated on the rank).
+/// chunk of it (`shard_by_stream` and `narrow` views, as evaluated on the rank).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Slice {
     /// The tensor the views are cut from.
     pub base: HostTensorId,
-    /// The cuts, outermost first: `(axis, chunks, index)`.
-    pub cuts: Vec<(usize, u64, i64)>,
+    /// The cuts, outermost first.
+    pub cuts: Vec<Cut>,
+}
+
+/// One cut of a [`Slice`].
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Cut {
+    /// Chunk `index` of `chunks` equal chunks along `axis` (`shard_by_stream`).
+    Chunk {
+        /// The axis.
+        axis: usize,
+        /// How many chunks.
+        chunks: u64,
+        /// Which chunk.
+        index: i64,
+    },
+    /// Elements `[start, start + length)` along `axis` (`narrow`).
+    Narrow {
+        /// The axis.
+        axis: usize,
+        /// The first element.
+        start: i64,
+        /// How many elements.
+        length: i64,
+    },
 }
 
 impl Slice {
@@ -207,8 +230,21 @@ impl Instances {
             .get(slice.base.index())
             .map_or("?", String::as_str);
         let mut out = format!("`{name}`");
-        for (axis, chunks, index) in &slice.cuts {
-            out.push_str(&format!(" chunk {index}/{chunks} on axis {axis}"));
+        for cut in &slice.cuts {
+            match cut {
+                Cut::Chunk {
+                    axis,
+                    chunks,
+                    index,
+                } => out.push_str(&format!(" chunk {index}/{chunks} on axis {axis}")),
+                Cut::Narrow {
+                    axis,
+                    start,
+                    length,
+                } => out.push_str(&format!(
+                    " elements [{start}, {start} + {length}) on axis {axis}"
+                )),
+            }
         }
         out
     }

@@ -11,20 +11,20 @@ use meshflow_ir::{
 };
 
 use super::error::{CheckError, CheckErrors, Site};
-use super::events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice};
+use super::events::{Buffer, CommEvent, Cut, EventKind, InstInfo, Instances, Iteration, Slice};
 use super::teams::TeamTable;
 
 /// The most loop iterations plus communications instantiated over all ranks.
 pub const MAX_INSTANCES: usize = 1_000_000;
 
 /// The instructions that matter to the check, with their index in [`Instances::insts`].
-enum Node<'a> {
+enum Item<'a> {
     Loop {
         ord: usize,
         index: LoopVar,
         start: &'a Expr,
         stop: &'a Expr,
-        body: Vec<Node<'a>>,
+        body: Vec<Item<'a>>,
     },
     Comm {
         ord: usize,
@@ -36,43 +36,27 @@ enum Node<'a> {
     EndGroup {
         ord: usize,
     },
-    /// A view: evaluated to know which slice a communication operates on.
-    Shard {
-        out: HostTensorId,
-        input: HostTensorId,
-        axis: usize,
-        chunks: u64,
-        index: &'a Expr,
+    /// A view (`shard_by_stream`, `narrow`): its per-rank shape sizes later communications.
+    View {
+        ord: usize,
+        inst: &'a Inst,
     },
 }
 
-fn build_nodes<'a>(
+fn build_items<'a>(
     host: &HostProgram,
     block: &'a [Inst],
     insts: &mut Vec<InstInfo>,
-) -> Vec<Node<'a>> {
-    let mut nodes = Vec::new();
+) -> Vec<Item<'a>> {
+    let mut items = Vec::new();
     for inst in block {
-        if let InstKind::ShardByStream {
-            out,
-            input,
-            axis,
-            chunks,
-            index,
-        } = &inst.kind
-        {
-            nodes.push(Node::Shard {
-                out: *out,
-                input: *input,
-                axis: *axis,
-                chunks: *chunks,
-                index,
-            });
-            continue;
-        }
         let relevant = matches!(
             inst.kind,
-            InstKind::ForLoop { .. } | InstKind::StartCoalescing | InstKind::EndCoalescing { .. }
+            InstKind::ForLoop { .. }
+                | InstKind::StartCoalescing
+                | InstKind::EndCoalescing { .. }
+                | InstKind::ShardByStream { .. }
+                | InstKind::Narrow { .. }
         ) || inst.kind.is_communication();
         if !relevant {
             continue;
@@ -82,25 +66,26 @@ fn build_nodes<'a>(
             text: inst_to_string(host, inst),
             loc: inst.loc,
         });
-        nodes.push(match &inst.kind {
+        items.push(match &inst.kind {
             InstKind::ForLoop {
                 index,
                 start,
                 stop,
                 body,
-            } => Node::Loop {
+            } => Item::Loop {
                 ord,
                 index: *index,
                 start,
                 stop,
-                body: build_nodes(host, body, insts),
+                body: build_items(host, body, insts),
             },
-            InstKind::StartCoalescing => Node::StartGroup { ord },
-            InstKind::EndCoalescing { .. } => Node::EndGroup { ord },
-            _ => Node::Comm { ord, inst },
+            InstKind::StartCoalescing => Item::StartGroup { ord },
+            InstKind::EndCoalescing { .. } => Item::EndGroup { ord },
+            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Item::View { ord, inst },
+            _ => Item::Comm { ord, inst },
         });
     }
-    nodes
+    items
 }
 
 /// Expression values on one rank.
@@ -149,6 +134,9 @@ struct Walker<'h, 'o> {
     loops: Vec<(LoopVar, i64)>,
     group: Option<(u32, usize)>,
     next_group: u32,
+    /// The actual shape of every view on this rank, as of the last view instruction: the
+    /// pieces of uneven shards have per-rank extents.
+    shapes: HashMap<HostTensorId, Vec<u64>>,
     /// The slice each view tensor stands for now (tensors not listed are whole).
     views: HashMap<HostTensorId, Option<Slice>>,
 }
@@ -203,10 +191,10 @@ impl Walker<'_, '_> {
         }
     }
 
-    fn walk(&mut self, nodes: &[Node<'_>]) -> Result<(), Abort> {
-        for node in nodes {
-            match node {
-                Node::Loop {
+    fn walk(&mut self, items: &[Item<'_>]) -> Result<(), Abort> {
+        for item in items {
+            match item {
+                Item::Loop {
                     ord,
                     index,
                     start,
@@ -226,7 +214,7 @@ impl Walker<'_, '_> {
                         self.loops.pop();
                     }
                 }
-                Node::StartGroup { ord } => {
+                Item::StartGroup { ord } => {
                     if self.group.is_some() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "start_coalescing inside an open coalescing group".into();
@@ -236,39 +224,18 @@ impl Walker<'_, '_> {
                         self.next_group += 1;
                     }
                 }
-                Node::EndGroup { ord } => {
+                Item::EndGroup { ord } => {
                     if self.group.take().is_none() {
                         let (rank, site) = (self.rank, self.site(*ord));
                         let detail = "end_coalescing without start_coalescing".into();
                         self.report(*ord, CheckError::Malformed { rank, site, detail });
                     }
                 }
-                Node::Comm { ord, inst } => {
+                Item::Comm { ord, inst } => {
                     self.spend()?;
                     self.communication(*ord, inst);
                 }
-                Node::Shard {
-                    out,
-                    input,
-                    axis,
-                    chunks,
-                    index,
-                } => {
-                    if self.holds(*out).is_none() || self.holds(*input).is_none() {
-                        continue;
-                    }
-                    let env = RankEnv {
-                        meshes: &self.host.meshes,
-                        rank: self.rank,
-                        loops: &self.loops,
-                    };
-                    let slice = index.eval(&env).ok().and_then(|i| {
-                        let mut s = self.slice(*input)?;
-                        s.cuts.push((*axis, *chunks, i));
-                        Some(s)
-                    });
-                    self.views.insert(*out, slice);
-                }
+                Item::View { ord, inst } => self.view(*ord, inst),
             }
         }
         Ok(())
@@ -285,11 +252,117 @@ impl Walker<'_, '_> {
     fn holds(&self, tensor: HostTensorId) -> Option<Buffer> {
         let t = self.host.tensors.get(tensor)?;
         let member = self.in_mesh.get(&t.mesh)?.get(self.rank).copied();
+        let numel = match self.shapes.get(&tensor) {
+            Some(shape) => shape.iter().product(),
+            None => t.numel(),
+        };
         member.unwrap_or(false).then_some(Buffer {
             tensor,
             dtype: t.dtype,
-            numel: t.numel(),
+            numel,
         })
+    }
+
+    /// The shape of `t` on this rank now: a view's evaluated shape, else the declared one.
+    fn shape_of(&self, t: HostTensorId) -> Option<Vec<u64>> {
+        self.shapes
+            .get(&t)
+            .cloned()
+            .or_else(|| self.host.tensors.get(t).map(|d| d.shape.clone()))
+    }
+
+    /// Evaluates a view on this rank: its shape sizes the communications that use it, and a
+    /// `narrow` outside its tensor would fail the run.
+    fn view(&mut self, ord: usize, inst: &Inst) {
+        let (out, input, axis) = match &inst.kind {
+            InstKind::ShardByStream {
+                out, input, axis, ..
+            }
+            | InstKind::Narrow {
+                out, input, axis, ..
+            } => (*out, *input, *axis),
+            _ => return,
+        };
+        // Only the devices holding the tensor evaluate its views.
+        if self.holds(input).is_none() {
+            return;
+        }
+        let Some(mut shape) = self.shape_of(input) else {
+            return;
+        };
+        let Some(&extent) = shape.get(axis) else {
+            return;
+        };
+        let rank = self.rank;
+        // What the view stands for (main slice matching of collectives); `None`: unknown.
+        let mut slice = if self.holds(out).is_some() {
+            self.slice(input)
+        } else {
+            None
+        };
+        match &inst.kind {
+            InstKind::ShardByStream { chunks, index, .. } => {
+                let env = RankEnv {
+                    meshes: &self.host.meshes,
+                    rank: self.rank,
+                    loops: &self.loops,
+                };
+                let i = index.eval(&env).ok();
+                slice = slice.zip(i).map(|(mut s, index)| {
+                    s.cuts.push(Cut::Chunk {
+                        axis,
+                        chunks: *chunks,
+                        index,
+                    });
+                    s
+                });
+                if *chunks == 0 || !extent.is_multiple_of(*chunks) {
+                    let site = self.site(ord);
+                    let detail = format!(
+                        "{chunks} chunks do not divide the extent {extent} this rank's view has \
+                         along axis {axis}"
+                    );
+                    self.report(ord, CheckError::Malformed { rank, site, detail });
+                    return;
+                }
+                shape[axis] = extent / chunks;
+            }
+            InstKind::Narrow { start, length, .. } => {
+                let (Some(s), Some(l)) = (
+                    self.eval(ord, "narrow start", start),
+                    self.eval(ord, "narrow length", length),
+                ) else {
+                    return;
+                };
+                let cap = self
+                    .host
+                    .tensors
+                    .get(out)
+                    .and_then(|d| d.shape.get(axis).copied())
+                    .unwrap_or(0);
+                let fits = s >= 0 && l >= 0 && (s + l) as u64 <= extent && l as u64 <= cap;
+                if !fits {
+                    let site = self.site(ord);
+                    let detail = format!(
+                        "elements [{s}, {s} + {l}) along axis {axis} do not fit this rank's \
+                         extent {extent} or the view's capacity {cap}"
+                    );
+                    self.report(ord, CheckError::Malformed { rank, site, detail });
+                    return;
+                }
+                shape[axis] = l as u64;
+                if let Some(sl) = slice.as_mut() {
+                    sl.cuts.push(Cut::Narrow {
+                        axis,
+                        start: s,
+                        length: l,
+                    });
+                }
+            }
+            _ => return,
+        }
+        self.shapes.insert(out, shape);
+        self.views.insert(out, slice);
     }
 
     fn require(
@@ -403,6 +476,19 @@ impl Walker<'_, '_> {
     }
 
     fn not_in_team(&mut self, ord: usize, inst: &Inst) {
+        // A point-to-point transfer over an explicit list of devices names exactly the
+        // devices that take part: between overlapping meshes, other devices hold both buffers
+        // and rightly skip it.
+        let point_to_point = matches!(
+            inst.kind,
+            InstKind::Communication {
+                kind: CommKind::SendRecv,
+                ..
+            } | InstKind::CollectivePermute { .. }
+        );
+        if point_to_point && matches!(inst.kind.team(), Some(Team::Devices(_))) {
+            return;
+        }
         let tensors = inst.kind.tensors();
         if tensors.is_empty() || !tensors.iter().all(|&t| self.holds(t).is_some()) {
             return;
@@ -654,7 +740,7 @@ pub(crate) fn instantiate_all(
         return Err(CheckErrors::capped(fatal));
     }
     let mut insts = Vec::new();
-    let nodes = build_nodes(host, &host.body, &mut insts);
+    let items = build_items(host, &host.body, &mut insts);
     let mut out = Instances::new(world_size, insts);
     out.tensor_names = host.tensors.values().map(|t| t.name.clone()).collect();
     let mut errors = Vec::new();
@@ -687,9 +773,10 @@ pub(crate) fn instantiate_all(
             loops: Vec::new(),
             group: None,
             next_group: 0,
+            shapes: HashMap::new(),
             views: HashMap::new(),
         };
-        if walker.walk(&nodes).is_err() {
+        if walker.walk(&items).is_err() {
             return Err(CheckErrors::capped(vec![CheckError::TooManyInstances {
                 world_size,
                 limit: MAX_INSTANCES,

@@ -3,7 +3,7 @@
 //! A host program is rank-agnostic: every rank runs the same instructions, with its own values
 //! of `my(mesh, pt)` and `rank`. [`check_program`] instantiates the program on every rank of a
 //! world, unrolling loops, and checks that the communications of all ranks fit together
-//! before anything runs (DESIGN.md §3, point 5):
+//! before anything runs:
 //!
 //! 1. **Instantiation.** Each rank walks the body with its own values, skipping the
 //!    communications whose team it is not in ([`meshflow_ir::Team::resolve`]), and records
@@ -11,7 +11,9 @@
 //!    ids, buffers, loop iteration and coalescing group. Roots and peers must evaluate to a
 //!    team index in `0..team size`; every member must hold the buffers its part needs (the
 //!    contract of each kind is on [`meshflow_ir::CommKind`]), and a rank that holds every
-//!    buffer of a communication must be in its team.
+//!    buffer of a communication must be in its team (except for a `send_recv` or a
+//!    `collective_permute` over an explicit list of devices: between overlapping meshes other
+//!    devices hold both buffers and rightly stay out of a transfer between two others).
 //! 2. **Team sequences.** Every member of a team issues the same sequence of collectives on
 //!    it (collective permutes and MoE dispatch/combine included): same kind, root, element
 //!    count and dtype, position by position. For a collective permute, the send peers of the
@@ -38,7 +40,6 @@
 //! most [`MAX_ERRORS_PER_CATEGORY`](error::MAX_ERRORS_PER_CATEGORY) per category.
 
 #[doc(hidden)]
-pub mod corpus;
 mod deadlock;
 pub mod error;
 pub mod events;
@@ -53,7 +54,9 @@ use std::fmt;
 use meshflow_ir::{DeviceId, HostProgram};
 
 pub use error::{CheckError, CheckErrors, RaceAccess, Site, StuckRank};
-pub use events::{Buffer, CommEvent, EventKind, InstInfo, Instances, Iteration, Slice, TeamId};
+pub use events::{
+    Buffer, CommEvent, Cut, EventKind, InstInfo, Instances, Iteration, Slice, TeamId,
+};
 pub use instantiate::MAX_INSTANCES;
 pub use streams::MAX_STEPS;
 

@@ -7,8 +7,8 @@ use meshflow_ir::{DType, DeviceId};
 
 use super::{Bind, Bindings, Compiled, Error};
 use crate::runtime::backend::{Backend, BackendError};
+use crate::runtime::cpu::{CpuBackend, CpuBuffer, CpuConfig, Fabric};
 use crate::runtime::data::TensorData;
-use crate::runtime::sim::{Fabric, SimBackend, SimBuffer, SimConfig};
 
 /// A caller-owned host tensor bound to a CPU run.
 #[derive(Debug)]
@@ -20,7 +20,7 @@ pub enum CpuTensor<'a> {
     Mut(&'a mut TensorData),
 }
 
-impl Bind for SimBackend {
+impl Bind for CpuBackend {
     type Tensor<'a> = CpuTensor<'a>;
 
     fn tensor_type(tensor: &CpuTensor<'_>) -> (DType, Vec<u64>) {
@@ -35,7 +35,7 @@ impl Bind for SimBackend {
         &mut self,
         tensor: &mut CpuTensor<'_>,
         output: bool,
-    ) -> Result<SimBuffer, BackendError> {
+    ) -> Result<CpuBuffer, BackendError> {
         match tensor {
             CpuTensor::Shared(_) if output => Err(BackendError::Invalid(
                 "an output must be bound mutably (`Bindings::output`)".into(),
@@ -51,7 +51,7 @@ impl Bind for SimBackend {
 
     fn detach(
         &mut self,
-        buffer: SimBuffer,
+        buffer: CpuBuffer,
         tensor: &mut CpuTensor<'_>,
         check_written: bool,
     ) -> Result<(), BackendError> {
@@ -66,7 +66,7 @@ impl Bind for SimBackend {
     }
 }
 
-impl<'a> Bindings<'a, SimBackend> {
+impl<'a> Bindings<'a, CpuBackend> {
     /// Binds an input, read only (copied in at the start of each run).
     pub fn input(&mut self, name: impl Into<String>, data: &'a TensorData) -> &mut Self {
         self.bind(name, CpuTensor::Shared(data))
@@ -89,13 +89,13 @@ impl<'a> Bindings<'a, SimBackend> {
 pub struct CpuJob {
     world_size: usize,
     fabric: Arc<Fabric>,
-    config: SimConfig,
+    config: CpuConfig,
 }
 
 impl CpuJob {
     /// A job of `world_size` ranks with backend settings `config` (stream pool, receive
-    /// timeout, race checking, kernels for `launch_kernel`).
-    pub fn new(world_size: usize, config: SimConfig) -> CpuJob {
+    /// timeout, race checking, kernels for `call_kernel`).
+    pub fn new(world_size: usize, config: CpuConfig) -> CpuJob {
         CpuJob {
             world_size,
             fabric: Arc::new(Fabric::new()),
@@ -104,7 +104,7 @@ impl CpuJob {
     }
 
     /// A job with as many ranks as `compiled` runs on.
-    pub fn for_program(compiled: &Compiled, config: SimConfig) -> CpuJob {
+    pub fn for_program(compiled: &Compiled, config: CpuConfig) -> CpuJob {
         CpuJob::new(compiled.world_size(), config)
     }
 
@@ -114,19 +114,19 @@ impl CpuJob {
     }
 
     /// The backend settings.
-    pub fn config(&self) -> &SimConfig {
+    pub fn config(&self) -> &CpuConfig {
         &self.config
     }
 
     /// The backend of `rank`.
-    pub fn backend(&self, rank: DeviceId) -> Result<SimBackend, Error> {
+    pub fn backend(&self, rank: DeviceId) -> Result<CpuBackend, Error> {
         if rank >= self.world_size {
             return Err(Error::Rank {
                 rank,
                 world_size: self.world_size,
             });
         }
-        Ok(SimBackend::new(rank, self.fabric.clone(), &self.config))
+        Ok(CpuBackend::new(rank, self.fabric.clone(), &self.config))
     }
 
     /// The first rank that failed and why, if one has.

@@ -87,7 +87,7 @@ impl Bindings<'_, CudaBackend> {
 }
 
 /// The ranks of one job on GPUs, as seen from one process: the backend settings (kernels for
-/// `launch_kernel` included), an abort signal the ranks of this process share, and the
+/// `call_kernel` included), an abort signal the ranks of this process share, and the
 /// rendezvous that creates the communicators the caller does not hand in.
 #[derive(Debug, Clone)]
 pub struct CudaJob {

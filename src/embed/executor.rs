@@ -14,7 +14,7 @@ use crate::runtime::data::TensorData;
 use crate::runtime::{EvalOptions, Evaluator};
 
 /// A [`Backend`] that can run on tensors the caller owns: what [`Executor`] needs on top of
-/// the backend trait. Implemented by the CPU backend ([`SimBackend`](crate::runtime::SimBackend),
+/// the backend trait. Implemented by the CPU backend ([`CpuBackend`](crate::runtime::CpuBackend),
 /// tensors [`CpuTensor`](super::CpuTensor)) and, with feature `cuda`, the CUDA backend
 /// (device buffers the caller allocated).
 pub trait Bind: Backend {
@@ -309,10 +309,16 @@ impl<'c, B: Bind> Executor<'c, B> {
             let Some(tensor) = bindings.map.get_mut(&name) else {
                 continue;
             };
-            let r = self
-                .evaluator
-                .backend_mut()
-                .detach(buffer, tensor, output && succeeded);
+            // The padding of an uneven shard's buffer is never written.
+            let padded = self
+                .compiled
+                .host()
+                .tensor_by_name(&name)
+                .is_some_and(|t| self.compiled.host().is_padded(t));
+            let r =
+                self.evaluator
+                    .backend_mut()
+                    .detach(buffer, tensor, output && succeeded && !padded);
             if let (Err(source), Ok(())) = (r, &returned) {
                 returned = Err(Error::Backend { rank, name, source });
             }

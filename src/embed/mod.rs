@@ -21,9 +21,9 @@
 //! 3. **External compute.** A level-1 `custom(inputs.., kernel="NAME", args=[..])` op (built
 //!    with [`ProgramBuilder::custom`](meshflow_ir::ProgramBuilder::custom); contract on
 //!    [`CustomOp`](meshflow_ir::CustomOp)) is the front end's own op: it flows through sharding
-//!    propagation and resharding like an elementwise op and lowers to `launch_kernel`, which
+//!    propagation and resharding like an elementwise op and lowers to `call_kernel`, which
 //!    calls the kernel the embedder registered with the backend — a Rust closure in
-//!    [`SimKernels`](crate::runtime::sim::SimKernels) on the CPU, a PTX or CUBIN image with
+//!    [`CpuKernels`](crate::runtime::cpu::CpuKernels) on the CPU, a PTX or CUBIN image with
 //!    its launch geometry on CUDA. The kernel gets the local chunks of the inputs and
 //!    outputs and, as scalar arguments, the op's `args` followed by the extents of the first
 //!    output's chunk. The CPU closure also serves as the op's reference
@@ -46,20 +46,16 @@
 //! See the crate docs for a complete example and `examples/embed_frontend.rs` for a front end
 //! with its own fused kernel.
 
-mod compiled;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
-mod error;
 mod executor;
-mod options;
 
+pub use crate::error::Error;
+pub use crate::front::{compile, parse, Compiled, Options, TensorInfo};
 #[cfg(feature = "cuda")]
-pub use crate::runtime::cuda::{CudaBackend, CudaConfig, CudaKernels, CudaResources, LaunchDims};
-pub use compiled::{compile, Compiled, TensorInfo};
+pub use crate::runtime::cuda::{CudaBackend, CudaConfig, CudaKernels, CudaResources, GridDims};
 pub use cpu::{CpuJob, CpuTensor};
 #[cfg(feature = "cuda")]
 pub use cuda::{CudaJob, CudaTensor};
-pub use error::Error;
 pub use executor::{Bind, Bindings, Executor};
-pub use options::{parse, Options};

@@ -1,5 +1,5 @@
 //! Happens-before between the operations of one rank, shared by the CPU backend's dynamic
-//! race checker ([`crate::runtime::sim`]) and the static stream-order check
+//! race checker ([`crate::runtime::cpu`]) and the static stream-order check
 //! ([`crate::check`]).
 //!
 //! - [`clock`]: vector clocks over a rank's streams and communication labels ([`Clocks`]).

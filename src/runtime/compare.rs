@@ -1,13 +1,14 @@
-//! [`run_and_compare`]: random inputs, a sharded sim run, the level-1 reference, and a
+//! [`run_and_compare`]: random inputs, a sharded CPU run, the level-1 reference, and a
 //! per-output comparison.
 
 use std::collections::BTreeMap;
 use std::fmt;
 
-use meshflow_ir::{DType, HostProgram, OpKind, Program};
+use meshflow_ir::host::{InstKind, Role};
+use meshflow_ir::{DType, DeviceId, HostProgram, OpKind, Program};
 
 use super::data::{numel_of, try_collect, try_filled, DataError, SplitMix64, TensorData};
-use super::launch::{run_sim, LaunchError, SimInputs, SimOptions};
+use super::ranks::{run_cpu, CpuOptions, RunError, RunInputs};
 use super::reference::{evaluate_with, output_precision, ReferenceError};
 use super::shard::ShardError;
 
@@ -24,7 +25,7 @@ pub enum CompareError {
     },
     /// The sharded run failed.
     #[error(transparent)]
-    Run(#[from] LaunchError),
+    Run(#[from] RunError),
     /// Gathering outputs failed.
     #[error(transparent)]
     Shard(#[from] ShardError),
@@ -114,6 +115,86 @@ pub fn tolerance(dtype: DType) -> f64 {
     }
 }
 
+/// `k` distinct expert ids in `0..experts` per token (`k` = the last extent of `shape`).
+fn routing_ids(
+    dtype: DType,
+    shape: &[u64],
+    experts: u64,
+    seed: u64,
+) -> Result<TensorData, DataError> {
+    let k = shape.last().copied().unwrap_or(0).min(experts);
+    let n = numel_of(shape)?;
+    let tokens = n / shape.last().copied().unwrap_or(0).max(1);
+    let mut rng = SplitMix64::new(seed);
+    let mut ids = try_filled(0i64, n as usize)?;
+    ids.clear();
+    for _ in 0..tokens {
+        let start = ids.len();
+        while ids.len() - start < k as usize {
+            let e = rng.below(experts) as i64;
+            if !ids[start..].contains(&e) {
+                ids.push(e);
+            }
+        }
+    }
+    TensorData::from_i64(dtype, shape, &ids)
+}
+
+/// Seeded random local inputs of a host program (for runs without a level-1 program): every
+/// rank of an input's mesh gets the same tensor of the local shape; an integer input used as
+/// `moe_dispatch`'s `topk_idx` gets distinct valid expert ids per token, other tensors uniform
+/// values as [`TensorData::random`].
+pub fn random_local_inputs(
+    host: &HostProgram,
+    seed: u64,
+) -> Result<BTreeMap<DeviceId, BTreeMap<String, TensorData>>, CompareError> {
+    let mut per_rank: BTreeMap<DeviceId, BTreeMap<String, TensorData>> = BTreeMap::new();
+    let mut experts_of = BTreeMap::new();
+    host.walk(&mut |inst, _| {
+        if let InstKind::MoeDispatch {
+            team,
+            topk_idx,
+            expert_x,
+            ..
+        } = &inst.kind
+        {
+            let local = host.tensors.get(*expert_x).and_then(|t| {
+                let rank = t.shape.len();
+                rank.checked_sub(3).map(|i| t.shape[i])
+            });
+            if let (Some(local), Some(size)) = (local, team.size(&host.meshes)) {
+                experts_of.insert(*topk_idx, local * size as u64);
+            }
+        }
+    });
+    for (i, (id, t)) in host.tensors.iter().enumerate() {
+        if t.role != Role::Input {
+            continue;
+        }
+        let s = seed.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let err = |e: DataError| CompareError::Input {
+            name: t.name.clone(),
+            message: e.to_string(),
+        };
+        let data = match experts_of.get(&id) {
+            Some(&experts) => routing_ids(t.dtype, &t.shape, experts, s).map_err(err)?,
+            None => TensorData::random(t.dtype, &t.shape, s).map_err(err)?,
+        };
+        let devices = host
+            .meshes
+            .get(t.mesh)
+            .map(|m| m.mesh.devices().to_vec())
+            .unwrap_or_default();
+        for device in devices {
+            per_rank
+                .entry(device)
+                .or_default()
+                .insert(t.name.clone(), data.clone());
+        }
+    }
+    Ok(per_rank)
+}
+
 /// Seeded random inputs for `program`: an integer input used as `moe_dispatch`'s `topk_idx`
 /// gets `k` distinct valid expert ids per token; weights used by `moe_combine` are positive;
 /// other floats are uniform in `[-1, 1)`.
@@ -152,21 +233,7 @@ pub fn random_inputs(
                     message: format!("top-{k} routing needs at least {k} experts, has {experts}"),
                 });
             }
-            let n = numel_of(&shape).map_err(err)?;
-            let tokens = n / k.max(1);
-            let mut rng = SplitMix64::new(s);
-            let mut ids = try_filled(0i64, n as usize).map_err(err)?;
-            ids.clear();
-            for _ in 0..tokens {
-                let start = ids.len();
-                while ids.len() - start < k as usize {
-                    let e = rng.below(experts) as i64;
-                    if !ids[start..].contains(&e) {
-                        ids.push(e);
-                    }
-                }
-            }
-            TensorData::from_i64(dtype, &shape, &ids).map_err(err)?
+            routing_ids(dtype, &shape, experts, s).map_err(err)?
         } else if weights {
             let mut rng = SplitMix64::new(s);
             let n = numel_of(&shape).map_err(err)? as usize;
@@ -180,22 +247,22 @@ pub fn random_inputs(
     Ok(out)
 }
 
-/// Generates seeded inputs, runs `host` on `ranks` sim ranks, gathers the outputs of
+/// Generates seeded inputs, runs `host` on `ranks` CPU ranks, gathers the outputs of
 /// `level1`, evaluates the reference and compares every output. The kernels of
-/// `options.config` serve the run's `launch_kernel`s and the reference's `custom` ops alike.
+/// `options.config` serve the run's `call_kernel`s and the reference's `custom` ops alike.
 pub fn run_and_compare(
     level1: &Program,
     host: &HostProgram,
     ranks: usize,
     seed: u64,
-    options: &SimOptions,
+    options: &CpuOptions,
 ) -> Result<Comparison, CompareError> {
     let mut options = options.clone();
     options.ranks = Some(ranks);
     compare_with_reference(level1, seed, &options.config.kernels, |inputs| {
-        let outcome = run_sim(
+        let outcome = run_cpu(
             host,
-            SimInputs::Full {
+            RunInputs::Full {
                 program: level1,
                 inputs,
             },
@@ -211,7 +278,7 @@ pub fn run_and_compare(
 pub fn compare_with_reference<E: From<CompareError>>(
     level1: &Program,
     seed: u64,
-    kernels: &crate::runtime::sim::SimKernels,
+    kernels: &crate::runtime::cpu::CpuKernels,
     run: impl FnOnce(&BTreeMap<String, TensorData>) -> Result<BTreeMap<String, TensorData>, E>,
 ) -> Result<Comparison, E> {
     let inputs = random_inputs(level1, seed)?;

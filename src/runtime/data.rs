@@ -90,7 +90,7 @@ macro_rules! with_storage {
     };
 }
 
-/// The value written into fresh buffers by the sim backend so that reading uninitialized
+/// The value written into fresh buffers by the CPU backend so that reading uninitialized
 /// memory shows up: NaN for floats, this value for integers.
 pub const INT_POISON: i64 = -0x5A5A_5A5A;
 

@@ -3,7 +3,9 @@
 //!
 //! A device of the tensor's mesh holds, per logical axis, the elements whose device-parallel
 //! leaves equal its team index along that leaf's parallel type
-//! ([`Layout::local_to_global`]). Values have only the non-reduction axes. A tensor split over
+//! ([`Layout::local_to_global`]). Uneven pieces are padded to the largest piece of their level
+//! (the local shape is the same on every device); padding is zero when scattering and ignored
+//! when gathering. Values have only the non-reduction axes. A tensor split over
 //! devices on a reduction axis holds partial sums and cannot be scattered or gathered.
 //! Devices holding the same elements (replicas) must agree bit for bit when gathering.
 
@@ -187,14 +189,15 @@ impl Sharding {
         }
     }
 
-    /// For `device`, the flat global index of every local element (local row-major order).
-    fn global_indices(&self, device: DeviceId) -> Vec<usize> {
+    /// For `device`, the flat global index of every local element (local row-major order);
+    /// `None` for padding (a local element past the actual extent of an uneven piece).
+    fn global_indices(&self, device: DeviceId) -> Vec<Option<usize>> {
         let rank = self.layout.axes.len();
         let team = |pt: ParallelType| self.mesh.team_index(device, pt).unwrap_or(0) as u64;
         let local = self.layout.local_shape();
         let gstrides = super::view::contiguous_strides(&self.full_shape);
         // Per value axis: global offset contribution of each local index.
-        let tables: Vec<Vec<u64>> = self
+        let tables: Vec<Vec<Option<u64>>> = self
             .value_axes
             .iter()
             .zip(&gstrides)
@@ -203,7 +206,12 @@ impl Sharding {
                     .map(|li| {
                         let mut idx = vec![0u64; rank];
                         idx[a] = li;
-                        self.layout.local_to_global(&idx, team)[a] * gs
+                        // Axes are independent: only axis `a`'s answer matters here.
+                        let one = &self.layout.axes[a];
+                        let single = meshflow_ir::program::Layout {
+                            axes: vec![one.clone()],
+                        };
+                        single.local_to_global(&[li], team).map(|g| g[0] * gs)
                     })
                     .collect()
             })
@@ -215,7 +223,8 @@ impl Sharding {
         }
         let mut digit = vec![0usize; tables.len()];
         loop {
-            out.push(tables.iter().zip(&digit).map(|(t, &d)| t[d]).sum::<u64>() as usize);
+            let flat: Option<u64> = tables.iter().zip(&digit).map(|(t, &d)| t[d]).sum();
+            out.push(flat.map(|f| f as usize));
             let mut k = tables.len();
             loop {
                 if k == 0 {
@@ -245,12 +254,27 @@ impl Sharding {
         let mut out = BTreeMap::new();
         for &device in self.mesh.devices() {
             let idx = self.global_indices(device);
-            let storage = full
+            // Padding of uneven pieces is zero.
+            let valid: Vec<usize> = idx.iter().flatten().copied().collect();
+            let at: Vec<usize> = idx
+                .iter()
+                .enumerate()
+                .filter(|(_, g)| g.is_some())
+                .map(|(k, _)| k)
+                .collect();
+            let picked = full
                 .storage()
-                .pick(&idx)
+                .pick(&valid)
                 .expect("global indices lie inside the full tensor");
-            let local =
-                TensorData::new(shape.clone(), storage).expect("one element per local index");
+            let mut local =
+                TensorData::zeros(self.dtype, &shape).map_err(|e| ShardError::LocalType {
+                    tensor: self.name.clone(),
+                    device,
+                    expected: format!("{}{:?}", self.dtype, shape),
+                    actual: e.to_string(),
+                })?;
+            let ok = local.storage_mut().put(&at, &picked);
+            debug_assert!(ok, "one element per valid local index");
             out.insert(device, local);
         }
         Ok(out)
@@ -286,7 +310,12 @@ impl Sharding {
                 });
             }
             let idx = self.global_indices(device);
-            for (li, &gi) in idx.iter().enumerate() {
+            let mut valid = Vec::with_capacity(idx.len());
+            let mut picked_local = Vec::with_capacity(idx.len());
+            for (li, gi) in idx.iter().enumerate() {
+                let Some(gi) = *gi else { continue };
+                valid.push(gi);
+                picked_local.push(li);
                 if let Some(first) = owner[gi] {
                     if full.storage().bits(gi) != local.storage().bits(li) {
                         return Err(ShardError::ReplicaMismatch {
@@ -300,7 +329,11 @@ impl Sharding {
                     owner[gi] = Some(device);
                 }
             }
-            let ok = full.storage_mut().put(&idx, local.storage());
+            let values = local
+                .storage()
+                .pick(&picked_local)
+                .expect("valid local indices lie inside the local tensor");
+            let ok = full.storage_mut().put(&valid, &values);
             debug_assert!(ok, "local and full tensors have the same element type");
         }
         Ok(full)

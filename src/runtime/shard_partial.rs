@@ -72,11 +72,14 @@ pub fn scatter_partial(
         let mut sums = vec![0f64; local_value.iter().product::<u64>() as usize];
         for j in 0..n_local {
             let li = unravel(j, &local);
-            let gi = layout.local_to_global(&li, team);
-            let v = full
-                .storage()
-                .get_f32(ravel(&gi, &full_shape))
-                .unwrap_or(f32::NAN);
+            // Padding of an uneven piece holds zeros.
+            let v = match layout.local_to_global(&li, team) {
+                Some(gi) => full
+                    .storage()
+                    .get_f32(ravel(&gi, &full_shape))
+                    .unwrap_or(f32::NAN),
+                None => 0.0,
+            };
             let lv: Vec<u64> = value_axes.iter().map(|&a| li[a]).collect();
             sums[ravel(&lv, &local_value)] += f64::from(v);
         }

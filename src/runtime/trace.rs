@@ -1,7 +1,8 @@
 //! Chrome/Perfetto traces of a run: one `"X"` (complete) event per executed instruction, with
 //! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`
-//! (with, for a communication on GPUs, the transport that executed it).
-//! Open the JSON in `chrome://tracing` or <https://ui.perfetto.dev>.
+//! (with, for a communication on GPUs, the transport that executed it), and metadata events
+//! naming every process (`rank R`) and thread (`main`, `worker W`, `copy`) so viewers show
+//! those names. Open the JSON in `chrome://tracing` or <https://ui.perfetto.dev>.
 
 use std::fmt::Write as _;
 
@@ -51,14 +52,61 @@ fn escape(s: &str, out: &mut String) {
     }
 }
 
+/// The name of stream `stream` (0 = main, `1 + w` = worker `w`); with the size of the worker
+/// pool, streams above it are the CUDA backend's copy stream.
+pub fn stream_name(stream: usize, pool: Option<usize>) -> String {
+    match (stream, pool) {
+        (0, _) => "main".to_string(),
+        (s, Some(p)) if s > p => "copy".to_string(),
+        (s, _) => format!("worker {}", s - 1),
+    }
+}
+
 impl Trace {
-    /// The trace as Chrome trace-event JSON.
+    /// The trace as Chrome trace-event JSON (every stream above main named a worker).
     pub fn to_json(&self) -> String {
+        self.to_json_with_pool(None)
+    }
+
+    /// The trace as Chrome trace-event JSON; `pool` is the size of the worker-stream pool
+    /// (streams above it are named `copy`, see [`stream_name`]).
+    pub fn to_json_with_pool(&self, pool: Option<usize>) -> String {
         let mut out = String::from("{\"traceEvents\":[");
-        for (i, e) in self.events.iter().enumerate() {
-            if i > 0 {
+        let mut first = true;
+        let mut sep = |out: &mut String| {
+            if !std::mem::take(&mut first) {
                 out.push(',');
             }
+        };
+        let mut ranks: Vec<DeviceId> = self.events.iter().map(|e| e.rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        for &rank in &ranks {
+            sep(&mut out);
+            let _ = write!(
+                out,
+                "\n{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{rank},\"args\":{{\"name\":\"rank {rank}\"}}}},\
+                 \n{{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":{rank},\"args\":{{\"sort_index\":{rank}}}}}"
+            );
+            let mut streams: Vec<usize> = self
+                .events
+                .iter()
+                .filter(|e| e.rank == rank)
+                .map(|e| e.stream)
+                .collect();
+            streams.sort_unstable();
+            streams.dedup();
+            for stream in streams {
+                let _ = write!(
+                    out,
+                    ",\n{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{rank},\"tid\":{stream},\"args\":{{\"name\":\"{}\"}}}},\
+                     \n{{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":{rank},\"tid\":{stream},\"args\":{{\"sort_index\":{stream}}}}}",
+                    stream_name(stream, pool)
+                );
+            }
+        }
+        for e in &self.events {
+            sep(&mut out);
             out.push_str("\n{\"ph\":\"X\",\"name\":\"");
             escape(e.name, &mut out);
             let _ = write!(
@@ -88,6 +136,43 @@ impl Trace {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn ev(rank: DeviceId, stream: usize) -> TraceEvent {
+        TraceEvent {
+            rank,
+            stream,
+            name: "linear",
+            text: "linear(x, w -> \"y\")".into(),
+            iteration: vec![1],
+            start_us: 1.0,
+            dur_us: 2.0,
+            transport: None,
+        }
+    }
+
+    #[test]
+    fn processes_and_threads_are_named_by_rank_and_stream() {
+        let trace = Trace {
+            events: vec![ev(0, 0), ev(0, 2), ev(1, 1), ev(1, 3)],
+        };
+        let json = trace.to_json_with_pool(Some(2));
+        for want in [
+            r#"{"ph":"M","name":"process_name","pid":0,"args":{"name":"rank 0"}}"#,
+            r#"{"ph":"M","name":"process_name","pid":1,"args":{"name":"rank 1"}}"#,
+            r#"{"ph":"M","name":"thread_name","pid":0,"tid":0,"args":{"name":"main"}}"#,
+            r#"{"ph":"M","name":"thread_name","pid":0,"tid":2,"args":{"name":"worker 1"}}"#,
+            r#"{"ph":"M","name":"thread_name","pid":1,"tid":1,"args":{"name":"worker 0"}}"#,
+            r#"{"ph":"M","name":"thread_name","pid":1,"tid":3,"args":{"name":"copy"}}"#,
+        ] {
+            assert!(json.contains(want), "{want} missing from {json}");
+        }
+        assert_eq!(json.matches("\"ph\":\"X\"").count(), 4);
+        assert!(json.contains(r#""args":{"inst":"linear(x, w -> \"y\")","iteration":"1"}"#));
+        assert_eq!(
+            Trace::default().to_json(),
+            "{\"traceEvents\":[\n],\"displayTimeUnit\":\"ns\"}\n"
+        );
+    }
 
     #[test]
     fn a_communication_names_its_transport_in_the_args() {

@@ -105,11 +105,7 @@ impl Trace {
         let x_of = |t: f64| LABEL_W + (t - t0) / span * PLOT_W;
         for (i, (rank, stream)) in rows.iter().enumerate() {
             let y = TOP + ROW_H * i as f64;
-            let name = match (stream, pool) {
-                (0, _) => "main".to_string(),
-                (s, Some(p)) if *s > p => "copy".to_string(),
-                (s, _) => format!("worker {}", s - 1),
-            };
+            let name = super::trace::stream_name(*stream, pool);
             let fill = if i % 2 == 0 { "#f4f4f4" } else { "#ffffff" };
             let _ = writeln!(
                 s,

@@ -46,14 +46,6 @@ pub enum ViewError {
     },
 }
 
-/// The axis along which a collective cuts a buffer of `shape` into per-member chunks: the first
-/// axis whose extent is not 1, or 0. Leading size-1 axes change nothing in a row-major buffer,
-/// so the lowering may leave an exchanged axis behind them (issue 17, bug 1: both backends
-/// and the lowering agree on this axis).
-pub fn cut_axis(shape: &[u64]) -> usize {
-    shape.iter().position(|&e| e != 1).unwrap_or(0)
-}
-
 /// Row-major (contiguous) strides of `shape`.
 pub fn contiguous_strides(shape: &[u64]) -> Vec<u64> {
     let mut strides = vec![1u64; shape.len()];

@@ -1,7 +1,8 @@
 //! Pure scalar expressions of the host IR.
 //!
 //! Expressions are trees over integer constants, loop indices, `my(mesh, pt)` (this device's
-//! team index along `pt` in `mesh`) and `rank` (this device's id), combined with `+ - * / %`.
+//! team index along `pt` in `mesh`) and `rank` (this device's id), combined with `+ - * / %`
+//! and `min(a, b)`, `max(a, b)` (the per-rank sizes of uneven shards need them).
 //! They have no side effects and are evaluated afresh at every use, per rank and per loop
 //! iteration, so there is no stale loop-carried state.
 //!
@@ -37,10 +38,14 @@ pub enum BinOp {
     Div,
     /// `%` (Euclidean remainder)
     Mod,
+    /// `min(a, b)`
+    Min,
+    /// `max(a, b)`
+    Max,
 }
 
 impl BinOp {
-    /// The operator's symbol.
+    /// The operator's symbol (the function name of `min` and `max`).
     pub fn symbol(self) -> &'static str {
         match self {
             BinOp::Add => "+",
@@ -48,14 +53,22 @@ impl BinOp {
             BinOp::Mul => "*",
             BinOp::Div => "/",
             BinOp::Mod => "%",
+            BinOp::Min => "min",
+            BinOp::Max => "max",
         }
     }
 
-    /// Binding strength: `* / %` bind tighter than `+ -`.
+    /// True for `min` and `max`, written as calls `min(a, b)`.
+    pub fn is_call(self) -> bool {
+        matches!(self, BinOp::Min | BinOp::Max)
+    }
+
+    /// Binding strength: calls bind tightest, then `* / %`, then `+ -`.
     pub fn precedence(self) -> u8 {
         match self {
             BinOp::Add | BinOp::Sub => 1,
             BinOp::Mul | BinOp::Div | BinOp::Mod => 2,
+            BinOp::Min | BinOp::Max => 3,
         }
     }
 }
@@ -160,6 +173,16 @@ impl Expr {
         Expr::bin(BinOp::Mod, self, rhs)
     }
 
+    /// `min(self, rhs)`.
+    pub fn min(self, rhs: Expr) -> Expr {
+        Expr::bin(BinOp::Min, self, rhs)
+    }
+
+    /// `max(self, rhs)`.
+    pub fn max(self, rhs: Expr) -> Expr {
+        Expr::bin(BinOp::Max, self, rhs)
+    }
+
     /// The constant value, when the expression is a constant.
     pub fn as_const(&self) -> Option<i64> {
         match self {
@@ -193,6 +216,8 @@ impl Expr {
                     }
                     BinOp::Div => a.checked_div_euclid(b).ok_or_else(overflow),
                     BinOp::Mod => a.checked_rem_euclid(b).ok_or_else(overflow),
+                    BinOp::Min => Ok(a.min(b)),
+                    BinOp::Max => Ok(a.max(b)),
                 }
             }
         }
@@ -244,12 +269,21 @@ impl DisplayExpr<'_> {
             Expr::Loop(v) => write!(f, "{v}"),
             Expr::MyIndex { mesh, pt } => write!(f, "my({}, {pt})", (self.mesh_name)(*mesh)),
             Expr::Rank => f.write_str("rank"),
+            Expr::Bin(op, a, b) if op.is_call() => {
+                write!(f, "{}(", op.symbol())?;
+                self.write(a, f)?;
+                f.write_str(", ")?;
+                self.write(b, f)?;
+                f.write_str(")")
+            }
             Expr::Bin(op, a, b) => {
                 let p = op.precedence();
                 // Left operands need parentheses only when they bind looser; right operands
                 // also when they bind equally (all operators are left-associative).
-                let left_paren = matches!(**a, Expr::Bin(o, ..) if o.precedence() < p);
-                let right_paren = matches!(**b, Expr::Bin(o, ..) if o.precedence() <= p);
+                let left_paren =
+                    matches!(**a, Expr::Bin(o, ..) if !o.is_call() && o.precedence() < p);
+                let right_paren =
+                    matches!(**b, Expr::Bin(o, ..) if !o.is_call() && o.precedence() <= p);
                 if left_paren {
                     f.write_str("(")?;
                 }

@@ -164,8 +164,12 @@ impl ReduceOp {
 
 /// The kind of a collective [`InstKind::Communication`].
 ///
-/// Buffers (team size `d`, team-relative root `r`):
-/// - `all_gather`: `out` = `d` equal chunks along axis 0, chunk `j` from member `j`.
+/// Buffers (team size `d`, team-relative root `r`). A *chunk* is one of `d` equal contiguous
+/// pieces of a buffer's row-major elements (NCCL's convention): the buffer's shape does not
+/// matter, so `[1, 12]` over 4 members is 4 chunks of 3 elements, and `[2, 6]` 4 chunks of 3.
+/// The lowering stages an exchanged axis to the front (a `permute`) when the chunks would not
+/// be slabs along it.
+/// - `all_gather`: `out` = `d` chunks, chunk `j` from member `j`.
 /// - `reduce_scatter`: `in` = `d` chunks; member `j` gets the reduction of chunk `j`.
 /// - `all_reduce`: `out` = the reduction of every member's `in`.
 /// - `broadcast`: `out` on every member = `in` of member `r`.
@@ -484,6 +488,22 @@ pub enum InstKind {
         /// The chunk index, in `0..chunks`.
         index: Expr,
     },
+    /// `out` becomes a view of elements `[start, start + length)` of `input` along `axis`: a
+    /// per-rank piece of a padded buffer (the valid part of an uneven shard, or one member's
+    /// slot). `start` and `length` are evaluated per rank and iteration; `out`'s declared
+    /// extent along `axis` is its capacity, at least every `length`.
+    Narrow {
+        /// The view.
+        out: HostTensorId,
+        /// The tensor viewed.
+        input: HostTensorId,
+        /// The axis narrowed.
+        axis: usize,
+        /// First element along `axis`.
+        start: Expr,
+        /// Number of elements along `axis`.
+        length: Expr,
+    },
     /// A collective over `team`, posted on the current stream (see [`CommKind`]).
     Communication {
         /// The label a `wait` names.
@@ -579,8 +599,8 @@ pub enum InstKind {
         /// Outputs (written in place).
         outputs: Vec<HostTensorId>,
     },
-    /// Launches a kernel registered by name with the backend (an embedder's own kernel).
-    LaunchKernel {
+    /// Calls a kernel registered by name with the backend (an embedder's own kernel).
+    CallKernel {
         /// The registered name.
         kernel: String,
         /// Inputs.
@@ -603,6 +623,7 @@ impl InstKind {
             InstKind::SetCurrentStream { .. } => "set_current_stream",
             InstKind::Synchronize { .. } => "synchronize",
             InstKind::ShardByStream { .. } => "shard_by_stream",
+            InstKind::Narrow { .. } => "narrow",
             InstKind::Communication { kind, .. } => kind.name(),
             InstKind::CollectivePermute { .. } => "collective_permute",
             InstKind::Wait { .. } => "wait",
@@ -611,7 +632,7 @@ impl InstKind {
             InstKind::MoeDispatch { .. } => "moe_dispatch",
             InstKind::MoeCombine { .. } => "moe_combine",
             InstKind::Compute { op, .. } => op.name(),
-            InstKind::LaunchKernel { .. } => "launch_kernel",
+            InstKind::CallKernel { .. } => "call_kernel",
         }
     }
 
@@ -652,7 +673,7 @@ impl InstKind {
                 topk_weights,
                 ..
             } => vec![*expert_y, *expert_counts, *routing, *topk_weights],
-            InstKind::Compute { inputs, .. } | InstKind::LaunchKernel { inputs, .. } => {
+            InstKind::Compute { inputs, .. } | InstKind::CallKernel { inputs, .. } => {
                 inputs.clone()
             }
             _ => Vec::new(),
@@ -672,7 +693,7 @@ impl InstKind {
                 ..
             } => vec![*expert_x, *expert_counts, *routing],
             InstKind::MoeCombine { out, .. } => vec![*out],
-            InstKind::Compute { outputs, .. } | InstKind::LaunchKernel { outputs, .. } => {
+            InstKind::Compute { outputs, .. } | InstKind::CallKernel { outputs, .. } => {
                 outputs.clone()
             }
             _ => Vec::new(),
@@ -683,7 +704,9 @@ impl InstKind {
     pub fn tensors(&self) -> Vec<HostTensorId> {
         match self {
             InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => vec![*tensor],
-            InstKind::ShardByStream { out, input, .. } => vec![*out, *input],
+            InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. } => {
+                vec![*out, *input]
+            }
             _ => {
                 let mut t = self.reads();
                 t.extend(self.writes());
@@ -703,13 +726,14 @@ impl InstKind {
                 stream: StreamRef::Worker(e),
             } => vec![e],
             InstKind::ShardByStream { index, .. } => vec![index],
+            InstKind::Narrow { start, length, .. } => vec![start, length],
             InstKind::Communication { root: Some(r), .. } => vec![r],
             InstKind::CollectivePermute {
                 send_peer,
                 recv_peer,
                 ..
             } => vec![send_peer, recv_peer],
-            InstKind::LaunchKernel { args, .. } => args.iter().collect(),
+            InstKind::CallKernel { args, .. } => args.iter().collect(),
             _ => Vec::new(),
         }
     }
@@ -863,6 +887,35 @@ impl HostProgram {
             }
         });
         CommId(next)
+    }
+
+    /// True when `t` is viewed through a `narrow` (directly or through other views): its
+    /// buffer is padded for uneven shards, and the program need not write the padding.
+    pub fn is_padded(&self, t: HostTensorId) -> bool {
+        let mut parent = std::collections::HashMap::new();
+        let mut narrowed = Vec::new();
+        self.walk(&mut |inst, _| match &inst.kind {
+            InstKind::ShardByStream { out, input, .. } => {
+                parent.insert(*out, *input);
+            }
+            InstKind::Narrow { out, input, .. } => {
+                parent.insert(*out, *input);
+                narrowed.push(*input);
+            }
+            _ => {}
+        });
+        narrowed.into_iter().any(|mut v| {
+            for _ in 0..=parent.len() {
+                if v == t {
+                    return true;
+                }
+                match parent.get(&v) {
+                    Some(&p) => v = p,
+                    None => return false,
+                }
+            }
+            false
+        })
     }
 
     /// A name not yet used by any tensor, built from `base`.

@@ -1,8 +1,8 @@
 //! Integer expressions of both text formats.
 //!
 //! Both levels share one syntax: integer literals (a `-` directly before a literal makes a
-//! negative literal), names, `my(MESH, PT)`, parentheses and `+ - * / %` with the usual
-//! precedence, left-associative. The parser builds a [`PExpr`] tree; level 1 evaluates it
+//! negative literal), names, `my(MESH, PT)`, `min(a, b)`, `max(a, b)`, parentheses and
+//! `+ - * / %` with the usual precedence, left-associative. The parser builds a [`PExpr`] tree; level 1 evaluates it
 //! against its parameters ([`Params`]), the host parser converts it to an [`Expr`].
 
 use super::cursor::{error_at, numbered, Cursor, NameTable, MAX_DEPTH};
@@ -165,6 +165,20 @@ fn parse_primary(cur: &mut Cursor, depth: usize) -> Result<PExpr, ParseError> {
             cur.expect_punct(")")?;
             Ok(inner)
         }
+        Tok::Ident(name) if (name == "min" || name == "max") && cur.is_punct_at(1, "(") => {
+            let op = if name == "min" {
+                BinOp::Min
+            } else {
+                BinOp::Max
+            };
+            cur.bump();
+            cur.bump();
+            let a = parse_sum(cur, depth + 1)?;
+            cur.expect_punct(",")?;
+            let b = parse_sum(cur, depth + 1)?;
+            cur.expect_punct(")")?;
+            make_bin(op, a, b, pos)
+        }
         Tok::Ident(name) if name == "my" && cur.is_punct_at(1, "(") => {
             cur.bump();
             cur.bump();
@@ -254,6 +268,8 @@ pub(crate) fn eval(e: &PExpr, params: &ParamValues) -> Result<i128, ParseError> 
                 }
                 BinOp::Div => x.checked_div_euclid(y),
                 BinOp::Mod => x.checked_rem_euclid(y),
+                BinOp::Min => Some(x.min(y)),
+                BinOp::Max => Some(x.max(y)),
             };
             v.filter(|v| v.unsigned_abs() <= u128::from(u64::MAX))
                 .ok_or_else(|| {

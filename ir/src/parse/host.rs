@@ -274,6 +274,10 @@ impl HostParser {
                 let out = self.tensors.get(&lhs_name, lhs.pos)?;
                 self.shard_by_stream(out)
             }
+            "narrow" => {
+                let out = self.tensors.get(&lhs_name, lhs.pos)?;
+                self.narrow(out)
+            }
             "collective_permute" => {
                 let id = comm_id(&rhs)?;
                 self.collective_permute(id)
@@ -291,8 +295,8 @@ impl HostParser {
                     rhs_pos,
                     format!(
                         "unknown instruction `{rhs}` (expected get_current_stream, \
-                         end_coalescing, shard_by_stream, a collective, collective_permute, \
-                         moe_dispatch or moe_combine)"
+                         end_coalescing, shard_by_stream, narrow, a collective, \
+                         collective_permute, moe_dispatch or moe_combine)"
                     ),
                 )),
             },
@@ -321,6 +325,31 @@ impl HostParser {
             axis,
             chunks,
             index,
+        })
+    }
+
+    fn narrow(&mut self, out: HostTensorId) -> Result<InstKind, ParseError> {
+        self.cur.expect_punct("(")?;
+        let input = self.tensor()?;
+        self.cur.expect_punct(",")?;
+        self.cur.expect_word("axis")?;
+        self.cur.expect_punct("=")?;
+        let (axis, _) = self.cur.expect_usize("an axis")?;
+        self.cur.expect_punct(",")?;
+        self.cur.expect_word("start")?;
+        self.cur.expect_punct("=")?;
+        let start = self.expr()?;
+        self.cur.expect_punct(",")?;
+        self.cur.expect_word("length")?;
+        self.cur.expect_punct("=")?;
+        let length = self.expr()?;
+        self.cur.expect_punct(")")?;
+        Ok(InstKind::Narrow {
+            out,
+            input,
+            axis,
+            start,
+            length,
         })
     }
 }

@@ -1,5 +1,5 @@
 //! Host instructions written as calls: communications (`cN = kind(in -> out, team=...)`),
-//! MoE dispatch and combine, compute ops and `launch_kernel`, with their attributes.
+//! MoE dispatch and combine, compute ops and `call_kernel`, with their attributes.
 
 use super::cursor::{error_at, Cursor};
 use super::expr::parse_parallel_type;
@@ -241,10 +241,11 @@ impl HostParser {
         })
     }
 
-    /// `op(INS -> OUTS, ...)` and `launch_kernel(...)`.
+    /// `op(INS -> OUTS, ...)` and `call_kernel(...)` (also read under its earlier spelling
+    /// `launch_kernel`).
     pub(super) fn call(&mut self) -> Result<InstKind, ParseError> {
         let (name, name_pos) = self.cur.expect_ident("an instruction")?;
-        if name == "launch_kernel" {
+        if name == "call_kernel" || name == "launch_kernel" {
             let (mut kernel, mut args) = (None, Vec::new());
             let (inputs, outputs, attrs) =
                 self.args(&name, &["kernel", "args"], &mut |p, key| {
@@ -264,7 +265,7 @@ impl HostParser {
                     }
                     Ok(())
                 })?;
-            return Ok(InstKind::LaunchKernel {
+            return Ok(InstKind::CallKernel {
                 kernel: kernel.ok_or_else(|| attrs.missing("kernel"))?,
                 inputs,
                 outputs,
@@ -295,7 +296,7 @@ impl HostParser {
                     name_pos,
                     format!(
                         "unknown instruction `{name}` (expected a compute op such as `linear`, \
-                         or `launch_kernel`)"
+                         or `call_kernel`)"
                     ),
                 ))
             }

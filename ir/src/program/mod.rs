@@ -315,7 +315,7 @@ pub enum OpKind {
 /// An op that mixes elements along an axis (a softmax over rows, a reduction) is still
 /// correct as long as that axis is never split; meshflow cannot check this.
 ///
-/// Lowering turns it into `launch_kernel(inputs -> outputs, kernel=KERNEL, args=[ARGS..,
+/// Lowering turns it into `call_kernel(inputs -> outputs, kernel=KERNEL, args=[ARGS..,
 /// SHAPE..])`: the op's `args`, then the local (per-device, per-chunk) extents of the first
 /// output, outermost first, so a device kernel knows the sizes of the chunk it is given. On
 /// the CPU backend the registered closure also serves as the op's reference (the level-1

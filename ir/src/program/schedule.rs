@@ -7,14 +7,22 @@
 //!
 //! | transform | effect on loop axis `a` of extent `E` |
 //! |---|---|
-//! | `outer_split(a, p)` | `[p, E/p]`: the outer axis has extent `p` (the one usually parallelized) |
-//! | `inner_split(a, f)` | `[E/f, f]` |
+//! | `outer_split(a, p)` | `[p, ceil(E/p)]`: the outer axis has extent `p` (the one usually parallelized) |
+//! | `inner_split(a, f)` | `[E/f, f]` (`f` must divide `E`) |
 //! | `merge(a)` | axes `a` and `a+1` become one axis of extent `E_a * E_{a+1}` |
 //! | `reorder(o0, o1, ...)` | new loop axis `k` is old loop axis `o_k` (a permutation) |
 //! | `swizzle1d(a, pt)` | same extent; stream iteration `i` visits chunk `(i + my_index(pt)) % E` |
 //! | `parallelize(a, pt)` | marks the axis `DIDx/DIDy/DIDz/Stream/Serial` |
 //!
-//! Splits must divide their extent exactly (ragged splits are not supported).
+//! An `outer_split` need not divide its extent: it cuts by **the chunk rule** (PyTorch's
+//! `torch.chunk`, DTensor's `Shard`): chunks of `c = ceil(E/p)` elements, chunk `k` covering
+//! `[min(k c, E), min((k + 1) c, E))`, so trailing chunks are shorter or empty (10 over 4 is
+//! `3, 3, 3, 1`; 5 over 4 is `2, 2, 1, 0`). Its inner axis has the extent `c` of the largest
+//! chunk. Such a *ragged* split must be part of a **chain**: every split of the logical axis
+//! cuts the inner piece of the previous one (`outer_split(a, p)`, then `outer_split(a + 1, q)`,
+//! ...), never an outer piece, and the chunk rule applies level by level to the actual extent
+//! of the piece being cut (18 rows over `[4, 2]` give `3, 2, 3, 2, 3, 2, 2, 1`). An
+//! `inner_split` must divide.
 //!
 //! **Layout.** Each logical axis is cut by the splits derived from it into *leaves* (loop
 //! axes). The global index along the axis is the row-major (mixed-radix) combination of its
@@ -109,8 +117,8 @@ pub enum ScheduleError {
         /// The loop domain's rank at that point.
         rank: usize,
     },
-    /// A split does not divide its axis.
-    #[error("transform #{index} `{transform}`: extent {extent} is not divisible by {by} (ragged splits are not supported)")]
+    /// An inner split does not divide its axis.
+    #[error("transform #{index} `{transform}`: extent {extent} is not divisible by {by} (only an outer_split may cut unevenly, by the chunk rule)")]
     NonDivisibleSplit {
         /// Position of the transform in the schedule.
         index: usize,
@@ -124,6 +132,14 @@ pub enum ScheduleError {
     /// A split by zero.
     #[error("transform #{index} `{transform}`: split factor must be at least 1")]
     ZeroSplit {
+        /// Position of the transform in the schedule.
+        index: usize,
+        /// The transform, printed.
+        transform: String,
+    },
+    /// A merge whose extent does not fit in 64 bits.
+    #[error("transform #{index} `{transform}`: the merged extent does not fit in 64 bits")]
+    ExtentOverflow {
         /// Position of the transform in the schedule.
         index: usize,
         /// The transform, printed.
@@ -193,6 +209,9 @@ pub struct IterDomain {
     pub pt: ParallelType,
     /// How it was derived.
     pub def: IdDef,
+    /// True for the inner piece of an `outer_split` that does not divide its input: its
+    /// extent is the largest chunk's, and some chunks are shorter.
+    pub ragged: bool,
 }
 
 /// The replayed loop domain of a tensor: every iteration domain ever created, and which of
@@ -219,6 +238,7 @@ impl LoopDomain {
                 reduction,
                 pt: ParallelType::Serial,
                 def: IdDef::Logical(i),
+                ragged: false,
             })
             .collect();
         let mut loop_axes: Vec<IdIndex> = (0..ids.len()).collect();
@@ -241,7 +261,8 @@ impl LoopDomain {
                         });
                     }
                     let extent = ids[id].extent;
-                    if !extent.is_multiple_of(by) {
+                    let ragged = !extent.is_multiple_of(by);
+                    if ragged && !outer_given {
                         return Err(ScheduleError::NonDivisibleSplit {
                             index,
                             transform: t.to_string(),
@@ -250,7 +271,7 @@ impl LoopDomain {
                         });
                     }
                     let (outer_extent, inner_extent) = if outer_given {
-                        (by, extent / by)
+                        (by, extent.div_ceil(by))
                     } else {
                         (extent / by, by)
                     };
@@ -264,6 +285,7 @@ impl LoopDomain {
                             input: id,
                             outer: true,
                         },
+                        ragged: false,
                     });
                     ids.push(IterDomain {
                         extent: inner_extent,
@@ -273,6 +295,7 @@ impl LoopDomain {
                             input: id,
                             outer: false,
                         },
+                        ragged,
                     });
                     loop_axes.splice(axis..=axis, [outer, outer + 1]);
                 }
@@ -282,11 +305,18 @@ impl LoopDomain {
                     }
                     let (o, i) = (loop_axes[axis], loop_axes[axis + 1]);
                     let merged = ids.len();
+                    let extent = ids[o].extent.checked_mul(ids[i].extent).ok_or_else(|| {
+                        ScheduleError::ExtentOverflow {
+                            index,
+                            transform: t.to_string(),
+                        }
+                    })?;
                     ids.push(IterDomain {
-                        extent: ids[o].extent * ids[i].extent,
+                        extent,
                         reduction: ids[o].reduction && ids[i].reduction,
                         pt: ParallelType::Serial,
                         def: IdDef::Merge { outer: o, inner: i },
+                        ragged: ids[o].ragged || ids[i].ragged,
                     });
                     loop_axes.splice(axis..=axis + 1, [merged]);
                 }
@@ -321,6 +351,7 @@ impl LoopDomain {
                         reduction: ids[id].reduction,
                         pt: ids[id].pt,
                         def: IdDef::Swizzle { input: id, pt },
+                        ragged: ids[id].ragged,
                     });
                     loop_axes[axis] = sw;
                 }
@@ -393,6 +424,24 @@ pub enum LayoutError {
         /// Second loop axis position.
         second: usize,
     },
+    /// A ragged split that is not part of a chain of outer splits.
+    #[error("logical axis {axis} is split unevenly, but not as a chain of outer splits (each split must cut the inner piece of the previous one); the chunk rule is defined only for chains")]
+    RaggedNotChain {
+        /// The logical axis.
+        axis: usize,
+    },
+    /// A ragged axis merged with another.
+    #[error("logical axis {axis} is split unevenly and merged with another axis; uneven pieces cannot be merged")]
+    RaggedMerge {
+        /// The logical axis.
+        axis: usize,
+    },
+    /// The pieces of an unevenly split axis cover more elements than fit in 64 bits.
+    #[error("logical axis {axis} is split into pieces whose extents multiply past 2^64")]
+    ExtentOverflow {
+        /// The logical axis.
+        axis: usize,
+    },
     /// A swizzle on an axis that is not Stream-parallel.
     #[error("loop axis {position} is swizzled along {swizzle} but is parallelized {pt}; swizzle1d is only meaningful on a Stream axis")]
     SwizzleNotStream {
@@ -431,6 +480,12 @@ pub struct AxisLayout {
     /// Leaves in outer-to-inner order (mixed radix of the global index). Empty when the axis
     /// only feeds merges (then it is treated as one serial piece).
     pub leaves: Vec<Leaf>,
+    /// True when a split of the axis does not divide: the leaves then form a chain of outer
+    /// splits whose extents are those of the largest pieces (the *padded* extents), and each
+    /// level cuts the actual extent of its piece by the chunk rule (see the module docs).
+    /// Strides are then those of the padded extents: they describe which level a leaf is, not
+    /// where its elements lie.
+    pub ragged: bool,
 }
 
 impl AxisLayout {
@@ -442,6 +497,36 @@ impl AxisLayout {
     /// The Stream leaf of this axis, if any.
     pub fn stream_leaf(&self) -> Option<&Leaf> {
         self.leaves.iter().find(|l| l.pt == ParallelType::Stream)
+    }
+
+    /// The actual extent of the piece a device holds (or a stream iteration visits) along
+    /// this axis, given the digit of every leaf before the innermost: `digit(k)` for leaf `k`
+    /// (its team index, stream chunk or local index). `level_extent(digits, k)` is the extent of
+    /// the piece that leaf `k` cuts; `level_extent(digits, leaves.len())` the last piece's.
+    /// Returns `(offset, extent)` of that piece along the logical axis.
+    pub fn piece(&self, digit: impl Fn(usize) -> u64, levels: usize) -> (u64, u64) {
+        let (mut start, mut len) = (0u64, self.extent);
+        if self.leaves.is_empty() {
+            return (start, len);
+        }
+        for (k, leaf) in self.leaves.iter().enumerate().take(levels) {
+            if k + 1 == self.leaves.len() && !self.ragged {
+                break;
+            }
+            let d = digit(k);
+            if self.ragged {
+                // The chunk rule on the actual extent of this level.
+                let c = len.div_ceil(leaf.extent.max(1));
+                let lo = (d * c).min(len);
+                let hi = ((d + 1) * c).min(len);
+                start += lo;
+                len = hi - lo;
+            } else {
+                start += d * leaf.stride;
+                len = leaf.stride;
+            }
+        }
+        (start, len)
     }
 
     /// Local extent: the product of the extents of leaves that are not device-parallel.
@@ -515,6 +600,7 @@ impl Layout {
                 extent: domain.ids[i].extent,
                 reduction: domain.ids[i].reduction,
                 leaves: Vec::new(),
+                ragged: false,
             })
             .collect();
         // Walk each loop axis back to its logical axis through splits and swizzles.
@@ -552,8 +638,22 @@ impl Layout {
                 let id = domain.loop_axes[l.position];
                 order.iter().position(|&o| o == id).unwrap_or(usize::MAX)
             });
-            let covered: u64 = leaves.iter().map(|l| l.extent).product();
-            if covered != layout.extent {
+            let covered = leaves
+                .iter()
+                .try_fold(1u64, |acc, l| acc.checked_mul(l.extent))
+                .ok_or(LayoutError::ExtentOverflow { axis })?;
+            let ragged = subtree_ragged(domain, axis);
+            if ragged {
+                if covered != virtual_extent(domain, axis) {
+                    return Err(LayoutError::RaggedMerge { axis });
+                }
+                if !is_chain(domain, axis) {
+                    return Err(LayoutError::RaggedNotChain { axis });
+                }
+                layout.ragged = true;
+            }
+            let padded = if ragged { covered } else { layout.extent };
+            if covered != padded {
                 // Part of this axis went into a merge: treat it as one serial piece.
                 if leaves.iter().any(|l| l.pt != ParallelType::Serial) {
                     let l = leaves
@@ -567,7 +667,7 @@ impl Layout {
                 layout.leaves = Vec::new();
                 continue;
             }
-            let mut stride = layout.extent;
+            let mut stride = padded;
             for leaf in &mut leaves {
                 stride /= leaf.extent.max(1);
                 leaf.stride = stride;
@@ -630,18 +730,19 @@ impl Layout {
     }
 
     /// Maps a local index (per logical axis) of the device with the given team indices to the
-    /// global index. `team_index(pt)` returns the device's index along `pt`.
+    /// global index, or `None` when the local index is padding (past the actual extent of an
+    /// uneven piece). `team_index(pt)` returns the device's index along `pt`.
     pub fn local_to_global(
         &self,
         local: &[u64],
         team_index: impl Fn(ParallelType) -> u64,
-    ) -> Vec<u64> {
+    ) -> Option<Vec<u64>> {
         self.axes
             .iter()
             .zip(local)
             .map(|(a, &li)| {
                 if a.leaves.is_empty() {
-                    return li;
+                    return Some(li);
                 }
                 // Decompose the local index over the non-device leaves (row-major).
                 let mut rest = li;
@@ -650,17 +751,92 @@ impl Layout {
                     if leaf.pt.is_device() {
                         digits[k] = team_index(leaf.pt);
                     } else {
-                        digits[k] = rest % leaf.extent;
-                        rest /= leaf.extent;
+                        digits[k] = rest % leaf.extent.max(1);
+                        rest /= leaf.extent.max(1);
                     }
                 }
-                a.leaves
-                    .iter()
-                    .zip(&digits)
-                    .map(|(l, &d)| d * l.stride)
-                    .sum()
+                if !a.ragged {
+                    return Some(
+                        a.leaves
+                            .iter()
+                            .zip(&digits)
+                            .map(|(l, &d)| d * l.stride)
+                            .sum(),
+                    );
+                }
+                // Every level but the last cuts its piece by the chunk rule; the last digit
+                // indexes into the last piece.
+                let n = a.leaves.len();
+                let (start, len) = a.piece(|k| digits[k], n - 1);
+                let last = digits[n - 1];
+                (last < len).then_some(start + last)
             })
             .collect()
+    }
+}
+
+/// True when a split below logical axis `axis` is ragged.
+fn subtree_ragged(domain: &LoopDomain, axis: usize) -> bool {
+    fn below(domain: &LoopDomain, id: IdIndex) -> bool {
+        domain.ids[id].ragged
+            || domain.ids.iter().enumerate().any(|(i, d)| match d.def {
+                IdDef::Split { input, .. } | IdDef::Swizzle { input, .. } if input == id => {
+                    below(domain, i)
+                }
+                _ => false,
+            })
+    }
+    below(domain, axis)
+}
+
+/// The extent of logical axis `axis` as its leaves cover it: the product of the largest pieces
+/// of every split (the axis' own extent when every split divides).
+fn virtual_extent(domain: &LoopDomain, axis: usize) -> u64 {
+    fn virt(domain: &LoopDomain, id: IdIndex) -> u64 {
+        let mut split = None;
+        let mut swizzled = None;
+        for (i, d) in domain.ids.iter().enumerate() {
+            match d.def {
+                IdDef::Split { input, outer: true } if input == id => split = Some((i, i + 1)),
+                IdDef::Swizzle { input, .. } if input == id => swizzled = Some(i),
+                _ => {}
+            }
+        }
+        match (split, swizzled) {
+            (Some((o, i)), _) => virt(domain, o).saturating_mul(virt(domain, i)),
+            (None, Some(s)) => virt(domain, s),
+            (None, None) => domain.ids[id].extent,
+        }
+    }
+    virt(domain, axis)
+}
+
+/// True when every split of logical axis `axis` cuts the inner piece of the previous one (no
+/// outer piece is split again).
+fn is_chain(domain: &LoopDomain, axis: usize) -> bool {
+    let mut node = axis;
+    loop {
+        let mut next = None;
+        for (i, d) in domain.ids.iter().enumerate() {
+            match d.def {
+                IdDef::Split { input, outer: true } if input == node => {
+                    // The outer piece must be a leaf (possibly swizzled).
+                    let outer_split = domain.ids.iter().any(|e| {
+                        matches!(e.def, IdDef::Split { input: x, .. } if x == i || domain.unswizzled(x) == i)
+                    });
+                    if outer_split {
+                        return false;
+                    }
+                    next = Some(i + 1);
+                }
+                IdDef::Swizzle { input, .. } if input == node => next = Some(i),
+                _ => {}
+            }
+        }
+        match next {
+            Some(n) => node = n,
+            None => return true,
+        }
     }
 }
 

@@ -103,6 +103,20 @@ impl Printer<'_> {
                     self.tensor(*input),
                     self.expr(index)
                 )?,
+                InstKind::Narrow {
+                    out,
+                    input,
+                    axis,
+                    start,
+                    length,
+                } => writeln!(
+                    f,
+                    "{} = narrow({}, axis={axis}, start={}, length={})",
+                    self.tensor(*out),
+                    self.tensor(*input),
+                    self.expr(start),
+                    self.expr(length)
+                )?,
                 InstKind::Communication {
                     id,
                     kind,
@@ -202,7 +216,7 @@ impl Printer<'_> {
                     }
                     f.write_str(")\n")?;
                 }
-                InstKind::LaunchKernel {
+                InstKind::CallKernel {
                     kernel,
                     inputs,
                     outputs,
@@ -210,7 +224,7 @@ impl Printer<'_> {
                 } => {
                     write!(
                         f,
-                        "launch_kernel({} -> {}, kernel=\"{}\"",
+                        "call_kernel({} -> {}, kernel=\"{}\"",
                         self.tensors(inputs),
                         self.tensors(outputs),
                         kernel.escape_default()

@@ -50,7 +50,7 @@ pub(super) fn check(p: &HostProgram) -> Vec<Diagnostic> {
     let mut views = HashSet::new();
     let mut allocated_somewhere = HashSet::new();
     p.walk(&mut |inst, _| match &inst.kind {
-        InstKind::ShardByStream { out, .. } => {
+        InstKind::ShardByStream { out, .. } | InstKind::Narrow { out, .. } => {
             views.insert(*out);
         }
         InstKind::Allocate { tensor } => {
@@ -281,9 +281,12 @@ impl HostChecker<'_> {
                     }
                 }
             }
-            InstKind::ShardByStream { out, input, .. } if handles_ok => {
+            InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. }
+                if handles_ok =>
+            {
                 self.use_tensor(*input, "viewed", &text, here);
                 self.shard_by_stream(kind, here);
+                self.narrow(kind, here);
                 self.live_views.insert(*out, depth);
                 self.seen_views.insert(*out);
             }

@@ -30,6 +30,116 @@ impl HostChecker<'_> {
         }
     }
 
+    /// A view's own rules (shared by `shard_by_stream` and `narrow`): not a view of itself,
+    /// internal, same dtype and mesh, an axis in range. Returns the view, the viewed tensor
+    /// and the viewed extent along the axis when they hold.
+    fn view_rules(
+        &mut self,
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        here: &Location,
+    ) -> Option<(HostTensor, HostTensor, u64)> {
+        let (Some(v), Some(t)) = (self.decl(out).cloned(), self.decl(input).cloned()) else {
+            return None;
+        };
+        if out == input {
+            self.push(here, format!("`{}` cannot be a view of itself", v.name));
+            return None;
+        }
+        if v.role != Role::Internal {
+            self.push(
+                here,
+                format!(
+                    "view `{}` must be declared `tensor` (internal), not as a program {}",
+                    v.name,
+                    if v.role == Role::Input {
+                        "input"
+                    } else {
+                        "output"
+                    }
+                ),
+            );
+        }
+        if v.dtype != t.dtype {
+            self.push(
+                here,
+                format!(
+                    "view `{}` is {} but `{}` is {}",
+                    v.name, v.dtype, t.name, t.dtype
+                ),
+            );
+        }
+        if v.mesh != t.mesh {
+            self.push(
+                here,
+                format!("view `{}` and `{}` are on different meshes", v.name, t.name),
+            );
+        }
+        let Some(&extent) = t.shape.get(axis) else {
+            self.push(
+                here,
+                format!(
+                    "axis {axis} is out of range for `{}` of shape {}",
+                    t.name,
+                    shape_str(&t.shape)
+                ),
+            );
+            return None;
+        };
+        Some((v, t, extent))
+    }
+
+    /// `narrow`: the view has the viewed tensor's shape except along the axis, where its
+    /// capacity is at most the viewed extent; constant bounds must lie inside.
+    pub(super) fn narrow(&mut self, kind: &InstKind, here: &Location) {
+        let InstKind::Narrow {
+            out,
+            input,
+            axis,
+            start,
+            length,
+        } = kind
+        else {
+            return;
+        };
+        let Some((v, t, extent)) = self.view_rules(*out, *input, *axis, here) else {
+            return;
+        };
+        let same_elsewhere = v.shape.len() == t.shape.len()
+            && v.shape
+                .iter()
+                .zip(&t.shape)
+                .enumerate()
+                .all(|(k, (a, b))| k == *axis || a == b);
+        let cap = v.shape.get(*axis).copied().unwrap_or(0);
+        if !same_elsewhere || cap > extent {
+            self.push(
+                here,
+                format!(
+                    "view `{}` has shape {} but a narrowing of `{}` (shape {}) along axis \
+                     {axis} keeps every other extent and at most {extent} elements along it",
+                    v.name,
+                    shape_str(&v.shape),
+                    t.name,
+                    shape_str(&t.shape)
+                ),
+            );
+        }
+        if let (Some(s), Some(l)) = (start.as_const(), length.as_const()) {
+            if s < 0 || l < 0 || l as u64 > cap || (s + l) as u64 > extent {
+                self.push(
+                    here,
+                    format!(
+                        "elements [{s}, {s} + {l}) along axis {axis} do not fit `{}` (extent \
+                         {extent}) or the view's capacity {cap}",
+                        t.name
+                    ),
+                );
+            }
+        }
+    }
+
     pub(super) fn shard_by_stream(&mut self, kind: &InstKind, here: &Location) {
         let InstKind::ShardByStream {
             out,

@@ -1,4 +1,4 @@
-//! Launchers for elementwise math, casts and fills (`elementwise.cu`, `cast.cu`, `fill.cu`).
+//! Calls of the kernels for elementwise math, casts and fills (`elementwise.cu`, `cast.cu`, `fill.cu`).
 
 use super::sources::{binary_name, cast_name, unary_name, Source, FLOATS};
 use super::{Arg, Kernels, BLOCK};
@@ -101,7 +101,7 @@ impl Kernels {
             Arg::I64(elems_i64(n)?),
         ];
         self.check_devices(&[a, b, out])?;
-        self.launch(
+        self.call(
             stream,
             Source::Elementwise,
             &binary_name(op, dtype),
@@ -132,7 +132,7 @@ impl Kernels {
             Arg::I64(elems_i64(n)?),
         ];
         self.check_devices(&[x, out])?;
-        self.launch(
+        self.call(
             stream,
             Source::Elementwise,
             &unary_name(op, dtype),
@@ -182,7 +182,7 @@ impl Kernels {
             Arg::I64(elems_i64(n)?),
         ];
         let name = cast_name(src_dtype, dst_dtype);
-        self.launch(
+        self.call(
             stream,
             Source::Cast,
             &name,
@@ -224,7 +224,7 @@ impl Kernels {
         self.check_devices(&[dst])?;
         let mut args = [Arg::Ptr(dst.addr()), arg, Arg::I64(elems_i64(n)?)];
         let name = format!("fill_b{elem_bytes}");
-        self.launch(
+        self.call(
             stream,
             Source::Fill,
             &name,

@@ -1,4 +1,4 @@
-//! Launchers for strided copies / permutes (`copy.cu`) and axis sums (`reduce.cu`).
+//! Calls of the kernels for strided copies / permutes (`copy.cu`) and axis sums (`reduce.cu`).
 
 use super::sources::{sum_name, Source, SUM_TYPES};
 use super::{Arg, Kernels, BLOCK};
@@ -166,7 +166,7 @@ impl Kernels {
         let dst_addr = dst.addr() + (dst_layout.offset * esize) as u64;
         let mut args = [Arg::Ptr(src_addr), Arg::Ptr(dst_addr), Arg::Strided(a)];
         let name = format!("strided_copy_b{esize}");
-        self.launch(
+        self.call(
             stream,
             Source::Copy,
             &name,
@@ -243,7 +243,7 @@ impl Kernels {
                 .unwrap_or(1)
                 .max(1);
             let name = sum_name("rows", dtype, out_dtype);
-            self.launch(stream, Source::Reduce, &name, grid, BLOCK, &mut args)
+            self.call(stream, Source::Reduce, &name, grid, BLOCK, &mut args)
         } else {
             let mut args = [
                 Arg::Ptr(src.addr()),
@@ -253,7 +253,7 @@ impl Kernels {
                 Arg::I64(to_i64(inner)?),
             ];
             let name = sum_name("axis", dtype, out_dtype);
-            self.launch(
+            self.call(
                 stream,
                 Source::Reduce,
                 &name,

@@ -187,11 +187,11 @@ impl Kernels {
         u32::try_from(blocks.clamp(1, cap.max(1))).unwrap_or(1)
     }
 
-    /// Launches kernel `name` of `source` on `stream` with `grid` blocks of `block` threads.
+    /// Calls kernel `name` of `source` on `stream` with `grid` blocks of `block` threads.
     ///
     /// Callers guarantee that `args` match the kernel's parameters and that every address and
     /// extent they pass lies inside live buffers (each launcher checks this before calling).
-    pub(crate) fn launch(
+    pub(crate) fn call(
         &self,
         stream: &Stream,
         source: Source,

@@ -80,7 +80,7 @@ fn check(dtype: DType, what: &str, buf: &DeviceBuffer, want: usize) -> Result<()
 }
 
 impl Kernels {
-    fn launch_rows(
+    fn call_rows(
         &self,
         stream: &Stream,
         name: &str,
@@ -90,7 +90,7 @@ impl Kernels {
         if work == 0 {
             return Ok(());
         }
-        self.launch(
+        self.call(
             stream,
             Source::Rows,
             name,
@@ -116,7 +116,7 @@ impl Kernels {
         let mut args = vec![Arg::Ptr(src.addr()), Arg::Ptr(dst.addr())];
         args.extend(view.args()?);
         let name = rows_name(op.name(), dtype);
-        self.launch_rows(stream, &name, view.outer * view.inner, args)
+        self.call_rows(stream, &name, view.outer * view.inner, args)
     }
 
     /// `dst = softmax(src)` along the middle axis of `view` (packed, same shape).
@@ -135,7 +135,7 @@ impl Kernels {
         let mut args = vec![Arg::Ptr(src.addr()), Arg::Ptr(dst.addr())];
         args.extend(view.args()?);
         let name = rows_name("softmax", dtype);
-        self.launch_rows(stream, &name, view.outer * view.inner, args)
+        self.call_rows(stream, &name, view.outer * view.inner, args)
     }
 
     /// `dst = src / sqrt(mean(src^2) + eps) * weight` along the middle axis of `view` (packed,
@@ -164,7 +164,7 @@ impl Kernels {
         args.extend(view.args()?);
         args.push(Arg::U32(eps.to_bits()));
         let name = rows_name("rms_norm", dtype);
-        self.launch_rows(stream, &name, view.outer * view.inner, args)
+        self.call_rows(stream, &name, view.outer * view.inner, args)
     }
 }
 

@@ -1,5 +1,5 @@
 //! Kernels supplied by an embedder as a PTX or CUBIN image ([`UserKernel`]), for the host IR's
-//! `launch_kernel`.
+//! `call_kernel`.
 //!
 //! meshflow cannot check what a foreign kernel does: the embedder who registers an image vouches
 //! that the kernel touches only the buffers it is given, within their extents, and that the
@@ -108,10 +108,10 @@ impl UserKernel {
         &self.module.device
     }
 
-    /// Launches the kernel on `stream` with `grid` blocks of `block` threads, `shared_mem_bytes`
+    /// Calls the kernel on `stream` with `grid` blocks of `block` threads, `shared_mem_bytes`
     /// of dynamic shared memory and `args` (which must match the kernel's parameters; see the
     /// module docs for the trust this requires). Buffers must live on the kernel's device.
-    pub fn launch(
+    pub fn call(
         &self,
         stream: &Stream,
         grid: [u32; 3],

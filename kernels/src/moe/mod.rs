@@ -69,9 +69,7 @@ pub use traffic::MoeTraffic;
 pub use wire::{MoeWire, WireLayout};
 
 #[cfg(feature = "cuda")]
-mod bench;
-#[cfg(feature = "cuda")]
-mod launch;
+mod kernel_calls;
 #[cfg(feature = "cuda")]
 mod nccl;
 #[cfg(feature = "cuda")]
@@ -79,8 +77,6 @@ mod nvlink;
 #[cfg(feature = "cuda")]
 mod transport;
 
-#[cfg(feature = "cuda")]
-pub use bench::{bench_moe, format_bench_table, BenchCase, BenchResult};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]

@@ -5,7 +5,7 @@
 //! No host reads of counts: NCCL moves whole blocks (sized by the bound `T` rows), whatever the
 //! routing; [`super::NvlinkMoe`] moves only the rows used.
 
-use super::launch::{self, LateWeights, RecvOutputs, SendInputs, SendState, SourceRows};
+use super::kernel_calls::{self, LateWeights, RecvOutputs, SendInputs, SendState, SourceRows};
 use super::layout::{nccl_block_bytes, NCCL_HEADER as HEADER};
 use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
 use super::{MoeShape, MoeStatus, MoeWire};
@@ -244,7 +244,7 @@ impl MoeTransport for NcclMoe {
                     sent_pos: &c.sent_pos,
                     status: &c.status,
                 };
-                launch::nccl_dispatch_send(
+                kernel_calls::nccl_dispatch_send(
                     &c.kernels,
                     stream,
                     &c.shape,
@@ -293,7 +293,7 @@ impl MoeTransport for NcclMoe {
                     status: &c.status,
                     done: &done,
                 };
-                launch::dispatch_recv(
+                kernel_calls::dispatch_recv(
                     &c.kernels, stream, &c.shape, c.wire, c.rank, None, &src, &out,
                 )?;
                 let zero = c.zero_padding;
@@ -353,7 +353,7 @@ impl MoeTransport for NcclMoe {
                     }
                     None => None,
                 };
-                launch::nccl_combine_send(
+                kernel_calls::nccl_combine_send(
                     &c.kernels,
                     stream,
                     &s,
@@ -392,7 +392,7 @@ impl MoeTransport for NcclMoe {
             Phase::Idle,
             stream,
             |c| {
-                launch::combine_recv(
+                kernel_calls::combine_recv(
                     &c.kernels,
                     stream,
                     &c.shape,

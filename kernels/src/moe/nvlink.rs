@@ -22,7 +22,7 @@
 //! which follows (in stream order) every read of step `s`'s rows, counts and weights; the
 //! partials are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
-use super::launch::{
+use super::kernel_calls::{
     self, FlagWait, NvlLocal, PeerRegions, RecvOutputs, SendInputs, SendState, SourceRows,
 };
 use super::layout::SymLayout;
@@ -91,7 +91,7 @@ impl NvlinkMoe {
             core,
             peers: Vec::new(),
             tables: None,
-            flag_timeout_ns: launch::FLAG_TIMEOUT_NS,
+            flag_timeout_ns: kernel_calls::FLAG_TIMEOUT_NS,
         };
         stream.synchronize()?;
         Ok(t)
@@ -101,7 +101,7 @@ impl NvlinkMoe {
     fn connect(&mut self, bases: &[u64], peers: Vec<PeerMemory>) -> Result<()> {
         let stream = Stream::new(&self.core.device)?;
         self.tables = Some(Tables {
-            peer_sym: launch::address_table(&stream, bases)?,
+            peer_sym: kernel_calls::address_table(&stream, bases)?,
         });
         stream.synchronize()?;
         self.peers = peers;
@@ -364,7 +364,7 @@ impl MoeTransport for NvlinkMoe {
                     sent_pos: &c.sent_pos,
                     status: &c.status,
                 };
-                launch::nvl_dispatch_send(
+                kernel_calls::nvl_dispatch_send(
                     &c.kernels,
                     stream,
                     &c.shape,
@@ -426,7 +426,7 @@ impl MoeTransport for NvlinkMoe {
                     status: &c.status,
                     done: &done,
                 };
-                launch::dispatch_recv(
+                kernel_calls::dispatch_recv(
                     &c.kernels,
                     stream,
                     &c.shape,
@@ -487,9 +487,11 @@ impl MoeTransport for NvlinkMoe {
             |c| {
                 let peers = peer_regions(tables, layout);
                 if let Some(w) = req.weights {
-                    launch::nvl_weights_send(&c.kernels, stream, &s, c.rank, w, &peers, state)?;
+                    kernel_calls::nvl_weights_send(
+                        &c.kernels, stream, &s, c.rank, w, &peers, state,
+                    )?;
                 }
-                launch::nvl_combine_send(
+                kernel_calls::nvl_combine_send(
                     &c.kernels,
                     stream,
                     &s,
@@ -533,7 +535,7 @@ impl MoeTransport for NvlinkMoe {
                     state,
                     timeout_ns: *flag_timeout_ns,
                 };
-                launch::combine_recv(
+                kernel_calls::combine_recv(
                     &c.kernels,
                     stream,
                     &c.shape,

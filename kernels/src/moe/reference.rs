@@ -1,4 +1,4 @@
-//! The CPU reference of MoE dispatch and combine (DESIGN.md §6), the oracle of the GPU tests.
+//! The CPU reference of MoE dispatch and combine, the oracle of the GPU tests.
 //!
 //! Rows of an expert are kept in the canonical order (source rank, token, k); the GPU transports
 //! may order them differently, so tests compare per-expert multisets. Values are f32 holding

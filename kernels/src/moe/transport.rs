@@ -377,12 +377,12 @@ impl Core {
     /// After the fan-out of a dispatch: zero the padding if asked (keeping the bookkeeping of
     /// which rows may hold stale data).
     pub fn finish_padding(&mut self, stream: &Stream, zero: bool) -> Result<()> {
-        use super::launch;
+        use super::kernel_calls;
         if !zero {
             self.padding_clean = false;
             return Ok(());
         }
-        let out = launch::RecvOutputs {
+        let out = kernel_calls::RecvOutputs {
             expert_x: &self.expert_x,
             routing: &self.routing,
             fan: &self.fan,
@@ -392,7 +392,7 @@ impl Core {
             done: &self.status,
         };
         let prev = self.padding_clean.then_some(&self.prev_counts);
-        launch::zero_padding(&self.kernels, stream, &self.shape, &out, prev)?;
+        kernel_calls::zero_padding(&self.kernels, stream, &self.shape, &out, prev)?;
         self.prev_counts.copy_from(stream, &self.counts)?;
         self.padding_clean = true;
         Ok(())

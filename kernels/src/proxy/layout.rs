@@ -30,7 +30,7 @@ const MAGIC: u32 = 0x4D46_5058; // "MFPX"
 const KIND_CHUNK: u32 = 1;
 const KIND_PAD: u32 = 2;
 
-/// A message tag: the key both sides agree on (for the sim: team fingerprint and sequence).
+/// A message tag: the key both sides agree on (for the CPU backend: team fingerprint and sequence).
 pub type Tag = (u64, u64);
 
 /// The tag of a failure notice (payload: failed rank as u64 LE, then the reason in UTF-8).

@@ -12,7 +12,7 @@
 //! - `IbvWire` (feature `rdma`): RC queue pairs and `RDMA_WRITE_WITH_IMM` over ibverbs,
 //!   regions registered as pinned host staging. Not run on RDMA hardware (none is available).
 //!
-//! [`Topology`] says which ranks share a node: in-node peers use the in-node path (the sim's
+//! [`Topology`] says which ranks share a node: in-node peers use the in-node path (the CPU backend's
 //! in-process fabric on CPU, NVLink on GPUs), ranks of other nodes are proxy peers.
 //!
 //! On GPUs (feature `cuda`) [`StagedRoute`] moves device memory through the same proxy, in

@@ -1,4 +1,4 @@
-//! [`Topology`]: which ranks share a node. In-node peers talk over the in-node path (the sim's
+//! [`Topology`]: which ranks share a node. In-node peers talk over the in-node path (the CPU backend's
 //! in-process fabric on CPU, NVLink on GPUs); ranks of different nodes talk through the proxy.
 
 use super::ProxyError;

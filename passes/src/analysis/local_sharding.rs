@@ -118,7 +118,10 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
                 }
             }
             let ty = program.tensors.get(x).map(|d| value_type(&d.ty));
-            if !ty.is_some_and(|ty| xspec.fits(&ty, m)) {
+            let even = |ty: &meshflow_ir::TensorType| {
+                xspec.divides(ty) || super::op_rules::keeps_uneven(&op.kind)
+            };
+            if !ty.is_some_and(|ty| xspec.fits(&ty, m) && even(&ty)) {
                 valid = false;
             }
             if moves_data(program, &xs, &req) {

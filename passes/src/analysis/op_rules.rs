@@ -79,6 +79,26 @@ fn expand_broadcasts(program: &Program, op: &Op, k: usize) -> bool {
     k < os.len() && (k < off || is.get(k - off) != os.get(k))
 }
 
+/// True for the ops that compute element by element along every split axis, so their outputs
+/// keep uneven splits of their inputs (as DTensor's pointwise and linear ops keep uneven
+/// placements); shape ops, row-wise ops and reductions other than `sum` need splits that
+/// divide.
+pub fn keeps_uneven(kind: &OpKind) -> bool {
+    matches!(
+        kind,
+        OpKind::Set
+            | OpKind::Add
+            | OpKind::Sub
+            | OpKind::Mul
+            | OpKind::Gelu
+            | OpKind::Silu
+            | OpKind::Cast
+            | OpKind::Linear
+            | OpKind::Matmul
+            | OpKind::Sum { .. }
+    )
+}
+
 /// Per input of `op` (not a `set`, not a MoE op): the sharding it needs when the output lives
 /// on `mesh` with device splits `spec` (see the module docs).
 pub fn requirements_for(
@@ -95,13 +115,7 @@ pub fn requirements_for(
                 let sources = map.first().and_then(|m| m.get(s.axis));
                 for &(jj, a) in sources.into_iter().flatten() {
                     if jj == j {
-                        device.insert(
-                            pt,
-                            AxisSplit {
-                                axis: a,
-                                parts: s.parts,
-                            },
-                        );
+                        device.insert(pt, AxisSplit { axis: a, ..*s });
                     }
                 }
             }
@@ -138,14 +152,23 @@ pub fn forward_spec(
         })
     };
     let mut spec = Spec::default();
+    let fits =
+        |cand: &Spec| cand.fits(&od.ty, mesh) && (cand.divides(&od.ty) || keeps_uneven(&op.kind));
+    // A chain of splits of one axis moves as one.
+    let mut chains: BTreeMap<usize, Vec<(ParallelType, AxisSplit)>> = BTreeMap::new();
     for (&pt, s) in &xs.spec.device {
-        let Some(k) = out_axis(s.axis) else { continue };
+        chains.entry(s.axis).or_default().push((pt, *s));
+    }
+    for (a, chain) in chains {
+        let Some(k) = out_axis(a) else { continue };
         if spec.pt_on(k).is_some() {
             continue;
         }
         let mut cand = spec.clone();
-        cand.device.insert(pt, AxisSplit { axis: k, ..*s });
-        if cand.fits(&od.ty, mesh) {
+        for (pt, s) in chain {
+            cand.device.insert(pt, AxisSplit { axis: k, ..s });
+        }
+        if fits(&cand) {
             spec = cand;
         }
     }
@@ -154,9 +177,7 @@ pub fn forward_spec(
             let mut cand = spec.clone();
             cand.stream = Some(StreamSpec { axis: k, ..st });
             // The chunks must cut the same thing: the local shard on both or on neither.
-            if xs.spec.pt_on(st.axis).is_some() == cand.pt_on(k).is_some()
-                && cand.fits(&od.ty, mesh)
-            {
+            if xs.spec.device_chain(st.axis) == cand.device_chain(k) && fits(&cand) {
                 spec = cand;
             }
         }

@@ -2,11 +2,22 @@
 //!
 //! [`Sharding`] is what the passes reason about: the mesh, the [`Layout`] (the single source of
 //! truth for which chunk each device holds), and a [`Spec`]: per device parallel type the
-//! logical axis it splits, plus the Stream split. [`Spec::to_transforms`] writes a spec back
-//! as a schedule in canonical form: per logical axis in ascending order,
-//! `outer_split(a, p), parallelize(a, pt)` for the device split, then
-//! `outer_split(a', s), [swizzle1d(a', pt),] parallelize(a', Stream)` for the Stream split
-//! (which then cuts the local shard), with loop positions shifted by the splits before.
+//! logical axis it splits and its **depth** on that axis, plus the Stream split.
+//!
+//! One logical axis may be split several times, each piece on its own parallel type: the
+//! splits form a *chain* of outer splits, outermost first, each cutting the piece the previous
+//! one left (the device's chunk of the axis is found level by level). The depth of a split is
+//! its position in the chain. On a 2-D mesh `[DIDy, DIDx, rest]` (DIDy at depth 0, DIDx at
+//! depth 1) is DTensor's `[Shard(0), Shard(0)]`; `[DIDx, DIDy, rest]` is the other shard
+//! order (FSDP2 + TP's `_StridedShard`); `[Stream, DIDx, rest]` is nvFuser's collective-based
+//! pipelining (every stream chunk is split over DIDx). A Stream split takes one level of the
+//! chain too.
+//!
+//! [`Spec::to_transforms`] writes a spec back as a schedule in canonical form: per logical
+//! axis in ascending order, per level of its chain from the outermost, `outer_split(a, p),
+//! parallelize(a, pt)` for a device split or `outer_split(a, s), [swizzle1d(a, pt),]
+//! parallelize(a, Stream)` for the Stream split, `a` moving one loop position inwards per
+//! level.
 
 use std::collections::BTreeMap;
 
@@ -15,13 +26,26 @@ use meshflow_ir::{DeviceMesh, MeshId, ParallelType, Program, TensorId, TensorTyp
 
 use crate::error::PassError;
 
-/// A device split in a [`Spec`]: logical axis and number of parts.
+/// A device split in a [`Spec`]: logical axis, number of parts and depth.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub struct AxisSplit {
     /// The logical axis.
     pub axis: usize,
     /// The number of parts (the mesh extent along the parallel type).
     pub parts: u64,
+    /// The position of the split in the axis' chain of splits (0 = outermost).
+    pub depth: usize,
+}
+
+impl AxisSplit {
+    /// The outermost (or only) split of `axis` into `parts`.
+    pub fn outer(axis: usize, parts: u64) -> AxisSplit {
+        AxisSplit {
+            axis,
+            parts,
+            depth: 0,
+        }
+    }
 }
 
 /// A Stream split in a [`Spec`].
@@ -33,6 +57,17 @@ pub struct StreamSpec {
     pub chunks: u64,
     /// The swizzle's device parallel type, if any.
     pub swizzle: Option<ParallelType>,
+    /// The position of the Stream split in the axis' chain (0 = outermost).
+    pub depth: usize,
+}
+
+/// One level of an axis' chain of splits.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Level {
+    /// A device split.
+    Device(ParallelType, u64),
+    /// The Stream split.
+    Stream(StreamSpec),
 }
 
 /// A normalized schedule: device splits by parallel type and an optional Stream split.
@@ -45,12 +80,46 @@ pub struct Spec {
 }
 
 impl Spec {
-    /// The parallel type splitting logical axis `axis`, if any.
+    /// The parallel type of the innermost device split of logical axis `axis`, if any.
     pub fn pt_on(&self, axis: usize) -> Option<ParallelType> {
         self.device
             .iter()
-            .find(|(_, s)| s.axis == axis)
+            .filter(|(_, s)| s.axis == axis)
+            .max_by_key(|(_, s)| s.depth)
             .map(|(&pt, _)| pt)
+    }
+
+    /// The chain of splits of logical axis `axis`, outermost first.
+    pub fn chain(&self, axis: usize) -> Vec<Level> {
+        let mut levels: Vec<(usize, Level)> = self
+            .device
+            .iter()
+            .filter(|(_, s)| s.axis == axis)
+            .map(|(&pt, s)| (s.depth, Level::Device(pt, s.parts)))
+            .collect();
+        if let Some(st) = self.stream.filter(|s| s.axis == axis) {
+            levels.push((st.depth, Level::Stream(st)));
+        }
+        levels.sort_by_key(|(d, l)| (*d, matches!(l, Level::Stream(_))));
+        levels.into_iter().map(|(_, l)| l).collect()
+    }
+
+    /// The device parallel types splitting logical axis `axis`, outermost first.
+    pub fn device_chain(&self, axis: usize) -> Vec<ParallelType> {
+        self.chain(axis)
+            .into_iter()
+            .filter_map(|l| match l {
+                Level::Device(pt, _) => Some(pt),
+                Level::Stream(_) => None,
+            })
+            .collect()
+    }
+
+    /// True when `pt` is the innermost device split of its axis.
+    pub fn is_innermost(&self, pt: ParallelType) -> bool {
+        self.device
+            .get(&pt)
+            .is_some_and(|s| self.pt_on(s.axis) == Some(pt))
     }
 
     /// The spec without its Stream split.
@@ -72,66 +141,97 @@ impl Spec {
         let mut out = Vec::new();
         let mut shift = 0;
         for axis in axes {
-            let pos = axis + shift;
-            let mut next = pos;
-            if let Some((&pt, split)) = self.device.iter().find(|(_, s)| s.axis == axis) {
-                out.push(Transform::OuterSplit {
-                    axis: pos,
-                    parts: split.parts,
-                });
-                out.push(Transform::Parallelize { axis: pos, pt });
-                next = pos + 1;
-                shift += 1;
-            }
-            if let Some(s) = self.stream.filter(|s| s.axis == axis) {
-                out.push(Transform::OuterSplit {
-                    axis: next,
-                    parts: s.chunks,
-                });
-                if let Some(pt) = s.swizzle {
-                    out.push(Transform::Swizzle1d { axis: next, pt });
+            let chain = self.chain(axis);
+            let levels = chain.len();
+            for (pos, level) in (axis + shift..).zip(chain) {
+                match level {
+                    Level::Device(pt, parts) => {
+                        out.push(Transform::OuterSplit { axis: pos, parts });
+                        out.push(Transform::Parallelize { axis: pos, pt });
+                    }
+                    Level::Stream(s) => {
+                        out.push(Transform::OuterSplit {
+                            axis: pos,
+                            parts: s.chunks,
+                        });
+                        if let Some(pt) = s.swizzle {
+                            out.push(Transform::Swizzle1d { axis: pos, pt });
+                        }
+                        out.push(Transform::Parallelize {
+                            axis: pos,
+                            pt: ParallelType::Stream,
+                        });
+                    }
                 }
-                out.push(Transform::Parallelize {
-                    axis: next,
-                    pt: ParallelType::Stream,
-                });
-                shift += 1;
             }
+            shift += levels;
         }
         out
     }
 
-    /// Checks that the spec can be applied to a tensor of type `ty` on `mesh`: every split
-    /// divides its axis, device parts equal the mesh extent, and no axis is split twice.
-    pub fn fits(&self, ty: &TensorType, mesh: &DeviceMesh) -> bool {
-        let mut local: Vec<u64> = ty.axes.iter().map(|a| a.extent).collect();
-        let mut seen = Vec::new();
-        for (&pt, s) in &self.device {
-            let Some(extent) = local.get_mut(s.axis) else {
+    /// True when every split divides the piece it cuts (no uneven shards).
+    pub fn divides(&self, ty: &TensorType) -> bool {
+        let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
+        if let Some(s) = self.stream {
+            axes.push(s.axis);
+        }
+        axes.into_iter().all(|axis| {
+            let Some(a) = ty.axes.get(axis) else {
                 return false;
             };
-            if mesh.size_of(pt) != Some(s.parts as usize)
-                || s.parts == 0
-                || !extent.is_multiple_of(s.parts)
-                || seen.contains(&s.axis)
-            {
+            let mut extent = a.extent;
+            self.chain(axis).into_iter().all(|level| {
+                let parts = match level {
+                    Level::Device(_, p) => p,
+                    Level::Stream(s) => s.chunks,
+                };
+                let ok = parts > 0 && extent.is_multiple_of(parts);
+                extent /= parts.max(1);
+                ok
+            })
+        })
+    }
+
+    /// Checks that the spec can be applied to a tensor of type `ty` on `mesh`: device parts
+    /// equal the mesh extent and every axis' chain has distinct depths. Splits need not
+    /// divide (uneven pieces follow the chunk rule); see [`Spec::divides`].
+    pub fn fits(&self, ty: &TensorType, mesh: &DeviceMesh) -> bool {
+        let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
+        if let Some(s) = self.stream {
+            axes.push(s.axis);
+        }
+        axes.sort_unstable();
+        axes.dedup();
+        for (&pt, s) in &self.device {
+            if mesh.size_of(pt) != Some(s.parts as usize) || s.parts == 0 {
                 return false;
             }
-            seen.push(s.axis);
-            *extent /= s.parts;
         }
         if let Some(s) = self.stream {
             let ok_swizzle = s
                 .swizzle
                 .is_none_or(|pt| mesh.size_of(pt) == Some(s.chunks as usize));
-            let Some(axis) = ty.axes.get(s.axis) else {
+            if ty.axes.get(s.axis).is_none_or(|a| a.reduction) || !ok_swizzle || s.chunks == 0 {
+                return false;
+            }
+        }
+        for axis in axes {
+            let Some(a) = ty.axes.get(axis) else {
                 return false;
             };
-            if axis.reduction
-                || !ok_swizzle
-                || s.chunks == 0
-                || !local[s.axis].is_multiple_of(s.chunks)
-            {
+            let chain = self.chain(axis);
+            let mut depths: Vec<usize> = self
+                .device
+                .values()
+                .filter(|s| s.axis == axis)
+                .map(|s| s.depth)
+                .chain(self.stream.filter(|s| s.axis == axis).map(|s| s.depth))
+                .collect();
+            depths.sort_unstable();
+            if depths != (0..depths.len()).collect::<Vec<_>>() {
+                return false;
+            }
+            if chain.is_empty() && a.extent == 0 {
                 return false;
             }
         }
@@ -181,23 +281,38 @@ impl Sharding {
         })?;
         let mut spec = Spec::default();
         for (axis, a) in layout.axes.iter().enumerate() {
+            // The device and Stream pieces must form a chain of outer splits: every piece but
+            // the last one (the rest, which stays local) is a device or Stream split.
+            let pieces = a.leaves.len();
             for (k, leaf) in a.leaves.iter().enumerate() {
-                if leaf.pt.is_device() {
-                    if k != 0 {
-                        return Err(PassError::tensor(
-                            name,
-                            format!(
-                                "the {} split of logical axis {axis} is not its outermost piece; \
-                                 only outer device splits are supported",
-                                leaf.pt
-                            ),
-                        ));
+                let last = k + 1 == pieces;
+                if leaf.pt == ParallelType::Serial {
+                    if !last {
+                        if let Some(p) = a.leaves[k + 1..]
+                            .iter()
+                            .find(|l| l.pt != ParallelType::Serial)
+                        {
+                            return Err(PassError::tensor(
+                                name,
+                                format!(
+                                    "the {} split of logical axis {axis} lies inside a serial \
+                                     piece of extent {} (an inner split, or a `_StridedShard`): \
+                                     only chains of outer splits (`outer_split` of the rest, \
+                                     each piece parallelized) are supported",
+                                    p.pt, leaf.extent
+                                ),
+                            ));
+                        }
                     }
+                    continue;
+                }
+                if leaf.pt.is_device() {
                     spec.device.insert(
                         leaf.pt,
                         AxisSplit {
                             axis,
                             parts: leaf.extent,
+                            depth: k,
                         },
                     );
                 }
@@ -207,6 +322,11 @@ impl Sharding {
             axis: s.axis,
             chunks: s.chunks,
             swizzle: s.swizzle,
+            depth: layout.axes[s.axis]
+                .leaves
+                .iter()
+                .position(|l| l.pt == ParallelType::Stream)
+                .unwrap_or(0),
         });
         let value_axes = ty
             .axes
@@ -248,15 +368,8 @@ impl Sharding {
             .device
             .iter()
             .filter_map(|(&pt, s)| {
-                self.value_index(s.axis).map(|v| {
-                    (
-                        pt,
-                        AxisSplit {
-                            axis: v,
-                            parts: s.parts,
-                        },
-                    )
-                })
+                self.value_index(s.axis)
+                    .map(|v| (pt, AxisSplit { axis: v, ..*s }))
             })
             .collect()
     }

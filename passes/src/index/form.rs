@@ -271,6 +271,10 @@ pub enum Op {
     Div,
     /// Euclidean `%`
     Mod,
+    /// `min`
+    Min,
+    /// `max`
+    Max,
 }
 
 /// The data of `a op b` from the data of `a` and `b`.
@@ -317,6 +321,30 @@ fn combine_raw(op: Op, a: &IndexData, b: &IndexData, facts: &Facts) -> IndexData
             }
             _ => IndexData::opaque(None),
         },
+        Op::Min | Op::Max => {
+            let min = op == Op::Min;
+            if let (Some(x), Some(y)) = (a.as_const(), b.as_const()) {
+                return IndexData::constant(if min { x.min(y) } else { x.max(y) });
+            }
+            // One side always wins when the intervals do not overlap.
+            if let (Some((alo, ahi)), Some((blo, bhi))) = (a.range, b.range) {
+                if ahi <= blo {
+                    return if min { a.clone() } else { b.clone() };
+                }
+                if bhi <= alo {
+                    return if min { b.clone() } else { a.clone() };
+                }
+            }
+            let range = match (a.range, b.range) {
+                (Some((alo, ahi)), Some((blo, bhi))) => Some(if min {
+                    (alo.min(blo), ahi.min(bhi))
+                } else {
+                    (alo.max(blo), ahi.max(bhi))
+                }),
+                _ => None,
+            };
+            IndexData::opaque(range)
+        }
         Op::Mod => {
             let Some(m) = b.as_const().filter(|&m| m > 0) else {
                 return IndexData::opaque(None);

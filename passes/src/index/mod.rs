@@ -24,7 +24,7 @@ pub use form::{Facts, Form, IndexData, Lin};
 pub use lang::IndexLang;
 
 mod lang {
-    // egg's macro cannot document variants: `+ - * / %` (Euclidean), `Num` constants and
+    // egg's macro cannot document variants: `+ - * / %` (Euclidean), `min`, `max`, `Num` constants and
     // `Atom`s (`i<n>` loop indices, `my.<mesh>.<pt>` team indices, `rank`).
     #![allow(missing_docs)]
     use egg::{define_language, Id, Symbol};
@@ -37,6 +37,8 @@ mod lang {
         "*" = Mul([Id; 2]),
         "/" = Div([Id; 2]),
         "%" = Mod([Id; 2]),
+        "min" = Min([Id; 2]),
+        "max" = Max([Id; 2]),
         Num(i64),
         Atom(Symbol),
     }
@@ -65,6 +67,8 @@ impl Analysis<IndexLang> for IndexAnalysis {
             IndexLang::Mul(x) => bin(form::Op::Mul, x),
             IndexLang::Div(x) => bin(form::Op::Div, x),
             IndexLang::Mod(x) => bin(form::Op::Mod, x),
+            IndexLang::Min(x) => bin(form::Op::Min, x),
+            IndexLang::Max(x) => bin(form::Op::Max, x),
         }
     }
 
@@ -179,6 +183,8 @@ impl Atoms {
                     BinOp::Mul => IndexLang::Mul([a, b]),
                     BinOp::Div => IndexLang::Div([a, b]),
                     BinOp::Mod => IndexLang::Mod([a, b]),
+                    BinOp::Min => IndexLang::Min([a, b]),
+                    BinOp::Max => IndexLang::Max([a, b]),
                 })
             }
         }
@@ -205,6 +211,8 @@ impl Atoms {
             IndexLang::Mul(x) => bin(BinOp::Mul, x),
             IndexLang::Div(x) => bin(BinOp::Div, x),
             IndexLang::Mod(x) => bin(BinOp::Mod, x),
+            IndexLang::Min(x) => bin(BinOp::Min, x),
+            IndexLang::Max(x) => bin(BinOp::Max, x),
         }
     }
 }
@@ -344,6 +352,8 @@ fn best(
         IndexLang::Mul([a, b]) => Expr::Bin(BinOp::Mul, kid(a)?, kid(b)?),
         IndexLang::Div([a, b]) => Expr::Bin(BinOp::Div, kid(a)?, kid(b)?),
         IndexLang::Mod([a, b]) => Expr::Bin(BinOp::Mod, kid(a)?, kid(b)?),
+        IndexLang::Min([a, b]) => Expr::Bin(BinOp::Min, kid(a)?, kid(b)?),
+        IndexLang::Max([a, b]) => Expr::Bin(BinOp::Max, kid(a)?, kid(b)?),
     })
 }
 
@@ -377,6 +387,8 @@ pub fn form_of(e: &Expr, facts: &Facts) -> IndexData {
                 BinOp::Mul => form::Op::Mul,
                 BinOp::Div => form::Op::Div,
                 BinOp::Mod => form::Op::Mod,
+                BinOp::Min => form::Op::Min,
+                BinOp::Max => form::Op::Max,
             };
             form::combine(op, &form_of(a, facts), &form_of(b, facts), facts)
         }

@@ -20,7 +20,8 @@ use meshflow_ir::HostProgram;
 
 use crate::error::PassError;
 use crate::host_util::any_deep;
-use crate::manager::{HostPass, PassContext};
+use crate::manager::HostPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct AssignStreams;
@@ -31,12 +32,12 @@ impl HostPass for AssignStreams {
     }
 
     fn run(&self, host: &mut HostProgram, cx: &mut PassContext) -> Result<(), PassError> {
-        if cx.num_streams == 0 {
+        if cx.options.num_streams == 0 {
             return Err(PassError::Options(
                 "the stream pool needs at least 1 stream".into(),
             ));
         }
-        let pool = cx.num_streams as i64;
+        let pool = cx.options.num_streams as i64;
         let mut next_stream = host.fresh_stream_var().0;
         let mut next_loop = host.fresh_loop_var().0;
         let body = std::mem::take(&mut host.body);
@@ -62,7 +63,7 @@ impl HostPass for AssignStreams {
             let worth = !placed
                 && any_deep(&body, &|k| k.is_communication())
                 && any_deep(&body, &|k| {
-                    matches!(k, InstKind::Compute { .. } | InstKind::LaunchKernel { .. })
+                    matches!(k, InstKind::Compute { .. } | InstKind::CallKernel { .. })
                 });
             let (Some(trips), true) = (trips, worth) else {
                 out.push(Inst::new(InstKind::ForLoop {

@@ -22,7 +22,7 @@
 //! another and the costs are a sum over independent sites (egg stays where it earns its
 //! place, the index algebra of [`crate::index`]).
 //!
-//! Options: [`PassContext::decompositions`] forces a decomposition by tensor name (an error on
+//! Options: [`PassOptions::decompositions`](crate::PassOptions::decompositions) forces a decomposition by tensor name (an error on
 //! an annotated tensor or a decomposition the site cannot take); the cost model's transport
 //! forces the transport; a stream schedule other than
 //! [`Auto`](crate::StreamSchedule::Auto) forces the distance ring's schedule. Every decision,
@@ -41,7 +41,7 @@ use crate::plan::Plan;
 use crate::profile::transport_key;
 use crate::Transport;
 
-use sites::{apply, site, Site};
+use sites::{apply, local_copies, site, Site};
 
 /// Plans within this fraction of the best count as ties, won by the simplest.
 const TIE: f64 = 0.01;
@@ -61,10 +61,25 @@ impl ProgramPass for ChooseDecompositions {
                 all.push(restrict(s, cx)?);
             }
         }
+        // A forced decomposition of a resharding that moves nothing between devices (every
+        // team it would use has one device) keeps the collective (a local copy) and has no
+        // other decomposition.
+        let mut local = local_copies(program)?;
+        local.retain(|n| !all.iter().any(|s| &s.tensor == n));
+        for (name, &forced) in &cx.options.decompositions {
+            if local.contains(name) && forced != Decomposition::Collective {
+                return Err(PassError::Options(format!(
+                    "`{name}` cannot be decomposed as `{}`: its resharding moves nothing between \
+                     devices (every team it would use has one device)",
+                    forced.name()
+                )));
+            }
+        }
         if let Some(name) = cx
+            .options
             .decompositions
             .keys()
-            .find(|n| !all.iter().any(|s| &s.tensor == *n))
+            .find(|n| !all.iter().any(|s| &s.tensor == *n) && !local.contains(*n))
         {
             let open: Vec<&str> = all
                 .iter()
@@ -80,7 +95,7 @@ impl ProgramPass for ChooseDecompositions {
                 }
             )));
         }
-        let model = &cx.cost_model;
+        let model = &cx.options.cost_model;
         let transports = model.transports();
         let totals: Vec<(Transport, f64)> = transports
             .iter()
@@ -105,7 +120,7 @@ impl ProgramPass for ChooseDecompositions {
                 continue;
             };
             let s = restrict(s, cx)?;
-            let record = decide(&cx.cost_model, &s, transport);
+            let record = decide(&cx.options.cost_model, &s, transport);
             if let Some(plan) = record.0 {
                 apply(program, &s.apply, plan.decomposition);
                 cx.plans.insert(s.tensor.clone(), plan);
@@ -139,7 +154,7 @@ impl ProgramPass for ChooseDecompositions {
 
 /// `s` with its plans cut down to a forced decomposition (an error when it cannot take it).
 fn restrict(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
-    let Some(&forced) = cx.decompositions.get(&s.tensor) else {
+    let Some(&forced) = cx.options.decompositions.get(&s.tensor) else {
         return Ok(s);
     };
     if s.shapes.is_empty() && forced == Decomposition::Collective && !s.annotated {

@@ -18,11 +18,17 @@
 //! 3. **Unary ops reshard after.** For `gelu`, `silu`, `cast` and `sum`, the op runs on the
 //!    input's sharding into `<out>_local` and a `set` after it produces the annotated output
 //!    (a `sum` over a split axis thus becomes partial sums plus an all-reduce).
-//! 4. **Multi-step changes are split.** A `set` whose sharding changes along two parallel
-//!    types at once becomes a chain of `set`s changing one type each (partial sums first,
-//!    the type that feeds a Stream split last); a mesh change combined with a sharding change
-//!    becomes a reshard on the source mesh plus a pure transfer (and a slice on the target
-//!    mesh when needed).
+//! 4. **Multi-step changes are split.** A `set` that no single row of the decision table
+//!    covers becomes a chain of `set`s, each changing one parallel type, planned by
+//!    [`crate::redistribute::plan`] (DTensor's redistribute planner over chains of splits:
+//!    fewest communications, then fewest elements moved; `[S0, S0] -> [S0, R]` is one
+//!    all-gather over the inner mesh axis). Intermediate tensors may hold partial sums (on one
+//!    extra reduction axis). A mesh change becomes a reshard on the source mesh plus a pure
+//!    transfer (per device pair for equal shapes, else a broadcast of the replicated value and
+//!    a slice on the target mesh). A consumer cut by a Stream split gets its device placement
+//!    first when the last step could not fill its chunks one by one. Every step is checked
+//!    against the decision table; a refusal names both tensors, their placements and the
+//!    reason.
 
 use std::collections::BTreeMap;
 
@@ -34,9 +40,10 @@ use crate::analysis::op_rules::{
 };
 use crate::analysis::{describe, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::decision::{decide, placements, Decision, Placement};
-use crate::edit::{add_tensor, decl, insert_set, spec_from_placements, value_type};
+use crate::edit::{add_tensor, decl, insert_set, value_type};
 use crate::error::PassError;
 use crate::manager::{PassContext, ProgramPass};
+use crate::redistribute::{plan, Placements};
 
 /// The pass.
 pub struct DecomposeReshardings;
@@ -71,8 +78,8 @@ fn mesh_of(program: &Program, m: MeshId) -> Result<&meshflow_ir::DeviceMesh, Pas
 fn value_spec(sh: &Sharding) -> Spec {
     let mut spec = Spec::default();
     for (pt, p) in placements(sh) {
-        if let Placement::Split { axis, parts } = p {
-            spec.device.insert(pt, AxisSplit { axis, parts });
+        if let Placement::Split { axis, parts, depth } = p {
+            spec.device.insert(pt, AxisSplit { axis, parts, depth });
         }
     }
     spec.stream = sh
@@ -144,7 +151,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
             let esh = Sharding::of(program, experts)?;
             let nb = esh.value_axes.len().saturating_sub(3);
             let Some((pt, parts)) = placements(&esh).into_iter().find_map(|(pt, p)| match p {
-                Placement::Split { axis, parts } if axis == nb => Some((pt, parts)),
+                Placement::Split { axis, parts, .. } if axis == nb => Some((pt, parts)),
                 _ => None,
             }) else {
                 return Ok(reqs);
@@ -154,7 +161,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
                 let Some(&t) = op.inputs.get(j) else { continue };
                 if let Some(axis) = value_axis(t, nb) {
                     let mut device = BTreeMap::new();
-                    device.insert(pt, AxisSplit { axis, parts });
+                    device.insert(pt, AxisSplit::outer(axis, parts));
                     reqs[j] = Some(Requirement { mesh, device });
                 }
             }
@@ -162,7 +169,7 @@ fn requirements(program: &Program, index: usize) -> Result<Vec<Option<Requiremen
                 let Some(&t) = op.inputs.get(j) else { continue };
                 if let Some(axis) = value_axis(t, nb) {
                     let mut device = BTreeMap::new();
-                    device.insert(pt, AxisSplit { axis, parts });
+                    device.insert(pt, AxisSplit::outer(axis, parts));
                     reqs[j] = Some(Requirement { mesh, device });
                 }
             }
@@ -324,7 +331,8 @@ fn materialize_broadcasts(program: &mut Program) -> Result<(), PassError> {
             if let Some(req) = req {
                 spec.device = req.device;
             }
-            if spec.fits(&ty, mesh_of(program, out_mesh)?) {
+            let mesh = mesh_of(program, out_mesh)?;
+            if spec.fits(&ty, mesh) && spec.divides(&ty) {
                 program.tensors[e].schedule = Some(spec.to_transforms());
             }
         }
@@ -418,14 +426,8 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
         let steps = plan_steps(program, p, c).map_err(|why| PassError::op(program, i, why))?;
         let cd = decl(program, c)?.clone();
         let mut prev = p;
-        for (mesh, spec) in steps {
-            let t = add_tensor(
-                program,
-                &format!("{}_step", cd.name),
-                value_type(&cd.ty),
-                mesh,
-                &spec,
-            );
+        for (mesh, ty, spec) in steps {
+            let t = add_tensor(program, &format!("{}_step", cd.name), ty, mesh, &spec);
             insert_set(program, i, prev, t);
             i += 1;
             prev = t;
@@ -438,8 +440,8 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
 
 /// A `set` into a target that holds partial results: each partial mesh axis of the target must
 /// already be partial in the producer (Partial -> Partial is free, `[P, S0] -> [P, S1]` is one
-/// all-to-all on the other axis); Replicate -> Partial is refused, as in DTensor, and the
-/// target must stay on the producer's mesh.
+/// all-to-all on the other axis, longer changes are planned like any other); Replicate ->
+/// Partial is refused, as in DTensor, and the target must stay on the producer's mesh.
 fn check_partial_target(program: &Program, p: TensorId, c: TensorId) -> Result<(), PassError> {
     let ps = Sharding::of(program, p)?;
     let cs = Sharding::of(program, c)?;
@@ -476,150 +478,302 @@ fn check_partial_target(program: &Program, p: TensorId, c: TensorId) -> Result<(
             ),
         ));
     }
-    let pm = mesh_of(program, ps.mesh)?;
-    if let Decision::Unsupported(why) = decide(&ps, pm, &cs, pm) {
-        return Err(PassError::tensor(
-            name,
-            format!(
-                "{}: keeping the partial results while changing more than one other mesh axis \
-                 is not supported ({why}); reshard one mesh axis per set",
-                what()
-            ),
-        ));
-    }
     Ok(())
 }
 
-/// Intermediate `(mesh, spec)`s that turn `set(p) -> c` into single-row steps.
-fn plan_steps(program: &Program, p: TensorId, c: TensorId) -> Result<Vec<(MeshId, Spec)>, String> {
+/// The placements of `sh` over its value axes (for [`redistribute::plan`]).
+fn placements_of(sh: &Sharding) -> Placements {
+    let mut out = Placements::replicated(sh.value_axes.len());
+    let mut by_axis: Vec<Vec<(usize, ParallelType)>> = vec![Vec::new(); sh.value_axes.len()];
+    for (pt, p) in placements(sh) {
+        match p {
+            Placement::Split { axis, depth, .. } => {
+                if let Some(c) = by_axis.get_mut(axis) {
+                    c.push((depth, pt));
+                }
+            }
+            Placement::Partial => {
+                out.partial.insert(pt);
+            }
+        }
+    }
+    for (chain, mut levels) in out.chains.iter_mut().zip(by_axis) {
+        levels.sort();
+        *chain = levels.into_iter().map(|(_, pt)| pt).collect();
+    }
+    out
+}
+
+/// The type and schedule of a tensor placed as `pl` on `mesh`, holding the value of the
+/// producer `ps` (of type `pty`): without partial sums its value type; with partial sums the
+/// producer's own type (a `set` keeps reduction axes as they are), each partial parallel type
+/// on the reduction axis it splits in the producer.
+fn materialize(
+    pl: &Placements,
+    pty: &meshflow_ir::TensorType,
+    ps: &Sharding,
+    mesh: &meshflow_ir::DeviceMesh,
+) -> (meshflow_ir::TensorType, Spec) {
+    let vty = value_type(pty);
+    let mut spec = Spec::default();
+    // Value axis `v` of the value type is logical axis `ps.value_axes[v]` of the full type.
+    let partial = !pl.partial.is_empty();
+    let logical = |v: usize| {
+        if partial {
+            ps.value_axes.get(v).copied().unwrap_or(v)
+        } else {
+            v
+        }
+    };
+    for (v, chain) in pl.chains.iter().enumerate() {
+        for (depth, &pt) in chain.iter().enumerate() {
+            let parts = mesh.size_of(pt).unwrap_or(1) as u64;
+            spec.device.insert(
+                pt,
+                AxisSplit {
+                    axis: logical(v),
+                    parts,
+                    depth,
+                },
+            );
+        }
+    }
+    if !partial {
+        return (vty, spec);
+    }
+    // The partial types keep their reduction axes and their order on them.
+    let mut kept: Vec<(ParallelType, AxisSplit)> = pl
+        .partial
+        .iter()
+        .filter_map(|pt| ps.spec.device.get(pt).map(|s| (*pt, *s)))
+        .collect();
+    kept.sort_by_key(|(_, s)| (s.axis, s.depth));
+    let mut depth_on: BTreeMap<usize, usize> = BTreeMap::new();
+    for (pt, s) in kept {
+        let d = depth_on.entry(s.axis).or_insert(0);
+        spec.device.insert(pt, AxisSplit { depth: *d, ..s });
+        *d += 1;
+    }
+    (pty.clone(), spec)
+}
+
+/// A `Sharding` of the would-be tensor `(ty, spec)` on `mesh` (for the decision table).
+fn sharding_of(ty: &meshflow_ir::TensorType, mesh: MeshId, spec: &Spec) -> Option<Sharding> {
+    Sharding::from_parts("step", ty, mesh, &spec.to_transforms()).ok()
+}
+
+/// The placements from `from` to `to` on one mesh, one parallel type per step (both ends
+/// excluded), or why there are none.
+fn mesh_path(
+    from: &Placements,
+    to: &Placements,
+    pty: &meshflow_ir::TensorType,
+    ps: &Sharding,
+    mesh: &meshflow_ir::DeviceMesh,
+) -> Result<Vec<Placements>, String> {
+    let vty = &value_type(pty);
+    let sizes: BTreeMap<ParallelType, u64> = ParallelType::DEVICE
+        .into_iter()
+        .filter_map(|pt| Some((pt, mesh.size_of(pt)? as u64)))
+        .filter(|&(_, n)| n > 1)
+        .collect();
+    let extents = vty.value_shape();
+    // A team of one device never communicates: its splits and partial sums change nothing.
+    let strip = |pl: &Placements| Placements {
+        chains: pl
+            .chains
+            .iter()
+            .map(|c| {
+                c.iter()
+                    .copied()
+                    .filter(|pt| sizes.contains_key(pt))
+                    .collect()
+            })
+            .collect(),
+        partial: pl
+            .partial
+            .iter()
+            .copied()
+            .filter(|pt| sizes.contains_key(pt))
+            .collect(),
+    };
+    let (from, to) = (&strip(from), &strip(to));
+    let fits = |pl: &Placements| {
+        let (ty, spec) = materialize(pl, pty, ps, mesh);
+        spec.fits(&ty, mesh)
+    };
+    plan(from, to, &extents, &sizes, &fits).ok_or_else(|| {
+        let missing: Vec<&str> = to
+            .partial
+            .difference(&from.partial)
+            .map(|p| p.name())
+            .collect();
+        if missing.is_empty() {
+            format!(
+                "no sequence of single-parallel-type steps from {} to {} fits the shape {:?} \
+                 on mesh {mesh}",
+                from.describe(),
+                to.describe(),
+                extents
+            )
+        } else {
+            format!(
+                "the target holds partial sums along {} and the source does not: nothing \
+                 creates partial sums (Replicate -> Partial is refused, as in DTensor)",
+                missing.join(", "),
+            )
+        }
+    })
+}
+
+/// Intermediate `(mesh, type, spec)`s that turn `set(p) -> c` into single-row steps.
+#[allow(clippy::type_complexity)]
+fn plan_steps(
+    program: &Program,
+    p: TensorId,
+    c: TensorId,
+) -> Result<Vec<(MeshId, meshflow_ir::TensorType, Spec)>, String> {
     let err = |e: PassError| e.to_string();
     let ps = Sharding::of(program, p).map_err(err)?;
     let cs = Sharding::of(program, c).map_err(err)?;
     let pm = mesh_of(program, ps.mesh).map_err(err)?;
     let cm = mesh_of(program, cs.mesh).map_err(err)?;
-    if !matches!(decide(&ps, pm, &cs, cm), Decision::Unsupported(_)) {
+    let (pd, cd) = (
+        decl(program, p).map_err(err)?,
+        decl(program, c).map_err(err)?,
+    );
+    let direct = decide(&ps, pm, &cs, cm);
+    if !matches!(direct, Decision::Unsupported(_)) && stream_safe(&ps, &cs, &direct) {
         return Ok(Vec::new());
     }
-    let ty = value_type(&decl(program, c).map_err(err)?.ty);
-    let pv = placements(&ps);
-    let cv = placements(&cs);
-    let stream_axis = cs.stream().and_then(|s| cs.value_index(s.axis));
+    let vty = value_type(&cd.ty);
+    let (from, to) = (placements_of(&ps), placements_of(&cs));
+    let refuse = |why: String| {
+        format!(
+            "cannot reshard `{}` ({} on mesh {}) into `{}` ({} on mesh {}): {why}",
+            pd.name,
+            from.describe(),
+            pm,
+            cd.name,
+            to.describe(),
+            cm
+        )
+    };
+    let mut steps: Vec<(MeshId, Placements)> = Vec::new();
     if same_mesh(program, ps.mesh, cs.mesh) {
-        let steps = same_mesh_steps(&pv, &cv, stream_axis, &ty, pm)?;
-        if steps.is_empty() {
-            // A single-type change that is still no row of the table.
-            if let Decision::Unsupported(why) = decide(&ps, pm, &cs, cm) {
-                return Err(why);
-            }
-        }
-        return Ok(steps.into_iter().map(|s| (cs.mesh, s)).collect());
-    }
-    let no_partial =
-        |v: &BTreeMap<ParallelType, Placement>| !v.values().any(|p| *p == Placement::Partial);
-    let mut out = Vec::new();
-    if pm.shape() == cm.shape() && no_partial(&cv) {
+        steps.extend(
+            mesh_path(&from, &to, &pd.ty, &ps, pm)
+                .map_err(&refuse)?
+                .into_iter()
+                .map(|s| (cs.mesh, s)),
+        );
+    } else if !to.partial.is_empty() {
+        return Err(refuse(
+            "a target on another mesh cannot hold partial sums (reduce first)".into(),
+        ));
+    } else if pm.shape() == cm.shape() {
         // Reshard on the source mesh to the target's splits, then one transfer per pair.
-        out.extend(
-            same_mesh_steps(&pv, &cv, None, &ty, pm)?
+        steps.extend(
+            mesh_path(&from, &to, &pd.ty, &ps, pm)
+                .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (ps.mesh, s)),
         );
-        if pv != cv {
-            let spec = spec_from_placements(&cv).ok_or("the target holds partial sums")?;
-            out.push((ps.mesh, spec));
+        if from != to {
+            steps.push((ps.mesh, to.clone()));
         }
-        return Ok(out);
+    } else {
+        // Replicate on the source mesh, broadcast, slice on the target mesh.
+        let repl = Placements::replicated(vty.axes.len());
+        let replicated_sharding = sharding_of(&vty, cs.mesh, &Spec::default())
+            .ok_or_else(|| refuse("the replicated value has no layout".into()))?;
+        steps.extend(
+            mesh_path(&from, &repl, &pd.ty, &ps, pm)
+                .map_err(&refuse)?
+                .into_iter()
+                .map(|s| (ps.mesh, s)),
+        );
+        if from != repl {
+            steps.push((ps.mesh, repl.clone()));
+        }
+        if to != repl {
+            steps.push((cs.mesh, repl.clone()));
+        }
+        steps.extend(
+            mesh_path(&repl, &to, &vty, &replicated_sharding, cm)
+                .map_err(&refuse)?
+                .into_iter()
+                .map(|s| (cs.mesh, s)),
+        );
     }
-    // Replicate on the source mesh, broadcast, slice on the target mesh.
-    let empty = BTreeMap::new();
-    out.extend(
-        same_mesh_steps(&pv, &empty, None, &ty, pm)?
-            .into_iter()
-            .map(|s| (ps.mesh, s)),
-    );
-    if !pv.is_empty() {
-        out.push((ps.mesh, Spec::default()));
+    let mut out: Vec<(MeshId, meshflow_ir::TensorType, Spec)> = Vec::new();
+    for (m, pl) in steps {
+        let mesh = mesh_of(program, m).map_err(err)?;
+        let (ty, spec) = materialize(&pl, &pd.ty, &ps, mesh);
+        out.push((m, ty, spec));
     }
-    if !cv.is_empty() {
-        out.push((cs.mesh, Spec::default()));
+    // The last step reaches the consumer itself; a consumer cut by a Stream split whose
+    // chunks the last step cannot fill directly gets its device placement first.
+    let last = |out: &[(MeshId, meshflow_ir::TensorType, Spec)]| match out.last() {
+        Some((m, ty, spec)) => {
+            sharding_of(ty, *m, spec).map(|sh| (sh, mesh_of(program, *m).ok().cloned()))
+        }
+        None => Some((ps.clone(), Some(pm.clone()))),
+    };
+    if let (Some(_), Some((sh, Some(m)))) = (cs.stream(), last(&out)) {
+        let d = decide(&sh, &m, &cs, cm);
+        if matches!(d, Decision::Unsupported(_)) || !stream_safe(&sh, &cs, &d) {
+            let spec = cs.spec.without_stream();
+            out.push((cs.mesh, cd.ty.clone(), spec));
+        }
     }
-    out.extend(
-        same_mesh_steps(&empty, &cv, stream_axis, &ty, cm)?
-            .into_iter()
-            .map(|s| (cs.mesh, s)),
-    );
+    // Every step must be one row of the decision table.
+    let mut prev = (ps.clone(), pm.clone());
+    for (m, ty, spec) in
+        out.iter()
+            .chain(std::iter::once(&(cs.mesh, cd.ty.clone(), cs.spec.clone())))
+    {
+        let mesh = mesh_of(program, *m).map_err(err)?;
+        let sh = sharding_of(ty, *m, spec)
+            .ok_or_else(|| refuse("an intermediate placement has no layout".into()))?;
+        if let Decision::Unsupported(why) = decide(&prev.0, &prev.1, &sh, mesh) {
+            return Err(refuse(why));
+        }
+        prev = (sh, mesh.clone());
+    }
     Ok(out)
 }
 
-/// Intermediate specs (endpoints excluded) changing one parallel type per step.
-fn same_mesh_steps(
-    from: &BTreeMap<ParallelType, Placement>,
-    to: &BTreeMap<ParallelType, Placement>,
-    stream_axis: Option<usize>,
-    ty: &meshflow_ir::TensorType,
-    mesh: &meshflow_ir::DeviceMesh,
-) -> Result<Vec<Spec>, String> {
-    let mut changed: Vec<ParallelType> = ParallelType::DEVICE
-        .into_iter()
-        .filter(|pt| from.get(pt) != to.get(pt))
-        .collect();
-    if changed.len() <= 1 {
-        return Ok(Vec::new());
-    }
-    let key = |pt: &ParallelType| match from.get(pt) {
-        Some(Placement::Partial) => 0,
-        Some(Placement::Split { axis, .. }) if Some(*axis) == stream_axis => 2,
-        _ => 1,
+/// True when the step `p -> c` (decision `d`) can run chunk by chunk in `c`'s stream loop:
+/// a ring or stream broadcast fills the chunks itself; any other communication must leave the
+/// chunked axis alone and, for uneven pieces, find `p` cut by the same Stream split (a
+/// consumer with no Stream split is always fine).
+fn stream_safe(p: &Sharding, c: &Sharding, d: &Decision) -> bool {
+    let Some(cst) = c.stream() else {
+        return true;
     };
-    changed.sort_by_key(|pt| (key(pt), *pt));
-    let valid = |cur: &BTreeMap<ParallelType, Placement>| {
-        spec_from_placements(cur).filter(|s| s.fits(ty, mesh))
+    let Some(a) = c.value_index(cst.axis) else {
+        return true;
     };
-    // Greedy: one type at a time to its target.
-    let mut cur = from.clone();
-    let mut steps = Vec::new();
-    let mut ok = true;
-    for pt in &changed[..changed.len() - 1] {
-        match to.get(pt) {
-            Some(p) => cur.insert(*pt, *p),
-            None => cur.remove(pt),
-        };
-        match valid(&cur) {
-            Some(s) => steps.push(s),
-            None => {
-                ok = false;
-                break;
-            }
-        }
+    let touched = match *d {
+        Decision::Ring { .. } | Decision::StreamBroadcast { .. } => return true,
+        Decision::LocalCopy => false,
+        Decision::AllGather { axis, .. }
+        | Decision::LocalSlice { axis, .. }
+        | Decision::ReduceScatter { axis, .. }
+        | Decision::Gather { axis, .. }
+        | Decision::Scatter { axis, .. } => axis == a,
+        Decision::AllToAll { from, to, .. } => from == a || to == a,
+        _ => false,
+    };
+    if touched {
+        return false;
     }
-    if ok {
-        return Ok(steps);
-    }
-    // Remove every changed split, then add the targets.
-    let mut cur = from.clone();
-    let mut steps = Vec::new();
-    for pt in changed.iter().filter(|pt| from.contains_key(pt)) {
-        cur.remove(pt);
-        steps.push(valid(&cur).ok_or_else(|| {
-            "the producer holds partial sums along two parallel types at once".to_string()
-        })?);
-    }
-    for pt in changed.iter() {
-        if let Some(p) = to.get(pt) {
-            cur.insert(*pt, *p);
-            if &cur != to {
-                steps.push(valid(&cur).ok_or("no valid intermediate sharding")?);
-            }
-        }
-    }
-    if cur == *to
-        && steps
-            .last()
-            .is_some_and(|s| Some(s) == spec_from_placements(to).as_ref())
-    {
-        steps.pop();
-    }
-    Ok(steps)
+    let ragged = |sh: &Sharding| sh.layout.axes.iter().any(|x| x.ragged);
+    let same_stream = p.stream().is_some_and(|ps| {
+        p.value_index(ps.axis) == Some(a) && ps.chunks == cst.chunks && ps.swizzle == cst.swizzle
+    });
+    matches!(d, Decision::LocalCopy) || !(ragged(p) || ragged(c)) || same_stream
 }
 
 /// Why op `index` cannot compute locally, if it cannot: an input whose sharding differs from

@@ -27,7 +27,8 @@ use crate::host_util::{
     after_epilogue, base_of, before_prologue, comm_io, compact_tensors, view_inputs,
 };
 use crate::index::{form_of, loop_atom, Facts, Form};
-use crate::manager::{HostPass, PassContext};
+use crate::manager::HostPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct DeferWaits;
@@ -42,7 +43,7 @@ impl HostPass for DeferWaits {
         let io = comm_io(host);
         let ctx = WaitCtx { views, io };
         defer_block(&mut host.body, &ctx);
-        double_buffer(host, cx.num_streams.max(1));
+        double_buffer(host, cx.options.num_streams.max(1));
         compact_tensors(host);
         Ok(())
     }
@@ -71,7 +72,8 @@ impl WaitCtx {
         match &inst.kind {
             InstKind::Wait { .. }
             | InstKind::Synchronize { .. }
-            | InstKind::ShardByStream { .. } => false,
+            | InstKind::ShardByStream { .. }
+            | InstKind::Narrow { .. } => false,
             InstKind::GetCurrentStream { .. }
             | InstKind::SetCurrentStream { .. }
             | InstKind::StartCoalescing

@@ -3,8 +3,9 @@
 //!
 //! Uses of a tensor are the instructions naming it or a view of it, and the `wait`s of
 //! communications that read or write it (a buffer is freed only after its communication
-//! completed). On the structured tree ([`ScopeTree`], dominators from petgraph) the block
-//! that dominates (and post-dominates) all uses is the innermost block containing them; if the tensor is cut into chunks by a
+//! completed). On the structured tree ([`ScopeTree`]: the longest common prefix of the uses'
+//! paths) the block that dominates (and post-dominates) all uses is the innermost block
+//! containing them; if the tensor is cut into chunks by a
 //! `shard_by_stream` directly in that block, the buffer outlives the iterations and moves out
 //! of the loop. Allocations go before a stream loop's `get_current_stream`, deallocations after
 //! its join. Inputs and views are never allocated; outputs are allocated at the top level and
@@ -21,7 +22,8 @@ use crate::host_util::{
     after_epilogue, base_of, before_prologue, block_at, block_at_mut, comm_io, view_inputs,
     walk_paths,
 };
-use crate::manager::{HostPass, PassContext};
+use crate::manager::HostPass;
+use crate::options::PassContext;
 use crate::scope_tree::ScopeTree;
 
 /// The pass.

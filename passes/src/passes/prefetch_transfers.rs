@@ -71,7 +71,7 @@ impl HostPass for PrefetchTransfers {
     }
 
     fn run(&self, host: &mut HostProgram, cx: &mut PassContext) -> Result<(), PassError> {
-        let all = match cx.stream_schedule {
+        let all = match cx.options.stream_schedule {
             StreamSchedule::Prefetch => true,
             StreamSchedule::Auto if !cx.prefetch_loops.is_empty() => false,
             StreamSchedule::Auto | StreamSchedule::PerIteration => return Ok(()),
@@ -213,7 +213,7 @@ impl<'a> Candidate<'a> {
                 i.kind,
                 InstKind::ShardByStream { .. }
                     | InstKind::Compute { .. }
-                    | InstKind::LaunchKernel { .. }
+                    | InstKind::CallKernel { .. }
             )
         });
         if !post_ok {
@@ -356,7 +356,7 @@ impl<'a> Candidate<'a> {
         out.push(back_to(saved));
         out.extend(at(self.pre, Expr::c(a)));
         out.extend(at(self.post, Expr::c(a)).into_iter().map(|mut inst| {
-            if let InstKind::Compute { inputs, .. } | InstKind::LaunchKernel { inputs, .. } =
+            if let InstKind::Compute { inputs, .. } | InstKind::CallKernel { inputs, .. } =
                 &mut inst.kind
             {
                 for t in inputs.iter_mut().filter(|t| **t == forward.output) {
@@ -470,7 +470,7 @@ fn with_var(inst: &Inst, var: LoopVar, value: &Expr) -> Inst {
             *send_peer = sub(send_peer);
             *recv_peer = sub(recv_peer);
         }
-        InstKind::LaunchKernel { args, .. } => {
+        InstKind::CallKernel { args, .. } => {
             for a in args.iter_mut() {
                 *a = sub(a);
             }

@@ -9,7 +9,8 @@
 //! first input that has one that fits. **Backward**, from the last op to the first, every
 //! unannotated input takes the device splits of the op's outputs it lacks (mapped back).
 //! A split is only taken when it fits: the mesh has the parallel type with that many devices,
-//! the axis divides, and the axis is not split by another type. Forward, a split only lands
+//! the axis divides, and the axis is not split by another type. An axis split several times
+//! lends its whole chain at once, in its order. Forward, a split only lands
 //! on an output axis the op can compute split ([`local_split_ok`]): through a reshape, the
 //! split of a group's first axis moves to the group's first output axis when that extent
 //! divides (the head split `[B, S, H] -> [B, S, nh, hd]` keeps `H`'s split on `nh` when
@@ -21,9 +22,11 @@
 
 use meshflow_ir::{Op, OpKind, Program, TensorId};
 
+use crate::analysis::op_rules::keeps_uneven;
 use crate::analysis::{local_split_ok, op_axis_map, AxisSplit, Sharding, Spec, StreamSpec};
 use crate::error::PassError;
-use crate::manager::{PassContext, ProgramPass};
+use crate::manager::ProgramPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct PropagateShardings;
@@ -44,6 +47,19 @@ impl ProgramPass for PropagateShardings {
         }
         Ok(())
     }
+}
+
+/// The device splits of `spec` grouped by logical axis: each axis with its whole chain (a
+/// chain moves as one, keeping its order).
+fn chains(spec: &Spec) -> Vec<(usize, Vec<(meshflow_ir::ParallelType, AxisSplit)>)> {
+    let mut by_axis: std::collections::BTreeMap<
+        usize,
+        Vec<(meshflow_ir::ParallelType, AxisSplit)>,
+    > = std::collections::BTreeMap::new();
+    for (&pt, &split) in &spec.device {
+        by_axis.entry(split.axis).or_default().push((pt, split));
+    }
+    by_axis.into_iter().collect()
 }
 
 /// The order in which an op's inputs lend their splits to its outputs.
@@ -78,13 +94,16 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
             None => None,
         });
     }
-    let fits = |t: TensorId, s: &Spec| {
+    // Uneven splits propagate only through ops that compute element by element along the
+    // split axes (as DTensor's pointwise and linear ops keep uneven placements); shape ops,
+    // row-wise ops and reductions take only splits that divide.
+    let fits = |t: TensorId, s: &Spec, op: &Op| {
         program
             .tensors
             .get(t)
             .and_then(|d| {
                 let mesh = &program.meshes.get(d.mesh)?.mesh;
-                Some(s.fits(&d.ty, mesh))
+                Some(s.fits(&d.ty, mesh) && (s.divides(&d.ty) || keeps_uneven(&op.kind)))
             })
             .unwrap_or(false)
     };
@@ -109,25 +128,20 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 let Some(ins) = op.inputs.get(j).and_then(|t| specs[t.index()].clone()) else {
                     continue;
                 };
-                for (&pt, split) in &ins.device {
-                    if spec.device.contains_key(&pt) {
-                        continue;
-                    }
-                    let Some(k) = out_axis(j, split.axis) else {
+                for (a, chain) in chains(&ins) {
+                    let Some(k) = out_axis(j, a) else {
                         continue;
                     };
-                    if spec.pt_on(k).is_some() {
+                    if spec.pt_on(k).is_some()
+                        || chain.iter().any(|(pt, _)| spec.device.contains_key(pt))
+                    {
                         continue;
                     }
                     let mut cand = spec.clone();
-                    cand.device.insert(
-                        pt,
-                        AxisSplit {
-                            axis: k,
-                            parts: split.parts,
-                        },
-                    );
-                    if fits(out, &cand) {
+                    for (pt, split) in chain {
+                        cand.device.insert(pt, AxisSplit { axis: k, ..split });
+                    }
+                    if fits(out, &cand, op) {
                         spec = cand;
                     }
                 }
@@ -143,13 +157,13 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                 let Some(k) = out_axis(j, st.axis) else {
                     continue;
                 };
-                // The chunks must cut the same thing: the local shard on both or on neither.
-                if ins.pt_on(st.axis) != spec.pt_on(k) {
+                // The chunks must cut the same thing: the same piece of the axis' chain.
+                if ins.device_chain(st.axis) != spec.device_chain(k) {
                     continue;
                 }
                 let mut cand = spec.clone();
                 cand.stream = Some(StreamSpec { axis: k, ..st });
-                if fits(out, &cand) {
+                if fits(out, &cand, op) {
                     spec = cand;
                 }
             }
@@ -169,28 +183,24 @@ pub fn propagate(program: &Program) -> Result<Vec<(TensorId, Spec)>, PassError> 
                     continue;
                 }
                 let mut is = specs[input.index()].clone().unwrap_or_default();
-                for (&pt, split) in &os.device {
-                    if is.device.contains_key(&pt) {
-                        continue;
-                    }
+                for (k, chain) in chains(&os) {
                     let Some(&(_, a)) = axes
-                        .get(split.axis)
+                        .get(k)
                         .and_then(|src| src.iter().find(|(jj, _)| *jj == j))
                     else {
                         continue;
                     };
-                    if is.pt_on(a).is_some() || is.stream.is_some_and(|st| st.axis == a) {
+                    if is.pt_on(a).is_some()
+                        || is.stream.is_some_and(|st| st.axis == a)
+                        || chain.iter().any(|(pt, _)| is.device.contains_key(pt))
+                    {
                         continue;
                     }
                     let mut cand = is.clone();
-                    cand.device.insert(
-                        pt,
-                        AxisSplit {
-                            axis: a,
-                            parts: split.parts,
-                        },
-                    );
-                    if fits(input, &cand) {
+                    for (pt, split) in chain {
+                        cand.device.insert(pt, AxisSplit { axis: a, ..split });
+                    }
+                    if fits(input, &cand, op) {
                         is = cand;
                     }
                 }

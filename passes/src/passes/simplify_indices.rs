@@ -13,7 +13,8 @@ use meshflow_ir::HostProgram;
 
 use crate::error::PassError;
 use crate::index::{host_facts, loop_fact, Facts, Simplifier};
-use crate::manager::{HostPass, PassContext};
+use crate::manager::HostPass;
+use crate::options::PassContext;
 
 /// The pass.
 pub struct SimplifyIndices;
@@ -61,6 +62,10 @@ fn simplify_block(block: &mut Block, facts: &Facts) -> Result<(), PassError> {
             }
             | InstKind::ShardByStream { index: e, .. }
             | InstKind::Communication { root: Some(e), .. } => s(e),
+            InstKind::Narrow { start, length, .. } => {
+                s(start);
+                s(length);
+            }
             InstKind::CollectivePermute {
                 id,
                 team,
@@ -83,7 +88,7 @@ fn simplify_block(block: &mut Block, facts: &Facts) -> Result<(), PassError> {
                     }
                 }
             }
-            InstKind::LaunchKernel { args, .. } => args.iter_mut().for_each(s),
+            InstKind::CallKernel { args, .. } => args.iter_mut().for_each(s),
             _ => {}
         }
     }

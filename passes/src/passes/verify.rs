@@ -1,10 +1,11 @@
 //! The verification passes at both ends of the pipeline (they cannot be disabled; verification
-//! *between* passes is what `PassManager::with_verify` turns on and off).
+//! *between* passes is what `PassOptions::verify` turns on and off).
 
 use meshflow_ir::{verify_host, verify_program, HostProgram, Program};
 
 use crate::error::PassError;
-use crate::manager::{HostPass, PassContext, ProgramPass};
+use crate::manager::{HostPass, ProgramPass};
+use crate::options::PassContext;
 
 /// Verifies the input program.
 pub struct VerifyProgram;

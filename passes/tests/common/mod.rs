@@ -7,49 +7,58 @@ use meshflow_passes::passes::{
     AssignStreams, ChooseDecompositions, DecomposeReshardings, DeferWaits, InsertAllocations,
     LowerToHost, PropagateShardings, SimplifyIndices, VerifyHost, VerifyProgram,
 };
-use meshflow_passes::{Pass, PassContext, PassError, PassManager, PassOutput};
+use meshflow_passes::{PassError, PassManager, PassOptions, PassOutput};
 
-/// The full pass list (the same order as `meshflow::pipeline`).
-pub fn all_passes() -> Vec<Pass> {
-    vec![
-        Pass::Program(Box::new(VerifyProgram)),
-        Pass::Program(Box::new(PropagateShardings)),
-        Pass::Program(Box::new(DecomposeReshardings)),
-        Pass::Program(Box::new(ChooseDecompositions)),
-        Pass::Lower(Box::new(LowerToHost)),
-        Pass::Host(Box::new(SimplifyIndices)),
-        Pass::Host(Box::new(AssignStreams)),
-        Pass::Host(Box::new(InsertAllocations)),
-        Pass::Host(Box::new(DeferWaits)),
-        Pass::Host(Box::new(VerifyHost)),
-    ]
+/// The full pass list (the same order as `meshflow::pipeline`, without `prefetch_transfers`).
+pub fn all_passes() -> PassManager {
+    PassManager::new(
+        vec![
+            Box::new(VerifyProgram),
+            Box::new(PropagateShardings),
+            Box::new(DecomposeReshardings),
+            Box::new(ChooseDecompositions),
+        ],
+        Box::new(LowerToHost),
+        vec![
+            Box::new(SimplifyIndices),
+            Box::new(AssignStreams),
+            Box::new(InsertAllocations),
+            Box::new(DeferWaits),
+            Box::new(VerifyHost),
+        ],
+    )
 }
 
 /// The level-1 passes, the lowering and `simplify_indices` only (compact output).
-pub fn lowering_passes() -> Vec<Pass> {
-    vec![
-        Pass::Program(Box::new(PropagateShardings)),
-        Pass::Program(Box::new(DecomposeReshardings)),
-        Pass::Program(Box::new(ChooseDecompositions)),
-        Pass::Lower(Box::new(LowerToHost)),
-        Pass::Host(Box::new(SimplifyIndices)),
-    ]
+pub fn lowering_passes() -> PassManager {
+    PassManager::new(
+        vec![
+            Box::new(PropagateShardings),
+            Box::new(DecomposeReshardings),
+            Box::new(ChooseDecompositions),
+        ],
+        Box::new(LowerToHost),
+        vec![Box::new(SimplifyIndices)],
+    )
 }
 
-/// Runs `passes` on `program` with a fresh context.
-pub fn run(program: &Program, passes: Vec<Pass>) -> Result<(PassOutput, PassContext), PassError> {
-    let mut cx = PassContext::new(program);
-    let out = PassManager::new(passes)
-        .with_verify(true)
-        .run(program.clone(), &mut cx)?;
-    Ok((out, cx))
+/// Options with verification after every pass.
+pub fn verifying() -> PassOptions {
+    PassOptions {
+        verify: true,
+        ..PassOptions::default()
+    }
+}
+
+/// Runs `passes` on `program`, verifying after each.
+pub fn run(program: &Program, passes: PassManager) -> Result<PassOutput, PassError> {
+    passes.run(program.clone(), &verifying())
 }
 
 /// The host program of the compact lowering.
 pub fn lower(program: &Program) -> HostProgram {
     run(program, lowering_passes())
         .unwrap_or_else(|e| panic!("lowering failed: {e}"))
-        .0
         .host
 }
 
@@ -57,7 +66,6 @@ pub fn lower(program: &Program) -> HostProgram {
 pub fn lower_full(program: &Program) -> HostProgram {
     run(program, all_passes())
         .unwrap_or_else(|e| panic!("lowering failed: {e}"))
-        .0
         .host
 }
 

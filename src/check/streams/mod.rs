@@ -71,7 +71,7 @@ use meshflow_ir::{DeviceId, EntityRef, HostProgram, LoopVar, Team};
 
 use super::error::{CheckError, RaceAccess, Site};
 use super::events::{InstInfo, Iteration};
-use prog::{Node, Prog};
+use prog::{Item, Prog};
 use walk::{At, Walker};
 
 /// The most instructions the stream-order walk executes, summed over ranks.
@@ -286,11 +286,11 @@ fn team_index(
 
 /// The teams whose membership, or the rank's index in which, a walk depends on: explicit
 /// device lists, and the teams of rooted collectives.
-fn rank_teams<'h>(nodes: &[Node<'h>], out: &mut Vec<&'h Team>) {
-    for node in nodes {
-        match node {
-            Node::Loop { body, .. } => rank_teams(body, out),
-            Node::Comm {
+fn rank_teams<'h>(items: &[Item<'h>], out: &mut Vec<&'h Team>) {
+    for item in items {
+        match item {
+            Item::Loop { body, .. } => rank_teams(body, out),
+            Item::Comm {
                 team, collective, ..
             } if matches!(team, Team::Devices(_))
                 || collective.is_some_and(|(_, root)| root.is_some()) =>
@@ -302,10 +302,10 @@ fn rank_teams<'h>(nodes: &[Node<'h>], out: &mut Vec<&'h Team>) {
     }
 }
 
-fn has_order(nodes: &[Node<'_>]) -> bool {
-    nodes.iter().any(|n| match n {
-        Node::Loop { body, .. } => has_order(body),
-        Node::Comm { .. } | Node::SetStream { .. } => true,
+fn has_order(items: &[Item<'_>]) -> bool {
+    items.iter().any(|n| match n {
+        Item::Loop { body, .. } => has_order(body),
+        Item::Comm { .. } | Item::SetStream { .. } => true,
         _ => false,
     })
 }
@@ -319,7 +319,7 @@ pub(crate) fn check(host: &HostProgram, world_size: usize) -> Vec<CheckError> {
 fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckError>, usize) {
     let prog = Prog::new(host);
     // With one stream and no communication, program order is the only order.
-    if !has_order(&prog.nodes) {
+    if !has_order(&prog.items) {
         return (Vec::new(), 0);
     }
     let mut findings = Findings {
@@ -339,7 +339,7 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
     };
     let pos = positions(host);
     let mut teams = Vec::new();
-    rank_teams(&prog.nodes, &mut teams);
+    rank_teams(&prog.items, &mut teams);
     // What a rank's walk depends on: its meshes, its place in explicit and rooted teams,
     // its `my(..)` values (and its id, when an expression reads `rank`).
     type Signature = (

@@ -17,13 +17,13 @@ pub(super) enum Sel<'h> {
 }
 
 /// An instruction the walk executes (`ord` is its pre-order index, as in the runtime).
-pub(super) enum Node<'h> {
+pub(super) enum Item<'h> {
     Loop {
         ord: u32,
         var: LoopVar,
         start: &'h Expr,
         stop: &'h Expr,
-        body: Vec<Node<'h>>,
+        body: Vec<Item<'h>>,
         /// The moduli of a loop that may be folded; `None` when it may not (see `fold`).
         fold: Option<Vec<&'h Expr>>,
     },
@@ -51,6 +51,15 @@ pub(super) enum Node<'h> {
         axis: usize,
         chunks: u64,
         index: &'h Expr,
+    },
+    /// Elements `[start, start + length)` of `input` along `axis`.
+    Narrow {
+        ord: u32,
+        out: usize,
+        input: usize,
+        axis: usize,
+        start: &'h Expr,
+        length: &'h Expr,
     },
     /// A communication: taken by team members; reads and writes the buffers they hold
     /// (`strict`: MoE ops, skipped unless every buffer is held).
@@ -82,7 +91,7 @@ pub(super) enum Node<'h> {
 /// The prepared program.
 pub(super) struct Prog<'h> {
     pub host: &'h HostProgram,
-    pub nodes: Vec<Node<'h>>,
+    pub items: Vec<Item<'h>>,
     /// Instructions by `ord`.
     pub insts: Vec<&'h Inst>,
     /// Labels by index.
@@ -162,12 +171,12 @@ impl<'h> Builder<'h> {
         }
     }
 
-    fn block(&mut self, block: &'h [Inst]) -> Vec<Node<'h>> {
-        let mut nodes = Vec::new();
+    fn block(&mut self, block: &'h [Inst]) -> Vec<Item<'h>> {
+        let mut items = Vec::new();
         for inst in block {
             let ord = self.insts.len() as u32;
             self.insts.push(inst);
-            let node = match &inst.kind {
+            let item = match &inst.kind {
                 InstKind::ForLoop {
                     index,
                     start,
@@ -179,7 +188,7 @@ impl<'h> Builder<'h> {
                     self.uses(stop);
                     let body = self.block(body);
                     let fold = foldable(&body, *index);
-                    Node::Loop {
+                    Item::Loop {
                         ord,
                         var: *index,
                         start,
@@ -188,23 +197,23 @@ impl<'h> Builder<'h> {
                         fold,
                     }
                 }
-                InstKind::Allocate { tensor } => Node::Alloc {
+                InstKind::Allocate { tensor } => Item::Alloc {
                     tensor: idx(*tensor),
                 },
-                InstKind::Deallocate { tensor } => Node::Dealloc {
+                InstKind::Deallocate { tensor } => Item::Dealloc {
                     tensor: idx(*tensor),
                 },
                 InstKind::GetCurrentStream { dst } => {
                     self.stream_vars = self.stream_vars.max(dst.0 as usize + 1);
-                    Node::GetStream {
+                    Item::GetStream {
                         var: dst.0 as usize,
                     }
                 }
-                InstKind::SetCurrentStream { stream } => Node::SetStream {
+                InstKind::SetCurrentStream { stream } => Item::SetStream {
                     ord,
                     stream: self.sel(stream),
                 },
-                InstKind::Synchronize { stream } => Node::Sync {
+                InstKind::Synchronize { stream } => Item::Sync {
                     ord,
                     stream: self.sel(stream),
                 },
@@ -216,7 +225,7 @@ impl<'h> Builder<'h> {
                     index,
                 } => {
                     self.uses(index);
-                    Node::Shard {
+                    Item::Shard {
                         ord,
                         out: idx(*out),
                         input: idx(*input),
@@ -225,12 +234,30 @@ impl<'h> Builder<'h> {
                         index,
                     }
                 }
-                InstKind::Wait { comm } => Node::Wait {
+                InstKind::Narrow {
+                    out,
+                    input,
+                    axis,
+                    start,
+                    length,
+                } => {
+                    self.uses(start);
+                    self.uses(length);
+                    Item::Narrow {
+                        ord,
+                        out: idx(*out),
+                        input: idx(*input),
+                        axis: *axis,
+                        start,
+                        length,
+                    }
+                }
+                InstKind::Wait { comm } => Item::Wait {
                     label: self.label(*comm),
                 },
                 InstKind::StartCoalescing => {
                     self.open_group = Some(Vec::new());
-                    Node::BeginGroup
+                    Item::BeginGroup
                 }
                 InstKind::EndCoalescing { id } => {
                     let members = self.open_group.take().unwrap_or_default();
@@ -240,14 +267,14 @@ impl<'h> Builder<'h> {
                             *g = Some(label);
                         }
                     }
-                    Node::EndGroup { label }
+                    Item::EndGroup { label }
                 }
                 InstKind::Compute {
                     inputs, outputs, ..
                 }
-                | InstKind::LaunchKernel {
+                | InstKind::CallKernel {
                     inputs, outputs, ..
-                } => Node::Compute {
+                } => Item::Compute {
                     ord,
                     reads: inputs.iter().map(|&t| idx(t)).collect(),
                     writes: outputs.iter().map(|&t| idx(t)).collect(),
@@ -268,7 +295,7 @@ impl<'h> Builder<'h> {
                         }
                         _ => None,
                     };
-                    Node::Comm {
+                    Item::Comm {
                         ord,
                         label: self.post(id),
                         team,
@@ -282,31 +309,40 @@ impl<'h> Builder<'h> {
                     }
                 }
             };
-            nodes.push(node);
+            items.push(item);
         }
-        nodes
+        items
     }
 }
 
 /// The moduli of a loop over `var` whose body may be folded: no inner loop, worker streams
 /// periodic in `var`, chunk indices periodic or translating (see `fold`).
-fn foldable<'h>(body: &[Node<'h>], var: LoopVar) -> Option<Vec<&'h Expr>> {
+fn foldable<'h>(body: &[Item<'h>], var: LoopVar) -> Option<Vec<&'h Expr>> {
     let mut moduli = Vec::new();
-    for node in body {
-        let dep = match node {
-            Node::Loop { .. } => return None,
-            Node::SetStream {
+    for item in body {
+        let dep = match item {
+            Item::Loop { .. } => return None,
+            Item::SetStream {
                 stream: Sel::Worker(e),
                 ..
             }
-            | Node::Sync {
+            | Item::Sync {
                 stream: Sel::Worker(e),
                 ..
             } => match classify(e, var) {
                 d if d.is_periodic() => d,
                 _ => return None,
             },
-            Node::Shard { index, .. } => classify(index, var),
+            Item::Shard { index, .. } => classify(index, var),
+            Item::Narrow { start, length, .. } => {
+                for e in [start, length] {
+                    match classify(e, var) {
+                        Dep::Regular { moduli: m, .. } => moduli.extend(m),
+                        Dep::Irregular => return None,
+                    }
+                }
+                continue;
+            }
             _ => continue,
         };
         match dep {
@@ -331,10 +367,10 @@ impl<'h> Prog<'h> {
             my_used: BTreeSet::new(),
             uses_rank: false,
         };
-        let nodes = b.block(&host.body);
+        let items = b.block(&host.body);
         Prog {
             host,
-            nodes,
+            items,
             insts: b.insts,
             labels: b.labels,
             group_of: b.group_of,

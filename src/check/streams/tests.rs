@@ -4,7 +4,8 @@ use meshflow_ir::{parse_host, parse_program_with, HostProgram};
 
 use super::walk_ranks;
 use crate::check::CheckError;
-use crate::pipeline::{compile, CompileOptions, StreamSchedule};
+use crate::pipeline::StreamSchedule;
+use crate::{compile, Options};
 
 /// The races found, as `(earlier instruction, later instruction)` texts.
 fn races(host: &HostProgram, world: usize, fold: bool) -> (BTreeSet<(String, String)>, usize) {
@@ -163,12 +164,11 @@ fn lowered_stream_loops_fold_exactly_with_any_wait_or_sync_dropped() {
     let (mut checked, mut racy) = (0, 0);
     for schedule in [StreamSchedule::PerIteration, StreamSchedule::Prefetch] {
         for streams in [1, 2, 3] {
-            let options = CompileOptions {
-                num_streams: streams,
-                stream_schedule: schedule,
-                ..CompileOptions::default()
-            };
-            let host = compile(&program, &options).expect("lowers").host;
+            let options = Options::new()
+                .check(false)
+                .streams(streams)
+                .stream_schedule(schedule);
+            let host = compile(&program, &options).expect("lowers").host().clone();
             let text = host.to_string();
             let (ok, steps) = races(&host, 2, true);
             assert!(ok.is_empty(), "{ok:?}\n{text}");

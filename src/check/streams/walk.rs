@@ -12,7 +12,7 @@ use meshflow_ir::{
 mod plan;
 
 use super::fold::Window;
-use super::prog::{Node, Prog, Sel};
+use super::prog::{Item, Prog, Sel};
 use super::{Findings, Rank};
 use crate::ordering::{collective_accesses, Access, Clocks, Region, Scope, Shadow, Span};
 
@@ -288,20 +288,20 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
     /// Runs the program.
     pub fn run(&mut self) -> Result<(), super::TooLarge> {
         let prog = self.prog;
-        self.block(&prog.nodes)
+        self.block(&prog.items)
     }
 
-    fn block(&mut self, nodes: &[Node<'_>]) -> Result<(), super::TooLarge> {
-        for node in nodes {
+    fn block(&mut self, items: &[Item<'_>]) -> Result<(), super::TooLarge> {
+        for item in items {
             self.out.spend()?;
-            self.node(node)?;
+            self.item(item)?;
         }
         Ok(())
     }
 
-    fn node(&mut self, node: &Node<'_>) -> Result<(), super::TooLarge> {
-        match node {
-            Node::Loop {
+    fn item(&mut self, item: &Item<'_>) -> Result<(), super::TooLarge> {
+        match item {
+            Item::Loop {
                 ord,
                 var,
                 start,
@@ -309,28 +309,28 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 body,
                 fold,
             } => self.run_loop(*ord, *var, start, stop, body, fold.as_deref())?,
-            Node::Alloc { tensor } => self.allocate(*tensor),
-            Node::Dealloc { tensor } => {
+            Item::Alloc { tensor } => self.allocate(*tensor),
+            Item::Dealloc { tensor } => {
                 if let Some(v) = self.views.get_mut(*tensor) {
                     *v = None;
                 }
             }
-            Node::GetStream { var } => {
+            Item::GetStream { var } => {
                 if let Some(s) = self.saved.get_mut(*var) {
                     *s = Some(self.current);
                 }
             }
-            Node::SetStream { ord, stream } => {
+            Item::SetStream { ord, stream } => {
                 if let Some(s) = self.stream(*ord, stream) {
                     self.current = s;
                 }
             }
-            Node::Sync { ord, stream } => {
+            Item::Sync { ord, stream } => {
                 if let Some(s) = self.stream(*ord, stream) {
                     self.clocks.sync(self.current, s);
                 }
             }
-            Node::Shard {
+            Item::Shard {
                 ord,
                 out,
                 input,
@@ -350,7 +350,28 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                     *v = view;
                 }
             }
-            Node::Comm {
+            Item::Narrow {
+                ord,
+                out,
+                input,
+                axis,
+                start,
+                length,
+            } => {
+                if !(self.held(*out) && self.held(*input)) {
+                    return Ok(());
+                }
+                let s = self.eval(*ord, "narrow start", start);
+                let l = self.eval(*ord, "narrow length", length);
+                let view = s.zip(l).and_then(|(s, l)| {
+                    let parent = self.views.get(*input)?.as_ref()?;
+                    narrow(parent, *axis, s, l)
+                });
+                if let Some(v) = self.views.get_mut(*out) {
+                    *v = view;
+                }
+            }
+            Item::Comm {
                 ord,
                 label,
                 team,
@@ -378,13 +399,13 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                 let site = (self.stream_key(), Some(*label));
                 self.accesses(*ord, reads, writes, *label, epoch, &clock, site);
             }
-            Node::Wait { label } => {
+            Item::Wait { label } => {
                 if let Some(Some(c)) = self.pending.get(*label).cloned() {
                     self.clocks.join(self.current, &c);
                 }
             }
-            Node::BeginGroup => self.group = Some(Vec::new()),
-            Node::EndGroup { label } => {
+            Item::BeginGroup => self.group = Some(Vec::new()),
+            Item::EndGroup { label } => {
                 let members = self.group.take().unwrap_or_default();
                 let mut clock = self.clocks.post(self.current, *label).to_vec();
                 for m in members {
@@ -394,7 +415,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
                     *p = Some(clock.into());
                 }
             }
-            Node::Compute { ord, reads, writes } => {
+            Item::Compute { ord, reads, writes } => {
                 if !reads.iter().chain(writes).all(|&t| self.held(t)) {
                     return Ok(());
                 }
@@ -583,7 +604,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         self.iter_arc = self.iteration.as_slice().into();
     }
 
-    fn iterate(&mut self, var: LoopVar, v: i64, body: &[Node<'_>]) -> Result<(), super::TooLarge> {
+    fn iterate(&mut self, var: LoopVar, v: i64, body: &[Item<'_>]) -> Result<(), super::TooLarge> {
         self.set_iteration(var, Some(v));
         let r = self.block(body);
         self.set_iteration(var, None);
@@ -597,7 +618,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         var: LoopVar,
         start: &Expr,
         stop: &Expr,
-        body: &[Node<'_>],
+        body: &[Item<'_>],
         fold: Option<&[&Expr]>,
     ) -> Result<(), super::TooLarge> {
         let (Some(start), Some(stop)) = (
@@ -670,6 +691,24 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         self.active.pop();
         result
     }
+}
+
+/// Elements `[start, start + length)` of `parent` along `axis`, or `None` when they do not
+/// lie inside it (the runtime reports that).
+fn narrow(parent: &View, axis: usize, start: i64, length: i64) -> Option<View> {
+    let span = parent.spans.get(axis)?;
+    let (start, length) = (u64::try_from(start).ok()?, u64::try_from(length).ok()?);
+    let lo = span.lo.checked_add(start)?;
+    let hi = lo.checked_add(length)?;
+    if span.period != 0 || hi > span.hi {
+        return None;
+    }
+    let mut spans = parent.spans.clone();
+    spans[axis] = Span::new(lo, hi);
+    Some(View {
+        buffer: parent.buffer,
+        spans,
+    })
 }
 
 /// Chunk `index` of `chunks` of `parent` along `axis`, or `None` when it does not exist

@@ -1,4 +1,4 @@
-//! Numeric CPU kernels on strided views: the sim backend's kernels (the level-1 reference
+//! Numeric CPU kernels on strided views: the CPU backend's kernels (the level-1 reference
 //! has its own, independent ones in `runtime::reference`).
 //!
 //! Floating-point kernels read their inputs as `f32`, accumulate in `f32` in a fixed order and
@@ -390,7 +390,7 @@ pub fn grouped_matmul(
     out.assign_f32(&res).map_err(view_err(OP))
 }
 
-/// Runs one host compute op on views (used by the sim backend).
+/// Runs one host compute op on views (used by the CPU backend).
 pub fn run_compute(
     op: &ComputeOp,
     inputs: &[View<'_>],

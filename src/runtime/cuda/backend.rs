@@ -484,7 +484,7 @@ impl Backend for CudaBackend {
             .map(KernelId::new)
     }
 
-    fn launch_kernel(
+    fn call_kernel(
         &mut self,
         kernel: KernelId,
         inputs: &[&TensorView<CudaBuffer>],
@@ -495,8 +495,8 @@ impl Backend for CudaBackend {
         self.core.step_started()?;
         let k = self.user_kernel(kernel)?;
         let def = self.config.kernels.defs[kernel.index()].clone();
-        self.computing("launch_kernel", outputs, ctx, |core| {
-            core.launch_user(&k, &def, inputs, outputs, args)
+        self.computing("call_kernel", outputs, ctx, |core| {
+            core.call_user(&k, &def, inputs, outputs, args)
         })
     }
 
@@ -508,13 +508,14 @@ impl Backend for CudaBackend {
         if let Some(e) = self.core.aborted() {
             return Err(e);
         }
+        #[cfg(feature = "fault-injection")]
         if self.config.exit_at_comm == Some(self.posted) {
             tracing::warn!(
                 rank = self.core.rank,
                 "injected process exit at communication #{}",
                 self.posted
             );
-            std::process::exit(crate::runtime::sim::FAULT_EXIT_STATUS);
+            std::process::exit(crate::runtime::faults::FAULT_EXIT_STATUS);
         }
         self.posted += 1;
         self.core.step_started()?;

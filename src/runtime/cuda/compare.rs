@@ -3,17 +3,17 @@
 
 use meshflow_ir::{HostProgram, Program};
 
-use super::launch::{run_cuda, CudaLaunchError, CudaOptions};
+use super::ranks::{run_cuda, CudaOptions, CudaRunError};
 use crate::runtime::compare::{compare_with_reference, CompareError, Comparison};
-use crate::runtime::launch::SimInputs;
-use crate::runtime::sim::SimKernels;
+use crate::runtime::cpu::CpuKernels;
+use crate::runtime::ranks::RunInputs;
 
 /// Why a GPU comparison could not be made.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum CudaCompareError {
     /// The GPU run failed.
     #[error(transparent)]
-    Run(#[from] CudaLaunchError),
+    Run(#[from] CudaRunError),
     /// Inputs, gathering, the reference or an output.
     #[error(transparent)]
     Compare(#[from] CompareError),
@@ -30,10 +30,10 @@ pub fn run_and_compare_cuda(
 ) -> Result<Comparison, CudaCompareError> {
     let mut options = options.clone();
     options.ranks = Some(ranks);
-    compare_with_reference(level1, seed, &SimKernels::new(), |inputs| {
+    compare_with_reference(level1, seed, &CpuKernels::new(), |inputs| {
         let outcome = run_cuda(
             host,
-            SimInputs::Full {
+            RunInputs::Full {
                 program: level1,
                 inputs,
             },

@@ -368,9 +368,9 @@ impl DeviceCore {
         self.copy(&view, out)
     }
 
-    /// Launches a registered kernel: packed inputs, outputs (through temporaries when strided),
+    /// Calls a registered kernel: packed inputs, outputs (through temporaries when strided),
     /// then the scalar arguments.
-    pub(super) fn launch_user(
+    pub(super) fn call_user(
         &mut self,
         k: &UserKernel,
         def: &KernelDef,
@@ -394,7 +394,7 @@ impl DeviceCore {
         params.extend(ins.iter().map(KernelArg::Buffer));
         params.extend(slots.iter().map(|s| KernelArg::Buffer(&s.buf)));
         params.extend(args.iter().map(|&a| KernelArg::I64(a)));
-        k.launch(
+        k.call(
             self.stream(),
             dims.grid,
             dims.block,

@@ -34,7 +34,7 @@ pub struct CudaConfig {
     pub timeout: Duration,
     /// Record one [`Interval`](super::Interval) per compute op and communication.
     pub profile: bool,
-    /// Kernels for `launch_kernel`.
+    /// Kernels for `call_kernel`.
     pub kernels: CudaKernels,
     /// The transport to force, where it can carry a communication; `None` (the default):
     /// chosen per team when a program is prepared (see the selection rules in
@@ -68,7 +68,7 @@ pub struct CudaConfig {
     /// available).
     pub wire: WireChoice,
     /// Fault tests only: the process exits at once with
-    /// [`FAULT_EXIT_STATUS`](crate::runtime::sim::FAULT_EXIT_STATUS) when this rank posts its
+    /// [`FAULT_EXIT_STATUS`](crate::runtime::cpu::FAULT_EXIT_STATUS) when this rank posts its
     /// n-th communication (0-based), as a killed process would.
     pub exit_at_comm: Option<usize>,
 }

@@ -58,7 +58,7 @@ impl GraphRecorder {
         }
         let exec = made.map_err(|e| dev_err(core.rank, "cuStreamEndCapture", e))?;
         for _ in 0..replays {
-            exec.launch(&core.streams[0])
+            exec.replay(&core.streams[0])
                 .map_err(|e| dev_err(core.rank, "cuGraphLaunch", e))?;
         }
         state.exec = Some(exec);

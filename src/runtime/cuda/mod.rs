@@ -1,4 +1,4 @@
-//! The CUDA backend (feature `cuda`): the same host programs as the sim backend, on GPUs.
+//! The CUDA backend (feature `cuda`): the same host programs as the CPU backend, on GPUs.
 //!
 //! - [`CudaBackend`] implements [`Backend`](crate::runtime::Backend) for one rank on one GPU:
 //!   buffers are slots of a caching allocator ([`CudaBuffer`]); a main stream and a bounded pool
@@ -41,13 +41,13 @@ mod config;
 mod core;
 mod graph;
 mod group;
-mod launch;
 mod layout;
 mod layout_ops;
 mod memory;
 mod operands;
 mod profile;
 mod program;
+mod ranks;
 mod teams;
 mod transport;
 mod user_kernels;
@@ -56,15 +56,14 @@ pub use self::core::CudaComm;
 pub use backend::CudaBackend;
 pub use compare::{run_and_compare_cuda, CudaCompareError};
 pub use config::{AbortSignal, CopyStream, CudaConfig, CudaResources};
-pub use launch::{
-    device_count, run_cuda, run_cuda_timed, run_rank, CudaLaunchError, CudaOptions, RankRun,
-    TimedRun,
-};
 pub use memory::CudaBuffer;
 pub use meshflow_kernels::proxy::WireChoice;
 pub use meshflow_passes::Transport;
 pub use profile::{Interval, IntervalKind};
 pub use program::{run_program_cuda, ProgramRun};
+pub use ranks::{
+    device_count, run_cuda, run_cuda_timed, run_rank, CudaOptions, CudaRunError, RankRun, TimedRun,
+};
 pub use teams::clear_communicator_cache;
 pub use transport::PeerHub;
-pub use user_kernels::{CudaKernels, DimsFn, LaunchDims};
+pub use user_kernels::{CudaKernels, DimsFn, GridDims};

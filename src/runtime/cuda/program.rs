@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 use meshflow_ir::{DeviceId, HostProgram, Program};
 use meshflow_kernels::proxy::ProxyStats;
 
-use super::launch::{run_cuda_timed, run_rank, CudaLaunchError, CudaOptions};
+use super::ranks::{run_cuda_timed, run_rank, CudaOptions, CudaRunError};
 use crate::runtime::data::TensorData;
 use crate::runtime::evaluator::SelectedTransport;
-use crate::runtime::launch::{LaunchError, SimInputs};
+use crate::runtime::ranks::{RunError, RunInputs};
 use crate::runtime::rendezvous::{
     decode_tensors, encode_tensors, Rendezvous, RendezvousError, TcpRendezvous, TorchrunEnv,
 };
@@ -30,7 +30,7 @@ pub struct ProgramRun {
     pub rank: Option<usize>,
     /// Number of ranks.
     pub world: usize,
-    /// Wall time of the run (launch to outputs).
+    /// Wall time of the run (start to outputs).
     pub elapsed: Duration,
     /// Device-time intervals as a trace (profiling mode, in-process runs).
     pub trace: Option<Trace>,
@@ -46,7 +46,7 @@ pub struct ProgramRun {
 fn gather_all(
     program: &Program,
     per_rank: &BTreeMap<usize, BTreeMap<String, TensorData>>,
-) -> Result<BTreeMap<String, TensorData>, CudaLaunchError> {
+) -> Result<BTreeMap<String, TensorData>, CudaRunError> {
     program
         .outputs
         .iter()
@@ -54,7 +54,7 @@ fn gather_all(
             let name = program.tensors[t].name.clone();
             gather_tensor(program, t, per_rank)
                 .map(|d| (name, d))
-                .map_err(|e| CudaLaunchError::Launch(LaunchError::Shard(e)))
+                .map_err(|e| CudaRunError::Run(RunError::Shard(e)))
         })
         .collect()
 }
@@ -72,18 +72,18 @@ pub fn run_program_cuda(
     ranks: usize,
     options: &CudaOptions,
     env: Option<&TorchrunEnv>,
-) -> Result<ProgramRun, CudaLaunchError> {
+) -> Result<ProgramRun, CudaRunError> {
     let start = Instant::now();
     let Some(env) = env else {
         let mut o = options.clone();
         o.ranks = Some(ranks);
-        let timed = run_cuda_timed(host, SimInputs::Full { program, inputs }, &o, 0, 1)?;
+        let timed = run_cuda_timed(host, RunInputs::Full { program, inputs }, &o, 0, 1)?;
         let outcome = timed.outcome;
         return Ok(ProgramRun {
             outputs: Some(
                 outcome
                     .gather(program)
-                    .map_err(|e| CudaLaunchError::Launch(LaunchError::Shard(e)))?,
+                    .map_err(|e| CudaRunError::Run(RunError::Shard(e)))?,
             ),
             rank: None,
             world: ranks,
@@ -96,7 +96,7 @@ pub fn run_program_cuda(
     };
     let needed = host.world_size();
     if env.world_size < needed {
-        return Err(LaunchError::TooFewRanks {
+        return Err(RunError::TooFewRanks {
             needed,
             given: env.world_size,
         }
@@ -104,7 +104,7 @@ pub fn run_program_cuda(
     }
     let timeout = options.config.timeout;
     let rdv: Arc<TcpRendezvous> = Arc::new(TcpRendezvous::connect(env, timeout)?);
-    let per_rank = scatter_inputs(program, inputs).map_err(LaunchError::from)?;
+    let per_rank = scatter_inputs(program, inputs).map_err(RunError::from)?;
     let empty = BTreeMap::new();
     let mine = per_rank.get(&env.rank).unwrap_or(&empty);
     let shared: Arc<dyn Rendezvous> = rdv.clone();
@@ -128,7 +128,7 @@ pub fn run_program_cuda(
         for r in 0..env.world_size {
             let bytes = rdv.fetch(&format!("meshflow/outputs/{r}"), timeout)?;
             let outs = decode_tensors(&bytes).map_err(|e| {
-                CudaLaunchError::Rendezvous(RendezvousError::Io {
+                CudaRunError::Rendezvous(RendezvousError::Io {
                     address: format!("rank {r}'s outputs"),
                     message: e.to_string(),
                 })

@@ -1,4 +1,4 @@
-//! Named kernels for `launch_kernel` on the CUDA backend: a PTX (or CUBIN) image, the function
+//! Named kernels for `call_kernel` on the CUDA backend: a PTX (or CUBIN) image, the function
 //! name, and a closure that picks the launch dimensions from the operand shapes and scalar
 //! arguments.
 //!
@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 /// Grid, block and dynamic shared memory of a launch.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub struct LaunchDims {
+pub struct GridDims {
     /// Blocks in x, y, z.
     pub grid: [u32; 3],
     /// Threads per block in x, y, z.
@@ -19,14 +19,14 @@ pub struct LaunchDims {
     pub shared_mem_bytes: u32,
 }
 
-impl LaunchDims {
+impl GridDims {
     /// A 1-D launch of `threads` threads in blocks of `block` (at least one block).
-    pub fn linear(threads: u64, block: u32) -> LaunchDims {
+    pub fn linear(threads: u64, block: u32) -> GridDims {
         let block = block.max(1);
         let blocks = threads
             .div_ceil(u64::from(block))
             .clamp(1, u64::from(u32::MAX));
-        LaunchDims {
+        GridDims {
             grid: [blocks as u32, 1, 1],
             block: [block, 1, 1],
             shared_mem_bytes: 0,
@@ -35,7 +35,7 @@ impl LaunchDims {
 }
 
 /// Picks launch dimensions from `(input shapes, output shapes, scalar arguments)`.
-pub type DimsFn = dyn Fn(&[&[u64]], &[&[u64]], &[i64]) -> LaunchDims + Send + Sync;
+pub type DimsFn = dyn Fn(&[&[u64]], &[&[u64]], &[i64]) -> GridDims + Send + Sync;
 
 /// One registered kernel.
 #[derive(Clone)]
@@ -46,7 +46,7 @@ pub(super) struct KernelDef {
     pub dims: Arc<DimsFn>,
 }
 
-/// Kernels for `launch_kernel`, by name.
+/// Kernels for `call_kernel`, by name.
 #[derive(Clone, Default)]
 pub struct CudaKernels {
     pub(super) defs: Vec<KernelDef>,
@@ -76,7 +76,7 @@ impl CudaKernels {
         name: impl Into<String>,
         image: impl Into<Vec<u8>>,
         function: impl Into<String>,
-        dims: impl Fn(&[&[u64]], &[&[u64]], &[i64]) -> LaunchDims + Send + Sync + 'static,
+        dims: impl Fn(&[&[u64]], &[&[u64]], &[i64]) -> GridDims + Send + Sync + 'static,
     ) {
         let def = KernelDef {
             name: name.into(),

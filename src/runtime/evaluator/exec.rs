@@ -203,6 +203,14 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 index,
                 ..
             } => self.shard(*out, *input, *axis, *chunks, index),
+            Step::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length,
+                ..
+            } => self.narrow(*out, *input, *axis, start, length),
             Step::Collective {
                 label,
                 kind,
@@ -354,6 +362,10 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                     .iter()
                     .map(|&t| view_in(self.program, views, t))
                     .collect::<Result<Vec<_>, _>>()?;
+                // An empty piece of an uneven shard: nothing to compute.
+                if !outs.is_empty() && outs.iter().all(|o| o.numel() == 0) {
+                    return Ok(());
+                }
                 Ok(self.backend.compute(op, &ins, &outs, ctx)?)
             }
             Step::Kernel {
@@ -386,7 +398,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                         .iter()
                         .map(|&t| view_in(program, views, t))
                         .collect::<Result<Vec<_>, _>>()?;
-                    Ok::<_, StepError>(backend.launch_kernel(*kernel, &ins, &outs, &values, ctx)?)
+                    Ok::<_, StepError>(backend.call_kernel(*kernel, &ins, &outs, &values, ctx)?)
                 })();
                 self.state.args = values;
                 r
@@ -506,6 +518,76 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
     }
 }
 
+impl<B: Backend> Cx<'_, '_, B> {
+    /// `out` = elements `[start, start + length)` of `input` along `axis`.
+    fn narrow(
+        &mut self,
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        start: &Expr,
+        length: &Expr,
+    ) -> Result<(), StepError> {
+        let (s, l) = (self.eval(start)?, self.eval(length)?);
+        let mut slot = self.state.views[out].take();
+        let r = (|| {
+            let parent = self.view(input)?;
+            let extent = *parent.shape.get(axis).ok_or_else(|| {
+                invalid(format!(
+                    "axis {axis} out of range for `{}` of shape {:?}",
+                    self.name(input),
+                    parent.shape
+                ))
+            })?;
+            let decl = &self.program.tensors[out];
+            let cap = decl.shape.get(axis).copied().unwrap_or(0);
+            let (start, len) = match (u64::try_from(s), u64::try_from(l)) {
+                (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|e| e <= extent) && l <= cap => {
+                    (s, l)
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "elements [{s}, {s} + {l}) along axis {axis} do not fit `{}` (extent \
+                         {extent}) or the capacity {cap} of `{}`",
+                        self.name(input),
+                        decl.name
+                    )))
+                }
+            };
+            let view = slot.get_or_insert_with(|| TensorView {
+                tensor: out,
+                buffer: parent.buffer,
+                dtype: parent.dtype,
+                offset: 0,
+                shape: Vec::new(),
+                strides: Vec::new(),
+            });
+            view.tensor = out;
+            view.buffer = parent.buffer;
+            view.dtype = parent.dtype;
+            view.shape.clone_from(&parent.shape);
+            view.strides.clone_from(&parent.strides);
+            view.shape[axis] = len;
+            view.offset = parent.offset + start * parent.strides[axis];
+            // Declared extents are capacities: the view of an uneven piece may be shorter.
+            let fits = decl.shape.len() == view.shape.len()
+                && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d);
+            if !fits || decl.dtype != view.dtype {
+                return Err(invalid(format!(
+                    "the narrowed view is {}{:?} but `{}` is declared {}{:?}",
+                    view.dtype, view.shape, decl.name, decl.dtype, decl.shape
+                )));
+            }
+            Ok(())
+        })();
+        if r.is_err() {
+            slot = None;
+        }
+        self.state.views[out] = slot;
+        r
+    }
+}
+
 /// The view of tensor `t` (a free function so that it borrows only the view table).
 fn view_in<'s, Buf>(
     program: &HostProgram,
@@ -535,6 +617,7 @@ fn step_label(step: &Step<'_>) -> Option<CommLabel> {
         | Step::SetStream { .. }
         | Step::Sync { .. }
         | Step::Shard { .. }
+        | Step::Narrow { .. }
         | Step::Wait { .. }
         | Step::BeginGroup { .. }
         | Step::Compute { .. }
@@ -551,6 +634,7 @@ fn step_at(step: &Step<'_>) -> u32 {
         | Step::SetStream { at, .. }
         | Step::Sync { at, .. }
         | Step::Shard { at, .. }
+        | Step::Narrow { at, .. }
         | Step::Collective { at, .. }
         | Step::Permute { at, .. }
         | Step::Dispatch { at, .. }

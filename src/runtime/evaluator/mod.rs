@@ -429,13 +429,15 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             }
             if let Some(view) = &self.state.views[id] {
                 let name = &self.program.tensors[id].name;
-                let data = self
-                    .backend
-                    .download(view)
-                    .map_err(|e| RuntimeError::Backend {
-                        rank,
-                        source: BackendError::Invalid(format!("output `{name}`: {e}")),
-                    })?;
+                let data = if self.program.is_padded(id) {
+                    self.backend.download_padded(view)
+                } else {
+                    self.backend.download(view)
+                };
+                let data = data.map_err(|e| RuntimeError::Backend {
+                    rank,
+                    source: BackendError::Invalid(format!("output `{name}`: {e}")),
+                })?;
                 out.insert(self.program.tensors[id].name.clone(), data);
             }
         }

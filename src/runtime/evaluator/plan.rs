@@ -64,6 +64,14 @@ pub(crate) enum Step<'p> {
         chunks: u64,
         index: &'p Expr,
     },
+    Narrow {
+        at: u32,
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        start: &'p Expr,
+        length: &'p Expr,
+    },
     Collective {
         at: u32,
         label: CommLabel,
@@ -460,6 +468,26 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     index,
                 }
             }
+            InstKind::Narrow {
+                out,
+                input,
+                axis,
+                start,
+                length,
+            } => {
+                let (o, i) = (self.tensor(at, *out)?, self.tensor(at, *input)?);
+                if !self.all_or_none(at, &[o, i])? {
+                    return Ok(None);
+                }
+                Step::Narrow {
+                    at,
+                    out: o,
+                    input: i,
+                    axis: *axis,
+                    start,
+                    length,
+                }
+            }
             InstKind::Communication {
                 id,
                 kind,
@@ -597,7 +625,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     outputs: outs,
                 }
             }
-            InstKind::LaunchKernel {
+            InstKind::CallKernel {
                 kernel,
                 inputs,
                 outputs,

@@ -10,148 +10,13 @@
 
 use std::collections::BTreeMap;
 
-use half::{bf16, f16};
-use meshflow_ir::{DType, DeviceId, Fp8Scales};
+use meshflow_ir::{DeviceId, Fp8Scales};
 
+use crate::runtime::bytes::{put_storage, ByteReader};
+use crate::runtime::cpu::Payload;
 use crate::runtime::cpu_ops::{Fp8Rows, MoeRows};
-use crate::runtime::data::{Storage, TensorData};
+use crate::runtime::data::TensorData;
 use crate::runtime::rendezvous::{decode_tensors, encode_tensors};
-use crate::runtime::sim::Payload;
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 0,
-        DType::BF16 => 1,
-        DType::F16 => 2,
-        DType::I32 => 3,
-        DType::I64 => 4,
-    }
-}
-
-fn put_storage(out: &mut Vec<u8>, s: &Storage) {
-    out.push(dtype_code(s.dtype()));
-    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
-    match s {
-        Storage::F32(v) => v
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        Storage::BF16(v) => v
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
-        Storage::F16(v) => v
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_bits().to_le_bytes())),
-        Storage::I32(v) => v
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-        Storage::I64(v) => v
-            .iter()
-            .for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
-    }
-}
-
-/// A cursor over bytes that fails with a message instead of panicking.
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.bytes.len())
-            .ok_or_else(|| {
-                format!(
-                    "truncated: {n} bytes wanted at offset {} of {}",
-                    self.at,
-                    self.bytes.len()
-                )
-            })?;
-        let s = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], String> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u8(&mut self) -> Result<u8, String> {
-        Ok(self.array::<1>()?[0])
-    }
-
-    fn u64(&mut self) -> Result<u64, String> {
-        Ok(u64::from_le_bytes(self.array()?))
-    }
-
-    /// A count of items of `size` bytes each that must fit in what is left.
-    fn count(&mut self, size: usize) -> Result<usize, String> {
-        let n = self.u64()?;
-        let left = (self.bytes.len() - self.at) as u64;
-        if n.saturating_mul(size.max(1) as u64) > left {
-            return Err(format!(
-                "{n} items of {size} bytes do not fit in {left} bytes"
-            ));
-        }
-        Ok(n as usize)
-    }
-
-    fn storage(&mut self) -> Result<Storage, String> {
-        let code = self.u8()?;
-        let size = match code {
-            0 | 3 => 4,
-            1 | 2 => 2,
-            4 => 8,
-            c => return Err(format!("unknown dtype code {c}")),
-        };
-        let n = self.count(size)?;
-        let raw = self.take(n * size)?;
-        let chunks = raw.chunks_exact(size);
-        Ok(match code {
-            0 => Storage::F32(
-                chunks
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            1 => Storage::BF16(
-                chunks
-                    .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                    .collect(),
-            ),
-            2 => Storage::F16(
-                chunks
-                    .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                    .collect(),
-            ),
-            3 => Storage::I32(
-                chunks
-                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-            ),
-            _ => Storage::I64(
-                chunks
-                    .map(|c| {
-                        let mut a = [0u8; 8];
-                        a.copy_from_slice(c);
-                        i64::from_le_bytes(a)
-                    })
-                    .collect(),
-            ),
-        })
-    }
-
-    fn done(&self) -> Result<(), String> {
-        if self.at == self.bytes.len() {
-            Ok(())
-        } else {
-            Err(format!("{} trailing bytes", self.bytes.len() - self.at))
-        }
-    }
-}
 
 /// Encodes a fabric message.
 pub fn encode_payload(p: &Payload) -> Vec<u8> {
@@ -199,7 +64,7 @@ pub fn encode_payload(p: &Payload) -> Vec<u8> {
 
 /// Decodes what [`encode_payload`] wrote.
 pub fn decode_payload(bytes: &[u8]) -> Result<Payload, String> {
-    let mut r = Reader { bytes, at: 0 };
+    let mut r = ByteReader::new(bytes);
     let p = match r.u8()? {
         0 => Payload::Data(r.storage()?),
         1 => {
@@ -284,7 +149,7 @@ pub fn encode_result(result: &NodeResult) -> Vec<u8> {
 
 /// Decodes what [`encode_result`] wrote (the outer error is a malformed message).
 pub fn decode_result(bytes: &[u8]) -> Result<NodeResult, String> {
-    let mut r = Reader { bytes, at: 0 };
+    let mut r = ByteReader::new(bytes);
     match r.u8()? {
         0 => Ok(Err(String::from_utf8_lossy(&bytes[1..]).into_owned())),
         1 => {
@@ -306,6 +171,9 @@ pub fn decode_result(bytes: &[u8]) -> Result<NodeResult, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::data::Storage;
+    use half::bf16;
+    use meshflow_ir::DType;
 
     #[test]
     fn payloads_round_trip_bit_exactly_and_garbage_is_an_error() {

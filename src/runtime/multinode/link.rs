@@ -1,9 +1,9 @@
-//! [`ProxyLink`]: the sim fabric's [`RemoteLink`] over the host proxies of one node's ranks.
+//! [`ProxyLink`]: the CPU fabric's [`RemoteLink`] over the host proxies of one node's ranks.
 //!
 //! A message from local rank `a` to remote rank `b` under fabric key `(a, b, team, seq)` is sent
 //! by `a`'s proxy to `b` under tag `(team, seq)`: staged, written one-sidedly into `b`'s receive
 //! ring with an immediate, counted and reassembled by `b`'s proxy, which raises the flag `b`
-//! waits on. The sim semantics (keys, team sequence numbers) are unchanged.
+//! waits on. The CPU semantics (keys, team sequence numbers) are unchanged.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,9 +14,9 @@ use meshflow_kernels::proxy::{Proxy, ProxyError, SetupStore, Topology};
 
 use super::codec::{decode_payload, encode_payload};
 use crate::runtime::backend::BackendError;
+use crate::runtime::cpu::fabric::{Failure, MailKey, RemoteLink};
+use crate::runtime::cpu::Payload;
 use crate::runtime::rendezvous::{Rendezvous, RendezvousError};
-use crate::runtime::sim::fabric::{Failure, MailKey, RemoteLink};
-use crate::runtime::sim::Payload;
 
 /// The remote side of one node's fabric: the proxies of its ranks.
 #[derive(Debug)]

@@ -1,11 +1,11 @@
-//! Multi-process sim runs: each process is a **node** that runs the ranks of that node as
+//! Multi-process CPU runs: each process is a **node** that runs the ranks of that node as
 //! threads (in-process fabric between them) and reaches the ranks of the other nodes through
 //! the inter-node host proxy ([`meshflow_kernels::proxy`]) over TCP or ibverbs: one-sided writes with
 //! immediates into registered receive rings, counted by the receiver's proxy thread. The
 //! fabric's message keys are unchanged, so every communication kind (collectives, collective
 //! permute, MoE dispatch/combine) crosses nodes through the proxy protocol.
 //!
-//! - [`ProxyLink`]: the fabric's [`RemoteLink`](crate::runtime::sim::RemoteLink) over the
+//! - [`ProxyLink`]: the fabric's [`RemoteLink`](crate::runtime::cpu::RemoteLink) over the
 //!   proxies of a node's ranks.
 //! - [`run_node`]: one node's part of a run (connect the proxies through the rendezvous, run
 //!   the local ranks, gather every rank's outputs on node 0).

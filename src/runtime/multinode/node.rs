@@ -1,4 +1,4 @@
-//! [`run_node`]: one node's part of a multi-process sim run.
+//! [`run_node`]: one node's part of a multi-process CPU run.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -9,10 +9,10 @@ use meshflow_kernels::proxy::{connect_wire, Layout, Proxy, ProxyStats, Topology,
 
 use super::codec::{decode_result, encode_result, NodeResult};
 use super::link::{ProxyLink, RendezvousStore};
+use crate::runtime::cpu::Fabric;
 use crate::runtime::data::TensorData;
-use crate::runtime::launch::{run_ranks, RunFailure, SimOptions};
+use crate::runtime::ranks::{run_ranks, CpuOptions, RunFailure};
 use crate::runtime::rendezvous::Rendezvous;
-use crate::runtime::sim::Fabric;
 
 /// Default bytes per proxy ring (one per pair of ranks on different nodes).
 pub const DEFAULT_RING: usize = 1 << 20;
@@ -163,7 +163,7 @@ pub fn run_node(
     per_rank: &BTreeMap<DeviceId, BTreeMap<String, TensorData>>,
     spec: &NodeSpec,
     rendezvous: Arc<dyn Rendezvous>,
-    options: &SimOptions,
+    options: &CpuOptions,
 ) -> Result<NodeOutcome, NodeError> {
     let node = spec.node;
     let local = spec.topology.ranks_of(node);

@@ -10,7 +10,7 @@
 //! of each token, exactly as the `meshflow_ir::moe` docs define it); a capacity overflow is an
 //! error naming the expert.
 //!
-//! A `custom` op runs the closure registered under its kernel name in the [`SimKernels`] given
+//! A `custom` op runs the closure registered under its kernel name in the [`CpuKernels`] given
 //! to [`evaluate_with`] — the embedder's own kernel, called once on the full tensors (a custom
 //! op is chunk-wise by contract), with the op's `args` followed by the full output shape.
 //! [`evaluate`] has no kernels: a program with a `custom` op is an error there
@@ -29,8 +29,8 @@ use std::collections::BTreeMap;
 
 use meshflow_ir::{DType, EntityRef, OpKind, Program, TensorId};
 
+use super::cpu::CpuKernels;
 use super::data::TensorData;
-use super::sim::SimKernels;
 use super::view::{View, ViewMut};
 use dense::Dense;
 
@@ -123,14 +123,14 @@ pub fn evaluate(
     program: &Program,
     inputs: &BTreeMap<String, TensorData>,
 ) -> Result<BTreeMap<String, TensorData>, ReferenceError> {
-    evaluate_with(program, inputs, &SimKernels::new())
+    evaluate_with(program, inputs, &CpuKernels::new())
 }
 
 /// [`evaluate`], with `kernels` computing the `custom` ops (see the module docs).
 pub fn evaluate_with(
     program: &Program,
     inputs: &BTreeMap<String, TensorData>,
-    kernels: &SimKernels,
+    kernels: &CpuKernels,
 ) -> Result<BTreeMap<String, TensorData>, ReferenceError> {
     let mut values: Vec<Option<Dense>> = vec![None; program.tensors.len()];
     for t in program.inputs() {
@@ -294,7 +294,7 @@ pub fn output_precision(program: &Program) -> BTreeMap<String, DType> {
 
 fn run_custom(
     op: &meshflow_ir::CustomOp,
-    kernels: &SimKernels,
+    kernels: &CpuKernels,
     ins: &[&Dense],
     outs: &[(DType, Vec<u64>)],
     text: &str,

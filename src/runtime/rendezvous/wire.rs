@@ -5,25 +5,13 @@
 
 use std::collections::BTreeMap;
 
-use half::{bf16, f16};
-use meshflow_ir::DType;
-
-use crate::runtime::data::{Storage, TensorData};
+use crate::runtime::bytes::{dtype_code, elements, put_elements, ByteReader};
+use crate::runtime::data::TensorData;
 
 /// Why bytes could not be decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("malformed tensor message: {0}")]
 pub struct WireError(String);
-
-fn dtype_code(d: DType) -> u8 {
-    match d {
-        DType::F32 => 0,
-        DType::BF16 => 1,
-        DType::F16 => 2,
-        DType::I32 => 3,
-        DType::I64 => 4,
-    }
-}
 
 /// Encodes named tensors.
 pub fn encode_tensors(tensors: &BTreeMap<String, TensorData>) -> Vec<u8> {
@@ -38,108 +26,46 @@ pub fn encode_tensors(tensors: &BTreeMap<String, TensorData>) -> Vec<u8> {
             out.extend_from_slice(&d.to_le_bytes());
         }
         let mut payload = Vec::new();
-        match t.storage() {
-            Storage::F32(v) => v
-                .iter()
-                .for_each(|x| payload.extend_from_slice(&x.to_le_bytes())),
-            Storage::BF16(v) => v
-                .iter()
-                .for_each(|x| payload.extend_from_slice(&x.to_le_bytes())),
-            Storage::F16(v) => v
-                .iter()
-                .for_each(|x| payload.extend_from_slice(&x.to_le_bytes())),
-            Storage::I32(v) => v
-                .iter()
-                .for_each(|x| payload.extend_from_slice(&x.to_le_bytes())),
-            Storage::I64(v) => v
-                .iter()
-                .for_each(|x| payload.extend_from_slice(&x.to_le_bytes())),
-        }
+        put_elements(&mut payload, t.storage());
         out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
         out.extend_from_slice(&payload);
     }
     out
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
-        let end = self
-            .at
-            .checked_add(n)
-            .filter(|&e| e <= self.bytes.len())
-            .ok_or_else(|| WireError(format!("truncated at byte {}", self.at)))?;
-        let s = &self.bytes[self.at..end];
-        self.at = end;
-        Ok(s)
-    }
-
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-
-    fn u32(&mut self) -> Result<u32, WireError> {
-        self.array().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Result<u64, WireError> {
-        self.array().map(u64::from_le_bytes)
-    }
-}
-
-fn chunks<const N: usize, T>(p: &[u8], f: impl Fn([u8; N]) -> T) -> Vec<T> {
-    p.chunks_exact(N)
-        .map(|c| {
-            let mut a = [0u8; N];
-            a.copy_from_slice(c);
-            f(a)
-        })
-        .collect()
-}
-
 /// Decodes what [`encode_tensors`] produced.
 pub fn decode_tensors(bytes: &[u8]) -> Result<BTreeMap<String, TensorData>, WireError> {
-    let mut r = Reader { bytes, at: 0 };
-    let n = r.u32()?;
+    let mut r = ByteReader::new(bytes);
+    let n = r.u32().map_err(WireError)?;
     let mut out = BTreeMap::new();
     for _ in 0..n {
-        let len = r.u32()? as usize;
-        let name = String::from_utf8(r.take(len)?.to_vec())
+        let len = r.u32().map_err(WireError)? as usize;
+        let name = String::from_utf8(r.take(len).map_err(WireError)?.to_vec())
             .map_err(|_| WireError("a tensor name is not UTF-8".into()))?;
-        let code = r.take(1)?[0];
-        let rank = r.u32()? as usize;
+        let named = |e: String| WireError(format!("`{name}`: {e}"));
+        let code = r.u8().map_err(named)?;
+        let rank = r.u32().map_err(named)? as usize;
         if rank > 64 {
             return Err(WireError(format!("`{name}` has {rank} dimensions")));
         }
-        let shape = (0..rank).map(|_| r.u64()).collect::<Result<Vec<_>, _>>()?;
-        let plen = usize::try_from(r.u64()?).map_err(|_| WireError("payload too large".into()))?;
-        let p = r.take(plen)?;
-        let storage = match code {
-            0 => Storage::F32(chunks(p, f32::from_le_bytes)),
-            1 => Storage::BF16(chunks(p, bf16::from_le_bytes)),
-            2 => Storage::F16(chunks(p, f16::from_le_bytes)),
-            3 => Storage::I32(chunks(p, i32::from_le_bytes)),
-            4 => Storage::I64(chunks(p, i64::from_le_bytes)),
-            c => return Err(WireError(format!("`{name}` has unknown dtype code {c}"))),
-        };
-        let t = TensorData::new(shape, storage).map_err(|e| WireError(format!("`{name}`: {e}")))?;
+        let shape = (0..rank)
+            .map(|_| r.u64())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(named)?;
+        let plen = usize::try_from(r.u64().map_err(named)?)
+            .map_err(|_| WireError("payload too large".into()))?;
+        let storage = elements(code, r.take(plen).map_err(named)?).map_err(named)?;
+        let t = TensorData::new(shape, storage).map_err(|e| named(e.to_string()))?;
         out.insert(name, t);
     }
-    if r.at != bytes.len() {
-        return Err(WireError(format!("{} trailing bytes", bytes.len() - r.at)));
-    }
+    r.done().map_err(WireError)?;
     Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshflow_ir::DType;
 
     #[test]
     fn round_trip_and_truncation() {

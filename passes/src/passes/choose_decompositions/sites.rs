@@ -103,6 +103,7 @@ fn with_stream(spec: &Spec, axis: usize, chunks: u64, swizzle: Option<ParallelTy
         axis,
         chunks,
         swizzle,
+        depth: spec.device_chain(axis).len(),
     });
     s
 }
@@ -117,6 +118,28 @@ fn ring_schedules(forced: StreamSchedule, overlappable: bool) -> Vec<StreamSched
         }
         StreamSchedule::Auto => vec![StreamSchedule::PerIteration],
     }
+}
+
+/// The names of both tensors of every `set` whose resharding is a local copy (it moves
+/// nothing between devices): a forced decomposition may name either.
+pub(super) fn local_copies(program: &Program) -> Result<Vec<String>, PassError> {
+    let mut names = Vec::new();
+    for op in program.ops.iter() {
+        if op.kind != OpKind::Set {
+            continue;
+        }
+        let (p, c) = (op.inputs[0], op.outputs[0]);
+        let (ps, cs) = (Sharding::of(program, p)?, Sharding::of(program, c)?);
+        let (Some(pm), Some(cm)) = (program.meshes.get(ps.mesh), program.meshes.get(cs.mesh))
+        else {
+            continue;
+        };
+        if decide(&ps, &pm.mesh, &cs, &cm.mesh) == Decision::LocalCopy {
+            names.push(decl(program, p)?.name.clone());
+            names.push(decl(program, c)?.name.clone());
+        }
+    }
+    Ok(names)
 }
 
 /// The decision site of op `i`, if it is a resharding `set`.
@@ -157,7 +180,7 @@ pub(super) fn site(
         annotated: false,
         apply: Apply::Nothing,
     };
-    let schedule = cx.stream_schedule;
+    let schedule = cx.options.stream_schedule;
     match decision {
         Decision::AllGather { pt, axis } if cs.stream().is_none() => {
             if cx.is_annotated(&c_name) {
@@ -304,7 +327,8 @@ fn gather(
     let spec = cs.spec.without_stream();
     let can_stream = team >= 2
         && local.iter().take(axis).all(|&e| e == 1)
-        && with_stream(&spec, logical, team, None).fits(&cd.ty, cmesh);
+        && with_stream(&spec, logical, team, None).fits(&cd.ty, cmesh)
+        && with_stream(&spec, logical, team, None).divides(&cd.ty);
     let extent = local.get(axis).copied().unwrap_or(0);
     let mut halvable = extent.is_multiple_of(2 * team.max(1));
     let mut consumer = None;
@@ -330,8 +354,11 @@ fn gather(
             if let Some(k) = k.filter(|&k| od.ty.axes.get(k).is_some_and(|a| !a.reduction)) {
                 let omesh = program.meshes.get(od.mesh).map(|m| &m.mesh);
                 let fits = os.stream().is_none()
-                    && os.spec.pt_on(k) == cs.spec.pt_on(logical)
-                    && omesh.is_some_and(|m| with_stream(&os.spec, k, team, None).fits(&od.ty, m));
+                    && os.spec.device_chain(k) == cs.spec.device_chain(logical)
+                    && omesh.is_some_and(|m| {
+                        with_stream(&os.spec, k, team, None).fits(&od.ty, m)
+                            && with_stream(&os.spec, k, team, None).divides(&od.ty)
+                    });
                 let already = os.stream().is_some_and(|s| s.axis == k && s.chunks == team);
                 if (fits && !cx.is_annotated(&od.name)) || already {
                     consumer = Some((o, k));
@@ -412,7 +439,8 @@ fn reduce(
         && ps
             .stream()
             .is_none_or(|s| s.axis == logical && s.chunks == team)
-        && with_stream(&spec, logical, team, None).fits(&pd.ty, pmesh);
+        && with_stream(&spec, logical, team, None).fits(&pd.ty, pmesh)
+        && with_stream(&spec, logical, team, None).divides(&pd.ty);
     // The ring reads the partial sums right after the op that computes them.
     let ring = can_stream && producer.is_some_and(|u| u + 1 == i);
     let rows = cs.local_value_shape().get(axis).copied().unwrap_or(0);
@@ -461,6 +489,7 @@ pub(super) fn apply(program: &mut Program, apply: &Apply, decomposition: Decompo
                 axis: *axis,
                 chunks: *team,
                 swizzle: swizzled.then_some(*pt),
+                depth: spec.device_chain(*axis).len(),
             };
             let mut cspec = spec.clone();
             cspec.stream = Some(stream);
@@ -469,7 +498,11 @@ pub(super) fn apply(program: &mut Program, apply: &Apply, decomposition: Decompo
                 if let Ok(os) = Sharding::of(program, o) {
                     if os.stream().is_none() {
                         let mut ospec = os.spec.clone();
-                        ospec.stream = Some(StreamSpec { axis: k, ..stream });
+                        ospec.stream = Some(StreamSpec {
+                            axis: k,
+                            depth: ospec.device_chain(k).len(),
+                            ..stream
+                        });
                         program.tensors[o].schedule = Some(ospec.to_transforms());
                     }
                 }
@@ -487,6 +520,7 @@ pub(super) fn apply(program: &mut Program, apply: &Apply, decomposition: Decompo
                 axis: *axis,
                 chunks: *team,
                 swizzle: swizzled.then_some(*pt),
+                depth: spec.device_chain(*axis).len(),
             });
             program.tensors[*p].schedule = Some(pspec.to_transforms());
         }

@@ -5,7 +5,7 @@
 //! staged through a `permute` (or `copy`) into a temporary and back.
 
 use meshflow_ir::host::{CommKind, ComputeOp, Expr, HostTensorId, Inst, InstKind, ReduceOp, Team};
-use meshflow_ir::{DeviceId, TensorId};
+use meshflow_ir::{DeviceId, ParallelType, TensorId};
 
 use super::loop_nest::LoopCtx;
 use super::Lowering;
@@ -63,6 +63,33 @@ impl Lowering<'_> {
         perm.iter()
             .map(|&p| shape.get(p).copied().unwrap_or(1))
             .collect()
+    }
+
+    /// [`Self::collective`] from its parts.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn collective_parts(
+        &mut self,
+        block: &mut Vec<Inst>,
+        kind: CommKind,
+        team: Team,
+        input: HostTensorId,
+        output: HostTensorId,
+        root: Option<Expr>,
+        op: Option<ReduceOp>,
+        exchanged: Option<usize>,
+    ) {
+        self.collective(
+            block,
+            Collective {
+                kind,
+                team,
+                input,
+                output,
+                root,
+                op,
+                exchanged,
+            },
+        );
     }
 
     fn collective(&mut self, block: &mut Vec<Inst>, c: Collective) {
@@ -135,6 +162,21 @@ impl Lowering<'_> {
                     ));
                 };
                 let view = self.chunk_view(lp, block, self.host_of(c), axis, "gathered tensor")?;
+                let (vs, ps_) = (
+                    self.host.tensors[view].shape.clone(),
+                    self.host.tensors[self.host_of(p)].shape.clone(),
+                );
+                if vs != ps_ {
+                    return unsupported(
+                        self,
+                        format!(
+                            "the stream chunks of `{}` (local shape {vs:?}) are not the shards of \
+                             `{}` (local shape {ps_:?}): split both the same way",
+                            self.name(c),
+                            self.name(p)
+                        ),
+                    );
+                }
                 let out = if self.contiguous(view) {
                     view
                 } else {
@@ -194,31 +236,58 @@ impl Lowering<'_> {
                     (Some(_), Some(s)) => cs.value_index(s.axis),
                     _ => None,
                 };
+                let what = "resharding";
+                let uneven = self.is_ragged(p) || self.is_ragged(c);
+                if uneven && matches!(other, Decision::LocalCopy) {
+                    // The same elements on both sides: copy the valid parts.
+                    let pin = self.operand(lp.as_deref_mut(), block, p, axis, what)?;
+                    let cout = self.operand(lp, block, c, axis, what)?;
+                    self.copy(block, pin, cout);
+                    return Ok(());
+                }
                 if let Some(a) = axis {
                     let (pl, cl) = (ps.local_value_shape(), cs.local_value_shape());
-                    if pl.get(a) != cl.get(a) {
+                    let own = |sh: &crate::analysis::Sharding| {
+                        sh.stream()
+                            .is_some_and(|s| sh.value_index(s.axis) == Some(a))
+                    };
+                    if pl.get(a) != cl.get(a) || (uneven && !(own(&ps) && own(&cs))) {
+                        let ext =
+                            |e: Option<&u64>| e.map_or_else(|| "none".into(), |e| e.to_string());
                         return unsupported(
                             self,
                             format!(
-                                "the Stream split of `{}` cuts axis {a}, which the resharding changes \
-                                 on the producer `{}` (local extents {:?} and {:?})",
+                                "the Stream split of `{}` cuts axis {a}, which the resharding \
+                                 changes on the producer `{}` (local extents {} and {}{})",
                                 self.name(c),
                                 self.name(p),
-                                pl.get(a),
-                                cl.get(a)
+                                ext(pl.get(a)),
+                                ext(cl.get(a)),
+                                if uneven {
+                                    "; an uneven resharding inside a stream loop needs both \
+                                     sides cut by that Stream split"
+                                } else {
+                                    ""
+                                }
                             ),
                         );
                     }
                 }
-                let what = "resharding";
+                let chunk = match (&lp, axis) {
+                    (Some(lp), Some(a)) => Some((a, lp.index.clone())),
+                    _ => None,
+                };
                 let pin = self.maybe_chunk(lp.as_deref_mut(), block, p, axis, what)?;
                 let cout = self.maybe_chunk(lp, block, c, axis, what)?;
+                if uneven {
+                    return self.emit_uneven(i, other, (p, pin), (c, cout), block, chunk);
+                }
                 self.emit_row(i, other, (p, pin), (c, cout), block)
             }
         }
     }
 
-    fn emit_row(
+    pub(crate) fn emit_row(
         &mut self,
         i: usize,
         decision: Decision,
@@ -274,29 +343,19 @@ impl Lowering<'_> {
                 let d = pm.size_of(pt).unwrap_or(1) as u64;
                 self.all_to_all(block, slice(pt), d, (from, to), pin, cout)?;
             }
-            Decision::SendRecv => {
-                for (&src, &dst) in pm.devices().iter().zip(cm.devices()) {
-                    if src == dst {
-                        return Err(PassError::tensor(
-                            self.name(c),
-                            format!(
-                                "device {src} would send its shard of `{}` to itself; overlapping \
-                                 meshes are not supported for mesh-to-mesh transfers",
-                                self.name(p)
-                            ),
-                        ));
-                    }
-                    self.collective(
-                        block,
-                        coll(
-                            CommKind::SendRecv,
-                            Team::Devices(vec![src, dst]),
-                            Some(Expr::c(0)),
-                            None,
-                            None,
-                        ),
-                    );
-                }
+            Decision::SendRecv => self.send_recv_pairs(block, &pm, &cm, pin, cout),
+            // Every receiver already holds the data: each copies it locally (a collective
+            // permute of every member of the receiving mesh to itself).
+            Decision::Broadcast if cm.devices().iter().all(|&d| pm.contains(d)) => {
+                let me = flat_index(cmesh, &cm);
+                self.push_comm(block, |id| InstKind::CollectivePermute {
+                    id,
+                    team: Team::Mesh(cmesh),
+                    send_peer: me.clone(),
+                    recv_peer: me,
+                    input: pin,
+                    output: cout,
+                });
             }
             Decision::Broadcast => {
                 let root = pm
@@ -372,6 +431,74 @@ impl Lowering<'_> {
         Ok(())
     }
 
+    /// Same placements on two meshes of one shape: the device at each mesh position sends its
+    /// shard to the device at the same position of the other mesh. Transfers between two
+    /// devices are `send_recv`s over that pair, issued together in one coalescing group; a
+    /// device found at the same position of both meshes keeps its shard and copies it locally
+    /// (a `collective_permute` over that device alone, which no other device takes part in).
+    fn send_recv_pairs(
+        &mut self,
+        block: &mut Vec<Inst>,
+        pm: &meshflow_ir::DeviceMesh,
+        cm: &meshflow_ir::DeviceMesh,
+        pin: HostTensorId,
+        cout: HostTensorId,
+    ) {
+        let pairs: Vec<(DeviceId, DeviceId)> = pm
+            .devices()
+            .iter()
+            .copied()
+            .zip(cm.devices().iter().copied())
+            .collect();
+        let moves: Vec<(DeviceId, DeviceId)> =
+            pairs.iter().copied().filter(|(s, d)| s != d).collect();
+        let staged = !self.contiguous(pin) || !self.contiguous(cout);
+        let group = moves.len() > 1 && !staged;
+        if group {
+            block.push(Inst::new(InstKind::StartCoalescing));
+            for &(src, dst) in &moves {
+                let id = self.fresh_comm();
+                block.push(Inst::new(InstKind::Communication {
+                    id,
+                    kind: CommKind::SendRecv,
+                    team: Team::Devices(vec![src, dst]),
+                    input: pin,
+                    output: cout,
+                    root: Some(Expr::c(0)),
+                    op: None,
+                }));
+            }
+            let id = self.fresh_comm();
+            block.push(Inst::new(InstKind::EndCoalescing { id }));
+            block.push(Inst::new(InstKind::Wait { comm: id }));
+        } else {
+            for &(src, dst) in &moves {
+                self.collective(
+                    block,
+                    Collective {
+                        kind: CommKind::SendRecv,
+                        team: Team::Devices(vec![src, dst]),
+                        input: pin,
+                        output: cout,
+                        root: Some(Expr::c(0)),
+                        op: None,
+                        exchanged: None,
+                    },
+                );
+            }
+        }
+        for (src, _) in pairs.into_iter().filter(|(s, d)| s == d) {
+            self.push_comm(block, |id| InstKind::CollectivePermute {
+                id,
+                team: Team::Devices(vec![src]),
+                send_peer: Expr::c(0),
+                recv_peer: Expr::c(0),
+                input: pin,
+                output: cout,
+            });
+        }
+    }
+
     /// Split on `from` to split on `to` over a team of `d`: chunks of `to` go to their
     /// owners; what arrives is ordered by source member (= `from` chunk) and rearranged.
     fn all_to_all(
@@ -433,6 +560,27 @@ impl Lowering<'_> {
         }
         Ok(())
     }
+}
+
+/// This device's index in the row-major order of `mesh` (its index in `Team::Mesh`):
+/// `my(m, DIDz) * dy * dx + my(m, DIDy) * dx + my(m, DIDx)`.
+fn flat_index(id: meshflow_ir::MeshId, mesh: &meshflow_ir::DeviceMesh) -> Expr {
+    let mut e: Option<Expr> = None;
+    let mut stride = 1i64;
+    for pt in ParallelType::DEVICE {
+        let Some(n) = mesh.size_of(pt) else { break };
+        let term = if stride == 1 {
+            Expr::my(id, pt)
+        } else {
+            Expr::my(id, pt).mul(Expr::c(stride))
+        };
+        e = Some(match e {
+            None => term,
+            Some(acc) => term.add(acc),
+        });
+        stride *= n as i64;
+    }
+    e.unwrap_or(Expr::c(0))
 }
 
 /// `devices` with `member` appended when it is not in it, and `member`'s index.

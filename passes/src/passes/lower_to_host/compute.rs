@@ -1,5 +1,5 @@
 //! Compute lowering: local ops (on chunk views inside a stream loop; `custom` ops become
-//! `launch_kernel`) and the MoE communication ops.
+//! `call_kernel`) and the MoE communication ops.
 
 use meshflow_ir::host::{ComputeOp, Expr, Inst, InstKind, Team};
 use meshflow_ir::{OpKind, ParallelType, TensorId};
@@ -15,7 +15,7 @@ use crate::passes::decompose_reshardings::local_mismatch;
 enum Local {
     /// A built-in compute op.
     Compute(ComputeOp),
-    /// `launch_kernel` of an embedder's kernel (a `custom` op).
+    /// `call_kernel` of an embedder's kernel (a `custom` op).
     Kernel { kernel: String, args: Vec<i64> },
 }
 
@@ -124,13 +124,13 @@ impl Lowering<'_> {
                 .and_then(|k| map.first()?.get(k)?.iter().find(|(jj, _)| *jj == j))
                 .and_then(|&(_, a)| self.sharding(t).value_index(a));
             let what = format!("input of `{}`", op.kind.name());
-            inputs.push(self.maybe_chunk(lp.as_deref_mut(), block, t, axis, &what)?);
+            inputs.push(self.operand(lp.as_deref_mut(), block, t, axis, &what)?);
         }
         let mut outputs = Vec::with_capacity(op.outputs.len());
         for &o in &op.outputs {
             let out_axis = stream_axis.and_then(|k| self.sharding(o).value_index(k));
             let what = format!("output of `{}`", op.kind.name());
-            outputs.push(self.maybe_chunk(lp.as_deref_mut(), block, o, out_axis, &what)?);
+            outputs.push(self.operand(lp.as_deref_mut(), block, o, out_axis, &what)?);
         }
         if let (OpKind::Select { axis, .. }, Some(&o)) = (&op.kind, outputs.first()) {
             // `select` is a one-element slice (the axis kept) copied into the output.
@@ -160,23 +160,19 @@ impl Lowering<'_> {
                 outputs,
             },
             Local::Kernel { kernel, mut args } => {
-                // The local extents of the first output's chunk follow the op's own args.
+                // The local extents of the first output's chunk (per rank, for uneven
+                // shards) follow the op's own args.
                 let shape = outputs
                     .first()
-                    .and_then(|&o| self.host.tensors.get(o))
-                    .map(|d| d.shape.clone())
+                    .map(|&o| self.extents(o))
                     .unwrap_or_default();
-                for e in shape {
-                    let e = i64::try_from(e).map_err(|_| {
-                        PassError::op(self.program, i, "an output extent does not fit in i64")
-                    })?;
-                    args.push(e);
-                }
-                InstKind::LaunchKernel {
+                let mut all: Vec<Expr> = args.drain(..).map(Expr::c).collect();
+                all.extend(shape);
+                InstKind::CallKernel {
                     kernel,
                     inputs,
                     outputs,
-                    args: args.into_iter().map(Expr::c).collect(),
+                    args: all,
                 }
             }
         };

@@ -143,6 +143,7 @@ impl Lowering<'_> {
             return Ok(());
         }
         let var = self.fresh_loop();
+        self.loop_trips.insert(var, key.chunks);
         if self.planned_prefetch(g) {
             self.prefetch_loops.insert(var);
         }
@@ -226,6 +227,46 @@ impl Lowering<'_> {
         }));
         lp.views.insert((t, axis), v);
         Ok(v)
+    }
+
+    /// The part of level-1 tensor `l1` a compute op reads or writes: inside a loop, its chunk
+    /// along value axis `axis` (its own padded stream chunk when it has that Stream split,
+    /// else the chunk rule over its valid extent), narrowed to the valid extents of its
+    /// uneven axes.
+    pub(crate) fn operand(
+        &mut self,
+        lp: Option<&mut LoopCtx>,
+        block: &mut Vec<Inst>,
+        l1: TensorId,
+        axis: Option<usize>,
+        what: &str,
+    ) -> Result<HostTensorId, PassError> {
+        let t = self.host_of(l1);
+        let (Some(lp), Some(axis)) = (lp, axis) else {
+            return self.valid_view(block, l1, t, None, None);
+        };
+        let sh = self.sharding(l1);
+        let own = sh
+            .stream()
+            .is_some_and(|s| sh.value_index(s.axis) == Some(axis) && s.chunks == lp.chunks);
+        let index = lp.index.clone();
+        if own {
+            let v = self.chunk_view(lp, block, t, axis, what)?;
+            return self.valid_view(block, l1, v, Some((axis, &index)), None);
+        }
+        let whole = self.valid_extent(l1, axis, None)?;
+        let host_extent = self.host.tensors[t].shape.get(axis).copied().unwrap_or(0);
+        if whole.is_none() && host_extent.is_multiple_of(lp.chunks) {
+            let v = self.chunk_view(lp, block, t, axis, what)?;
+            return self.valid_view(block, l1, v, None, None);
+        }
+        // The chunk rule over the valid extent: chunk `i` of `E` is `[min(i c, E), ...)`.
+        let e = whole.unwrap_or(Expr::c(host_extent as i64));
+        let c = super::uneven::ceil_div(&e, lp.chunks);
+        let start = super::uneven::piece_start(&e, &c, &index);
+        let len = super::uneven::piece(&e, &c, &index);
+        let v = self.narrow(block, t, axis, start, len, "chunk");
+        self.valid_view(block, l1, v, None, Some(axis))
     }
 
     /// `t` itself, or its chunk along the value axis `axis` of level-1 tensor `l1` when in a

@@ -24,6 +24,9 @@
 //! The [`Plan`]s of `choose_decompositions` (by tensor name, in [`PassContext::plans`]) pick
 //! the ring and its pieces; distance-ring loops planned with the prefetch schedule are reported
 //! in [`PassContext::prefetch_loops`] for `prefetch_transfers`.
+//! - **Uneven shards** (`uneven.rs`): buffers are padded to the largest piece; compute sees
+//!   `narrow` views of the valid extents, collectives move padded buffers and the lowering
+//!   repacks around them.
 //!
 //! Anything unsupported is an error naming the tensor or op and the reason.
 
@@ -33,6 +36,8 @@ mod gather_ring;
 mod loop_nest;
 mod naming;
 mod reduce_ring;
+mod uneven;
+mod uneven_comm;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -125,6 +130,10 @@ pub(crate) struct Lowering<'a> {
     pub(crate) tensors: Vec<HostTensorId>,
     /// View -> (viewed tensor, axis).
     pub(crate) views: HashMap<HostTensorId, (HostTensorId, usize)>,
+    /// Trip count of every stream loop emitted so far.
+    pub(crate) loop_trips: HashMap<LoopVar, u64>,
+    /// Per-rank extents of `narrow` views (see `uneven.rs`).
+    pub(crate) lengths: HashMap<HostTensorId, Vec<meshflow_ir::Expr>>,
     /// The plans of `choose_decompositions`, by tensor name.
     pub(crate) plans: &'a BTreeMap<String, Plan>,
     /// Loops to reschedule with `prefetch_transfers`.
@@ -171,6 +180,8 @@ impl<'a> Lowering<'a> {
             host,
             tensors,
             views: HashMap::new(),
+            loop_trips: HashMap::new(),
+            lengths: HashMap::new(),
             plans,
             prefetch_loops: BTreeSet::new(),
             next_comm: 0,

@@ -5,8 +5,8 @@ use std::collections::{HashMap, HashSet};
 use meshflow_ir::{EntityRef, Expr, HostTensorId, LoopVar, Role};
 
 use super::super::fold::{lcm, Window};
-use super::super::prog::{Node, Sel};
-use super::{shard, whole, Seen, Shifts, View, Walker, MAX_PERIOD, MAX_REACH};
+use super::super::prog::{Item, Sel};
+use super::{narrow, shard, whole, Seen, Shifts, View, Walker, MAX_PERIOD, MAX_REACH};
 use crate::ordering::Span;
 
 impl Walker<'_, '_, '_> {
@@ -18,7 +18,7 @@ impl Walker<'_, '_, '_> {
         var: LoopVar,
         start: i64,
         stop: i64,
-        body: &[Node<'_>],
+        body: &[Item<'_>],
         moduli: &[&Expr],
     ) -> Option<(Window, Shifts)> {
         let values: Option<Vec<i64>> = moduli.iter().map(|m| self.quiet_eval(m)).collect();
@@ -127,7 +127,7 @@ impl Walker<'_, '_, '_> {
     /// One iteration of a loop body, evaluated for its views and accesses only.
     fn dry(
         &self,
-        body: &[Node<'_>],
+        body: &[Item<'_>],
         views: &mut [Option<View>],
         workers: &mut HashSet<i64>,
     ) -> Seen {
@@ -140,9 +140,9 @@ impl Walker<'_, '_, '_> {
                     }
                 }
             };
-        for node in body {
-            match node {
-                Node::Alloc { tensor } => {
+        for item in body {
+            match item {
+                Item::Alloc { tensor } => {
                     if let Some(t) = self.prog.host.tensors.get(HostTensorId::new(*tensor)) {
                         if self.held(*tensor) && t.role == Role::Internal {
                             views[*tensor] = Some(View {
@@ -152,12 +152,12 @@ impl Walker<'_, '_, '_> {
                         }
                     }
                 }
-                Node::Dealloc { tensor } => views[*tensor] = None,
-                Node::SetStream {
+                Item::Dealloc { tensor } => views[*tensor] = None,
+                Item::SetStream {
                     stream: Sel::Worker(e),
                     ..
                 }
-                | Node::Sync {
+                | Item::Sync {
                     stream: Sel::Worker(e),
                     ..
                 } => {
@@ -165,7 +165,7 @@ impl Walker<'_, '_, '_> {
                         workers.insert(w);
                     }
                 }
-                Node::Shard {
+                Item::Shard {
                     out: o,
                     input,
                     axis,
@@ -182,7 +182,25 @@ impl Walker<'_, '_, '_> {
                     });
                     views[*o] = view;
                 }
-                Node::Comm {
+                Item::Narrow {
+                    out: o,
+                    input,
+                    axis,
+                    start,
+                    length,
+                    ..
+                } => {
+                    if !(self.held(*o) && self.held(*input)) {
+                        continue;
+                    }
+                    let s = self.quiet_eval(start).zip(self.quiet_eval(length));
+                    let view = s.and_then(|(s, l)| {
+                        let parent = views.get(*input)?.as_ref()?;
+                        narrow(parent, *axis, s, l)
+                    });
+                    views[*o] = view;
+                }
+                Item::Comm {
                     ord,
                     team,
                     collective,
@@ -197,7 +215,7 @@ impl Walker<'_, '_, '_> {
                         access(*ord, &mut reads.iter().chain(writes), views);
                     }
                 }
-                Node::Compute { ord, reads, writes }
+                Item::Compute { ord, reads, writes }
                     if reads.iter().chain(writes).all(|&t| self.held(t)) =>
                 {
                     access(*ord, &mut reads.iter().chain(writes), views);

@@ -106,14 +106,18 @@ fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, Backend
     })
 }
 
+/// Chunked kinds cut the row-major elements into `d` equal contiguous chunks (NCCL's
+/// semantics), whatever the shape: `[1, 12]` over 4 ranks is 4 chunks of 3 elements.
 fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    let axis = crate::runtime::view::cut_axis(&v.shape);
-    match v.shape.get(axis) {
-        Some(&n) if n % d as u64 == 0 => Ok(()),
-        _ => Err(BackendError::Invalid(format!(
-            "{name}: the {what} buffer of shape {:?} cannot be cut into {d} chunks along axis {axis}",
-            v.shape
-        ))),
+    if d > 0 && v.numel().is_multiple_of(d as u64) {
+        Ok(())
+    } else {
+        Err(BackendError::Invalid(format!(
+            "{name}: the {what} buffer of shape {:?} ({} elements) cannot be cut into {d} equal \
+             chunks",
+            v.shape,
+            v.numel()
+        )))
     }
 }
 

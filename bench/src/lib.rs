@@ -1,0 +1,32 @@
+//! meshflow's benchmarks, kept out of the library crate.
+//!
+//! - The GPU benchmarks behind `meshflow bench` (feature `cuda`): overlapped AG+GEMM
+//!   (`agmm`) and GEMM+RS (`rsmm`) variants next to their parts timed alone and the bound
+//!   max(comm, GEMM), collective-permute bandwidth (`permute`), and MoE dispatch/combine
+//!   latency (`moe`).
+//! - [`programs`] builds the benchmarked programs (also used by the GPU overlap tests and
+//!   checked on the CPU backend in CI), [`rings`] the hand-written neighbour rings among them.
+//! - [`stats`]: medians, tables and JSON; [`torch`]: PyTorch's figures from the same machine
+//!   (the JSON of its baseline script, `--torch FILE`).
+//! - `benches/`: criterion benchmarks of the CPU side (lowering, evaluator overhead).
+//!
+//! Measured results live in `bench/results/`.
+#![forbid(unsafe_code)]
+
+pub mod programs;
+pub mod rings;
+pub mod stats;
+pub mod torch;
+
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(feature = "cuda")]
+pub mod moe;
+
+#[cfg(feature = "cuda")]
+pub use gpu::{bench_agmm, bench_permute, bench_rsmm, BenchError, BenchOptions};
+pub use stats::{
+    median, permute_json, permute_table, results_json, CaseResult, PermuteResult, Timing,
+    VariantResult,
+};
+pub use torch::{TorchBaselines, TorchCase};

@@ -1,0 +1,12 @@
+//! GPU tests of the benchmarked programs (feature `cuda`): overlap of communication and
+//! compute measured from CUDA events, the copy-engine transport against NCCL, and the MoE
+//! latency table (`--ignored`, a benchmark). Without enough GPUs each test prints why it
+//! skipped.
+#![cfg(feature = "cuda")]
+
+#[path = "../../../tests/support/mod.rs"]
+mod support;
+
+mod moe_latency;
+mod overlap;
+mod transport;

@@ -1,0 +1,233 @@
+//! The `meshflow parse` and `meshflow lower` subcommands: output, options, and errors printed
+//! as `error: ...` with exit code 1 (never a panic).
+
+use std::process::{Command, Output};
+
+use meshflow::ir::parse_program;
+use meshflow::{compile, Options};
+
+fn meshflow(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_meshflow"))
+        .args(args)
+        .current_dir(crate::support::root())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("the binary runs")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Runs and expects failure with exit code 1 and an `error:` line; returns stderr.
+fn fails(args: &[&str]) -> String {
+    let o = meshflow(args);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+    assert!(err.starts_with("error:"), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    assert!(stdout(&o).is_empty());
+    err
+}
+
+const RING: &str = "examples/programs/column_parallel_linear_ring.mf";
+
+#[test]
+fn lower_prints_the_host_program() {
+    let o = meshflow(&["lower", RING]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = std::fs::read_to_string(crate::support::root().join(RING)).unwrap();
+    let program = parse_program(&text).unwrap();
+    let want = compile(&program, &Options::new().check(false))
+        .unwrap()
+        .host()
+        .clone();
+    assert_eq!(stdout(&o), want.to_string());
+    assert!(stderr(&o).is_empty(), "nothing logged at the default level");
+}
+
+#[test]
+fn ranks_and_params_override_the_defaults() {
+    let o = meshflow(&["lower", RING, "--ranks", "2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("mesh m0 = [0, 1]\n"));
+    let o = meshflow(&["parse", RING, "--param", "d=3"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("mesh m0 = [0, 1, 2]\n"));
+}
+
+#[test]
+fn parse_prints_the_canonical_program() {
+    let o = meshflow(&["parse", RING]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let printed = stdout(&o);
+    let reparsed = parse_program(&printed).unwrap();
+    assert_eq!(reparsed.to_string(), printed);
+}
+
+#[test]
+fn dump_after_explain_and_timings_go_to_stderr() {
+    let o = meshflow(&[
+        "lower",
+        RING,
+        "--dump-after",
+        "all",
+        "--explain",
+        "--timings",
+    ]);
+    assert!(o.status.success());
+    let err = stderr(&o);
+    for pass in meshflow::pipeline::pass_names() {
+        assert!(
+            err.contains(&format!("// ===== after {pass} =====")),
+            "{pass}"
+        );
+    }
+    assert!(
+        err.contains("ag = set(x) [collective_permute ring over DIDx]"),
+        "{err}"
+    );
+    assert!(err.contains("// ===== pass timings ====="));
+    let o = meshflow(&["lower", RING, "--dump-after", "lower_to_host"]);
+    assert_eq!(stderr(&o).matches("// ===== after").count(), 1);
+}
+
+#[test]
+fn disabling_and_stream_pool_options() {
+    let o = meshflow(&[
+        "lower",
+        RING,
+        "--disable-pass",
+        "assign_streams",
+        "--streams",
+        "3",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("get_current_stream"));
+    let o = meshflow(&["lower", RING, "--streams", "3"]);
+    assert!(stdout(&o).contains("worker(i0 % 3)"));
+}
+
+#[test]
+fn forced_decompositions() {
+    let path = "examples/programs/column_parallel_linear_collective.mf";
+    // `ag` is annotated, so forcing is refused.
+    let err = fails(&["lower", path, "--decompose", "ag=ring"]);
+    assert!(err.contains("annotated by the user"), "{err}");
+    let err = fails(&["lower", path, "--decompose", "ag=spiral"]);
+    assert!(err.contains("unknown decomposition `spiral`"), "{err}");
+}
+
+#[test]
+fn profiles_transports_and_schedules() {
+    let rs = "examples/programs/row_parallel_linear_ring.mf";
+    // `--explain` lists every candidate with its predicted time, per transport, and the
+    // transport chosen for the program.
+    let o = meshflow(&["lower", rs, "--explain", "--profile", "h100x2"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("ring_forward(s=4, prefetch, nccl)"), "{err}");
+    assert!(
+        err.contains("ring_forward(s=8, prefetch, copy_engine)"),
+        "{err}"
+    );
+    assert!(err.contains("the program [transport]: chose "), "{err}");
+    // A profile file (the committed one, read from disk) gives the built-in's decisions.
+    let by_file = meshflow(&[
+        "lower",
+        rs,
+        "--explain",
+        "--profile",
+        "profiles/h100x2.json",
+    ]);
+    assert_eq!(stderr(&by_file), err);
+    // A forced transport leaves only its candidates.
+    let o = meshflow(&["lower", rs, "--explain", "--transport", "copy-engine"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!stderr(&o).contains(", nccl)"), "{}", stderr(&o));
+    // A forced schedule.
+    let o = meshflow(&["lower", RING, "--schedule", "prefetch"]);
+    assert!(
+        stdout(&o).contains("set_current_stream worker(0)"),
+        "{}",
+        stdout(&o)
+    );
+    // Bad profiles are errors naming the problem.
+    let err = fails(&["lower", rs, "--profile", "a100x8"]);
+    assert!(err.contains("neither a built-in profile"), "{err}");
+    let err = fails(&["lower", rs, "--profile", "Cargo.toml"]);
+    assert!(err.contains("profile JSON"), "{err}");
+}
+
+#[test]
+fn errors_are_one_line_with_exit_code_1() {
+    let err = fails(&["lower", "no/such/file.mf"]);
+    assert!(err.contains("cannot read `no/such/file.mf`"), "{err}");
+    let err = fails(&["lower", RING, "--disable-pass", "nope"]);
+    assert!(
+        err.contains("unknown pass `nope`; valid passes: verify_program, propagate_shardings"),
+        "{err}"
+    );
+    let err = fails(&["lower", RING, "--disable-pass", "lower_to_host"]);
+    assert!(err.contains("cannot be disabled"), "{err}");
+    let err = fails(&["lower", RING, "--dump-after", "nope"]);
+    assert!(err.contains("unknown pass `nope`"), "{err}");
+    let err = fails(&["lower", RING, "--param", "ranks"]);
+    assert!(err.contains("expected NAME=VALUE"), "{err}");
+    let err = fails(&["lower", RING, "--param", "ranks=four"]);
+    assert!(err.contains("not an integer"), "{err}");
+    let err = fails(&["lower", RING, "--streams", "0"]);
+    assert!(err.contains("at least 1"), "{err}");
+    let err = fails(&[
+        "lower",
+        "examples/programs/pipeline_two_meshes.mf",
+        "--ranks",
+        "1",
+    ]);
+    assert!(err.contains("pipeline_two_meshes.mf:"), "{err}");
+    fails(&["frobnicate"]);
+}
+
+#[test]
+fn syntax_and_lowering_errors_name_the_place() {
+    let dir = std::env::temp_dir().join(format!("meshflow-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.mf");
+    std::fs::write(
+        &bad,
+        "program p {\n  mesh m0 = [0, 1]\n  input x: f32[4 on m0\n}\n",
+    )
+    .unwrap();
+    let err = fails(&["parse", bad.to_str().unwrap()]);
+    assert!(err.contains("bad.mf:3:"), "{err}");
+    // A split inside a serial piece (`_StridedShard`-like, not a chain of outer splits) is
+    // refused: the error names the tensor, the placement and what is supported.
+    let unsupported = dir.join("unsupported.mf");
+    std::fs::write(
+        &unsupported,
+        "program p {\n  mesh m0 = [0, 1, 2, 3]\n  \
+         input x: f32[16, 4] on m0 {outer_split(0, 4), parallelize(0, DIDx)}\n  \
+         tensor y: f32[16, 4] on m0 {inner_split(0, 4), parallelize(1, DIDx)}\n  \
+         y = set(x)\n  output y\n}\n",
+    )
+    .unwrap();
+    let err = fails(&["lower", unsupported.to_str().unwrap()]);
+    assert!(
+        err.contains("tensor `y`")
+            && err.contains("DIDx split of logical axis 0")
+            && err.contains("only chains of outer splits"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn help_exits_successfully() {
+    let o = meshflow(&["--help"]);
+    assert!(o.status.success());
+    assert!(stdout(&o).contains("lower"));
+}

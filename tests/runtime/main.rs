@@ -1,0 +1,15 @@
+//! The runtime on the CPU backend: every communication kind, MoE, hand-written programs
+//! against the reference, race detection, evaluator errors, faults (a rank that fails stops the
+//! others, naming it), nodes linked by the host proxy, and scatter/gather by layout.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod comm;
+mod errors;
+mod faults;
+mod moe;
+mod nodes;
+mod programs;
+mod race;
+mod shard;
