@@ -28,6 +28,11 @@ use crate::runtime::backend::{
 use crate::runtime::data::TensorData;
 use crate::runtime::rendezvous::Rendezvous;
 
+/// How long a peer process must have been gone before a rank waiting for its device gives up
+/// on it (a peer that left after doing its part is no failure if the device finishes
+/// meanwhile); well under the usual timeouts, so that a dead peer is reported long before them.
+const LOST_PEER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The CUDA backend of one rank: device `ordinal`, a main stream and a pool of worker streams,
 /// a caching allocator, one NCCL communicator per team, the transports its program selected,
 /// and optional profiling.
@@ -278,7 +283,7 @@ impl CudaBackend {
         let poll = || {
             comms
                 .async_error(rank)
-                .or_else(|| link.and_then(|l| l.failure()))
+                .or_else(|| link.and_then(|l| l.failure(LOST_PEER_GRACE)))
         };
         match self.core.wait_device(done, poll) {
             Ok(()) => Ok(()),
@@ -296,7 +301,9 @@ impl CudaBackend {
 
     /// A peer process known to have stopped, as the error to report.
     fn lost_peer(&self) -> Option<BackendError> {
-        self.link.as_ref().and_then(|l| l.failure())
+        self.link
+            .as_ref()
+            .and_then(|l| l.failure(std::time::Duration::ZERO))
     }
 
     fn user_kernel(&mut self, k: KernelId) -> Result<UserKernel, BackendError> {

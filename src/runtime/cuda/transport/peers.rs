@@ -16,6 +16,8 @@
 //! every device wait is for work a peer has already enqueued (so a host call that synchronizes
 //! the context can never wait for a later host call).
 
+use std::time::Duration;
+
 use meshflow_ir::DeviceId;
 use meshflow_kernels::moe::{MoeShape, MoeWire, NvlinkMoe};
 use meshflow_kernels::{DeviceBuffer, Event, Stream};
@@ -104,9 +106,12 @@ pub(crate) trait PeerLink: Send + Sync {
         wire: MoeWire,
     ) -> Result<NvlinkMoe, BackendError>;
 
-    /// A peer known to be gone (polled while the host waits for the device), as the error to
-    /// report.
-    fn failure(&self) -> Option<BackendError> {
+    /// A peer known to be gone for at least `age`, as the error to report. Polled while the
+    /// host waits for the device with a grace period (a peer that finished its part and whose
+    /// process left early is no failure unless this rank's device still waits for it), and
+    /// asked without one to name the cause of an error.
+    fn failure(&self, age: Duration) -> Option<BackendError> {
+        let _ = age;
         None
     }
 

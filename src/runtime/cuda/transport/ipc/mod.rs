@@ -30,7 +30,7 @@ mod net;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use meshflow_ir::DeviceId;
 use meshflow_kernels::moe::{MoeShape, MoeWire, NvlinkMoe};
@@ -612,8 +612,8 @@ impl PeerLink for IpcLink {
         Ok(engine)
     }
 
-    fn failure(&self) -> Option<BackendError> {
-        let (peer, why) = self.reach.as_ref().ok()?.net.lost()?;
+    fn failure(&self, age: Duration) -> Option<BackendError> {
+        let (peer, why) = self.reach.as_ref().ok()?.net.lost(age)?;
         Some(lost(self.rank, peer, &why))
     }
 

@@ -176,7 +176,8 @@ pub(super) enum Ended {
 pub(super) struct Inbox {
     pub offers: HashMap<Key, OfferMsg>,
     pub dones: HashMap<Key, u32>,
-    pub ended: HashMap<DeviceId, Ended>,
+    /// How each ended connection ended, and when that was seen.
+    pub ended: HashMap<DeviceId, (Ended, Instant)>,
 }
 
 struct Shared {
@@ -288,7 +289,7 @@ impl Net {
             if let Some(v) = take(&mut g) {
                 return Ok(v);
             }
-            if let Some(end) = g.ended.get(&peer) {
+            if let Some((end, _)) = g.ended.get(&peer) {
                 return Err(WaitError::Ended(end.clone()));
             }
             if let Some(e) = abort() {
@@ -308,15 +309,15 @@ impl Net {
         }
     }
 
-    /// The first peer whose connection ended without a goodbye, and why.
-    pub fn lost(&self) -> Option<(DeviceId, String)> {
+    /// The first peer whose connection ended without a goodbye at least `age` ago, and why.
+    pub fn lost(&self, age: Duration) -> Option<(DeviceId, String)> {
         let g = self.shared.lock();
         let mut lost: Vec<(DeviceId, String)> = g
             .ended
             .iter()
-            .filter_map(|(&p, e)| match e {
-                Ended::Lost(why) => Some((p, why.clone())),
-                Ended::Finished => None,
+            .filter_map(|(&p, (e, at))| match e {
+                Ended::Lost(why) if at.elapsed() >= age => Some((p, why.clone())),
+                _ => None,
             })
             .collect();
         lost.sort();
@@ -391,7 +392,7 @@ fn read_loop(mut conn: TcpStream, shared: Arc<Shared>) {
     let end = |from: Option<DeviceId>, how: Ended| {
         if let Some(p) = from {
             let mut g = shared.lock();
-            g.ended.entry(p).or_insert(how);
+            g.ended.entry(p).or_insert((how, Instant::now()));
             shared.changed.notify_all();
         }
     };
@@ -553,12 +554,12 @@ mod tests {
             a.wait(1, soon, &|| None, |s| s.dones.remove(&key(0))),
             Err(WaitError::Timeout)
         ));
-        assert!(a.lost().is_none());
+        assert!(a.lost(Duration::ZERO).is_none());
         // A peer that goes away with a goodbye has finished; its later messages never come.
         drop(b);
         let ended = a.wait(1, deadline, &|| None, |s| s.dones.remove(&key(0)));
         assert!(matches!(ended, Err(WaitError::Ended(Ended::Finished))));
-        assert!(a.lost().is_none());
+        assert!(a.lost(Duration::ZERO).is_none());
         assert!(ended_peers(&a).contains(&1));
         // A connection that ends without a goodbye is a lost peer.
         let c = Net::start(2).unwrap();
@@ -567,6 +568,10 @@ mod tests {
         drop(raw);
         let ended = c.wait(5, deadline, &|| None, |s| s.offers.remove(&key(0)));
         assert!(matches!(ended, Err(WaitError::Ended(Ended::Lost(_)))));
-        assert_eq!(c.lost().map(|l| l.0), Some(5));
+        assert_eq!(c.lost(Duration::ZERO).map(|l| l.0), Some(5));
+        assert!(
+            c.lost(Duration::from_secs(3600)).is_none(),
+            "not lost that long ago"
+        );
     }
 }
