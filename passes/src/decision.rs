@@ -12,6 +12,8 @@
 //! | the innermost splits of `a` (several parallel types, outer mesh axis first, even) -> replicated | [`Decision::MergedAllGather`] (over their flattened team) |
 //! | partial sums along several parallel types -> replicated | [`Decision::MergedAllReduce`] (over their flattened team) |
 //! | partial sums along several parallel types -> the innermost splits of `b` (outer mesh axis first, even) | [`Decision::MergedReduceScatter`] (over their flattened team) |
+//! | strided split on `a` (inside serial pieces) -> gathered | [`Decision::StridedAllGather`] (then a local reorder) |
+//! | replicated -> strided split on `b` | [`Decision::StridedSlice`] (each device keeps its chunk of every serial piece) |
 //! | partial sums with a Stream split on `a` and `swizzle1d(pt)` -> split on `a` | [`Decision::ReduceRing`] (a ring of running sums) |
 //! | partial sums with a Stream split on `a`, no swizzle -> split on `a` | [`Decision::StreamReduce`] (root = loop index) |
 //! | replicated -> replicated, other mesh | [`Decision::Broadcast`] (to the target mesh) |
@@ -39,6 +41,7 @@ use std::collections::BTreeMap;
 use meshflow_ir::{DeviceMesh, ParallelType};
 
 use crate::analysis::Sharding;
+use crate::redistribute::{normalized, placements_of, Cut};
 use crate::resharding;
 
 /// Where a tensor's data lies along one device parallel type, in value-axis terms.
@@ -161,6 +164,28 @@ pub enum Decision {
         /// The value axis.
         axis: usize,
     },
+    /// The innermost split of value axis `axis` along `pt` inside `serial` serial pieces (a
+    /// strided layout: the device holds its chunk of every piece, in piece order) to the
+    /// chain without it: an all-gather over the `pt` team (blocks in member order), then a local
+    /// reorder of the `[member, piece]` blocks into `[piece, member]`.
+    StridedAllGather {
+        /// The parallel type.
+        pt: ParallelType,
+        /// The value axis.
+        axis: usize,
+        /// The serial pieces a device holds along the axis (the product of the serial splits).
+        serial: u64,
+    },
+    /// A new innermost split of value axis `axis` along `pt` inside `serial` serial pieces (a
+    /// strided target): each device keeps its chunk of every piece, locally.
+    StridedSlice {
+        /// The parallel type.
+        pt: ParallelType,
+        /// The value axis.
+        axis: usize,
+        /// The serial pieces a device holds along the axis afterwards.
+        serial: u64,
+    },
     /// Partial sums computed chunk by chunk in a swizzled stream loop over `axis` (one chunk
     /// per team member) to split on `axis`: running sums travel around a ring of neighbours,
     /// each rank adding its partial product of the chunk on arrival.
@@ -219,6 +244,12 @@ impl Decision {
             Decision::ReduceScatter { pt, .. } => format!("reduce_scatter over {pt}"),
             Decision::ReduceRing { pt, .. } => format!("reduce_scatter ring over {pt}"),
             Decision::StreamReduce { pt, .. } => format!("stream reduce over {pt}"),
+            Decision::StridedAllGather { pt, serial, .. } => {
+                format!("all_gather over {pt} of {serial} strided pieces")
+            }
+            Decision::StridedSlice { pt, serial, .. } => {
+                format!("local slice along {pt} of {serial} strided pieces")
+            }
             Decision::MergedAllGather { pts, .. } => format!("all_gather over {}", names(pts)),
             Decision::MergedAllReduce { pts } => format!("all_reduce over {}", names(pts)),
             Decision::MergedReduceScatter { pts, .. } => {
@@ -308,8 +339,140 @@ fn merged(p: &Sharding, c: &Sharding, changed: &[ParallelType], stream: bool) ->
     None
 }
 
+/// The serial pieces outside the `pt` split of value axis `axis` of `sh` (the product of the
+/// serial splits before it in the axis' chain; 1 when there are none): a device holds one
+/// piece of its `pt` chunk per serial piece. Serial splits inside the `pt` split cut its
+/// chunk only and do not count.
+fn serial_on(sh: &Sharding, axis: usize, pt: ParallelType) -> u64 {
+    let Some(&a) = sh.value_axes.get(axis) else {
+        return 1;
+    };
+    let depth = sh.spec.device.get(&pt).map_or(usize::MAX, |s| s.depth);
+    sh.spec
+        .serial
+        .iter()
+        .filter(|s| s.axis == a && s.depth < depth)
+        .map(|s| s.parts)
+        .product()
+}
+
+/// True when value axis `axis` of `sh` has a serial split with a device split inside it.
+fn strided_on(sh: &Sharding, axis: usize) -> bool {
+    sh.value_axes
+        .get(axis)
+        .is_some_and(|&a| sh.spec.is_strided_on(a))
+}
+
+/// Per value axis of `sh`, its chain of cuts without splits over teams of one device.
+fn cut_chains(sh: &Sharding, mesh: &DeviceMesh) -> Vec<Vec<Cut>> {
+    placements_of(sh)
+        .chains
+        .into_iter()
+        .map(|c| {
+            normalized(
+                c.into_iter()
+                    .filter(|cut| cut.device().is_none_or(|pt| mesh.size_of(pt).unwrap_or(1) > 1))
+                    .collect(),
+            )
+        })
+        .collect()
+}
+
+/// True when value axis `axis` of `sh` is split unevenly.
+fn ragged_on(sh: &Sharding, axis: usize) -> bool {
+    sh.value_axes
+        .get(axis)
+        .and_then(|&a| sh.layout.axes.get(a))
+        .is_some_and(|x| x.ragged)
+}
+
+/// `d` for strided layouts: a gather of a strided axis or a slice into one becomes its
+/// strided row; any other row touching a strided axis is refused (the planner reaches and
+/// leaves strided chains through gathers and slices only).
+fn strided(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh, d: Decision) -> Decision {
+    if !p.spec.is_strided() && !c.spec.is_strided() {
+        return d;
+    }
+    // The same device digits with other serial pieces around them hold other elements.
+    if d == Decision::LocalCopy && cut_chains(p, pm) != cut_chains(c, cm) {
+        return Decision::Unsupported(
+            "the serial pieces of a strided axis change (decompose_reshardings gathers and \
+             slices it)"
+                .into(),
+        );
+    }
+    let strided_axis = |axis: usize| strided_on(p, axis) || strided_on(c, axis);
+    let uneven = |sh: &Sharding, axis: usize| {
+        Decision::Unsupported(format!(
+            "value axis {axis} is strided (a split inside serial pieces) and split unevenly \
+             (extent {}): strided layouts need every split to divide",
+            sh.value_axes
+                .get(axis)
+                .and_then(|&a| sh.layout.axes.get(a))
+                .map_or(0, |x| x.extent)
+        ))
+    };
+    match d {
+        Decision::AllGather { axis, .. } | Decision::LocalSlice { axis, .. }
+            if strided_axis(axis) && (ragged_on(p, axis) || ragged_on(c, axis)) =>
+        {
+            uneven(p, axis)
+        }
+        Decision::AllGather { pt, axis } if serial_on(p, axis, pt) > 1 => {
+            Decision::StridedAllGather {
+                pt,
+                axis,
+                serial: serial_on(p, axis, pt),
+            }
+        }
+        Decision::LocalSlice { pt, axis } if serial_on(c, axis, pt) > 1 => {
+            Decision::StridedSlice {
+                pt,
+                axis,
+                serial: serial_on(c, axis, pt),
+            }
+        }
+        // A gather or slice of a split outside every serial piece of the axis moves whole
+        // chunks in member order, as on a plain chain.
+        d @ (Decision::AllGather { .. } | Decision::LocalSlice { .. }) => d,
+        Decision::ReduceScatter { axis, .. }
+        | Decision::Ring { axis, .. }
+        | Decision::StreamBroadcast { axis, .. }
+        | Decision::ReduceRing { axis, .. }
+        | Decision::StreamReduce { axis, .. }
+        | Decision::Gather { axis, .. }
+        | Decision::Scatter { axis, .. }
+            if strided_axis(axis) =>
+        {
+            Decision::Unsupported(format!(
+                "value axis {axis} is strided (a split inside serial pieces): it is only \
+                 gathered (from its innermost split) or sliced (into a strided target) on one \
+                 mesh, never a {}",
+                d.describe()
+            ))
+        }
+        Decision::AllToAll { from, to, .. } if strided_axis(from) || strided_axis(to) => {
+            Decision::Unsupported(format!(
+                "an all-to-all between value axes {from} and {to}, one of them strided (a \
+                 split inside serial pieces): gather the strided axis first"
+            ))
+        }
+        Decision::SendRecv | Decision::Broadcast => Decision::Unsupported(
+            "a strided layout (a split inside serial pieces) moves between meshes only \
+             gathered"
+                .into(),
+        ),
+        d => d,
+    }
+}
+
 /// The decision for `c = set(p)`.
 pub fn decide(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> Decision {
+    strided(p, pm, c, cm, decide_plain(p, pm, c, cm))
+}
+
+/// [`decide`] before the strided rows.
+fn decide_plain(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh) -> Decision {
     let r = resharding::analyze(p, pm, c, cm);
     let pv = placements(p);
     let cv = placements(c);

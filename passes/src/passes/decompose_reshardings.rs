@@ -67,29 +67,40 @@ impl ProgramPass for DecomposeReshardings {
     }
 }
 
-/// Strided layouts (a device split inside a serial piece of its axis) are analyzed and
-/// planned ([`crate::redistribute`]) but not lowered yet: refused here, naming the tensor.
+/// Strided layouts (a device split inside a serial piece of its axis) are lowered with even
+/// splits and without Stream splits only: others are refused here, naming the tensor.
 fn refuse_strided(program: &Program) -> Result<(), PassError> {
     for (t, d) in program.tensors.iter() {
         let sh = Sharding::of(program, t)?;
-        let Some(serial) = sh.spec.serial.iter().find(|s| s.parts > 1) else {
+        let ragged = |axis: usize| sh.layout.axes.get(axis).is_some_and(|a| a.ragged);
+        let serials = || sh.spec.serial.iter().filter(|s| s.parts > 1);
+        let (serial, missing) = if let Some(s) = serials().find(|s| ragged(s.axis)) {
+            (s, "a strided axis is lowered only when every split divides it")
+        } else if let Some(s) = serials().next().filter(|_| sh.stream().is_some()) {
+            (s, "a strided tensor cannot also be cut by a Stream split")
+        } else {
             continue;
         };
-        let inner: Vec<&str> = sh
+        let mut inner: Vec<(usize, &str)> = sh
             .spec
             .device
             .iter()
             .filter(|(_, s)| s.axis == serial.axis && s.depth > serial.depth)
-            .map(|(pt, _)| pt.name())
+            .map(|(pt, s)| (s.depth, pt.name()))
             .collect();
+        inner.sort_unstable();
+        let names: Vec<&str> = inner.iter().map(|&(_, n)| n).collect();
+        let (splits, lie) = if names.len() > 1 {
+            ("splits", "lie")
+        } else {
+            ("split", "lies")
+        };
         return Err(PassError::tensor(
             &d.name,
             format!(
-                "the {} split of logical axis {} lies inside a serial piece of extent {} (an \
-                 inner split, or a `_StridedShard`; placements {}): strided layouts are not \
-                 lowered yet, only chains of outer splits (`outer_split` of the rest, each \
-                 piece parallelized)",
-                inner.join(" and "),
+                "the {} {splits} of logical axis {} {lie} inside a serial piece of extent {} (an \
+                 inner split, or a `_StridedShard`; placements {}): {missing}",
+                names.join(", "),
                 serial.axis,
                 serial.parts,
                 placements_of(&sh).describe()
@@ -732,6 +743,8 @@ fn stream_safe(p: &Sharding, c: &Sharding, d: &Decision) -> bool {
         | Decision::LocalSlice { axis, .. }
         | Decision::ReduceScatter { axis, .. }
         | Decision::MergedAllGather { axis, .. }
+        | Decision::StridedAllGather { axis, .. }
+        | Decision::StridedSlice { axis, .. }
         | Decision::MergedReduceScatter { axis, .. }
         | Decision::Gather { axis, .. }
         | Decision::Scatter { axis, .. } => axis == a,
