@@ -295,7 +295,10 @@ impl DeviceMesh {
         axes.sort_unstable();
         axes.dedup();
         let coords = self.coords(device)?;
-        Some(axes.iter().fold(0, |acc, &a| acc * self.shape[a] + coords[a]))
+        Some(
+            axes.iter()
+                .fold(0, |acc, &a| acc * self.shape[a] + coords[a]),
+        )
     }
 
     /// All distinct teams along `pt`, each in axis order, ordered by their first device's

@@ -351,7 +351,10 @@ fn team_flattened_needs_two_ordered_axes_of_the_mesh() {
     ]);
     let p = meshflow_ir::parse_host(&ok).expect("parses");
     assert!(meshflow_ir::verify_host(&p).is_ok(), "{ok}");
-    assert_eq!(p.to_string().matches("flattened(m0, DIDy, DIDx)").count(), 1);
+    assert_eq!(
+        p.to_string().matches("flattened(m0, DIDy, DIDx)").count(),
+        1
+    );
 }
 
 #[test]

@@ -276,14 +276,19 @@ fn chain_of(sh: &Sharding, axis: usize) -> Vec<(ParallelType, u64)> {
     let mut levels: Vec<(usize, ParallelType, u64)> = placements(sh)
         .into_iter()
         .filter_map(|(pt, p)| match p {
-            Placement::Split { axis: a, parts, depth } if a == axis && parts > 1 => {
-                Some((depth, pt, parts))
-            }
+            Placement::Split {
+                axis: a,
+                parts,
+                depth,
+            } if a == axis && parts > 1 => Some((depth, pt, parts)),
             _ => None,
         })
         .collect();
     levels.sort();
-    levels.into_iter().map(|(_, pt, parts)| (pt, parts)).collect()
+    levels
+        .into_iter()
+        .map(|(_, pt, parts)| (pt, parts))
+        .collect()
 }
 
 /// One of the merged rows for a change along several parallel types `changed` at once, if
@@ -295,7 +300,10 @@ fn merged(p: &Sharding, c: &Sharding, changed: &[ParallelType], stream: bool) ->
     let (pv, cv) = (placements(p), placements(c));
     let mut pts = changed.to_vec();
     pts.sort_by_key(|pt| std::cmp::Reverse(pt.device_rank()));
-    if pts.iter().all(|pt| pv.get(pt) == Some(&Placement::Partial) && !cv.contains_key(pt)) {
+    if pts
+        .iter()
+        .all(|pt| pv.get(pt) == Some(&Placement::Partial) && !cv.contains_key(pt))
+    {
         return Some(Decision::MergedAllReduce { pts });
     }
     // The innermost levels of `sh`'s chain on `axis` are `pts` in mesh order and the whole
@@ -371,7 +379,10 @@ fn cut_chains(sh: &Sharding, mesh: &DeviceMesh) -> Vec<Vec<Cut>> {
         .map(|c| {
             normalized(
                 c.into_iter()
-                    .filter(|cut| cut.device().is_none_or(|pt| mesh.size_of(pt).unwrap_or(1) > 1))
+                    .filter(|cut| {
+                        cut.device()
+                            .is_none_or(|pt| mesh.size_of(pt).unwrap_or(1) > 1)
+                    })
                     .collect(),
             )
         })
@@ -425,13 +436,11 @@ fn strided(p: &Sharding, pm: &DeviceMesh, c: &Sharding, cm: &DeviceMesh, d: Deci
                 serial: serial_on(p, axis, pt),
             }
         }
-        Decision::LocalSlice { pt, axis } if serial_on(c, axis, pt) > 1 => {
-            Decision::StridedSlice {
-                pt,
-                axis,
-                serial: serial_on(c, axis, pt),
-            }
-        }
+        Decision::LocalSlice { pt, axis } if serial_on(c, axis, pt) > 1 => Decision::StridedSlice {
+            pt,
+            axis,
+            serial: serial_on(c, axis, pt),
+        },
         // A gather or slice of a split outside every serial piece of the axis moves whole
         // chunks in member order, as on a plain chain.
         d @ (Decision::AllGather { .. } | Decision::LocalSlice { .. }) => d,

@@ -235,11 +235,19 @@ fn collectives_over_flattened_teams() {
                 members.push(4 * m[0] + 2 * m[1] + m[2]);
             }
             let gathered: Vec<f32> = members.iter().flat_map(|&j| vals(j, 6)).collect();
-            assert_eq!(out.outputs[&r]["g"].storage().to_f32_vec(), gathered, "{pts} rank {r}");
+            assert_eq!(
+                out.outputs[&r]["g"].storage().to_f32_vec(),
+                gathered,
+                "{pts} rank {r}"
+            );
             let summed: Vec<f32> = (0..6)
                 .map(|i| members.iter().map(|&j| vals(j, 6)[i]).sum())
                 .collect();
-            assert_eq!(out.outputs[&r]["s"].storage().to_f32_vec(), summed, "{pts} rank {r}");
+            assert_eq!(
+                out.outputs[&r]["s"].storage().to_f32_vec(),
+                summed,
+                "{pts} rank {r}"
+            );
         }
     }
 }

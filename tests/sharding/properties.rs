@@ -99,8 +99,7 @@ mod gen {
             stream: Option<(usize, u64)>,
         ) -> String {
             let n = self.mesh.len();
-            let mut chains: Vec<Vec<(u8, usize, u64)>> =
-                vec![Vec::new(); self.extents.len() + 1];
+            let mut chains: Vec<Vec<(u8, usize, u64)>> = vec![Vec::new(); self.extents.len() + 1];
             for (md, p) in places.iter().enumerate() {
                 match *p {
                     Place::S {

@@ -27,8 +27,8 @@ pub(crate) fn run_with(text: &str, ranks: i64, options: &Options) -> HostProgram
     let mut params = Params::new();
     params.insert("ranks".into(), ranks);
     let program = parse_program_with(text, &params).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    let compiled = compile(&program, options)
-        .unwrap_or_else(|e| panic!("ranks={ranks}: {e}\n{text}"));
+    let compiled =
+        compile(&program, options).unwrap_or_else(|e| panic!("ranks={ranks}: {e}\n{text}"));
     let world = (ranks as usize).max(compiled.host().world_size());
     check_program(compiled.host(), world)
         .unwrap_or_else(|e| panic!("ranks={ranks}: check: {e}\n{}", compiled.host()));

@@ -133,9 +133,7 @@ impl Team {
     ) -> Option<Vec<DeviceId>> {
         let members = match self {
             Team::Slice { mesh, pt } => meshes.get(*mesh)?.mesh.team(device, *pt)?,
-            Team::Flattened { mesh, pts } => {
-                meshes.get(*mesh)?.mesh.flattened_team(device, pts)?
-            }
+            Team::Flattened { mesh, pts } => meshes.get(*mesh)?.mesh.flattened_team(device, pts)?,
             Team::Mesh(mesh) => meshes.get(*mesh)?.mesh.devices().to_vec(),
             Team::Devices(devices) => devices.clone(),
         };

@@ -443,7 +443,8 @@ impl HostChecker<'_> {
                     );
                     return None;
                 }
-                let axes: Option<Vec<usize>> = pts.iter().map(|&pt| decl.mesh.axis_of(pt)).collect();
+                let axes: Option<Vec<usize>> =
+                    pts.iter().map(|&pt| decl.mesh.axis_of(pt)).collect();
                 let Some(axes) = axes else {
                     let pt = pts
                         .iter()

@@ -276,7 +276,12 @@ impl Spec {
                 .filter(|s| s.axis == axis)
                 .map(|s| s.depth)
                 .chain(self.stream.filter(|s| s.axis == axis).map(|s| s.depth))
-                .chain(self.serial.iter().filter(|s| s.axis == axis).map(|s| s.depth))
+                .chain(
+                    self.serial
+                        .iter()
+                        .filter(|s| s.axis == axis)
+                        .map(|s| s.depth),
+                )
                 .collect();
             depths.sort_unstable();
             if depths != (0..depths.len()).collect::<Vec<_>>() {

@@ -75,7 +75,10 @@ fn refuse_strided(program: &Program) -> Result<(), PassError> {
         let ragged = |axis: usize| sh.layout.axes.get(axis).is_some_and(|a| a.ragged);
         let serials = || sh.spec.serial.iter().filter(|s| s.parts > 1);
         let (serial, missing) = if let Some(s) = serials().find(|s| ragged(s.axis)) {
-            (s, "a strided axis is lowered only when every split divides it")
+            (
+                s,
+                "a strided axis is lowered only when every split divides it",
+            )
         } else if let Some(s) = serials().next().filter(|_| sh.stream().is_some()) {
             (s, "a strided tensor cannot also be cut by a Stream split")
         } else {
@@ -467,7 +470,8 @@ fn split_sets(program: &mut Program, merge: bool) -> Result<(), PassError> {
         }
         let (p, c) = (program.ops[i].inputs[0], program.ops[i].outputs[0]);
         check_partial_target(program, p, c)?;
-        let steps = plan_steps(program, p, c, merge).map_err(|why| PassError::op(program, i, why))?;
+        let steps =
+            plan_steps(program, p, c, merge).map_err(|why| PassError::op(program, i, why))?;
         let cd = decl(program, c)?.clone();
         let mut prev = p;
         for (mesh, ty, spec) in steps {

@@ -42,7 +42,10 @@ fn next_strided(cur: &[Cut], target: &[Cut]) -> Option<(ParallelType, Vec<Cut>)>
     if target.len() <= cur.len() || target[..cur.len()] != *cur {
         return None;
     }
-    let j = cur.len() + target[cur.len()..].iter().position(|c| c.device().is_some())?;
+    let j = cur.len()
+        + target[cur.len()..]
+            .iter()
+            .position(|c| c.device().is_some())?;
     Some((target[j].device()?, target[..=j].to_vec()))
 }
 

@@ -164,7 +164,11 @@ fn shard_orders_on_a_3d_mesh() {
     );
     // [P, R, P] -> [R, R, R]: one all-reduce over DIDz and DIDx.
     assert_eq!(
-        run(pl(&[&[], &[], &[]], &[Z, X]), pl(&[&[], &[], &[]], &[]), &s3),
+        run(
+            pl(&[&[], &[], &[]], &[Z, X]),
+            pl(&[&[], &[], &[]], &[]),
+            &s3
+        ),
         (0, 0, 1, 0)
     );
 }
@@ -191,8 +195,15 @@ fn strided_chains_go_through_their_prefixes() {
     assert_eq!(steps.len(), 1);
     // Strided source: gathered from the inside out.
     let from = strided(vec![vec![S(2), D(Y), S(3), D(X)], vec![]]);
-    let steps = plan(&from, &Placements::replicated(2), &[24, 4], &sizes(&s2), &|_| true, true)
-        .expect("reachable");
+    let steps = plan(
+        &from,
+        &Placements::replicated(2),
+        &[24, 4],
+        &sizes(&s2),
+        &|_| true,
+        true,
+    )
+    .expect("reachable");
     assert_eq!(steps, vec![strided(vec![vec![S(2), D(Y)], vec![]])]);
 }
 

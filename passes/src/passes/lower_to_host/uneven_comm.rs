@@ -220,17 +220,19 @@ impl Lowering<'_> {
                 let d = pm.size_of(pt).unwrap_or(1) as u64;
                 self.all_to_all_uneven(block, (p, pin), (c, cout), pt, d, (from, to), &chunk)
             }
-            Decision::StridedAllGather { .. } | Decision::StridedSlice { .. } => Err(PassError::op(
-                self.program,
-                i,
-                format!(
-                    "`{}` or `{}` is split unevenly and a strided axis changes ({}): strided \
+            Decision::StridedAllGather { .. } | Decision::StridedSlice { .. } => {
+                Err(PassError::op(
+                    self.program,
+                    i,
+                    format!(
+                        "`{}` or `{}` is split unevenly and a strided axis changes ({}): strided \
                      layouts move with even splits only",
-                    self.name(p),
-                    self.name(c),
-                    decision.describe()
-                ),
-            )),
+                        self.name(p),
+                        self.name(c),
+                        decision.describe()
+                    ),
+                ))
+            }
             Decision::MergedAllGather { axis, .. } | Decision::MergedReduceScatter { axis, .. } => {
                 // The merged rows cut their axis evenly: whole padded buffers along the others.
                 let (ps, cs) = (
