@@ -209,7 +209,7 @@ pub mod verify;
 pub use dtype::DType;
 pub use entity::{Arena, EntityRef};
 pub use host::{
-    Block, CommId, CommKind, ComputeOp, Expr, HostProgram, HostTensor, HostTensorId, Inst,
+    Block, BufferContract, BufferUse, CommId, CommKind, ComputeOp, Expr, HostProgram, HostTensor, HostTensorId, Inst,
     InstKind, LoopVar, ReduceOp, Role, StreamRef, StreamVar, Team,
 };
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};

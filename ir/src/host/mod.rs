@@ -6,10 +6,12 @@
 //! holds a tensor (a tensor exists on the devices of its mesh). See the crate docs for the
 //! execution model (streams, communications and waits).
 
+pub mod contract;
 pub mod expr;
 
 use std::fmt;
 
+pub use contract::{BufferContract, BufferUse, MemberBuffers, Side, SizeViolation, Sizing};
 pub use expr::{BinOp, EvalError, Expr, ExprEnv, LoopVar};
 
 use crate::dtype::DType;
@@ -179,6 +181,9 @@ impl ReduceOp {
 /// - `send_recv`: a team of two; member `r` sends `in`, the other receives into `out`.
 /// - `all_to_all`: `in` and `out` are `d` chunks; member `j`'s chunk `k` goes to member `k`'s
 ///   chunk `j`.
+///
+/// [`CommKind::contract`] states the same as data ([`BufferContract`]): which buffers each
+/// member takes and touches, how their sizes relate and which split into chunks.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum CommKind {
     /// All-gather.
