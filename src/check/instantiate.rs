@@ -6,8 +6,8 @@ use std::collections::{HashMap, HashSet};
 use meshflow_ir::host::ExprEnv;
 use meshflow_ir::text::inst_to_string;
 use meshflow_ir::{
-    Arena, CommKind, DeviceId, Expr, HostProgram, HostTensorId, Inst, InstKind, LoopVar, MeshDecl,
-    MeshId, ParallelType, Team,
+    host::Side, Arena, BufferUse, CommKind, DeviceId, Expr, HostProgram, HostTensorId, Inst,
+    InstKind, LoopVar, MeshDecl, MeshId, ParallelType, Team,
 };
 
 use super::error::{CheckError, CheckErrors, Site};
@@ -570,49 +570,23 @@ impl Walker<'_, '_> {
                 }
                 let is_root = event.root == Some(rank);
                 let other = members.iter().copied().find(|&m| m != rank);
-                let (send, recv) = (*input, *output);
-                let (s, r) = match kind {
-                    CommKind::AllGather
-                    | CommKind::ReduceScatter
-                    | CommKind::AllReduce
-                    | CommKind::AllToAll => (
-                        self.require(ord, &members, "send", send),
-                        self.require(ord, &members, "receive", recv),
-                    ),
-                    CommKind::Broadcast | CommKind::SendRecv if is_root => {
-                        (self.require(ord, &members, "send", send), self.holds(recv))
-                    }
-                    CommKind::Broadcast | CommKind::SendRecv => (
-                        self.holds(send),
-                        self.require(ord, &members, "receive", recv),
-                    ),
-                    CommKind::Gather | CommKind::Reduce => {
-                        let s = self.require(ord, &members, "send", send);
-                        let r = if is_root {
-                            self.require(ord, &members, "receive", recv)
-                        } else {
-                            None
-                        };
-                        (s, r)
-                    }
-                    CommKind::Scatter => {
-                        let s = if is_root {
-                            self.require(ord, &members, "send", send)
-                        } else {
-                            None
-                        };
-                        (s, self.require(ord, &members, "receive", recv))
-                    }
+                let contract = kind.contract();
+                let uses = contract.member(is_root);
+                let buffer = |this: &mut Self, side: Side, tensor| match uses.of(side) {
+                    BufferUse::Required => this.require(ord, &members, side.name(), tensor),
+                    BufferUse::Optional | BufferUse::Unused => this.holds(tensor),
                 };
-                event.count = match kind {
-                    CommKind::AllGather => self.chunked(ord, r, s, d),
-                    CommKind::ReduceScatter => self.chunked(ord, s, r, d),
-                    CommKind::Gather => self.chunked(ord, r, s, d),
-                    CommKind::Scatter => self.chunked(ord, s, r, d),
-                    CommKind::AllReduce | CommKind::Reduce => self.same_size(ord, s, r),
-                    CommKind::AllToAll => {
-                        let count = self.same_size(ord, s, r);
-                        if count.is_some_and(|c| c % d as u64 != 0) {
+                let s = buffer(self, Side::Send, *input);
+                let r = buffer(self, Side::Recv, *output);
+                // The sizes of the buffers this member touches.
+                let touched = |side: Side, b: Option<Buffer>| b.filter(|_| uses.of(side).touched());
+                let (ts, tr) = (touched(Side::Send, s), touched(Side::Recv, r));
+                event.count = match contract.sizing.whole() {
+                    Some(Side::Recv) => self.chunked(ord, tr, ts, d),
+                    Some(Side::Send) => self.chunked(ord, ts, tr, d),
+                    None => {
+                        let count = self.same_size(ord, ts, tr);
+                        if contract.send_chunked && count.is_some_and(|c| c % d as u64 != 0) {
                             self.contract(
                                 ord,
                                 format!(
@@ -623,14 +597,10 @@ impl Walker<'_, '_> {
                         }
                         count
                     }
-                    CommKind::Broadcast | CommKind::SendRecv if is_root => {
-                        self.same_size(ord, s, r)
-                    }
-                    CommKind::Broadcast | CommKind::SendRecv => r.map(|b| b.numel),
                 };
                 if let (Some(a), Some(b)) = (s, r) {
                     if a.dtype != b.dtype
-                        && (is_root || !matches!(kind, CommKind::Broadcast | CommKind::SendRecv))
+                        && (is_root || (uses.send.touched() && uses.recv.touched()))
                     {
                         self.contract(
                             ord,
@@ -638,20 +608,18 @@ impl Walker<'_, '_> {
                         );
                     }
                 }
-                event.dtype = match kind {
-                    CommKind::Broadcast | CommKind::SendRecv if !is_root => r.map(|b| b.dtype),
-                    CommKind::Scatter if !is_root => r.map(|b| b.dtype),
-                    _ => s.or(r).map(|b| b.dtype),
-                };
+                event.dtype = if uses.send.touched() { s.or(r) } else { r }.map(|b| b.dtype);
                 (event.send, event.recv) = (s, r);
+                if let Some(want) = contract.team_size.filter(|&want| want != d) {
+                    let site = self.site(ord);
+                    let detail = format!(
+                        "{} needs a team of {want} devices, not {members:?}",
+                        kind.name()
+                    );
+                    self.report(ord, CheckError::Malformed { rank, site, detail });
+                    return;
+                }
                 if *kind == CommKind::SendRecv {
-                    if d != 2 {
-                        let site = self.site(ord);
-                        let detail =
-                            format!("send_recv needs a team of two devices, not {members:?}");
-                        self.report(ord, CheckError::Malformed { rank, site, detail });
-                        return;
-                    }
                     if is_root {
                         event.send_peer = other;
                     } else {

@@ -242,7 +242,10 @@ mod tests {
             let c = kind.contract();
             for is_root in [false, true] {
                 let m = c.member(is_root);
-                assert!(m.send.touched() || m.recv.touched(), "{kind:?} root={is_root}");
+                assert!(
+                    m.send.touched() || m.recv.touched(),
+                    "{kind:?} root={is_root}"
+                );
             }
             // The side holding `d` chunks is chunked.
             if let Some(whole) = c.sizing.whole() {
@@ -281,6 +284,9 @@ mod tests {
                 .counterpart(Side::Send, 12, 4),
             Some(3)
         );
-        assert_eq!(CommKind::Gather.contract().counterpart(Side::Send, 3, 4), Some(12));
+        assert_eq!(
+            CommKind::Gather.contract().counterpart(Side::Send, 3, 4),
+            Some(12)
+        );
     }
 }
