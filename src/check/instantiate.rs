@@ -48,41 +48,56 @@ fn build_items<'a>(
     block: &'a [Inst],
     insts: &mut Vec<InstInfo>,
 ) -> Vec<Item<'a>> {
+    /// What the check keeps of an instruction.
+    enum Kept<'a> {
+        Loop(LoopVar, &'a Expr, &'a Expr, &'a [Inst]),
+        Comm,
+        StartGroup,
+        EndGroup,
+        View,
+    }
     let mut items = Vec::new();
     for inst in block {
-        let relevant = matches!(
-            inst.kind,
-            InstKind::ForLoop { .. }
-                | InstKind::StartCoalescing
-                | InstKind::EndCoalescing { .. }
-                | InstKind::ShardByStream { .. }
-                | InstKind::Narrow { .. }
-        ) || inst.kind.is_communication();
-        if !relevant {
-            continue;
-        }
-        let ord = insts.len();
-        insts.push(InstInfo {
-            text: inst_to_string(host, inst),
-            loc: inst.loc,
-        });
-        items.push(match &inst.kind {
+        let kept = match &inst.kind {
             InstKind::ForLoop {
                 index,
                 start,
                 stop,
                 body,
-            } => Item::Loop {
+            } => Kept::Loop(*index, start, stop, body),
+            InstKind::StartCoalescing => Kept::StartGroup,
+            InstKind::EndCoalescing { .. } => Kept::EndGroup,
+            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Kept::View,
+            InstKind::Communication { .. }
+            | InstKind::CollectivePermute { .. }
+            | InstKind::MoeDispatch { .. }
+            | InstKind::MoeCombine { .. } => Kept::Comm,
+            InstKind::Allocate { .. }
+            | InstKind::Deallocate { .. }
+            | InstKind::GetCurrentStream { .. }
+            | InstKind::SetCurrentStream { .. }
+            | InstKind::Synchronize { .. }
+            | InstKind::Wait { .. }
+            | InstKind::Compute { .. }
+            | InstKind::CallKernel { .. } => continue,
+        };
+        let ord = insts.len();
+        insts.push(InstInfo {
+            text: inst_to_string(host, inst),
+            loc: inst.loc,
+        });
+        items.push(match kept {
+            Kept::Loop(index, start, stop, body) => Item::Loop {
                 ord,
-                index: *index,
+                index,
                 start,
                 stop,
                 body: build_items(host, body, insts),
             },
-            InstKind::StartCoalescing => Item::StartGroup { ord },
-            InstKind::EndCoalescing { .. } => Item::EndGroup { ord },
-            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Item::View { ord, inst },
-            _ => Item::Comm { ord, inst },
+            Kept::StartGroup => Item::StartGroup { ord },
+            Kept::EndGroup => Item::EndGroup { ord },
+            Kept::View => Item::View { ord, inst },
+            Kept::Comm => Item::Comm { ord, inst },
         });
     }
     items
@@ -675,7 +690,19 @@ impl Walker<'_, '_> {
                 event.count = event.send.map(|b| b.numel);
                 event.dtype = event.recv.map(|b| b.dtype);
             }
-            _ => return,
+            InstKind::Allocate { .. }
+            | InstKind::Deallocate { .. }
+            | InstKind::ForLoop { .. }
+            | InstKind::GetCurrentStream { .. }
+            | InstKind::SetCurrentStream { .. }
+            | InstKind::Synchronize { .. }
+            | InstKind::ShardByStream { .. }
+            | InstKind::Narrow { .. }
+            | InstKind::Wait { .. }
+            | InstKind::StartCoalescing
+            | InstKind::EndCoalescing { .. }
+            | InstKind::Compute { .. }
+            | InstKind::CallKernel { .. } => return,
         }
         event.send_slice = event.send.and_then(|b| self.slice(b.tensor));
         event.recv_slice = event.recv.and_then(|b| self.slice(b.tensor));

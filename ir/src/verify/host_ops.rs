@@ -305,7 +305,20 @@ impl HostChecker<'_> {
                 inputs,
                 outputs,
             } => self.compute(op, inputs, outputs, here),
-            _ => {}
+            // Kernels registered by an embedder check their own operands; the other
+            // instructions have no shape rules here (views: `shard_by_stream`, `narrow`).
+            InstKind::CallKernel { .. }
+            | InstKind::Allocate { .. }
+            | InstKind::Deallocate { .. }
+            | InstKind::ForLoop { .. }
+            | InstKind::GetCurrentStream { .. }
+            | InstKind::SetCurrentStream { .. }
+            | InstKind::Synchronize { .. }
+            | InstKind::ShardByStream { .. }
+            | InstKind::Narrow { .. }
+            | InstKind::Wait { .. }
+            | InstKind::StartCoalescing
+            | InstKind::EndCoalescing { .. } => {}
         }
     }
 
