@@ -187,7 +187,7 @@ impl PlanInfo<'_> {
 /// A communication to post. Buffers a rank does not hold are `None`.
 #[derive(Debug)]
 pub enum CommRequest<'a, Buf> {
-    /// A collective (see [`CommKind`] for the buffer contracts).
+    /// A collective (see [`CommKind::contract`] for its buffer contract).
     Collective {
         /// The communication label.
         label: CommLabel,

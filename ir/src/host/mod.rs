@@ -383,7 +383,17 @@ impl ComputeOp {
             }
             ComputeOp::Slice { axis, start } => format!("axis={axis}, start={start}"),
             ComputeOp::RmsNorm { axis, eps } => format!("axis={axis}, eps={eps}"),
-            _ => String::new(),
+            ComputeOp::Copy
+            | ComputeOp::Matmul
+            | ComputeOp::Linear
+            | ComputeOp::Add
+            | ComputeOp::Sub
+            | ComputeOp::Mul
+            | ComputeOp::Gelu
+            | ComputeOp::Silu
+            | ComputeOp::Cast
+            | ComputeOp::GroupedMatmul
+            | ComputeOp::Expand => String::new(),
         }
     }
 
