@@ -19,6 +19,13 @@
 //! device 4 has team `[3, 4, 5]` (index 1) along `DIDx` and team `[1, 4]` (index 1) along
 //! `DIDy`.
 //!
+//! A **flattened** team spans several mesh axes (DTensor's flattened sub-mesh): the devices
+//! that differ from a device only in the given parallel types, in row-major order of those
+//! axes. In `iota(2, 2, 2)` device 5 (coordinates `(1, 0, 1)`) has the flattened team
+//! `[4, 5, 6, 7]` (index 1) over `DIDy, DIDx` and `[0, 1, 4, 5]` (index 3) over `DIDz, DIDx`.
+//! One collective over it does what consecutive collectives over each axis would (an
+//! all-reduce of partial sums over both axes, an all-gather of a chain `[DIDy, DIDx]`).
+//!
 //! ## Tensors, schedules and splits
 //!
 //! A tensor has a logical type (dtype and axes; an axis marked `r` is a reduction axis of the

@@ -251,6 +251,56 @@ impl DeviceMesh {
         Some(self.coords(device)?[axis])
     }
 
+    /// The flattened team of `device` over the parallel types `pts` (a sub-mesh): the devices
+    /// whose coordinates differ from `device`'s only on the axes of `pts`, in row-major order of
+    /// those axes (outermost mesh axis first, whatever the order of `pts`). `None` when the
+    /// device is not in the mesh or some `pt` maps to no axis. One parallel type gives
+    /// [`DeviceMesh::team`].
+    ///
+    /// ```
+    /// use meshflow_ir::{DeviceMesh, ParallelType::{DIDx, DIDy, DIDz}};
+    /// let m = DeviceMesh::iota(vec![2, 2, 2], 0).unwrap();
+    /// assert_eq!(m.flattened_team(5, &[DIDy, DIDx]), Some(vec![4, 5, 6, 7]));
+    /// assert_eq!(m.flattened_team(5, &[DIDz, DIDx]), Some(vec![0, 1, 4, 5]));
+    /// assert_eq!(m.flattened_index(5, &[DIDz, DIDx]), Some(3));
+    /// ```
+    pub fn flattened_team(&self, device: DeviceId, pts: &[ParallelType]) -> Option<Vec<DeviceId>> {
+        let mut axes = pts
+            .iter()
+            .map(|&pt| self.axis_of(pt))
+            .collect::<Option<Vec<usize>>>()?;
+        axes.sort_unstable();
+        axes.dedup();
+        let mut coords = self.coords(device)?;
+        let size: usize = axes.iter().map(|&a| self.shape[a]).product();
+        let mut team = Vec::with_capacity(size);
+        for flat in 0..size {
+            let mut rest = flat;
+            for &a in axes.iter().rev() {
+                coords[a] = rest % self.shape[a];
+                rest /= self.shape[a];
+            }
+            team.push(self.at(&coords)?);
+        }
+        Some(team)
+    }
+
+    /// The index of `device` in its flattened team over `pts` ([`DeviceMesh::flattened_team`]):
+    /// its coordinates on those axes, row-major.
+    pub fn flattened_index(&self, device: DeviceId, pts: &[ParallelType]) -> Option<usize> {
+        let mut axes = pts
+            .iter()
+            .map(|&pt| self.axis_of(pt))
+            .collect::<Option<Vec<usize>>>()?;
+        axes.sort_unstable();
+        axes.dedup();
+        let coords = self.coords(device)?;
+        Some(
+            axes.iter()
+                .fold(0, |acc, &a| acc * self.shape[a] + coords[a]),
+        )
+    }
+
     /// All distinct teams along `pt`, each in axis order, ordered by their first device's
     /// position in the mesh.
     pub fn teams(&self, pt: ParallelType) -> Vec<Vec<DeviceId>> {

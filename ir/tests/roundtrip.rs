@@ -224,6 +224,10 @@ fn team(nm: usize) -> impl Strategy<Value = Team> {
             mesh: MeshId::new(m),
             pt
         }),
+        (0..nm, vec(pt(), 0..4)).prop_map(|(m, pts)| Team::Flattened {
+            mesh: MeshId::new(m),
+            pts
+        }),
         (0..nm).prop_map(|m| Team::Mesh(MeshId::new(m))),
         vec(prop_oneof![0usize..16, any::<usize>()], 0..5).prop_map(Team::Devices),
     ]

@@ -310,6 +310,54 @@ fn team_slice_needs_the_mesh_axis() {
 }
 
 #[test]
+fn team_flattened_needs_two_ordered_axes_of_the_mesh() {
+    let flat = |team: &str| {
+        host_text(&[
+            "mesh m0 = [[0, 1], [2, 3]]",
+            "in x: f32[8, 4] on m0",
+            "tensor t: f32[8, 4] on m0",
+            "allocate t",
+            &format!("c0 = all_reduce(x -> t, team={team}, op=sum)"),
+        ])
+    };
+    for (team, msg) in [
+        (
+            "flattened(m0, DIDx)",
+            "team `flattened(m0, DIDx)` flattens 1 parallel type(s); it needs at least two",
+        ),
+        (
+            "flattened(m0, DIDx, DIDy)",
+            "team `flattened(m0, DIDx, DIDy)`: the parallel types must be distinct and listed \
+             outermost mesh axis first",
+        ),
+        (
+            "flattened(m0, DIDz, DIDx)",
+            "team `flattened(m0, DIDz, DIDx)`: mesh `m0` has 2 axes, so it has no DIDz",
+        ),
+        (
+            "flattened(m0, Stream, DIDx)",
+            "team `flattened(m0, Stream, DIDx)`: Stream is not a device parallel type",
+        ),
+    ] {
+        expect_diag(&host_errors(&flat(team)), msg, 6, 3);
+    }
+    // Over both axes of a 2x2 mesh: a team of 4, and an all-gather needs 4 slots.
+    let ok = host_text(&[
+        "mesh m0 = [[0, 1], [2, 3]]",
+        "in x: f32[2, 4] on m0",
+        "out y: f32[8, 4] on m0",
+        "c0 = all_gather(x -> y, team=flattened(m0, DIDy, DIDx))",
+        "wait c0",
+    ]);
+    let p = meshflow_ir::parse_host(&ok).expect("parses");
+    assert!(meshflow_ir::verify_host(&p).is_ok(), "{ok}");
+    assert_eq!(
+        p.to_string().matches("flattened(m0, DIDy, DIDx)").count(),
+        1
+    );
+}
+
+#[test]
 fn team_devices_must_be_unique() {
     let text = host(&[
         "allocate t",

@@ -119,6 +119,11 @@ pub struct PassOptions {
     pub cost_model: CostModel,
     /// How stream loops use the stream pool (default: chosen per loop by the schedule search).
     pub stream_schedule: StreamSchedule,
+    /// Merge consecutive collectives of a planned resharding into one over a flattened team
+    /// (`all_gather` of `[S0, S0] -> [R, R]` over `flattened(m, DIDy, DIDx)`; default on), as
+    /// DTensor does over a user-created flattened mesh. Off, every step is one collective over
+    /// one mesh axis (DTensor without a flattened mesh).
+    pub merge_collectives: bool,
 }
 
 impl Default for PassOptions {
@@ -131,6 +136,7 @@ impl Default for PassOptions {
             decompositions: BTreeMap::new(),
             cost_model: CostModel::default(),
             stream_schedule: StreamSchedule::default(),
+            merge_collectives: true,
         }
     }
 }

@@ -511,7 +511,9 @@ impl Walker<'_, '_> {
         let meshes = &self.host.meshes;
         let team = match inst.kind.team() {
             Some(Team::Devices(devices)) => devices.clone(),
-            Some(Team::Mesh(m)) | Some(Team::Slice { mesh: m, .. }) => meshes
+            Some(Team::Mesh(m))
+            | Some(Team::Slice { mesh: m, .. })
+            | Some(Team::Flattened { mesh: m, .. }) => meshes
                 .get(*m)
                 .map(|d| d.mesh.devices().to_vec())
                 .unwrap_or_default(),

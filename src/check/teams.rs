@@ -42,6 +42,40 @@ impl TeamTable {
                     table.push(decl.mesh.devices().to_vec());
                 }
             }
+            Team::Flattened { mesh, pts } => {
+                let Some(decl) = meshes.get(*mesh) else {
+                    return table;
+                };
+                let mesh = &decl.mesh;
+                if pts.is_empty() || pts.iter().any(|&pt| mesh.axis_of(pt).is_none()) {
+                    return table;
+                }
+                // One pass: the devices sharing the coordinates off `pts`' axes form a team,
+                // visited in row-major order of the whole mesh, which is row-major order of
+                // the team's own axes.
+                let shape = mesh.shape();
+                let axes: Vec<usize> = pts.iter().filter_map(|&pt| mesh.axis_of(pt)).collect();
+                let mut groups: HashMap<Vec<usize>, usize> = HashMap::new();
+                let mut members: Vec<Vec<DeviceId>> = Vec::new();
+                for (flat, &device) in mesh.devices().iter().enumerate() {
+                    let mut rest = flat;
+                    let mut key = vec![0usize; shape.len()];
+                    for k in (0..shape.len()).rev() {
+                        let e = shape[k].max(1);
+                        if !axes.contains(&k) {
+                            key[k] = rest % e;
+                        }
+                        rest /= e;
+                    }
+                    let next = members.len();
+                    let g = *groups.entry(key).or_insert(next);
+                    if g == next {
+                        members.push(Vec::new());
+                    }
+                    members[g].push(device);
+                }
+                members.into_iter().for_each(|g| table.push(g));
+            }
             Team::Slice { mesh, pt } => {
                 let Some(decl) = meshes.get(*mesh) else {
                     return table;

@@ -131,6 +131,26 @@ fn collectives_match_the_cpu_backend() {
     }
 }
 
+/// Collectives over a flattened team (both axes of a 2-D mesh: its own NCCL communicator)
+/// interleaved with one over a slice of the same mesh, against the CPU backend.
+#[test]
+fn flattened_teams_match_the_cpu_backend() {
+    for d in rank_counts("flattened_teams_match_the_cpu_backend") {
+        let (dy, dx) = if d >= 4 { (d / 2, 2) } else { (d, 1) };
+        let h = host(
+            "host flat {\n  mesh m0 = iota($DY, $DX)\n  in a: f32[4, 6] on m0\n  out g: f32[$G, 6] on m0\n  out s: f32[4, 6] on m0\n  out t: f32[4, 6] on m0\n  c0 = all_gather(a -> g, team=flattened(m0, DIDy, DIDx))\n  c1 = all_reduce(a -> s, team=flattened(m0, DIDy, DIDx), op=sum)\n  c2 = all_reduce(a -> t, team=slice(m0, DIDx), op=max)\n  wait c0\n  wait c1\n  wait c2\n}\n",
+            &[
+                ("DY", dy.to_string()),
+                ("DX", dx.to_string()),
+                ("G", (4 * d).to_string()),
+            ],
+        );
+        let inputs = per_rank_inputs(&h, d, 7);
+        let err = cpu_vs_cuda("flattened collectives", &h, d, inputs);
+        eprintln!("flattened collectives d={d}: max rel err {err:.2e}");
+    }
+}
+
 #[test]
 fn send_recv_between_the_ends_of_the_mesh() {
     if skip_unless(2, "send_recv_between_the_ends_of_the_mesh") {

@@ -33,7 +33,7 @@ fn conformance_cases_match_the_reference_on_gpus() {
                 eprintln!("skipped: {name} at {r} ranks (the program does not take that count)");
                 continue;
             };
-            let Ok(compiled) = compile(&program, &Options::new().check(false)) else {
+            let Ok(compiled) = compile(&program, &case.options()) else {
                 eprintln!("skipped: {name} at {r} ranks (it does not lower at that count)");
                 continue;
             };

@@ -193,6 +193,65 @@ fn all_to_all() {
     }
 }
 
+/// Collectives over flattened teams (several mesh axes at once) on `iota(2, 2, 2)`: every
+/// team is the row-major sub-mesh through the rank, and the program passes the cross-rank check.
+#[test]
+fn collectives_over_flattened_teams() {
+    let cases: [(&str, &[usize; 3]); 3] = [
+        ("DIDy, DIDx", &[0, 1, 1]),
+        ("DIDz, DIDx", &[1, 0, 1]),
+        ("DIDz, DIDy, DIDx", &[1, 1, 1]),
+    ];
+    for (pts, over) in cases {
+        let d: usize = over.iter().filter(|&&o| o == 1).count();
+        let size = 1usize << d;
+        let text = format!(
+            "host flat {{\n  mesh m0 = iota(2, 2, 2)\n  in a: f32[2, 3] on m0\n  out g: f32[{n}, 3] on m0\n  out s: f32[2, 3] on m0\n  c0 = all_gather(a -> g, team=flattened(m0, {pts}))\n  c1 = all_reduce(a -> s, team=flattened(m0, {pts}), op=sum)\n  wait c0\n  wait c1\n}}\n",
+            n = 2 * size
+        );
+        let host = meshflow::ir::parse_host(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+        meshflow::check::check_program(&host, 8).unwrap_or_else(|e| panic!("{pts}: {e}"));
+        let inputs = (0..8)
+            .map(|r| {
+                (
+                    r,
+                    BTreeMap::from([("a".to_string(), input(r, DType::F32, &[2, 3]))]),
+                )
+            })
+            .collect();
+        let out = run_cpu(&host, RunInputs::PerRank(inputs), &options())
+            .unwrap_or_else(|e| panic!("{pts}: {e}"));
+        // Rank r = 4z + 2y + x; its team varies the coordinates marked in `over`.
+        for r in 0..8usize {
+            let c = [r / 4, (r / 2) % 2, r % 2];
+            let mut members = Vec::new();
+            for f in 0..size {
+                let mut m = c;
+                let mut rest = f;
+                for k in (0..3).rev().filter(|&k| over[k] == 1) {
+                    m[k] = rest % 2;
+                    rest /= 2;
+                }
+                members.push(4 * m[0] + 2 * m[1] + m[2]);
+            }
+            let gathered: Vec<f32> = members.iter().flat_map(|&j| vals(j, 6)).collect();
+            assert_eq!(
+                out.outputs[&r]["g"].storage().to_f32_vec(),
+                gathered,
+                "{pts} rank {r}"
+            );
+            let summed: Vec<f32> = (0..6)
+                .map(|i| members.iter().map(|&j| vals(j, 6)[i]).sum())
+                .collect();
+            assert_eq!(
+                out.outputs[&r]["s"].storage().to_f32_vec(),
+                summed,
+                "{pts} rank {r}"
+            );
+        }
+    }
+}
+
 #[test]
 fn send_recv_between_two_devices_of_a_larger_mesh() {
     for d in [2usize, 3, 4, 8] {

@@ -30,11 +30,11 @@ use std::path::PathBuf;
 use crate::support::conformance::{parse_case, Case, Expect, SOURCES};
 
 use meshflow::check::check_program;
+use meshflow::compile;
 use meshflow::ir::parse::{parse_program_with, Params};
 use meshflow::ir::{HostProgram, InstKind};
 use meshflow::runtime::compare::run_and_compare;
 use meshflow::runtime::ranks::CpuOptions;
-use meshflow::{compile, Options};
 
 /// Static communication counts of a host program by instruction name. A communication over
 /// one device, or a collective permute of every member to itself (devices copying the data
@@ -129,7 +129,7 @@ fn run_case(case: &Case) -> Outcome {
                 return out;
             }
         };
-        let compiled = match compile(&program, &Options::new().check(false)) {
+        let compiled = match compile(&program, &case.options()) {
             Ok(c) => c,
             Err(e) => {
                 lowered_all = false;

@@ -7,5 +7,6 @@
 mod support;
 
 mod conformance;
+mod layouts;
 mod properties;
 mod regressions;

@@ -3,9 +3,10 @@
 //! Each case is a level-1 program built by [`gen`]: a mesh of 1 to 3 axes (some of extent 1),
 //! a tensor of 1 to 3 axes (extents from 1 to 7, so many shards are uneven or empty), a
 //! source placement and a target placement (per mesh axis: replicated, a split of some axis
-//! in a random chain order, or partial sums for the source), a `set` between them, optionally
-//! a Stream split on the target and elementwise ops around the `set`. The run has the mesh's
-//! devices plus maybe an idle one. For every case:
+//! in a random chain order, sometimes inside a serial piece (a strided layout), or partial
+//! sums for the source), a `set` between them, optionally a Stream split on the target and
+//! elementwise ops around the `set`, compiled with or without merging collectives over
+//! flattened teams. The run has the mesh's devices plus maybe an idle one. For every case:
 //!
 //! - lowering either refuses with a clear error (it names a tensor or op in backquotes and is
 //!   not an internal error), or
@@ -31,8 +32,10 @@ mod gen {
     pub enum Place {
         /// Replicated.
         R,
-        /// Split on `axis`; splits of one axis are chained in ascending `order`.
-        S { axis: usize, order: u8 },
+        /// Split on `axis`; splits of one axis are chained in ascending `order`. With
+        /// `serial > 1` the split lies inside a serial piece (`outer_split(.., serial)`
+        /// before it: a strided layout, DTensor's `_StridedShard`).
+        S { axis: usize, order: u8, serial: u64 },
         /// Partial sums (sources only).
         P,
     }
@@ -72,6 +75,8 @@ mod gen {
         pub post: Option<Unary>,
         /// Idle ranks beyond the mesh.
         pub idle: usize,
+        /// Merge consecutive collectives over flattened teams (the pass option).
+        pub merge: bool,
     }
 
     /// `DIDx` for the last mesh axis, `DIDy` before it, `DIDz` before that.
@@ -94,13 +99,17 @@ mod gen {
             stream: Option<(usize, u64)>,
         ) -> String {
             let n = self.mesh.len();
-            let mut chains: Vec<Vec<(u8, usize)>> = vec![Vec::new(); self.extents.len() + 1];
+            let mut chains: Vec<Vec<(u8, usize, u64)>> = vec![Vec::new(); self.extents.len() + 1];
             for (md, p) in places.iter().enumerate() {
                 match *p {
-                    Place::S { axis, order } => chains[axis].push((order, md)),
+                    Place::S {
+                        axis,
+                        order,
+                        serial,
+                    } => chains[axis].push((order, md, serial)),
                     Place::P => {
                         if let Some(r) = red {
-                            chains[r].push((md as u8, md));
+                            chains[r].push((md as u8, md, 1));
                         }
                     }
                     Place::R => {}
@@ -111,7 +120,12 @@ mod gen {
             for (axis, chain) in chains.iter_mut().enumerate() {
                 chain.sort();
                 let mut pos = axis + shift;
-                for &(_, md) in chain.iter() {
+                for &(_, md, serial) in chain.iter() {
+                    if serial > 1 {
+                        out.push(format!("outer_split({pos}, {serial})"));
+                        pos += 1;
+                        shift += 1;
+                    }
                     out.push(format!("outer_split({pos}, {})", self.mesh[md]));
                     out.push(format!("parallelize({pos}, {})", pt(n, md)));
                     pos += 1;
@@ -187,7 +201,12 @@ mod gen {
     }
 
     fn place(rank: usize, partial: bool) -> impl Strategy<Value = Place> {
-        let s = (0..rank, any::<u8>()).prop_map(|(axis, order)| Place::S { axis, order });
+        let serial = prop_oneof![6 => Just(1u64), 1 => 2u64..=3];
+        let s = (0..rank, any::<u8>(), serial).prop_map(|(axis, order, serial)| Place::S {
+            axis,
+            order,
+            serial,
+        });
         if partial {
             prop_oneof![2 => Just(Place::R), 4 => s, 1 => Just(Place::P)].boxed()
         } else {
@@ -219,8 +238,9 @@ mod gen {
                 unary(),
                 unary(),
                 0usize..=1,
+                any::<bool>(),
             )
-                .prop_map(move |(src, dst, stream, pre, post, idle)| Case {
+                .prop_map(move |(src, dst, stream, pre, post, idle, merge)| Case {
                     mesh: mesh.clone(),
                     extents: extents.clone(),
                     src,
@@ -229,6 +249,7 @@ mod gen {
                     pre,
                     post,
                     idle,
+                    merge,
                 })
         })
     }
@@ -239,7 +260,9 @@ fn check_case(case: &gen::Case) -> Result<(), String> {
     let text = case.text();
     let program =
         parse_program(&text).map_err(|e| format!("the generator wrote bad text: {e}\n{text}"))?;
-    let compiled = match compile(&program, &Options::new().check(false)) {
+    let mut options = Options::new().check(false);
+    options.pass_options_mut().merge_collectives = case.merge;
+    let compiled = match compile(&program, &options) {
         Ok(c) => c,
         Err(e) => {
             let msg = e.to_string();

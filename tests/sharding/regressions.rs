@@ -18,12 +18,17 @@ use meshflow::{compile, Options};
 
 /// Lowers `text` with `ranks`, checks it and runs it against the reference; returns the host
 /// program.
-fn run(text: &str, ranks: i64) -> HostProgram {
+pub(crate) fn run(text: &str, ranks: i64) -> HostProgram {
+    run_with(text, ranks, &Options::new().check(false))
+}
+
+/// [`run`] with compile `options`.
+pub(crate) fn run_with(text: &str, ranks: i64, options: &Options) -> HostProgram {
     let mut params = Params::new();
     params.insert("ranks".into(), ranks);
     let program = parse_program_with(text, &params).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    let compiled = compile(&program, &Options::new().check(false))
-        .unwrap_or_else(|e| panic!("ranks={ranks}: {e}\n{text}"));
+    let compiled =
+        compile(&program, options).unwrap_or_else(|e| panic!("ranks={ranks}: {e}\n{text}"));
     let world = (ranks as usize).max(compiled.host().world_size());
     check_program(compiled.host(), world)
         .unwrap_or_else(|e| panic!("ranks={ranks}: check: {e}\n{}", compiled.host()));
@@ -40,7 +45,7 @@ fn run(text: &str, ranks: i64) -> HostProgram {
 }
 
 /// Communication instructions by name.
-fn comms(host: &HostProgram) -> BTreeMap<String, usize> {
+pub(crate) fn comms(host: &HostProgram) -> BTreeMap<String, usize> {
     let mut out = BTreeMap::new();
     host.walk(&mut |i, _| {
         if i.kind.is_communication() {

@@ -33,6 +33,20 @@ pub struct Case {
     pub ranks: Vec<i64>,
     /// The whole file (a level-1 program after the header comments).
     pub text: String,
+    /// False with `# merge: off`: the peer does not merge consecutive collectives over a
+    /// flattened mesh in this test (DTensor without a user-created flattened mesh), so the
+    /// case is compiled with `merge_collectives` of the pass options off.
+    pub merge: bool,
+}
+
+impl Case {
+    /// The compile options of the case: no cross-rank check (the harness runs it) and the
+    /// merging of collectives as the peer does.
+    pub fn options(&self) -> meshflow::Options {
+        let mut options = meshflow::Options::new().check(false);
+        options.pass_options_mut().merge_collectives = self.merge;
+        options
+    }
 }
 
 /// Parses the headers of one case file (see `tests/data/conformance/README.md`).
@@ -100,6 +114,11 @@ pub fn parse_case(path: &Path) -> Result<Case, String> {
     if !text.contains("param ranks") {
         return Err("the program must declare `param ranks`".into());
     }
+    let merge = match header("merge") {
+        Ok(v) if v == "off" => false,
+        Ok(v) => return Err(format!("`# merge:` takes only `off`, got `{v}`")),
+        Err(_) => true,
+    };
     let name = path
         .file_stem()
         .map(|s| s.to_string_lossy().into_owned())
@@ -117,6 +136,7 @@ pub fn parse_case(path: &Path) -> Result<Case, String> {
         expect,
         ranks,
         text,
+        merge,
     })
 }
 

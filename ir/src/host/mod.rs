@@ -110,6 +110,18 @@ pub enum Team {
         /// A device parallel type.
         pt: ParallelType,
     },
+    /// The flattened sub-mesh of `mesh` over several device parallel types through the
+    /// executing device (rank-agnostic): the devices whose coordinates differ from its own only
+    /// on the axes of `pts`, in row-major order of those axes. `pts` lists at least two
+    /// distinct device parallel types, outermost mesh axis first (`DIDz, DIDy, DIDx`), e.g.
+    /// `flattened(m, DIDy, DIDx)`: one collective over what would be consecutive collectives
+    /// over `slice(m, DIDx)` and `slice(m, DIDy)` (DTensor's flattened mesh).
+    Flattened {
+        /// The mesh.
+        mesh: MeshId,
+        /// The device parallel types, outermost mesh axis first.
+        pts: Vec<ParallelType>,
+    },
     /// Every device of `mesh`, in row-major order.
     Mesh(MeshId),
     /// An explicit list of devices (used across meshes).
@@ -125,6 +137,7 @@ impl Team {
     ) -> Option<Vec<DeviceId>> {
         let members = match self {
             Team::Slice { mesh, pt } => meshes.get(*mesh)?.mesh.team(device, *pt)?,
+            Team::Flattened { mesh, pts } => meshes.get(*mesh)?.mesh.flattened_team(device, pts)?,
             Team::Mesh(mesh) => meshes.get(*mesh)?.mesh.devices().to_vec(),
             Team::Devices(devices) => devices.clone(),
         };
@@ -135,6 +148,10 @@ impl Team {
     pub fn size(&self, meshes: &Arena<MeshId, MeshDecl>) -> Option<usize> {
         match self {
             Team::Slice { mesh, pt } => meshes.get(*mesh)?.mesh.size_of(*pt),
+            Team::Flattened { mesh, pts } => {
+                let mesh = &meshes.get(*mesh)?.mesh;
+                pts.iter().map(|&pt| mesh.size_of(pt)).product()
+            }
             Team::Mesh(mesh) => Some(meshes.get(*mesh)?.mesh.size()),
             Team::Devices(devices) => Some(devices.len()),
         }

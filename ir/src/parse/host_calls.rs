@@ -88,7 +88,7 @@ impl HostParser {
     fn team(&mut self) -> Result<Team, ParseError> {
         let (kind, pos) = self
             .cur
-            .expect_ident("a team (`slice`, `mesh` or `devices`)")?;
+            .expect_ident("a team (`slice`, `flattened`, `mesh` or `devices`)")?;
         self.cur.expect_punct("(")?;
         let team = match kind.as_str() {
             "slice" => {
@@ -96,6 +96,14 @@ impl HostParser {
                 self.cur.expect_punct(",")?;
                 let pt = parse_parallel_type(&mut self.cur)?;
                 Team::Slice { mesh, pt }
+            }
+            "flattened" => {
+                let (mesh, _) = self.meshes.expect(&mut self.cur)?;
+                let mut pts = Vec::new();
+                while self.cur.eat_punct(",") {
+                    pts.push(parse_parallel_type(&mut self.cur)?);
+                }
+                Team::Flattened { mesh, pts }
             }
             "mesh" => Team::Mesh(self.meshes.expect(&mut self.cur)?.0),
             "devices" => {
@@ -113,7 +121,7 @@ impl HostParser {
             _ => {
                 return Err(error_at(
                     pos,
-                    format!("unknown team `{kind}` (expected slice, mesh or devices)"),
+                    format!("unknown team `{kind}` (expected slice, flattened, mesh or devices)"),
                 ))
             }
         };

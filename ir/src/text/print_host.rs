@@ -40,6 +40,10 @@ impl Printer<'_> {
     fn team(&self, team: &Team) -> String {
         match team {
             Team::Slice { mesh, pt } => format!("slice({}, {pt})", self.mesh(*mesh)),
+            Team::Flattened { mesh, pts } => {
+                let pts: String = pts.iter().map(|p| format!(", {p}")).collect();
+                format!("flattened({}{pts})", self.mesh(*mesh))
+            }
             Team::Mesh(mesh) => format!("mesh({})", self.mesh(*mesh)),
             Team::Devices(devices) => format!(
                 "devices({})",

@@ -15,6 +15,7 @@ use crate::host::{
     Block, CommId, Expr, HostProgram, HostTensorId, Inst, InstKind, LoopVar, StreamRef, StreamVar,
     Team, TensorUse,
 };
+use crate::mesh::ParallelType;
 use crate::span::SourceLoc;
 use crate::text::inst_to_string;
 
@@ -420,6 +421,64 @@ impl HostChecker<'_> {
                     );
                 }
                 size
+            }
+            Team::Flattened { mesh, pts } => {
+                let Some(decl) = self.p.meshes.get(*mesh) else {
+                    self.push(
+                        here,
+                        format!("team names mesh handle {mesh:?}, out of range"),
+                    );
+                    return None;
+                };
+                let names: Vec<&str> = pts.iter().map(|p| p.name()).collect();
+                let text = format!("flattened({}, {})", decl.name, names.join(", "));
+                if pts.len() < 2 {
+                    self.push(
+                        here,
+                        format!(
+                            "team `{text}` flattens {} parallel type(s); it needs at least two \
+                             (one is `slice(mesh, pt)`)",
+                            pts.len()
+                        ),
+                    );
+                    return None;
+                }
+                if let Some(pt) = pts.iter().find(|pt| !pt.is_device()) {
+                    self.push(
+                        here,
+                        format!("team `{text}`: {pt} is not a device parallel type"),
+                    );
+                    return None;
+                }
+                let axes: Option<Vec<usize>> =
+                    pts.iter().map(|&pt| decl.mesh.axis_of(pt)).collect();
+                let Some(axes) = axes else {
+                    let pt = pts
+                        .iter()
+                        .find(|&&pt| decl.mesh.axis_of(pt).is_none())
+                        .copied()
+                        .unwrap_or(ParallelType::DIDx);
+                    self.push(
+                        here,
+                        format!(
+                            "team `{text}`: mesh `{}` has {}, so it has no {pt}",
+                            decl.name,
+                            axes_word(decl.mesh.ndims())
+                        ),
+                    );
+                    return None;
+                };
+                if axes.windows(2).any(|w| w[0] >= w[1]) {
+                    self.push(
+                        here,
+                        format!(
+                            "team `{text}`: the parallel types must be distinct and listed \
+                             outermost mesh axis first (DIDz, DIDy, DIDx)"
+                        ),
+                    );
+                    return None;
+                }
+                team.size(&self.p.meshes)
             }
             Team::Mesh(mesh) => match self.p.meshes.get(*mesh) {
                 Some(decl) => Some(decl.mesh.size()),

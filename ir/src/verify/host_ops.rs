@@ -459,6 +459,7 @@ impl HostChecker<'_> {
             Team::Devices(d) => Some(d.len()),
             Team::Mesh(m) => self.p.meshes.get(*m).map(|d| d.mesh.size()),
             Team::Slice { mesh, pt } => self.p.meshes.get(*mesh)?.mesh.size_of(*pt),
+            Team::Flattened { .. } => team.size(&self.p.meshes),
         }
     }
 

@@ -60,7 +60,9 @@ pub fn choose(program: &Program, index: usize) -> Result<Option<LocalSharding>, 
         .map(|d| d.mesh)
         .ok_or_else(|| PassError::internal("local_sharding", "unknown output"))?;
     let map = op_axis_map(program, op);
-    let mut own = os.spec.clone();
+    // A strided output is computed on its plain chains and resharded after (a compute op
+    // reads and writes plain chains only).
+    let mut own = os.spec.without_strided();
     own.device
         .retain(|_, s| local_split_ok(program, op, &map, s.axis));
     if own

@@ -39,10 +39,13 @@ pub fn same_mesh(program: &Program, a: MeshId, b: MeshId) -> bool {
         || matches!((program.meshes.get(a), program.meshes.get(b)), (Some(x), Some(y)) if x.mesh == y.mesh)
 }
 
-/// True when `t` already holds what `req` asks for.
+/// True when `t` already holds what `req` asks for (a strided layout never does: compute ops
+/// read plain chains).
 pub fn satisfies(program: &Program, t: TensorId, req: &Requirement) -> Result<bool, PassError> {
     let sh = Sharding::of(program, t)?;
-    Ok(same_mesh(program, sh.mesh, req.mesh) && sh.spec.device == req.device)
+    Ok(same_mesh(program, sh.mesh, req.mesh)
+        && sh.spec.device == req.device
+        && !sh.spec.is_strided())
 }
 
 /// True when output axis `k` (a logical axis of the op's first output) of `op` can be split
@@ -156,7 +159,8 @@ pub fn forward_spec(
         |cand: &Spec| cand.fits(&od.ty, mesh) && (cand.divides(&od.ty) || keeps_uneven(&op.kind));
     // A chain of splits of one axis moves as one.
     let mut chains: BTreeMap<usize, Vec<(ParallelType, AxisSplit)>> = BTreeMap::new();
-    for (&pt, s) in &xs.spec.device {
+    let plain = xs.spec.without_strided();
+    for (&pt, s) in &plain.device {
         chains.entry(s.axis).or_default().push((pt, *s));
     }
     for (a, chain) in chains {

@@ -13,6 +13,14 @@
 //! pipelining (every stream chunk is split over DIDx). A Stream split takes one level of the
 //! chain too.
 //!
+//! A chain may also hold *serial* levels before a device split: a device split inside a serial
+//! piece (an `inner_split` of the axis, nvFuser's non-outermost split `[2, DIDx, rest]`,
+//! DTensor's `_StridedShard(k, sf)` as `outer_split(k, sf)` before the mesh dim's split). Each
+//! device then holds a *strided* subset of the axis: per serial piece, its chunk of that piece.
+//! Such layouts ([`Spec::is_strided`]) are resharded by `set`s only (gathered into or sliced
+//! from plain chains); a compute op reads and writes plain chains. Serial levels after the
+//! last device split only shape the local buffer and are not levels of the spec.
+//!
 //! [`Spec::to_transforms`] writes a spec back as a schedule in canonical form: per logical
 //! axis in ascending order, per level of its chain from the outermost, `outer_split(a, p),
 //! parallelize(a, pt)` for a device split or `outer_split(a, s), [swizzle1d(a, pt),]
@@ -68,6 +76,8 @@ pub enum Level {
     Device(ParallelType, u64),
     /// The Stream split.
     Stream(StreamSpec),
+    /// A serial split that a device split follows (a strided layout): its number of pieces.
+    Serial(u64),
 }
 
 /// A normalized schedule: device splits by parallel type and an optional Stream split.
@@ -75,6 +85,9 @@ pub enum Level {
 pub struct Spec {
     /// Device splits, keyed by parallel type.
     pub device: BTreeMap<ParallelType, AxisSplit>,
+    /// Serial splits before a device split of the same axis (strided layouts), by axis and
+    /// depth; `parts` is the number of serial pieces.
+    pub serial: Vec<AxisSplit>,
     /// The Stream split.
     pub stream: Option<StreamSpec>,
 }
@@ -100,6 +113,12 @@ impl Spec {
         if let Some(st) = self.stream.filter(|s| s.axis == axis) {
             levels.push((st.depth, Level::Stream(st)));
         }
+        levels.extend(
+            self.serial
+                .iter()
+                .filter(|s| s.axis == axis)
+                .map(|s| (s.depth, Level::Serial(s.parts))),
+        );
         levels.sort_by_key(|(d, l)| (*d, matches!(l, Level::Stream(_))));
         levels.into_iter().map(|(_, l)| l).collect()
     }
@@ -110,7 +129,7 @@ impl Spec {
             .into_iter()
             .filter_map(|l| match l {
                 Level::Device(pt, _) => Some(pt),
-                Level::Stream(_) => None,
+                Level::Stream(_) | Level::Serial(_) => None,
             })
             .collect()
     }
@@ -126,13 +145,38 @@ impl Spec {
     pub fn without_stream(&self) -> Spec {
         Spec {
             device: self.device.clone(),
+            serial: self.serial.clone(),
             stream: None,
         }
+    }
+
+    /// True when some device split lies inside a serial piece of its axis (a strided layout).
+    pub fn is_strided(&self) -> bool {
+        self.serial.iter().any(|s| s.parts > 1)
+    }
+
+    /// True when logical axis `axis` is strided.
+    pub fn is_strided_on(&self, axis: usize) -> bool {
+        self.serial.iter().any(|s| s.axis == axis && s.parts > 1)
+    }
+
+    /// The spec with every strided axis cut back to its plain chain: the device splits before
+    /// the axis' first serial level stay, the serial levels and the device splits inside them
+    /// go (those devices then hold the whole piece).
+    pub fn without_strided(&self) -> Spec {
+        let mut out = self.clone();
+        for s in &self.serial {
+            out.device
+                .retain(|_, d| !(d.axis == s.axis && d.depth > s.depth));
+        }
+        out.serial.clear();
+        out
     }
 
     /// The schedule in canonical form (see the module docs).
     pub fn to_transforms(&self) -> Vec<Transform> {
         let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
+        axes.extend(self.serial.iter().map(|s| s.axis));
         if let Some(s) = self.stream {
             axes.push(s.axis);
         }
@@ -149,6 +193,7 @@ impl Spec {
                         out.push(Transform::OuterSplit { axis: pos, parts });
                         out.push(Transform::Parallelize { axis: pos, pt });
                     }
+                    Level::Serial(parts) => out.push(Transform::OuterSplit { axis: pos, parts }),
                     Level::Stream(s) => {
                         out.push(Transform::OuterSplit {
                             axis: pos,
@@ -172,6 +217,7 @@ impl Spec {
     /// True when every split divides the piece it cuts (no uneven shards).
     pub fn divides(&self, ty: &TensorType) -> bool {
         let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
+        axes.extend(self.serial.iter().map(|s| s.axis));
         if let Some(s) = self.stream {
             axes.push(s.axis);
         }
@@ -182,7 +228,7 @@ impl Spec {
             let mut extent = a.extent;
             self.chain(axis).into_iter().all(|level| {
                 let parts = match level {
-                    Level::Device(_, p) => p,
+                    Level::Device(_, p) | Level::Serial(p) => p,
                     Level::Stream(s) => s.chunks,
                 };
                 let ok = parts > 0 && extent.is_multiple_of(parts);
@@ -197,6 +243,10 @@ impl Spec {
     /// divide (uneven pieces follow the chunk rule); see [`Spec::divides`].
     pub fn fits(&self, ty: &TensorType, mesh: &DeviceMesh) -> bool {
         let mut axes: Vec<usize> = self.device.values().map(|s| s.axis).collect();
+        axes.extend(self.serial.iter().map(|s| s.axis));
+        if self.serial.iter().any(|s| s.parts == 0) {
+            return false;
+        }
         if let Some(s) = self.stream {
             axes.push(s.axis);
         }
@@ -226,6 +276,12 @@ impl Spec {
                 .filter(|s| s.axis == axis)
                 .map(|s| s.depth)
                 .chain(self.stream.filter(|s| s.axis == axis).map(|s| s.depth))
+                .chain(
+                    self.serial
+                        .iter()
+                        .filter(|s| s.axis == axis)
+                        .map(|s| s.depth),
+                )
                 .collect();
             depths.sort_unstable();
             if depths != (0..depths.len()).collect::<Vec<_>>() {
@@ -281,28 +337,18 @@ impl Sharding {
         })?;
         let mut spec = Spec::default();
         for (axis, a) in layout.axes.iter().enumerate() {
-            // The device and Stream pieces must form a chain of outer splits: every piece but
-            // the last one (the rest, which stays local) is a device or Stream split.
-            let pieces = a.leaves.len();
+            // The leaves form a chain: device and Stream pieces, serial pieces that a device
+            // piece follows (a strided layout), and serial pieces after the last of them (the
+            // rest, which stays local).
+            let last_parallel = a.leaves.iter().rposition(|l| l.pt != ParallelType::Serial);
             for (k, leaf) in a.leaves.iter().enumerate() {
-                let last = k + 1 == pieces;
                 if leaf.pt == ParallelType::Serial {
-                    if !last {
-                        if let Some(p) = a.leaves[k + 1..]
-                            .iter()
-                            .find(|l| l.pt != ParallelType::Serial)
-                        {
-                            return Err(PassError::tensor(
-                                name,
-                                format!(
-                                    "the {} split of logical axis {axis} lies inside a serial \
-                                     piece of extent {} (an inner split, or a `_StridedShard`): \
-                                     only chains of outer splits (`outer_split` of the rest, \
-                                     each piece parallelized) are supported",
-                                    p.pt, leaf.extent
-                                ),
-                            ));
-                        }
+                    if last_parallel.is_some_and(|l| k < l) {
+                        spec.serial.push(AxisSplit {
+                            axis,
+                            parts: leaf.extent,
+                            depth: k,
+                        });
                     }
                     continue;
                 }

@@ -43,7 +43,7 @@ use crate::decision::{decide, placements, Decision, Placement};
 use crate::edit::{add_tensor, decl, insert_set, value_type};
 use crate::error::PassError;
 use crate::manager::{PassContext, ProgramPass};
-use crate::redistribute::{plan, Placements};
+use crate::redistribute::{materialize, normalized, placements_of, plan, Placements};
 
 /// The pass.
 pub struct DecomposeReshardings;
@@ -54,6 +54,7 @@ impl ProgramPass for DecomposeReshardings {
     }
 
     fn run(&self, program: &mut Program, cx: &mut PassContext) -> Result<(), PassError> {
+        refuse_strided(program)?;
         for op in program.ops.iter().filter(|op| op.kind == OpKind::Set) {
             if let (Some(&p), Some(&c)) = (op.inputs.first(), op.outputs.first()) {
                 check_partial_target(program, p, c)?;
@@ -62,8 +63,54 @@ impl ProgramPass for DecomposeReshardings {
         rfactor_outputs(program)?;
         materialize_broadcasts(program)?;
         satisfy_requirements(program, cx)?;
-        split_sets(program)
+        split_sets(program, cx.options.merge_collectives)
     }
+}
+
+/// Strided layouts (a device split inside a serial piece of its axis) are lowered with even
+/// splits and without Stream splits only: others are refused here, naming the tensor.
+fn refuse_strided(program: &Program) -> Result<(), PassError> {
+    for (t, d) in program.tensors.iter() {
+        let sh = Sharding::of(program, t)?;
+        let ragged = |axis: usize| sh.layout.axes.get(axis).is_some_and(|a| a.ragged);
+        let serials = || sh.spec.serial.iter().filter(|s| s.parts > 1);
+        let (serial, missing) = if let Some(s) = serials().find(|s| ragged(s.axis)) {
+            (
+                s,
+                "a strided axis is lowered only when every split divides it",
+            )
+        } else if let Some(s) = serials().next().filter(|_| sh.stream().is_some()) {
+            (s, "a strided tensor cannot also be cut by a Stream split")
+        } else {
+            continue;
+        };
+        let mut inner: Vec<(usize, &str)> = sh
+            .spec
+            .device
+            .iter()
+            .filter(|(_, s)| s.axis == serial.axis && s.depth > serial.depth)
+            .map(|(pt, s)| (s.depth, pt.name()))
+            .collect();
+        inner.sort_unstable();
+        let names: Vec<&str> = inner.iter().map(|&(_, n)| n).collect();
+        let (splits, lie) = if names.len() > 1 {
+            ("splits", "lie")
+        } else {
+            ("split", "lies")
+        };
+        return Err(PassError::tensor(
+            &d.name,
+            format!(
+                "the {} {splits} of logical axis {} {lie} inside a serial piece of extent {} (an \
+                 inner split, or a `_StridedShard`; placements {}): {missing}",
+                names.join(", "),
+                serial.axis,
+                serial.parts,
+                placements_of(&sh).describe()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn mesh_of(program: &Program, m: MeshId) -> Result<&meshflow_ir::DeviceMesh, PassError> {
@@ -414,7 +461,7 @@ fn reshard_before(
     Ok(1)
 }
 
-fn split_sets(program: &mut Program) -> Result<(), PassError> {
+fn split_sets(program: &mut Program, merge: bool) -> Result<(), PassError> {
     let mut i = 0;
     while i < program.ops.len() {
         if program.ops[i].kind != OpKind::Set {
@@ -423,7 +470,8 @@ fn split_sets(program: &mut Program) -> Result<(), PassError> {
         }
         let (p, c) = (program.ops[i].inputs[0], program.ops[i].outputs[0]);
         check_partial_target(program, p, c)?;
-        let steps = plan_steps(program, p, c).map_err(|why| PassError::op(program, i, why))?;
+        let steps =
+            plan_steps(program, p, c, merge).map_err(|why| PassError::op(program, i, why))?;
         let cd = decl(program, c)?.clone();
         let mut prev = p;
         for (mesh, ty, spec) in steps {
@@ -481,82 +529,6 @@ fn check_partial_target(program: &Program, p: TensorId, c: TensorId) -> Result<(
     Ok(())
 }
 
-/// The placements of `sh` over its value axes (for [`redistribute::plan`]).
-fn placements_of(sh: &Sharding) -> Placements {
-    let mut out = Placements::replicated(sh.value_axes.len());
-    let mut by_axis: Vec<Vec<(usize, ParallelType)>> = vec![Vec::new(); sh.value_axes.len()];
-    for (pt, p) in placements(sh) {
-        match p {
-            Placement::Split { axis, depth, .. } => {
-                if let Some(c) = by_axis.get_mut(axis) {
-                    c.push((depth, pt));
-                }
-            }
-            Placement::Partial => {
-                out.partial.insert(pt);
-            }
-        }
-    }
-    for (chain, mut levels) in out.chains.iter_mut().zip(by_axis) {
-        levels.sort();
-        *chain = levels.into_iter().map(|(_, pt)| pt).collect();
-    }
-    out
-}
-
-/// The type and schedule of a tensor placed as `pl` on `mesh`, holding the value of the
-/// producer `ps` (of type `pty`): without partial sums its value type; with partial sums the
-/// producer's own type (a `set` keeps reduction axes as they are), each partial parallel type
-/// on the reduction axis it splits in the producer.
-fn materialize(
-    pl: &Placements,
-    pty: &meshflow_ir::TensorType,
-    ps: &Sharding,
-    mesh: &meshflow_ir::DeviceMesh,
-) -> (meshflow_ir::TensorType, Spec) {
-    let vty = value_type(pty);
-    let mut spec = Spec::default();
-    // Value axis `v` of the value type is logical axis `ps.value_axes[v]` of the full type.
-    let partial = !pl.partial.is_empty();
-    let logical = |v: usize| {
-        if partial {
-            ps.value_axes.get(v).copied().unwrap_or(v)
-        } else {
-            v
-        }
-    };
-    for (v, chain) in pl.chains.iter().enumerate() {
-        for (depth, &pt) in chain.iter().enumerate() {
-            let parts = mesh.size_of(pt).unwrap_or(1) as u64;
-            spec.device.insert(
-                pt,
-                AxisSplit {
-                    axis: logical(v),
-                    parts,
-                    depth,
-                },
-            );
-        }
-    }
-    if !partial {
-        return (vty, spec);
-    }
-    // The partial types keep their reduction axes and their order on them.
-    let mut kept: Vec<(ParallelType, AxisSplit)> = pl
-        .partial
-        .iter()
-        .filter_map(|pt| ps.spec.device.get(pt).map(|s| (*pt, *s)))
-        .collect();
-    kept.sort_by_key(|(_, s)| (s.axis, s.depth));
-    let mut depth_on: BTreeMap<usize, usize> = BTreeMap::new();
-    for (pt, s) in kept {
-        let d = depth_on.entry(s.axis).or_insert(0);
-        spec.device.insert(pt, AxisSplit { depth: *d, ..s });
-        *d += 1;
-    }
-    (pty.clone(), spec)
-}
-
 /// A `Sharding` of the would-be tensor `(ty, spec)` on `mesh` (for the decision table).
 fn sharding_of(ty: &meshflow_ir::TensorType, mesh: MeshId, spec: &Spec) -> Option<Sharding> {
     Sharding::from_parts("step", ty, mesh, &spec.to_transforms()).ok()
@@ -570,6 +542,7 @@ fn mesh_path(
     pty: &meshflow_ir::TensorType,
     ps: &Sharding,
     mesh: &meshflow_ir::DeviceMesh,
+    merge: bool,
 ) -> Result<Vec<Placements>, String> {
     let vty = &value_type(pty);
     let sizes: BTreeMap<ParallelType, u64> = ParallelType::DEVICE
@@ -584,10 +557,12 @@ fn mesh_path(
             .chains
             .iter()
             .map(|c| {
-                c.iter()
-                    .copied()
-                    .filter(|pt| sizes.contains_key(pt))
-                    .collect()
+                normalized(
+                    c.iter()
+                        .copied()
+                        .filter(|cut| cut.device().is_none_or(|pt| sizes.contains_key(&pt)))
+                        .collect(),
+                )
             })
             .collect(),
         partial: pl
@@ -602,7 +577,7 @@ fn mesh_path(
         let (ty, spec) = materialize(pl, pty, ps, mesh);
         spec.fits(&ty, mesh)
     };
-    plan(from, to, &extents, &sizes, &fits).ok_or_else(|| {
+    plan(from, to, &extents, &sizes, &fits, merge).ok_or_else(|| {
         let missing: Vec<&str> = to
             .partial
             .difference(&from.partial)
@@ -632,6 +607,7 @@ fn plan_steps(
     program: &Program,
     p: TensorId,
     c: TensorId,
+    merge: bool,
 ) -> Result<Vec<(MeshId, meshflow_ir::TensorType, Spec)>, String> {
     let err = |e: PassError| e.to_string();
     let ps = Sharding::of(program, p).map_err(err)?;
@@ -643,7 +619,16 @@ fn plan_steps(
         decl(program, c).map_err(err)?,
     );
     let direct = decide(&ps, pm, &cs, cm);
-    if !matches!(direct, Decision::Unsupported(_)) && stream_safe(&ps, &cs, &direct) {
+    let merged = matches!(
+        direct,
+        Decision::MergedAllGather { .. }
+            | Decision::MergedAllReduce { .. }
+            | Decision::MergedReduceScatter { .. }
+    );
+    if !matches!(direct, Decision::Unsupported(_))
+        && stream_safe(&ps, &cs, &direct)
+        && (merge || !merged)
+    {
         return Ok(Vec::new());
     }
     let vty = value_type(&cd.ty);
@@ -662,7 +647,7 @@ fn plan_steps(
     let mut steps: Vec<(MeshId, Placements)> = Vec::new();
     if same_mesh(program, ps.mesh, cs.mesh) {
         steps.extend(
-            mesh_path(&from, &to, &pd.ty, &ps, pm)
+            mesh_path(&from, &to, &pd.ty, &ps, pm, merge)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (cs.mesh, s)),
@@ -674,7 +659,7 @@ fn plan_steps(
     } else if pm.shape() == cm.shape() {
         // Reshard on the source mesh to the target's splits, then one transfer per pair.
         steps.extend(
-            mesh_path(&from, &to, &pd.ty, &ps, pm)
+            mesh_path(&from, &to, &pd.ty, &ps, pm, merge)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (ps.mesh, s)),
@@ -688,7 +673,7 @@ fn plan_steps(
         let replicated_sharding = sharding_of(&vty, cs.mesh, &Spec::default())
             .ok_or_else(|| refuse("the replicated value has no layout".into()))?;
         steps.extend(
-            mesh_path(&from, &repl, &pd.ty, &ps, pm)
+            mesh_path(&from, &repl, &pd.ty, &ps, pm, merge)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (ps.mesh, s)),
@@ -700,7 +685,7 @@ fn plan_steps(
             steps.push((cs.mesh, repl.clone()));
         }
         steps.extend(
-            mesh_path(&repl, &to, &vty, &replicated_sharding, cm)
+            mesh_path(&repl, &to, &vty, &replicated_sharding, cm, merge)
                 .map_err(&refuse)?
                 .into_iter()
                 .map(|s| (cs.mesh, s)),
@@ -761,6 +746,10 @@ fn stream_safe(p: &Sharding, c: &Sharding, d: &Decision) -> bool {
         Decision::AllGather { axis, .. }
         | Decision::LocalSlice { axis, .. }
         | Decision::ReduceScatter { axis, .. }
+        | Decision::MergedAllGather { axis, .. }
+        | Decision::StridedAllGather { axis, .. }
+        | Decision::StridedSlice { axis, .. }
+        | Decision::MergedReduceScatter { axis, .. }
         | Decision::Gather { axis, .. }
         | Decision::Scatter { axis, .. } => axis == a,
         Decision::AllToAll { from, to, .. } => from == a || to == a,

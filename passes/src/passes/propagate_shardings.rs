@@ -56,7 +56,8 @@ fn chains(spec: &Spec) -> Vec<(usize, Vec<(meshflow_ir::ParallelType, AxisSplit)
         usize,
         Vec<(meshflow_ir::ParallelType, AxisSplit)>,
     > = std::collections::BTreeMap::new();
-    for (&pt, &split) in &spec.device {
+    // A strided chain is not lent (compute ops read and write plain chains).
+    for (&pt, &split) in &spec.without_strided().device {
         by_axis.entry(split.axis).or_default().push((pt, split));
     }
     by_axis.into_iter().collect()

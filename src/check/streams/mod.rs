@@ -272,6 +272,7 @@ fn rank_view(host: &HostProgram, pos: &[HashMap<DeviceId, usize>], device: Devic
 
 /// A rank's index in `team` (`my` and `flat`: its team indices and positions per mesh).
 fn team_index(
+    host: &HostProgram,
     rank: DeviceId,
     my: &[[Option<i64>; 3]],
     flat: &[Option<usize>],
@@ -281,6 +282,15 @@ fn team_index(
         Team::Devices(d) => d.iter().position(|&x| x == rank).map(|p| p as i64),
         Team::Mesh(m) => flat.get(m.index()).copied().flatten().map(|p| p as i64),
         Team::Slice { mesh, pt } => my.get(mesh.index())?[pt.device_rank()?],
+        Team::Flattened { mesh, pts } => {
+            // Row-major over the listed axes (outermost first).
+            let decl = host.meshes.get(*mesh)?;
+            let row = my.get(mesh.index())?;
+            pts.iter().try_fold(0i64, |acc, pt| {
+                let size = decl.mesh.size_of(*pt)? as i64;
+                Some(acc * size + row[pt.device_rank()?]?)
+            })
+        }
     }
 }
 
@@ -361,7 +371,7 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
             .collect();
         let members = teams
             .iter()
-            .map(|t| team_index(device, &rank.my, &rank.flat, t))
+            .map(|t| team_index(host, device, &rank.my, &rank.flat, t))
             .collect();
         let own = prog.uses_rank.then_some(device);
         if !walked.insert((rank.in_mesh.clone(), members, my_used, own)) {

@@ -238,6 +238,12 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         match team {
             Team::Devices(d) => d.contains(&self.rank),
             Team::Mesh(m) => self.rank_in_mesh(*m),
+            Team::Flattened { mesh, pts } => {
+                self.rank_in_mesh(*mesh)
+                    && self.prog.host.meshes.get(*mesh).is_some_and(|d| {
+                        !pts.is_empty() && pts.iter().all(|&pt| d.mesh.axis_of(pt).is_some())
+                    })
+            }
             Team::Slice { mesh, pt } => {
                 self.rank_in_mesh(*mesh)
                     && self
@@ -252,7 +258,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
 
     /// This rank's index in `team`.
     fn team_index(&self, team: &Team) -> Option<i64> {
-        super::team_index(self.rank, &self.my, &self.flat, team)
+        super::team_index(self.prog.host, self.rank, &self.my, &self.flat, team)
     }
 
     /// The buffers this member of a communication touches (a rooted collective's members

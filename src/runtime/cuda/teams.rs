@@ -3,6 +3,11 @@
 //! [`Communicators`] holds a rank's communicators of the teams of its program (the NCCL,
 //! host-proxy and MoE-over-NCCL transports use them).
 //!
+//! A team is its member list in team order (NCCL rank = team index), whatever the host IR
+//! wrote: `slice(m, DIDx)`, a `flattened(m, DIDy, DIDx)` sub-mesh over several mesh axes (one
+//! communicator for what would be consecutive collectives per axis), `mesh(m)` or
+//! `devices(..)`. Two team expressions with the same members share one communicator.
+//!
 //! Creation protocol for a team (members in team order): member 0 makes a unique id and
 //! publishes it under `nccl/<members>/<generation>`; every member fetches it, all meet at a
 //! barrier (so nobody enters the blocking `ncclCommInitRank` unless everyone is there), then

@@ -1,5 +1,6 @@
 //! Communication lowering: one resharding `set` to the communication of its decision-table
-//! row. Teams are mesh slices along the parallel type (`slice(m, pt)`), so 2-D meshes work;
+//! row. Teams are mesh slices along the parallel type (`slice(m, pt)`), so 2-D meshes work, or
+//! for the merged rows the flattened sub-mesh over several (`flattened(m, DIDy, DIDx)`);
 //! transfers between meshes use explicit device teams. Collectives exchange chunks along axis
 //! 0: when the exchanged axis is not outermost (or a view is not contiguous), the data is
 //! staged through a `permute` (or `copy`) into a temporary and back.
@@ -298,6 +299,7 @@ impl Lowering<'_> {
         let (pmesh, cmesh) = (self.sharding(p).mesh, self.sharding(c).mesh);
         let (pm, cm) = (self.mesh(pmesh)?.clone(), self.mesh(cmesh)?.clone());
         let slice = |pt| Team::Slice { mesh: cmesh, pt };
+        let flat = |pts| Team::Flattened { mesh: cmesh, pts };
         // Partial results are reduced with their own kind (sum, max, min or avg).
         let sum = Some(crate::analysis::partial_kind(self.program, p));
         let coll = |kind, team, root, op, exchanged| Collective {
@@ -321,6 +323,65 @@ impl Lowering<'_> {
             Decision::ReduceScatter { pt, axis } => self.collective(
                 block,
                 coll(CommKind::ReduceScatter, slice(pt), None, sum, Some(axis)),
+            ),
+            Decision::StridedAllGather { pt, axis, serial } => {
+                let d = pm.size_of(pt).unwrap_or(1) as u64;
+                let shape = self.host.tensors[cout].shape.clone();
+                let gathered = self.derived(cout, "gathered", shape);
+                self.collective(
+                    block,
+                    Collective {
+                        kind: CommKind::AllGather,
+                        team: slice(pt),
+                        input: pin,
+                        output: gathered,
+                        root: None,
+                        op: None,
+                        exchanged: Some(axis),
+                    },
+                );
+                // Blocks arrive member-major: [.., d, serial, rest, ..] -> [.., serial, d, rest, ..].
+                let split = self.split_axis(gathered, axis, &[d, serial])?;
+                let tmp = self.derived(gathered, "blocks", split.clone());
+                block.push(compute(ComputeOp::Copy, gathered, tmp));
+                let mut perm: Vec<usize> = (0..split.len()).collect();
+                perm.swap(axis, axis + 1);
+                let shape = self.permuted_shape(tmp, &perm);
+                let ordered = self.derived(gathered, "ordered", shape);
+                block.push(compute(ComputeOp::Permute { perm }, tmp, ordered));
+                block.push(compute(ComputeOp::Copy, ordered, cout));
+            }
+            Decision::StridedSlice { pt, axis, serial } => {
+                let d = pm.size_of(pt).unwrap_or(1) as u64;
+                // [.., serial, d, rest, ..]: each device keeps index `my(pt)` of the `d` axis.
+                let split = self.split_axis(pin, axis, &[serial, d])?;
+                let tmp = self.derived(pin, "pieces", split.clone());
+                block.push(compute(ComputeOp::Copy, pin, tmp));
+                let mut shape = split;
+                shape[axis + 1] = 1;
+                let v = self.derived(tmp, "slice", shape.clone());
+                self.views.insert(v, (tmp, axis + 1));
+                block.push(Inst::new(InstKind::ShardByStream {
+                    out: v,
+                    input: tmp,
+                    axis: axis + 1,
+                    chunks: d,
+                    index: Expr::my(cmesh, pt),
+                }));
+                let mine = self.derived(cout, "mine", shape);
+                block.push(compute(ComputeOp::Copy, v, mine));
+                block.push(compute(ComputeOp::Copy, mine, cout));
+            }
+            Decision::MergedAllGather { pts, axis } => self.collective(
+                block,
+                coll(CommKind::AllGather, flat(pts), None, None, Some(axis)),
+            ),
+            Decision::MergedAllReduce { pts } => {
+                self.collective(block, coll(CommKind::AllReduce, flat(pts), None, sum, None))
+            }
+            Decision::MergedReduceScatter { pts, axis } => self.collective(
+                block,
+                coll(CommKind::ReduceScatter, flat(pts), None, sum, Some(axis)),
             ),
             Decision::LocalSlice { pt, axis } => {
                 let parts = self.sharding(c).split(pt).map_or(1, |s| s.parts);
@@ -429,6 +490,30 @@ impl Lowering<'_> {
         }
         let _ = i;
         Ok(())
+    }
+
+    /// The shape of `t` with `axis` cut into the extents `outer` and the rest: `[4, 48]` cut
+    /// on axis 1 into `[2, 3]` is `[4, 2, 3, 8]`.
+    fn split_axis(
+        &self,
+        t: HostTensorId,
+        axis: usize,
+        outer: &[u64],
+    ) -> Result<Vec<u64>, PassError> {
+        let shape = &self.host.tensors[t].shape;
+        let e = shape.get(axis).copied().unwrap_or(0);
+        let parts: u64 = outer.iter().product();
+        if parts == 0 || !e.is_multiple_of(parts) {
+            return Err(PassError::internal(
+                "lower_to_host",
+                format!("a strided axis of extent {e} is not cut into {outer:?} pieces"),
+            ));
+        }
+        let mut out = shape[..axis].to_vec();
+        out.extend_from_slice(outer);
+        out.push(e / parts);
+        out.extend_from_slice(&shape[axis + 1..]);
+        Ok(out)
     }
 
     /// Same placements on two meshes of one shape: the device at each mesh position sends its

@@ -220,8 +220,50 @@ impl Lowering<'_> {
                 let d = pm.size_of(pt).unwrap_or(1) as u64;
                 self.all_to_all_uneven(block, (p, pin), (c, cout), pt, d, (from, to), &chunk)
             }
+            Decision::StridedAllGather { .. } | Decision::StridedSlice { .. } => {
+                Err(PassError::op(
+                    self.program,
+                    i,
+                    format!(
+                        "`{}` or `{}` is split unevenly and a strided axis changes ({}): strided \
+                     layouts move with even splits only",
+                        self.name(p),
+                        self.name(c),
+                        decision.describe()
+                    ),
+                ))
+            }
+            Decision::MergedAllGather { axis, .. } | Decision::MergedReduceScatter { axis, .. } => {
+                // The merged rows cut their axis evenly: whole padded buffers along the others.
+                let (ps, cs) = (
+                    self.host.tensors[pin].shape.clone(),
+                    self.host.tensors[cout].shape.clone(),
+                );
+                let others = |s: &[u64]| -> Vec<u64> {
+                    s.iter()
+                        .enumerate()
+                        .filter(|&(k, _)| k != axis)
+                        .map(|(_, &e)| e)
+                        .collect()
+                };
+                if others(&ps) != others(&cs) {
+                    return Err(PassError::op(
+                        self.program,
+                        i,
+                        format!(
+                            "`{}` and `{}` are split unevenly and padded differently (local \
+                             shapes {ps:?} and {cs:?}); a {} moves whole padded buffers",
+                            self.name(p),
+                            self.name(c),
+                            decision.describe()
+                        ),
+                    ));
+                }
+                self.emit_row(i, decision, (p, pin), (c, cout), block)
+            }
             Decision::LocalCopy
             | Decision::AllReduce { .. }
+            | Decision::MergedAllReduce { .. }
             | Decision::Reduce { .. }
             | Decision::Broadcast
             | Decision::SendRecv => {
