@@ -5,8 +5,8 @@
 //!   max(comm, GEMM), collective-permute bandwidth (`permute`), and MoE dispatch/combine
 //!   latency (`moe`).
 //! - [`programs`] builds the benchmarked programs (also used by the GPU overlap tests and
-//!   checked on the CPU backend in CI), [`rings`] the hand-written neighbour rings among them.
-//! - [`stats`]: medians, tables and JSON; [`torch`]: PyTorch's figures from the same machine
+//!   checked on the CPU backend in CI): every variant is a lowered program.
+//! - [`stats`]: medians, tables and JSON; [`rows`]: the flat JSON rows of `bench/results/`; [`torch`]: PyTorch's figures from the same machine
 //!   (the JSON of its baseline script, `--torch FILE`).
 //! - `benches/`: criterion benchmarks of the CPU side (lowering, evaluator overhead).
 //!
@@ -14,12 +14,14 @@
 #![forbid(unsafe_code)]
 
 pub mod programs;
-pub mod rings;
+pub mod rows;
 pub mod stats;
 pub mod torch;
 
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod launched;
 #[cfg(feature = "cuda")]
 pub mod moe;
 

@@ -1,0 +1,192 @@
+//! Timing a host program with one process per GPU (`meshflow launch -- meshflow bench ...`):
+//! every process runs its rank of each program ([`run_rank`]) and the processes meet through
+//! one TCP rendezvous (the torchrun variables), each program under a key prefix of its own.
+//! Every rank publishes whether its run succeeded, its device times and its outputs; rank 0
+//! gathers them, so that it reports the same figures (the maximum over ranks of the per-rank
+//! medians) and checks the same outputs as an in-process run.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshflow::ir::HostProgram;
+use meshflow::runtime::cuda::{run_rank, CudaConfig};
+use meshflow::runtime::data::TensorData;
+use meshflow::runtime::rendezvous::{
+    decode_tensors, encode_tensors, Rendezvous, RendezvousError, TcpRendezvous, TorchrunEnv,
+};
+use meshflow::runtime::RunOutcome;
+
+use crate::gpu::BenchError;
+
+/// The rendezvous of this process's rank, shared by its runs.
+pub(crate) struct Launched {
+    env: TorchrunEnv,
+    store: Arc<TcpRendezvous>,
+    runs: AtomicUsize,
+    timeout: Duration,
+}
+
+/// One run's keys: `bench/<run>/...` in the shared store, and a namespace of its own (caches
+/// keyed by the namespace, e.g. communicators, are not reused across runs).
+#[derive(Debug)]
+struct Prefixed {
+    store: Arc<TcpRendezvous>,
+    prefix: String,
+    namespace: String,
+}
+
+impl Rendezvous for Prefixed {
+    fn namespace(&self) -> &str {
+        &self.namespace
+    }
+    fn publish(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
+        self.store.publish(&format!("{}{key}", self.prefix), value)
+    }
+    fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
+        self.store.fetch(&format!("{}{key}", self.prefix), timeout)
+    }
+    fn barrier(
+        &self,
+        name: &str,
+        parties: usize,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
+        self.store
+            .barrier(&format!("{}{name}", self.prefix), parties, timeout)
+    }
+    fn abort(&self, reason: &str) {
+        self.store.abort(reason);
+    }
+}
+
+/// What every rank gathers from one run: per-rank device times, and (rank 0) every rank's
+/// outputs.
+pub(crate) struct Gathered {
+    pub times_us: Vec<Vec<f64>>,
+    pub outcome: RunOutcome,
+}
+
+fn rdv_err(what: &str, e: RendezvousError) -> BenchError {
+    BenchError::Invalid(format!("{what}: rendezvous: {e}"))
+}
+
+fn floats(v: &[f64]) -> Vec<u8> {
+    v.iter()
+        .map(f64::to_string)
+        .collect::<Vec<_>>()
+        .join(",")
+        .into_bytes()
+}
+
+fn parse_floats(b: &[u8]) -> Vec<f64> {
+    String::from_utf8_lossy(b)
+        .split(',')
+        .filter_map(|x| x.parse().ok())
+        .collect()
+}
+
+impl Launched {
+    /// Connects this rank to the store of the run (`MASTER_ADDR:MASTER_PORT`).
+    pub(crate) fn connect(env: &TorchrunEnv, timeout: Duration) -> Result<Launched, BenchError> {
+        let store = TcpRendezvous::connect(env, timeout).map_err(|e| rdv_err("connecting", e))?;
+        Ok(Launched {
+            env: env.clone(),
+            store: Arc::new(store),
+            runs: AtomicUsize::new(0),
+            timeout,
+        })
+    }
+
+    /// The number of ranks (processes).
+    pub(crate) fn world(&self) -> usize {
+        self.env.world_size
+    }
+
+    /// The GPU ordinal of this process.
+    pub(crate) fn local_rank(&self) -> usize {
+        self.env.local_rank
+    }
+
+    /// Runs this rank of `host` (`warmup` untimed and `iterations` timed runs) with this
+    /// rank's `inputs`; every rank gets the times of all, rank 0 also their outputs.
+    pub(crate) fn time(
+        &self,
+        what: &str,
+        host: &HostProgram,
+        inputs: &BTreeMap<usize, BTreeMap<String, TensorData>>,
+        config: &CudaConfig,
+        warmup: usize,
+        iterations: usize,
+    ) -> Result<Gathered, BenchError> {
+        let n = self.runs.fetch_add(1, Ordering::Relaxed);
+        let prefix = format!("bench/{n}/");
+        let rdv = Arc::new(Prefixed {
+            store: self.store.clone(),
+            namespace: format!("{}/bench-{n}", self.store.namespace()),
+            prefix: prefix.clone(),
+        });
+        let (rank, world) = (self.env.rank, self.env.world_size);
+        let empty = BTreeMap::new();
+        let mine = inputs.get(&rank).unwrap_or(&empty);
+        let shared: Arc<dyn Rendezvous> = rdv.clone();
+        let run = run_rank(
+            host,
+            rank,
+            world,
+            self.env.local_rank,
+            mine,
+            shared,
+            config,
+            warmup,
+            iterations,
+        );
+        let err = |e| rdv_err(what, e);
+        let status = match &run {
+            Ok(_) => "ok".to_string(),
+            Err(e) => format!("rank {rank}: {e}"),
+        };
+        rdv.publish(&format!("status/{rank}"), status.as_bytes())
+            .map_err(err)?;
+        if let Ok(r) = &run {
+            rdv.publish(&format!("times/{rank}"), &floats(&r.times_us))
+                .map_err(err)?;
+            rdv.publish(&format!("outputs/{rank}"), &encode_tensors(&r.outputs))
+                .map_err(err)?;
+        }
+        let mut failure = None;
+        let mut times_us = Vec::new();
+        let mut outputs = BTreeMap::new();
+        for r in 0..world {
+            let s = rdv.fetch(&format!("status/{r}"), self.timeout).map_err(err)?;
+            if s != b"ok" {
+                failure.get_or_insert_with(|| String::from_utf8_lossy(&s).into_owned());
+                continue;
+            }
+            let t = rdv.fetch(&format!("times/{r}"), self.timeout).map_err(err)?;
+            times_us.push(parse_floats(&t));
+            if rank == 0 {
+                let o = rdv.fetch(&format!("outputs/{r}"), self.timeout).map_err(err)?;
+                let o = decode_tensors(&o).map_err(|e| {
+                    BenchError::Invalid(format!("{what}: rank {r}'s outputs: {e}"))
+                })?;
+                outputs.insert(r, o);
+            }
+        }
+        // Rank 0 serves the store: every rank has read what it needs before the next run.
+        rdv.barrier("done", world, self.timeout).map_err(err)?;
+        if let Some(f) = failure {
+            return Err(BenchError::Invalid(format!("{what}: {f}")));
+        }
+        run.map_err(|e| BenchError::Invalid(format!("{what}: {e}")))?;
+        Ok(Gathered {
+            times_us,
+            outcome: RunOutcome {
+                outputs,
+                trace: None,
+                elapsed: Duration::ZERO,
+            },
+        })
+    }
+}
