@@ -8,11 +8,14 @@
 //!   checked on the CPU backend in CI): every variant is a lowered program.
 //! - [`stats`]: medians, tables and JSON; [`rows`]: the flat JSON rows of `bench/results/`; [`torch`]: PyTorch's figures from the same machine
 //!   (the JSON of its baseline script, `--torch FILE`).
+//! - [`calibrate`]: `meshflow calibrate`, the machine profile measured on the CPU backend or
+//!   on GPUs.
 //! - `benches/`: criterion benchmarks of the CPU side (lowering, evaluator overhead).
 //!
 //! Measured results live in `bench/results/`.
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
 pub mod programs;
 pub mod rows;
 pub mod stats;

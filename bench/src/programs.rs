@@ -137,7 +137,7 @@ impl RsVariant {
     }
 }
 
-fn mesh_text(d: usize) -> String {
+pub(crate) fn mesh_text(d: usize) -> String {
     let v: Vec<String> = (0..d).map(|i| i.to_string()).collect();
     format!("[{}]", v.join(", "))
 }
@@ -213,7 +213,7 @@ fn rsmm_program_with(d: usize, s: Gemm3, dtype: DType, annotate_y: bool) -> Prog
     built(b)
 }
 
-fn parse(text: &str) -> HostProgram {
+pub(crate) fn parse(text: &str) -> HostProgram {
     parse_host(text).unwrap_or_else(|e| panic!("bench host program does not parse: {e}\n{text}"))
 }
 
