@@ -16,6 +16,7 @@
 #![forbid(unsafe_code)]
 
 pub mod calibrate;
+pub mod moe_program;
 pub mod programs;
 pub mod rows;
 pub mod stats;
@@ -27,6 +28,8 @@ mod gpu;
 mod launched;
 #[cfg(feature = "cuda")]
 pub mod moe;
+#[cfg(feature = "cuda")]
+pub mod moe_eval;
 
 #[cfg(feature = "cuda")]
 pub use gpu::{bench_agmm, bench_permute, bench_rsmm, BenchError, BenchOptions};
