@@ -249,7 +249,9 @@ fn inputs(
 }
 
 fn shapes(list: &[(&str, &[u64])]) -> Vec<(String, Vec<u64>)> {
-    list.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect()
+    list.iter()
+        .map(|(n, s)| (n.to_string(), s.to_vec()))
+        .collect()
 }
 
 /// Measures the machine behind `timer` and returns its profile (checked).
@@ -316,7 +318,13 @@ pub fn calibrate(timer: &mut dyn Timer, o: &CalibrateOptions) -> Result<Profile,
     // Collectives and slowdowns per transport.
     let transports = timer.transports();
     let mut costs = BTreeMap::new();
-    let first_key = transport_key(transports.first().copied().flatten().unwrap_or(Transport::Nccl));
+    let first_key = transport_key(
+        transports
+            .first()
+            .copied()
+            .flatten()
+            .unwrap_or(Transport::Nccl),
+    );
     let mut failures = Vec::new();
     for t in transports {
         let key = transport_key(t.unwrap_or(Transport::Nccl));
@@ -437,19 +445,18 @@ fn slowdown(
     permute: Option<&Vec<(f64, f64)>>,
     t: Option<Transport>,
 ) -> Result<Slowdown, CalibrateError> {
-    let (Some(g), Some(points)) = (
-        half.iter().max_by(|a, b| a.us.total_cmp(&b.us)),
-        permute,
-    ) else {
+    let (Some(g), Some(points)) = (half.iter().max_by(|a, b| a.us.total_cmp(&b.us)), permute)
+    else {
         return Ok(Slowdown {
             gemm_first: 0.0,
             transfer_first: 0.0,
         });
     };
-    let Some(&(bytes, comm_us)) = points
-        .iter()
-        .min_by(|a, b| (a.1 - g.us / 2.0).abs().total_cmp(&(b.1 - g.us / 2.0).abs()))
-    else {
+    let Some(&(bytes, comm_us)) = points.iter().min_by(|a, b| {
+        (a.1 - g.us / 2.0)
+            .abs()
+            .total_cmp(&(b.1 - g.us / 2.0).abs())
+    }) else {
         return Ok(Slowdown {
             gemm_first: 0.0,
             transfer_first: 0.0,
@@ -468,9 +475,18 @@ fn slowdown(
             g.m,
             g.n,
             g.k,
-            if transfer_first { "transfer first" } else { "GEMM first" }
+            if transfer_first {
+                "transfer first"
+            } else {
+                "GEMM first"
+            }
         );
-        let both = timer.time(&what, &beside_host(d, (g.m, g.n, g.k), p, transfer_first), ins, t)?;
+        let both = timer.time(
+            &what,
+            &beside_host(d, (g.m, g.n, g.k), p, transfer_first),
+            ins,
+            t,
+        )?;
         let f = (both - g.us.max(comm_us)) / g.us.min(comm_us).max(f64::MIN_POSITIVE);
         tracing::info!("calibrate: {what}: {both:.1} us, slowdown {f:.2}");
         Ok(f.clamp(0.0, 1.0))

@@ -16,8 +16,8 @@ use meshflow::runtime::cuda::{
     device_count, run_cuda_timed, CopyStream, CudaConfig, CudaOptions, CudaRunError, Transport,
 };
 use meshflow::runtime::data::{SplitMix64, TensorData};
-use meshflow::runtime::shard::{scatter_inputs, ShardError};
 use meshflow::runtime::rendezvous::TorchrunEnv;
+use meshflow::runtime::shard::{scatter_inputs, ShardError};
 use meshflow::runtime::RunInputs;
 
 use crate::launched::Launched;
@@ -167,7 +167,7 @@ struct Runner {
     world: usize,
     cuda: CudaOptions,
     /// One process per GPU: this rank's rendezvous.
-    launched: Option<Launched>,
+    launched: Option<std::sync::Arc<Launched>>,
 }
 
 type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
@@ -224,7 +224,7 @@ impl Runner {
     }
 
     fn device_name(&self) -> String {
-        let ordinal = self.launched.as_ref().map_or(0, Launched::local_rank);
+        let ordinal = self.launched.as_ref().map_or(0, |l| l.local_rank());
         meshflow::kernels::Device::name_of(ordinal).unwrap_or_else(|e| format!("unknown GPU ({e})"))
     }
 
@@ -560,13 +560,22 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         }
         let full = full_inputs(s, opts.seed)?;
         let tag = format!("agmm {}x{}x{} d={d}", s.m, s.k, s.n);
-        let lower_over = |v: AgVariant, parts: Parts, setup: Setup| -> Result<Lowered, BenchError> {
-            agmm_lowered_over(d, s, DTYPE, v, opts.stream_pool, parts, Some(setup.transport))
+        let lower_over =
+            |v: AgVariant, parts: Parts, setup: Setup| -> Result<Lowered, BenchError> {
+                agmm_lowered_over(
+                    d,
+                    s,
+                    DTYPE,
+                    v,
+                    opts.stream_pool,
+                    parts,
+                    Some(setup.transport),
+                )
                 .map_err(|source| BenchError::Lower {
                     what: format!("{tag}: {}", v.name()),
                     source: Box::new(source),
                 })
-        };
+            };
         let lower = |v: AgVariant, parts: Parts| lower_over(v, parts, NCCL);
         let collective_comm = lower(AgVariant::Collective, Parts::CommOnly)?;
         let per_rank = r.scatter("agmm inputs", &collective_comm.program, &full)?;
@@ -814,22 +823,22 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 Some(setup.transport),
             )
             .map_err(|source| BenchError::Lower {
-                    what: what.clone(),
-                    source: Box::new(source),
-                })
-                .and_then(|l| {
-                    let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
-                    let m = r.time(&what, &l.host, per_rank, setup)?;
-                    let out = m
-                        .outcome
-                        .gather(&l.program)
-                        .map_err(|source| BenchError::Shard {
-                            what: what.clone(),
-                            source,
-                        })?;
-                    let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
-                    Ok((m, err))
-                });
+                what: what.clone(),
+                source: Box::new(source),
+            })
+            .and_then(|l| {
+                let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
+                let m = r.time(&what, &l.host, per_rank, setup)?;
+                let out = m
+                    .outcome
+                    .gather(&l.program)
+                    .map_err(|source| BenchError::Shard {
+                        what: what.clone(),
+                        source,
+                    })?;
+                let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
+                Ok((m, err))
+            });
             variants.push(variant_result(name, measured, bound));
         }
         if !opts.graph_only && d > 1 {

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use meshflow::ir::HostProgram;
@@ -28,8 +28,9 @@ pub(crate) struct Launched {
     timeout: Duration,
 }
 
-/// One run's keys: `bench/<run>/...` in the shared store, and a namespace of its own (caches
-/// keyed by the namespace, e.g. communicators, are not reused across runs).
+/// One run's keys: `bench/<run>/...` in the shared store. The namespace stays the store's, so
+/// that caches keyed by it (NCCL communicators) serve every run of the process, as they do
+/// across the runs of an in-process benchmark.
 #[derive(Debug)]
 struct Prefixed {
     store: Arc<TcpRendezvous>,
@@ -87,16 +88,33 @@ fn parse_floats(b: &[u8]) -> Vec<f64> {
         .collect()
 }
 
+/// The process's connection, made once: rank 0 serves the store on one port for the whole
+/// process, and every benchmark of the process (`schedule` runs two) numbers its runs on.
+static SHARED: OnceLock<Mutex<Option<Arc<Launched>>>> = OnceLock::new();
+
 impl Launched {
-    /// Connects this rank to the store of the run (`MASTER_ADDR:MASTER_PORT`).
-    pub(crate) fn connect(env: &TorchrunEnv, timeout: Duration) -> Result<Launched, BenchError> {
+    /// This rank's connection to the store of the run (`MASTER_ADDR:MASTER_PORT`), made on the
+    /// first call and shared by later ones.
+    pub(crate) fn connect(
+        env: &TorchrunEnv,
+        timeout: Duration,
+    ) -> Result<Arc<Launched>, BenchError> {
+        let mut shared = SHARED
+            .get_or_init(|| Mutex::new(None))
+            .lock()
+            .map_err(|_| BenchError::Invalid("the rendezvous connection was poisoned".into()))?;
+        if let Some(l) = shared.as_ref() {
+            return Ok(l.clone());
+        }
         let store = TcpRendezvous::connect(env, timeout).map_err(|e| rdv_err("connecting", e))?;
-        Ok(Launched {
+        let l = Arc::new(Launched {
             env: env.clone(),
             store: Arc::new(store),
             runs: AtomicUsize::new(0),
             timeout,
-        })
+        });
+        *shared = Some(l.clone());
+        Ok(l)
     }
 
     /// The number of ranks (processes).
@@ -124,7 +142,7 @@ impl Launched {
         let prefix = format!("bench/{n}/");
         let rdv = Arc::new(Prefixed {
             store: self.store.clone(),
-            namespace: format!("{}/bench-{n}", self.store.namespace()),
+            namespace: self.store.namespace().to_string(),
             prefix: prefix.clone(),
         });
         let (rank, world) = (self.env.rank, self.env.world_size);
@@ -147,30 +165,43 @@ impl Launched {
             Ok(_) => "ok".to_string(),
             Err(e) => format!("rank {rank}: {e}"),
         };
-        rdv.publish(&format!("status/{rank}"), status.as_bytes())
-            .map_err(err)?;
         if let Ok(r) = &run {
             rdv.publish(&format!("times/{rank}"), &floats(&r.times_us))
                 .map_err(err)?;
-            rdv.publish(&format!("outputs/{rank}"), &encode_tensors(&r.outputs))
+            // One key per rank for every run (a later run's outputs replace this one's, after
+            // the barrier below), so the store holds one run's outputs at a time. The status
+            // goes last: a rank that reads it finds this run's times and outputs in place.
+            self.store
+                .publish(
+                    &format!("bench/outputs/{rank}"),
+                    &encode_tensors(&r.outputs),
+                )
                 .map_err(err)?;
         }
+        rdv.publish(&format!("status/{rank}"), status.as_bytes())
+            .map_err(err)?;
         let mut failure = None;
         let mut times_us = Vec::new();
         let mut outputs = BTreeMap::new();
         for r in 0..world {
-            let s = rdv.fetch(&format!("status/{r}"), self.timeout).map_err(err)?;
+            let s = rdv
+                .fetch(&format!("status/{r}"), self.timeout)
+                .map_err(err)?;
             if s != b"ok" {
                 failure.get_or_insert_with(|| String::from_utf8_lossy(&s).into_owned());
                 continue;
             }
-            let t = rdv.fetch(&format!("times/{r}"), self.timeout).map_err(err)?;
+            let t = rdv
+                .fetch(&format!("times/{r}"), self.timeout)
+                .map_err(err)?;
             times_us.push(parse_floats(&t));
             if rank == 0 {
-                let o = rdv.fetch(&format!("outputs/{r}"), self.timeout).map_err(err)?;
-                let o = decode_tensors(&o).map_err(|e| {
-                    BenchError::Invalid(format!("{what}: rank {r}'s outputs: {e}"))
-                })?;
+                let o = self
+                    .store
+                    .fetch(&format!("bench/outputs/{r}"), self.timeout)
+                    .map_err(err)?;
+                let o = decode_tensors(&o)
+                    .map_err(|e| BenchError::Invalid(format!("{what}: rank {r}'s outputs: {e}")))?;
                 outputs.insert(r, o);
             }
         }

@@ -84,8 +84,12 @@ pub fn measure_moe_evaluator(
         ),
         (
             "topk_weights".to_string(),
-            TensorData::from_f32(IrDType::F32, &[t, k], &vec![1.0 / k as f32; (t * k) as usize])
-                .map_err(invalid)?,
+            TensorData::from_f32(
+                IrDType::F32,
+                &[t, k],
+                &vec![1.0 / k as f32; (t * k) as usize],
+            )
+            .map_err(invalid)?,
         ),
     ]);
     let options = CudaOptions {

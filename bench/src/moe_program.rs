@@ -157,11 +157,17 @@ mod tests {
         let (_, dispatch) = l.lowered(MoePhases::Dispatch).unwrap();
         let text = dispatch.to_string();
         assert!(text.contains("moe_dispatch("), "{text}");
-        assert!(!text.contains("moe_combine(") && !text.contains("gelu("), "{text}");
+        assert!(
+            !text.contains("moe_combine(") && !text.contains("gelu("),
+            "{text}"
+        );
         assert_eq!(text.matches("wait ").count(), 1, "{text}");
         let (_, both) = l.lowered(MoePhases::DispatchCombine).unwrap();
         let text = both.to_string();
-        assert!(text.contains("moe_dispatch(") && text.contains("moe_combine("), "{text}");
+        assert!(
+            text.contains("moe_dispatch(") && text.contains("moe_combine("),
+            "{text}"
+        );
         assert!(!text.contains("gelu("), "{text}");
         assert_eq!(text.matches("wait ").count(), 2, "{text}");
     }

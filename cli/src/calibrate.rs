@@ -48,9 +48,8 @@ pub struct CalibrateArgs {
 
 /// Runs `calibrate`.
 pub fn run(args: CalibrateArgs) -> Result<(), CliError> {
-    let failed = |e: meshflow_bench::calibrate::CalibrateError| {
-        CliError::Run(format!("calibrate: {e}"))
-    };
+    let failed =
+        |e: meshflow_bench::calibrate::CalibrateError| CliError::Run(format!("calibrate: {e}"));
     let profile = match args.backend {
         BackendKind::Cpu => {
             let world = args.ranks.unwrap_or(2);
@@ -113,7 +112,9 @@ pub fn run(args: CalibrateArgs) -> Result<(), CliError> {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu(_args: &CalibrateArgs) -> Result<meshflow::Profile, meshflow_bench::calibrate::CalibrateError> {
+fn gpu(
+    _args: &CalibrateArgs,
+) -> Result<meshflow::Profile, meshflow_bench::calibrate::CalibrateError> {
     Err(meshflow_bench::calibrate::CalibrateError::Invalid(
         "--backend cuda: this meshflow was built without the `cuda` feature; rebuild with \
          `cargo build --release --features cuda`"
@@ -122,7 +123,9 @@ fn gpu(_args: &CalibrateArgs) -> Result<meshflow::Profile, meshflow_bench::calib
 }
 
 #[cfg(feature = "cuda")]
-fn gpu(args: &CalibrateArgs) -> Result<meshflow::Profile, meshflow_bench::calibrate::CalibrateError> {
+fn gpu(
+    args: &CalibrateArgs,
+) -> Result<meshflow::Profile, meshflow_bench::calibrate::CalibrateError> {
     use meshflow_bench::calibrate::{CalibrateError, GpuTimer};
     let have = meshflow::runtime::cuda::device_count()
         .map_err(|e| CalibrateError::Invalid(e.to_string()))?;

@@ -507,8 +507,14 @@ mod tests {
         ] {
             assert_eq!(Profile::builtin_for_device(device), want, "{device}");
         }
-        assert_eq!(device_model("NVIDIA A100-SXM4-80GB").as_deref(), Some("a100"));
-        assert_eq!(device_model("NVIDIA GeForce RTX 4090").as_deref(), Some("4090"));
+        assert_eq!(
+            device_model("NVIDIA A100-SXM4-80GB").as_deref(),
+            Some("a100")
+        );
+        assert_eq!(
+            device_model("NVIDIA GeForce RTX 4090").as_deref(),
+            Some("4090")
+        );
     }
 
     #[test]

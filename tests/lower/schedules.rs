@@ -324,8 +324,11 @@ fn forced_pieces_pick_the_cut_ring_and_bad_pieces_are_named_errors() {
             assert!(e.contains(want), "d={d}: {e}");
         }
     }
-    let e = compile(&agmm(2, DType::F32), &Options::new().pieces("x_gathered", 2))
-        .expect_err("an all-gather has no pieces")
-        .to_string();
+    let e = compile(
+        &agmm(2, DType::F32),
+        &Options::new().pieces("x_gathered", 2),
+    )
+    .expect_err("an all-gather has no pieces")
+    .to_string();
     assert!(e.contains("reduce-scatter"), "{e}");
 }

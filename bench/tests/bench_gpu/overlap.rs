@@ -308,14 +308,7 @@ fn row_parallel_ring_overlaps() {
         assert_intervals_intersect(name, d, &run.intervals);
         let both = Timing::from_times(&timed(name, &l.host, d, per_rank.clone(), false).times_us);
         let compute = Timing::from_times(
-            &timed(
-                name,
-                &lower(v, Parts::ComputeOnly).host,
-                d,
-                per_rank,
-                false,
-            )
-            .times_us,
+            &timed(name, &lower(v, Parts::ComputeOnly).host, d, per_rank, false).times_us,
         );
         assert_faster(name, d, &both, &comm, &compute);
     }

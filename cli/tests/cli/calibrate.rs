@@ -9,7 +9,14 @@ fn calibrate_writes_a_profile_that_lower_reads() {
     let out = dir.join("cpu.json");
     let path = out.to_str().unwrap();
     let text = succeeds(&[
-        "calibrate", "--quick", "--warmup", "0", "--iters", "1", "--out", path,
+        "calibrate",
+        "--quick",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--out",
+        path,
     ]);
     assert!(text.contains("NOT GPU figures"), "{text}");
     assert!(text.contains("written to"), "{text}");

@@ -240,7 +240,10 @@ fn forced_pieces() {
         let o = meshflow(&["lower", rs, "--explain", "--pieces", pieces]);
         assert!(o.status.success(), "{}", stderr(&o));
         let err = stderr(&o);
-        assert!(err.contains(&format!("chose ring_forward({chunks}")), "{err}");
+        assert!(
+            err.contains(&format!("chose ring_forward({chunks}")),
+            "{err}"
+        );
         assert_eq!(err.matches("  ring_forward(").count(), 2, "{err}");
     }
     let err = fails(&["lower", rs, "--pieces", "y=3"]);

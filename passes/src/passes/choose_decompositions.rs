@@ -222,7 +222,9 @@ fn restrict_pieces(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
         let mut cuts: Vec<u64> = s
             .shapes
             .iter()
-            .filter(|x| x.0 == Decomposition::RingForward && matches!(s.case, Some(Case::Reduce(_))))
+            .filter(|x| {
+                x.0 == Decomposition::RingForward && matches!(s.case, Some(Case::Reduce(_)))
+            })
             .map(|x| x.1)
             .collect();
         cuts.dedup();
