@@ -47,7 +47,7 @@ pub fn measure_moe_evaluator(
     transport: Transport,
     steps: usize,
 ) -> Result<MoeResult> {
-    if world == 0 || case.iters == 0 || case.experts % world != 0 {
+    if world == 0 || case.iters == 0 || !case.experts.is_multiple_of(world) {
         return Err(invalid(format!(
             "MoE evaluator bench: {world} ranks, {} iterations, {} experts (a multiple of the \
              ranks)",
