@@ -97,7 +97,7 @@ tests() {
 bench() {
   # PyTorch's figures first, in the same call; then every benchmark reads them (--torch).
   step 200 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
-  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 5 --steps 10)
+  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 5 --steps 10 --skip-parts)
   # Every AG+GEMM and GEMM+RS variant, ranks as threads of one process (procs = 1) ...
   step 300 "$B/meshflow" bench schedule --torch "$tj" --json "$OUT/schedule-threads-$n.json" "${q[@]}"
   # ... and one process per GPU (procs = n; rank 0 writes the rows).

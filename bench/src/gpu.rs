@@ -96,6 +96,9 @@ pub struct BenchOptions {
     /// its torchrun variables. Every process then runs the same benchmark, its own rank of
     /// each program; the ranks meet through the rendezvous, and rank 0 gets every figure.
     pub launched: Option<TorchrunEnv>,
+    /// Also time each ring's communications alone and its compute alone (the `parts` of the
+    /// tables; the bound needs only the collective and the GEMM alone).
+    pub parts: bool,
 }
 
 impl Default for BenchOptions {
@@ -125,6 +128,7 @@ impl Default for BenchOptions {
             permute_mib: vec![64, 256],
             trace_dir: None,
             launched: None,
+            parts: true,
         }
     }
 }
@@ -603,7 +607,8 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             gemm.us
         );
         let mut parts = Vec::new();
-        let timed_alone = |(v, _): &&(AgVariant, &str)| !opts.graph_only && ag_fits(*v, s, d);
+        let timed_alone =
+            |(v, _): &&(AgVariant, &str)| opts.parts && !opts.graph_only && ag_fits(*v, s, d);
         for &(v, ring) in AG_RINGS.iter().filter(timed_alone) {
             for (setup, transport) in [(NCCL, "NCCL"), (CE, "copy engine")] {
                 let ring_comm = lower_over(v, Parts::CommOnly, setup)?;
@@ -734,7 +739,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         let bound = comm.us.max(gemm.us);
         let mut variants = Vec::new();
         let mut parts = Vec::new();
-        if d > 1 && !opts.graph_only {
+        if d > 1 && opts.parts && !opts.graph_only {
             let rs_in = r.replicated(&[("y", &[s.m, s.n], 21)])?;
             if let Ok(m) = r.time(
                 &format!("{tag}: reduce_scatter alone (copy engine)"),

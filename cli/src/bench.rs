@@ -1,16 +1,17 @@
 //! `meshflow bench agmm|rsmm|schedule|permute [--json FILE] [--torch FILE] [--ranks N]
 //! [--warmup W] [--iters I] [--steps S] [--graph] [--shape MxKxN]... [--mib M]... [--streams P]
-//! [--seed S]`: GPU benchmarks of the overlapped column-parallel (all-gather + GEMM) and
-//! row-parallel (GEMM + reduce-scatter) linear layers in bf16, next to the communication and
-//! the GEMM timed alone, the bound max(comm, GEMM) and PyTorch's figures (`--torch`, the JSON
-//! of PyTorch's baseline script); and the collective-permute bandwidth of the copy engine
-//! against NCCL send/recv. Every variant is a lowered program, forced through the options a
-//! user has (see `meshflow_bench::programs`). `schedule` runs `agmm` and `rsmm` and writes the
-//! flat rows of `meshflow_bench::rows::schedule_rows` (`--json`); under `meshflow launch` (one
-//! process per GPU) rank 0 prints and writes the results with `procs` = the world size. Every time is per step of `--steps` steps of the
-//! host program run back to back on warm GPUs (CUDA events; the median over iterations per
-//! rank, then the maximum over ranks). Prints one table per case; `--json` also writes the
-//! results. Exits with an error when a variant failed (after printing the others).
+//! [--skip-parts] [--seed S]`: GPU benchmarks of the overlapped column-parallel (all-gather +
+//! GEMM) and row-parallel (GEMM + reduce-scatter) linear layers in bf16, next to the
+//! communication and the GEMM timed alone, the bound max(comm, GEMM) and PyTorch's figures
+//! (`--torch`, the JSON of PyTorch's baseline script); and the collective-permute bandwidth of
+//! the copy engine against NCCL send/recv. Every variant is a lowered program, forced through
+//! the options a user has (see `meshflow_bench::programs`). `schedule` runs `agmm` and `rsmm`
+//! and writes the flat rows of `meshflow_bench::rows::schedule_rows` (`--json`); under
+//! `meshflow launch` (one process per GPU) rank 0 prints and writes the results with `procs` =
+//! the world size. Every time is per step of `--steps` steps of the host program run back to
+//! back on warm GPUs (CUDA events; the median over iterations per rank, then the maximum over
+//! ranks). Prints one table per case; `--json` also writes the results. Exits with an error
+//! when a variant failed (after printing the others).
 
 use std::path::PathBuf;
 
@@ -85,6 +86,10 @@ pub struct BenchArgs {
     /// Worker streams.
     #[arg(long, default_value_t = 2)]
     streams: usize,
+    /// Skip timing each ring's communications alone and its compute alone (the tables'
+    /// parts; the bound and every variant are still measured).
+    #[arg(long)]
+    skip_parts: bool,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 2024)]
     seed: u64,
@@ -162,6 +167,7 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
         seed: args.seed,
         trace_dir: args.trace_dir.clone(),
         launched: env,
+        parts: !args.skip_parts,
         ..BenchOptions::default()
     };
     if let Some(path) = &args.torch {
