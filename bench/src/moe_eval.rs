@@ -5,7 +5,8 @@
 //!
 //! Two host programs are timed, each as `steps` steps back to back per iteration (CUDA
 //! events around the run, divided by the steps; the median over iterations per rank, then the
-//! slowest rank): the dispatch alone, and dispatch then combine. The combine's time is their
+//! slowest rank; at most 5 warm-up and 20 timed iterations of the case's, since every
+//! iteration already holds `steps` steps): the dispatch alone, and dispatch then combine. The combine's time is their
 //! difference. Every figure therefore includes the evaluator's own per-instruction work (the
 //! waits, allocations and launches of the host program), which the kernels' path does not
 //! have: the difference between the two paths is the evaluator's overhead.
