@@ -231,3 +231,25 @@ fn help_exits_successfully() {
     assert!(o.status.success());
     assert!(stdout(&o).contains("lower"));
 }
+
+#[test]
+fn forced_pieces() {
+    let rs = "examples/programs/row_parallel_linear_ring.mf";
+    // 4 ranks: the ring's chunk count is 4 x the pieces per step; only those candidates stay.
+    for (pieces, chunks) in [("y=1", "s=4"), ("y=2", "s=8"), ("y=4", "s=16")] {
+        let o = meshflow(&["lower", rs, "--explain", "--pieces", pieces]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let err = stderr(&o);
+        assert!(
+            err.contains(&format!("chose ring_forward({chunks}")),
+            "{err}"
+        );
+        assert_eq!(err.matches("  ring_forward(").count(), 2, "{err}");
+    }
+    let err = fails(&["lower", rs, "--pieces", "y=3"]);
+    assert!(err.contains("cannot be cut into 3 pieces"), "{err}");
+    let err = fails(&["lower", rs, "--pieces", "y"]);
+    assert!(err.contains("expected TENSOR=N"), "{err}");
+    let err = fails(&["lower", rs, "--pieces", "y=two"]);
+    assert!(err.contains("not a positive integer"), "{err}");
+}
