@@ -8,8 +8,12 @@ use crate::error::Result;
 use crate::kernels::{moe_typed_name, Arg, Kernels, Source};
 use crate::stream::Stream;
 
-/// Threads per block of every MoE kernel (8 warps).
+/// Threads per block of the MoE kernels that are not row kernels (8 warps).
 const BLOCK: u32 = 256;
+
+/// Threads per block of the row kernels (dispatch send / receive, combine send): a whole block
+/// moves one row at a time. Must equal `ROW_THREADS` in `moe.cu` (their launch bounds).
+const ROW_BLOCK: u32 = 256;
 
 /// How long a receiver waits for a peer's flag before raising `TIMEOUT`, by default.
 pub(crate) const FLAG_TIMEOUT_NS: u64 = 10_000_000_000;
@@ -34,6 +38,13 @@ fn opt(b: Option<&DeviceBuffer>) -> Arg {
 pub(crate) fn warp_grid(k: &Kernels, items: usize) -> u32 {
     let cap = k.device().sm_count() as usize * 8;
     u32::try_from(items.div_ceil(8).clamp(1, cap.max(1))).unwrap_or(1)
+}
+
+/// Blocks for one block per row (a grid-stride loop over `rows`), at most the two blocks per
+/// SM that stay resident.
+pub(crate) fn row_grid(k: &Kernels, rows: usize) -> u32 {
+    let cap = k.device().sm_count() as usize * 2;
+    u32::try_from(rows.clamp(1, cap.max(1))).unwrap_or(1)
 }
 
 /// Blocks for one thread per item, capped for grid-stride loops.
@@ -119,9 +130,9 @@ pub(crate) fn nccl_dispatch_send(
         ptr(st.status),
         ptr(done),
     ];
-    let grid = warp_grid(k, shape.tokens * shape.world);
+    let grid = row_grid(k, shape.tokens);
     let name = typed("nccl_dispatch_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// The NVLink symmetric regions a kernel addresses in its peers.
@@ -178,9 +189,9 @@ pub(crate) fn nvl_dispatch_send(
         ptr(st.status),
         ptr(state),
     ];
-    let grid = warp_grid(k, shape.tokens * shape.world);
+    let grid = row_grid(k, shape.tokens);
     let name = typed("nvl_dispatch_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// Where a receiver finds the rows and counts of every source (see `Sources` in `moe.cu`):
@@ -263,9 +274,9 @@ pub(crate) fn dispatch_recv(
         ptr(out.status),
         ptr(out.done),
     ];
-    let grid = warp_grid(k, shape.world * shape.tokens);
+    let grid = row_grid(k, shape.world * shape.tokens);
     let name = typed("dispatch_recv", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// Zeroes padding rows of `expert_x` / `routing`: `[counts, prev)` per expert, or `[counts, C)`
@@ -343,9 +354,9 @@ pub(crate) fn nccl_combine_send(
         ptr(send),
         ptr(status),
     ];
-    let grid = warp_grid(k, shape.world * shape.tokens);
+    let grid = row_grid(k, shape.world * shape.tokens);
     let name = typed("nccl_combine_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// NVLink late weights: this rank's `weights[T, K]` into every peer's weight area, flags.
@@ -433,9 +444,9 @@ pub(crate) fn nvl_combine_send(
         n(peers.combine_flags),
         ptr(status),
     ];
-    let grid = warp_grid(k, shape.world * shape.tokens);
+    let grid = row_grid(k, shape.world * shape.tokens);
     let name = typed("nvl_combine_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// Combine receive (both transports): optional flag wait, then `out[t] = Σ_r partial` with the
@@ -476,4 +487,19 @@ pub(crate) fn combine_recv(
 pub(crate) fn address_table(stream: &Stream, addrs: &[u64]) -> Result<DeviceBuffer> {
     let bits: Vec<i64> = addrs.iter().map(|a| *a as i64).collect();
     DeviceBuffer::from_slice(stream, &bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ROW_BLOCK;
+    use crate::kernels::Source;
+
+    #[test]
+    fn row_block_matches_the_kernels_launch_bounds() {
+        let line = format!("#define ROW_THREADS {ROW_BLOCK}\n");
+        assert!(
+            Source::Moe.text().contains(&line),
+            "moe.cu must define ROW_THREADS as {ROW_BLOCK}"
+        );
+    }
 }
