@@ -78,9 +78,11 @@ log() { echo "=== $* ($(date +%T))"; }
 step() { local t=$1; shift; log "$*"; timeout "$t" "$@"; echo "rc=$? for $*"; }
 tests() {
   [ -x "$B/kernels_gpu" ] && step 300 "$B/kernels_gpu" --test-threads 1 --nocapture
-  # Every GPU test of the root crate but the fault matrix, then each fault case in a process of
-  # its own.
-  [ -x "$B/gpu" ] && step 600 "$B/gpu" --skip faults:: --test-threads 1 --nocapture
+  # Every GPU test of the root crate but the fault matrix and the multi-process CUDA IPC
+  # tests, then those, each fault case in a process of its own.
+  [ -x "$B/gpu" ] && step 600 "$B/gpu" --skip faults:: --skip ipc:: --test-threads 1 --nocapture
+  # The ranks in processes of their own (CUDA IPC): copy engine and NVLink MoE.
+  [ -x "$B/gpu" ] && step 400 "$B/gpu" ipc:: --test-threads 1 --nocapture
   for t in cli_gpu gpu_moe bench_gpu; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done

@@ -97,7 +97,8 @@ __device__ __forceinline__ u64 global_timer_ns() {
 // Thread 0 of the block waits until every flags[i] (i < n) has reached `epoch` (acquire, system
 // scope), then the block proceeds. A wait longer than `timeout_ns` raises MOE_TIMEOUT and gives up
 // (results are then garbage, but the GPU never hangs on a dead peer); once MOE_TIMEOUT is set,
-// later waits give up at once, so a dead team fails fast until the status is cleared.
+// later waits give up at once, so a dead team fails fast until the status is cleared. The host
+// sets MOE_TIMEOUT itself when a peer is known to be gone: a wait in progress sees it and stops.
 __device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u64 timeout_ns,
                                  unsigned* status) {
     if (threadIdx.x == 0) {
@@ -105,7 +106,8 @@ __device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u
         bool timed_out = (*(volatile unsigned*)status & MOE_TIMEOUT) != 0;
         for (i64 i = 0; i < n && !timed_out; ++i) {
             while ((int)(ld_acquire_sys(flags + i) - epoch) < 0) {
-                if (global_timer_ns() - start > timeout_ns) {
+                if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0 ||
+                    global_timer_ns() - start > timeout_ns) {
                     atomicOr(status, MOE_TIMEOUT);
                     timed_out = true;
                     break;

@@ -1,7 +1,7 @@
 //! Device memory: owned allocations and byte-range views of them.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{result, sys};
 
@@ -22,6 +22,9 @@ struct Allocation {
     /// What keeps borrowed memory allocated (e.g. the Python object owning it), released with
     /// the last view.
     _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    /// The CUDA IPC export of the driver allocation holding `ptr` (with `ptr`'s offset in
+    /// it), once made ([`DeviceBuffer::export_ipc`]).
+    ipc: OnceLock<crate::ipc::IpcExport>,
 }
 
 impl Drop for Allocation {
@@ -123,6 +126,7 @@ impl DeviceBuffer {
                 free_stream,
                 borrowed: false,
                 _owner: None,
+                ipc: OnceLock::new(),
             }),
             offset: 0,
             len: bytes,
@@ -183,6 +187,7 @@ impl DeviceBuffer {
                 free_stream: None,
                 borrowed: true,
                 _owner: owner,
+                ipc: OnceLock::new(),
             }),
             offset: 0,
             len: bytes,
@@ -259,6 +264,40 @@ impl DeviceBuffer {
     /// Device address of the first byte (crate-internal: raw addresses never leave the crate).
     pub(crate) fn addr(&self) -> u64 {
         self.alloc.ptr + self.offset as u64
+    }
+
+    /// Whether the first byte's device address is a multiple of `align` bytes (e.g. 16 for
+    /// kernels that read 16-byte vectors).
+    pub fn is_aligned(&self, align: usize) -> bool {
+        align == 0 || self.addr().is_multiple_of(align as u64)
+    }
+
+    /// The device address of the allocation's first byte and the cache of its IPC export.
+    pub(crate) fn allocation_start(&self) -> (u64, &OnceLock<crate::ipc::IpcExport>) {
+        (self.alloc.ptr, &self.alloc.ipc)
+    }
+
+    /// A buffer over `bytes` bytes at `ptr` of `device`'s address space that this crate mapped
+    /// (never freed here): `owner` unmaps it when the last view is dropped.
+    pub(crate) fn mapped(
+        device: &Device,
+        ptr: u64,
+        bytes: usize,
+        owner: Box<dyn std::any::Any + Send + Sync>,
+    ) -> DeviceBuffer {
+        DeviceBuffer {
+            alloc: Arc::new(Allocation {
+                ptr,
+                bytes,
+                device: device.clone(),
+                free_stream: None,
+                borrowed: true,
+                _owner: Some(owner),
+                ipc: OnceLock::new(),
+            }),
+            offset: 0,
+            len: bytes,
+        }
     }
 
     pub(crate) fn raw_ctx(&self) -> sys::CUcontext {

@@ -34,6 +34,19 @@ impl DeviceFlag {
         Ok(DeviceFlag { word })
     }
 
+    /// A flag at the 4-byte, 4-aligned view `word` (e.g. a word of a peer's memory mapped
+    /// over CUDA IPC, which this process then raises, or a word of its own that peers raise).
+    /// The word's value is left as it is.
+    pub fn at(word: DeviceBuffer) -> Result<DeviceFlag> {
+        if word.len() != 4 || !word.is_aligned(4) {
+            return Err(crate::error::KernelError::InvalidArgument(format!(
+                "a device flag needs a 4-byte aligned word, not {} bytes",
+                word.len()
+            )));
+        }
+        Ok(DeviceFlag { word })
+    }
+
     /// The GPU whose memory holds the flag.
     pub fn device(&self) -> &Device {
         self.word.device()

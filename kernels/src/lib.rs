@@ -3,7 +3,9 @@
 //! With the `cuda` feature it wraps, behind a safe API:
 //! - the CUDA driver through [cudarc](https://docs.rs/cudarc) (dynamically loaded): [`Device`]
 //!   (primary context, peer access), [`Stream`], pooled [`Event`]s (ordering and timing),
-//!   [`DeviceBuffer`] (allocations and zero-copy byte views; host, device and peer copies);
+//!   [`DeviceBuffer`] (allocations and zero-copy byte views; host, device and peer copies;
+//!   sharing with other processes over CUDA IPC, [`IpcHandle`]), [`DeviceFlag`] (stream-ordered
+//!   signals in device memory, also in a peer's);
 //! - cuBLAS GEMMs with row-major semantics and f32 accumulation: [`Gemm`];
 //! - CUDA C kernels in `kernels/cuda/*.cu`, compiled by NVRTC for the device's architecture and
 //!   cached: [`Kernels`] (elementwise add/sub/mul, gelu/silu, casts, strided copy / permute,
@@ -84,6 +86,8 @@ mod gemm;
 #[cfg(feature = "cuda")]
 mod graph;
 #[cfg(feature = "cuda")]
+mod ipc;
+#[cfg(feature = "cuda")]
 mod kernels;
 pub mod moe;
 #[cfg(feature = "cuda")]
@@ -110,6 +114,8 @@ pub use flag::DeviceFlag;
 pub use gemm::{Gemm, GemmLayout};
 #[cfg(feature = "cuda")]
 pub use graph::Graph;
+#[cfg(feature = "cuda")]
+pub use ipc::{IpcExport, IpcHandle, IPC_HANDLE_BYTES};
 #[cfg(feature = "cuda")]
 pub use kernels::{
     fill_pattern, poison_bits, AxisView, KernelArg, Kernels, RowReduce, Source, StridedLayout,

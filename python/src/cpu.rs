@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use meshflow::ir::host::Role;
-use meshflow::{Bindings, Compiled, Executor, CpuBackend, CpuConfig, TensorData};
+use meshflow::{Bindings, Compiled, CpuBackend, CpuConfig, Executor, TensorData};
 
 use crate::data::{from_numpy, to_numpy};
 use crate::errors::{error, BindingError, ExecutionError};

@@ -12,7 +12,7 @@ use pyo3::types::PyDict;
 
 use meshflow::runtime::compare::{compare_outputs, random_inputs};
 use meshflow::runtime::reference::evaluate;
-use meshflow::{Bindings, Compiled, CpuJob, Executor, CpuConfig, TensorData};
+use meshflow::{Bindings, Compiled, CpuConfig, CpuJob, Executor, TensorData};
 
 use crate::data::to_numpy;
 use crate::errors::{error, ExecutionError};

@@ -61,11 +61,11 @@ def test_builder_errors():
 def test_build_that_does_not_verify():
     b = meshflow.Builder("p")
     m = b.mesh("m0", 2)
-    x = b.input("x", "f32", [5, 4], m)
-    b.schedule(x).outer_split(0, 2).parallelize(0, "DIDx")  # 5 rows do not split in 2
+    x = b.input("x", "f32", [4, 4], m)
+    b.schedule(x).parallelize(0, "DIDx")  # 4 rows cannot be spread over 2 devices without a split
     y = b.gelu(x)
     b.output(y)
-    with pytest.raises(meshflow.ProgramError):
+    with pytest.raises(meshflow.ProgramError, match="loop axis 0 of `x` is parallelized DIDx with extent 4"):
         b.build().lower()
 
 

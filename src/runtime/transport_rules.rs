@@ -6,18 +6,22 @@
 //!
 //! | communication | team | carrier |
 //! |---|---|---|
-//! | MoE dispatch/combine | GPUs of this process with peer access | MoE over NVLink |
+//! | MoE dispatch/combine | GPUs that reach each other's memory | MoE over NVLink |
 //! | MoE dispatch/combine | otherwise (other nodes included, through the proxy) | MoE over NCCL |
 //! | collective permute | a member on another node | host proxy (NCCL for this node's peers) |
-//! | permute, broadcast, sum reduce-scatter of floats, outside a coalescing group | GPUs of this process with peer access | copy engine |
+//! | permute, broadcast, sum reduce-scatter of floats, outside a coalescing group, steps not recorded as CUDA graphs | GPUs that reach each other's memory | copy engine |
 //! | anything else | | NCCL |
 //!
-//! A forced transport (`CudaConfig::transport`) takes the
-//! communications it can carry and is an error for a team that cannot use it; forcing NCCL
-//! keeps everything on NCCL but the host proxy, which only the split into nodes selects.
+//! GPUs *reach each other's memory* when every pair has peer access and the ranks are threads
+//! of one process (meeting in the launch's hub), or processes of one host that share memory
+//! over CUDA IPC (each member checked it could map every other's memory, and all agreed at the
+//! rendezvous). A forced transport (`CudaConfig::transport`) takes the communications it can
+//! carry and is an error for a team that cannot use it; forcing NCCL keeps everything on NCCL
+//! but the host proxy, which only the split into nodes selects.
 //!
 //! The facts a rule reads are the same on every member of a team (the program, the forced
-//! transport, and the peer-access decision the hub takes once per team), so the members agree.
+//! transport, and the peer-access decision the members take together once per team), so the
+//! members agree.
 
 use meshflow_ir::{CommKind, ReduceOp};
 use meshflow_passes::Transport;
@@ -57,7 +61,8 @@ impl Carrier {
 pub(crate) struct TeamFacts {
     /// Its number of members.
     pub size: usize,
-    /// Every member runs in this process and every pair of their GPUs has peer access.
+    /// Every pair of the members' GPUs reaches each other's memory: threads of this process
+    /// with peer access, or processes of this host over CUDA IPC.
     pub peer_access: bool,
     /// Some member is on another node than this rank.
     pub crosses_nodes: bool,
@@ -69,7 +74,8 @@ pub(crate) struct Wants {
     /// The transport to force, where it can carry a communication.
     pub forced: Option<Transport>,
     /// Steps are recorded as CUDA graphs: transports that need the host during a step (the
-    /// copy engine, MoE over NVLink) are not selected unless forced.
+    /// copy engine) are not selected unless forced. MoE over NVLink keeps its step number on
+    /// the device and replays.
     pub graph: bool,
 }
 
@@ -95,20 +101,26 @@ pub(crate) fn select(
         if facts.crosses_nodes {
             "its members span several nodes".to_string()
         } else {
-            "its GPUs are not all in this process with peer access to each other".to_string()
+            "its GPUs do not all reach each other's memory".to_string()
         }
     };
-    // In-process peers with peer access can use `t`, unless graphs are recorded and `t` was
-    // not asked for (graph replays need transports without host work during a step).
+    // Peers that reach each other's memory can use `t`, unless graphs are recorded, `t`
+    // needs the host during a step, and `t` was not asked for (graph replays need transports
+    // without host work during a step).
     let peers_for = |t: Transport| {
-        multi && facts.peer_access && !facts.crosses_nodes && (!wants.graph || forced == Some(t))
+        let replays = t != Transport::CopyEngine;
+        multi
+            && facts.peer_access
+            && !facts.crosses_nodes
+            && (!wants.graph || replays || forced == Some(t))
     };
     match op {
         CommOp::MoeDispatch | CommOp::MoeCombine => match forced {
             Some(Transport::Nccl) => Ok(Carrier::MoeNccl),
             _ if peers_for(Transport::Nvlink) => Ok(Carrier::MoeNvlink),
             Some(Transport::Nvlink) if multi => Err(format!(
-                "MoE over NVLink needs the team's GPUs to share NVLink in this process: {}",
+                "MoE over NVLink needs the team's GPUs to reach each other's memory (peer access \
+                 in one process, or CUDA IPC between processes of one host): {}",
                 why_not()
             )),
             _ => Ok(Carrier::MoeNccl),
@@ -158,8 +170,8 @@ fn copy_engine_or_nccl(
     }
     if forced == Some(Transport::CopyEngine) {
         return Err(format!(
-            "the copy-engine transport needs every rank of the team in this process with peer \
-             access: {}",
+            "the copy-engine transport needs every rank of the team to reach the others' GPU \
+             memory (peer access in one process, or CUDA IPC between processes of one host): {}",
             why_not()
         ));
     }
@@ -292,9 +304,14 @@ mod tests {
             forced: None,
             graph: true,
         };
+        // The copy engine needs the host during a step; MoE over NVLink replays.
         assert_eq!(select(&PERMUTE, false, &here, graph), Ok(Carrier::Nccl));
         assert_eq!(
             select(&CommOp::MoeDispatch, false, &here, graph),
+            Ok(Carrier::MoeNvlink)
+        );
+        assert_eq!(
+            select(&CommOp::MoeCombine, false, &facts(false, false), graph),
             Ok(Carrier::MoeNccl)
         );
         // A forced transport stays forced (the backend then refuses to record, saying why);
@@ -309,6 +326,14 @@ mod tests {
         );
         assert_eq!(
             select(&CommOp::MoeCombine, false, &here, forced),
+            Ok(Carrier::MoeNvlink)
+        );
+        let nccl = Wants {
+            forced: Some(Transport::Nccl),
+            graph: true,
+        };
+        assert_eq!(
+            select(&CommOp::MoeCombine, false, &here, nccl),
             Ok(Carrier::MoeNccl)
         );
     }

@@ -48,9 +48,7 @@ fn gpu_examples_are_bit_identical_across_runs() {
     let _serial = serial();
     for (name, l1, host) in examples() {
         let d = host.world_size();
-        if support::skip_unless(d, &format!("gpu determinism of {name}"))
-            || support::skip_fp8_moe(&l1, &format!("gpu determinism of {name}"))
-        {
+        if support::skip_unless(d, &format!("gpu determinism of {name}")) {
             continue;
         }
         let inputs = random_inputs(&l1, 11).unwrap();

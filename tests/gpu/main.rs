@@ -1,6 +1,7 @@
 //! Every GPU test of the root crate (feature `cuda`): communication kinds, the examples and
 //! the CPU backend's programs on GPUs, determinism, errors, the fault matrix, multi-process
-//! runs, and the embedding API on the caller's CUDA resources. On a machine without enough
+//! runs (NCCL, and the copy engine and NVLink MoE over CUDA IPC), and the embedding API on the
+//! caller's CUDA resources. On a machine without enough
 //! GPUs each test prints why it skipped. Run with `--test-threads 1` (the fault and
 //! determinism tests read process-wide probes).
 #![cfg(feature = "cuda")]
@@ -14,6 +15,7 @@ mod embed;
 mod errors;
 mod examples;
 mod faults;
+mod ipc;
 mod multiprocess;
 mod programs;
 mod shape_ops;

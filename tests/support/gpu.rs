@@ -29,23 +29,6 @@ pub fn skip_unless(n: usize, test: &str) -> bool {
     }
 }
 
-/// True (after printing `skipped: <why>` to stderr) when `program` dispatches MoE tokens in
-/// FP8: the CUDA backend's MoE (the NCCL transport behind the evaluator) takes the native wire
-/// only until the evaluator drives the kernels crate's transports with their wire (issue 19,
-/// item 1); the evaluator refuses such a dispatch with an error meanwhile.
-pub fn skip_fp8_moe(program: &meshflow::ir::Program, test: &str) -> bool {
-    let fp8 = program.ops.iter().any(|op| {
-        matches!(op.kind, meshflow::ir::OpKind::MoeDispatch { wire } if wire != meshflow::ir::MoeWire::Native)
-    });
-    if fp8 {
-        eprintln!(
-            "skipped: {test}: FP8 MoE dispatch does not run through the CUDA backend's evaluator \
-             yet (the kernels crate's FP8 transports are tested in kernels/tests/gpu_moe.rs)"
-        );
-    }
-    fp8
-}
-
 /// The rank counts to try: 1, 2 and 4, those the machine has.
 pub fn rank_counts(test: &str) -> Vec<usize> {
     let have = gpus().unwrap_or(0);

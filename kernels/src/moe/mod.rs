@@ -69,8 +69,6 @@ pub use traffic::MoeTraffic;
 pub use wire::{MoeWire, WireLayout};
 
 #[cfg(feature = "cuda")]
-mod ipc;
-#[cfg(feature = "cuda")]
 mod kernel_calls;
 #[cfg(feature = "cuda")]
 mod nccl;

@@ -22,7 +22,6 @@
 //! which follows (in stream order) every read of step `s`'s rows, counts and weights; the
 //! partials are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
-use super::ipc::{self, IpcMapping, HANDLE_LEN};
 use super::kernel_calls::{
     self, FlagWait, NvlLocal, PeerRegions, RecvOutputs, SendInputs, SendState, SourceRows,
 };
@@ -32,6 +31,8 @@ use super::{MoeShape, MoeStatus, MoeWire, WireLayout};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{KernelError, Result};
+use crate::flag::DeviceFlag;
+use crate::ipc::{IpcHandle, IPC_HANDLE_BYTES as HANDLE_LEN};
 use crate::stream::Stream;
 
 /// The `[W]` u64 table of every rank's symmetric base address, built once the team is
@@ -48,7 +49,7 @@ enum PeerMemory {
     /// Another device of this process (peer access).
     Local(DeviceBuffer),
     /// Another process's allocation, mapped over CUDA IPC.
-    Ipc(IpcMapping),
+    Ipc(DeviceBuffer),
 }
 
 /// Magic prefix of [`NvlinkMoe::export_handles`].
@@ -184,7 +185,13 @@ impl NvlinkMoe {
 
     /// This rank's CUDA IPC handle and layout check, as bytes for the rendezvous.
     pub fn export_handles(&self) -> Result<Vec<u8>> {
-        let handle = ipc::export(&self.sym)?;
+        let export = self.sym.export_ipc()?;
+        if export.offset != 0 {
+            return Err(KernelError::InvalidArgument(
+                "the NVLink MoE symmetric buffer is not a whole allocation".into(),
+            ));
+        }
+        let handle = export.handle.to_bytes();
         let mut out = Vec::with_capacity(HANDLE_MAGIC.len() + 16 + HANDLE_LEN);
         out.extend_from_slice(HANDLE_MAGIC);
         out.extend_from_slice(&(self.core.rank as u64).to_le_bytes());
@@ -211,7 +218,15 @@ impl NvlinkMoe {
                 bases.push(self.sym.addr());
                 peers.push(PeerMemory::Own);
             } else {
-                let mapping = IpcMapping::open(&self.core.device, &handle)?;
+                let mapping =
+                    DeviceBuffer::open_ipc(&self.core.device, &handle, self.layout.total)?;
+                if mapping.len() < self.layout.total {
+                    return Err(KernelError::InvalidArgument(format!(
+                        "NVLink MoE import: rank {r} maps {} bytes, the layout needs {}",
+                        mapping.len(),
+                        self.layout.total
+                    )));
+                }
                 bases.push(mapping.addr());
                 peers.push(PeerMemory::Ipc(mapping));
             }
@@ -219,7 +234,7 @@ impl NvlinkMoe {
         self.connect(&bases, peers)
     }
 
-    fn parse_handle(&self, rank: usize, bytes: &[u8]) -> Result<[u8; HANDLE_LEN]> {
+    fn parse_handle(&self, rank: usize, bytes: &[u8]) -> Result<IpcHandle> {
         let bad = |why: &str| {
             Err(KernelError::InvalidArgument(format!(
                 "NVLink MoE import: the handle of rank {rank} {why}"
@@ -244,9 +259,7 @@ impl NvlinkMoe {
                 self.layout.total
             ));
         }
-        let mut h = [0u8; HANDLE_LEN];
-        h.copy_from_slice(&bytes[m + 16..]);
-        Ok(h)
+        IpcHandle::from_bytes(&bytes[m + 16..])
     }
 
     /// How long a receive waits on the device for a peer before giving up with
@@ -254,6 +267,25 @@ impl NvlinkMoe {
     /// [`MoeTransport::clear_status`]).
     pub fn set_flag_timeout(&mut self, timeout: std::time::Duration) {
         self.flag_timeout_ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
+    }
+
+    /// Makes every wait of this rank's kernels for a peer give up at once, raising
+    /// [`MoeStatus::TIMEOUT`] (a write from a fresh stream, seen by kernels already waiting):
+    /// for when a peer is known to be gone, so that the device drains and the transport can be
+    /// dropped without waiting for the flag timeout. The transport's results are garbage from
+    /// then on; drop it.
+    pub fn abandon(&self) {
+        let raise = || -> Result<()> {
+            let s = Stream::new(&self.core.device)?;
+            DeviceFlag::at(self.core.status.view(0, 4)?)?.signal(&s, MoeStatus::TIMEOUT)?;
+            s.synchronize()
+        };
+        if let Err(e) = raise() {
+            tracing::warn!(
+                rank = self.core.rank,
+                "abandoning the NVLink MoE waits failed: {e}"
+            );
+        }
     }
 
     /// A view of region `off` of `bytes` bytes of this rank's symmetric allocation.

@@ -11,6 +11,8 @@ mod moe_combine;
 mod rows;
 
 pub use layout::{cat, expand, slice};
+#[cfg(feature = "cuda")]
+pub(crate) use moe::kernel_scales;
 pub use moe::{moe_dispatch, pack_dispatch, unpack_dispatch, Fp8Rows, MoeRows};
 pub use moe_combine::{moe_combine, pack_combine, unpack_combine};
 pub use rows::{reduce, rms_norm, softmax, Reduce};

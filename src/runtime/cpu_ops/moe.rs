@@ -88,7 +88,7 @@ pub(super) fn batch_2(op: &'static str, what: &str, s: &[u64]) -> Result<(u64, u
 }
 
 /// The kernels crate's name for a scale granularity.
-pub(super) fn kernel_scales(s: Fp8Scales) -> fp8::Fp8Scales {
+pub(crate) fn kernel_scales(s: Fp8Scales) -> fp8::Fp8Scales {
     match s {
         Fp8Scales::PerToken => fp8::Fp8Scales::PerToken,
         Fp8Scales::Block128 => fp8::Fp8Scales::Block128,

@@ -18,13 +18,20 @@ use super::graph::GraphRecorder;
 use super::memory::CudaBuffer;
 use super::profile::{Interval, IntervalKind};
 use super::teams::Communicators;
-use super::transport::{Environment, PeerHub, PostCx, Posted, ProxyAccess, Transports};
+use super::transport::{
+    Environment, HubLink, IpcLink, PeerHub, PeerLink, PostCx, Posted, ProxyAccess, Transports,
+};
 use crate::runtime::backend::{
     Backend, BackendError, CommLabel, CommRequest, InstCtx, KernelId, PlanInfo, StreamIndex,
     TensorView,
 };
 use crate::runtime::data::TensorData;
 use crate::runtime::rendezvous::Rendezvous;
+
+/// How long a peer process must have been gone before a rank waiting for its device gives up
+/// on it (a peer that left after doing its part is no failure if the device finishes
+/// meanwhile); well under the usual timeouts, so that a dead peer is reported long before them.
+const LOST_PEER_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The CUDA backend of one rank: device `ordinal`, a main stream and a pool of worker streams,
 /// a caching allocator, one NCCL communicator per team, the transports its program selected,
@@ -41,8 +48,11 @@ pub struct CudaBackend {
     failed: bool,
     /// The graph recorded or replayed in this run.
     graph: GraphRecorder,
-    /// The copy-engine hub of an in-process launch.
-    hub: Option<Arc<PeerHub>>,
+    /// How this rank reaches its peers' GPU memory: the hub of an in-process launch, or CUDA
+    /// IPC with ranks in other processes (made at the first prepare that needs it).
+    link: Option<Arc<dyn PeerLink>>,
+    /// Whether a CUDA IPC link was tried already (it is made once).
+    ipc_tried: bool,
     /// This rank's host proxy to ranks of other nodes, with the run's nodes.
     proxy: Option<ProxyAccess>,
 }
@@ -131,7 +141,8 @@ impl CudaBackend {
             posted: 0,
             failed: false,
             graph: GraphRecorder::default(),
-            hub: None,
+            link: None,
+            ipc_tried: false,
             proxy: None,
         })
     }
@@ -192,16 +203,54 @@ impl CudaBackend {
     /// Joins the copy-engine hub of an in-process launch (every rank of the launch joins the
     /// same hub): teams whose members all joined, with peer access between their GPUs, can
     /// use the copy-engine and NVLink MoE transports (see [`CudaConfig::transport`]).
+    ///
+    /// Without a hub, a backend given a rendezvous that spans processes meets the members of
+    /// its teams in other processes of this host through it and shares memory with them over
+    /// CUDA IPC: teams
+    /// whose every pair of ranks can (another process, peer access between their GPUs) use
+    /// those transports too; the others use NCCL (the reason is logged).
     pub fn set_peer_hub(&mut self, hub: Arc<PeerHub>) {
         hub.register(self.core.rank, &self.core.device);
-        self.hub = Some(hub);
+        self.link = Some(Arc::new(HubLink::new(hub)));
+    }
+
+    /// Keeps this rank off CUDA IPC: its teams with ranks of other processes use NCCL. Every
+    /// rank of a run must agree (a rank with a link waits at the rendezvous for its teammates'
+    /// verdicts): launchers call it on all ranks or none.
+    pub fn disable_ipc_peers(&mut self) {
+        self.ipc_tried = true;
+    }
+
+    /// Makes the CUDA IPC link before the first program with a team of several ranks, unless
+    /// the rank has a hub, was kept off CUDA IPC, has no rendezvous or one of threads of this
+    /// process only, or NCCL is forced.
+    fn ensure_link(&mut self, info: &PlanInfo<'_>) -> Result<(), BackendError> {
+        if self.link.is_some()
+            || self.ipc_tried
+            || self.config.transport == Some(Transport::Nccl)
+            || !info.teams.iter().any(|t| t.members.len() > 1)
+        {
+            return Ok(());
+        }
+        let Some(rdv) = self.core.rendezvous.clone() else {
+            return Ok(());
+        };
+        self.ipc_tried = true;
+        if !rdv.spans_processes() {
+            return Ok(());
+        }
+        self.link = Some(Arc::new(IpcLink::new(&self.core, rdv)?));
+        Ok(())
     }
 
     /// Reaches ranks of other nodes (by `topology`) through `proxy`, this rank's host proxy:
     /// collective permutes and MoE dispatch/combine with a peer on another node use it, the
-    /// rest stays on NCCL. CUDA graph recording is refused for programs that use it.
+    /// rest stays on NCCL (also with ranks of its node in other processes: no CUDA IPC, see
+    /// [`CudaBackend::disable_ipc_peers`]). CUDA graph recording is refused for programs that
+    /// use it.
     pub fn set_proxy(&mut self, proxy: Arc<Proxy>, topology: Topology) {
         self.proxy = Some(ProxyAccess { proxy, topology });
+        self.ipc_tried = true;
     }
 
     /// Tells the ranks of other nodes that this rank failed (their waits for its messages end
@@ -216,24 +265,45 @@ impl CudaBackend {
     /// marks the rank failed.
     fn abort_all(&mut self) {
         self.failed = true;
-        self.transports.release(false);
+        // Unblock the device first (signal words, NCCL), so that releasing the transports,
+        // which may wait for the device, cannot wait for a peer that will never come.
+        if let Some(l) = &self.link {
+            l.abandon();
+        }
         self.comms.abort_all(self.core.rank);
+        self.transports.release(false);
     }
 
     /// Blocks until `done` completes (see [`DeviceCore::wait_device`]); aborts everything when
     /// a peer failed or stopped.
     fn wait_device(&mut self, done: &meshflow_kernels::Event) -> Result<(), BackendError> {
         let comms = &self.comms;
+        let link = self.link.as_ref();
         let rank = self.core.rank;
-        match self.core.wait_device(done, || comms.async_error(rank)) {
+        let poll = || {
+            comms
+                .async_error(rank)
+                .or_else(|| link.and_then(|l| l.failure(LOST_PEER_GRACE)))
+        };
+        match self.core.wait_device(done, poll) {
             Ok(()) => Ok(()),
             Err(f) => {
-                if f.abort {
+                // A peer process that stopped is the cause of whatever the device reports
+                // since (e.g. a fault reading its memory).
+                let lost = self.lost_peer();
+                if f.abort || lost.is_some() {
                     self.abort_all();
                 }
-                Err(f.error)
+                Err(lost.unwrap_or(f.error))
             }
         }
+    }
+
+    /// A peer process known to have stopped, as the error to report.
+    fn lost_peer(&self) -> Option<BackendError> {
+        self.link
+            .as_ref()
+            .and_then(|l| l.failure(std::time::Duration::ZERO))
     }
 
     fn user_kernel(&mut self, k: KernelId) -> Result<UserKernel, BackendError> {
@@ -335,8 +405,9 @@ impl Backend for CudaBackend {
         self.core.current = 0;
         self.core.group = None;
         self.comms.prepare(&self.core, info.teams)?;
+        self.ensure_link(info)?;
         let env = Environment {
-            hub: self.hub.as_ref(),
+            link: self.link.as_ref(),
             proxy: self.proxy.as_ref(),
             config: &self.config,
         };
@@ -345,6 +416,12 @@ impl Backend for CudaBackend {
 
     fn transport_of(&self, label: CommLabel) -> Option<Transport> {
         self.transports.transport_of(label)
+    }
+
+    /// Both MoE transports (NCCL, NVLink) move native rows and FP8 rows with per-token or
+    /// per-128-channel scales; the dispatch checks that the token width allows the scales.
+    fn supports_moe_wire(&self, _wire: meshflow_ir::MoeWire) -> bool {
+        true
     }
 
     fn allocate(&mut self, dtype: DType, shape: &[u64]) -> Result<CudaBuffer, BackendError> {
@@ -566,7 +643,9 @@ impl Backend for CudaBackend {
         }
         self.graph.end_run(&mut self.core)?;
         self.core.pending_reads.clear();
-        self.transports.check_status(&self.core)?;
+        if let Err(e) = self.transports.check_status(&self.core) {
+            return Err(self.lost_peer().unwrap_or(e));
+        }
         let core = &mut self.core;
         let rank = core.rank;
         let e = core.err("cuEventElapsedTime");

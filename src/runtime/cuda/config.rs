@@ -38,11 +38,12 @@ pub struct CudaConfig {
     pub kernels: CudaKernels,
     /// The transport to force, where it can carry a communication; `None` (the default):
     /// chosen per team when a program is prepared (see the selection rules in
-    /// `src/runtime/cuda/transport/select.rs` and `docs/architecture.md`):
+    /// `src/runtime/transport_rules.rs` and `docs/architecture.md`):
     /// - `Nccl`: NCCL for every communication (ranks of other nodes still go through the
     ///   host proxy);
     /// - `CopyEngine`: collective permutes, broadcasts and sum reduce-scatters over the copy
-    ///   engine; a team that cannot use it is an error;
+    ///   engine; a team whose GPUs do not reach each other's memory (peer access in one
+    ///   process, or CUDA IPC between processes of one host) is an error;
     /// - `Nvlink`: MoE dispatch and combine over the NVLink kernels; a team that cannot use
     ///   them is an error;
     /// - `HostProxy` cannot be forced: the split into nodes selects it.
@@ -55,8 +56,8 @@ pub struct CudaConfig {
     pub steps: usize,
     /// Record one step as a CUDA graph per run and replay it `steps` times (see
     /// [`Evaluator::set_graph`](crate::runtime::Evaluator::set_graph)). Programs whose
-    /// transports need the host during a step (copy engine, host proxy, NVLink MoE) are
-    /// refused with the reason.
+    /// transports need the host during a step (copy engine, host proxy) are refused with the
+    /// reason; MoE over NVLink replays (its step number lives on the device).
     pub graph: bool,
     /// Split the ranks of a launch into nodes of this many consecutive ranks: collective
     /// permutes and MoE dispatch/combine between ranks of different nodes go through the

@@ -122,6 +122,9 @@ pub(crate) struct DeviceCore {
     /// A stream that only waits for peers' reads of this rank's memory, so that releases and
     /// the end of a run are ordered after them.
     pub peer_reads: Stream,
+    /// The stream that raises this rank's signals in peers' memory (CUDA IPC peers): one
+    /// stream, so that the values of each signal grow in the order they are raised.
+    pub signals: Stream,
     /// Per buffer: peers' reads of element ranges that later writes must wait for.
     #[allow(clippy::type_complexity)]
     pub pending_reads: HashMap<CudaBuffer, Vec<((u64, u64), Rc<Event>)>>,
@@ -164,6 +167,7 @@ impl DeviceCore {
         }
         let copy_stream = new_stream()?;
         let peer_reads = new_stream()?;
+        let signals = new_stream()?;
         Ok(DeviceCore {
             rank,
             kernels: Kernels::new(&device),
@@ -176,6 +180,7 @@ impl DeviceCore {
             group: None,
             copy_stream,
             peer_reads,
+            signals,
             pending_reads: HashMap::new(),
             timeout: config.timeout,
             abort,
@@ -248,11 +253,11 @@ impl DeviceCore {
             .map_err(self.err("cuEventRecord"))
     }
 
-    /// The main, worker, copy and peer-read streams.
+    /// The main, worker, copy, peer-read and signal streams.
     pub fn all_streams(&self) -> impl Iterator<Item = &Stream> {
         self.streams
             .iter()
-            .chain([&self.copy_stream, &self.peer_reads])
+            .chain([&self.copy_stream, &self.peer_reads, &self.signals])
     }
 
     /// Retires the temporaries of the op just issued on the current stream.

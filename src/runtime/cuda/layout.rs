@@ -17,6 +17,17 @@ pub(super) fn kdtype(d: DType) -> KDType {
     }
 }
 
+/// The kernels crate's encoding of MoE dispatch rows `wire`.
+pub(super) fn kwire(wire: meshflow_ir::MoeWire) -> meshflow_kernels::moe::MoeWire {
+    use meshflow_ir::MoeWire as W;
+    match wire {
+        W::Native => meshflow_kernels::moe::MoeWire::Native,
+        W::Fp8E4m3(s) => {
+            meshflow_kernels::moe::MoeWire::Fp8E4m3(crate::runtime::cpu_ops::kernel_scales(s))
+        }
+    }
+}
+
 /// Bytes per element.
 pub(super) fn elem_bytes(d: DType) -> usize {
     kdtype(d).size_bytes()

@@ -11,8 +11,10 @@
 //! - The backend is a **device core** (`core.rs`: streams, memory, events, timeline) plus one
 //!   object per **transport** (`transport/`): NCCL (one communicator per team, created once
 //!   through a [`Rendezvous`](crate::runtime::rendezvous::Rendezvous) and cached for the
-//!   process), the copy engine (in-process peers), the host proxy (ranks of other nodes), MoE
-//!   over NCCL and MoE over NVLink. The transport of every communication is selected per team
+//!   process), the copy engine (peers whose GPU memory this rank reaches: threads of this
+//!   process through the launch's hub, or processes of this host over CUDA IPC), the host
+//!   proxy (ranks of other nodes), MoE over NCCL and MoE over NVLink (the same peers as the
+//!   copy engine). The transport of every communication is selected per team
 //!   when the program is prepared ([`Transport`], [`CudaConfig::transport`]; the rules are in
 //!   `src/runtime/transport_rules.rs`), and traces and reports name it.
 //! - Profiling mode ([`CudaConfig::profile`]) records events around every compute op and

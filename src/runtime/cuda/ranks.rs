@@ -4,7 +4,9 @@
 //! Multi-process runs follow torchrun: `RANK`, `WORLD_SIZE`, `LOCAL_RANK` (the GPU),
 //! `MASTER_ADDR` and `MASTER_PORT` (rank 0's TCP rendezvous store). The same variables on
 //! several hosts, with `MASTER_ADDR` naming rank 0's host, give a multi-node run: NCCL finds
-//! the inter-node transport itself (set `NCCL_SOCKET_IFNAME` / `NCCL_IB_HCA` as usual).
+//! the inter-node transport itself (set `NCCL_SOCKET_IFNAME` / `NCCL_IB_HCA` as usual). Ranks
+//! in processes of one host share GPU memory over CUDA IPC where they can, so their teams get
+//! the copy-engine and NVLink MoE transports as the threads of one process do.
 //!
 //! With [`CudaConfig::node_size`] or `MESHFLOW_NODE_SIZE` the ranks form nodes of that many
 //! consecutive ranks (also on one host, to test the inter-node path): every rank with a peer on
@@ -213,6 +215,7 @@ fn rank_main(
     iterations: usize,
     hub: Option<Arc<PeerHub>>,
     proxy: Option<(Arc<Proxy>, Topology)>,
+    ipc: bool,
 ) -> RankResult {
     let notifier = proxy.as_ref().map(|(p, _)| p.clone());
     let fail = |e: &RuntimeError| {
@@ -237,6 +240,9 @@ fn rank_main(
             b.set_start_barrier(world);
             if let Some(h) = hub {
                 b.set_peer_hub(h);
+            }
+            if !ipc {
+                b.disable_ipc_peers();
             }
             if let Some((p, topology)) = proxy {
                 b.set_proxy(p, topology);
@@ -412,9 +418,10 @@ pub fn run_cuda_timed(
             let spawned = std::thread::Builder::new()
                 .name(format!("meshflow-cuda-rank-{rank}"))
                 .spawn_scoped(scope, move || {
+                    // Every rank is a thread of this process: no CUDA IPC.
                     rank_main(
                         host, rank, rank, world, inputs, rank_rdv, abort, config, warmup,
-                        iterations, hub, proxy,
+                        iterations, hub, proxy, false,
                     )
                 });
             match spawned {
@@ -511,7 +518,11 @@ pub fn run_rank(
     iterations: usize,
 ) -> Result<RankRun, CudaRunError> {
     let abort = AbortSignal::new();
-    let (proxy, wire) = match nodes_of(world, config)? {
+    let topology = nodes_of(world, config)?;
+    // One process per rank on one node: the ranks share GPU memory over CUDA IPC where they
+    // can (a run split into nodes keeps each node's peers on NCCL).
+    let ipc = topology.is_none();
+    let (proxy, wire) = match topology {
         Some(topology) => {
             let host_addr = proxy_host();
             let mut p = connect_nodes(&topology, &[rank], &host_addr, &rendezvous, config)?;
@@ -533,6 +544,7 @@ pub fn run_rank(
         iterations,
         None,
         proxy,
+        ipc,
     );
     if let (Ok(_), Some(p)) = (&ran, &held) {
         if let Err(e) = p.flush(config.timeout) {

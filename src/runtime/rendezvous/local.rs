@@ -144,6 +144,10 @@ impl Rendezvous for LocalRendezvous {
     fn abort(&self, reason: &str) {
         self.store.abort(reason);
     }
+
+    fn spans_processes(&self) -> bool {
+        false
+    }
 }
 
 #[cfg(test)]
@@ -165,6 +169,7 @@ mod tests {
         });
         let err = r.fetch("missing", Duration::from_millis(20)).unwrap_err();
         assert!(matches!(err, RendezvousError::Timeout { .. }), "{err}");
+        assert!(!r.spans_processes(), "threads of one process only");
         r.abort("rank 1 failed");
         let err = r.barrier("c", 2, t).unwrap_err();
         assert_eq!(err, RendezvousError::Aborted("rank 1 failed".into()));

@@ -70,4 +70,11 @@ pub trait Rendezvous: Send + Sync + fmt::Debug {
     /// Fails every current and future wait of every rank with [`RendezvousError::Aborted`]
     /// (best effort: a store that cannot be reached is only logged).
     fn abort(&self, reason: &str);
+
+    /// Whether the ranks meeting here may live in several processes (the default). A store
+    /// only threads of one process can share says `false`: its ranks then never look for
+    /// peers in other processes (CUDA IPC).
+    fn spans_processes(&self) -> bool {
+        true
+    }
 }

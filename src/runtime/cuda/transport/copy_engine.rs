@@ -1,61 +1,56 @@
 //! The copy-engine transport: collective permutes, broadcasts and sum reduce-scatters between
-//! the in-process ranks of one launch (one thread per GPU) as peer copies, without NCCL and
-//! without SMs (but for the reduction).
+//! the ranks of a team whose GPUs reach each other's memory, as copies by the receiving GPU's
+//! copy engines, without NCCL and without SMs (but for the reduction). The ranks meet through a
+//! [`PeerLink`]: threads of one process through the launch's hub, or processes of one host
+//! through CUDA IPC (`peers.rs` says how each moves offers and completions).
 //!
 //! Protocol (pull): for every (communication label, instance, sender, receiver) the sender
-//! records a *ready* event on its current stream (its send data is complete there) and offers
-//! `(send bytes, ready)` in the launch's [`PeerHub`](super::PeerHub); the receiver takes the offer (the host
-//! waits until the sender has posted), makes its copy stream wait for `ready`, pulls the bytes
-//! with `cuMemcpyPeerAsync` (a copy engine of the receiving GPU), records a *done* event and
-//! hands it back through the hub. The sender takes every *done* event of its sends before its
-//! post returns (the receivers post the same instruction at the same time, so this host wait
-//! is short) and attaches them to its send buffer: every later op that writes that buffer
-//! first waits for them on its stream (write-after-read ordering is kept per buffer, so a
-//! `wait` only waits for this rank's own receive and the next step's data can be offered
-//! without waiting for the peers' reads of the last one). The sender's peer-read stream also
-//! waits for them, so that deallocation, the allocator's reuse of send temporaries and the end
-//! of the run are ordered after the peers' reads.
+//! offers its send region, ready at the current end of its current stream; the receiver takes
+//! the offer (the host waits until the sender has posted), makes its copy stream wait until
+//! the data is ready, pulls the bytes with a copy engine of the receiving GPU, and reports the
+//! read done once its stream is past the copy. The sender collects the completions of its
+//! sends before its post returns (the receivers post the same instruction at the same time, so
+//! this host wait is short) and attaches them to its send buffer: every later op that writes
+//! that buffer first waits for them on its stream (write-after-read ordering is kept per
+//! buffer, so a `wait` only waits for this rank's own receive and the next step's data can be
+//! offered without waiting for the peers' reads of the last one). The sender's peer-read
+//! stream also waits for them, so that deallocation, the allocator's reuse of send temporaries
+//! and the end of the run are ordered after the peers' reads.
 //!
 //! A reduce-scatter (sum, floating point) pulls chunk `my` of every peer's send buffer into a
 //! temporary and adds them to its own chunk (an elementwise kernel: the only SM work).
 //!
 //! Every host wait watches the run's abort signal and the backend's timeout. A step with
 //! copy-engine transfers cannot be recorded as a CUDA graph (the pulls meet through host waits,
-//! and cross-GPU events do not order replays).
+//! and the signals between GPUs do not order replays).
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use meshflow_ir::{CommKind, DeviceId, EntityRef};
-use meshflow_kernels::{Device, DeviceBuffer, Event};
+use meshflow_kernels::{DeviceBuffer, Event};
 use meshflow_passes::Transport;
 
-use super::hub::{Key, Offer, PeerHub};
 use super::object::{CommTransport, PostCx, Posted};
+use super::peers::{Key, PeerLink};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
 use crate::runtime::cuda::config::CopyStream;
 use crate::runtime::cuda::core::DeviceCore;
 use crate::runtime::cuda::memory::CudaBuffer;
 use crate::runtime::cuda::profile::IntervalKind;
 
-/// A transfer this rank pulled: its `done` event on this GPU.
-struct Pulled {
-    done: Event,
-}
-
 /// The copy-engine transport of one rank.
 pub(crate) struct CopyEngine {
-    hub: Arc<PeerHub>,
+    link: Arc<dyn PeerLink>,
     copy_stream: CopyStream,
     /// Per communication label: instances posted so far.
     seq: HashMap<usize, u64>,
 }
 
 impl CopyEngine {
-    pub fn new(hub: Arc<PeerHub>, copy_stream: CopyStream) -> CopyEngine {
+    pub fn new(link: Arc<dyn PeerLink>, copy_stream: CopyStream) -> CopyEngine {
         CopyEngine {
-            hub,
+            link,
             copy_stream,
             seq: HashMap::new(),
         }
@@ -75,24 +70,8 @@ impl CommTransport for CopyEngine {
         Transport::CopyEngine
     }
 
-    fn prepare_team(
-        &mut self,
-        core: &DeviceCore,
-        team: &TeamInfo,
-        peers: Option<&[Device]>,
-    ) -> Result<(), BackendError> {
-        let peers = peers.ok_or_else(|| {
-            BackendError::Invalid(format!(
-                "rank {}: the copy engine was selected for team {:?} without peer access",
-                core.rank, team.members
-            ))
-        })?;
-        for d in peers {
-            core.device
-                .enable_peer_access(d)
-                .map_err(core.err("cuCtxEnablePeerAccess"))?;
-        }
-        Ok(())
+    fn prepare_team(&mut self, core: &DeviceCore, team: &TeamInfo) -> Result<(), BackendError> {
+        self.link.prepare_copies(core, &team.members)
     }
 
     fn post(
@@ -121,7 +100,7 @@ impl CommTransport for CopyEngine {
                     return Ok(Posted::OnStream(opened));
                 }
                 let t = Transfer {
-                    hub: &self.hub,
+                    link: self.link.as_ref(),
                     copy_stream: self.copy_stream,
                     label: label.index(),
                     seq,
@@ -140,7 +119,7 @@ impl CommTransport for CopyEngine {
             } => {
                 let seq = self.next_seq(label.index());
                 let t = Transfer {
-                    hub: &self.hub,
+                    link: self.link.as_ref(),
                     copy_stream: self.copy_stream,
                     label: label.index(),
                     seq,
@@ -158,7 +137,7 @@ impl CommTransport for CopyEngine {
             } => {
                 let seq = self.next_seq(label.index());
                 let t = Transfer {
-                    hub: &self.hub,
+                    link: self.link.as_ref(),
                     copy_stream: self.copy_stream,
                     label: label.index(),
                     seq,
@@ -175,18 +154,23 @@ impl CommTransport for CopyEngine {
 
     fn capture_blocker(&self) -> Option<&'static str> {
         Some(
-            "copy-engine transfers meet through host waits and cross-GPU events do not order \
-             graph replays; force the NCCL transport to record graphs",
+            "copy-engine transfers meet through host waits and the signals between GPUs do not \
+             order graph replays; force the NCCL transport to record graphs",
         )
     }
 }
 
 /// One instance of a labelled copy-engine transfer.
-struct Transfer<'h> {
-    hub: &'h PeerHub,
+struct Transfer<'l> {
+    link: &'l dyn PeerLink,
     copy_stream: CopyStream,
     label: usize,
     seq: u64,
+}
+
+/// A transfer this rank pulled: its `done` event on this GPU.
+struct Pulled {
+    done: Event,
 }
 
 impl Transfer<'_> {
@@ -199,53 +183,28 @@ impl Transfer<'_> {
         }
     }
 
-    /// Offers the send region to `to` (a ready event per receiver, on the current stream).
+    /// The region to offer for `src` (a staged copy where peers cannot read `src` in place,
+    /// left in the core's scratch): call before taking the scratch as send temporaries.
+    fn shareable(
+        &self,
+        core: &mut DeviceCore,
+        src: DeviceBuffer,
+    ) -> Result<DeviceBuffer, BackendError> {
+        self.link.shareable(core, src)
+    }
+
+    /// Offers the send region to `to`, ready at the current stream's end.
     fn offer(
         &self,
         core: &DeviceCore,
         to: DeviceId,
         src: &DeviceBuffer,
     ) -> Result<(), BackendError> {
-        let ready = core
-            .stream()
-            .record_event()
-            .map_err(core.err("cuEventRecord"))?;
-        self.hub.put_offer(
-            self.key(core.rank, to),
-            Offer {
-                src: src.clone(),
-                ready,
-            },
-        );
-        Ok(())
-    }
-
-    /// Takes the offer of `from` to this rank (the host waits for the sender's post).
-    fn take_offer(
-        &self,
-        core: &DeviceCore,
-        name: &'static str,
-        from: DeviceId,
-    ) -> Result<(Key, Offer), BackendError> {
-        let key = self.key(from, core.rank);
-        let deadline = Instant::now() + core.timeout;
-        let abort = || core.aborted();
-        let offer = self
-            .hub
-            .wait_for(deadline, &abort, |s| s.offers.remove(&key))
-            .map_err(|e| {
-                e.unwrap_or_else(|| {
-                    core.timeout_error(
-                        from,
-                        format!("{name} #{} instance {} data", self.label, self.seq),
-                    )
-                })
-            })?;
-        Ok((key, offer))
+        self.link.offer(core, &self.key(core.rank, to), src)
     }
 
     /// Pulls the offer of `from` into `dst` on the copy stream of the configured kind; returns
-    /// the local done event (after handing one to the sender).
+    /// the local done event (after reporting the read to the sender).
     fn pull(
         &self,
         core: &mut DeviceCore,
@@ -254,15 +213,6 @@ impl Transfer<'_> {
         dst: &DeviceBuffer,
         ctx: InstCtx<'_>,
     ) -> Result<Pulled, BackendError> {
-        let (key, offer) = self.take_offer(core, name, from)?;
-        if offer.src.len() != dst.len() {
-            return Err(BackendError::Invalid(format!(
-                "{name}: rank {from} sends {} bytes, rank {} receives {}",
-                offer.src.len(),
-                core.rank,
-                dst.len()
-            )));
-        }
         let on = match self.copy_stream {
             CopyStream::Current => core.current,
             CopyStream::Dedicated => {
@@ -278,8 +228,16 @@ impl Transfer<'_> {
         } else {
             core.streams[on].clone()
         };
-        s.wait(&offer.ready)
-            .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
+        let key = self.key(from, core.rank);
+        let src = self.link.take(core, &key, &s, name)?;
+        if src.len() != dst.len() {
+            return Err(BackendError::Invalid(format!(
+                "{name}: rank {from} sends {} bytes, rank {} receives {}",
+                src.len(),
+                core.rank,
+                dst.len()
+            )));
+        }
         let opened = core
             .timeline
             .open_on(
@@ -292,50 +250,26 @@ impl Transfer<'_> {
                 ctx.iteration,
             )
             .map_err(core.err("cuEventRecord"))?;
-        dst.copy_from(&s, &offer.src)
+        dst.copy_from(&s, &src)
             .map_err(core.err("cuMemcpyPeerAsync"))?;
         core.timeline
             .close_on(&s, opened)
             .map_err(core.err("cuEventRecord"))?;
-        let for_sender = s.record_event().map_err(core.err("cuEventRecord"))?;
-        self.hub.put_done(key, for_sender);
+        self.link.read_done(core, &key, &s)?;
         let done = s.record_event().map_err(core.err("cuEventRecord"))?;
         Ok(Pulled { done })
     }
 
-    /// Takes the done events of this rank's sends to `to` (the host waits for the receivers'
+    /// The completions of this rank's sends to `to` (the host waits for the receivers'
     /// posts); the peer-read stream waits for them.
     fn collect_dones(
         &self,
-        core: &mut DeviceCore,
+        core: &DeviceCore,
         name: &'static str,
         to: &[DeviceId],
     ) -> Result<Vec<Event>, BackendError> {
-        let deadline = Instant::now() + core.timeout;
-        let mut out = Vec::with_capacity(to.len());
-        for &peer in to {
-            let key = self.key(core.rank, peer);
-            let abort = || core.aborted();
-            let done = self
-                .hub
-                .wait_for(deadline, &abort, |s| s.dones.remove(&key))
-                .map_err(|e| {
-                    e.unwrap_or_else(|| {
-                        core.timeout_error(
-                            peer,
-                            format!(
-                                "{name} #{} instance {}: the receiver's copy",
-                                self.label, self.seq
-                            ),
-                        )
-                    })
-                })?;
-            core.peer_reads
-                .wait(&done)
-                .map_err(core.err("cuStreamWaitEvent (peer read done)"))?;
-            out.push(done);
-        }
-        Ok(out)
+        let keys: Vec<Key> = to.iter().map(|&peer| self.key(core.rank, peer)).collect();
+        self.link.reads_done(core, &keys, name)
     }
 
     /// A collective permute over the copy engine; returns the events a `wait` waits for.
@@ -361,7 +295,8 @@ impl Transfer<'_> {
             })
         };
         let (to, from) = (member(send_peer)?, member(recv_peer)?);
-        let src = core.input_region(input)?;
+        let region = core.input_region(input)?;
+        let src = self.shareable(core, region)?;
         let send_temps = std::mem::take(&mut core.scratch);
         self.offer(core, to, &src)?;
         let slot = core.output_slot(output, &[input])?;
@@ -427,7 +362,8 @@ impl Transfer<'_> {
         let i = input.ok_or_else(|| {
             BackendError::Invalid(format!("{NAME}: the root holds no send buffer"))
         })?;
-        let src = core.input_region(i)?;
+        let region = core.input_region(i)?;
+        let src = self.shareable(core, region)?;
         let send_temps = std::mem::take(&mut core.scratch);
         let others: Vec<DeviceId> = team
             .members
@@ -481,7 +417,8 @@ impl Transfer<'_> {
                 output.dtype
             )));
         }
-        let src = core.input_region(input)?;
+        let region = core.input_region(input)?;
+        let src = self.shareable(core, region.clone())?;
         let send_temps = std::mem::take(&mut core.scratch);
         let my = team.my_index;
         // Peers in ring order from this rank (my + 1, my + 2, ...): at every point of the
@@ -495,25 +432,26 @@ impl Transfer<'_> {
         for &m in &others {
             self.offer(core, m, &src)?;
         }
-        let mine = src.chunk(my, d).map_err(core.err("reduce_scatter chunk"))?;
+        let mine = region
+            .chunk(my, d)
+            .map_err(core.err("reduce_scatter chunk"))?;
         let chunk_bytes = mine.len();
         let slot = core.output_slot(output, &[input])?;
         let received = core.temp(chunk_bytes * others.len())?;
         let s = core.stream().clone();
         let mut offers = Vec::with_capacity(others.len());
         for &from in &others {
-            let (key, offer) = self.take_offer(core, NAME, from)?;
-            if offer.src.len() != src.len() {
+            let key = self.key(from, core.rank);
+            let peer_src = self.link.take(core, &key, &s, NAME)?;
+            if peer_src.len() != src.len() {
                 return Err(BackendError::Invalid(format!(
                     "{NAME}: rank {from} sends {} bytes, rank {} sends {}",
-                    offer.src.len(),
+                    peer_src.len(),
                     core.rank,
                     src.len()
                 )));
             }
-            s.wait(&offer.ready)
-                .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
-            offers.push((key, offer));
+            offers.push((key, peer_src));
         }
         let opened = core
             .timeline
@@ -528,9 +466,8 @@ impl Transfer<'_> {
             )
             .map_err(core.err("cuEventRecord"))?;
         let kd = crate::runtime::cuda::layout::kdtype(input.dtype);
-        for (k, (key, offer)) in offers.into_iter().enumerate() {
-            let part = offer
-                .src
+        for (k, (key, peer_src)) in offers.into_iter().enumerate() {
+            let part = peer_src
                 .chunk(my, d)
                 .map_err(core.err("reduce_scatter chunk"))?;
             let dst = received
@@ -538,8 +475,7 @@ impl Transfer<'_> {
                 .map_err(core.err("reduce_scatter temporary"))?;
             dst.copy_from(&s, &part)
                 .map_err(core.err("cuMemcpyPeerAsync"))?;
-            let for_sender = s.record_event().map_err(core.err("cuEventRecord"))?;
-            self.hub.put_done(key, for_sender);
+            self.link.read_done(core, &key, &s)?;
         }
         for k in 0..others.len() {
             let part = received

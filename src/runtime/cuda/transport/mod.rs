@@ -2,11 +2,15 @@
 //! ([`CommTransport`]), each working on the rank's [`DeviceCore`]:
 //!
 //! - `nccl.rs`: every collective kind and collective permutes over NCCL;
-//! - `copy_engine.rs`: permutes, broadcasts and sum reduce-scatters between in-process GPUs
-//!   with peer access, as copy-engine pulls (meeting through the launch's [`PeerHub`]);
+//! - `copy_engine.rs`: permutes, broadcasts and sum reduce-scatters between GPUs that reach
+//!   each other's memory, as copy-engine pulls;
 //! - `proxy.rs`: permutes with peers on other nodes, staged through the host proxy;
 //! - `moe_nccl.rs`, `moe_nvlink.rs`: MoE dispatch and combine over NCCL or the NVLink kernels
 //!   (the request handling they share is `moe.rs`).
+//!
+//! The copy engine and MoE over NVLink reach the peers' memory through a [`PeerLink`]
+//! (`peers.rs`): the launch's hub for ranks that are threads of one process (`hub.rs`), CUDA
+//! IPC for ranks in several processes of one host (`ipc/`).
 //!
 //! The trait and what a post gets are in `object.rs`; this file only selects and holds the
 //! objects (it depends on every transport file, none depends on it).
@@ -18,11 +22,13 @@
 
 mod copy_engine;
 mod hub;
+mod ipc;
 mod moe;
 mod moe_nccl;
 mod moe_nvlink;
 mod nccl;
 mod object;
+mod peers;
 mod proxy;
 #[cfg(test)]
 mod tests;
@@ -37,13 +43,17 @@ use super::core::DeviceCore;
 use crate::runtime::backend::{BackendError, CommLabel, CommOp, PlanInfo};
 use crate::runtime::transport_rules::{select, Carrier, TeamFacts, Wants};
 
+pub(crate) use hub::HubLink;
 pub use hub::PeerHub;
+pub(crate) use ipc::IpcLink;
 pub(crate) use object::{CommTransport, PostCx, Posted};
+pub(crate) use peers::PeerLink;
 pub(crate) use proxy::ProxyAccess;
 
 /// Where the selection looks up the facts of a team.
 pub(crate) struct Environment<'a> {
-    pub hub: Option<&'a Arc<PeerHub>>,
+    /// How this rank reaches its peers' memory, if it can.
+    pub link: Option<&'a Arc<dyn PeerLink>>,
     pub proxy: Option<&'a ProxyAccess>,
     pub config: &'a CudaConfig,
 }
@@ -80,27 +90,32 @@ impl Transports {
             graph: env.config.graph,
         };
         self.routes.clear();
+        // Whether each team's ranks reach each other's memory, decided with its members.
+        let mut access: Vec<Option<peers::Access>> = vec![None; info.teams.len()];
+        if let (Some(link), false) = (env.link, forced == Some(Transport::Nccl)) {
+            let multi: Vec<usize> = (0..info.teams.len())
+                .filter(|&i| info.teams[i].members.len() > 1)
+                .collect();
+            let lists: Vec<&[DeviceId]> = multi
+                .iter()
+                .map(|&i| info.teams[i].members.as_slice())
+                .collect();
+            for (i, a) in multi.into_iter().zip(link.decide(core, &lists)?) {
+                access[i] = Some(a);
+            }
+        }
         let mut facts = Vec::with_capacity(info.teams.len());
-        for t in info.teams {
+        for (t, a) in info.teams.iter().zip(&access) {
             let crosses_nodes = env.proxy.is_some_and(|p| {
                 t.members
                     .iter()
                     .any(|&m| !p.topology.same_node(core.rank, m))
             });
-            let peers = match env.hub {
-                Some(hub) if t.members.len() > 1 && forced != Some(Transport::Nccl) => {
-                    let abort = || core.aborted();
-                    let (ok, devices) = hub.peer_access(&t.members, core.timeout, &abort)?;
-                    ok.then_some(devices)
-                }
-                _ => None,
-            };
-            let f = TeamFacts {
+            facts.push(TeamFacts {
                 size: t.members.len(),
-                peer_access: peers.is_some(),
+                peer_access: matches!(a, Some(Ok(()))),
                 crosses_nodes,
-            };
-            facts.push((f, peers));
+            });
         }
         let mut carried: Vec<(Carrier, usize)> = Vec::new();
         for c in info.comms {
@@ -109,10 +124,14 @@ impl Transports {
                 continue;
             };
             let carrier = match team.and_then(|t| Some((t, facts.get(t.index())?))) {
-                Some((t, (f, _))) => {
+                Some((t, f)) => {
                     let carrier = select(op, c.grouped, f, wants).map_err(|why| {
+                        let detail = match (env.link, access.get(t.index())) {
+                            (Some(l), Some(Some(Err(no)))) => format!(" ({}: {no})", l.name()),
+                            _ => String::new(),
+                        };
                         BackendError::Invalid(format!(
-                            "rank {}: `{}` ({}) on team {:?}: {why}",
+                            "rank {}: `{}` ({}) on team {:?}: {why}{detail}",
                             core.rank,
                             c.name,
                             c.comm,
@@ -137,8 +156,7 @@ impl Transports {
         }
         for (carrier, t) in carried {
             let team = &info.teams[t];
-            let peers = facts[t].1.as_deref();
-            self.object(carrier, env)?.prepare_team(core, team, peers)?;
+            self.object(carrier, env)?.prepare_team(core, team)?;
         }
         Ok(())
     }
@@ -155,7 +173,7 @@ impl Transports {
                 let made: Box<dyn CommTransport> = match carrier {
                     Carrier::Nccl => Box::new(nccl::NcclTransport),
                     Carrier::CopyEngine => Box::new(copy_engine::CopyEngine::new(
-                        need(env.hub, "the copy engine", "a copy-engine hub")?.clone(),
+                        need(env.link, "the copy engine", "a link to the peers' memory")?.clone(),
                         env.config.copy_stream,
                     )),
                     Carrier::HostProxy => Box::new(proxy::HostProxy::new(
@@ -163,7 +181,7 @@ impl Transports {
                     )),
                     Carrier::MoeNccl => Box::new(moe_nccl::moe_over_nccl(env.proxy.cloned())),
                     Carrier::MoeNvlink => Box::new(moe_nvlink::moe_over_nvlink(
-                        need(env.hub, "MoE over NVLink", "a copy-engine hub")?.clone(),
+                        need(env.link, "MoE over NVLink", "a link to the peers' memory")?.clone(),
                     )),
                 };
                 self.objects.push((carrier, made));

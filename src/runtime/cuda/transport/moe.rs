@@ -12,14 +12,14 @@
 //! routing raised on the device are reported when the run finishes.
 
 use meshflow_ir::{DType, DeviceId};
-use meshflow_kernels::moe::{MoeShape, MoeTransport};
+use meshflow_kernels::moe::{MoeShape, MoeTransport, MoeWire};
 use meshflow_kernels::{DType as KDType, DeviceBuffer, KernelError, StridedLayout};
 use meshflow_passes::Transport;
 
 use super::object::{CommTransport, PostCx, Posted};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
 use crate::runtime::cuda::core::{dev_err, DeviceCore};
-use crate::runtime::cuda::layout::kdtype;
+use crate::runtime::cuda::layout::{kdtype, kwire};
 use crate::runtime::cuda::memory::CudaBuffer;
 
 type TV = TensorView<CudaBuffer>;
@@ -31,12 +31,13 @@ pub(super) trait EngineSource {
     /// The transport the engines implement.
     const TRANSPORT: Transport;
 
-    /// Makes this rank's engine of `team` for `shape`.
+    /// Makes this rank's engine of `team` for `shape`, encoding dispatched rows as `wire`.
     fn make(
         &mut self,
         cx: &mut PostCx<'_>,
         team: &TeamInfo,
         shape: &MoeShape,
+        wire: MoeWire,
     ) -> Result<Self::Engine, BackendError>;
 
     /// The engine's dispatch/combine object.
@@ -57,10 +58,11 @@ pub(super) trait EngineSource {
     }
 }
 
-/// One engine: a team, a shape, the engine.
+/// One engine: a team, a shape, a wire, the engine.
 struct Held<E> {
     members: Vec<DeviceId>,
     shape: MoeShape,
+    wire: MoeWire,
     engine: E,
 }
 
@@ -86,24 +88,27 @@ impl<S: EngineSource> MoeTeams<S> {
         cx: &mut PostCx<'_>,
         team: &TeamInfo,
         shape: MoeShape,
+        wire: MoeWire,
     ) -> Result<usize, BackendError> {
         if let Some(i) = self
             .engines
             .iter()
-            .position(|e| e.members == team.members && e.shape == shape)
+            .position(|e| e.members == team.members && e.shape == shape && e.wire == wire)
         {
             return Ok(i);
         }
-        let engine = self.source.make(cx, team, &shape)?;
+        let engine = self.source.make(cx, team, &shape, wire)?;
         self.engines.push(Held {
             members: team.members.clone(),
             shape,
+            wire,
             engine,
         });
         Ok(self.engines.len() - 1)
     }
 
-    /// `moe_dispatch(x, topk_idx -> expert_x, expert_counts, routing)`.
+    /// `moe_dispatch(x, topk_idx -> expert_x, expert_counts, routing)`, rows encoded as
+    /// `wire` on the way.
     #[allow(clippy::too_many_arguments)]
     fn dispatch(
         &mut self,
@@ -114,6 +119,7 @@ impl<S: EngineSource> MoeTeams<S> {
         expert_x: &TV,
         expert_counts: &TV,
         routing: &TV,
+        wire: meshflow_ir::MoeWire,
     ) -> Result<(), BackendError> {
         const WHAT: &str = "moe_dispatch";
         let rank = cx.core.rank;
@@ -140,9 +146,20 @@ impl<S: EngineSource> MoeTeams<S> {
             capacity: c,
             dtype: kdtype(x.dtype),
         };
-        let i = self.engine(cx, team, shape)?;
+        let wire = kwire(wire);
+        wire.validate(&shape)
+            .map_err(|e| invalid(rank, WHAT, format!("`x` {:?}: {e}", x.shape)))?;
+        let i = self.engine(cx, team, shape, wire)?;
         let core = &mut *cx.core;
-        let xb = core.input_region(x)?;
+        let mut xb = core.input_region(x)?;
+        if wire != MoeWire::Native && !xb.is_aligned(16) {
+            // FP8 dispatch reads `x` in 16-byte vectors: stage a view that starts elsewhere.
+            let staged = core.temp(xb.len())?;
+            staged
+                .copy_from(core.stream(), &xb)
+                .map_err(core.err("moe_dispatch (aligning x)"))?;
+            xb = staged;
+        }
         let ib = core.input_region(topk_idx)?;
         let s = core.stream().clone();
         let e = core.err(WHAT);
@@ -286,8 +303,18 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 expert_x,
                 expert_counts,
                 routing,
+                wire,
                 ..
-            } => self.dispatch(cx, team, x, topk_idx, expert_x, expert_counts, routing)?,
+            } => self.dispatch(
+                cx,
+                team,
+                x,
+                topk_idx,
+                expert_x,
+                expert_counts,
+                routing,
+                *wire,
+            )?,
             CommRequest::MoeCombine {
                 team,
                 expert_y,

@@ -4,7 +4,7 @@
 //! rendezvous like the team ones (cached for the process under `<namespace>/moe`). In runs
 //! split into nodes, the blocks for members on other nodes go through the host proxy.
 
-use meshflow_kernels::moe::{MoeShape, MoeTransport, NcclMoe};
+use meshflow_kernels::moe::{MoeShape, MoeTransport, MoeWire, NcclMoe};
 use meshflow_kernels::KernelError;
 use meshflow_passes::Transport;
 
@@ -43,6 +43,7 @@ impl EngineSource for NcclEngines {
         cx: &mut PostCx<'_>,
         team: &TeamInfo,
         shape: &MoeShape,
+        wire: MoeWire,
     ) -> Result<NcclEngine, BackendError> {
         let core = &*cx.core;
         let lib = cx.comms.loaded()?.clone();
@@ -55,8 +56,8 @@ impl EngineSource for NcclEngines {
             Some(c) => c,
             None => cx.comms.create(core, &lib, &key, team.my_index)?,
         };
-        let mut moe =
-            NcclMoe::new(comm, shape).map_err(core.err("creating the NCCL MoE transport"))?;
+        let mut moe = NcclMoe::with_wire(comm, shape, wire)
+            .map_err(core.err("creating the NCCL MoE transport"))?;
         if let Some(p) = &self.proxy {
             if let Some(route) = p.new_route(core, &team.members, MOE_ROUTE)? {
                 moe.set_route(route);

@@ -1,32 +1,32 @@
 //! The MoE-over-NVLink transport: MoE dispatch and combine through the NVLink kernels of
-//! `meshflow-kernels` ([`NvlinkMoe`]: rows stored straight into the peers' peer-mapped
-//! buffers, device-side flags). Selected for teams whose GPUs are all in this process with
-//! peer access; the engines of a team are made together by its first member through the
-//! launch's [`PeerHub`] and each member takes its own.
+//! `meshflow-kernels` ([`NvlinkMoe`]: rows stored straight into the peers' mapped buffers,
+//! device-side flags). Selected for teams whose GPUs reach each other's memory: in this
+//! process (the engines of a team are made together by its first member through the launch's
+//! hub), or in processes of one host over CUDA IPC (each member makes its own and they
+//! exchange handles at the rendezvous); the team's [`PeerLink`] does either.
 //!
-//! The engines keep their step number on the device and can be replayed in a CUDA graph (the
-//! kernels crate tests that), but recording runtime steps that use them is not enabled yet: the
-//! transport still refuses graph recording until the runtime path is tested on GPUs.
+//! The engines keep their step number (epoch) on the device and the runtime's dispatch and
+//! combine are device work only (copies, casts, the engine's kernels; the engine is made in the
+//! first, unrecorded step), so steps using them can be recorded as CUDA graphs and replayed.
 
 use std::sync::Arc;
 
-use meshflow_kernels::moe::{MoeShape, MoeTransport, NvlinkMoe};
+use meshflow_kernels::moe::{MoeShape, MoeTransport, MoeWire, NvlinkMoe};
 use meshflow_passes::Transport;
 
-use super::hub::PeerHub;
 use super::moe::{EngineSource, MoeTeams};
 use super::object::PostCx;
+use super::peers::PeerLink;
 use crate::runtime::backend::{BackendError, TeamInfo};
-use crate::runtime::cuda::core::dev_err;
 
-/// Makes NVLink MoE engines through the launch's hub.
+/// Makes NVLink MoE engines through the team's link.
 pub(super) struct NvlinkEngines {
-    hub: Arc<PeerHub>,
+    link: Arc<dyn PeerLink>,
 }
 
 /// The MoE-over-NVLink transport of one rank.
-pub(super) fn moe_over_nvlink(hub: Arc<PeerHub>) -> MoeTeams<NvlinkEngines> {
-    MoeTeams::new(NvlinkEngines { hub })
+pub(super) fn moe_over_nvlink(link: Arc<dyn PeerLink>) -> MoeTeams<NvlinkEngines> {
+    MoeTeams::new(NvlinkEngines { link })
 }
 
 impl EngineSource for NvlinkEngines {
@@ -38,23 +38,11 @@ impl EngineSource for NvlinkEngines {
         cx: &mut PostCx<'_>,
         team: &TeamInfo,
         shape: &MoeShape,
+        wire: MoeWire,
     ) -> Result<NvlinkMoe, BackendError> {
         let core = &*cx.core;
-        let rank = core.rank;
-        let timeout = core.timeout;
-        let abort = || core.aborted();
-        let mut engine = self.hub.nvlink_engine(
-            &team.members,
-            team.my_index,
-            shape,
-            timeout,
-            &abort,
-            |devices| {
-                NvlinkMoe::team(devices, shape)
-                    .map_err(|e| dev_err(rank, "creating the NVLink MoE transport", e))
-            },
-        )?;
-        engine.set_flag_timeout(timeout);
+        let mut engine = self.link.nvlink_engine(core, team, shape, wire)?;
+        engine.set_flag_timeout(core.timeout);
         Ok(engine)
     }
 
@@ -63,9 +51,14 @@ impl EngineSource for NvlinkEngines {
     }
 
     fn capture_blocker(&self) -> Option<&'static str> {
-        Some(
-            "recording steps with the NVLink MoE transport is not enabled yet; force the NCCL \
-             transport to record graphs",
-        )
+        None
+    }
+
+    /// After a failure, the engine's waits for peers give up at once (so that dropping it,
+    /// which waits for its kernels, does not wait for the flag timeout).
+    fn release(e: NvlinkMoe, healthy: bool) {
+        if !healthy {
+            e.abandon();
+        }
     }
 }

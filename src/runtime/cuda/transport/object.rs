@@ -2,7 +2,7 @@
 //! ([`PostCx`]) and returns ([`Posted`]).
 
 use meshflow_ir::DeviceId;
-use meshflow_kernels::{Device, Event};
+use meshflow_kernels::Event;
 use meshflow_passes::Transport;
 
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo};
@@ -33,14 +33,9 @@ pub(crate) trait CommTransport {
     fn kind(&self) -> Transport;
 
     /// Called when a program is prepared, for every team whose communications this object
-    /// carries; `peers` are the team's GPUs when they are all in this process.
-    fn prepare_team(
-        &mut self,
-        core: &DeviceCore,
-        team: &TeamInfo,
-        peers: Option<&[Device]>,
-    ) -> Result<(), BackendError> {
-        let _ = (core, team, peers);
+    /// carries.
+    fn prepare_team(&mut self, core: &DeviceCore, team: &TeamInfo) -> Result<(), BackendError> {
+        let _ = (core, team);
         Ok(())
     }
 

@@ -11,7 +11,7 @@ use meshflow_kernels::proxy::{Topology, WireChoice};
 use meshflow_kernels::{Device, Event};
 
 use super::object::{CommTransport, PostCx, Posted};
-use super::{copy_engine, moe_nccl, moe_nvlink, nccl, proxy, PeerHub};
+use super::{copy_engine, moe_nccl, moe_nvlink, nccl, proxy, HubLink, PeerHub, PeerLink};
 use crate::runtime::backend::{CommLabel, CommRequest, InstCtx, TeamId, TeamInfo, TensorView};
 use crate::runtime::cuda::config::{CopyStream, CudaConfig};
 use crate::runtime::cuda::core::DeviceCore;
@@ -211,10 +211,6 @@ fn hub_with_peers(test: &str) -> Option<Arc<PeerHub>> {
     Some(hub)
 }
 
-fn peers() -> Vec<Device> {
-    (0..2).map(|i| Device::new(i).expect("GPU")).collect()
-}
-
 #[test]
 fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
     let test = "copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters";
@@ -225,10 +221,10 @@ fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
         return;
     };
     for stream in [CopyStream::Current, CopyStream::Dedicated] {
+        let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub.clone()));
         let got = pair("ce", |r| {
-            let mut ce = copy_engine::CopyEngine::new(hub.clone(), stream);
-            ce.prepare_team(&r.core, &r.team, Some(&peers()))
-                .expect("peer access");
+            let mut ce = copy_engine::CopyEngine::new(link.clone(), stream);
+            ce.prepare_team(&r.core, &r.team).expect("peer access");
             let me = r.team.my_index;
             let team = r.team.clone();
             let mine = TensorData::from_f32(DType::F32, &[32], &values(me, 32)).unwrap();
@@ -378,7 +374,8 @@ fn moe_over_nvlink_alone_round_trips_tokens() {
     let Some(hub) = hub_with_peers(test) else {
         return;
     };
+    let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub));
     moe_round_trip("moe-nvlink", |_| {
-        Box::new(moe_nvlink::moe_over_nvlink(hub.clone()))
+        Box::new(moe_nvlink::moe_over_nvlink(link.clone()))
     });
 }

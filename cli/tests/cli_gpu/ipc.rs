@@ -1,0 +1,154 @@
+//! One process per GPU through the binary, on 2 GPUs: `meshflow launch --nproc 2 -- meshflow
+//! run ... --backend cuda --explain` moves collective permutes over the copy engine and MoE
+//! dispatch/combine (bf16, FP8, recorded as a CUDA graph) over NVLink between the processes
+//! (CUDA IPC), passes, and says so; a rank process that exits in the middle of a run
+//! (`MESHFLOW_FAULT_EXIT`) makes the other fail with an error naming it, long before the
+//! timeout. The library-level tests of the same transports are `tests/gpu/ipc.rs`.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use meshflow::runtime::cpu::FAULT_EXIT_STATUS;
+
+use crate::support::gpu::skip_unless;
+
+fn example_path(example: &str) -> String {
+    format!(
+        "{}/examples/programs/{example}.mf",
+        crate::support::root().display()
+    )
+}
+
+/// `meshflow launch --nproc 2 -- meshflow run <example> --backend cuda --ranks 2 --explain
+/// <extra>`: whether it passed, and its output.
+fn launch(example: &str, extra: &[&str]) -> (bool, String) {
+    let exe = env!("CARGO_BIN_EXE_meshflow");
+    let o = Command::new(exe)
+        .args(["launch", "--nproc", "2", "--", exe, "run"])
+        .arg(example_path(example))
+        .args(["--backend", "cuda", "--ranks", "2", "--explain"])
+        .args(extra)
+        .env_remove("MESHFLOW_FAULT_EXIT")
+        .env_remove("MESHFLOW_NODE_SIZE")
+        .output()
+        .expect("the meshflow binary runs");
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    eprintln!("meshflow launch ... {example} {extra:?}:\n{text}");
+    (o.status.success(), text)
+}
+
+#[test]
+fn meshflow_launch_moves_bytes_over_the_copy_engine_and_nvlink_between_processes() {
+    if skip_unless(
+        2,
+        "meshflow_launch_moves_bytes_over_the_copy_engine_and_nvlink_between_processes",
+    ) {
+        return;
+    }
+    // The ring's plans priced for the copy engine (else they assume NCCL, which is then forced).
+    let (ok, text) = launch(
+        "column_parallel_linear_ring",
+        &["--transport", "copy-engine"],
+    );
+    assert!(ok && text.contains("[rank 0] ok "), "{text}");
+    for r in 0..2 {
+        let line = format!("collective_permute: copy-engine (ranks {r})");
+        assert!(text.contains(&line), "missing `{line}`\n{text}");
+    }
+    for (example, extra) in [
+        ("moe_layer", &[][..]),
+        ("moe_layer_fp8", &[][..]),
+        ("moe_layer", &["--graph"][..]),
+    ] {
+        let (ok, text) = launch(example, extra);
+        assert!(
+            ok && text.contains("[rank 0] ok "),
+            "{example} {extra:?}:\n{text}"
+        );
+        for r in 0..2 {
+            for op in ["moe_dispatch", "moe_combine"] {
+                let line = format!("{op}: nvlink (ranks {r})");
+                assert!(text.contains(&line), "missing `{line}`\n{text}");
+            }
+        }
+    }
+}
+
+/// A free TCP port on the loopback interface.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// Runs `example` as two `meshflow run` rank processes (torchrun variables), rank 1 exiting at
+/// its communication #1 (0-based); each rank's exit code and output, and the time until both
+/// ended.
+fn run_with_a_dying_rank(example: &str, extra: &[&str]) -> (Vec<(Option<i32>, String)>, Duration) {
+    let port = free_port().to_string();
+    let start = Instant::now();
+    let children: Vec<_> = (0..2)
+        .map(|rank| {
+            Command::new(env!("CARGO_BIN_EXE_meshflow"))
+                .arg("run")
+                .arg(example_path(example))
+                .args(["--ranks", "2", "--backend", "cuda", "--timeout-ms", "60000"])
+                .args(extra)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("MESHFLOW_FAULT_EXIT", "1:1")
+                .env_remove("MESHFLOW_NODE_SIZE")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("the meshflow binary starts")
+        })
+        .collect();
+    let results = children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().expect("a rank process finishes");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr);
+            (out.status.code(), text)
+        })
+        .collect();
+    (results, start.elapsed())
+}
+
+#[test]
+fn a_rank_process_that_dies_mid_run_fails_its_cuda_ipc_peer_quickly() {
+    if skip_unless(
+        2,
+        "a_rank_process_that_dies_mid_run_fails_its_cuda_ipc_peer_quickly",
+    ) {
+        return;
+    }
+    for (example, extra) in [
+        (
+            "column_parallel_linear_ring",
+            &["--transport", "copy-engine"][..],
+        ),
+        ("moe_layer", &[][..]),
+    ] {
+        let (ranks, took) = run_with_a_dying_rank(example, extra);
+        for (r, (code, text)) in ranks.iter().enumerate() {
+            eprintln!("{example}: rank {r} (exit {code:?}, both done after {took:?}):\n{text}");
+        }
+        assert_eq!(ranks[1].0, Some(FAULT_EXIT_STATUS), "{}", ranks[1].1);
+        assert!(matches!(ranks[0].0, Some(c) if c != 0), "{}", ranks[0].1);
+        assert!(ranks[0].1.contains("rank 1"), "{}", ranks[0].1);
+        // The survivor learns of the loss from the closed connection, not from its 60 s
+        // timeout (start-up takes a few seconds).
+        assert!(
+            took < Duration::from_secs(45),
+            "{example}: rank 0 took {took:?} to fail (its timeout is 60 s)"
+        );
+    }
+}
