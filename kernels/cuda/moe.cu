@@ -5,7 +5,10 @@
 // 16 bytes (kernels/src/moe/wire.rs, WireLayout). The payload is the token row as is (native) or
 // E4M3 codes (FP8, per-token or per-128-channel scales). On arrival the receiver fans a row out
 // to its local experts (expert_x, routing) and records, per received row and k, which expert row
-// it went to (`fan`). The combine reduces, per received row, the weighted outputs of its local
+// it went to (`fan`). A token's row to its own rank carries only the metadata: the sender fans
+// the token out to its local experts itself (the values a receiver would write, FP8 rows
+// quantized and dequantized), so dispatch_recv handles only other ranks' rows and the own
+// fan-out overlaps the transfer. The combine reduces, per received row, the weighted outputs of its local
 // expert rows in k order into ONE partial row, rounded to T, sent back to the token's rank; that
 // rank sums the partials in ascending rank order (`sent_pos[t][r]` says where token t's partial
 // from rank r lies) and rounds once.
@@ -254,10 +257,12 @@ __device__ __forceinline__ unsigned warp_or(unsigned v) {
     return v;
 }
 
-// Up to 32 destination rows of the block's current row, in shared memory.
+// The destination rows of the block's current row, in shared memory: row[0, n_wire) are wire
+// rows (at most 32: one per rank of a chunk), row[n_wire, n) expert rows (at most 32: one per
+// k of a chunk).
 struct RowTargets {
-    char* row[32];
-    int n;
+    char* row[64];
+    int n, n_wire;
 };
 
 // ---- FP8 E4M3 (mirrors kernels/src/fp8.rs bit for bit) -------------------------------------
@@ -328,6 +333,14 @@ __device__ __forceinline__ U128 quantize16(const float* v, float scale) {
     return q;
 }
 
+// The values (code * scale, rounded to T) of 16 E4M3 codes: what a receiver writes.
+template <typename T> __device__ __forceinline__ void dequantize16(U128 codes, float scale, T* o) {
+    const unsigned w[4] = {codes.a, codes.b, codes.c, codes.d};
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+        o[j] = from_f32<T>(__fmul_rn(e4m3_to_f32((w[j >> 2] >> (8 * (j & 3))) & 0xffu), scale));
+}
+
 // max over the lanes of each aligned group of `width` lanes (width a power of two <= 32).
 __device__ __forceinline__ float group_max(float m, int width) {
     for (int o = width >> 1; o > 0; o >>= 1) {
@@ -340,7 +353,9 @@ __device__ __forceinline__ float group_max(float m, int width) {
 // ---- wire payloads (whole block) ----------------------------------------------------------
 
 // The block writes the E4M3 payload of token row x_row (h elements of T, h % 16 == 0, a
-// read-only input) and its scales into every wire row of `to`: one scale per row
+// read-only input) and its scales into the wire rows of `to`, and the values that arrive
+// (code * scale rounded to T, as a receiver dequantizes them) into its expert rows: one scale
+// per row
 // (WIRE_FP8_TOKEN) or per 128 channels (WIRE_FP8_BLOCK, h % 128 == 0). Thread i handles the
 // 16-element chunks c = i + m * blockDim.x, FP8_BATCH of them per round of loads; with block
 // scales the 8 threads 8g .. 8g + 7 (consecutive chunks) share one 128-channel block, wholly
@@ -350,7 +365,7 @@ __device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 s
                                      const RowTargets& to) {
     __shared__ unsigned amax_bits;
     const i64 chunks = h >> 4, nt = blockDim.x;
-    const int n = to.n;
+    const int n = to.n, nw = to.n_wire;
     float row_scale = 1.0f;
     if (wire == WIRE_FP8_TOKEN) {
         if (threadIdx.x == 0) amax_bits = 0u;
@@ -373,7 +388,7 @@ __device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 s
         if (lane_id() == 0) atomicMax(&amax_bits, __float_as_uint(amax));
         __syncthreads();
         row_scale = fp8_scale(__uint_as_float(amax_bits));
-        for (int d = threadIdx.x; d < n; d += nt) *(float*)(to.row[d] + scale_off) = row_scale;
+        for (int d = threadIdx.x; d < nw; d += nt) *(float*)(to.row[d] + scale_off) = row_scale;
     }
     for (i64 base = 0; base < chunks; base += nt * FP8_BATCH) {
         float v[FP8_BATCH][16];
@@ -397,10 +412,15 @@ __device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 s
             }
             if (active) {
                 const U128 codes = quantize16(v[u], scale);
-                for (int d = 0; d < n; ++d) {
+                for (int d = 0; d < nw; ++d) {
                     st_v4(to.row[d] + 16 * c, codes);
                     if (wire == WIRE_FP8_BLOCK && (c & 7) == 0)
                         ((float*)(to.row[d] + scale_off))[c >> 3] = scale;
+                }
+                if (n > nw) {
+                    Pack16<T> o;
+                    dequantize16<T>(codes, scale, o.v);
+                    for (int d = nw; d < n; ++d) *(Pack16<T>*)((T*)to.row[d] + 16 * c) = o;
                 }
             }
         }
@@ -435,19 +455,16 @@ __device__ void block_read_payload(const char* src, i64 h, unsigned wire, i64 sc
         for (int u = 0; u < 4; ++u) {
             const i64 i = base + u * nt;
             if (i < chunks) {
-                const unsigned w[4] = {c[u].a, c[u].b, c[u].c, c[u].d};
                 Pack16<T> o;
-#pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    o.v[j] = from_f32<T>(
-                        __fmul_rn(e4m3_to_f32((w[j >> 2] >> (8 * (j & 3))) & 0xffu), s[u]));
+                dequantize16<T>(c[u], s[u], o.v);
                 for (int d = 0; d < n; ++d) *(Pack16<T>*)((T*)to.row[d] + 16 * i) = o;
             }
         }
     }
 }
 
-// The block writes token row x_row as the payload of every wire row of `to`.
+// The block writes token row x_row as the payload of the wire rows of `to` and as the row of
+// its expert rows (native: the same bytes for both).
 template <typename T>
 __device__ void block_write_payload(const T* x_row, i64 h, unsigned wire, i64 scale_off,
                                     const RowTargets& to) {
@@ -457,23 +474,79 @@ __device__ void block_write_payload(const T* x_row, i64 h, unsigned wire, i64 sc
         block_quantize_multi<T>(x_row, h, wire, scale_off, to);
 }
 
+// ---- fan-out to local experts (warp 0 of a row kernel) ----------------------------------------
+
+// Lane l of warp 0 considers k = k0 + l (when k < K) of a row of token g (team-global: source
+// * T + t) whose expert id is e (-1: none): if expert e lives on this rank, the lane takes a
+// row of it (atomic counter ecnt[le]; past C: MOE_OVERFLOW, dropped) and writes routing (g, k).
+// fan_row[k] = that row or -1. The taken rows are appended to to.row[first ..]; returns their
+// number (the same in every lane).
+__device__ int take_expert_rows(int e, i64 k0, i64 top_k, i64 experts, i64 local_experts,
+                                i64 rank, i64 capacity, i32 g, char* expert_x, i64 row_bytes,
+                                i32* routing, i32* fan_row, i32* ecnt, unsigned* status,
+                                RowTargets& to, int first) {
+    const int lane = lane_id();
+    const i64 k = k0 + lane;
+    int f = -1;
+    char* dst = 0;
+    if (k < top_k) {
+        if (e >= 0 && e < experts && e / local_experts == rank) {
+            const i64 le = e - rank * local_experts;
+            const int slot = atomicAdd(ecnt + le, 1);
+            if (slot < capacity) {
+                const i64 r = le * capacity + slot;
+                store_pair(routing + r * 2, g, (i32)k);
+                dst = expert_x + r * row_bytes;
+                f = (int)r;
+            } else {
+                atomicOr(status, MOE_OVERFLOW);
+            }
+        }
+        fan_row[k] = f;
+    }
+    const unsigned m = __ballot_sync(FULL_MASK, f >= 0);
+    if (f >= 0) to.row[first + __popc(m & lanes_below())] = dst;
+    return __popc(m);
+}
+
 // ---- dispatch, sender side ------------------------------------------------------------------
+
+// Where the sender fans its own tokens out: this rank's local experts (the receiver side of
+// the dispatch never sees this rank's own rows).
+struct OwnFanOut {
+    char* expert_x;
+    i32* routing;
+    i32* fan;
+    i32* ecnt;
+    i64 capacity;
+};
 
 // One block per token t: for every destination r hosting any valid expert of t, warp 0
 // reserves position `pos` in r's rows (atomic on the local counter cnt[r]; sent_pos[t * W + r]
-// = pos or -1), then the block reads the token once and writes the wire row (payload, scales,
-// metadata: token, K expert ids, K weights or zeros) at row_at(r, pos) for all of them.
-// Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
+// = pos or -1) and the block writes the metadata of the wire row at row_at(r, pos) (token, K
+// expert ids, K weights or zeros). Wire rows of other ranks also get the payload (scales);
+// this rank's own row gets none: the block fans the token out to the local experts itself
+// (expert_x, routing, fan[(rank * T + pos) * K + k], as a receiver would), reading the token
+// once for all of them. Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
 template <typename T, typename RowAt>
 __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
                                i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
-                               i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
-                               i32* cnt, i32* sent_pos, unsigned* status) {
+                               i64 rank, i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
+                               i32* cnt, i32* sent_pos, unsigned* status, const OwnFanOut& own) {
     __shared__ RowTargets to;
+    __shared__ char* meta_rows[32];
+    // own_pos: this rank's position of the token (or -1), written by warp 0 in the chunk of
+    // ranks holding this rank and read by every thread after that chunk's first barrier (the
+    // next write follows the chunk's second barrier).
+    __shared__ int n_meta, own_pos;
     const int lane = lane_id();
+    const i64 row_bytes = hidden * (i64)sizeof(T);
     for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         const i32* idx = topk_idx + t * top_k;
+        const T* x_row = x + t * hidden;
+        int p_own = -1;
         for (i64 r0 = 0; r0 < world; r0 += 32) {
+            const bool own_chunk = rank >= r0 && rank < r0 + 32;
             if (threadIdx.x < 32) {
                 unsigned bits = 0u;
                 bool bad = false;
@@ -492,30 +565,71 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
                 const i64 r = r0 + lane;
                 const bool hit = r < world && ((bits >> lane) & 1u) != 0u;
                 int pos = -1;
-                if (hit) pos = atomicAdd(cnt + r, 1);
+                char* row = 0;
+                if (hit) {
+                    pos = atomicAdd(cnt + r, 1);
+                    row = row_at(r, pos);
+                }
                 if (r < world) sent_pos[t * world + r] = pos;
                 const unsigned m = __ballot_sync(FULL_MASK, hit);
-                if (hit) to.row[__popc(m & lanes_below())] = row_at(r, pos);
-                if (lane == 0) to.n = __popc(m);
-            }
-            __syncthreads();
-            const int n = to.n;
-            if (n > 0) {
-                block_write_payload<T>(x + t * hidden, hidden, wire, scale_off, to);
-                const float* w = weights != 0 ? weights + t * top_k : 0;
-                const i64 words = 1 + 2 * top_k;
-                for (i64 q = threadIdx.x; q < n * words; q += blockDim.x) {
-                    const i64 d = q / words, o = q - d * words;
-                    char* meta = to.row[d] + meta_off;
-                    if (o == 0) {
-                        *(i32*)meta = (i32)t;
-                    } else if (o <= top_k) {
-                        ((i32*)meta)[o] = idx[o - 1];
-                    } else {
-                        ((float*)meta)[o] = w != 0 ? w[o - 1 - top_k] : 0.0f;
-                    }
+                if (hit) meta_rows[__popc(m & lanes_below())] = row;
+                const unsigned mr = __ballot_sync(FULL_MASK, hit && r != rank);
+                if (hit && r != rank) to.row[__popc(mr & lanes_below())] = row;
+                const int n_wire = __popc(mr);
+                int n_own = 0;
+                const bool own_here = own_chunk && ((bits >> (rank - r0)) & 1u) != 0u;
+                if (own_chunk && lane == 0) own_pos = -1;
+                if (own_here) {
+                    const int p = __shfl_sync(FULL_MASK, pos, (int)(rank - r0));
+                    const int e = lane < top_k ? idx[lane] : -1;
+                    n_own = take_expert_rows(e, 0, top_k, experts, local_experts, rank,
+                                             own.capacity, (i32)(rank * tokens + t), own.expert_x,
+                                             row_bytes, own.routing, own.fan + (rank * tokens + p) * top_k,
+                                             own.ecnt, status, to, n_wire);
+                    if (lane == 0) own_pos = p;
+                }
+                if (lane == 0) {
+                    n_meta = __popc(m);
+                    to.n_wire = n_wire;
+                    to.n = n_wire + n_own;
                 }
             }
+            __syncthreads();
+            if (own_chunk) p_own = own_pos;
+            if (to.n > 0) block_write_payload<T>(x_row, hidden, wire, scale_off, to);
+            const int n = n_meta;
+            const float* w = weights != 0 ? weights + t * top_k : 0;
+            const i64 words = 1 + 2 * top_k;
+            for (i64 q = threadIdx.x; q < n * words; q += blockDim.x) {
+                const i64 d = q / words, o = q - d * words;
+                char* meta = meta_rows[d] + meta_off;
+                if (o == 0) {
+                    *(i32*)meta = (i32)t;
+                } else if (o <= top_k) {
+                    ((i32*)meta)[o] = idx[o - 1];
+                } else {
+                    ((float*)meta)[o] = w != 0 ? w[o - 1 - top_k] : 0.0f;
+                }
+            }
+            __syncthreads();
+        }
+        // The own fan-out of k past the first 32 (K > 32).
+        const int p = p_own;
+        for (i64 k0 = 32; p >= 0 && k0 < top_k; k0 += 32) {
+            if (threadIdx.x < 32) {
+                const int e = k0 + lane < top_k ? idx[k0 + lane] : -1;
+                const int n_own = take_expert_rows(e, k0, top_k, experts, local_experts, rank,
+                                                   own.capacity, (i32)(rank * tokens + t),
+                                                   own.expert_x, row_bytes, own.routing,
+                                                   own.fan + (rank * tokens + p) * top_k, own.ecnt,
+                                                   status, to, 0);
+                if (lane == 0) {
+                    to.n_wire = 0;
+                    to.n = n_own;
+                }
+            }
+            __syncthreads();
+            if (to.n > 0) block_write_payload<T>(x_row, hidden, wire, scale_off, to);
             __syncthreads();
         }
     }
@@ -542,10 +656,11 @@ __device__ void nccl_dispatch_send(const T* x, const i32* topk_idx, const float*
                                    i64 tokens, i64 top_k, i64 experts, i64 local_experts,
                                    i64 world, i64 hidden, unsigned wire, i64 stride, i64 scale_off,
                                    i64 meta_off, char* send, i64 block_bytes, i32* cnt,
-                                   i32* sent_pos, unsigned* status, unsigned* done) {
+                                   i32* sent_pos, unsigned* status, unsigned* done, i64 rank,
+                                   const OwnFanOut& own) {
     BlockRowAt at = {send, block_bytes, stride};
-    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, hidden,
-                      wire, scale_off, meta_off, cnt, sent_pos, status);
+    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, rank,
+                      hidden, wire, scale_off, meta_off, cnt, sent_pos, status, own);
     if (grid_last_block(done)) {
         for (i64 r = threadIdx.x; r < world; r += blockDim.x) {
             *(i32*)(send + r * block_bytes) = ld_relaxed_gpu(cnt + r);
@@ -563,11 +678,11 @@ __device__ void nvl_dispatch_send(const T* x, const i32* topk_idx, const float* 
                                   i64 rank, i64 hidden, unsigned wire, i64 stride, i64 scale_off,
                                   i64 meta_off, const u64* peer_sym, i64 rows_off, i64 counts_off,
                                   i64 flags_off, i32* cnt, i32* sent_pos, unsigned* status,
-                                  unsigned* state) {
+                                  unsigned* state, const OwnFanOut& own) {
     const unsigned epoch = *(volatile unsigned*)state + 1u;
     PeerRowAt at = {peer_sym, rows_off, rank, tokens, stride};
-    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, hidden,
-                      wire, scale_off, meta_off, cnt, sent_pos, status);
+    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, rank,
+                      hidden, wire, scale_off, meta_off, cnt, sent_pos, status, own);
     if (grid_last_block(state + 1)) {
         for (i64 r = threadIdx.x; r < world; r += blockDim.x) {
             ((i32*)((char*)peer_sym[r] + counts_off))[rank] = ld_relaxed_gpu(cnt + r);
@@ -610,7 +725,8 @@ __device__ __forceinline__ i64 valid_rows(const Sources& src, i64 s, i64 tokens,
     return n;
 }
 
-// One block per received row (s, j): for the k (in chunks of 32, lane k of warp 0) whose
+// One block per row (s, j) received from another rank s (this rank's own rows carry no payload:
+// the sender fanned them out already): for the k (in chunks of 32, lane k of warp 0) whose
 // expert lives here, a row of that local expert (atomic counter ecnt[le]; dropped past C with
 // MOE_OVERFLOW) gets the routing (s * T + t, k); fan[(s * T + j) * K + k] = that expert row, or
 // -1. The block then reads the row's payload once and writes it to all those expert rows. The
@@ -626,36 +742,24 @@ __device__ void fan_out(const Sources& src, i64 tokens, i64 top_k, i64 experts, 
     const i64 row_bytes = hidden * (i64)sizeof(T);
     for (i64 item = blockIdx.x; item < world * tokens; item += gridDim.x) {
         const i64 s = item / tokens, j = item - s * tokens;
+        if (s == rank) continue;  // the sender fanned its own tokens out
         if (j >= valid_rows(src, s, tokens, status, threadIdx.x == 0 && j == 0)) continue;
         const char* row = src.rows(s) + j * stride;
-        i32* fan_row = fan + item * top_k;
         for (i64 k0 = 0; k0 < top_k; k0 += 32) {
             if (threadIdx.x < 32) {
                 const i64 t = ld_cg_i32(row + meta_off);
                 const bool token_ok = t >= 0 && t < tokens;
                 if (!token_ok && lane == 0 && k0 == 0) atomicOr(status, MOE_BAD_ROUTING);
-                const i64 k = k0 + lane;
-                int f = -1;
-                char* dst = 0;
-                if (k < top_k) {
-                    const int e = ld_cg_i32(row + meta_off + 4 + 4 * k);
-                    if (token_ok && e >= 0 && e < experts && e / local_experts == rank) {
-                        const i64 le = e - rank * local_experts;
-                        const int slot = atomicAdd(ecnt + le, 1);
-                        if (slot < capacity) {
-                            const i64 r = le * capacity + slot;
-                            store_pair(routing + r * 2, (i32)(s * tokens + t), (i32)k);
-                            dst = (char*)expert_x + r * row_bytes;
-                            f = (int)r;
-                        } else {
-                            atomicOr(status, MOE_OVERFLOW);
-                        }
-                    }
-                    fan_row[k] = f;
+                const int e = token_ok && k0 + lane < top_k
+                                  ? ld_cg_i32(row + meta_off + 4 + 4 * (k0 + lane))
+                                  : -1;
+                const int n = take_expert_rows(e, k0, top_k, experts, local_experts, rank, capacity,
+                                               (i32)(s * tokens + t), (char*)expert_x, row_bytes,
+                                               routing, fan + item * top_k, ecnt, status, to, 0);
+                if (lane == 0) {
+                    to.n_wire = 0;
+                    to.n = n;
                 }
-                const unsigned m = __ballot_sync(FULL_MASK, f >= 0);
-                if (f >= 0) to.row[__popc(m & lanes_below())] = dst;
-                if (lane == 0) to.n = __popc(m);
             }
             __syncthreads();
             block_read_payload<T>(row, hidden, wire, scale_off, to);
@@ -867,20 +971,23 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
         i64 experts, i64 local_experts, i64 world, i64 hidden, unsigned wire, i64 stride,           \
         i64 scale_off, i64 meta_off, char* send, i64 block_bytes, i32* cnt, i32* sent_pos,         \
-        unsigned* status, unsigned* done) {                                                        \
+        unsigned* status, unsigned* done, i64 rank, T* expert_x, i32* routing, i32* fan,          \
+        i32* ecnt, i64 capacity) {                                                                 \
+        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
         nccl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,  \
                               hidden, wire, stride, scale_off, meta_off, send, block_bytes, cnt,   \
-                              sent_pos, status, done);                                             \
+                              sent_pos, status, done, rank, own);                                  \
     }                                                                                              \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_send_##T(                                          \
         const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
         i64 experts, i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire,            \
         i64 stride, i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,                \
         i64 counts_off, i64 flags_off, i32* cnt, i32* sent_pos, unsigned* status,                  \
-        unsigned* state) {                                                                         \
+        unsigned* state, T* expert_x, i32* routing, i32* fan, i32* ecnt, i64 capacity) {          \
+        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
         nvl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,   \
                              rank, hidden, wire, stride, scale_off, meta_off, peer_sym, rows_off,  \
-                             counts_off, flags_off, cnt, sent_pos, status, state);                 \
+                             counts_off, flags_off, cnt, sent_pos, status, state, own);            \
     }                                                                                              \
     /* flags == 0: no wait (NCCL); else wait for flags[W] >= state[0] first (NVLink). */           \
     extern "C" __global__ void ROW_KERNEL moe_dispatch_recv_##T(                                              \

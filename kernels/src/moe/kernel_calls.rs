@@ -86,21 +86,41 @@ pub(crate) struct SendInputs<'a> {
     pub weights: Option<&'a DeviceBuffer>,
 }
 
-/// Sender workspace: `cnt[W]` (zeroed between launches by the kernel) and `sent_pos[T, W]`.
+/// Sender workspace: `cnt[W]` (zeroed between launches by the kernel) and `sent_pos[T, W]`;
+/// and where the sender fans its own tokens out to this rank's local experts (the receive
+/// kernel handles only other ranks' rows): `expert_x`, `routing`, `fan` and the expert row
+/// counters `ecnt` of [`RecvOutputs`].
 pub(crate) struct SendState<'a> {
     pub cnt: &'a DeviceBuffer,
     pub sent_pos: &'a DeviceBuffer,
     pub status: &'a DeviceBuffer,
+    pub expert_x: &'a DeviceBuffer,
+    pub routing: &'a DeviceBuffer,
+    pub fan: &'a DeviceBuffer,
+    pub ecnt: &'a DeviceBuffer,
+}
+
+/// The own fan-out arguments every dispatch send takes last:
+/// `expert_x, routing, fan, ecnt, capacity`.
+fn own_fan_out_args(shape: &MoeShape, st: &SendState<'_>) -> [Arg; 5] {
+    [
+        ptr(st.expert_x),
+        ptr(st.routing),
+        ptr(st.fan),
+        ptr(st.ecnt),
+        n(shape.capacity),
+    ]
 }
 
 /// NCCL dispatch send: route and pack into `send` (`[W]` blocks of `block_bytes`), headers by
-/// the last block (`done`: a zeroed u32).
+/// the last block (`done`: a zeroed u32); this rank's own tokens straight to its experts.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn nccl_dispatch_send(
     k: &Kernels,
     stream: &Stream,
     shape: &MoeShape,
     wire: MoeWire,
+    rank: usize,
     inp: &SendInputs<'_>,
     st: &SendState<'_>,
     send: &DeviceBuffer,
@@ -109,6 +129,7 @@ pub(crate) fn nccl_dispatch_send(
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
     let [wc, stride, so, mo] = wire_args(wire, &lay);
+    let [ox, ort, ofan, oecnt, ocap] = own_fan_out_args(shape, st);
     let mut args = [
         ptr(inp.x),
         ptr(inp.topk_idx),
@@ -129,6 +150,12 @@ pub(crate) fn nccl_dispatch_send(
         ptr(st.sent_pos),
         ptr(st.status),
         ptr(done),
+        n(rank),
+        ox,
+        ort,
+        ofan,
+        oecnt,
+        ocap,
     ];
     let grid = row_grid(k, shape.tokens);
     let name = typed("nccl_dispatch_send", shape.dtype);
@@ -149,7 +176,8 @@ pub(crate) struct PeerRegions<'a> {
     pub weight_flags: usize,
 }
 
-/// NVLink dispatch send: route, store rows and counts in the receivers, raise their flags.
+/// NVLink dispatch send: route, store rows and counts in the receivers, raise their flags;
+/// this rank's own tokens straight to its experts.
 /// `state` is the transport's `[8]` u32 device state (epoch and grid counters).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn nvl_dispatch_send(
@@ -165,6 +193,7 @@ pub(crate) fn nvl_dispatch_send(
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
     let [wc, stride, so, mo] = wire_args(wire, &lay);
+    let [ox, ort, ofan, oecnt, ocap] = own_fan_out_args(shape, st);
     let mut args = [
         ptr(inp.x),
         ptr(inp.topk_idx),
@@ -188,6 +217,11 @@ pub(crate) fn nvl_dispatch_send(
         ptr(st.sent_pos),
         ptr(st.status),
         ptr(state),
+        ox,
+        ort,
+        ofan,
+        oecnt,
+        ocap,
     ];
     let grid = row_grid(k, shape.tokens);
     let name = typed("nvl_dispatch_send", shape.dtype);
