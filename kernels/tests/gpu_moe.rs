@@ -201,6 +201,21 @@ fn cases() -> Vec<Case> {
             wire: FP8_TOKEN,
             ..base
         },
+        // K > 32: the routing warp takes the k in several chunks of 32.
+        Case {
+            name: "E=128 K=40 bf16 (k in two chunks)",
+            experts: 128,
+            top_k: 40,
+            ..base
+        },
+        Case {
+            name: "E=64 K=36 f16 fp8 per-token (k in two chunks)",
+            experts: 64,
+            top_k: 36,
+            dtype: DType::F16,
+            wire: FP8_TOKEN,
+            ..base
+        },
         Case {
             name: "E=8 K=1 f32 fp8 per-token",
             experts: 8,
