@@ -204,22 +204,20 @@ fn syntax_and_lowering_errors_name_the_place() {
     .unwrap();
     let err = fails(&["parse", bad.to_str().unwrap()]);
     assert!(err.contains("bad.mf:3:"), "{err}");
-    // A split inside a serial piece (`_StridedShard`-like, not a chain of outer splits) is
-    // refused: the error names the tensor, the placement and what is supported.
+    // A strided shard (a device split inside a serial piece) whose serial piece does not
+    // divide the axis is refused: the error names the tensor and what is missing.
     let unsupported = dir.join("unsupported.mf");
     std::fs::write(
         &unsupported,
-        "program p {\n  mesh m0 = [0, 1, 2, 3]\n  \
-         input x: f32[16, 4] on m0 {outer_split(0, 4), parallelize(0, DIDx)}\n  \
-         tensor y: f32[16, 4] on m0 {inner_split(0, 4), parallelize(1, DIDx)}\n  \
+        "program p {\n  mesh m0 = [0, 1]\n  \
+         input x: f32[7, 3] on m0 {outer_split(0, 3), outer_split(1, 2), parallelize(1, DIDx)}\n  \
+         tensor y: f32[7, 3] on m0 {}\n  \
          y = set(x)\n  output y\n}\n",
     )
     .unwrap();
     let err = fails(&["lower", unsupported.to_str().unwrap()]);
     assert!(
-        err.contains("tensor `y`")
-            && err.contains("DIDx split of logical axis 0")
-            && err.contains("only chains of outer splits"),
+        err.contains("`x`") && err.contains("serial") && err.contains("divides"),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).ok();
