@@ -3,13 +3,16 @@
 //! this process (one thread per GPU), over a forced transport (`nvlink` or `nccl`), with the
 //! same routing and capacity as the kernels' path ([`measure_moe`](crate::moe::measure_moe)).
 //!
-//! Two host programs are timed, each as `steps` steps back to back per iteration (CUDA
-//! events around the run, divided by the steps; the median over iterations per rank, then the
-//! slowest rank; at most 5 warm-up and 20 timed iterations of the case's, since every
-//! iteration already holds `steps` steps): the dispatch alone, and dispatch then combine. The combine's time is their
-//! difference. Every figure therefore includes the evaluator's own per-instruction work (the
-//! waits, allocations and launches of the host program), which the kernels' path does not
-//! have: the difference between the two paths is the evaluator's overhead.
+//! The program with both phases is timed, `steps` steps back to back per iteration (CUDA events
+//! around the run, divided by the steps; the median over iterations per rank, then the slowest
+//! rank; at most 5 warm-up and 20 timed iterations of the case's, since every iteration already
+//! holds `steps` steps), with the evaluator's profile on. The step's time is split between the
+//! phases in proportion to their device intervals in the profile (median per rank, slowest
+//! rank), so the two figures add up to the step and each carries its share of the evaluator's
+//! own per-instruction work (the waits, allocations and launches of the host program), which
+//! the kernels' path does not have: the difference between the two paths is the evaluator's
+//! overhead. (A program of the dispatch alone cannot be repeated over NVLink: its buffers are
+//! free for the next dispatch only after the combine.)
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -18,7 +21,7 @@ use meshflow::ir::DType as IrDType;
 use meshflow::kernels::fp8::Fp8Scales;
 use meshflow::kernels::moe::{MoeShape, MoeTraffic, MoeWire};
 use meshflow::kernels::{KernelError, Result};
-use meshflow::runtime::cuda::{run_cuda_timed, CudaConfig, CudaOptions, Transport};
+use meshflow::runtime::cuda::{run_cuda_timed, CudaConfig, CudaOptions, Interval, Transport};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::shard::scatter_inputs;
 use meshflow::runtime::RunInputs;
@@ -99,24 +102,25 @@ pub fn measure_moe_evaluator(
             transport: Some(transport),
             steps: steps.max(1),
             timeout: Duration::from_secs(120),
+            profile: true,
             ..CudaConfig::default()
         },
     };
-    let time = |phases: MoePhases| -> Result<f64> {
-        let (program, host) = layer.lowered(phases).map_err(invalid)?;
-        let per_rank = scatter_inputs(&program, &full).map_err(invalid)?;
-        let run = run_cuda_timed(
-            &host,
-            RunInputs::PerRank(per_rank),
-            &options,
-            case.warmup.min(5),
-            case.iters.clamp(1, 20),
-        )
-        .map_err(|e| invalid(format!("{phases:?} over {transport}: {e}")))?;
-        Ok(Timing::from_times(&run.times_us).us)
-    };
-    let dispatch_us = time(MoePhases::Dispatch)?;
-    let both_us = time(MoePhases::DispatchCombine)?;
+    let phases = MoePhases::DispatchCombine;
+    let (program, host) = layer.lowered(phases).map_err(invalid)?;
+    let per_rank = scatter_inputs(&program, &full).map_err(invalid)?;
+    let run = run_cuda_timed(
+        &host,
+        RunInputs::PerRank(per_rank),
+        &options,
+        case.warmup.min(5),
+        case.iters.clamp(1, 20),
+    )
+    .map_err(|e| invalid(format!("{phases:?} over {transport}: {e}")))?;
+    let step_us = Timing::from_times(&run.times_us).us;
+    let dispatch = phase_us(&run.intervals, world, "moe_dispatch")?;
+    let combine = phase_us(&run.intervals, world, "moe_combine")?;
+    let dispatch_us = step_us * dispatch / (dispatch + combine);
     Ok(MoeResult {
         transport: match transport {
             Transport::Nvlink => "nvlink",
@@ -126,7 +130,34 @@ pub fn measure_moe_evaluator(
         wire: case.wire,
         traffic,
         dispatch_us,
-        combine_us: (both_us - dispatch_us).max(0.0),
+        combine_us: step_us - dispatch_us,
         status_ok: true,
     })
+}
+
+/// The device time of instruction `name` in the profile: the median of its intervals on each
+/// rank, the slowest rank.
+fn phase_us(intervals: &[Interval], world: usize, name: &str) -> Result<f64> {
+    let mut slowest = 0.0f64;
+    for rank in 0..world {
+        let mut us: Vec<f64> = intervals
+            .iter()
+            .filter(|i| i.rank == rank && i.name == name)
+            .map(|i| i.end_us - i.start_us)
+            .collect();
+        if us.is_empty() {
+            return Err(invalid(format!(
+                "MoE evaluator bench: the profile of rank {rank} holds no `{name}`"
+            )));
+        }
+        us.sort_by(f64::total_cmp);
+        slowest = slowest.max(us[us.len() / 2]);
+    }
+    if slowest > 0.0 {
+        Ok(slowest)
+    } else {
+        Err(invalid(format!(
+            "MoE evaluator bench: `{name}` took no time in the profile"
+        )))
+    }
 }
