@@ -4,13 +4,16 @@
 # copies them (stripped) with gpu-env.sh, torch_baselines.py and a runner into gpu/suite/
 # (git-ignored), then on the GPU machine, from the repository root:
 #
-#   bash gpu/suite/run.sh [tests|bench|all]      # logs and JSON under $OUT (default /tmp/out)
+#   bash gpu/suite/run.sh [tests|bench|calibrate|all]   # logs and JSON under $OUT (default /tmp/out)
 #
 # `tests` runs every GPU test binary (the kernels crate's as kernels_gpu, each transport alone
 # from the root crate's unit tests as meshflow_lib; the fault matrix test by test) on the GPUs
-# present (each test prints what it skipped); `bench` runs PyTorch's
-# baselines and then `meshflow bench agmm, rsmm, permute, moe` against them in the same call,
-# then the copy-engine probe (`kernels/examples/peer_bandwidth.rs`); `all` does both.
+# present (each test prints what it skipped); `bench` runs PyTorch's baselines and then, against
+# them in the same call, `meshflow bench schedule` (in one process, and one process per GPU
+# under `meshflow launch`; the rows merged into $OUT/<date>-<gpu>x<n>-schedule.json), `bench
+# moe` (kernels and evaluator paths, $OUT/moe-<n>.json) and `bench permute` (a few minutes on 2
+# GPUs); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
+# and the benchmarks.
 # `python` runs the Python package's GPU tests (python/gpu/run.sh) from the wheel that
 # scripts/python-carry.sh packs into gpu/python/ (run it too, before carrying).
 #
@@ -92,18 +95,44 @@ tests() {
   done
 }
 bench() {
+  # PyTorch's figures first, in the same call; then every benchmark reads them (--torch).
   step 200 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
-  local tj="$OUT/torch_baselines_$n.json"
-  for b in agmm rsmm permute moe; do
-    step 400 "$B/meshflow" bench "$b" --torch "$tj" --json "$OUT/$b-$n.json"
-  done
-  [ "$n" -ge 2 ] && step 200 "$B/peer_bandwidth" 64 256
+  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 5 --steps 10 --skip-parts)
+  # Every AG+GEMM and GEMM+RS variant, ranks as threads of one process (procs = 1) ...
+  step 300 "$B/meshflow" bench schedule --torch "$tj" --json "$OUT/schedule-threads-$n.json" "${q[@]}"
+  # ... and one process per GPU (procs = n; rank 0 writes the rows).
+  [ "$n" -ge 2 ] && step 300 "$B/meshflow" launch --nproc "$n" -- "$B/meshflow" bench schedule \
+    --torch "$tj" --json "$OUT/schedule-procs-$n.json" "${q[@]}"
+  python3 - "$OUT" "$n" <<'PY'
+import json, sys, os, datetime
+out, n = sys.argv[1], sys.argv[2]
+rows = []
+for f in (f"schedule-threads-{n}.json", f"schedule-procs-{n}.json"):
+    p = os.path.join(out, f)
+    if os.path.exists(p):
+        rows += json.load(open(p))
+dev = (rows[0]["device"] if rows else "gpu").split()
+model = next((w.lower() for w in dev if any(c.isdigit() for c in w)), "gpu")
+name = f"{datetime.date.today()}-{model}x{n}-schedule.json"
+json.dump(rows, open(os.path.join(out, name), "w"), indent=1)
+print(f"{len(rows)} schedule rows in {name}")
+for r in rows:
+    if r["default"]:
+        print(f"  default {r['case']} procs={r['procs']}: {r['variant']} {r['us']} us, bound {r['bound_us']} us, torch async-TP {r['torch_async_tp_us']} us")
+PY
+  # MoE: the kernels alone and the lowered program through the evaluator.
+  step 300 "$B/meshflow" bench moe --torch "$tj" --json "$OUT/moe-$n.json" --warmup 5 --iters 20 --steps 10
+  [ "$n" -ge 2 ] && step 120 "$B/meshflow" bench permute --torch "$tj" --json "$OUT/permute-$n.json" --mib 256
+}
+calibrate() {
+  step 600 "$B/meshflow" calibrate --backend cuda --out "$OUT/profile-$n.json"
 }
 {
   log "start on $n GPU(s)"; nvidia-smi --query-gpu=name,driver_version --format=csv
   case "${1:-all}" in
     tests) tests ;;
     bench) bench ;;
+    calibrate) calibrate ;;
     python) OUT="$OUT" bash "$root/python/gpu/run.sh" "$root/gpu/python" ;;
     *) tests; bench ;;
   esac

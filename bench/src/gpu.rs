@@ -7,8 +7,8 @@ use meshflow::ir::{DType, HostProgram, Program};
 
 use crate::programs::permute_host;
 use crate::programs::{
-    agmm_lowered, default_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered, rsmm_program,
-    AgVariant, Gemm3, Lowered, Parts, RsVariant,
+    agmm_lowered_over, default_lowered, gemm_alone_host, rs_alone_host, rsmm_lowered_over,
+    rsmm_program, AgVariant, Gemm3, Lowered, Parts, RsVariant,
 };
 use crate::stats::{CaseResult, PermuteResult, Timing, VariantResult};
 use crate::torch::TorchBaselines;
@@ -16,8 +16,11 @@ use meshflow::runtime::cuda::{
     device_count, run_cuda_timed, CopyStream, CudaConfig, CudaOptions, CudaRunError, Transport,
 };
 use meshflow::runtime::data::{SplitMix64, TensorData};
+use meshflow::runtime::rendezvous::TorchrunEnv;
 use meshflow::runtime::shard::{scatter_inputs, ShardError};
 use meshflow::runtime::RunInputs;
+
+use crate::launched::Launched;
 
 /// Why a benchmark failed.
 #[derive(Debug, thiserror::Error)]
@@ -78,8 +81,6 @@ pub struct BenchOptions {
     pub graph_only: bool,
     /// The cases.
     pub shapes: Vec<Gemm3>,
-    /// Chunk counts of the chunked GEMM+RS variant.
-    pub chunks: Vec<u64>,
     /// Worker streams.
     pub stream_pool: usize,
     /// Seed of the random inputs.
@@ -89,8 +90,15 @@ pub struct BenchOptions {
     /// Sizes of `bench permute`, MiB per rank.
     pub permute_mib: Vec<u64>,
     /// Write profiled traces (Perfetto JSON and SVG timelines) of the AG+GEMM ring variants
-    /// (ring, ring forward, bidirectional ring) here.
+    /// (ring, ring forward, bidirectional ring) here (in-process runs only).
     pub trace_dir: Option<std::path::PathBuf>,
+    /// This process is one rank of a run started by `meshflow launch` (one process per GPU):
+    /// its torchrun variables. Every process then runs the same benchmark, its own rank of
+    /// each program; the ranks meet through the rendezvous, and rank 0 gets every figure.
+    pub launched: Option<TorchrunEnv>,
+    /// Also time each ring's communications alone and its compute alone (the `parts` of the
+    /// tables; the bound needs only the collective and the GEMM alone).
+    pub parts: bool,
 }
 
 impl Default for BenchOptions {
@@ -114,12 +122,13 @@ impl Default for BenchOptions {
                     n: 8192,
                 },
             ],
-            chunks: vec![4],
             stream_pool: 2,
             seed: 2024,
             torch: None,
             permute_mib: vec![64, 256],
             trace_dir: None,
+            launched: None,
+            parts: true,
         }
     }
 }
@@ -161,6 +170,8 @@ struct Runner {
     opts: BenchOptions,
     world: usize,
     cuda: CudaOptions,
+    /// One process per GPU: this rank's rendezvous.
+    launched: Option<std::sync::Arc<Launched>>,
 }
 
 type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
@@ -174,10 +185,26 @@ struct Measured {
 
 impl Runner {
     fn new(opts: &BenchOptions) -> Result<Runner, BenchError> {
-        let have = device_count().map_err(|source| BenchError::Run {
-            what: "counting GPUs".into(),
-            source,
-        })?;
+        let timeout = Duration::from_secs(300);
+        let launched = match &opts.launched {
+            Some(env) => Some(Launched::connect(env, timeout)?),
+            None => None,
+        };
+        let have = match &launched {
+            Some(l) => l.world(),
+            None => device_count().map_err(|source| BenchError::Run {
+                what: "counting GPUs".into(),
+                source,
+            })?,
+        };
+        if let (Some(l), Some(n)) = (&launched, opts.ranks) {
+            if n != l.world() {
+                return Err(BenchError::Invalid(format!(
+                    "--ranks {n}: this run was launched with {} processes (one rank each)",
+                    l.world()
+                )));
+            }
+        }
         let world = opts.ranks.unwrap_or(have);
         if world == 0 || opts.iterations == 0 {
             return Err(BenchError::Invalid(
@@ -191,18 +218,18 @@ impl Runner {
                 ranks: Some(world),
                 config: CudaConfig {
                     stream_pool: opts.stream_pool.max(1),
-                    timeout: Duration::from_secs(300),
+                    timeout,
                     steps: opts.steps.max(1),
                     ..CudaConfig::default()
                 },
             },
+            launched,
         })
     }
 
     fn device_name(&self) -> String {
-        meshflow::kernels::Device::new(0)
-            .map(|d| d.name().to_owned())
-            .unwrap_or_else(|e| format!("unknown GPU ({e})"))
+        let ordinal = self.launched.as_ref().map_or(0, |l| l.local_rank());
+        meshflow::kernels::Device::name_of(ordinal).unwrap_or_else(|e| format!("unknown GPU ({e})"))
     }
 
     /// Times `host` with per-rank inputs on the backend set up as `setup`.
@@ -218,6 +245,21 @@ impl Runner {
         cuda.config.transport = Some(setup.transport);
         cuda.config.copy_stream = setup.copy_stream;
         cuda.config.graph = setup.graph;
+        if let Some(l) = &self.launched {
+            let run = l.time(
+                what,
+                host,
+                &inputs,
+                &cuda.config,
+                self.opts.warmup,
+                self.opts.iterations,
+            )?;
+            return Ok(Measured {
+                timing: Timing::from_times(&run.times_us),
+                host_us: None,
+                outcome: run.outcome,
+            });
+        }
         let run = run_cuda_timed(
             host,
             RunInputs::PerRank(inputs),
@@ -247,6 +289,11 @@ impl Runner {
         inputs: PerRank,
         setup: Setup,
     ) -> Result<(), BenchError> {
+        if self.launched.is_some() {
+            return Err(BenchError::Invalid(format!(
+                "trace of {name}: traces are recorded in-process only (run without `meshflow launch`)"
+            )));
+        }
         let mut cuda = self.cuda.clone();
         cuda.config.transport = Some(setup.transport);
         cuda.config.copy_stream = setup.copy_stream;
@@ -517,14 +564,23 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         }
         let full = full_inputs(s, opts.seed)?;
         let tag = format!("agmm {}x{}x{} d={d}", s.m, s.k, s.n);
-        let lower = |v: AgVariant, parts: Parts| -> Result<Lowered, BenchError> {
-            agmm_lowered(d, s, DTYPE, v, opts.stream_pool, parts).map_err(|source| {
-                BenchError::Lower {
+        let lower_over =
+            |v: AgVariant, parts: Parts, setup: Setup| -> Result<Lowered, BenchError> {
+                agmm_lowered_over(
+                    d,
+                    s,
+                    DTYPE,
+                    v,
+                    opts.stream_pool,
+                    parts,
+                    Some(setup.transport),
+                )
+                .map_err(|source| BenchError::Lower {
                     what: format!("{tag}: {}", v.name()),
                     source: Box::new(source),
-                }
-            })
-        };
+                })
+            };
+        let lower = |v: AgVariant, parts: Parts| lower_over(v, parts, NCCL);
         let collective_comm = lower(AgVariant::Collective, Parts::CommOnly)?;
         let per_rank = r.scatter("agmm inputs", &collective_comm.program, &full)?;
         let comm = r
@@ -551,10 +607,11 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             gemm.us
         );
         let mut parts = Vec::new();
-        let timed_alone = |(v, _): &&(AgVariant, &str)| !opts.graph_only && ag_fits(*v, s, d);
+        let timed_alone =
+            |(v, _): &&(AgVariant, &str)| opts.parts && !opts.graph_only && ag_fits(*v, s, d);
         for &(v, ring) in AG_RINGS.iter().filter(timed_alone) {
-            let ring_comm = lower(v, Parts::CommOnly)?;
             for (setup, transport) in [(NCCL, "NCCL"), (CE, "copy engine")] {
+                let ring_comm = lower_over(v, Parts::CommOnly, setup)?;
                 let name = format!("{ring} permutes alone ({transport})");
                 if let Ok(m) = r.time(
                     &format!("{tag}: {name}"),
@@ -586,7 +643,7 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 continue;
             }
             let what = format!("{tag}: {name}");
-            let measured = lower(v, Parts::Both).and_then(|l| {
+            let measured = lower_over(v, Parts::Both, setup).and_then(|l| {
                 let m = r.time(&what, &l.host, per_rank.clone(), setup)?;
                 let out = m
                     .outcome
@@ -618,8 +675,8 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 .map(|&(v, _)| (v, [(CE, "ce"), (NCCL, "nccl")].as_slice()))
                 .chain([(AgVariant::RingPrefetch, [(CE, "ce")].as_slice())]);
             for (v, setups) in traced.filter(|(v, _)| ag_fits(*v, s, d)) {
-                let l = lower(v, Parts::Both)?;
                 for &(setup, transport) in setups {
+                    let l = lower_over(v, Parts::Both, setup)?;
                     let name = format!("agmm_{}x{}x{}_{}_{transport}", s.m, s.k, s.n, v.name());
                     if let Err(e) = r.trace(dir, &name, &l.host, per_rank.clone(), setup) {
                         tracing::warn!("{e}");
@@ -682,7 +739,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         let bound = comm.us.max(gemm.us);
         let mut variants = Vec::new();
         let mut parts = Vec::new();
-        if d > 1 && !opts.graph_only {
+        if d > 1 && opts.parts && !opts.graph_only {
             let rs_in = r.replicated(&[("y", &[s.m, s.n], 21)])?;
             if let Ok(m) = r.time(
                 &format!("{tag}: reduce_scatter alone (copy engine)"),
@@ -696,21 +753,28 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 );
                 parts.push(("reduce_scatter alone (copy engine)".to_string(), m.timing));
             }
-            let lower = |parts: Parts| {
-                rsmm_lowered(d, s, DTYPE, RsVariant::Ring(1), opts.stream_pool, parts)
+            let lower = |parts: Parts, setup: Setup| {
+                rsmm_lowered_over(
+                    d,
+                    s,
+                    DTYPE,
+                    RsVariant::Ring(1),
+                    opts.stream_pool,
+                    parts,
+                    Some(setup.transport),
+                )
             };
-            if let (Ok(comm), Ok(compute)) = (lower(Parts::CommOnly), lower(Parts::ComputeOnly)) {
-                let per_rank = r.scatter("rsmm inputs", &comm.program, &full)?;
-                for (host, setup, name) in [
-                    (&comm.host, NCCL, "ring permutes alone (NCCL)"),
-                    (&comm.host, CE, "ring permutes alone (copy engine)"),
-                    (&compute.host, NCCL, "ring chunk GEMMs and adds alone"),
-                ] {
-                    if let Ok(m) = r.time(&format!("{tag}: {name}"), host, per_rank.clone(), setup)
-                    {
-                        tracing::info!("bench: {tag}: {name} {:.1} µs", m.timing.us);
-                        parts.push((name.to_string(), m.timing));
-                    }
+            let ring = [
+                (Parts::CommOnly, NCCL, "ring permutes alone (NCCL)"),
+                (Parts::CommOnly, CE, "ring permutes alone (copy engine)"),
+                (Parts::ComputeOnly, NCCL, "ring chunk GEMMs and adds alone"),
+            ];
+            for (part, setup, name) in ring {
+                let Ok(l) = lower(part, setup) else { continue };
+                let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
+                if let Ok(m) = r.time(&format!("{tag}: {name}"), &l.host, per_rank, setup) {
+                    tracing::info!("bench: {tag}: {name} {:.1} µs", m.timing.us);
+                    parts.push((name.to_string(), m.timing));
                 }
             }
         }
@@ -725,22 +789,9 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         if opts.graph_only {
             list.clear();
         }
-        for &c in opts.chunks.iter().filter(|_| !opts.graph_only) {
-            if c > 0 && s.m % (c * du) == 0 {
-                list.push((RsVariant::Chunked(c), NCCL, format!("chunked s={c} (NCCL)")));
-                list.push((
-                    RsVariant::Chunked(c),
-                    CE,
-                    format!("chunked s={c} (copy engine)"),
-                ));
-            } else {
-                return Err(BenchError::Invalid(format!(
-                    "M={} is not a multiple of {c} chunks x d={d}",
-                    s.m
-                )));
-            }
-        }
         if d > 1 && !opts.graph_only {
+            list.push((RsVariant::Reduce, NCCL, "reduce (NCCL)".to_string()));
+            list.push((RsVariant::Reduce, CE, "reduce (copy engine)".to_string()));
             list.push((
                 RsVariant::Ring(1),
                 NCCL,
@@ -749,11 +800,13 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             list.push((RsVariant::Ring(1), CE, "ring (copy engine)".to_string()));
             let pieces = RING_PIECES;
             if (s.m / du).is_multiple_of(pieces) && opts.stream_pool >= 2 {
-                list.push((
-                    RsVariant::Ring(pieces),
-                    CE,
-                    format!("ring pieces={pieces} (copy engine)"),
-                ));
+                for (setup, transport) in [(NCCL, "NCCL send/recv"), (CE, "copy engine")] {
+                    list.push((
+                        RsVariant::Ring(pieces),
+                        setup,
+                        format!("ring pieces={pieces} ({transport})"),
+                    ));
+                }
             }
         }
         if opts.graph || opts.graph_only {
@@ -765,28 +818,36 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         }
         for (v, setup, name) in list {
             let what = format!("{tag}: {name}");
-            let measured = rsmm_lowered(d, s, DTYPE, v, opts.stream_pool, Parts::Both)
-                .map_err(|source| BenchError::Lower {
-                    what: what.clone(),
-                    source: Box::new(source),
-                })
-                .and_then(|l| {
-                    let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
-                    let m = r.time(&what, &l.host, per_rank, setup)?;
-                    let out = m
-                        .outcome
-                        .gather(&l.program)
-                        .map_err(|source| BenchError::Shard {
-                            what: what.clone(),
-                            source,
-                        })?;
-                    let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
-                    Ok((m, err))
-                });
+            let measured = rsmm_lowered_over(
+                d,
+                s,
+                DTYPE,
+                v,
+                opts.stream_pool,
+                Parts::Both,
+                Some(setup.transport),
+            )
+            .map_err(|source| BenchError::Lower {
+                what: what.clone(),
+                source: Box::new(source),
+            })
+            .and_then(|l| {
+                let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
+                let m = r.time(&what, &l.host, per_rank, setup)?;
+                let out = m
+                    .outcome
+                    .gather(&l.program)
+                    .map_err(|source| BenchError::Shard {
+                        what: what.clone(),
+                        source,
+                    })?;
+                let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
+                Ok((m, err))
+            });
             variants.push(variant_result(name, measured, bound));
         }
         if !opts.graph_only && d > 1 {
-            let per_rank = r.scatter("rsmm inputs", &rsmm_program(d, s, DTYPE, None), &full)?;
+            let per_rank = r.scatter("rsmm inputs", &rsmm_program(d, s, DTYPE), &full)?;
             variants.push(default_variant(&r, &tag, s, &full, per_rank, bound, true));
         }
         cases.push(CaseResult {

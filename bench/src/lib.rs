@@ -5,23 +5,31 @@
 //!   max(comm, GEMM), collective-permute bandwidth (`permute`), and MoE dispatch/combine
 //!   latency (`moe`).
 //! - [`programs`] builds the benchmarked programs (also used by the GPU overlap tests and
-//!   checked on the CPU backend in CI), [`rings`] the hand-written neighbour rings among them.
-//! - [`stats`]: medians, tables and JSON; [`torch`]: PyTorch's figures from the same machine
+//!   checked on the CPU backend in CI): every variant is a lowered program.
+//! - [`stats`]: medians, tables and JSON; [`rows`]: the flat JSON rows of `bench/results/`; [`torch`]: PyTorch's figures from the same machine
 //!   (the JSON of its baseline script, `--torch FILE`).
+//! - [`calibrate`]: `meshflow calibrate`, the machine profile measured on the CPU backend or
+//!   on GPUs.
 //! - `benches/`: criterion benchmarks of the CPU side (lowering, evaluator overhead).
 //!
 //! Measured results live in `bench/results/`.
 #![forbid(unsafe_code)]
 
+pub mod calibrate;
+pub mod moe_program;
 pub mod programs;
-pub mod rings;
+pub mod rows;
 pub mod stats;
 pub mod torch;
 
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod launched;
+#[cfg(feature = "cuda")]
 pub mod moe;
+#[cfg(feature = "cuda")]
+pub mod moe_eval;
 
 #[cfg(feature = "cuda")]
 pub use gpu::{bench_agmm, bench_permute, bench_rsmm, BenchError, BenchOptions};

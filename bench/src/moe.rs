@@ -101,7 +101,7 @@ impl Rng {
 }
 
 /// Uniform routing: `K` distinct experts per token, for every rank.
-fn routing(case: &MoeCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
+pub(crate) fn routing(case: &MoeCase, world: usize, seed: u64) -> Vec<Vec<i32>> {
     let mut rng = Rng(seed | 1);
     (0..world)
         .map(|_| {
@@ -136,9 +136,30 @@ pub fn measure_moe<T: MoeTransport>(
         ));
     }
     let idx = routing(case, world, 0x5EED ^ case.tokens as u64);
+    let shape = shape_for(case, world, &idx)?;
+    let traffic = MoeTraffic::from_routing(&shape, case.wire, &idx)?;
+    let ranks = make(devices, &shape, case.wire)?;
+    let transport = ranks.first().map_or("none", |r| r.name());
+    let (dispatch_us, combine_us, status_ok) = run(devices, case, &idx, ranks)?;
+    Ok(MoeResult {
+        transport,
+        shape,
+        wire: case.wire,
+        traffic,
+        dispatch_us,
+        combine_us,
+        status_ok,
+    })
+}
+
+/// The layer shape of `case` on `world` ranks with routing `idx`: the capacity is the
+/// busiest expert's rows plus an eighth, rounded up to 16 rows.
+pub(crate) fn shape_for(case: &MoeCase, world: usize, idx: &[Vec<i32>]) -> Result<MoeShape> {
     let mut per_expert = vec![0usize; case.experts];
     for e in idx.iter().flatten() {
-        per_expert[*e as usize] += 1;
+        if let Some(n) = per_expert.get_mut(*e as usize) {
+            *n += 1;
+        }
     }
     let max = per_expert.iter().copied().max().unwrap_or(0);
     let shape = MoeShape {
@@ -153,19 +174,7 @@ pub fn measure_moe<T: MoeTransport>(
     };
     shape.validate()?;
     case.wire.validate(&shape)?;
-    let traffic = MoeTraffic::from_routing(&shape, case.wire, &idx)?;
-    let ranks = make(devices, &shape, case.wire)?;
-    let transport = ranks.first().map_or("none", |r| r.name());
-    let (dispatch_us, combine_us, status_ok) = run(devices, case, &idx, ranks)?;
-    Ok(MoeResult {
-        transport,
-        shape,
-        wire: case.wire,
-        traffic,
-        dispatch_us,
-        combine_us,
-        status_ok,
-    })
+    Ok(shape)
 }
 
 /// Per-rank timings: `(dispatch ms, combine ms)` per step, and whether the status stayed clean.

@@ -1,18 +1,22 @@
-//! The benchmarked programs: level-1 programs built with [`ProgramBuilder`], lowered with the
-//! [pipeline](meshflow::pipeline) (the chunked reduce-scatter, whose schedule the pipeline does not
-//! lower yet, and the neighbour rings of [`rings`](crate::rings) are hand-written host programs
-//! checked against the same level-1 programs).
+//! The benchmarked programs: level-1 programs built with [`ProgramBuilder`], each variant
+//! lowered with the [pipeline](meshflow::pipeline) and forced through the same [`Options`] a
+//! user has (a decomposition, pieces per ring step, a stream schedule, a transport), so that
+//! every benchmarked schedule is one the compiler can emit.
 //!
 //! - Column-parallel linear (AG+GEMM): `x[M, K]` and `w[N, K]` split on rows over `d` ranks,
-//!   `y = x @ w^T` split on columns. Variants: one `all_gather` then one GEMM (`collective`), a
-//!   stream loop of broadcasts rooted at the loop index (`broadcast`), a ring of collective
-//!   permutes to distance `i` at step `i` (`ring`), a ring that forwards each chunk to the next
-//!   rank (`ring_forward`) and one that sends half of each chunk each way
-//!   (`ring_bidirectional`).
+//!   `y = x @ w^T` split on columns; the gathered `ag` is left unannotated. Variants (the
+//!   decomposition of `ag`): one `all_gather` then one GEMM (`collective`), a stream loop of
+//!   broadcasts rooted at the loop index (`broadcast`), a ring of collective permutes to
+//!   distance `i` at step `i` (`ring`, per-iteration or prefetch schedule), a ring that forwards
+//!   each chunk to the next rank (`ring_forward`) and one that sends half of each chunk each
+//!   way (`ring_bidirectional`).
 //! - Row-parallel linear (GEMM+RS): `x[M, K]` and `w[N, K]` split on `K`; the partial products
-//!   are reduce-scattered over rows. Variants: one GEMM then one `reduce_scatter`
-//!   (`collective`), `s` row chunks, each GEMM'd and reduce-scattered on its own stream
-//!   (`chunked`), or running sums passed around a ring of neighbours (`ring`).
+//!   `y` are reduce-scattered over rows. Variants (the decomposition of `y`): one GEMM then one
+//!   `reduce_scatter` (`collective`), a stream loop of reduces rooted at the loop index
+//!   (`reduce`), or running sums passed around a ring of neighbours (`ring`, each step cut into
+//!   `pieces`).
+//!
+//! On one rank nothing moves: every variant lowers to the local GEMM (nothing is forced).
 //!
 //! Every host program can be cut down to only its communications or only its compute
 //! ([`Parts`], [`keep_parts`]), to time each part of the same schedule on its own.
@@ -22,9 +26,8 @@ use meshflow::ir::{
     ProgramBuilder,
 };
 
-use crate::rings::{agmm_ring_lowered, rsmm_ring_host, rsmm_ring_lowered};
 use meshflow::pipeline::StreamSchedule;
-use meshflow::{compile, Error, Options};
+use meshflow::{compile, Decomposition, Error, Options, Transport};
 
 /// A program and the host program it lowers to.
 #[derive(Clone, Debug)]
@@ -66,12 +69,11 @@ pub enum AgVariant {
     Broadcast,
     /// A stream loop of `d` collective permutes (a ring), each followed by its chunk's GEMM.
     Ring,
-    /// A hand-written ring of neighbours: each step forwards the chunk received last step to
-    /// rank + 1 while GEMM'ing it (see [`agmm_ring_host`](crate::rings::agmm_ring_host)).
+    /// A ring of neighbours: each step forwards the chunk received last step to rank + 1
+    /// while GEMM'ing it ([`Decomposition::RingForward`]).
     RingForward,
-    /// A hand-written ring of neighbours in both directions: half of each chunk travels to
-    /// rank + 1, the other half to rank − 1 (see
-    /// [`agmm_ring_host`](crate::rings::agmm_ring_host)).
+    /// A ring of neighbours in both directions: half of each chunk travels to rank + 1, the
+    /// other half to rank − 1 ([`Decomposition::RingBidirectional`]).
     RingBidirectional,
     /// [`AgVariant::Ring`] lowered with [`StreamSchedule::Prefetch`]: GEMMs on the main
     /// stream, each permute one step ahead on a worker.
@@ -111,13 +113,13 @@ impl AgVariant {
 pub enum RsVariant {
     /// One GEMM, then one reduce-scatter.
     Collective,
-    /// `s` row chunks: GEMM and reduce-scatter per chunk on worker streams.
-    Chunked(u64),
-    /// A hand-written ring of neighbours: running sums of row chunks travel to rank + 1 under
-    /// the next chunk's GEMM (see [`rsmm_ring_host`]); each step's GEMM and add are cut into
-    /// this many row pieces, the add of a piece running on a worker under the GEMM of the next
-    /// one (1: one GEMM, then one add on the main stream).
+    /// A ring of neighbours: running sums of row chunks travel to rank + 1 under the next
+    /// chunk's GEMM ([`Decomposition::RingForward`] of the partial sums); each step's GEMM and
+    /// add are cut into this many row pieces ([`Options::pieces`]), the add of a piece running
+    /// on a worker under the GEMM of the next one (1: one GEMM, then one add).
     Ring(u64),
+    /// A stream loop of reduces rooted at the loop index ([`Decomposition::StreamReduce`]).
+    Reduce,
     /// The partial sums `y` left to the schedule search (the default lowering, no options).
     Default,
 }
@@ -127,15 +129,15 @@ impl RsVariant {
     pub fn name(self) -> String {
         match self {
             RsVariant::Collective => "collective".into(),
-            RsVariant::Chunked(s) => format!("chunked s={s}"),
             RsVariant::Ring(1) => "ring".into(),
             RsVariant::Ring(p) => format!("ring pieces={p}"),
+            RsVariant::Reduce => "reduce".into(),
             RsVariant::Default => "default".into(),
         }
     }
 }
 
-pub(super) fn mesh_text(d: usize) -> String {
+pub(crate) fn mesh_text(d: usize) -> String {
     let v: Vec<String> = (0..d).map(|i| i.to_string()).collect();
     format!("[{}]", v.join(", "))
 }
@@ -145,9 +147,9 @@ fn built(b: ProgramBuilder) -> Program {
         .expect("the bench programs are well formed by construction")
 }
 
-/// Level-1 column-parallel linear over `d` ranks; `variant` picks the schedule of the gathered
-/// `ag` (replicated for `collective` and the hand-written rings, a Stream split for
-/// `broadcast`, a swizzled Stream split for `ring`).
+/// Level-1 column-parallel linear over `d` ranks, named after `variant`; the gathered `ag`
+/// is unannotated, so its decomposition is the schedule search's or the options' (see
+/// [`agmm_lowered`]).
 pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Program {
     let du = d as u64;
     let mut b = ProgramBuilder::new(format!("agmm_{}", variant.name()));
@@ -163,23 +165,6 @@ pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Pro
         .parallelize(0, ParallelType::DIDx);
     let ag = b.set(x).expect("set");
     b.rename(ag, "ag").expect("fresh name");
-    match variant {
-        AgVariant::Collective
-        | AgVariant::RingForward
-        | AgVariant::RingBidirectional
-        | AgVariant::Default => {}
-        AgVariant::Broadcast => {
-            b.schedule(ag)
-                .outer_split(0, du)
-                .parallelize(0, ParallelType::Stream);
-        }
-        AgVariant::Ring | AgVariant::RingPrefetch => {
-            b.schedule(ag)
-                .outer_split(0, du)
-                .swizzle1d(0, ParallelType::DIDx)
-                .parallelize(0, ParallelType::Stream);
-        }
-    }
     let y = b.linear(ag, w).expect("linear");
     b.rename(y, "y").expect("fresh name");
     // y's sharding (columns over DIDx, and the Stream split of the loop) is left to
@@ -188,25 +173,18 @@ pub fn agmm_program(d: usize, s: Gemm3, dtype: DType, variant: AgVariant) -> Pro
     built(b)
 }
 
-/// Level-1 row-parallel linear with a reduce-scatter over rows (chunked into `s` stream
-/// chunks when `chunks` is `Some(s)`: rank `r` then holds rows `r` of every chunk).
-pub fn rsmm_program(d: usize, s: Gemm3, dtype: DType, chunks: Option<u64>) -> Program {
-    rsmm_program_with(d, s, dtype, chunks, true)
+/// Level-1 row-parallel linear with a reduce-scatter over rows, every tensor annotated.
+pub fn rsmm_program(d: usize, s: Gemm3, dtype: DType) -> Program {
+    rsmm_program_with(d, s, dtype, true)
 }
 
 /// [`rsmm_program`] with the partial sums `y` unannotated (propagation makes them partial), so
 /// that the schedule search decides how they are reduce-scattered.
 pub fn rsmm_searched_program(d: usize, s: Gemm3, dtype: DType) -> Program {
-    rsmm_program_with(d, s, dtype, None, false)
+    rsmm_program_with(d, s, dtype, false)
 }
 
-fn rsmm_program_with(
-    d: usize,
-    s: Gemm3,
-    dtype: DType,
-    chunks: Option<u64>,
-    annotate_y: bool,
-) -> Program {
+fn rsmm_program_with(d: usize, s: Gemm3, dtype: DType, annotate_y: bool) -> Program {
     let du = d as u64;
     let mut b = ProgramBuilder::new("rsmm");
     let mesh = DeviceMesh::iota(vec![d], 0).expect("a 1-D mesh of d devices");
@@ -228,31 +206,60 @@ fn rsmm_program_with(
     }
     let z = b.set(y).expect("set");
     b.rename(z, "z").expect("fresh name");
-    match chunks {
-        None => {
-            b.schedule(z)
-                .outer_split(0, du)
-                .parallelize(0, ParallelType::DIDx);
-        }
-        Some(c) => {
-            b.schedule(z)
-                .outer_split(0, c)
-                .parallelize(0, ParallelType::Stream)
-                .outer_split(1, du)
-                .parallelize(1, ParallelType::DIDx);
-        }
-    }
+    b.schedule(z)
+        .outer_split(0, du)
+        .parallelize(0, ParallelType::DIDx);
     b.output(z);
     built(b)
 }
 
-pub(super) fn parse(text: &str) -> HostProgram {
+pub(crate) fn parse(text: &str) -> HostProgram {
     parse_host(text).unwrap_or_else(|e| panic!("bench host program does not parse: {e}\n{text}"))
 }
 
-/// Lowers an AG+GEMM variant with the pipeline (`streams` worker streams; the hand-written
-/// rings use workers 0 and 1, see [`agmm_ring_lowered`]) and keeps `parts`. Local shapes:
-/// `x[M/d, K]`, `w[N/d, K]`, `y[M, N/d]`.
+/// The options that force `variant` of an AG+GEMM case: the decomposition of `ag` and the
+/// stream schedule (`None` for [`AgVariant::Default`]: nothing forced).
+pub fn agmm_options(variant: AgVariant) -> Option<(Decomposition, StreamSchedule)> {
+    Some(match variant {
+        AgVariant::Collective => (Decomposition::Collective, StreamSchedule::Auto),
+        AgVariant::Broadcast => (Decomposition::StreamBroadcast, StreamSchedule::PerIteration),
+        AgVariant::Ring => (Decomposition::Ring, StreamSchedule::PerIteration),
+        AgVariant::RingPrefetch => (Decomposition::Ring, StreamSchedule::Prefetch),
+        AgVariant::RingForward => (Decomposition::RingForward, StreamSchedule::Auto),
+        AgVariant::RingBidirectional => (Decomposition::RingBidirectional, StreamSchedule::Auto),
+        AgVariant::Default => return None,
+    })
+}
+
+/// Compiles `program` with the bench's options: no cross-rank check (the tests run it),
+/// `streams` workers, and the forced `transport` when given.
+fn lower_with(
+    d: usize,
+    program: &Program,
+    options: Options,
+    streams: usize,
+    transport: Option<Transport>,
+    parts: Parts,
+) -> Result<Lowered, Error> {
+    let mut options = options.check(false).streams(streams.max(1));
+    if d <= 1 {
+        // One rank: nothing moves, so no decomposition applies (forcing one is an error).
+        let p = options.pass_options_mut();
+        p.decompositions.clear();
+        p.pieces.clear();
+    }
+    if let Some(t) = transport {
+        options = options.transport(t);
+    }
+    let c = compile(program, &options)?;
+    Ok(Lowered {
+        host: keep_parts(c.host(), parts),
+        program: c.level1()?.clone(),
+    })
+}
+
+/// Lowers an AG+GEMM variant with the pipeline (`streams` worker streams), forced by
+/// [`agmm_options`], and keeps `parts`. Local shapes: `x[M/d, K]`, `w[N/d, K]`, `y[M, N/d]`.
 pub fn agmm_lowered(
     d: usize,
     s: Gemm3,
@@ -261,36 +268,33 @@ pub fn agmm_lowered(
     streams: usize,
     parts: Parts,
 ) -> Result<Lowered, Error> {
-    if matches!(
-        variant,
-        AgVariant::RingForward | AgVariant::RingBidirectional
-    ) {
-        return agmm_ring_lowered(d, s, dtype, variant, parts);
-    }
-    let program = agmm_program(d, s, dtype, variant);
-    let stream_schedule = match variant {
-        AgVariant::RingPrefetch => StreamSchedule::Prefetch,
-        AgVariant::Default => StreamSchedule::Auto,
-        _ => StreamSchedule::PerIteration,
-    };
-    let mut options = Options::new()
-        .check(false)
-        .streams(streams.max(1))
-        .stream_schedule(stream_schedule);
-    if variant == AgVariant::Collective {
-        // The gathered `ag` is unannotated: keep the search from decomposing it.
-        options = options.decomposition("ag", meshflow::passes::Decomposition::Collective);
-    }
-    let c = compile(&program, &options)?;
-    Ok(Lowered {
-        host: keep_parts(c.host(), parts),
-        program: c.level1()?.clone(),
-    })
+    agmm_lowered_over(d, s, dtype, variant, streams, parts, None)
 }
 
-/// Lowers a GEMM+RS variant: the collective one with the pipeline, the chunked one and the ring
-/// by hand (see [`rsmm_host`], [`rsmm_ring_lowered`]). Local shapes: `x[M, K/d]`, `w[N, K/d]`,
-/// `z[M/d, N]`.
+/// [`agmm_lowered`] with the transport forced (the plans then assume it, as
+/// `--transport` does).
+pub fn agmm_lowered_over(
+    d: usize,
+    s: Gemm3,
+    dtype: DType,
+    variant: AgVariant,
+    streams: usize,
+    parts: Parts,
+    transport: Option<Transport>,
+) -> Result<Lowered, Error> {
+    let program = agmm_program(d, s, dtype, variant);
+    let mut options = Options::new();
+    if let Some((decomposition, schedule)) = agmm_options(variant) {
+        options = options
+            .decomposition("ag", decomposition)
+            .stream_schedule(schedule);
+    }
+    lower_with(d, &program, options, streams, transport, parts)
+}
+
+/// Lowers a GEMM+RS variant with the pipeline, from the program whose partial sums `y` are
+/// left to the search ([`rsmm_searched_program`]), forced through the options (decomposition
+/// of `y`, pieces per ring step). Local shapes: `x[M, K/d]`, `w[N, K/d]`, `z[M/d, N]`.
 pub fn rsmm_lowered(
     d: usize,
     s: Gemm3,
@@ -299,30 +303,38 @@ pub fn rsmm_lowered(
     streams: usize,
     parts: Parts,
 ) -> Result<Lowered, Error> {
-    match variant {
-        RsVariant::Collective => {
-            let program = rsmm_program(d, s, dtype, None);
-            let options = Options::new().check(false).streams(streams.max(1));
-            let c = compile(&program, &options)?;
-            Ok(Lowered {
-                host: keep_parts(c.host(), parts),
-                program: c.level1()?.clone(),
-            })
-        }
-        RsVariant::Chunked(chunks) => Ok(Lowered {
-            program: rsmm_program(d, s, dtype, Some(chunks)),
-            host: rsmm_host(d, s, dtype, variant, parts),
-        }),
-        RsVariant::Ring(pieces) => rsmm_ring_lowered(d, s, dtype, pieces, parts),
-        RsVariant::Default => {
-            let options = Options::new().check(false).streams(streams.max(1));
-            let c = compile(&rsmm_searched_program(d, s, dtype), &options)?;
-            Ok(Lowered {
-                host: keep_parts(c.host(), parts),
-                program: c.level1()?.clone(),
-            })
-        }
-    }
+    rsmm_lowered_over(d, s, dtype, variant, streams, parts, None)
+}
+
+/// [`rsmm_lowered`] with the transport forced.
+pub fn rsmm_lowered_over(
+    d: usize,
+    s: Gemm3,
+    dtype: DType,
+    variant: RsVariant,
+    streams: usize,
+    parts: Parts,
+    transport: Option<Transport>,
+) -> Result<Lowered, Error> {
+    let options = Options::new();
+    let (program, options) = match variant {
+        RsVariant::Collective => (
+            rsmm_searched_program(d, s, dtype),
+            options.decomposition("y", Decomposition::Collective),
+        ),
+        RsVariant::Ring(pieces) => (
+            rsmm_searched_program(d, s, dtype),
+            options
+                .decomposition("y", Decomposition::RingForward)
+                .pieces("y", pieces),
+        ),
+        RsVariant::Reduce => (
+            rsmm_searched_program(d, s, dtype),
+            options.decomposition("y", Decomposition::StreamReduce),
+        ),
+        RsVariant::Default => (rsmm_searched_program(d, s, dtype), options),
+    };
+    lower_with(d, &program, options, streams, transport, parts)
 }
 
 /// The default lowering of an AG+GEMM (`rsmm`: false) or GEMM+RS (`rsmm`: true) case: the
@@ -399,69 +411,6 @@ pub fn keep_parts(host: &HostProgram, parts: Parts) -> HostProgram {
     h
 }
 
-/// The hand-written host program of a GEMM+RS variant (local shapes: `x[M, K/d]`,
-/// `w[N, K/d]`, `z[M/d, N]`). The pipeline does not lower the chunked reduce-scatter's
-/// schedule (a Stream split outside the DIDx split of the scattered axis) yet, so the chunked
-/// variant is written here and checked against [`rsmm_program`] on the CPU backend. The ring
-/// is [`rsmm_ring_host`].
-pub fn rsmm_host(
-    d: usize,
-    s: Gemm3,
-    dtype: DType,
-    variant: RsVariant,
-    parts: Parts,
-) -> HostProgram {
-    if let RsVariant::Ring(pieces) = variant {
-        return keep_parts(&rsmm_ring_host(d, s, dtype, pieces), parts);
-    }
-    let du = d as u64;
-    let kd = s.k / du;
-    let (comm, compute) = (parts != Parts::ComputeOnly, parts != Parts::CommOnly);
-    let t = dtype.name();
-    let chunks = match variant {
-        // (The ring returned above.)
-        RsVariant::Collective | RsVariant::Ring(_) | RsVariant::Default => 1,
-        RsVariant::Chunked(c) => c.max(1),
-    };
-    let (mc, zc) = (s.m / chunks, s.m / chunks / du);
-    let mut p = format!(
-        "host rsmm {{\n  mesh m0 = {mesh}\n  in x: {t}[{m}, {kd}] on m0\n  in w: {t}[{n}, {kd}] on m0\n  out z: {t}[{zm}, {n}] on m0\n  tensor y: {t}[{m}, {n}] on m0\n  tensor x_chunk: {t}[{mc}, {kd}] on m0\n  tensor y_chunk: {t}[{mc}, {n}] on m0\n  tensor z_chunk: {t}[{zc}, {n}] on m0\n  allocate y\n",
-        mesh = mesh_text(d),
-        m = s.m,
-        n = s.n,
-        zm = s.m / du,
-    );
-    match variant {
-        RsVariant::Collective | RsVariant::Ring(_) | RsVariant::Default => {
-            if compute {
-                p += "  linear(x, w -> y)\n";
-            }
-            if comm {
-                p += "  c0 = reduce_scatter(y -> z, team=slice(m0, DIDx), op=sum)\n  wait c0\n";
-            }
-        }
-        RsVariant::Chunked(_) => {
-            // The GEMMs of the chunks run one after the other on the main stream; the
-            // reduce-scatter of chunk i runs on worker 0 once the GEMM of chunk i is done, under
-            // the GEMM of chunk i + 1.
-            p += &format!(
-                "  s0 = get_current_stream\n  for i0 in 0..{chunks} {{\n    x_chunk = shard_by_stream(x, axis=0, chunks={chunks}, index=i0)\n    y_chunk = shard_by_stream(y, axis=0, chunks={chunks}, index=i0)\n"
-            );
-            if compute {
-                p += "    linear(x_chunk, w -> y_chunk)\n";
-            }
-            if comm {
-                p += &format!(
-                    "    set_current_stream worker(0)\n    synchronize s0\n    z_chunk = shard_by_stream(z, axis=0, chunks={chunks}, index=i0)\n    c0 = reduce_scatter(y_chunk -> z_chunk, team=slice(m0, DIDx), op=sum)\n    wait c0\n    set_current_stream s0\n"
-                );
-            }
-            p += "  }\n  synchronize worker(0)\n";
-        }
-    }
-    p += "  deallocate y\n}\n";
-    parse(&p)
-}
-
 /// A GEMM alone on uploaded (random) operands: `y[M, N] = a[M, K] @ w[N, K]^T` on every rank.
 pub fn gemm_alone_host(d: usize, m: u64, k: u64, n: u64, dtype: DType) -> HostProgram {
     let t = dtype.name();
@@ -516,10 +465,9 @@ mod tests {
                 }
                 for v in [
                     RsVariant::Collective,
-                    RsVariant::Chunked(2),
-                    RsVariant::Chunked(4),
                     RsVariant::Ring(1),
                     RsVariant::Ring(2),
+                    RsVariant::Reduce,
                     RsVariant::Default,
                 ] {
                     let l = rsmm_lowered(d, SMALL, dtype, v, 2, Parts::Both)
@@ -560,13 +508,16 @@ mod tests {
             let text = compute.to_string();
             assert!(text.contains("linear(") && !text.contains("wait"), "{text}");
         }
-        let comm = rsmm_host(
+        let comm = rsmm_lowered(
             2,
             SMALL,
             DType::BF16,
-            RsVariant::Chunked(2),
+            RsVariant::Ring(2),
+            2,
             Parts::CommOnly,
-        );
+        )
+        .unwrap()
+        .host;
         assert!(!comm.to_string().contains("linear("));
     }
 }

@@ -1,13 +1,17 @@
-//! `meshflow bench agmm|rsmm|permute [--json FILE] [--torch FILE] [--ranks N] [--warmup W]
-//! [--iters I] [--steps S] [--graph] [--shape MxKxN]... [--chunks S]... [--mib M]...
-//! [--streams P] [--seed S]`: GPU benchmarks of the overlapped column-parallel (all-gather +
+//! `meshflow bench agmm|rsmm|schedule|permute [--json FILE] [--torch FILE] [--ranks N]
+//! [--warmup W] [--iters I] [--steps S] [--graph] [--shape MxKxN]... [--mib M]... [--streams P]
+//! [--skip-parts] [--seed S]`: GPU benchmarks of the overlapped column-parallel (all-gather +
 //! GEMM) and row-parallel (GEMM + reduce-scatter) linear layers in bf16, next to the
 //! communication and the GEMM timed alone, the bound max(comm, GEMM) and PyTorch's figures
-//! (`--torch`, the JSON of `bench/torch_baselines.py`); and the collective-permute bandwidth of
-//! the copy engine against NCCL send/recv. Every time is per step of `--steps` steps of the
-//! host program run back to back on warm GPUs (CUDA events; the median over iterations per
-//! rank, then the maximum over ranks). Prints one table per case; `--json` also writes the
-//! results. Exits with an error when a variant failed (after printing the others).
+//! (`--torch`, the JSON of PyTorch's baseline script); and the collective-permute bandwidth of
+//! the copy engine against NCCL send/recv. Every variant is a lowered program, forced through
+//! the options a user has (see `meshflow_bench::programs`). `schedule` runs `agmm` and `rsmm`
+//! and writes the flat rows of `meshflow_bench::rows::schedule_rows` (`--json`); under
+//! `meshflow launch` (one process per GPU) rank 0 prints and writes the results with `procs` =
+//! the world size. Every time is per step of `--steps` steps of the host program run back to
+//! back on warm GPUs (CUDA events; the median over iterations per rank, then the maximum over
+//! ranks). Prints one table per case; `--json` also writes the results. Exits with an error
+//! when a variant failed (after printing the others).
 
 use std::path::PathBuf;
 
@@ -23,8 +27,11 @@ pub enum BenchCase {
     /// Column-parallel linear: all-gather + GEMM (collective, broadcast, ring, ring forward and
     /// bidirectional ring variants).
     Agmm(BenchArgs),
-    /// Row-parallel linear: GEMM + reduce-scatter (collective, chunked and ring variants).
+    /// Row-parallel linear: GEMM + reduce-scatter (collective, per-step reduce and ring
+    /// variants).
     Rsmm(BenchArgs),
+    /// `agmm` and `rsmm` together, written as one list of schedule rows (`--json`).
+    Schedule(BenchArgs),
     /// Collective-permute bandwidth: copy engine against NCCL send/recv.
     Permute(BenchArgs),
     /// MoE dispatch and combine latency, NCCL and NVLink transports.
@@ -76,12 +83,13 @@ pub struct BenchArgs {
     /// A case `MxKxN` (repeatable); default: 16384x8192x8192 and 8192x8192x8192.
     #[arg(long = "shape", value_name = "MxKxN")]
     shapes: Vec<String>,
-    /// Row chunks of the chunked GEMM + reduce-scatter (repeatable; default 4).
-    #[arg(long = "chunks")]
-    chunks: Vec<u64>,
     /// Worker streams.
     #[arg(long, default_value_t = 2)]
     streams: usize,
+    /// Skip timing each ring's communications alone and its compute alone (the tables'
+    /// parts; the bound and every variant are still measured).
+    #[arg(long)]
+    skip_parts: bool,
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 2024)]
     seed: u64,
@@ -117,6 +125,7 @@ pub fn run(cmd: BenchCommand) -> Result<(), CliError> {
     let (name, args) = match cmd.case {
         BenchCase::Agmm(a) => ("agmm", a),
         BenchCase::Rsmm(a) => ("rsmm", a),
+        BenchCase::Schedule(a) => ("schedule", a),
         BenchCase::Permute(a) => ("permute", a),
         BenchCase::Moe(a) => return super::bench_moe::run(a),
     };
@@ -134,9 +143,17 @@ fn measure(_name: &str, _args: &BenchArgs) -> Result<(), CliError> {
 
 #[cfg(feature = "cuda")]
 fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
+    use meshflow_bench::rows::{rows_json, schedule_rows};
     use meshflow_bench::{
         bench_agmm, bench_permute, bench_rsmm, permute_json, permute_table, results_json,
         BenchOptions, TorchBaselines,
+    };
+
+    let env = meshflow::runtime::rendezvous::TorchrunEnv::from_env()
+        .map_err(|e| CliError::Usage(e.to_string()))?;
+    let (procs, leader) = match &env {
+        Some(e) => (e.world_size, e.rank == 0),
+        None => (1, true),
     };
 
     let mut opts = BenchOptions {
@@ -149,6 +166,8 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
         stream_pool: args.streams.max(1),
         seed: args.seed,
         trace_dir: args.trace_dir.clone(),
+        launched: env,
+        parts: !args.skip_parts,
         ..BenchOptions::default()
     };
     if let Some(path) = &args.torch {
@@ -167,9 +186,6 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
             .map(|s| parse_shape(s))
             .collect::<Result<_, _>>()?;
     }
-    if !args.chunks.is_empty() {
-        opts.chunks = args.chunks.clone();
-    }
     if !args.mib.is_empty() {
         opts.permute_mib = args.mib.clone();
     }
@@ -179,10 +195,13 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
         let (results, device) = bench_permute(&opts).map_err(failed)?;
         (permute_table(&results, &device), permute_json(&results), 0)
     } else {
-        let cases = if name == "agmm" {
-            bench_agmm(&opts)
-        } else {
-            bench_rsmm(&opts)
+        let cases = match name {
+            "agmm" => bench_agmm(&opts),
+            "rsmm" => bench_rsmm(&opts),
+            _ => bench_agmm(&opts).and_then(|mut a| {
+                a.extend(bench_rsmm(&opts)?);
+                Ok(a)
+            }),
         }
         .map_err(failed)?;
         let mut text = String::new();
@@ -195,8 +214,17 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
             .flat_map(|c| &c.variants)
             .filter(|v| v.failure.is_some())
             .count();
-        (text, results_json(&cases), failures)
+        let json = if name == "schedule" {
+            rows_json(&schedule_rows(&cases, procs))
+        } else {
+            results_json(&cases)
+        };
+        (text, json, failures)
     };
+    if !leader {
+        // One process per GPU: rank 0 reports for every rank.
+        return Ok(());
+    }
     print_out(&text)?;
     if let Some(path) = &args.json {
         std::fs::write(path, json).map_err(|source| {

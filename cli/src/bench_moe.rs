@@ -1,9 +1,13 @@
 //! `meshflow bench moe [--ranks N] [--tokens T]... [--hidden H] [--top-k K] [--experts E]
 //! [--transport nccl|nvlink]... [--wire native|fp8-token|fp8-block128]... [--warmup W]
-//! [--iters I] [--torch torch.json] [--json FILE]`: MoE dispatch and combine latency of the
-//! kernels crate's transports on the GPUs of this machine (one thread per GPU): the NCCL
-//! transport (one grouped send/recv of `T`-row blocks per phase, counts on the device) and the
-//! NVLink transport (one kernel per phase storing into peer-mapped memory, device-side flags).
+//! [--iters I] [--path kernels|evaluator]... [--steps S] [--torch torch.json] [--json FILE]`:
+//! MoE dispatch and combine latency on the GPUs of this machine (one thread per GPU), over the
+//! NCCL transport (one grouped send/recv of `T`-row blocks per phase, counts on the device)
+//! and the NVLink transport (one kernel per phase storing into peer-mapped memory, device-side
+//! flags), along two paths: `kernels`, the kernels crate's transports driven directly, and
+//! `evaluator`, the lowered `moe_layer` program's `moe_dispatch` and `moe_combine`
+//! instructions run by the evaluator over the forced transport (see
+//! `meshflow_bench::moe_eval`; the difference is the evaluator's overhead).
 //! Each token travels once per destination rank; the weights travel with the dispatch.
 //! Reported per case: the median over steps of the slowest rank, in µs, and the busiest rank's
 //! deduplicated received bytes over that time in GB/s (DeepEP's way; see
@@ -11,7 +15,7 @@
 //! a baseline script's JSON (`--torch`, see `bench/README.md`) from the same machine are
 //! printed next to ours.
 //!
-//! `--json` writes a list of rows with the keys `path` (`kernels`), `transport`, `dtype` (the
+//! `--json` writes a list of rows with the keys `path` (`kernels`, `evaluator`), `transport`, `dtype` (the
 //! element type, or the FP8 wire), `world`, `tokens`, `dispatch_us`, `combine_us`,
 //! `dispatch_gbps`, `combine_gbps`, `torch_dispatch_us`, `torch_combine_us` (null without
 //! `--torch`), `device`, and also `wire`, `hidden`, `top_k`, `experts`, `capacity`,
@@ -33,6 +37,15 @@ pub enum Wire {
     Fp8Token,
     /// FP8 E4M3 with one scale per 128 channels.
     Fp8Block128,
+}
+
+/// Which code runs dispatch and combine.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
+pub enum MoePath {
+    /// The kernels crate's transports, driven directly.
+    Kernels,
+    /// The lowered `moe_layer` program's instructions, run by the evaluator.
+    Evaluator,
 }
 
 /// Arguments of `bench moe`.
@@ -66,6 +79,13 @@ pub struct MoeBenchArgs {
     /// Timed steps.
     #[arg(long, default_value_t = 50)]
     iters: usize,
+    /// Paths (repeatable): `kernels` (the transports driven directly) or `evaluator` (the
+    /// lowered program's instructions run by the evaluator); default both.
+    #[arg(long = "path", value_enum)]
+    paths: Vec<MoePath>,
+    /// Evaluator path: host program steps per timed iteration (times are per step).
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
     /// PyTorch baselines (JSON written by `torch_baselines.py`) to print next to ours.
     #[arg(long, value_name = "FILE")]
     torch: Option<PathBuf>,
@@ -91,6 +111,15 @@ fn torch_figures(json: &str, t: usize, h: usize, k: usize, e: usize) -> Option<(
     Some((field("torch_dispatch_us")?, field("torch_combine_us")?))
 }
 
+/// The name of a path in the rows and tables.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn path_name(p: MoePath) -> &'static str {
+    match p {
+        MoePath::Kernels => "kernels",
+        MoePath::Evaluator => "evaluator",
+    }
+}
+
 /// Runs `bench moe`.
 #[cfg(not(feature = "cuda"))]
 pub fn run(_args: MoeBenchArgs) -> Result<(), CliError> {
@@ -108,6 +137,8 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
     use meshflow::kernels::moe::{MoeWire, NcclMoe, NvlinkMoe};
     use meshflow::kernels::Device;
     use meshflow_bench::moe::{measure_moe, moe_table, MoeCase};
+    use meshflow_bench::moe_eval::measure_moe_evaluator;
+    use meshflow_bench::rows::{moe_row, rows_json};
 
     use super::common::print_out;
 
@@ -129,6 +160,11 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             devices.len()
         )));
     }
+    let paths: Vec<MoePath> = if args.paths.is_empty() {
+        vec![MoePath::Kernels, MoePath::Evaluator]
+    } else {
+        args.paths.clone()
+    };
     let transports: Vec<Transport> = if args.transports.is_empty() {
         vec![Transport::Nvlink, Transport::Nccl]
     } else {
@@ -187,14 +223,26 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                 warmup: args.warmup,
                 ..MoeCase::deepseek(t)
             };
-            let results = transports
-                .iter()
-                .map(|transport| match transport {
-                    Transport::Nvlink => measure_moe(&devices, &case, NvlinkMoe::team_with_wire),
-                    _ => measure_moe(&devices, &case, NcclMoe::team_with_wire),
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(err)?;
+            let mut results = Vec::new();
+            let mut paths_of = Vec::new();
+            for path in &paths {
+                for transport in &transports {
+                    let r = match (path, transport) {
+                        (MoePath::Evaluator, t) => {
+                            measure_moe_evaluator(devices.len(), &case, *t, args.steps)
+                        }
+                        (MoePath::Kernels, Transport::Nvlink) => {
+                            measure_moe(&devices, &case, NvlinkMoe::team_with_wire)
+                        }
+                        (MoePath::Kernels, _) => {
+                            measure_moe(&devices, &case, NcclMoe::team_with_wire)
+                        }
+                    }
+                    .map_err(err)?;
+                    results.push(r);
+                    paths_of.push(*path);
+                }
+            }
             text.push_str(&format!(
                 "MoE dispatch/combine, {} x {device}, T={t} tokens/rank, H={}, K={}, E={}, bf16, \
                  {} dispatch\n",
@@ -204,60 +252,74 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                 args.experts,
                 wire.name()
             ));
-            text.push_str(&moe_table(&results));
+            for p in &paths {
+                let mine: Vec<_> = results
+                    .iter()
+                    .zip(&paths_of)
+                    .filter(|(_, q)| *q == p)
+                    .map(|(r, _)| r.clone())
+                    .collect();
+                text.push_str(&format!("path: {}\n", path_name(*p)));
+                text.push_str(&moe_table(&mine));
+            }
             if let Some((d, c)) = torch_us {
                 text.push_str(&format!(
                     "torch all_to_all_single (same machine): dispatch {d:.1} us, combine {c:.1} us\n"
                 ));
-                for r in &results {
+                for (r, path) in results.iter().zip(&paths_of) {
                     text.push_str(&format!(
-                        "  {} vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
+                        "  {} ({}) vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
                         r.transport,
+                        path_name(*path),
                         d / r.dispatch_us,
                         c / r.combine_us
                     ));
                 }
             }
             text.push('\n');
-            all.extend(results.into_iter().map(|r| (t, r, torch_us)));
+            all.extend(
+                results
+                    .into_iter()
+                    .zip(paths_of)
+                    .map(|(r, path)| (t, r, torch_us, path)),
+            );
         }
     }
     print_out(&text)?;
     if let Some(path) = &args.json {
-        let num = |v: Option<f64>| v.map_or("null".to_string(), |v| format!("{v:.1}"));
-        let rows: Vec<String> = all
+        let rows: Vec<serde_json::Value> = all
             .iter()
-            .map(|(t, r, torch_us)| {
+            .map(|(t, r, torch_us, p)| {
                 let (db, cb) = r.traffic.max_bytes();
                 let dtype = match r.wire {
                     MoeWire::Native => r.shape.dtype.name().to_string(),
                     w => w.name().to_string(),
                 };
-                format!(
-                    "  {{\"path\": \"kernels\", \"transport\": \"{}\", \"dtype\": \"{dtype}\", \
-                     \"world\": {}, \"tokens\": {t}, \"dispatch_us\": {:.1}, \"combine_us\": {:.1}, \
-                     \"dispatch_gbps\": {:.1}, \"combine_gbps\": {:.1}, \"torch_dispatch_us\": {}, \
-                     \"torch_combine_us\": {}, \"device\": \"{device}\", \"wire\": \"{}\", \
-                     \"hidden\": {}, \"top_k\": {}, \"experts\": {}, \"capacity\": {}, \
-                     \"dispatch_bytes\": {db}, \"combine_bytes\": {cb}, \"status_ok\": {}}}",
+                let extra = serde_json::json!({
+                    "wire": r.wire.name(),
+                    "hidden": r.shape.hidden,
+                    "top_k": r.shape.top_k,
+                    "experts": r.shape.experts,
+                    "capacity": r.shape.capacity,
+                    "dispatch_bytes": db,
+                    "combine_bytes": cb,
+                    "status_ok": r.status_ok,
+                });
+                moe_row(
+                    path_name(*p),
                     r.transport,
+                    &dtype,
                     r.shape.world,
-                    r.dispatch_us,
-                    r.combine_us,
-                    r.dispatch_gbps(),
-                    r.combine_gbps(),
-                    num(torch_us.map(|x| x.0)),
-                    num(torch_us.map(|x| x.1)),
-                    r.wire.name(),
-                    r.shape.hidden,
-                    r.shape.top_k,
-                    r.shape.experts,
-                    r.shape.capacity,
-                    r.status_ok
+                    *t,
+                    (r.dispatch_us, r.combine_us),
+                    (r.dispatch_gbps(), r.combine_gbps()),
+                    *torch_us,
+                    &device,
+                    extra.as_object().cloned().unwrap_or_default(),
                 )
             })
             .collect();
-        std::fs::write(path, format!("[\n{}\n]\n", rows.join(",\n"))).map_err(|source| {
+        std::fs::write(path, rows_json(&rows)).map_err(|source| {
             CliError::Usage(format!("cannot write `{}`: {source}", path.display()))
         })?;
         print_out(&format!("results written to {}\n", path.display()))?;

@@ -96,6 +96,10 @@ pub struct CompileArgs {
     /// partial sums of a reduce-scatter).
     #[arg(long = "decompose", value_name = "TENSOR=VARIANT")]
     pub decompose: Vec<String>,
+    /// Force the pieces per step of a reduce-scatter ring: `--pieces TENSOR=N` (repeatable;
+    /// TENSOR is the partial sums; N >= 1).
+    #[arg(long = "pieces", value_name = "TENSOR=N")]
+    pub pieces: Vec<String>,
     /// Skip a pass (repeatable).
     #[arg(long = "disable-pass", value_name = "PASS")]
     pub disable_pass: Vec<String>,
@@ -130,6 +134,9 @@ impl CompileArgs {
         }
         for d in &self.decompose {
             args.extend(["--decompose".to_string(), d.clone()]);
+        }
+        for p in &self.pieces {
+            args.extend(["--pieces".to_string(), p.clone()]);
         }
         for p in &self.disable_pass {
             args.extend(["--disable-pass".to_string(), p.clone()]);
@@ -182,6 +189,15 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
             .map_err(|e: meshflow::passes::PassError| CliError::Usage(e.to_string()))?;
         options = options.decomposition(tensor, variant);
     }
+    for p in &compile.pieces {
+        let (tensor, n) = p
+            .split_once('=')
+            .ok_or_else(|| CliError::Usage(format!("--pieces `{p}`: expected TENSOR=N")))?;
+        let n: u64 = n.trim().parse().map_err(|_| {
+            CliError::Usage(format!("--pieces `{p}`: `{n}` is not a positive integer"))
+        })?;
+        options = options.pieces(tensor.trim(), n);
+    }
     for p in &compile.disable_pass {
         options = options.disable_pass(p.clone());
     }
@@ -226,6 +242,9 @@ impl CompileArgs {
         }
         if !self.decompose.is_empty() {
             given.push("--decompose");
+        }
+        if !self.pieces.is_empty() {
+            given.push("--pieces");
         }
         if !self.disable_pass.is_empty() {
             given.push("--disable-pass");

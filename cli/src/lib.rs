@@ -5,6 +5,7 @@
 
 mod bench;
 mod bench_moe;
+mod calibrate;
 mod check;
 mod common;
 mod launch;
@@ -43,6 +44,9 @@ pub enum Command {
     /// GPU benchmarks: overlapped AG+GEMM (`agmm`), GEMM+RS (`rsmm`) next to the bound,
     /// collective-permute bandwidth (`permute`) and MoE dispatch/combine latency (`moe`).
     Bench(bench::BenchCommand),
+    /// Measure this machine (CPU backend, or GPUs with `--backend cuda`) and write a profile
+    /// that `--profile` reads.
+    Calibrate(calibrate::CalibrateArgs),
     /// Start N ranks of a command on this host (torchrun variables, `[rank r]` output).
     Launch(launch::LaunchArgs),
     /// Run a program once and write a Perfetto trace and an SVG timeline of its streams.
@@ -60,6 +64,7 @@ pub fn run(cli: Cli) -> Result<(), CliError> {
         Command::Check(args) => check::run(args),
         Command::Run(args) => run::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Calibrate(args) => calibrate::run(args),
         Command::Launch(args) => launch::run(args),
         Command::Trace(args) => trace::run(args),
         Command::Node(args) => node::run(args),

@@ -53,6 +53,16 @@ impl<K: EntityRef, V> Default for Arena<K, V> {
     }
 }
 
+/// Collects values into an arena, their handles numbered in order from 0.
+impl<K: EntityRef, V> FromIterator<V> for Arena<K, V> {
+    fn from_iter<I: IntoIterator<Item = V>>(iter: I) -> Self {
+        Arena {
+            items: iter.into_iter().collect(),
+            _key: PhantomData,
+        }
+    }
+}
+
 impl<K: EntityRef, V> Arena<K, V> {
     /// An empty arena.
     pub fn new() -> Self {

@@ -216,8 +216,8 @@ pub mod verify;
 pub use dtype::DType;
 pub use entity::{Arena, EntityRef};
 pub use host::{
-    Block, CommId, CommKind, ComputeOp, Expr, HostProgram, HostTensor, HostTensorId, Inst,
-    InstKind, LoopVar, ReduceOp, Role, StreamRef, StreamVar, Team,
+    Block, BufferContract, BufferUse, CommId, CommKind, ComputeOp, Expr, HostProgram, HostTensor,
+    HostTensorId, Inst, InstKind, LoopVar, ReduceOp, Role, StreamRef, StreamVar, Team,
 };
 pub use mesh::{DeviceId, DeviceMesh, MeshError, ParallelType};
 pub use moe::{Fp8Scales, MoeWire};

@@ -5,7 +5,10 @@
 // 16 bytes (kernels/src/moe/wire.rs, WireLayout). The payload is the token row as is (native) or
 // E4M3 codes (FP8, per-token or per-128-channel scales). On arrival the receiver fans a row out
 // to its local experts (expert_x, routing) and records, per received row and k, which expert row
-// it went to (`fan`). The combine reduces, per received row, the weighted outputs of its local
+// it went to (`fan`). A token's row to its own rank carries only the metadata: the sender fans
+// the token out to its local experts itself (the values a receiver would write, FP8 rows
+// quantized and dequantized), so dispatch_recv handles only other ranks' rows and the own
+// fan-out overlaps the transfer. The combine reduces, per received row, the weighted outputs of its local
 // expert rows in k order into ONE partial row, rounded to T, sent back to the token's rank; that
 // rank sums the partials in ascending rank order (`sent_pos[t][r]` says where token t's partial
 // from rank r lies) and rounds once.
@@ -18,6 +21,13 @@
 //   rank: receive rows [W][T], counts [W], flags) and raise release flags carrying the step number
 //   (epoch, kept on the device in `state[0]` so steps replay in CUDA graphs); receivers acquire.
 //   One kernel per phase; the combine's late weights (when not given at dispatch) take one more.
+//
+// The row kernels (dispatch send and receive, combine send) give each row to a whole block
+// (ROW_THREADS threads, a grid-stride loop over rows): one warp routes the row (atomics,
+// positions, the destination rows, into shared memory), then every thread moves 16-byte
+// vectors, several loads in flight before any store, and the row is read once however many
+// destinations it has (a token's ranks, a received row's local experts). FP8 rows are
+// quantized and dequantized once per row, not once per destination.
 //
 // Row order inside an expert is unspecified (atomics); counts and the combine result are exact.
 // No kernel scans over experts with one block: any E (E > 1024 included) works with any block
@@ -142,7 +152,19 @@ __device__ void raise_peer_flags(const u64* peer_sym, i64 flags_off, i64 world, 
     }
 }
 
-// ---- 16-byte vectors and row copies (one warp per row) ----------------------------------------
+// ---- 16-byte vectors and block-wide row movers ------------------------------------------------
+//
+// The row kernels give one row (a token, a received row) to a whole block: every thread loads
+// up to ROW_BATCH 16-byte vectors of the row at once and then stores them to every
+// destination of the row, so a row is read once, whatever its fan-out, and a block keeps
+// blockDim.x * ROW_BATCH * 16 bytes in flight.
+
+#define ROW_BATCH 4
+#define FP8_BATCH 2
+// The row kernels run ROW_THREADS threads per block (kernels/src/moe/kernel_calls.rs launches
+// them so), at least two blocks per SM.
+#define ROW_THREADS 256
+#define ROW_KERNEL __launch_bounds__(ROW_THREADS, 2)
 
 struct alignas(16) U128 { unsigned a, b, c, d; };
 
@@ -152,30 +174,61 @@ __device__ __forceinline__ U128 ld_cg_v4(const void* p) {
                  : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
     return v;
 }
+// Inputs that nothing writes while the kernel runs (x, expert_y): the read-only path, not
+// kept in L1 (each byte is read once).
+__device__ __forceinline__ U128 ld_nc_v4(const void* p) {
+    U128 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.a), "=r"(v.b), "=r"(v.c), "=r"(v.d) : "l"(p));
+    return v;
+}
 __device__ __forceinline__ void st_v4(void* p, U128 v) {
     asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.a), "r"(v.b), "r"(v.c),
                  "r"(v.d) : "memory");
 }
 
-// Copies `bytes` (a multiple of 2) from src to dst with the 32 lanes of a warp: 16-byte vectors
-// when both rows are 16-byte aligned and the length is a multiple of 16, else 2-byte elements.
-__device__ __forceinline__ void warp_copy_row(char* dst, const char* src, i64 bytes, int lane) {
-    if ((((u64)dst | (u64)src | (u64)bytes) & 15u) == 0) {
-        const i64 n = bytes >> 4;
-        i64 i = lane;
-        for (; i + 96 < n; i += 128) {
-            U128 a = ld_cg_v4(src + 16 * i), b = ld_cg_v4(src + 16 * (i + 32));
-            U128 c = ld_cg_v4(src + 16 * (i + 64)), e = ld_cg_v4(src + 16 * (i + 96));
-            st_v4(dst + 16 * i, a);
-            st_v4(dst + 16 * (i + 32), b);
-            st_v4(dst + 16 * (i + 64), c);
-            st_v4(dst + 16 * (i + 96), e);
+template <bool SHARED> __device__ __forceinline__ U128 ld_v4(const char* p) {
+    return SHARED ? ld_cg_v4(p) : ld_nc_v4(p);
+}
+
+// Whether src, the length and every destination row dst[0..n) are 16-byte aligned (the same
+// answer in every thread of the block: dst lies in shared memory).
+__device__ __forceinline__ bool rows_aligned(const char* src, i64 bytes, char* const* dst, int n) {
+    bool ok = ((((u64)src) | (u64)bytes) & 15u) == 0;
+    for (int d = 0; d < n; ++d) ok = ok && aligned16(dst[d]);
+    return ok;
+}
+
+// The block copies `bytes` (a multiple of 2) from src to the n rows dst[0..n). SHARED: src was
+// written by another GPU or kernel launch phase (L2 loads), else it is a read-only input.
+// 16-byte vectors when everything is aligned, else 2-byte elements.
+template <bool SHARED>
+__device__ void block_copy_multi(const char* src, i64 bytes, char* const* dst, int n) {
+    if (n == 0) return;
+    if (rows_aligned(src, bytes, dst, n)) {
+        const i64 nv = bytes >> 4, nt = blockDim.x;
+        for (i64 base = threadIdx.x; base < nv; base += nt * ROW_BATCH) {
+            U128 v[ROW_BATCH];
+#pragma unroll
+            for (int u = 0; u < ROW_BATCH; ++u) {
+                const i64 i = base + u * nt;
+                if (i < nv) v[u] = ld_v4<SHARED>(src + 16 * i);
+            }
+            for (int d = 0; d < n; ++d) {
+                char* o = dst[d];
+#pragma unroll
+                for (int u = 0; u < ROW_BATCH; ++u) {
+                    const i64 i = base + u * nt;
+                    if (i < nv) st_v4(o + 16 * i, v[u]);
+                }
+            }
         }
-        for (; i < n; i += 32) st_v4(dst + 16 * i, ld_cg_v4(src + 16 * i));
     } else {
-        const unsigned short* s = (const unsigned short*)src;
-        unsigned short* d = (unsigned short*)dst;
-        for (i64 i = lane; i < (bytes >> 1); i += 32) d[i] = s[i];
+        for (i64 i = threadIdx.x; i < (bytes >> 1); i += blockDim.x) {
+            const unsigned short v =
+                SHARED ? ld_cg_u16(src + 2 * i) : ((const unsigned short*)src)[i];
+            for (int d = 0; d < n; ++d) ((unsigned short*)dst[d])[i] = v;
+        }
     }
 }
 
@@ -196,6 +249,21 @@ __device__ __forceinline__ void store_pair(i32* p, i32 a, i32 b) {
 __device__ __forceinline__ i64 warp_id() { return thread_index() >> 5; }
 __device__ __forceinline__ i64 warp_count() { return thread_count() >> 5; }
 __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+__device__ __forceinline__ unsigned lanes_below() { return (1u << lane_id()) - 1u; }
+
+// Bitwise OR over the warp.
+__device__ __forceinline__ unsigned warp_or(unsigned v) {
+    for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// The destination rows of the block's current row, in shared memory: row[0, n_wire) are wire
+// rows (at most 32: one per rank of a chunk), row[n_wire, n) expert rows (at most 32: one per
+// k of a chunk).
+struct RowTargets {
+    char* row[64];
+    int n, n_wire;
+};
 
 // ---- FP8 E4M3 (mirrors kernels/src/fp8.rs bit for bit) -------------------------------------
 
@@ -244,139 +312,326 @@ __device__ __forceinline__ float fp8_scale(float amax) {
 
 template <typename T> struct alignas(16) Pack16 { T v[16]; };
 
-// 16 elements of T at p (16-byte aligned) as f32.
+// 16 elements of T at p (16-byte aligned, a read-only input) as f32.
 template <typename T> __device__ __forceinline__ void load16(const T* p, float* v) {
-    Pack16<T> x = *(const Pack16<T>*)p;
+    const int per = 16 / (int)sizeof(T);
 #pragma unroll
-    for (int j = 0; j < 16; ++j) v[j] = to_f32(x.v[j]);
+    for (int h = 0; h < (int)sizeof(T); ++h) {
+        U128 raw = ld_nc_v4((const char*)p + 16 * h);
+        const Vec16<T> x = *(const Vec16<T>*)&raw;
+#pragma unroll
+        for (int j = 0; j < per; ++j) v[h * per + j] = to_f32(x.v[j]);
+    }
 }
 
-// Stores e4m3(v[j] / scale) for j < 16 as 16 bytes at dst (16-byte aligned).
-__device__ __forceinline__ void store_codes16(char* dst, const float* v, float scale) {
+// e4m3(v[j] / scale) for j < 16 as one 16-byte vector.
+__device__ __forceinline__ U128 quantize16(const float* v, float scale) {
     unsigned w[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
     for (int j = 0; j < 16; ++j) w[j >> 2] |= f32_to_e4m3(__fdiv_rn(v[j], scale)) << (8 * (j & 3));
     U128 q = {w[0], w[1], w[2], w[3]};
-    st_v4(dst, q);
+    return q;
 }
 
-// ---- wire rows ----------------------------------------------------------------------------
+// The values (code * scale, rounded to T) of 16 E4M3 codes: what a receiver writes.
+template <typename T> __device__ __forceinline__ void dequantize16(U128 codes, float scale, T* o) {
+    const unsigned w[4] = {codes.a, codes.b, codes.c, codes.d};
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+        o[j] = from_f32<T>(__fmul_rn(e4m3_to_f32((w[j >> 2] >> (8 * (j & 3))) & 0xffu), scale));
+}
 
-// The warp writes token row `x_row` (h elements of T) as a wire row at `dst`: payload (copied or
-// quantized), scales, and the metadata (token, the K expert ids, the K weights or zeros).
+// max over the lanes of each aligned group of `width` lanes (width a power of two <= 32).
+__device__ __forceinline__ float group_max(float m, int width) {
+    for (int o = width >> 1; o > 0; o >>= 1) {
+        const float other = __shfl_xor_sync(FULL_MASK, m, o);
+        m = other > m ? other : m;
+    }
+    return m;
+}
+
+// ---- wire payloads (whole block) ----------------------------------------------------------
+
+// The block writes the E4M3 payload of token row x_row (h elements of T, h % 16 == 0, a
+// read-only input) and its scales into the wire rows of `to`, and the values that arrive
+// (code * scale rounded to T, as a receiver dequantizes them) into its expert rows: one scale
+// per row
+// (WIRE_FP8_TOKEN) or per 128 channels (WIRE_FP8_BLOCK, h % 128 == 0). Thread i handles the
+// 16-element chunks c = i + m * blockDim.x, FP8_BATCH of them per round of loads; with block
+// scales the 8 threads 8g .. 8g + 7 (consecutive chunks) share one 128-channel block, wholly
+// inside the row or wholly past it. Every thread of the block must call this.
 template <typename T>
-__device__ void warp_write_wire_row(char* dst, const T* x_row, i64 h, unsigned wire, i64 scale_off,
-                                    i64 meta_off, i32 token, const i32* idx_row,
-                                    const float* w_row, i64 top_k, int lane) {
-    if (wire == WIRE_NATIVE) {
-        warp_copy_row(dst, (const char*)x_row, h * (i64)sizeof(T), lane);
-    } else if (wire == WIRE_FP8_TOKEN) {
+__device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 scale_off,
+                                     const RowTargets& to) {
+    __shared__ unsigned amax_bits;
+    const i64 chunks = h >> 4, nt = blockDim.x;
+    const int n = to.n, nw = to.n_wire;
+    float row_scale = 1.0f;
+    if (wire == WIRE_FP8_TOKEN) {
+        if (threadIdx.x == 0) amax_bits = 0u;
+        __syncthreads();
         float amax = 0.0f;
-        for (i64 i = (i64)lane * 16; i < h; i += 512) {
-            float v[16];
-            load16(x_row + i, v);
+        for (i64 base = threadIdx.x; base < chunks; base += nt * FP8_BATCH) {
+            float v[FP8_BATCH][16];
 #pragma unroll
-            for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[j]);
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-            float other = __shfl_xor_sync(FULL_MASK, amax, o);
-            amax = other > amax ? other : amax;
-        }
-        const float scale = fp8_scale(amax);
-        for (i64 i = (i64)lane * 16; i < h; i += 512) {
-            float v[16];
-            load16(x_row + i, v);
-            store_codes16(dst + i, v, scale);
-        }
-        if (lane == 0) *(float*)(dst + scale_off) = scale;
-    } else {
-        // 128-channel blocks: lanes 8g..8g+7 cover one block of each 512-channel stretch (h is a
-        // multiple of 128, so a group is wholly inside the row or wholly past it).
-        for (i64 base = 0; base < h; base += 512) {
-            const i64 i = base + (i64)lane * 16;
-            const bool active = i < h;
-            float v[16];
-            float amax = 0.0f;
-            if (active) {
-                load16(x_row + i, v);
+            for (int u = 0; u < FP8_BATCH; ++u)
+                if (base + u * nt < chunks) load16(x_row + 16 * (base + u * nt), v[u]);
 #pragma unroll
-                for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[j]);
-            }
-            for (int o = 4; o > 0; o >>= 1) {
-                float other = __shfl_xor_sync(FULL_MASK, amax, o);
-                amax = other > amax ? other : amax;
-            }
-            if (active) {
-                const float scale = fp8_scale(amax);
-                store_codes16(dst + i, v, scale);
-                if ((lane & 7) == 0) ((float*)(dst + scale_off))[i / 128] = scale;
-            }
+            for (int u = 0; u < FP8_BATCH; ++u)
+                if (base + u * nt < chunks) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[u][j]);
+                }
         }
+        amax = group_max(amax, 32);
+        // Non-negative floats order like their bit patterns.
+        if (lane_id() == 0) atomicMax(&amax_bits, __float_as_uint(amax));
+        __syncthreads();
+        row_scale = fp8_scale(__uint_as_float(amax_bits));
+        for (int d = threadIdx.x; d < nw; d += nt) *(float*)(to.row[d] + scale_off) = row_scale;
     }
-    if (lane == 0) *(i32*)(dst + meta_off) = token;
-    i32* idx = (i32*)(dst + meta_off + 4);
-    float* w = (float*)(dst + meta_off + 4 + 4 * top_k);
-    for (i64 k = lane; k < top_k; k += 32) {
-        idx[k] = idx_row[k];
-        w[k] = w_row != 0 ? w_row[k] : 0.0f;
+    for (i64 base = 0; base < chunks; base += nt * FP8_BATCH) {
+        float v[FP8_BATCH][16];
+#pragma unroll
+        for (int u = 0; u < FP8_BATCH; ++u) {
+            const i64 c = base + threadIdx.x + u * nt;
+            if (c < chunks) load16(x_row + 16 * c, v[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < FP8_BATCH; ++u) {
+            const i64 c = base + threadIdx.x + u * nt;
+            const bool active = c < chunks;
+            float scale = row_scale;
+            if (wire == WIRE_FP8_BLOCK) {
+                float amax = 0.0f;
+                if (active) {
+#pragma unroll
+                    for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[u][j]);
+                }
+                scale = fp8_scale(group_max(amax, 8));
+            }
+            if (active) {
+                const U128 codes = quantize16(v[u], scale);
+                for (int d = 0; d < nw; ++d) {
+                    st_v4(to.row[d] + 16 * c, codes);
+                    if (wire == WIRE_FP8_BLOCK && (c & 7) == 0)
+                        ((float*)(to.row[d] + scale_off))[c >> 3] = scale;
+                }
+                if (n > nw) {
+                    Pack16<T> o;
+                    dequantize16<T>(codes, scale, o.v);
+                    for (int d = nw; d < n; ++d) *(Pack16<T>*)((T*)to.row[d] + 16 * c) = o;
+                }
+            }
+        }
     }
 }
 
-// The warp writes the payload of wire row `src` into expert row `out_row` (h elements of T):
-// copied, or dequantized (code * scale, rounded to T).
+// The block writes the payload of the wire row at src (written by another GPU or an earlier
+// kernel) into every expert row of `to` (h elements of T each): copied, or dequantized
+// (code * scale, rounded to T) once and stored to all of them.
 template <typename T>
-__device__ void warp_read_wire_row(T* out_row, const char* src, i64 h, unsigned wire, i64 scale_off,
-                                   int lane) {
+__device__ void block_read_payload(const char* src, i64 h, unsigned wire, i64 scale_off,
+                                   const RowTargets& to) {
+    const int n = to.n;
+    if (n == 0) return;
     if (wire == WIRE_NATIVE) {
-        warp_copy_row((char*)out_row, src, h * (i64)sizeof(T), lane);
+        block_copy_multi<true>(src, h * (i64)sizeof(T), to.row, n);
         return;
     }
-    for (i64 i = (i64)lane * 16; i < h; i += 512) {
-        const U128 c = ld_cg_v4(src + i);
-        const unsigned w[4] = {c.a, c.b, c.c, c.d};
-        const float s = ld_cg_f32(src + scale_off + 4 * (wire == WIRE_FP8_TOKEN ? 0 : i / 128));
-        Pack16<T> o;
+    const i64 chunks = h >> 4, nt = blockDim.x;
+    for (i64 base = threadIdx.x; base < chunks; base += nt * 4) {
+        U128 c[4];
+        float s[4];
 #pragma unroll
-        for (int j = 0; j < 16; ++j)
-            o.v[j] = from_f32<T>(__fmul_rn(e4m3_to_f32((w[j >> 2] >> (8 * (j & 3))) & 0xffu), s));
-        *(Pack16<T>*)(out_row + i) = o;
+        for (int u = 0; u < 4; ++u) {
+            const i64 i = base + u * nt;
+            if (i < chunks) {
+                c[u] = ld_cg_v4(src + 16 * i);
+                s[u] = ld_cg_f32(src + scale_off + 4 * (wire == WIRE_FP8_TOKEN ? 0 : i >> 3));
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const i64 i = base + u * nt;
+            if (i < chunks) {
+                Pack16<T> o;
+                dequantize16<T>(c[u], s[u], o.v);
+                for (int d = 0; d < n; ++d) *(Pack16<T>*)((T*)to.row[d] + 16 * i) = o;
+            }
+        }
     }
+}
+
+// The block writes token row x_row as the payload of the wire rows of `to` and as the row of
+// its expert rows (native: the same bytes for both).
+template <typename T>
+__device__ void block_write_payload(const T* x_row, i64 h, unsigned wire, i64 scale_off,
+                                    const RowTargets& to) {
+    if (wire == WIRE_NATIVE)
+        block_copy_multi<false>((const char*)x_row, h * (i64)sizeof(T), to.row, to.n);
+    else
+        block_quantize_multi<T>(x_row, h, wire, scale_off, to);
+}
+
+// ---- fan-out to local experts (warp 0 of a row kernel) ----------------------------------------
+
+// Lane l of warp 0 considers k = k0 + l (when k < K) of a row of token g (team-global: source
+// * T + t) whose expert id is e (-1: none): if expert e lives on this rank, the lane takes a
+// row of it (atomic counter ecnt[le]; past C: MOE_OVERFLOW, dropped) and writes routing (g, k).
+// fan_row[k] = that row or -1. The taken rows are appended to to.row[first ..]; returns their
+// number (the same in every lane).
+__device__ int take_expert_rows(int e, i64 k0, i64 top_k, i64 experts, i64 local_experts,
+                                i64 rank, i64 capacity, i32 g, char* expert_x, i64 row_bytes,
+                                i32* routing, i32* fan_row, i32* ecnt, unsigned* status,
+                                RowTargets& to, int first) {
+    const int lane = lane_id();
+    const i64 k = k0 + lane;
+    int f = -1;
+    char* dst = 0;
+    if (k < top_k) {
+        if (e >= 0 && e < experts && e / local_experts == rank) {
+            const i64 le = e - rank * local_experts;
+            const int slot = atomicAdd(ecnt + le, 1);
+            if (slot < capacity) {
+                const i64 r = le * capacity + slot;
+                store_pair(routing + r * 2, g, (i32)k);
+                dst = expert_x + r * row_bytes;
+                f = (int)r;
+            } else {
+                atomicOr(status, MOE_OVERFLOW);
+            }
+        }
+        fan_row[k] = f;
+    }
+    const unsigned m = __ballot_sync(FULL_MASK, f >= 0);
+    if (f >= 0) to.row[first + __popc(m & lanes_below())] = dst;
+    return __popc(m);
 }
 
 // ---- dispatch, sender side ------------------------------------------------------------------
 
-// One warp per (token t, destination r): if any valid expert of t lives on r, reserve position
-// `pos` in r's rows (atomic on the local counter cnt[r]) and write the wire row there;
-// sent_pos[t * W + r] = pos or -1. Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
-// `row_at(r, pos)` is where the row goes.
+// Where the sender fans its own tokens out: this rank's local experts (the receiver side of
+// the dispatch never sees this rank's own rows).
+struct OwnFanOut {
+    char* expert_x;
+    i32* routing;
+    i32* fan;
+    i32* ecnt;
+    i64 capacity;
+};
+
+// One block per token t: for every destination r hosting any valid expert of t, warp 0
+// reserves position `pos` in r's rows (atomic on the local counter cnt[r]; sent_pos[t * W + r]
+// = pos or -1) and the block writes the metadata of the wire row at row_at(r, pos) (token, K
+// expert ids, K weights or zeros). Wire rows of other ranks also get the payload (scales);
+// this rank's own row gets none: the block fans the token out to the local experts itself
+// (expert_x, routing, fan[(rank * T + pos) * K + k], as a receiver would), reading the token
+// once for all of them. Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
 template <typename T, typename RowAt>
 __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
                                i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
-                               i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
-                               i32* cnt, i32* sent_pos, unsigned* status) {
+                               i64 rank, i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
+                               i32* cnt, i32* sent_pos, unsigned* status, const OwnFanOut& own) {
+    __shared__ RowTargets to;
+    __shared__ char* meta_rows[32];
+    // own_pos: this rank's position of the token (or -1), written by warp 0 in the chunk of
+    // ranks holding this rank and read by every thread after that chunk's first barrier (the
+    // next write follows the chunk's second barrier).
+    __shared__ int n_meta, own_pos;
     const int lane = lane_id();
-    for (i64 item = warp_id(); item < tokens * world; item += warp_count()) {
-        const i64 t = item / world, r = item - t * world;
+    const i64 row_bytes = hidden * (i64)sizeof(T);
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
         const i32* idx = topk_idx + t * top_k;
-        bool hit = false;
-        for (i64 k = lane; k < top_k; k += 32) {
-            const int e = idx[k];
-            if (e < 0 || e >= experts) {
-                if (r == 0) atomicOr(status, MOE_BAD_EXPERT);
-            } else if (e / local_experts == r) {
-                hit = true;
+        const T* x_row = x + t * hidden;
+        int p_own = -1;
+        for (i64 r0 = 0; r0 < world; r0 += 32) {
+            const bool own_chunk = rank >= r0 && rank < r0 + 32;
+            if (threadIdx.x < 32) {
+                unsigned bits = 0u;
+                bool bad = false;
+                for (i64 k = lane; k < top_k; k += 32) {
+                    const int e = idx[k];
+                    if (e < 0 || e >= experts) {
+                        bad = true;
+                    } else {
+                        const i64 r = e / local_experts;
+                        if (r >= r0 && r < r0 + 32) bits |= 1u << (r - r0);
+                    }
+                }
+                bits = warp_or(bits);
+                if (__any_sync(FULL_MASK, bad) && r0 == 0 && lane == 0)
+                    atomicOr(status, MOE_BAD_EXPERT);
+                const i64 r = r0 + lane;
+                const bool hit = r < world && ((bits >> lane) & 1u) != 0u;
+                int pos = -1;
+                char* row = 0;
+                if (hit) {
+                    pos = atomicAdd(cnt + r, 1);
+                    row = row_at(r, pos);
+                }
+                if (r < world) sent_pos[t * world + r] = pos;
+                const unsigned m = __ballot_sync(FULL_MASK, hit);
+                if (hit) meta_rows[__popc(m & lanes_below())] = row;
+                const unsigned mr = __ballot_sync(FULL_MASK, hit && r != rank);
+                if (hit && r != rank) to.row[__popc(mr & lanes_below())] = row;
+                const int n_wire = __popc(mr);
+                int n_own = 0;
+                const bool own_here = own_chunk && ((bits >> (rank - r0)) & 1u) != 0u;
+                if (own_chunk && lane == 0) own_pos = -1;
+                if (own_here) {
+                    const int p = __shfl_sync(FULL_MASK, pos, (int)(rank - r0));
+                    const int e = lane < top_k ? idx[lane] : -1;
+                    n_own = take_expert_rows(e, 0, top_k, experts, local_experts, rank,
+                                             own.capacity, (i32)(rank * tokens + t), own.expert_x,
+                                             row_bytes, own.routing, own.fan + (rank * tokens + p) * top_k,
+                                             own.ecnt, status, to, n_wire);
+                    if (lane == 0) own_pos = p;
+                }
+                if (lane == 0) {
+                    n_meta = __popc(m);
+                    to.n_wire = n_wire;
+                    to.n = n_wire + n_own;
+                }
             }
+            __syncthreads();
+            if (own_chunk) p_own = own_pos;
+            if (to.n > 0) block_write_payload<T>(x_row, hidden, wire, scale_off, to);
+            const int n = n_meta;
+            const float* w = weights != 0 ? weights + t * top_k : 0;
+            const i64 words = 1 + 2 * top_k;
+            for (i64 q = threadIdx.x; q < n * words; q += blockDim.x) {
+                const i64 d = q / words, o = q - d * words;
+                char* meta = meta_rows[d] + meta_off;
+                if (o == 0) {
+                    *(i32*)meta = (i32)t;
+                } else if (o <= top_k) {
+                    ((i32*)meta)[o] = idx[o - 1];
+                } else {
+                    ((float*)meta)[o] = w != 0 ? w[o - 1 - top_k] : 0.0f;
+                }
+            }
+            __syncthreads();
         }
-        hit = __any_sync(FULL_MASK, hit);
-        int pos = -1;
-        if (hit) {
-            if (lane == 0) pos = atomicAdd(cnt + r, 1);
-            pos = __shfl_sync(FULL_MASK, pos, 0);
-            warp_write_wire_row<T>(row_at(r, pos), x + t * hidden, hidden, wire, scale_off, meta_off,
-                                   (i32)t, idx, weights != 0 ? weights + t * top_k : 0, top_k,
-                                   lane);
+        // The own fan-out of k past the first 32 (K > 32).
+        const int p = p_own;
+        for (i64 k0 = 32; p >= 0 && k0 < top_k; k0 += 32) {
+            if (threadIdx.x < 32) {
+                const int e = k0 + lane < top_k ? idx[k0 + lane] : -1;
+                const int n_own = take_expert_rows(e, k0, top_k, experts, local_experts, rank,
+                                                   own.capacity, (i32)(rank * tokens + t),
+                                                   own.expert_x, row_bytes, own.routing,
+                                                   own.fan + (rank * tokens + p) * top_k, own.ecnt,
+                                                   status, to, 0);
+                if (lane == 0) {
+                    to.n_wire = 0;
+                    to.n = n_own;
+                }
+            }
+            __syncthreads();
+            if (to.n > 0) block_write_payload<T>(x_row, hidden, wire, scale_off, to);
+            __syncthreads();
         }
-        if (lane == 0) sent_pos[t * world + r] = pos;
     }
 }
 
@@ -401,10 +656,11 @@ __device__ void nccl_dispatch_send(const T* x, const i32* topk_idx, const float*
                                    i64 tokens, i64 top_k, i64 experts, i64 local_experts,
                                    i64 world, i64 hidden, unsigned wire, i64 stride, i64 scale_off,
                                    i64 meta_off, char* send, i64 block_bytes, i32* cnt,
-                                   i32* sent_pos, unsigned* status, unsigned* done) {
+                                   i32* sent_pos, unsigned* status, unsigned* done, i64 rank,
+                                   const OwnFanOut& own) {
     BlockRowAt at = {send, block_bytes, stride};
-    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, hidden,
-                      wire, scale_off, meta_off, cnt, sent_pos, status);
+    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, rank,
+                      hidden, wire, scale_off, meta_off, cnt, sent_pos, status, own);
     if (grid_last_block(done)) {
         for (i64 r = threadIdx.x; r < world; r += blockDim.x) {
             *(i32*)(send + r * block_bytes) = ld_relaxed_gpu(cnt + r);
@@ -422,11 +678,11 @@ __device__ void nvl_dispatch_send(const T* x, const i32* topk_idx, const float* 
                                   i64 rank, i64 hidden, unsigned wire, i64 stride, i64 scale_off,
                                   i64 meta_off, const u64* peer_sym, i64 rows_off, i64 counts_off,
                                   i64 flags_off, i32* cnt, i32* sent_pos, unsigned* status,
-                                  unsigned* state) {
+                                  unsigned* state, const OwnFanOut& own) {
     const unsigned epoch = *(volatile unsigned*)state + 1u;
     PeerRowAt at = {peer_sym, rows_off, rank, tokens, stride};
-    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, hidden,
-                      wire, scale_off, meta_off, cnt, sent_pos, status);
+    route_and_send<T>(at, x, topk_idx, weights, tokens, top_k, experts, local_experts, world, rank,
+                      hidden, wire, scale_off, meta_off, cnt, sent_pos, status, own);
     if (grid_last_block(state + 1)) {
         for (i64 r = threadIdx.x; r < world; r += blockDim.x) {
             ((i32*)((char*)peer_sym[r] + counts_off))[rank] = ld_relaxed_gpu(cnt + r);
@@ -469,44 +725,45 @@ __device__ __forceinline__ i64 valid_rows(const Sources& src, i64 s, i64 tokens,
     return n;
 }
 
-// One warp per received row (s, j): for each k (in order) whose expert lives here, a row of that
-// local expert (atomic counter ecnt[le]; dropped past C with MOE_OVERFLOW) gets the token and its
-// routing (s * T + t, k); fan[(s * T + j) * K + k] = that expert row, or -1. The last block writes
-// counts[le] = min(ecnt[le], C) and zeroes ecnt.
+// One block per row (s, j) received from another rank s (this rank's own rows carry no payload:
+// the sender fanned them out already): for the k (in chunks of 32, lane k of warp 0) whose
+// expert lives here, a row of that local expert (atomic counter ecnt[le]; dropped past C with
+// MOE_OVERFLOW) gets the routing (s * T + t, k); fan[(s * T + j) * K + k] = that expert row, or
+// -1. The block then reads the row's payload once and writes it to all those expert rows. The
+// last block writes counts[le] = min(ecnt[le], C) and zeroes ecnt.
 template <typename T>
 __device__ void fan_out(const Sources& src, i64 tokens, i64 top_k, i64 experts, i64 local_experts,
                         i64 world, i64 capacity, i64 hidden, unsigned wire, i64 stride,
                         i64 scale_off, i64 meta_off, T* expert_x, i32* routing, i32* fan, i32* ecnt,
                         i32* counts, unsigned* status, unsigned* done) {
+    __shared__ RowTargets to;
     const int lane = lane_id();
     const i64 rank = src.rank;
-    for (i64 item = warp_id(); item < world * tokens; item += warp_count()) {
+    const i64 row_bytes = hidden * (i64)sizeof(T);
+    for (i64 item = blockIdx.x; item < world * tokens; item += gridDim.x) {
         const i64 s = item / tokens, j = item - s * tokens;
-        if (j >= valid_rows(src, s, tokens, status, lane == 0 && j == 0)) continue;
+        if (s == rank) continue;  // the sender fanned its own tokens out
+        if (j >= valid_rows(src, s, tokens, status, threadIdx.x == 0 && j == 0)) continue;
         const char* row = src.rows(s) + j * stride;
-        const i64 t = ld_cg_i32(row + meta_off);
-        const bool token_ok = t >= 0 && t < tokens;
-        if (!token_ok && lane == 0) atomicOr(status, MOE_BAD_ROUTING);
-        const char* idx = row + meta_off + 4;
-        i32* fan_row = fan + item * top_k;
-        for (i64 k = 0; k < top_k; ++k) {
-            const int e = ld_cg_i32(idx + 4 * k);
-            int f = -1;
-            if (token_ok && e >= 0 && e < experts && e / local_experts == rank) {
-                const i64 le = e - rank * local_experts;
-                int slot = 0;
-                if (lane == 0) slot = atomicAdd(ecnt + le, 1);
-                slot = __shfl_sync(FULL_MASK, slot, 0);
-                if (slot < capacity) {
-                    const i64 r = le * capacity + slot;
-                    warp_read_wire_row<T>(expert_x + r * hidden, row, hidden, wire, scale_off, lane);
-                    if (lane == 0) store_pair(routing + r * 2, (i32)(s * tokens + t), (i32)k);
-                    f = (int)r;
-                } else if (lane == 0) {
-                    atomicOr(status, MOE_OVERFLOW);
+        for (i64 k0 = 0; k0 < top_k; k0 += 32) {
+            if (threadIdx.x < 32) {
+                const i64 t = ld_cg_i32(row + meta_off);
+                const bool token_ok = t >= 0 && t < tokens;
+                if (!token_ok && lane == 0 && k0 == 0) atomicOr(status, MOE_BAD_ROUTING);
+                const int e = token_ok && k0 + lane < top_k
+                                  ? ld_cg_i32(row + meta_off + 4 + 4 * (k0 + lane))
+                                  : -1;
+                const int n = take_expert_rows(e, k0, top_k, experts, local_experts, rank, capacity,
+                                               (i32)(s * tokens + t), (char*)expert_x, row_bytes,
+                                               routing, fan + item * top_k, ecnt, status, to, 0);
+                if (lane == 0) {
+                    to.n_wire = 0;
+                    to.n = n;
                 }
             }
-            if (lane == 0) fan_row[k] = f;
+            __syncthreads();
+            block_read_payload<T>(row, hidden, wire, scale_off, to);
+            __syncthreads();
         }
     }
     if (grid_last_block(done)) {
@@ -535,10 +792,12 @@ extern "C" __global__ void moe_zero_padding(char* expert_x, i64 row_bytes, i32* 
 
 // ---- combine, expert side ------------------------------------------------------------------
 
-// One warp per received row (s, j): the partial P = sum over k (in order) with fan >= 0 of
-// w[t, k] * y[fan], in f32 with separate multiply and add from +0, rounded once to T, stored at
-// dst_at(s, j). Weights come from the wire row (given at dispatch) or, when `late`, from
-// w_self (s == rank) / w_peers + s * T * K.
+// One block per received row (s, j): the partial P = sum over k (in order) with fan >= 0 of
+// w[t, k] * y[fan], in f32 with separate multiply and add from +0, rounded once to T, stored
+// at dst_at(s, j). Weights come from the wire row (given at dispatch) or, when `late`, from
+// w_self (s == rank) / w_peers + s * T * K. Each warp of the block takes its own columns and
+// reads the row's fan and weights itself (lane l holds k = k0 + l), then gathers up to 4
+// expert rows per round of loads.
 template <typename T, typename DstAt>
 __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, const i32* fan,
                                 i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,
@@ -547,8 +806,7 @@ __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, co
     const int VEC = 16 / (int)sizeof(T);
     const int lane = lane_id();
     const i64 rank = src.rank;
-    const bool vec = (width % VEC) == 0 && aligned16(y);
-    for (i64 item = warp_id(); item < world * tokens; item += warp_count()) {
+    for (i64 item = blockIdx.x; item < world * tokens; item += gridDim.x) {
         const i64 s = item / tokens, j = item - s * tokens;
         if (j >= valid_rows(src, s, tokens, status, false)) continue;
         const char* row = src.rows(s) + j * stride;
@@ -559,27 +817,71 @@ __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, co
                                 : row + meta_off + 4 + 4 * top_k;
         const i32* fan_row = fan + item * top_k;
         T* dst = (T*)dst_at(s, j);
+        const bool vec = (width % VEC) == 0 && aligned16(y) && aligned16(dst);
         if (vec) {
-            for (i64 v = lane; v < width / VEC; v += 32) {
-                float acc[16 / sizeof(T)];
+            const i64 nv = width / VEC, nt = blockDim.x;
+            // Columns (vectors) v = base + threadIdx.x + u * nt, two per thread per round.
+            for (i64 base = 0; base < nv; base += 2 * nt) {
+                const i64 v0 = base + threadIdx.x, v1 = v0 + nt;
+                float acc[2][16 / sizeof(T)];
 #pragma unroll
-                for (int q = 0; q < VEC; ++q) acc[q] = 0.0f;
-                for (i64 k = 0; k < top_k; ++k) {
-                    const int f = fan_row[k];
-                    if (f < 0) continue;
-                    const float w = ld_cg_f32(w_at + 4 * k);
-                    const Vec16<T> yv = *(const Vec16<T>*)(y + (i64)f * width + v * VEC);
+                for (int q = 0; q < VEC; ++q) acc[0][q] = acc[1][q] = 0.0f;
+                for (i64 k0 = 0; k0 < top_k; k0 += 32) {
+                    const i64 k = k0 + lane;
+                    const int f = k < top_k ? fan_row[k] : -1;
+                    const float wk = f >= 0 ? ld_cg_f32(w_at + 4 * k) : 0.0f;
+                    unsigned m = __ballot_sync(FULL_MASK, f >= 0);
+                    while (m != 0u) {
+                        // Up to 4 k of this chunk, in order: load, then accumulate in order.
+                        int fs[4];
+                        float ws[4];
+                        int cnt = 0;
 #pragma unroll
-                    for (int q = 0; q < VEC; ++q)
-                        acc[q] = __fadd_rn(acc[q], __fmul_rn(w, to_f32(yv.v[q])));
+                        for (int q = 0; q < 4; ++q) {
+                            const int l = m != 0u ? __ffs(m) - 1 : 0;
+                            fs[q] = __shfl_sync(FULL_MASK, f, l);
+                            ws[q] = __shfl_sync(FULL_MASK, wk, l);
+                            if (m != 0u) {
+                                ++cnt;
+                                m &= m - 1u;
+                            }
+                        }
+                        U128 yv[4][2];
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {
+                            if (q < cnt) {
+                                const char* yr = (const char*)(y + (i64)fs[q] * width);
+                                if (v0 < nv) yv[q][0] = ld_nc_v4(yr + 16 * v0);
+                                if (v1 < nv) yv[q][1] = ld_nc_v4(yr + 16 * v1);
+                            }
+                        }
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {
+                            if (q < cnt) {
+#pragma unroll
+                                for (int h = 0; h < 2; ++h) {
+                                    const Vec16<T> yy = *(const Vec16<T>*)&yv[q][h];
+#pragma unroll
+                                    for (int e = 0; e < VEC; ++e)
+                                        acc[h][e] = __fadd_rn(acc[h][e], __fmul_rn(ws[q], to_f32(yy.v[e])));
+                                }
+                            }
+                        }
+                    }
                 }
-                Vec16<T> o;
 #pragma unroll
-                for (int q = 0; q < VEC; ++q) o.v[q] = from_f32<T>(acc[q]);
-                *(Vec16<T>*)(dst + v * VEC) = o;
+                for (int h = 0; h < 2; ++h) {
+                    const i64 v = h == 0 ? v0 : v1;
+                    if (v < nv) {
+                        Vec16<T> o;
+#pragma unroll
+                        for (int e = 0; e < VEC; ++e) o.v[e] = from_f32<T>(acc[h][e]);
+                        st_v4(dst + v * VEC, *(const U128*)&o);
+                    }
+                }
             }
         } else {
-            for (i64 c = lane; c < width; c += 32) {
+            for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
                 float acc = 0.0f;
                 for (i64 k = 0; k < top_k; ++k) {
                     const int f = fan_row[k];
@@ -592,6 +894,7 @@ __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, co
         }
     }
 }
+
 
 struct LocalDstAt {
     char* send;
@@ -664,27 +967,30 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
 // ---- typed entry points ----------------------------------------------------------------------
 
 #define MOE_KERNELS(T)                                                                             \
-    extern "C" __global__ void moe_nccl_dispatch_send_##T(                                         \
+    extern "C" __global__ void ROW_KERNEL moe_nccl_dispatch_send_##T(                                         \
         const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
         i64 experts, i64 local_experts, i64 world, i64 hidden, unsigned wire, i64 stride,           \
         i64 scale_off, i64 meta_off, char* send, i64 block_bytes, i32* cnt, i32* sent_pos,         \
-        unsigned* status, unsigned* done) {                                                        \
+        unsigned* status, unsigned* done, i64 rank, T* expert_x, i32* routing, i32* fan,          \
+        i32* ecnt, i64 capacity) {                                                                 \
+        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
         nccl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,  \
                               hidden, wire, stride, scale_off, meta_off, send, block_bytes, cnt,   \
-                              sent_pos, status, done);                                             \
+                              sent_pos, status, done, rank, own);                                  \
     }                                                                                              \
-    extern "C" __global__ void moe_nvl_dispatch_send_##T(                                          \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_send_##T(                                          \
         const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
         i64 experts, i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire,            \
         i64 stride, i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,                \
         i64 counts_off, i64 flags_off, i32* cnt, i32* sent_pos, unsigned* status,                  \
-        unsigned* state) {                                                                         \
+        unsigned* state, T* expert_x, i32* routing, i32* fan, i32* ecnt, i64 capacity) {          \
+        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
         nvl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,   \
                              rank, hidden, wire, stride, scale_off, meta_off, peer_sym, rows_off,  \
-                             counts_off, flags_off, cnt, sent_pos, status, state);                 \
+                             counts_off, flags_off, cnt, sent_pos, status, state, own);            \
     }                                                                                              \
     /* flags == 0: no wait (NCCL); else wait for flags[W] >= state[0] first (NVLink). */           \
-    extern "C" __global__ void moe_dispatch_recv_##T(                                              \
+    extern "C" __global__ void ROW_KERNEL moe_dispatch_recv_##T(                                              \
         const unsigned* flags, const unsigned* state, u64 timeout_ns, const char* own_rows,        \
         const char* other_rows, i64 block_bytes, i64 row_off, const char* own_cnt,                 \
         const char* other_cnt, i64 cnt_stride, i64 rank, i64 tokens, i64 top_k, i64 experts,       \
@@ -698,7 +1004,7 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
                    stride, scale_off, meta_off, expert_x, routing, fan, ecnt, counts, status,      \
                    done);                                                                          \
     }                                                                                              \
-    extern "C" __global__ void moe_nccl_combine_send_##T(                                          \
+    extern "C" __global__ void ROW_KERNEL moe_nccl_combine_send_##T(                                          \
         const char* own_rows, const char* other_rows, i64 block_bytes, i64 row_off,                \
         const char* own_cnt, const char* other_cnt, i64 cnt_stride, i64 rank, const T* y,          \
         const i32* fan, i64 tokens, i64 top_k, i64 world, i64 width, i64 stride, i64 meta_off,     \
@@ -711,7 +1017,7 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
     }                                                                                              \
     /* late != 0: wait for the weight flags (>= state[0]) first. The last block raises the */      \
     /* sources' combine flags. */                                                                  \
-    extern "C" __global__ void moe_nvl_combine_send_##T(                                           \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_combine_send_##T(                                           \
         const unsigned* w_flags, unsigned* state, u64 timeout_ns, const char* rows,                \
         const char* cnts, i64 rank, const T* y, const i32* fan, i64 tokens, i64 top_k, i64 world,  \
         i64 width, i64 stride, i64 meta_off, unsigned late, const float* w_area,                   \

@@ -106,6 +106,28 @@ impl Device {
         })
     }
 
+    /// The marketing name of device `ordinal` (e.g. `NVIDIA H200`) without opening it: no
+    /// context is created, so asking costs no device memory. [`KernelError::NoDevice`] as for
+    /// [`Device::new`].
+    pub fn name_of(ordinal: usize) -> Result<String> {
+        let count = Device::count()?;
+        if ordinal >= count {
+            return Err(KernelError::NoDevice(format!(
+                "device {ordinal} requested but {count} CUDA device(s) are visible"
+            )));
+        }
+        let index = i32::try_from(ordinal)
+            .map_err(|_| KernelError::NoDevice(format!("device ordinal {ordinal} is too large")))?;
+        let dev = drv(
+            "cuDeviceGet",
+            probe::no_panic("cuda", || cudarc::driver::result::device::get(index))?,
+        )?;
+        drv(
+            "cuDeviceGetName",
+            probe::no_panic("cuda", || cudarc::driver::result::device::get_name(dev))?,
+        )
+    }
+
     /// Opens every visible device, in ordinal order.
     pub fn all() -> Result<Vec<Device>> {
         (0..Device::count()?).map(Device::new).collect()

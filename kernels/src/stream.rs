@@ -128,6 +128,15 @@ impl Stream {
         self.wait(&e)
     }
 
+    /// Whether this is the legacy default stream (the null stream or `CU_STREAM_LEGACY`),
+    /// which cannot be captured into a graph.
+    pub fn is_legacy_default(&self) -> bool {
+        // `CU_STREAM_LEGACY` is the handle 0x1 (cuda.h); the bindings do not name it.
+        const CU_STREAM_LEGACY: usize = 0x1;
+        let raw = self.inner.cu.cu_stream() as usize;
+        raw == 0 || raw == CU_STREAM_LEGACY
+    }
+
     /// Errors unless this stream belongs to `device`.
     pub(crate) fn expect_device(&self, device: &Device, what: &str) -> Result<()> {
         if self.device().same_as(device) {

@@ -165,6 +165,57 @@ fn cases() -> Vec<Case> {
             routing: Routing::Skewed,
             ..base
         },
+        // Rows longer than one round of a block's vector loads, and more rows than blocks
+        // (the grid-stride loops of the row kernels run several rows per block).
+        Case {
+            name: "E=256 K=8 bf16 T=600 H=7168 (several rows per block)",
+            tokens: 600,
+            hidden: 7168,
+            out_hidden: 7168,
+            ..base
+        },
+        Case {
+            name: "E=64 K=4 f32 T=300 H=4608 (two rounds of vector loads)",
+            experts: 64,
+            top_k: 4,
+            tokens: 300,
+            hidden: 4608,
+            out_hidden: 4608,
+            dtype: DType::F32,
+            ..base
+        },
+        Case {
+            name: "E=256 K=8 bf16 fp8 block128 T=300 H=9216 (two rounds)",
+            tokens: 300,
+            hidden: 9216,
+            out_hidden: 1024,
+            wire: FP8_BLOCK,
+            ..base
+        },
+        Case {
+            name: "E=256 K=8 f16 fp8 per-token H=9216 (two rounds)",
+            tokens: 96,
+            hidden: 9216,
+            out_hidden: 2048,
+            dtype: DType::F16,
+            wire: FP8_TOKEN,
+            ..base
+        },
+        // K > 32: the routing warp takes the k in several chunks of 32.
+        Case {
+            name: "E=128 K=40 bf16 (k in two chunks)",
+            experts: 128,
+            top_k: 40,
+            ..base
+        },
+        Case {
+            name: "E=64 K=36 f16 fp8 per-token (k in two chunks)",
+            experts: 64,
+            top_k: 36,
+            dtype: DType::F16,
+            wire: FP8_TOKEN,
+            ..base
+        },
         Case {
             name: "E=8 K=1 f32 fp8 per-token",
             experts: 8,

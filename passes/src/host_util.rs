@@ -24,10 +24,8 @@ pub fn walk_paths(block: &Block, f: &mut impl FnMut(&Inst, &[usize])) {
 pub fn view_inputs(host: &HostProgram) -> HashMap<HostTensorId, HostTensorId> {
     let mut out = HashMap::new();
     host.walk(&mut |inst, _| {
-        if let InstKind::ShardByStream { out: v, input, .. }
-        | InstKind::Narrow { out: v, input, .. } = &inst.kind
-        {
-            out.insert(*v, *input);
+        if let Some((v, input)) = inst.kind.view() {
+            out.insert(v, input);
         }
     });
     out
@@ -80,63 +78,11 @@ pub fn comm_io(host: &HostProgram) -> HashMap<CommId, (Vec<HostTensorId>, Vec<Ho
 
 /// Rewrites every tensor handle of `kind` (and of a loop body) with `f`.
 pub fn map_tensors(kind: &mut InstKind, f: &mut impl FnMut(HostTensorId) -> HostTensorId) {
-    let mut m = |t: &mut HostTensorId| *t = f(*t);
-    match kind {
-        InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => m(tensor),
-        InstKind::ForLoop { body, .. } => {
-            for inst in body {
-                map_tensors(&mut inst.kind, f);
-            }
+    kind.for_each_operand_mut(|_, t| *t = f(*t));
+    if let InstKind::ForLoop { body, .. } = kind {
+        for inst in body {
+            map_tensors(&mut inst.kind, f);
         }
-        InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. } => {
-            m(out);
-            m(input);
-        }
-        InstKind::Communication { input, output, .. }
-        | InstKind::CollectivePermute { input, output, .. } => {
-            m(input);
-            m(output);
-        }
-        InstKind::MoeDispatch {
-            x,
-            topk_idx,
-            expert_x,
-            expert_counts,
-            routing,
-            ..
-        } => {
-            for t in [x, topk_idx, expert_x, expert_counts, routing] {
-                m(t);
-            }
-        }
-        InstKind::MoeCombine {
-            expert_y,
-            expert_counts,
-            routing,
-            topk_weights,
-            out,
-            ..
-        } => {
-            for t in [expert_y, expert_counts, routing, topk_weights, out] {
-                m(t);
-            }
-        }
-        InstKind::Compute {
-            inputs, outputs, ..
-        }
-        | InstKind::CallKernel {
-            inputs, outputs, ..
-        } => {
-            for t in inputs.iter_mut().chain(outputs.iter_mut()) {
-                m(t);
-            }
-        }
-        InstKind::GetCurrentStream { .. }
-        | InstKind::SetCurrentStream { .. }
-        | InstKind::Synchronize { .. }
-        | InstKind::Wait { .. }
-        | InstKind::StartCoalescing
-        | InstKind::EndCoalescing { .. } => {}
     }
 }
 

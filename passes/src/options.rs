@@ -115,6 +115,10 @@ pub struct PassOptions {
     /// Forced decompositions, by the name of the tensor whose schedule the decision sets (the
     /// gathered tensor of an all-gather, the partial sums of a reduce-scatter).
     pub decompositions: BTreeMap<String, Decomposition>,
+    /// Forced pieces per step of the reduce-scatter ring (`ring_forward` of partial sums: each
+    /// step's compute and add cut into this many row pieces), by the same tensor names as
+    /// [`PassOptions::decompositions`]; the search keeps only the plans with that many pieces.
+    pub pieces: BTreeMap<String, u64>,
     /// The cost model of `choose_decompositions`: the machine profile, and a transport to force.
     pub cost_model: CostModel,
     /// How stream loops use the stream pool (default: chosen per loop by the schedule search).
@@ -134,6 +138,7 @@ impl Default for PassOptions {
             dump_after: None,
             verify: cfg!(debug_assertions),
             decompositions: BTreeMap::new(),
+            pieces: BTreeMap::new(),
             cost_model: CostModel::default(),
             stream_schedule: StreamSchedule::default(),
             merge_collectives: true,
@@ -149,6 +154,11 @@ impl PassOptions {
             return Err(PassError::Options(
                 "the worker stream pool (--streams) must hold at least 1 stream".into(),
             ));
+        }
+        if let Some((name, _)) = self.pieces.iter().find(|(_, &p)| p == 0) {
+            return Err(PassError::Options(format!(
+                "`{name}`: the pieces per ring step (--pieces) must be at least 1"
+            )));
         }
         Ok(())
     }

@@ -29,6 +29,10 @@ pub const FORMAT: u32 = 1;
 /// Names of the profiles compiled into the library, the default first.
 pub const BUILTIN: [&str; 2] = ["h200x2", "h100x2"];
 
+/// The profile used where no GPU says which machine this is ([`Profile::default_builtin`]):
+/// compiling on a machine without GPUs, or on GPUs no built-in profile describes.
+pub const DEFAULT: &str = BUILTIN[0];
+
 const H200X2: &str = include_str!("../../profiles/h200x2.json");
 const H100X2: &str = include_str!("../../profiles/h100x2.json");
 
@@ -46,11 +50,25 @@ pub enum Collective {
     AllGather,
     /// A reduce-scatter: `(d - 1) / d` of the reduced input.
     ReduceScatter,
+    /// An all-reduce: `2 (d - 1) / d` of the reduced tensor (what a ring all-reduce sends).
+    /// Optional: measured by `meshflow calibrate`, not used by the cost model yet.
+    AllReduce,
 }
 
 impl Collective {
     /// Every collective, in a fixed order.
-    pub const ALL: [Collective; 5] = [
+    pub const ALL: [Collective; 6] = [
+        Collective::Permute,
+        Collective::Broadcast,
+        Collective::Reduce,
+        Collective::AllGather,
+        Collective::ReduceScatter,
+        Collective::AllReduce,
+    ];
+
+    /// The collectives the cost model prices: every transport of a profile must reach a curve
+    /// for each (itself or through its fallback).
+    pub const PRICED: [Collective; 5] = [
         Collective::Permute,
         Collective::Broadcast,
         Collective::Reduce,
@@ -66,6 +84,7 @@ impl Collective {
             Collective::Reduce => "reduce",
             Collective::AllGather => "all_gather",
             Collective::ReduceScatter => "reduce_scatter",
+            Collective::AllReduce => "all_reduce",
         }
     }
 }
@@ -217,10 +236,21 @@ impl Profile {
         Profile::from_json(text)
     }
 
-    /// The default profile: two H200 GPUs, measured.
+    /// The default profile ([`DEFAULT`]): two H200 GPUs, measured.
     pub fn default_builtin() -> Profile {
         // The compiled-in text is checked by the tests; a broken file cannot reach a user.
-        Profile::builtin(BUILTIN[0]).unwrap_or_else(|_| Profile::empty())
+        Profile::builtin(DEFAULT).unwrap_or_else(|_| Profile::empty())
+    }
+
+    /// The built-in profile for a GPU model, by the name the driver gives it (`NVIDIA H100
+    /// 80GB HBM3` → `h100x2`, `NVIDIA H200` → `h200x2`); `None` for a model no built-in profile
+    /// describes. The built-in profiles describe pairs of GPUs; larger teams reuse their
+    /// curves (see `docs/schedule-search.md`).
+    pub fn builtin_for_device(device: &str) -> Option<&'static str> {
+        let model = device_model(device)?;
+        BUILTIN
+            .into_iter()
+            .find(|name| name.strip_suffix("x2") == Some(model.as_str()))
     }
 
     /// A profile with no measurements (every time is a launch overhead); used only if the
@@ -339,9 +369,9 @@ impl Profile {
                 }
             }
         }
-        // Every transport reaches a curve for every collective, through its fallbacks.
+        // Every transport reaches a curve for every priced collective, through its fallbacks.
         for key in self.transports.keys() {
-            for c in Collective::ALL {
+            for c in Collective::PRICED {
                 if self.curve(key, c).is_none() {
                     return Err(bad(
                         name,
@@ -415,6 +445,18 @@ impl Profile {
     }
 }
 
+/// The short model name of a GPU as the driver names it, lower case: the first word after
+/// the vendor that holds a digit (`NVIDIA H100 80GB HBM3` → `h100`, `NVIDIA A100-SXM4-80GB` →
+/// `a100`); `None` when no word holds one.
+pub fn device_model(device: &str) -> Option<String> {
+    device
+        .split_whitespace()
+        .filter(|w| !w.eq_ignore_ascii_case("nvidia"))
+        .map(|w| w.split('-').next().unwrap_or(w))
+        .find(|w| w.chars().any(|c| c.is_ascii_digit()))
+        .map(str::to_ascii_lowercase)
+}
+
 /// Piecewise-linear interpolation of `[x, y]` points with increasing `x` (see the module docs).
 fn interpolate(points: &[(f64, f64)], x: f64) -> f64 {
     let Some(&(x0, y0)) = points.first() else {
@@ -449,9 +491,44 @@ mod tests {
             let again = Profile::from_json(&p.to_json()).unwrap();
             assert_eq!(again, p);
         }
-        assert!(Profile::builtin("h100x2").unwrap().provisional);
         assert!(!Profile::builtin("h200x2").unwrap().provisional);
         assert!(Profile::builtin("a100x8").is_err());
+        assert_eq!(Profile::default_builtin().name, DEFAULT);
+    }
+
+    #[test]
+    fn device_names_pick_the_builtin_profile() {
+        for (device, want) in [
+            ("NVIDIA H100 80GB HBM3", Some("h100x2")),
+            ("NVIDIA H100 PCIe", Some("h100x2")),
+            ("NVIDIA H200", Some("h200x2")),
+            ("NVIDIA A100-SXM4-80GB", None),
+            ("", None),
+        ] {
+            assert_eq!(Profile::builtin_for_device(device), want, "{device}");
+        }
+        assert_eq!(
+            device_model("NVIDIA A100-SXM4-80GB").as_deref(),
+            Some("a100")
+        );
+        assert_eq!(
+            device_model("NVIDIA GeForce RTX 4090").as_deref(),
+            Some("4090")
+        );
+    }
+
+    #[test]
+    fn the_all_reduce_curve_is_optional_and_read_when_present() {
+        let mut p = Profile::default_builtin();
+        assert!(p.check().is_ok());
+        let nccl = p.transports.get_mut("nccl").unwrap();
+        nccl.collectives
+            .insert("all_reduce".into(), vec![(4096.0, 20.0), (8192.0, 30.0)]);
+        let p = Profile::from_json(&p.to_json()).unwrap();
+        assert_eq!(
+            p.comm_us(Transport::Nccl, Collective::AllReduce, 6144.0),
+            25.0
+        );
     }
 
     #[test]

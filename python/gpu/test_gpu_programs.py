@@ -62,21 +62,37 @@ def test_rsmm(dist, dtype, decomposition):
     assert err < TOL[dtype], f"rel err {err:.2e}\n{host.explain}"
 
 
+@pytest.mark.parametrize("current", ["default_stream", "side_stream"])
 @pytest.mark.parametrize("decomposition", ["collective", "ring"])
-def test_steps_recorded_as_cuda_graphs(dist, decomposition):
+def test_steps_recorded_as_cuda_graphs(dist, decomposition, current):
+    """Every step is recorded as a CUDA graph and replayed, whichever torch stream is current:
+    the legacy default stream (which cannot be captured itself) or a side stream. The run is
+    ordered after the work queued on that stream before it, and before the work queued after."""
     rank, d, device = dist
     host = agmm(d, "bf16", 128, 128, 256).lower(
         graph=True, decompose={"x_gathered": decomposition}
     )
-    ex = mft.Executor(host)
-    x = randn((128, 256), "bf16", 500 + rank, device)
-    w = randn((128, 256), "bf16", 600 + rank, device)
-    y = torch.empty((128 * d, 128), device=device, dtype=torch.bfloat16)
-    for step in range(3):
-        x.add_(1.0)
-        ex.run(x=x, w=w, y=y)
-        want = torch.matmul(all_gather(x).float(), w.float().t())
-        assert rel_error(y, want) < TOL["bf16"], f"step {step}"
+    if current == "default_stream":
+        stream = torch.cuda.default_stream(device)
+        assert stream.cuda_stream == 0, "torch's default stream is not the legacy (null) stream"
+    else:
+        stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        assert torch.cuda.current_stream(device) == stream
+        ex = mft.Executor(host)
+        assert ex.records_graphs
+        x = randn((128, 256), "bf16", 500 + rank, device)
+        w = randn((128, 256), "bf16", 600 + rank, device)
+        y = torch.full((128 * d, 128), float("nan"), device=device, dtype=torch.bfloat16)
+        for step in range(3):
+            x.add_(1.0)  # queued on the current stream before the run: the run must see it
+            ex.run(x=x, w=w, y=y)
+            after = y + 1  # queued after the run: must see its result
+            want = torch.matmul(all_gather(x).float(), w.float().t())
+            assert rel_error(y, want) < TOL["bf16"], f"step {step}"
+            assert rel_error(after, want + 1) < TOL["bf16"], f"step {step}, after the run"
+    torch.cuda.current_stream(device).wait_stream(stream)
 
 
 def test_runs_on_the_current_stream(dist):

@@ -251,7 +251,6 @@ class CudaExecutor:
         host: HostProgram,
         rank: int,
         device: int,
-        stream: Any,
         store: Any,
         namespace: str,
         timeout: float = 120.0,
@@ -260,6 +259,8 @@ class CudaExecutor:
     def rank(self) -> int: ...
     @property
     def device(self) -> int: ...
+    @property
+    def records_graphs(self) -> bool: ...
     @property
     def last_run_us(self) -> Optional[float]: ...
     def run(self, bindings: Mapping[str, Any], stream: Any) -> dict[str, np.ndarray]: ...

@@ -157,8 +157,11 @@ class Executor:
     else torch's current device. ``store``: see :func:`resolve_store`. ``timeout``: seconds a
     rank waits for its peers (rendezvous, end of a run).
 
-    The executor's main stream is torch's current stream when it is made; a run on another
-    current stream is ordered after that stream's work (and that stream after the run).
+    Each run is ordered on torch's current stream at the call (the default stream or a side
+    stream): after the work queued there before it, and before the work queued after it. The
+    executor's device work runs on a stream of its own, forked from and joined back into the
+    current stream with events, so that steps can be recorded as CUDA graphs
+    (``lower(graph=True)``) whichever stream is current.
     """
 
     def __init__(
@@ -176,10 +179,9 @@ class Executor:
         self.rank = _rank(rank, host.world_size)
         self.device = _device(device)
         store, namespace = resolve_store(store, host.world_size, timeout)
-        stream = torch.cuda.current_stream(self.device)
         with torch.cuda.device(self.device):
             self._native = _native.CudaExecutor(
-                host, self.rank, self.device.index, stream, store, namespace, timeout
+                host, self.rank, self.device.index, store, namespace, timeout
             )
 
     def run(self, bindings: Optional[Mapping[str, torch.Tensor]] = None, **tensors: torch.Tensor) -> dict:
@@ -200,6 +202,12 @@ class Executor:
     def last_run_us(self) -> Optional[float]:
         """Device time of the last run in microseconds (meshflow's events around it)."""
         return self._native.last_run_us
+
+    @property
+    def records_graphs(self) -> bool:
+        """Whether every run records its step as a CUDA graph and replays it
+        (``lower(graph=True)``)."""
+        return self._native.records_graphs
 
     def __repr__(self) -> str:
         return f"<meshflow.torch.Executor rank {self.rank} on {self.device}: {self.host.name}>"

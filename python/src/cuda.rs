@@ -1,5 +1,12 @@
-//! `CudaExecutor`: one rank of a host program on a GPU, on torch's current stream, with torch
-//! CUDA tensors bound in place through DLPack (feature `cuda`).
+//! `CudaExecutor`: one rank of a host program on a GPU, ordered on torch's current stream, with
+//! torch CUDA tensors bound in place through DLPack (feature `cuda`).
+//!
+//! The executor issues its work on a non-blocking stream of its own (its main stream), never on
+//! the caller's: torch's current stream is often the legacy default stream, which cannot be
+//! captured into a CUDA graph (`cuStreamBeginCapture` fails with
+//! `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`). Each run forks the main stream from the caller's
+//! (an event recorded there, waited for on the main stream) and joins it back at the end (the
+//! reverse), so the run is ordered after the caller's earlier work and before its later work.
 
 use std::time::Duration;
 
@@ -34,29 +41,27 @@ pub fn stream_handle(stream: &Bound<'_, PyAny>) -> PyResult<u64> {
     stream.getattr("cuda_stream")?.extract()
 }
 
-/// One rank of a host program on one GPU. The executor's main stream is the torch stream that
-/// was current when it was made; a run on another current stream is ordered after that
-/// stream's work, and that stream after the run. Not shared between threads.
+/// One rank of a host program on one GPU. Its work runs on a stream of its own (see the module
+/// docs), forked from and joined back into the torch stream current at each run. Not shared
+/// between threads.
 #[pyclass(module = "meshflow", name = "CudaExecutor", unsendable)]
 pub struct CudaExecutor {
     exec: Executor<'static, CudaBackend>,
     device: Device,
     main: Stream,
-    main_handle: u64,
     rank: usize,
 }
 
 #[pymethods]
 impl CudaExecutor {
-    /// The executor of `rank` of `host` on GPU `device`, whose main stream is `stream` (a
-    /// `torch.cuda.Stream`); the ranks meet through `store` (see `meshflow.torch.Executor`).
+    /// The executor of `rank` of `host` on GPU `device`; the ranks meet through `store` (see
+    /// `meshflow.torch.Executor`).
     #[new]
-    #[pyo3(signature = (host, rank, device, stream, store, namespace, timeout = 120.0))]
+    #[pyo3(signature = (host, rank, device, store, namespace, timeout = 120.0))]
     fn new(
         host: &HostProgram,
         rank: usize,
         device: usize,
-        stream: &Bound<'_, PyAny>,
         store: &Bound<'_, PyAny>,
         namespace: &str,
         timeout: f64,
@@ -65,8 +70,7 @@ impl CudaExecutor {
         let timeout = Duration::try_from_secs_f64(timeout)
             .map_err(|e| pyo3::exceptions::PyValueError::new_err(format!("timeout: {e}")))?;
         let device = Device::new(device).map_err(device_error)?;
-        let main = torch_stream(stream, &device).map_err(device_error)?;
-        let main_handle = stream_handle(stream)?;
+        let main = Stream::new(&device).map_err(device_error)?;
         let config = CudaConfig {
             timeout,
             ..CudaConfig::default()
@@ -87,7 +91,6 @@ impl CudaExecutor {
             exec,
             device,
             main,
-            main_handle,
             rank,
         })
     }
@@ -104,6 +107,12 @@ impl CudaExecutor {
         self.device.ordinal()
     }
 
+    /// Whether every run records its step as a CUDA graph and replays it (`graph=True`).
+    #[getter]
+    fn records_graphs(&self) -> bool {
+        self.exec.compiled().records_graphs() || self.exec.backend().records_graphs()
+    }
+
     /// Device time of the last run in microseconds, from meshflow's events around it.
     #[getter]
     fn last_run_us(&self) -> Option<f64> {
@@ -112,18 +121,16 @@ impl CudaExecutor {
 
     /// Runs one step: `bindings` maps input and output names to DLPack capsules of CUDA
     /// tensors on this GPU (inputs read, outputs written in place); `stream` is the torch
-    /// stream current at the call. Returns the outputs this rank holds that were not bound
-    /// (as numpy arrays). Returns when this rank's work is complete.
+    /// stream current at the call (possibly the legacy default stream): the run is ordered
+    /// after its earlier work, and its later work after the run. Returns the outputs this rank
+    /// holds that were not bound (as numpy arrays). Returns when this rank's work is complete.
     fn run<'py>(
         &mut self,
         py: Python<'py>,
         bindings: &Bound<'py, PyDict>,
         stream: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let current = match stream_handle(stream)? {
-            h if h == self.main_handle => None,
-            _ => Some(torch_stream(stream, &self.device).map_err(device_error)?),
-        };
+        let caller = torch_stream(stream, &self.device).map_err(device_error)?;
         let mut b = Bindings::new();
         for (name, capsule) in bindings.iter() {
             let name: String = name.extract()?;
@@ -144,13 +151,14 @@ impl CudaExecutor {
                 },
             );
         }
-        if let Some(c) = &current {
-            self.main.join(c).map_err(device_error)?;
-        }
-        let outs = self.exec.run(&mut b).map_err(error)?;
-        if let Some(c) = &current {
-            c.join(&self.main).map_err(device_error)?;
-        }
+        // Fork: the run's work waits for the caller's earlier work (on the bound tensors too).
+        self.main.join(&caller).map_err(device_error)?;
+        let run = self.exec.run(&mut b).map_err(error);
+        // Join: the caller's later work waits for the run's, even for a run that failed after
+        // enqueueing some of it.
+        let joined = caller.join(&self.main).map_err(device_error);
+        let outs = run?;
+        joined?;
         let result = PyDict::new(py);
         for (name, t) in &outs {
             result.set_item(name, to_numpy(py, t)?)?;

@@ -6,8 +6,8 @@ use std::collections::{HashMap, HashSet};
 use meshflow_ir::host::ExprEnv;
 use meshflow_ir::text::inst_to_string;
 use meshflow_ir::{
-    Arena, CommKind, DeviceId, Expr, HostProgram, HostTensorId, Inst, InstKind, LoopVar, MeshDecl,
-    MeshId, ParallelType, Team,
+    host::Side, Arena, BufferUse, CommKind, DeviceId, Expr, HostProgram, HostTensorId, Inst,
+    InstKind, LoopVar, MeshDecl, MeshId, ParallelType, Team,
 };
 
 use super::error::{CheckError, CheckErrors, Site};
@@ -48,41 +48,56 @@ fn build_items<'a>(
     block: &'a [Inst],
     insts: &mut Vec<InstInfo>,
 ) -> Vec<Item<'a>> {
+    /// What the check keeps of an instruction.
+    enum Kept<'a> {
+        Loop(LoopVar, &'a Expr, &'a Expr, &'a [Inst]),
+        Comm,
+        StartGroup,
+        EndGroup,
+        View,
+    }
     let mut items = Vec::new();
     for inst in block {
-        let relevant = matches!(
-            inst.kind,
-            InstKind::ForLoop { .. }
-                | InstKind::StartCoalescing
-                | InstKind::EndCoalescing { .. }
-                | InstKind::ShardByStream { .. }
-                | InstKind::Narrow { .. }
-        ) || inst.kind.is_communication();
-        if !relevant {
-            continue;
-        }
-        let ord = insts.len();
-        insts.push(InstInfo {
-            text: inst_to_string(host, inst),
-            loc: inst.loc,
-        });
-        items.push(match &inst.kind {
+        let kept = match &inst.kind {
             InstKind::ForLoop {
                 index,
                 start,
                 stop,
                 body,
-            } => Item::Loop {
+            } => Kept::Loop(*index, start, stop, body),
+            InstKind::StartCoalescing => Kept::StartGroup,
+            InstKind::EndCoalescing { .. } => Kept::EndGroup,
+            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Kept::View,
+            InstKind::Communication { .. }
+            | InstKind::CollectivePermute { .. }
+            | InstKind::MoeDispatch { .. }
+            | InstKind::MoeCombine { .. } => Kept::Comm,
+            InstKind::Allocate { .. }
+            | InstKind::Deallocate { .. }
+            | InstKind::GetCurrentStream { .. }
+            | InstKind::SetCurrentStream { .. }
+            | InstKind::Synchronize { .. }
+            | InstKind::Wait { .. }
+            | InstKind::Compute { .. }
+            | InstKind::CallKernel { .. } => continue,
+        };
+        let ord = insts.len();
+        insts.push(InstInfo {
+            text: inst_to_string(host, inst),
+            loc: inst.loc,
+        });
+        items.push(match kept {
+            Kept::Loop(index, start, stop, body) => Item::Loop {
                 ord,
-                index: *index,
+                index,
                 start,
                 stop,
                 body: build_items(host, body, insts),
             },
-            InstKind::StartCoalescing => Item::StartGroup { ord },
-            InstKind::EndCoalescing { .. } => Item::EndGroup { ord },
-            InstKind::ShardByStream { .. } | InstKind::Narrow { .. } => Item::View { ord, inst },
-            _ => Item::Comm { ord, inst },
+            Kept::StartGroup => Item::StartGroup { ord },
+            Kept::EndGroup => Item::EndGroup { ord },
+            Kept::View => Item::View { ord, inst },
+            Kept::Comm => Item::Comm { ord, inst },
         });
     }
     items
@@ -572,49 +587,23 @@ impl Walker<'_, '_> {
                 }
                 let is_root = event.root == Some(rank);
                 let other = members.iter().copied().find(|&m| m != rank);
-                let (send, recv) = (*input, *output);
-                let (s, r) = match kind {
-                    CommKind::AllGather
-                    | CommKind::ReduceScatter
-                    | CommKind::AllReduce
-                    | CommKind::AllToAll => (
-                        self.require(ord, &members, "send", send),
-                        self.require(ord, &members, "receive", recv),
-                    ),
-                    CommKind::Broadcast | CommKind::SendRecv if is_root => {
-                        (self.require(ord, &members, "send", send), self.holds(recv))
-                    }
-                    CommKind::Broadcast | CommKind::SendRecv => (
-                        self.holds(send),
-                        self.require(ord, &members, "receive", recv),
-                    ),
-                    CommKind::Gather | CommKind::Reduce => {
-                        let s = self.require(ord, &members, "send", send);
-                        let r = if is_root {
-                            self.require(ord, &members, "receive", recv)
-                        } else {
-                            None
-                        };
-                        (s, r)
-                    }
-                    CommKind::Scatter => {
-                        let s = if is_root {
-                            self.require(ord, &members, "send", send)
-                        } else {
-                            None
-                        };
-                        (s, self.require(ord, &members, "receive", recv))
-                    }
+                let contract = kind.contract();
+                let uses = contract.member(is_root);
+                let buffer = |this: &mut Self, side: Side, tensor| match uses.of(side) {
+                    BufferUse::Required => this.require(ord, &members, side.name(), tensor),
+                    BufferUse::Optional | BufferUse::Unused => this.holds(tensor),
                 };
-                event.count = match kind {
-                    CommKind::AllGather => self.chunked(ord, r, s, d),
-                    CommKind::ReduceScatter => self.chunked(ord, s, r, d),
-                    CommKind::Gather => self.chunked(ord, r, s, d),
-                    CommKind::Scatter => self.chunked(ord, s, r, d),
-                    CommKind::AllReduce | CommKind::Reduce => self.same_size(ord, s, r),
-                    CommKind::AllToAll => {
-                        let count = self.same_size(ord, s, r);
-                        if count.is_some_and(|c| c % d as u64 != 0) {
+                let s = buffer(self, Side::Send, *input);
+                let r = buffer(self, Side::Recv, *output);
+                // The sizes of the buffers this member touches.
+                let touched = |side: Side, b: Option<Buffer>| b.filter(|_| uses.of(side).touched());
+                let (ts, tr) = (touched(Side::Send, s), touched(Side::Recv, r));
+                event.count = match contract.sizing.whole() {
+                    Some(Side::Recv) => self.chunked(ord, tr, ts, d),
+                    Some(Side::Send) => self.chunked(ord, ts, tr, d),
+                    None => {
+                        let count = self.same_size(ord, ts, tr);
+                        if contract.send_chunked && count.is_some_and(|c| c % d as u64 != 0) {
                             self.contract(
                                 ord,
                                 format!(
@@ -625,14 +614,10 @@ impl Walker<'_, '_> {
                         }
                         count
                     }
-                    CommKind::Broadcast | CommKind::SendRecv if is_root => {
-                        self.same_size(ord, s, r)
-                    }
-                    CommKind::Broadcast | CommKind::SendRecv => r.map(|b| b.numel),
                 };
                 if let (Some(a), Some(b)) = (s, r) {
                     if a.dtype != b.dtype
-                        && (is_root || !matches!(kind, CommKind::Broadcast | CommKind::SendRecv))
+                        && (is_root || (uses.send.touched() && uses.recv.touched()))
                     {
                         self.contract(
                             ord,
@@ -640,20 +625,18 @@ impl Walker<'_, '_> {
                         );
                     }
                 }
-                event.dtype = match kind {
-                    CommKind::Broadcast | CommKind::SendRecv if !is_root => r.map(|b| b.dtype),
-                    CommKind::Scatter if !is_root => r.map(|b| b.dtype),
-                    _ => s.or(r).map(|b| b.dtype),
-                };
+                event.dtype = if uses.send.touched() { s.or(r) } else { r }.map(|b| b.dtype);
                 (event.send, event.recv) = (s, r);
+                if let Some(want) = contract.team_size.filter(|&want| want != d) {
+                    let site = self.site(ord);
+                    let detail = format!(
+                        "{} needs a team of {want} devices, not {members:?}",
+                        kind.name()
+                    );
+                    self.report(ord, CheckError::Malformed { rank, site, detail });
+                    return;
+                }
                 if *kind == CommKind::SendRecv {
-                    if d != 2 {
-                        let site = self.site(ord);
-                        let detail =
-                            format!("send_recv needs a team of two devices, not {members:?}");
-                        self.report(ord, CheckError::Malformed { rank, site, detail });
-                        return;
-                    }
                     if is_root {
                         event.send_peer = other;
                     } else {
@@ -709,7 +692,19 @@ impl Walker<'_, '_> {
                 event.count = event.send.map(|b| b.numel);
                 event.dtype = event.recv.map(|b| b.dtype);
             }
-            _ => return,
+            InstKind::Allocate { .. }
+            | InstKind::Deallocate { .. }
+            | InstKind::ForLoop { .. }
+            | InstKind::GetCurrentStream { .. }
+            | InstKind::SetCurrentStream { .. }
+            | InstKind::Synchronize { .. }
+            | InstKind::ShardByStream { .. }
+            | InstKind::Narrow { .. }
+            | InstKind::Wait { .. }
+            | InstKind::StartCoalescing
+            | InstKind::EndCoalescing { .. }
+            | InstKind::Compute { .. }
+            | InstKind::CallKernel { .. } => return,
         }
         event.send_slice = event.send.and_then(|b| self.slice(b.tensor));
         event.recv_slice = event.recv.and_then(|b| self.slice(b.tensor));

@@ -115,6 +115,14 @@ impl Options {
         self
     }
 
+    /// Forces the pieces per step of the reduce-scatter ring of the partial sums `tensor`
+    /// (`ring_forward`: each step's GEMM and add cut into `pieces` row pieces, the add of a
+    /// piece running under the GEMM of the next) instead of letting the schedule search choose.
+    pub fn pieces(mut self, tensor: impl Into<String>, pieces: u64) -> Options {
+        self.passes.pieces.insert(tensor.into(), pieces);
+        self
+    }
+
     /// Forces the transport the plans assume (and the GPU runtime uses) instead of letting
     /// the schedule search pick it.
     pub fn transport(mut self, transport: Transport) -> Options {

@@ -19,17 +19,10 @@ pub use shadow::{Access, Entry, Scope, Shadow};
 use meshflow_ir::CommKind;
 
 /// Which of its buffers one member of a collective touches: `(reads the send buffer,
-/// writes the receive buffer)`. Every member of the symmetric kinds does both; a rooted
+/// writes the receive buffer)`, as the kind's buffer contract says
+/// ([`CommKind::contract`]): every member of the symmetric kinds does both; a rooted
 /// kind's root does both (its own chunk or copy), the other members only their side.
 pub fn collective_accesses(kind: CommKind, is_root: bool) -> (bool, bool) {
-    match kind {
-        CommKind::AllGather
-        | CommKind::ReduceScatter
-        | CommKind::AllReduce
-        | CommKind::AllToAll => (true, true),
-        _ if is_root && kind != CommKind::SendRecv => (true, true),
-        CommKind::SendRecv if is_root => (true, false),
-        CommKind::Broadcast | CommKind::Scatter | CommKind::SendRecv => (false, true),
-        CommKind::Gather | CommKind::Reduce => (true, false),
-    }
+    let uses = kind.contract().member(is_root);
+    (uses.send.touched(), uses.recv.touched())
 }

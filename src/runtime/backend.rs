@@ -30,9 +30,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use meshflow_ir::{
-    CommId, CommKind, ComputeOp, DType, DeviceId, EntityRef, HostTensorId, ReduceOp,
-};
+use meshflow_ir::{Arena, CommId, CommKind, ComputeOp, DType, DeviceId, HostTensorId, ReduceOp};
 use meshflow_passes::Transport;
 
 use super::cpu_ops::OpError;
@@ -168,10 +166,10 @@ pub struct CommInfo {
 /// What a backend learns about a program before it runs.
 #[derive(Clone, Debug)]
 pub struct PlanInfo<'a> {
-    /// The teams this rank takes part in, indexed by [`TeamId`].
-    pub teams: &'a [TeamInfo],
-    /// Every communication label of the program, indexed by [`CommLabel`].
-    pub comms: &'a [CommInfo],
+    /// The teams this rank takes part in.
+    pub teams: &'a Arena<TeamId, TeamInfo>,
+    /// Every communication label of the program.
+    pub comms: &'a Arena<CommLabel, CommInfo>,
 }
 
 impl PlanInfo<'_> {
@@ -182,14 +180,14 @@ impl PlanInfo<'_> {
 
     /// The team `id`.
     pub fn team(&self, id: TeamId) -> Option<&TeamInfo> {
-        self.teams.get(id.index())
+        self.teams.get(id)
     }
 }
 
 /// A communication to post. Buffers a rank does not hold are `None`.
 #[derive(Debug)]
 pub enum CommRequest<'a, Buf> {
-    /// A collective (see [`CommKind`] for the buffer contracts).
+    /// A collective (see [`CommKind::contract`] for its buffer contract).
     Collective {
         /// The communication label.
         label: CommLabel,

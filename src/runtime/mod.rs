@@ -20,6 +20,7 @@
 
 pub mod backend;
 mod bytes;
+pub(crate) mod collective;
 pub mod compare;
 pub mod cpu;
 pub mod cpu_ops;

@@ -292,3 +292,43 @@ fn snapshots_of_the_lowered_rings_and_reduces() {
     let c = compile(&rs, &pieces).unwrap();
     insta::assert_snapshot!("rsmm_ring_forward_pieces", c.host().to_string());
 }
+
+#[test]
+fn forced_pieces_pick_the_cut_ring_and_bad_pieces_are_named_errors() {
+    for d in [2u64, 3, 4] {
+        let program = rsmm(d, DType::F32);
+        for pieces in [1u64, 2, 4] {
+            let o = options("y", Decomposition::RingForward, StreamSchedule::Auto, 2)
+                .pieces("y", pieces);
+            let what = format!("rsmm d={d} ring_forward pieces={pieces}");
+            let c = compile(&program, &o).unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(c.plans()["y"].pieces, pieces, "{what}: {}", c.explain()[0]);
+            check_and_run(&what, &c);
+        }
+        // Pieces alone (no forced decomposition) leave only the cut reduce-scatter ring.
+        let c = compile(&program, &Options::new().check(false).pieces("y", 2)).unwrap();
+        assert_eq!(c.plans()["y"].decomposition, Decomposition::RingForward);
+        assert_eq!(c.plans()["y"].pieces, 2);
+        for (o, want) in [
+            (Options::new().pieces("y", 3), "cannot be cut into 3 pieces"),
+            (Options::new().pieces("y", 0), "at least 1"),
+            (Options::new().pieces("nope", 2), "nope"),
+            (
+                Options::new()
+                    .decomposition("y", Decomposition::StreamReduce)
+                    .pieces("y", 2),
+                "cannot be cut into 2 pieces",
+            ),
+        ] {
+            let e = compile(&program, &o).expect_err(want).to_string();
+            assert!(e.contains(want), "d={d}: {e}");
+        }
+    }
+    let e = compile(
+        &agmm(2, DType::F32),
+        &Options::new().pieces("x_gathered", 2),
+    )
+    .expect_err("an all-gather has no pieces")
+    .to_string();
+    assert!(e.contains("reduce-scatter"), "{e}");
+}

@@ -7,6 +7,7 @@
 //! - [`conformance`]: the conformance cases of `tests/data/conformance` (DTensor, nvFuser).
 //! - [`corpus`]: the mutation corpus (`tests/data/mutations`).
 //! - [`embed`]: running every rank of an embedded job on threads, a fused kernel.
+//! - [`faults`]: the timeouts and checks of the CPU fault tests.
 //! - [`hardening`]: process probes (threads, descriptors, memory) and the lock that serializes
 //!   the tests that read them.
 //! - [`passes`]: the file-driven pass tests (`tests/data/passes`, `MESHFLOW_BLESS=1`).
@@ -17,6 +18,7 @@ pub mod check;
 pub mod conformance;
 pub mod corpus;
 pub mod embed;
+pub mod faults;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod hardening;

@@ -1,7 +1,7 @@
 //! GPU tests of the benchmarked programs (feature `cuda`): overlap of communication and
-//! compute measured from CUDA events, the copy-engine transport against NCCL, and the MoE
-//! latency table (`--ignored`, a benchmark). Without enough GPUs each test prints why it
-//! skipped.
+//! compute measured from CUDA events, the copy-engine transport against NCCL, the measuring
+//! tools (calibration, the MoE evaluator path), and the MoE latency table (`--ignored`, a
+//! benchmark). Without enough GPUs each test prints why it skipped.
 #![cfg(feature = "cuda")]
 
 #[path = "../../../tests/support/mod.rs"]
@@ -9,4 +9,5 @@ mod support;
 
 mod moe_latency;
 mod overlap;
+mod tools;
 mod transport;

@@ -1,7 +1,8 @@
 //! Overlap on 2 (and 4) GPUs, measured from per-stream CUDA event timestamps: the column-
 //! parallel linear's ring and broadcast all-gathers (over the copy-engine transport, the
-//! default between in-process ranks) and the row-parallel linear's chunked reduce-scatter
-//! (over the faster transport: see the test), at sizes where communication and compute take
+//! default between in-process ranks) and the row-parallel linear's reduce-scatter ring
+//! (lowered with `ring_forward` forced on the partial sums, over the faster transport: see the
+//! test), at sizes where communication and compute take
 //! comparable time. Each test checks the outputs
 //! (sampled against an f32 CPU reference), that communication and compute intervals intersect
 //! on every rank, and that the overlapped time is below 0.85 x (the same schedule's
@@ -253,8 +254,8 @@ fn column_parallel_broadcast_overlaps() {
 }
 
 #[test]
-fn row_parallel_chunked_overlaps() {
-    let test = "row_parallel_chunked_overlaps";
+fn row_parallel_ring_overlaps() {
+    let test = "row_parallel_ring_overlaps";
     let counts = overlap_counts(test);
     if counts.is_empty() {
         eprintln!("skipped: {test} needs 2 GPUs");
@@ -267,16 +268,14 @@ fn row_parallel_chunked_overlaps() {
             k: 2048 * du,
             n: 8192,
         };
-        let v = RsVariant::Chunked(4);
+        let v = RsVariant::Ring(1);
         let lower = |v, parts| rsmm_lowered(d, s, DType::BF16, v, STREAMS, parts).unwrap();
         let l = lower(v, Parts::Both);
         let full = random_full(s, 2);
         let per_rank = scatter_inputs(&l.program, &full).unwrap();
-        // The GEMMs run one after the other on the main stream and the reduce-scatter of chunk
-        // i on a worker stream under the GEMM of chunk i + 1, over the transport whose
-        // reduce-scatter alone is faster here (what the cost model would pick): the copy
-        // engine at d = 2 (its pulls use no SMs; one add kernel per chunk does), NCCL at d = 4
-        // (the copy engine's pulls from 3 peers take longer than NCCL's ring).
+        // Each step GEMMs one row chunk's partial product while the running sum of the previous
+        // step travels to the next rank on a worker stream, over the transport whose permutes
+        // alone are faster here (what the cost model would pick).
         let comm_only = lower(v, Parts::CommOnly);
         let comm_over = |t| {
             let run = timed_over(
@@ -298,7 +297,7 @@ fn row_parallel_chunked_overlaps() {
         } else {
             (Transport::Nccl, nccl)
         };
-        let name = &format!("rsmm chunked s=4 over {transport:?}");
+        let name = &format!("rsmm ring over {transport:?}");
         let timed = |what: &str, host: &HostProgram, d, inputs, profile| {
             timed_over(what, host, d, inputs, profile, Some(transport))
         };
@@ -309,14 +308,7 @@ fn row_parallel_chunked_overlaps() {
         assert_intervals_intersect(name, d, &run.intervals);
         let both = Timing::from_times(&timed(name, &l.host, d, per_rank.clone(), false).times_us);
         let compute = Timing::from_times(
-            &timed(
-                name,
-                &lower(RsVariant::Collective, Parts::ComputeOnly).host,
-                d,
-                per_rank,
-                false,
-            )
-            .times_us,
+            &timed(name, &lower(v, Parts::ComputeOnly).host, d, per_rank, false).times_us,
         );
         assert_faster(name, d, &both, &comm, &compute);
     }

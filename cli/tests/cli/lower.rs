@@ -204,22 +204,20 @@ fn syntax_and_lowering_errors_name_the_place() {
     .unwrap();
     let err = fails(&["parse", bad.to_str().unwrap()]);
     assert!(err.contains("bad.mf:3:"), "{err}");
-    // A split inside an uneven serial piece (`_StridedShard`-like) is refused: the error
-    // names the tensor, the placement and what is missing.
+    // A strided shard (a device split inside a serial piece) whose serial piece does not
+    // divide the axis is refused: the error names the tensor and what is missing.
     let unsupported = dir.join("unsupported.mf");
     std::fs::write(
         &unsupported,
-        "program p {\n  mesh m0 = [0, 1, 2, 3]\n  \
-         input x: f32[18, 4] on m0 {outer_split(0, 4), parallelize(0, DIDx)}\n  \
-         tensor y: f32[18, 4] on m0 {outer_split(0, 3), outer_split(1, 4), parallelize(1, DIDx)}\n  \
+        "program p {\n  mesh m0 = [0, 1]\n  \
+         input x: f32[7, 3] on m0 {outer_split(0, 3), outer_split(1, 2), parallelize(1, DIDx)}\n  \
+         tensor y: f32[7, 3] on m0 {}\n  \
          y = set(x)\n  output y\n}\n",
     )
     .unwrap();
     let err = fails(&["lower", unsupported.to_str().unwrap()]);
     assert!(
-        err.contains("tensor `y`")
-            && err.contains("DIDx split of logical axis 0")
-            && err.contains("every split divides"),
+        err.contains("`x`") && err.contains("serial") && err.contains("divides"),
         "{err}"
     );
     std::fs::remove_dir_all(&dir).ok();
@@ -230,4 +228,26 @@ fn help_exits_successfully() {
     let o = meshflow(&["--help"]);
     assert!(o.status.success());
     assert!(stdout(&o).contains("lower"));
+}
+
+#[test]
+fn forced_pieces() {
+    let rs = "examples/programs/row_parallel_linear_ring.mf";
+    // 4 ranks: the ring's chunk count is 4 x the pieces per step; only those candidates stay.
+    for (pieces, chunks) in [("y=1", "s=4"), ("y=2", "s=8"), ("y=4", "s=16")] {
+        let o = meshflow(&["lower", rs, "--explain", "--pieces", pieces]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let err = stderr(&o);
+        assert!(
+            err.contains(&format!("chose ring_forward({chunks}")),
+            "{err}"
+        );
+        assert_eq!(err.matches("  ring_forward(").count(), 2, "{err}");
+    }
+    let err = fails(&["lower", rs, "--pieces", "y=3"]);
+    assert!(err.contains("cannot be cut into 3 pieces"), "{err}");
+    let err = fails(&["lower", rs, "--pieces", "y"]);
+    assert!(err.contains("expected TENSOR=N"), "{err}");
+    let err = fails(&["lower", rs, "--pieces", "y=two"]);
+    assert!(err.contains("not a positive integer"), "{err}");
 }

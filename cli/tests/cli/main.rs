@@ -5,6 +5,7 @@
 #[path = "../../../tests/support/mod.rs"]
 mod support;
 
+mod calibrate;
 mod flags;
 mod host_text;
 mod launch;

@@ -84,9 +84,13 @@ fn free_port() -> u16 {
 }
 
 /// Runs `example` as two `meshflow run` rank processes (torchrun variables), rank 1 exiting at
-/// its communication #1 (0-based); each rank's exit code and output, and the time until both
-/// ended.
-fn run_with_a_dying_rank(example: &str, extra: &[&str]) -> (Vec<(Option<i32>, String)>, Duration) {
+/// its communication `#at` (0-based) after the start, so rank 0 waits on a peer that is gone;
+/// each rank's exit code and output, and the time until both ended.
+fn run_with_a_dying_rank(
+    example: &str,
+    at: usize,
+    extra: &[&str],
+) -> (Vec<(Option<i32>, String)>, Duration) {
     let port = free_port().to_string();
     let start = Instant::now();
     let children: Vec<_> = (0..2)
@@ -102,7 +106,7 @@ fn run_with_a_dying_rank(example: &str, extra: &[&str]) -> (Vec<(Option<i32>, St
                 .env("LOCAL_WORLD_SIZE", "2")
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
-                .env("MESHFLOW_FAULT_EXIT", "1:1")
+                .env("MESHFLOW_FAULT_EXIT", format!("1:{at}"))
                 .env_remove("MESHFLOW_NODE_SIZE")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -130,14 +134,19 @@ fn a_rank_process_that_dies_mid_run_fails_its_cuda_ipc_peer_quickly() {
     ) {
         return;
     }
-    for (example, extra) in [
+    // The ring posts one communication per rank: rank 1 leaves before it. The MoE layer posts
+    // its dispatch and then its combine: rank 1 leaves between them, after the NVLink buffers
+    // are set up. (A rank that leaves before the start barrier of the NVLink MoE buffers is
+    // noticed at the rendezvous timeout only.)
+    for (example, at, extra) in [
         (
             "column_parallel_linear_ring",
+            0,
             &["--transport", "copy-engine"][..],
         ),
-        ("moe_layer", &[][..]),
+        ("moe_layer", 1, &[][..]),
     ] {
-        let (ranks, took) = run_with_a_dying_rank(example, extra);
+        let (ranks, took) = run_with_a_dying_rank(example, at, extra);
         for (r, (code, text)) in ranks.iter().enumerate() {
             eprintln!("{example}: rank {r} (exit {code:?}, both done after {took:?}):\n{text}");
         }

@@ -6,11 +6,15 @@
 //! holds a tensor (a tensor exists on the devices of its mesh). See the crate docs for the
 //! execution model (streams, communications and waits).
 
+pub mod contract;
 pub mod expr;
+pub mod operands;
 
 use std::fmt;
 
+pub use contract::{BufferContract, BufferUse, MemberBuffers, Side, SizeViolation, Sizing};
 pub use expr::{BinOp, EvalError, Expr, ExprEnv, LoopVar};
+pub use operands::TensorUse;
 
 use crate::dtype::DType;
 use crate::entity::Arena;
@@ -196,6 +200,9 @@ impl ReduceOp {
 /// - `send_recv`: a team of two; member `r` sends `in`, the other receives into `out`.
 /// - `all_to_all`: `in` and `out` are `d` chunks; member `j`'s chunk `k` goes to member `k`'s
 ///   chunk `j`.
+///
+/// [`CommKind::contract`] states the same as data ([`BufferContract`]): which buffers each
+/// member takes and touches, how their sizes relate and which split into chunks.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 pub enum CommKind {
     /// All-gather.
@@ -393,7 +400,17 @@ impl ComputeOp {
             }
             ComputeOp::Slice { axis, start } => format!("axis={axis}, start={start}"),
             ComputeOp::RmsNorm { axis, eps } => format!("axis={axis}, eps={eps}"),
-            _ => String::new(),
+            ComputeOp::Copy
+            | ComputeOp::Matmul
+            | ComputeOp::Linear
+            | ComputeOp::Add
+            | ComputeOp::Sub
+            | ComputeOp::Mul
+            | ComputeOp::Gelu
+            | ComputeOp::Silu
+            | ComputeOp::Cast
+            | ComputeOp::GroupedMatmul
+            | ComputeOp::Expand => String::new(),
         }
     }
 
@@ -650,119 +667,6 @@ impl InstKind {
             InstKind::MoeCombine { .. } => "moe_combine",
             InstKind::Compute { op, .. } => op.name(),
             InstKind::CallKernel { .. } => "call_kernel",
-        }
-    }
-
-    /// The communication label this instruction defines, if any.
-    pub fn comm_id(&self) -> Option<CommId> {
-        match self {
-            InstKind::Communication { id, .. }
-            | InstKind::CollectivePermute { id, .. }
-            | InstKind::EndCoalescing { id }
-            | InstKind::MoeDispatch { id, .. }
-            | InstKind::MoeCombine { id, .. } => Some(*id),
-            _ => None,
-        }
-    }
-
-    /// True for instructions that move data between devices.
-    pub fn is_communication(&self) -> bool {
-        matches!(
-            self,
-            InstKind::Communication { .. }
-                | InstKind::CollectivePermute { .. }
-                | InstKind::MoeDispatch { .. }
-                | InstKind::MoeCombine { .. }
-        )
-    }
-
-    /// The tensors whose contents the instruction reads.
-    pub fn reads(&self) -> Vec<HostTensorId> {
-        match self {
-            InstKind::Communication { input, .. } | InstKind::CollectivePermute { input, .. } => {
-                vec![*input]
-            }
-            InstKind::MoeDispatch { x, topk_idx, .. } => vec![*x, *topk_idx],
-            InstKind::MoeCombine {
-                expert_y,
-                expert_counts,
-                routing,
-                topk_weights,
-                ..
-            } => vec![*expert_y, *expert_counts, *routing, *topk_weights],
-            InstKind::Compute { inputs, .. } | InstKind::CallKernel { inputs, .. } => {
-                inputs.clone()
-            }
-            _ => Vec::new(),
-        }
-    }
-
-    /// The tensors whose contents the instruction writes.
-    pub fn writes(&self) -> Vec<HostTensorId> {
-        match self {
-            InstKind::Communication { output, .. } | InstKind::CollectivePermute { output, .. } => {
-                vec![*output]
-            }
-            InstKind::MoeDispatch {
-                expert_x,
-                expert_counts,
-                routing,
-                ..
-            } => vec![*expert_x, *expert_counts, *routing],
-            InstKind::MoeCombine { out, .. } => vec![*out],
-            InstKind::Compute { outputs, .. } | InstKind::CallKernel { outputs, .. } => {
-                outputs.clone()
-            }
-            _ => Vec::new(),
-        }
-    }
-
-    /// Every tensor the instruction names (reads, writes, allocations and views).
-    pub fn tensors(&self) -> Vec<HostTensorId> {
-        match self {
-            InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => vec![*tensor],
-            InstKind::ShardByStream { out, input, .. } | InstKind::Narrow { out, input, .. } => {
-                vec![*out, *input]
-            }
-            _ => {
-                let mut t = self.reads();
-                t.extend(self.writes());
-                t
-            }
-        }
-    }
-
-    /// Every scalar expression the instruction holds (not those of a loop body).
-    pub fn exprs(&self) -> Vec<&Expr> {
-        match self {
-            InstKind::ForLoop { start, stop, .. } => vec![start, stop],
-            InstKind::SetCurrentStream {
-                stream: StreamRef::Worker(e),
-            }
-            | InstKind::Synchronize {
-                stream: StreamRef::Worker(e),
-            } => vec![e],
-            InstKind::ShardByStream { index, .. } => vec![index],
-            InstKind::Narrow { start, length, .. } => vec![start, length],
-            InstKind::Communication { root: Some(r), .. } => vec![r],
-            InstKind::CollectivePermute {
-                send_peer,
-                recv_peer,
-                ..
-            } => vec![send_peer, recv_peer],
-            InstKind::CallKernel { args, .. } => args.iter().collect(),
-            _ => Vec::new(),
-        }
-    }
-
-    /// The team of a communication.
-    pub fn team(&self) -> Option<&Team> {
-        match self {
-            InstKind::Communication { team, .. }
-            | InstKind::CollectivePermute { team, .. }
-            | InstKind::MoeDispatch { team, .. }
-            | InstKind::MoeCombine { team, .. } => Some(team),
-            _ => None,
         }
     }
 }

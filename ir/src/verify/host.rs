@@ -13,7 +13,7 @@ use super::names::{axes_word, check_names, name_problem};
 use super::{Diagnostic, Location};
 use crate::host::{
     Block, CommId, Expr, HostProgram, HostTensorId, Inst, InstKind, LoopVar, StreamRef, StreamVar,
-    Team,
+    Team, TensorUse,
 };
 use crate::mesh::ParallelType;
 use crate::span::SourceLoc;
@@ -50,14 +50,21 @@ pub(super) struct HostChecker<'a> {
 pub(super) fn check(p: &HostProgram) -> Vec<Diagnostic> {
     let mut views = HashSet::new();
     let mut allocated_somewhere = HashSet::new();
-    p.walk(&mut |inst, _| match &inst.kind {
-        InstKind::ShardByStream { out, .. } | InstKind::Narrow { out, .. } => {
-            views.insert(*out);
+    p.walk(&mut |inst, _| {
+        for (how, t) in inst.kind.operands() {
+            match how {
+                TensorUse::View => {
+                    views.insert(t);
+                }
+                TensorUse::Allocated => {
+                    allocated_somewhere.insert(t);
+                }
+                TensorUse::Read
+                | TensorUse::Written
+                | TensorUse::Deallocated
+                | TensorUse::Viewed => {}
+            }
         }
-        InstKind::Allocate { tensor } => {
-            allocated_somewhere.insert(*tensor);
-        }
-        _ => {}
     });
     let mut c = HostChecker {
         p,

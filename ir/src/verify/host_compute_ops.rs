@@ -163,6 +163,18 @@ pub(super) fn problem(op: &ComputeOp, ins: &[HostTensor], out: &HostTensor) -> O
             }
             same_dtype(a, out).or_else(|| out_shape(out, &want))
         }
-        _ => None,
+        // Checked by the caller (`HostChecker::compute`).
+        ComputeOp::Copy
+        | ComputeOp::Matmul
+        | ComputeOp::Linear
+        | ComputeOp::Add
+        | ComputeOp::Sub
+        | ComputeOp::Mul
+        | ComputeOp::Gelu
+        | ComputeOp::Silu
+        | ComputeOp::Sum { .. }
+        | ComputeOp::Cast
+        | ComputeOp::Permute { .. }
+        | ComputeOp::GroupedMatmul => None,
     }
 }

@@ -4,7 +4,7 @@
 use super::host::HostChecker;
 use super::Location;
 use crate::dtype::DType;
-use crate::host::{CommKind, Expr, HostTensor, HostTensorId, InstKind, Role};
+use crate::host::{CommKind, Expr, HostTensor, HostTensorId, InstKind, Role, Side};
 
 /// `[4, 8]`.
 fn shape_str(s: &[u64]) -> String {
@@ -259,11 +259,11 @@ impl HostChecker<'_> {
                     (false, Some(_)) => self.push(here, format!("`{name}` takes no `op`")),
                     _ => {}
                 }
-                if *kind == CommKind::SendRecv {
-                    if let Some(d) = team_size.filter(|&d| d != 2) {
+                if let (Some(want), Some(d)) = (kind.contract().team_size, team_size) {
+                    if d != want {
                         self.push(
                             here,
-                            format!("`send_recv` needs a team of 2 devices, this team has {d}"),
+                            format!("`{name}` needs a team of {want} devices, this team has {d}"),
                         );
                     }
                 }
@@ -305,7 +305,20 @@ impl HostChecker<'_> {
                 inputs,
                 outputs,
             } => self.compute(op, inputs, outputs, here),
-            _ => {}
+            // Kernels registered by an embedder check their own operands; the other
+            // instructions have no shape rules here (views: `shard_by_stream`, `narrow`).
+            InstKind::CallKernel { .. }
+            | InstKind::Allocate { .. }
+            | InstKind::Deallocate { .. }
+            | InstKind::ForLoop { .. }
+            | InstKind::GetCurrentStream { .. }
+            | InstKind::SetCurrentStream { .. }
+            | InstKind::Synchronize { .. }
+            | InstKind::ShardByStream { .. }
+            | InstKind::Narrow { .. }
+            | InstKind::Wait { .. }
+            | InstKind::StartCoalescing
+            | InstKind::EndCoalescing { .. } => {}
         }
     }
 
@@ -341,11 +354,12 @@ impl HostChecker<'_> {
         let Some(d) = team_size.map(|d| d as u64) else {
             return;
         };
+        let contract = kind.contract();
         // (the larger buffer, its role, the smaller buffer) for the kinds that scale by d.
-        let scaled = match kind {
-            CommKind::AllGather | CommKind::Gather => Some((&o, "output", no, &i, ni)),
-            CommKind::ReduceScatter | CommKind::Scatter => Some((&i, "input", ni, &o, no)),
-            _ => None,
+        let scaled = match contract.sizing.whole() {
+            Some(Side::Recv) => Some((&o, "output", no, &i, ni)),
+            Some(Side::Send) => Some((&i, "input", ni, &o, no)),
+            None => None,
         };
         let message = if let Some((big, role, nbig, small, nsmall)) = scaled {
             match nsmall.checked_mul(d) {
@@ -363,9 +377,9 @@ impl HostChecker<'_> {
                 "`{name}` needs `{}` and `{}` to have the same number of elements, {ni} and {no}",
                 i.name, o.name
             ))
-        } else if kind == CommKind::AllToAll && ni % d != 0 {
+        } else if contract.send_chunked && ni % d != 0 {
             Some(format!(
-                "`all_to_all` needs `{}` to split into {d} equal chunks, but it has {ni} \
+                "`{name}` needs `{}` to split into {d} equal chunks, but it has {ni} \
                  elements",
                 i.name
             ))

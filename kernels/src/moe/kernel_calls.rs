@@ -8,8 +8,12 @@ use crate::error::Result;
 use crate::kernels::{moe_typed_name, Arg, Kernels, Source};
 use crate::stream::Stream;
 
-/// Threads per block of every MoE kernel (8 warps).
+/// Threads per block of the MoE kernels that are not row kernels (8 warps).
 const BLOCK: u32 = 256;
+
+/// Threads per block of the row kernels (dispatch send / receive, combine send): a whole block
+/// moves one row at a time. Must equal `ROW_THREADS` in `moe.cu` (their launch bounds).
+const ROW_BLOCK: u32 = 256;
 
 /// How long a receiver waits for a peer's flag before raising `TIMEOUT`, by default.
 pub(crate) const FLAG_TIMEOUT_NS: u64 = 10_000_000_000;
@@ -34,6 +38,13 @@ fn opt(b: Option<&DeviceBuffer>) -> Arg {
 pub(crate) fn warp_grid(k: &Kernels, items: usize) -> u32 {
     let cap = k.device().sm_count() as usize * 8;
     u32::try_from(items.div_ceil(8).clamp(1, cap.max(1))).unwrap_or(1)
+}
+
+/// Blocks for one block per row (a grid-stride loop over `rows`), at most the two blocks per
+/// SM that stay resident.
+pub(crate) fn row_grid(k: &Kernels, rows: usize) -> u32 {
+    let cap = k.device().sm_count() as usize * 2;
+    u32::try_from(rows.clamp(1, cap.max(1))).unwrap_or(1)
 }
 
 /// Blocks for one thread per item, capped for grid-stride loops.
@@ -75,21 +86,41 @@ pub(crate) struct SendInputs<'a> {
     pub weights: Option<&'a DeviceBuffer>,
 }
 
-/// Sender workspace: `cnt[W]` (zeroed between launches by the kernel) and `sent_pos[T, W]`.
+/// Sender workspace: `cnt[W]` (zeroed between launches by the kernel) and `sent_pos[T, W]`;
+/// and where the sender fans its own tokens out to this rank's local experts (the receive
+/// kernel handles only other ranks' rows): `expert_x`, `routing`, `fan` and the expert row
+/// counters `ecnt` of [`RecvOutputs`].
 pub(crate) struct SendState<'a> {
     pub cnt: &'a DeviceBuffer,
     pub sent_pos: &'a DeviceBuffer,
     pub status: &'a DeviceBuffer,
+    pub expert_x: &'a DeviceBuffer,
+    pub routing: &'a DeviceBuffer,
+    pub fan: &'a DeviceBuffer,
+    pub ecnt: &'a DeviceBuffer,
+}
+
+/// The own fan-out arguments every dispatch send takes last:
+/// `expert_x, routing, fan, ecnt, capacity`.
+fn own_fan_out_args(shape: &MoeShape, st: &SendState<'_>) -> [Arg; 5] {
+    [
+        ptr(st.expert_x),
+        ptr(st.routing),
+        ptr(st.fan),
+        ptr(st.ecnt),
+        n(shape.capacity),
+    ]
 }
 
 /// NCCL dispatch send: route and pack into `send` (`[W]` blocks of `block_bytes`), headers by
-/// the last block (`done`: a zeroed u32).
+/// the last block (`done`: a zeroed u32); this rank's own tokens straight to its experts.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn nccl_dispatch_send(
     k: &Kernels,
     stream: &Stream,
     shape: &MoeShape,
     wire: MoeWire,
+    rank: usize,
     inp: &SendInputs<'_>,
     st: &SendState<'_>,
     send: &DeviceBuffer,
@@ -98,6 +129,7 @@ pub(crate) fn nccl_dispatch_send(
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
     let [wc, stride, so, mo] = wire_args(wire, &lay);
+    let [ox, ort, ofan, oecnt, ocap] = own_fan_out_args(shape, st);
     let mut args = [
         ptr(inp.x),
         ptr(inp.topk_idx),
@@ -118,10 +150,16 @@ pub(crate) fn nccl_dispatch_send(
         ptr(st.sent_pos),
         ptr(st.status),
         ptr(done),
+        n(rank),
+        ox,
+        ort,
+        ofan,
+        oecnt,
+        ocap,
     ];
-    let grid = warp_grid(k, shape.tokens * shape.world);
+    let grid = row_grid(k, shape.tokens);
     let name = typed("nccl_dispatch_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// The NVLink symmetric regions a kernel addresses in its peers.
@@ -138,7 +176,8 @@ pub(crate) struct PeerRegions<'a> {
     pub weight_flags: usize,
 }
 
-/// NVLink dispatch send: route, store rows and counts in the receivers, raise their flags.
+/// NVLink dispatch send: route, store rows and counts in the receivers, raise their flags;
+/// this rank's own tokens straight to its experts.
 /// `state` is the transport's `[8]` u32 device state (epoch and grid counters).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn nvl_dispatch_send(
@@ -154,6 +193,7 @@ pub(crate) fn nvl_dispatch_send(
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
     let [wc, stride, so, mo] = wire_args(wire, &lay);
+    let [ox, ort, ofan, oecnt, ocap] = own_fan_out_args(shape, st);
     let mut args = [
         ptr(inp.x),
         ptr(inp.topk_idx),
@@ -177,10 +217,15 @@ pub(crate) fn nvl_dispatch_send(
         ptr(st.sent_pos),
         ptr(st.status),
         ptr(state),
+        ox,
+        ort,
+        ofan,
+        oecnt,
+        ocap,
     ];
-    let grid = warp_grid(k, shape.tokens * shape.world);
+    let grid = row_grid(k, shape.tokens);
     let name = typed("nvl_dispatch_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// Where a receiver finds the rows and counts of every source (see `Sources` in `moe.cu`):
@@ -263,9 +308,9 @@ pub(crate) fn dispatch_recv(
         ptr(out.status),
         ptr(out.done),
     ];
-    let grid = warp_grid(k, shape.world * shape.tokens);
+    let grid = row_grid(k, shape.world * shape.tokens);
     let name = typed("dispatch_recv", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// Zeroes padding rows of `expert_x` / `routing`: `[counts, prev)` per expert, or `[counts, C)`
@@ -343,9 +388,9 @@ pub(crate) fn nccl_combine_send(
         ptr(send),
         ptr(status),
     ];
-    let grid = warp_grid(k, shape.world * shape.tokens);
+    let grid = row_grid(k, shape.world * shape.tokens);
     let name = typed("nccl_combine_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// NVLink late weights: this rank's `weights[T, K]` into every peer's weight area, flags.
@@ -433,9 +478,9 @@ pub(crate) fn nvl_combine_send(
         n(peers.combine_flags),
         ptr(status),
     ];
-    let grid = warp_grid(k, shape.world * shape.tokens);
+    let grid = row_grid(k, shape.world * shape.tokens);
     let name = typed("nvl_combine_send", shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
 /// Combine receive (both transports): optional flag wait, then `out[t] = Σ_r partial` with the
@@ -476,4 +521,19 @@ pub(crate) fn combine_recv(
 pub(crate) fn address_table(stream: &Stream, addrs: &[u64]) -> Result<DeviceBuffer> {
     let bits: Vec<i64> = addrs.iter().map(|a| *a as i64).collect();
     DeviceBuffer::from_slice(stream, &bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ROW_BLOCK;
+    use crate::kernels::Source;
+
+    #[test]
+    fn row_block_matches_the_kernels_launch_bounds() {
+        let line = format!("#define ROW_THREADS {ROW_BLOCK}\n");
+        assert!(
+            Source::Moe.text().contains(&line),
+            "moe.cu must define ROW_THREADS as {ROW_BLOCK}"
+        );
+    }
 }

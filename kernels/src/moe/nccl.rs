@@ -1,6 +1,7 @@
 //! The NCCL transport: one kernel routes and packs one wire row per (token, destination) into
-//! per-destination blocks (`[16-byte count header][T rows]`), one grouped send/recv per peer
-//! moves them, one kernel fans them out. The combine reduces into per-source blocks of `T`
+//! per-destination blocks (`[16-byte count header][T rows]`; the row to this rank itself carries
+//! only the metadata, the kernel fans the token out to the local experts directly), one grouped
+//! send/recv per peer moves them, one kernel fans the received ones out. The combine reduces into per-source blocks of `T`
 //! partial rows (row `j` answers the source's row `j`), one grouped send/recv, one kernel sums.
 //! No host reads of counts: NCCL moves whole blocks (sized by the bound `T` rows), whatever the
 //! routing; [`super::NvlinkMoe`] moves only the rows used.
@@ -243,12 +244,17 @@ impl MoeTransport for NcclMoe {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
                     status: &c.status,
+                    expert_x: &c.expert_x,
+                    routing: &c.routing,
+                    fan: &c.fan,
+                    ecnt: &c.ecnt,
                 };
                 kernel_calls::nccl_dispatch_send(
                     &c.kernels,
                     stream,
                     &c.shape,
                     c.wire,
+                    c.rank,
                     &inp,
                     &st,
                     send,

@@ -4,15 +4,17 @@
 //! captured in a CUDA graph and replayed.
 //!
 //! Per step `s` (epoch `s`, flags are never reset):
-//! 1. `dispatch_send`: one warp per (token, destination rank) stores the wire row straight into
-//!    the receiver's `rows[me][pos]` (`pos` from a local counter, no remote atomics); the last
-//!    block writes the receivers' `counts[me]` and raises `dispatch_flags[me] = s`
-//!    (`st.release.sys` after a system-scope fence), then stores `s` as the local epoch.
-//! 2. `dispatch_recv`: acquire all `W` flags, fan every received row out to the local experts,
-//!    counts by the last block.
+//! 1. `dispatch_send`: one block per token reads it once and stores its wire row straight into
+//!    each receiver's `rows[me][pos]` (`pos` from a local counter, no remote atomics); the row
+//!    to this rank itself carries only the metadata, the block fans the token out to the local
+//!    experts directly. The last block writes the receivers' `counts[me]` and raises
+//!    `dispatch_flags[me] = s` (`st.release.sys` after a system-scope fence), then stores `s`
+//!    as the local epoch.
+//! 2. `dispatch_recv`: acquire all `W` flags, fan every row received from another rank out to
+//!    the local experts (one block per row), counts by the last block.
 //! 3. `combine_send`: (weights not given at dispatch: one kernel copies this rank's `[T, K]`
 //!    weights into every peer's `weights[me]` and raises `weight_flags[me]`, the next waits for
-//!    them) one warp per received row reduces its local expert rows into one partial stored in
+//!    them) one block per received row reduces its local expert rows into one partial stored in
 //!    the source's `partials[me][pos]`; then `combine_flags[me] = s` everywhere.
 //! 4. `combine_recv`: acquire all flags, `out[t] = Σ_r partials[r][sent_pos[t, r]]` in rank
 //!    order.
@@ -363,6 +365,10 @@ impl MoeTransport for NvlinkMoe {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
                     status: &c.status,
+                    expert_x: &c.expert_x,
+                    routing: &c.routing,
+                    fan: &c.fan,
+                    ecnt: &c.ecnt,
                 };
                 kernel_calls::nvl_dispatch_send(
                     &c.kernels,

@@ -22,8 +22,10 @@
 //! another and the costs are a sum over independent sites (egg stays where it earns its
 //! place, the index algebra of [`crate::index`]).
 //!
-//! Options: [`PassOptions::decompositions`](crate::PassOptions::decompositions) forces a decomposition by tensor name (an error on
-//! an annotated tensor or a decomposition the site cannot take); the cost model's transport
+//! Options: [`PassOptions::decompositions`](crate::PassOptions::decompositions) forces a
+//! decomposition by tensor name (an error on an annotated tensor or a decomposition the site
+//! cannot take); [`PassOptions::pieces`](crate::PassOptions::pieces) the pieces per step of the
+//! reduce-scatter ring (also on a ring the user annotated); the cost model's transport
 //! forces the transport; a stream schedule other than
 //! [`Auto`](crate::StreamSchedule::Auto) forces the distance ring's schedule. Every decision,
 //! and the transport, is recorded in [`PassContext::explain`] with every candidate's predicted
@@ -75,10 +77,19 @@ impl ProgramPass for ChooseDecompositions {
                 )));
             }
         }
+        for (name, &pieces) in &cx.options.pieces {
+            if local.contains(name) && pieces != 1 {
+                return Err(PassError::Options(format!(
+                    "`{name}` cannot be cut into {pieces} pieces per ring step: its resharding \
+                     moves nothing between devices (every team it would use has one device)"
+                )));
+            }
+        }
         if let Some(name) = cx
             .options
             .decompositions
             .keys()
+            .chain(cx.options.pieces.keys())
             .find(|n| !all.iter().any(|s| &s.tensor == *n) && !local.contains(*n))
         {
             let open: Vec<&str> = all
@@ -152,8 +163,15 @@ impl ProgramPass for ChooseDecompositions {
     }
 }
 
+/// `s` with its plans cut down to a forced decomposition and forced pieces (an error when it
+/// cannot take them).
+fn restrict(s: Site, cx: &PassContext) -> Result<Site, PassError> {
+    let s = restrict_decomposition(s, cx)?;
+    restrict_pieces(s, cx)
+}
+
 /// `s` with its plans cut down to a forced decomposition (an error when it cannot take it).
-fn restrict(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
+fn restrict_decomposition(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
     let Some(&forced) = cx.options.decompositions.get(&s.tensor) else {
         return Ok(s);
     };
@@ -187,6 +205,47 @@ fn restrict(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
     }
     s.shapes.retain(|x| x.0 == forced);
     s.fixed = Some("forced by the options");
+    Ok(s)
+}
+
+/// `s` with its plans cut down to forced pieces per ring step. One piece is what every plan
+/// but the cut reduce-scatter ring has, so it only drops the cut rings; more pieces leave only
+/// the reduce-scatter ring cut that many ways (an error where there is none).
+fn restrict_pieces(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
+    let Some(&pieces) = cx.options.pieces.get(&s.tensor) else {
+        return Ok(s);
+    };
+    if pieces == 1 && s.shapes.iter().all(|x| x.1 == 1) {
+        return Ok(s);
+    }
+    if !s.shapes.iter().any(|x| x.1 == pieces) {
+        let mut cuts: Vec<u64> = s
+            .shapes
+            .iter()
+            .filter(|x| {
+                x.0 == Decomposition::RingForward && matches!(s.case, Some(Case::Reduce(_)))
+            })
+            .map(|x| x.1)
+            .collect();
+        cuts.dedup();
+        let cuts: Vec<String> = cuts.iter().map(u64::to_string).collect();
+        return Err(PassError::Options(format!(
+            "`{}` ({}) cannot be cut into {pieces} pieces per ring step: {}",
+            s.tensor,
+            s.communication,
+            if cuts.is_empty() {
+                "pieces apply to the ring of running sums of a reduce-scatter (`ring_forward` of \
+                 partial sums), which this resharding does not take"
+                    .to_string()
+            } else {
+                format!("its ring takes {} pieces", cuts.join(", "))
+            }
+        )));
+    }
+    s.shapes.retain(|x| x.1 == pieces);
+    if pieces > 1 {
+        s.fixed = Some("forced by the options");
+    }
     Ok(s)
 }
 

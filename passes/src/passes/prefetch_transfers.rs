@@ -460,22 +460,8 @@ fn with_var(inst: &Inst, var: LoopVar, value: &Expr) -> Inst {
     let atom = Expr::var(var);
     let sub = |e: &Expr| substitute(e, &atom, value);
     let mut out = inst.clone();
-    match &mut out.kind {
-        InstKind::ShardByStream { index, .. } => *index = sub(index),
-        InstKind::CollectivePermute {
-            send_peer,
-            recv_peer,
-            ..
-        } => {
-            *send_peer = sub(send_peer);
-            *recv_peer = sub(recv_peer);
-        }
-        InstKind::CallKernel { args, .. } => {
-            for a in args.iter_mut() {
-                *a = sub(a);
-            }
-        }
-        _ => {}
+    for e in out.kind.exprs_mut() {
+        *e = sub(e);
     }
     out
 }

@@ -8,7 +8,7 @@
 //! team slice, the pass proves that the send and receive peers are inverse permutations (the
 //! member at team index `send(my)` receives from `my`), and fails if it cannot.
 
-use meshflow_ir::host::{Block, Expr, InstKind, StreamRef, Team};
+use meshflow_ir::host::{Block, Expr, InstKind, Team};
 use meshflow_ir::HostProgram;
 
 use crate::error::PassError;
@@ -54,18 +54,6 @@ fn simplify_block(block: &mut Block, facts: &Facts) -> Result<(), PassError> {
                 }
                 simplify_block(body, &inner)?;
             }
-            InstKind::SetCurrentStream {
-                stream: StreamRef::Worker(e),
-            }
-            | InstKind::Synchronize {
-                stream: StreamRef::Worker(e),
-            }
-            | InstKind::ShardByStream { index: e, .. }
-            | InstKind::Communication { root: Some(e), .. } => s(e),
-            InstKind::Narrow { start, length, .. } => {
-                s(start);
-                s(length);
-            }
             InstKind::CollectivePermute {
                 id,
                 team,
@@ -88,8 +76,7 @@ fn simplify_block(block: &mut Block, facts: &Facts) -> Result<(), PassError> {
                     }
                 }
             }
-            InstKind::CallKernel { args, .. } => args.iter_mut().for_each(s),
-            _ => {}
+            kind => kind.exprs_mut().into_iter().for_each(s),
         }
     }
     Ok(())

@@ -269,15 +269,10 @@ impl<'h> Builder<'h> {
                     }
                     Item::EndGroup { label }
                 }
-                InstKind::Compute {
-                    inputs, outputs, ..
-                }
-                | InstKind::CallKernel {
-                    inputs, outputs, ..
-                } => Item::Compute {
+                kind @ (InstKind::Compute { .. } | InstKind::CallKernel { .. }) => Item::Compute {
                     ord,
-                    reads: inputs.iter().map(|&t| idx(t)).collect(),
-                    writes: outputs.iter().map(|&t| idx(t)).collect(),
+                    reads: kind.reads().into_iter().map(idx).collect(),
+                    writes: kind.writes().into_iter().map(idx).collect(),
                 },
                 kind @ (InstKind::Communication { .. }
                 | InstKind::CollectivePermute { .. }

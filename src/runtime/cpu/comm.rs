@@ -16,6 +16,7 @@ use meshflow_ir::{CommKind, DType, DeviceId, ReduceOp};
 use super::fabric::{MailKey, Operands, Payload};
 use super::{CpuBackend, CpuBuffer};
 use crate::runtime::backend::{BackendError, CommRequest, TensorView};
+use crate::runtime::collective::{invalid, member_buffers, need, MemberViews};
 use crate::runtime::cpu_ops::{self, MoeRows};
 use crate::runtime::data::{Storage, TensorData};
 use crate::runtime::view::View;
@@ -122,40 +123,33 @@ pub(super) fn accesses<'r>(req: &'r CommRequest<'_, CpuBuffer>) -> (Vec<&'r TV>,
     }
 }
 
-fn invalid(name: &str, message: impl std::fmt::Display) -> BackendError {
-    BackendError::Invalid(format!("{name}: {message}"))
-}
-
-fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, BackendError> {
-    v.ok_or_else(|| {
-        invalid(
-            name,
-            format!("this rank takes part but does not hold the {what} buffer"),
-        )
-    })
-}
-
-fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    if d > 0 && v.numel().is_multiple_of(d as u64) {
-        Ok(())
-    } else {
-        Err(invalid(
-            name,
-            format!(
-                "the {what} buffer of shape {:?} ({} elements) cannot be cut into {d} equal chunks",
-                v.shape,
-                v.numel()
-            ),
-        ))
-    }
-}
-
 fn same_numel(name: &str, a: u64, b: u64, how: &str) -> Result<(), BackendError> {
     if a == b {
         Ok(())
     } else {
         Err(invalid(name, format!("{how}: {a} elements vs {b}")))
     }
+}
+
+/// Reads the `d` equal chunks of `i`, sends chunk `k` to member `k` and returns this member's
+/// own (chunk `my`).
+fn scatter_chunks(
+    be: &CpuBackend,
+    i: &TV,
+    d: usize,
+    my: usize,
+    send: &impl Fn(&CpuBackend, usize, Payload) -> Result<(), BackendError>,
+) -> Result<Storage, BackendError> {
+    let mut own = None;
+    for k in 0..d {
+        let chunk = read(be, i, Some((k as u64, d as u64)))?;
+        if k == my {
+            own = Some(chunk);
+        } else {
+            send(be, k, Payload::Data(chunk))?;
+        }
+    }
+    own.ok_or_else(|| BackendError::Invalid(format!("team index {my} is not below {d}")))
 }
 
 /// Reads `v` (or chunk `k` of `d` equal chunks of its row-major elements).
@@ -211,207 +205,86 @@ pub(super) fn start(
             ..
         } => {
             let r = root.unwrap_or(0);
+            let MemberViews { send: i, recv: o } =
+                member_buffers(name, *kind, (d, my, r), *input, *output)?;
+            // The buffers the contract makes this member hold.
+            let (si, ro) = (need(name, i, "send"), need(name, o, "receive"));
+            // Chunk or whole `k` of the result: this member's own from `own`, else from `k`.
+            let from =
+                |own: &mut Option<Payload>, k: usize| match (k == my).then(|| own.take()).flatten()
+                {
+                    Some(p) => Src::Local(p),
+                    None => Src::Remote(k),
+                };
             match kind {
-                CommKind::AllGather => {
-                    let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    divisible(name, o, d, "receive")?;
-                    same_numel(
-                        name,
-                        o.numel(),
-                        i.numel() * d as u64,
-                        "receive = team size x send",
-                    )?;
-                    let data = read(be, i, None)?;
-                    for k in others {
-                        send(be, k, Payload::Data(data.clone()))?;
+                CommKind::Gather | CommKind::Reduce if my != r => {
+                    send(be, r, Payload::Data(read(be, si?, None)?))?;
+                    Finish::Nothing
+                }
+                CommKind::AllGather | CommKind::Gather => {
+                    let data = read(be, si?, None)?;
+                    if *kind == CommKind::AllGather {
+                        for k in others {
+                            send(be, k, Payload::Data(data.clone()))?;
+                        }
                     }
-                    let mut local = Some(Payload::Data(data));
+                    let mut own = Some(Payload::Data(data));
                     let parts = (0..d)
-                        .map(|k| {
-                            let src = match (k == my).then(|| local.take()).flatten() {
-                                Some(p) => Src::Local(p),
-                                None => Src::Remote(k),
-                            };
-                            (Part::Chunk(k as u64), src)
-                        })
+                        .map(|k| (Part::Chunk(k as u64), from(&mut own, k)))
                         .collect();
                     Finish::Write {
-                        out: o.clone(),
+                        out: ro?.clone(),
                         parts,
                     }
                 }
-                CommKind::ReduceScatter | CommKind::AllReduce => {
-                    let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    let scatter = *kind == CommKind::ReduceScatter;
-                    let mut own = None;
-                    if scatter {
-                        divisible(name, i, d, "send")?;
-                        same_numel(
-                            name,
-                            i.numel(),
-                            o.numel() * d as u64,
-                            "send = team size x receive",
-                        )?;
-                        for k in 0..d {
-                            let chunk = read(be, i, Some((k as u64, d as u64)))?;
-                            if k == my {
-                                own = Some(chunk);
-                            } else {
-                                send(be, k, Payload::Data(chunk))?;
+                CommKind::ReduceScatter | CommKind::AllReduce | CommKind::Reduce => {
+                    let own = if *kind == CommKind::ReduceScatter {
+                        scatter_chunks(be, si?, d, my, &send)?
+                    } else {
+                        let data = read(be, si?, None)?;
+                        if *kind == CommKind::AllReduce {
+                            for k in others {
+                                send(be, k, Payload::Data(data.clone()))?;
                             }
                         }
-                    } else {
-                        same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
-                        let data = read(be, i, None)?;
-                        for k in others {
-                            send(be, k, Payload::Data(data.clone()))?;
-                        }
-                        own = Some(data);
-                    }
-                    let mut own = own.map(Payload::Data);
-                    let sources = (0..d)
-                        .map(|k| match (k == my).then(|| own.take()).flatten() {
-                            Some(p) => Src::Local(p),
-                            None => Src::Remote(k),
-                        })
-                        .collect();
+                        data
+                    };
+                    let mut own = Some(Payload::Data(own));
                     Finish::Reduce {
-                        out: o.clone(),
-                        sources,
+                        out: ro?.clone(),
+                        sources: (0..d).map(|k| from(&mut own, k)).collect(),
                         op: *op,
                     }
                 }
-                CommKind::Broadcast => {
-                    if my == r {
-                        let i = need(name, *input, "send")?;
-                        let data = read(be, i, None)?;
+                CommKind::Broadcast | CommKind::Scatter | CommKind::SendRecv if my == r => {
+                    let own = if *kind == CommKind::Scatter {
+                        scatter_chunks(be, si?, d, my, &send)?
+                    } else {
+                        let data = read(be, si?, None)?;
                         for k in others {
                             send(be, k, Payload::Data(data.clone()))?;
                         }
-                        match output {
-                            Some(o) => Finish::Write {
-                                out: (*o).clone(),
-                                parts: vec![(Part::Whole, Src::Local(Payload::Data(data)))],
-                            },
-                            None => Finish::Nothing,
-                        }
-                    } else {
-                        let o = need(name, *output, "receive")?;
-                        Finish::Write {
+                        data
+                    };
+                    match o {
+                        Some(o) => Finish::Write {
                             out: o.clone(),
-                            parts: vec![(Part::Whole, Src::Remote(r))],
-                        }
+                            parts: vec![(Part::Whole, Src::Local(Payload::Data(own)))],
+                        },
+                        None => Finish::Nothing,
                     }
                 }
-                CommKind::Gather | CommKind::Reduce => {
-                    let i = need(name, *input, "send")?;
-                    let data = read(be, i, None)?;
-                    if my != r {
-                        send(be, r, Payload::Data(data))?;
-                        Finish::Nothing
-                    } else {
-                        let o = need(name, *output, "receive")?;
-                        let mut own = Some(Payload::Data(data));
-                        let mut src = |k: usize| match (k == my).then(|| own.take()).flatten() {
-                            Some(p) => Src::Local(p),
-                            None => Src::Remote(k),
-                        };
-                        if *kind == CommKind::Gather {
-                            divisible(name, o, d, "receive")?;
-                            same_numel(
-                                name,
-                                o.numel(),
-                                i.numel() * d as u64,
-                                "receive = team size x send",
-                            )?;
-                            let parts = (0..d).map(|k| (Part::Chunk(k as u64), src(k))).collect();
-                            Finish::Write {
-                                out: o.clone(),
-                                parts,
-                            }
-                        } else {
-                            let sources = (0..d).map(src).collect();
-                            Finish::Reduce {
-                                out: o.clone(),
-                                sources,
-                                op: *op,
-                            }
-                        }
-                    }
-                }
-                CommKind::Scatter => {
-                    if my == r {
-                        let i = need(name, *input, "send")?;
-                        divisible(name, i, d, "send")?;
-                        let mut own = None;
-                        for k in 0..d {
-                            let chunk = read(be, i, Some((k as u64, d as u64)))?;
-                            if k == my {
-                                own = Some(chunk);
-                            } else {
-                                send(be, k, Payload::Data(chunk))?;
-                            }
-                        }
-                        match (output, own) {
-                            (Some(o), Some(c)) => Finish::Write {
-                                out: (*o).clone(),
-                                parts: vec![(Part::Whole, Src::Local(Payload::Data(c)))],
-                            },
-                            _ => Finish::Nothing,
-                        }
-                    } else {
-                        let o = need(name, *output, "receive")?;
-                        Finish::Write {
-                            out: o.clone(),
-                            parts: vec![(Part::Whole, Src::Remote(r))],
-                        }
-                    }
-                }
-                CommKind::SendRecv => {
-                    if d != 2 {
-                        return Err(invalid(
-                            name,
-                            format!("needs a team of two, has {d} members"),
-                        ));
-                    }
-                    if my == r {
-                        let i = need(name, *input, "send")?;
-                        send(be, 1 - my, Payload::Data(read(be, i, None)?))?;
-                        Finish::Nothing
-                    } else {
-                        let o = need(name, *output, "receive")?;
-                        Finish::Write {
-                            out: o.clone(),
-                            parts: vec![(Part::Whole, Src::Remote(r))],
-                        }
-                    }
-                }
+                CommKind::Broadcast | CommKind::Scatter | CommKind::SendRecv => Finish::Write {
+                    out: ro?.clone(),
+                    parts: vec![(Part::Whole, Src::Remote(r))],
+                },
                 CommKind::AllToAll => {
-                    let (i, o) = (need(name, *input, "send")?, need(name, *output, "receive")?);
-                    divisible(name, i, d, "send")?;
-                    divisible(name, o, d, "receive")?;
-                    same_numel(name, i.numel(), o.numel(), "send and receive sizes differ")?;
-                    let mut own = None;
-                    for k in 0..d {
-                        let chunk = read(be, i, Some((k as u64, d as u64)))?;
-                        if k == my {
-                            own = Some(chunk);
-                        } else {
-                            send(be, k, Payload::Data(chunk))?;
-                        }
-                    }
-                    let mut own = own.map(Payload::Data);
+                    let mut own = Some(Payload::Data(scatter_chunks(be, si?, d, my, &send)?));
                     let parts = (0..d)
-                        .map(|k| {
-                            let src = match (k == my).then(|| own.take()).flatten() {
-                                Some(p) => Src::Local(p),
-                                None => Src::Remote(k),
-                            };
-                            (Part::Chunk(k as u64), src)
-                        })
+                        .map(|k| (Part::Chunk(k as u64), from(&mut own, k)))
                         .collect();
                     Finish::Write {
-                        out: o.clone(),
+                        out: ro?.clone(),
                         parts,
                     }
                 }

@@ -19,14 +19,14 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use meshflow_ir::{ComputeOp, DType, DeviceId, EntityRef};
+use meshflow_ir::{Arena, ComputeOp, DType, DeviceId, EntityRef};
 
 pub use fabric::{Fabric, Payload, RemoteLink};
 pub use kernels::{CpuKernelFn, CpuKernels};
 
 use super::backend::{
     AccessSite, Backend, BackendError, CommLabel, CommRequest, InstCtx, KernelId, PlanInfo,
-    RaceReport, StreamIndex, TensorView,
+    RaceReport, StreamIndex, TeamId, TensorView,
 };
 use super::cpu_ops;
 use super::data::{Storage, TensorData};
@@ -188,7 +188,7 @@ pub struct CpuBackend {
     slots: Vec<Slot>,
     free: Vec<u32>,
     current: StreamIndex,
-    teams: Vec<CpuTeam>,
+    teams: Arena<TeamId, CpuTeam>,
     clocks: Option<Clocks>,
     group: Option<Vec<GroupMember>>,
     #[cfg(feature = "fault-injection")]
@@ -230,7 +230,7 @@ impl CpuBackend {
             slots: Vec::new(),
             free: Vec::new(),
             current: StreamIndex::MAIN,
-            teams: Vec::new(),
+            teams: Arena::new(),
             clocks: None,
             group: None,
             #[cfg(feature = "fault-injection")]
@@ -543,7 +543,7 @@ impl Backend for CpuBackend {
     fn prepare(&mut self, info: &PlanInfo<'_>) -> Result<(), BackendError> {
         self.teams = info
             .teams
-            .iter()
+            .values()
             .map(|t| CpuTeam {
                 fingerprint: fabric::team_fingerprint(&t.members),
                 seq: 0,
@@ -764,7 +764,7 @@ impl Backend for CpuBackend {
         let id = request.team().id;
         let team = self
             .teams
-            .get_mut(id.index())
+            .get_mut(id)
             .ok_or_else(|| BackendError::Invalid(format!("unknown team {id:?}")))?;
         team.seq += 1;
         let tag = (team.fingerprint, team.seq);

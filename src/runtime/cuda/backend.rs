@@ -228,7 +228,7 @@ impl CudaBackend {
         if self.link.is_some()
             || self.ipc_tried
             || self.config.transport == Some(Transport::Nccl)
-            || !info.teams.iter().any(|t| t.members.len() > 1)
+            || !info.teams.values().any(|t| t.members.len() > 1)
         {
             return Ok(());
         }

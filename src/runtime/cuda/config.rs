@@ -97,7 +97,10 @@ pub struct CudaResources {
     /// The GPU (its primary context, the one the CUDA runtime and PyTorch use).
     pub device: Device,
     /// The caller's stream (see `Stream::from_raw_borrowed`): the rank's main stream, so the
-    /// program runs in order with the caller's work on it. `None`: a stream of meshflow's.
+    /// program runs in order with the caller's work on it. `None`: a stream of meshflow's. Runs
+    /// recorded as CUDA graphs ([`CudaConfig::graph`]) need a stream that can be captured: not
+    /// the legacy default stream (a caller on it forks a stream of its own from it, as the
+    /// Python executor does).
     pub stream: Option<Stream>,
     /// Communicators the caller created (see `Comm::from_raw_borrowed`), each with the team it
     /// serves: the team's members (global ranks) in team order, its rank in the communicator

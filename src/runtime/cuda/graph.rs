@@ -28,6 +28,14 @@ impl GraphRecorder {
                 "a graph is already being recorded".into(),
             ));
         }
+        if core.streams[0].is_legacy_default() {
+            return Err(BackendError::Invalid(format!(
+                "rank {}: a run cannot be recorded as a CUDA graph on the legacy default stream \
+                 (it cannot be captured): give the backend a stream of its own, forked from the \
+                 caller's with an event",
+                core.rank
+            )));
+        }
         core.step_started()?;
         let profile = core.timeline.profile;
         // Timing events cannot be read back from inside a graph.

@@ -18,12 +18,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
-use meshflow_ir::{DeviceId, EntityRef};
+use meshflow_ir::{Arena, DeviceId, EntityRef};
 use meshflow_kernels::nccl::{self, Comm, NcclLib, UniqueId};
 use meshflow_kernels::{DType, Device, DeviceBuffer};
 
 use super::core::{dev_err, DeviceCore};
-use crate::runtime::backend::{BackendError, TeamInfo};
+use crate::runtime::backend::{BackendError, TeamId, TeamInfo};
 use crate::runtime::rendezvous::Rendezvous;
 
 /// What a cached communicator is for: a rendezvous namespace, a device and a team.
@@ -219,14 +219,18 @@ impl Communicators {
     /// Makes sure every team of a program has a communicator: cached ones are taken, missing
     /// ones created (in the global order of their member lists, so that ranks sharing several
     /// teams cannot wait on each other in a cycle) and their point-to-point channels connected.
-    pub fn prepare(&mut self, core: &DeviceCore, teams: &[TeamInfo]) -> Result<(), BackendError> {
+    pub fn prepare(
+        &mut self,
+        core: &DeviceCore,
+        teams: &Arena<TeamId, TeamInfo>,
+    ) -> Result<(), BackendError> {
         self.by_team.clear();
         if teams.is_empty() {
             return Ok(());
         }
         let lib = self.lib(core.rank)?;
         let mut missing: Vec<(TeamKey, usize)> = Vec::new();
-        for t in teams {
+        for t in teams.values() {
             let key = Communicators::key(core, &t.members);
             if self.held.iter().any(|(k, _)| *k == key) || missing.iter().any(|(k, _)| *k == key) {
                 continue;
@@ -245,7 +249,7 @@ impl Communicators {
             self.held.push((key, comm));
             self.preconnect(core, &lib, self.held.len() - 1)?;
         }
-        for t in teams {
+        for t in teams.values() {
             let key = Communicators::key(core, &t.members);
             let i = self
                 .held

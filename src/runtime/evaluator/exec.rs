@@ -3,8 +3,7 @@
 use std::time::Instant;
 
 use meshflow_ir::{
-    Arena, CommKind, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId,
-    ParallelType,
+    Arena, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId, ParallelType,
 };
 
 use meshflow_ir::host::{EvalError, ExprEnv};
@@ -223,15 +222,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             } => {
                 let root = match root {
                     Some(r) => Some(self.team_index(r, *team, "root")?),
-                    None if matches!(
-                        kind,
-                        CommKind::Broadcast
-                            | CommKind::Gather
-                            | CommKind::Scatter
-                            | CommKind::Reduce
-                            | CommKind::SendRecv
-                    ) =>
-                    {
+                    None if kind.is_rooted() => {
                         return Err(invalid(format!("{} needs a root", kind.name())))
                     }
                     None => None,

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use meshflow_ir::host::EvalError;
-use meshflow_ir::{Arena, CommId, DeviceId, EntityRef, HostProgram, HostTensorId};
+use meshflow_ir::{Arena, CommId, DeviceId, HostProgram, HostTensorId};
 use meshflow_passes::Transport;
 
 use super::backend::{
@@ -254,12 +254,11 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         self.plan
             .comms
             .iter()
-            .enumerate()
             .filter(|(_, c)| c.op.is_some())
-            .map(|(i, c)| SelectedTransport {
+            .map(|(label, c)| SelectedTransport {
                 comm: c.comm,
                 name: c.name,
-                transport: self.backend.transport_of(CommLabel::new(i)),
+                transport: self.backend.transport_of(label),
             })
             .collect()
     }

@@ -141,9 +141,9 @@ pub(crate) struct Plan<'p> {
     pub enclosing: Vec<Vec<LoopVar>>,
     pub steps: Vec<Step<'p>>,
     /// The teams of this rank, indexed by [`TeamId`].
-    pub teams: Vec<TeamInfo>,
+    pub teams: Arena<TeamId, TeamInfo>,
     /// Every communication label, indexed by [`CommLabel`].
-    pub comms: Vec<CommInfo>,
+    pub comms: Arena<CommLabel, CommInfo>,
     /// Per label, the label of the coalescing group it was posted in, if any.
     pub group_of: Arena<CommLabel, Option<CommLabel>>,
     pub loop_vars: usize,
@@ -157,12 +157,12 @@ pub(crate) struct Plan<'p> {
 impl Plan<'_> {
     /// The team `id`.
     pub fn team(&self, id: TeamId) -> &TeamInfo {
-        &self.teams[id.index()]
+        &self.teams[id]
     }
 
     /// The program's label of `label`.
     pub fn comm(&self, label: CommLabel) -> Option<CommId> {
-        self.comms.get(label.index()).map(|c| c.comm)
+        self.comms.get(label).map(|c| c.comm)
     }
 }
 
@@ -222,18 +222,18 @@ impl<'p> Plan<'p> {
                 _ => {}
             }
         });
-        let mut comms = vec![
+        let mut comms: Arena<CommLabel, CommInfo> = table(
+            label_index.len(),
             CommInfo {
                 comm: CommId(0),
                 name: "wait",
                 op: None,
                 team: None,
                 grouped: false,
-            };
-            label_index.len()
-        ];
+            },
+        );
         for (&c, &l) in &label_index {
-            comms[l.index()].comm = c;
+            comms[l].comm = c;
         }
         let my = program
             .meshes
@@ -266,7 +266,7 @@ impl<'p> Plan<'p> {
                 insts: Vec::new(),
                 enclosing: Vec::new(),
                 steps: Vec::new(),
-                teams: Vec::new(),
+                teams: Arena::new(),
                 group_of: table(labels, None),
                 comms,
                 loop_vars,
@@ -382,7 +382,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
     fn post(&mut self, at: u32, c: CommId, op: CommOp, team: Option<TeamId>) -> CommLabel {
         let l = self.label(c);
         self.posted[l] = true;
-        let info = &mut self.plan.comms[l.index()];
+        let info = &mut self.plan.comms[l];
         if info.op.is_none() {
             info.name = self.plan.insts[at as usize].kind.name();
             info.op = Some(op);

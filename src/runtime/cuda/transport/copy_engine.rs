@@ -34,6 +34,7 @@ use meshflow_passes::Transport;
 use super::object::{CommTransport, PostCx, Posted};
 use super::peers::{Key, PeerLink};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::collective::member_buffers;
 use crate::runtime::cuda::config::CopyStream;
 use crate::runtime::cuda::core::DeviceCore;
 use crate::runtime::cuda::memory::CudaBuffer;
@@ -117,6 +118,10 @@ impl CommTransport for CopyEngine {
                 root,
                 ..
             } => {
+                let root = root.unwrap_or(0);
+                let at = (team.members.len(), team.my_index, root);
+                let views =
+                    member_buffers(request.name(), CommKind::Broadcast, at, *input, *output)?;
                 let seq = self.next_seq(label.index());
                 let t = Transfer {
                     link: self.link.as_ref(),
@@ -124,7 +129,7 @@ impl CommTransport for CopyEngine {
                     label: label.index(),
                     seq,
                 };
-                t.broadcast(core, team, root.unwrap_or(0), *input, *output, ctx)
+                t.broadcast(core, team, root, views.send, views.recv, ctx)
                     .map(Posted::Events)
             }
             CommRequest::Collective {
@@ -135,6 +140,9 @@ impl CommTransport for CopyEngine {
                 output: Some(output),
                 ..
             } => {
+                let at = (team.members.len(), team.my_index, 0);
+                let kind = CommKind::ReduceScatter;
+                member_buffers(request.name(), kind, at, Some(*input), Some(*output))?;
                 let seq = self.next_seq(label.index());
                 let t = Transfer {
                     link: self.link.as_ref(),

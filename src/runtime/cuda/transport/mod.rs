@@ -35,12 +35,12 @@ mod tests;
 
 use std::sync::Arc;
 
-use meshflow_ir::{DeviceId, EntityRef};
+use meshflow_ir::{Arena, DeviceId, EntityRef};
 use meshflow_passes::Transport;
 
 use super::config::CudaConfig;
 use super::core::DeviceCore;
-use crate::runtime::backend::{BackendError, CommLabel, CommOp, PlanInfo};
+use crate::runtime::backend::{BackendError, CommLabel, CommOp, PlanInfo, TeamId};
 use crate::runtime::transport_rules::{select, Carrier, TeamFacts, Wants};
 
 pub(crate) use hub::HubLink;
@@ -91,21 +91,27 @@ impl Transports {
         };
         self.routes.clear();
         // Whether each team's ranks reach each other's memory, decided with its members.
-        let mut access: Vec<Option<peers::Access>> = vec![None; info.teams.len()];
+        let mut access: Arena<TeamId, Option<peers::Access>> = Arena::new();
+        for _ in info.teams.keys() {
+            access.push(None);
+        }
         if let (Some(link), false) = (env.link, forced == Some(Transport::Nccl)) {
-            let multi: Vec<usize> = (0..info.teams.len())
-                .filter(|&i| info.teams[i].members.len() > 1)
+            let multi: Vec<TeamId> = info
+                .teams
+                .iter()
+                .filter(|(_, t)| t.members.len() > 1)
+                .map(|(id, _)| id)
                 .collect();
             let lists: Vec<&[DeviceId]> = multi
                 .iter()
-                .map(|&i| info.teams[i].members.as_slice())
+                .map(|&id| info.teams[id].members.as_slice())
                 .collect();
-            for (i, a) in multi.into_iter().zip(link.decide(core, &lists)?) {
-                access[i] = Some(a);
+            for (id, a) in multi.into_iter().zip(link.decide(core, &lists)?) {
+                access[id] = Some(a);
             }
         }
-        let mut facts = Vec::with_capacity(info.teams.len());
-        for (t, a) in info.teams.iter().zip(&access) {
+        let mut facts: Arena<TeamId, TeamFacts> = Arena::new();
+        for (t, a) in info.teams.values().zip(access.values()) {
             let crosses_nodes = env.proxy.is_some_and(|p| {
                 t.members
                     .iter()
@@ -117,16 +123,16 @@ impl Transports {
                 crosses_nodes,
             });
         }
-        let mut carried: Vec<(Carrier, usize)> = Vec::new();
-        for c in info.comms {
+        let mut carried: Vec<(Carrier, TeamId)> = Vec::new();
+        for c in info.comms.values() {
             let (Some(op), team) = (&c.op, c.team) else {
                 self.routes.push(None);
                 continue;
             };
-            let carrier = match team.and_then(|t| Some((t, facts.get(t.index())?))) {
+            let carrier = match team.and_then(|t| Some((t, facts.get(t)?))) {
                 Some((t, f)) => {
                     let carrier = select(op, c.grouped, f, wants).map_err(|why| {
-                        let detail = match (env.link, access.get(t.index())) {
+                        let detail = match (env.link, access.get(t)) {
                             (Some(l), Some(Some(Err(no)))) => format!(" ({}: {no})", l.name()),
                             _ => String::new(),
                         };
@@ -138,8 +144,8 @@ impl Transports {
                             info.team(t).map(|t| t.members.clone()).unwrap_or_default()
                         ))
                     })?;
-                    if !carried.contains(&(carrier, t.index())) {
-                        carried.push((carrier, t.index()));
+                    if !carried.contains(&(carrier, t)) {
+                        carried.push((carrier, t));
                     }
                     carrier
                 }

@@ -9,6 +9,7 @@ use meshflow_passes::Transport;
 
 use super::object::{CommTransport, PostCx, Posted};
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::collective::{member_buffers, need, MemberViews};
 use crate::runtime::cuda::layout::{elem_bytes, kdtype};
 use crate::runtime::cuda::memory::CudaBuffer;
 
@@ -98,29 +99,6 @@ fn reduce_op(op: ReduceOp) -> KReduceOp {
     }
 }
 
-fn need<'a>(name: &str, v: Option<&'a TV>, what: &str) -> Result<&'a TV, BackendError> {
-    v.ok_or_else(|| {
-        BackendError::Invalid(format!(
-            "{name}: this rank takes part but does not hold the {what} buffer"
-        ))
-    })
-}
-
-/// Chunked kinds cut the row-major elements into `d` equal contiguous chunks (NCCL's
-/// semantics), whatever the shape: `[1, 12]` over 4 ranks is 4 chunks of 3 elements.
-fn divisible(name: &str, v: &TV, d: usize, what: &str) -> Result<(), BackendError> {
-    if d > 0 && v.numel().is_multiple_of(d as u64) {
-        Ok(())
-    } else {
-        Err(BackendError::Invalid(format!(
-            "{name}: the {what} buffer of shape {:?} ({} elements) cannot be cut into {d} equal \
-             chunks",
-            v.shape,
-            v.numel()
-        )))
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 fn collective(
     cx: &mut PostCx<'_>,
@@ -133,6 +111,10 @@ fn collective(
     op: ReduceOp,
 ) -> Result<(), BackendError> {
     let (d, my) = (team.members.len(), team.my_index);
+    let MemberViews {
+        send: input,
+        recv: output,
+    } = member_buffers(name, kind, (d, my, root), input, output)?;
     let dtype = input
         .or(output)
         .map(|v| v.dtype)
@@ -146,15 +128,6 @@ fn collective(
         | CommKind::AllReduce
         | CommKind::AllToAll => {
             let (i, o) = (need(name, input, "send")?, need(name, output, "receive")?);
-            match kind {
-                CommKind::AllGather => divisible(name, o, d, "receive")?,
-                CommKind::ReduceScatter => divisible(name, i, d, "send")?,
-                CommKind::AllToAll => {
-                    divisible(name, i, d, "send")?;
-                    divisible(name, o, d, "receive")?;
-                }
-                _ => {}
-            }
             let send = cx.core.input_region(i)?;
             let slot = cx.core.output_slot(o, &[i])?;
             let comm = cx.comms.of(cx.core.rank, team)?;
@@ -203,9 +176,6 @@ fn collective(
             let send = cx.core.input_region(i)?;
             let slot = if my == root {
                 let o = need(name, output, "receive")?;
-                if kind == CommKind::Gather {
-                    divisible(name, o, d, "receive")?;
-                }
                 Some(cx.core.output_slot(o, &[i])?)
             } else {
                 None
@@ -227,7 +197,6 @@ fn collective(
         CommKind::Scatter => {
             let send = if my == root {
                 let i = need(name, input, "send")?;
-                divisible(name, i, d, "send")?;
                 Some(cx.core.input_region(i)?)
             } else {
                 None
@@ -240,7 +209,7 @@ fn collective(
                 }
                 // The root may hold no receive buffer: its own chunk lands in a temporary.
                 (None, Some(sb)) => (cx.core.temp(sb.len() / d.max(1))?, None),
-                (None, None) => return need(name, None, "receive").map(drop),
+                (None, None) => return need::<CudaBuffer>(name, None, "receive").map(drop),
             };
             let comm = cx.comms.of(cx.core.rank, team)?;
             comm.scatter(send.as_ref(), &recv, kd, root, cx.core.stream())
@@ -251,11 +220,6 @@ fn collective(
             }
         }
         CommKind::SendRecv => {
-            if d != 2 {
-                return Err(BackendError::Invalid(format!(
-                    "{name}: needs a team of two, has {d} members"
-                )));
-            }
             if my == root {
                 let i = need(name, input, "send")?;
                 let send = cx.core.input_region(i)?;

@@ -66,7 +66,7 @@ impl Rank {
         };
         let mut comms = Communicators::default();
         comms
-            .prepare(&core, std::slice::from_ref(&team))
+            .prepare(&core, &std::iter::once(team.clone()).collect())
             .expect("communicator");
         Rank { core, comms, team }
     }
