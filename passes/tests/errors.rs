@@ -70,8 +70,12 @@ fn a_swizzle_along_another_type_gathers_first() {
 #[test]
 fn inner_device_splits_name_the_tensor() {
     let (mut b, m) = common::builder("bad", 2);
-    let x = b.input("x", DType::F32, &[8, 4], m).unwrap();
-    b.schedule(x).inner_split(0, 2).parallelize(1, DIDx);
+    // A split inside serial pieces of an axis they do not divide (strided and uneven).
+    let x = b.input("x", DType::F32, &[7, 4], m).unwrap();
+    b.schedule(x)
+        .outer_split(0, 3)
+        .outer_split(1, 2)
+        .parallelize(1, DIDx);
     let y = b.gelu(x).unwrap();
     b.output(y);
     let e = lower_err(&b.build().unwrap());
