@@ -279,6 +279,33 @@ impl Runner {
         })
     }
 
+    /// The sampled relative error of output `out` of a measured run (see [`sampled_error`]).
+    /// With one process per GPU only rank 0 holds every rank's outputs and checks them; the
+    /// other ranks report nothing, and this returns 0 for them without a check.
+    #[allow(clippy::too_many_arguments)]
+    fn output_error(
+        &self,
+        what: &str,
+        m: &Measured,
+        program: &Program,
+        full: &BTreeMap<String, TensorData>,
+        out: &str,
+        s: Gemm3,
+        seed: u64,
+    ) -> Result<f64, BenchError> {
+        if self.launched.as_ref().is_some_and(|l| l.rank() != 0) {
+            return Ok(0.0);
+        }
+        let got = m
+            .outcome
+            .gather(program)
+            .map_err(|source| BenchError::Shard {
+                what: what.to_owned(),
+                source,
+            })?;
+        Ok(sampled_error(full, &got[out], s, seed))
+    }
+
     /// One profiled step of `host` (after two warm-up runs), written as `dir/name.json` and
     /// `dir/name.svg`.
     fn trace(
@@ -461,14 +488,7 @@ fn default_variant(
             let out = if rsmm { "z" } else { "y" };
             let seed = r.opts.seed ^ if rsmm { 9 } else { 7 };
             let measured = r.time(&what, &l.host, per_rank, setup).and_then(|m| {
-                let got = m
-                    .outcome
-                    .gather(&l.program)
-                    .map_err(|source| BenchError::Shard {
-                        what: what.clone(),
-                        source,
-                    })?;
-                let err = sampled_error(full, &got[out], s, seed);
+                let err = r.output_error(&what, &m, &l.program, full, out, s, seed)?;
                 Ok((m, err))
             });
             (name, measured)
@@ -645,14 +665,7 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             let what = format!("{tag}: {name}");
             let measured = lower_over(v, Parts::Both, setup).and_then(|l| {
                 let m = r.time(&what, &l.host, per_rank.clone(), setup)?;
-                let out = m
-                    .outcome
-                    .gather(&l.program)
-                    .map_err(|source| BenchError::Shard {
-                        what: what.clone(),
-                        source,
-                    })?;
-                let err = sampled_error(&full, &out["y"], s, opts.seed ^ 7);
+                let err = r.output_error(&what, &m, &l.program, &full, "y", s, opts.seed ^ 7)?;
                 Ok((m, err))
             });
             variants.push(variant_result(name.to_string(), measured, bound));
@@ -834,14 +847,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             .and_then(|l| {
                 let per_rank = r.scatter("rsmm inputs", &l.program, &full)?;
                 let m = r.time(&what, &l.host, per_rank, setup)?;
-                let out = m
-                    .outcome
-                    .gather(&l.program)
-                    .map_err(|source| BenchError::Shard {
-                        what: what.clone(),
-                        source,
-                    })?;
-                let err = sampled_error(&full, &out["z"], s, opts.seed ^ 9);
+                let err = r.output_error(&what, &m, &l.program, &full, "z", s, opts.seed ^ 9)?;
                 Ok((m, err))
             });
             variants.push(variant_result(name, measured, bound));

@@ -122,6 +122,11 @@ impl Launched {
         self.env.world_size
     }
 
+    /// The rank of this process (rank 0 holds every rank's outputs).
+    pub(crate) fn rank(&self) -> usize {
+        self.env.rank
+    }
+
     /// The GPU ordinal of this process.
     pub(crate) fn local_rank(&self) -> usize {
         self.env.local_rank
