@@ -25,7 +25,9 @@ pub enum TensorUse {
 }
 
 /// Calls `$f(use, tensor)` on every tensor handle of `$kind` (not those of a loop body), in a
-/// fixed order: reads before writes, each in declaration order. The same body serves `&` and
+/// fixed order: reads before writes, each in declaration order (the output of an accumulating
+/// compute op, [`ComputeOp::reads_output`](super::ComputeOp::reads_output), is read, then
+/// written). The same body serves `&` and
 /// `&mut` instructions (binding modes follow the reference).
 macro_rules! each_tensor {
     ($kind:expr, $f:expr) => {{
@@ -71,9 +73,23 @@ macro_rules! each_tensor {
                 f(TensorUse::Written, out);
             }
             InstKind::Compute {
-                inputs, outputs, ..
+                op,
+                inputs,
+                outputs,
+            } => {
+                let accumulates = op.reads_output();
+                for t in inputs {
+                    f(TensorUse::Read, t);
+                }
+                // A compute op has one output: an accumulating op reads it, then writes it.
+                for t in outputs {
+                    if accumulates {
+                        f(TensorUse::Read, t);
+                    }
+                    f(TensorUse::Written, t);
+                }
             }
-            | InstKind::CallKernel {
+            InstKind::CallKernel {
                 inputs, outputs, ..
             } => {
                 for t in inputs {
