@@ -255,6 +255,7 @@ fn plan_of(shape: &sites::Shape, transport: Transport) -> Plan {
         pieces: shape.1,
         schedule: shape.2,
         transport,
+        accumulate: shape.3,
     }
 }
 
