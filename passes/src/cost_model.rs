@@ -399,4 +399,33 @@ mod tests {
             )
             .is_some());
     }
+
+    #[test]
+    fn the_ring_accumulating_in_place_hides_its_transfers_only_in_pieces() {
+        let m = CostModel::default();
+        // GEMM+RS 16384 x 8192 x 8192 on 2 ranks (local K 4096), bf16.
+        let r = ReduceCase {
+            team: 2,
+            chunk_bytes: 8192.0 * 8192.0 * 2.0,
+            producer: gemm(16384, 8192, 4096),
+        };
+        let t = Transport::CopyEngine;
+        let cost = |pieces, accumulate| {
+            let plan = Plan {
+                pieces,
+                accumulate,
+                ..plan(Decomposition::RingForward, StreamSchedule::Prefetch, t)
+            };
+            m.cost(&Case::Reduce(r), &plan).unwrap()
+        };
+        // One piece: nothing overlaps the transfer (the second GEMM adds onto what arrived).
+        let c = m.compute_us(&r.producer.part(2));
+        let (mv, _, _) = m.comm(t, Collective::Permute, r.chunk_bytes);
+        let want = 2.0 * c + mv + 2.0 * m.profile.host.loop_step_us;
+        assert!((cost(1, true) - want).abs() < 1.0, "{} vs {want}", cost(1, true));
+        assert!(cost(1, true) > cost(1, false));
+        // In pieces each piece's transfer runs under the next GEMMs, and no add is left.
+        assert!(cost(2, true) < cost(1, true));
+        assert!(cost(2, true) < cost(2, false));
+    }
 }
