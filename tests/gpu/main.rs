@@ -1,4 +1,5 @@
-//! Every GPU test of the root crate (feature `cuda`): communication kinds, the examples and
+//! Every GPU test of the root crate (feature `cuda`): the accumulating GEMM and the ring that
+//! uses it, communication kinds, the examples and
 //! the CPU backend's programs on GPUs, determinism, errors, the fault matrix, multi-process
 //! runs (NCCL, and the copy engine and NVLink MoE over CUDA IPC), and the embedding API on the
 //! caller's CUDA resources. On a machine without enough
@@ -9,6 +10,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod accumulate;
 mod comm;
 mod determinism;
 mod embed;
