@@ -32,6 +32,14 @@
 //! receives the sum in `z`; an ordinary stream loop (`assign_streams` puts iterations on
 //! workers).
 //!
+//! **Ring accumulating in place** ([`Plan::accumulate`](crate::plan::Plan::accumulate), where
+//! [`accumulates_in_place`]): no `part`, no `add`. The running sum received from rank − 1
+//! lands in this step's accumulator (two alternate between the middle steps) or, at the last
+//! step, in `z` itself, and the step's chunk GEMM adds onto it in place
+//! (`linear_accumulate`). Both sides are pipelined in pieces: each piece of a step moves on
+//! once it is computed, and at the last step piece `j`'s GEMM waits for piece `j`'s transfer
+//! alone (see `emit_accumulating_ring`).
+//!
 //! A ring whose partial sums are also read elsewhere (or are an output) is lowered as the loop
 //! followed by one `reduce_scatter`.
 
