@@ -245,6 +245,7 @@ fn rank_loop<T: MoeTransport>(
         topk_idx: &topk,
         weights: Some(&w),
         zero_padding: false,
+        outputs: None,
     };
     let combine = CombineRequest {
         expert_y: &ex,
