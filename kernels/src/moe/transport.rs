@@ -550,7 +550,7 @@ impl Core {
 fn overlap(a: &DeviceBuffer, b: &DeviceBuffer) -> bool {
     let (a0, b0) = (a.addr(), b.addr());
     let (a1, b1) = (a0 + a.len() as u64, b0 + b.len() as u64);
-    a.len() != 0 && b.len() != 0 && a0 < b1 && b0 < a1
+    !a.is_empty() && !b.is_empty() && a0 < b1 && b0 < a1
 }
 
 /// A `[n]` u32 zeroed device buffer.
