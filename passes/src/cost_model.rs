@@ -422,7 +422,11 @@ mod tests {
         let c = m.compute_us(&r.producer.part(2));
         let (mv, _, _) = m.comm(t, Collective::Permute, r.chunk_bytes);
         let want = 2.0 * c + mv + 2.0 * m.profile.host.loop_step_us;
-        assert!((cost(1, true) - want).abs() < 1.0, "{} vs {want}", cost(1, true));
+        assert!(
+            (cost(1, true) - want).abs() < 1.0,
+            "{} vs {want}",
+            cost(1, true)
+        );
         assert!(cost(1, true) > cost(1, false));
         // In pieces each piece's transfer runs under the next GEMMs, and no add is left.
         assert!(cost(2, true) < cost(1, true));

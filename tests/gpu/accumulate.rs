@@ -51,7 +51,10 @@ fn linear_accumulate_matches_the_cpu_backend() {
 
 #[test]
 fn the_ring_accumulating_in_place_matches_the_reference_on_two_gpus() {
-    if skip_unless(2, "the_ring_accumulating_in_place_matches_the_reference_on_two_gpus") {
+    if skip_unless(
+        2,
+        "the_ring_accumulating_in_place_matches_the_reference_on_two_gpus",
+    ) {
         return;
     }
     let d = 2u64;

@@ -371,9 +371,14 @@ fn the_reduce_scatter_ring_runs_with_and_without_accumulating_in_place() {
                         meshflow::passes::passes::lower_to_host::lower_planned(level1, &plans)
                             .unwrap();
                     meshflow::ir::verify_host(&host).unwrap();
-                    let what = format!("rsmm d={d} {dtype} pieces={pieces} accumulate={accumulate}");
+                    let what =
+                        format!("rsmm d={d} {dtype} pieces={pieces} accumulate={accumulate}");
                     let text = host.to_string();
-                    assert_eq!(text.contains("linear_accumulate("), accumulate, "{what}\n{text}");
+                    assert_eq!(
+                        text.contains("linear_accumulate("),
+                        accumulate,
+                        "{what}\n{text}"
+                    );
                     assert_eq!(text.contains("add("), !accumulate, "{what}\n{text}");
                     // Accumulating: one transfer per piece of every step but the last.
                     let permutes = text.matches("collective_permute(").count() as u64;
@@ -401,8 +406,14 @@ fn the_ring_accumulates_in_place_only_where_the_producer_is_a_linear_of_one_dtyp
     .unwrap();
     let record = &c.explain()[0];
     let labels: Vec<&str> = record.variants.iter().map(|v| v.variant.as_str()).collect();
-    assert!(labels.iter().any(|l| l.ends_with(", accumulate)")), "{record}");
-    assert!(labels.iter().any(|l| !l.ends_with(", accumulate)")), "{record}");
+    assert!(
+        labels.iter().any(|l| l.ends_with(", accumulate)")),
+        "{record}"
+    );
+    assert!(
+        labels.iter().any(|l| !l.ends_with(", accumulate)")),
+        "{record}"
+    );
     // A producer other than a linear (a matmul): only the ring with a separate add.
     let mut b = ProgramBuilder::new("rsmm_matmul");
     let m = b
@@ -425,7 +436,10 @@ fn the_ring_accumulates_in_place_only_where_the_producer_is_a_linear_of_one_dtyp
     .unwrap();
     let record = &c.explain()[0];
     assert!(
-        record.variants.iter().all(|v| !v.variant.contains("accumulate")),
+        record
+            .variants
+            .iter()
+            .all(|v| !v.variant.contains("accumulate")),
         "{record}"
     );
     assert!(!c.plans()["y"].accumulate);
@@ -439,5 +453,8 @@ fn the_ring_accumulates_in_place_only_where_the_producer_is_a_linear_of_one_dtyp
     let e = meshflow::passes::passes::lower_to_host::lower_planned(c.level1().unwrap(), &plans)
         .unwrap_err()
         .to_string();
-    assert!(e.contains("`y`") && e.contains("cannot accumulate in place"), "{e}");
+    assert!(
+        e.contains("`y`") && e.contains("cannot accumulate in place"),
+        "{e}"
+    );
 }

@@ -673,7 +673,8 @@ impl Backend for CpuBackend {
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
         if op.reads_output() {
-            let reads: Vec<&TensorView<CpuBuffer>> = inputs.iter().chain(outputs).copied().collect();
+            let reads: Vec<&TensorView<CpuBuffer>> =
+                inputs.iter().chain(outputs).copied().collect();
             self.check_compute(&reads, outputs, ctx)?;
         } else {
             self.check_compute(inputs, outputs, ctx)?;

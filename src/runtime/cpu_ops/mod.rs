@@ -100,11 +100,7 @@ pub fn linear(x: &View<'_>, w: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), O
 /// `out += x @ w^T` with `x[B.., M, K]`, `w[N, K]`, `out[B.., M, N]`: each element is
 /// `round(out + s)`, `s` the `f32` sum of products in the order [`linear`] takes, the add in
 /// `f32`, one rounding to the output's type.
-pub fn linear_accumulate(
-    x: &View<'_>,
-    w: &View<'_>,
-    out: &mut ViewMut<'_>,
-) -> Result<(), OpError> {
+pub fn linear_accumulate(x: &View<'_>, w: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
     gemm("linear_accumulate", x, w, out, true, true)
 }
 

@@ -107,7 +107,12 @@ fn linear_accumulate_adds_onto_the_output_with_one_rounding() {
     // Onto zeros it is the plain linear.
     let mut from_zero = zeros(DType::BF16, &[5, 3]);
     let mut plain = zeros(DType::BF16, &[5, 3]);
-    linear_accumulate(&View::of(&x), &View::of(&w), &mut ViewMut::of(&mut from_zero)).unwrap();
+    linear_accumulate(
+        &View::of(&x),
+        &View::of(&w),
+        &mut ViewMut::of(&mut from_zero),
+    )
+    .unwrap();
     linear(&View::of(&x), &View::of(&w), &mut ViewMut::of(&mut plain)).unwrap();
     assert_eq!(f(&from_zero), f(&plain));
     let mut bad = zeros(DType::BF16, &[5, 4]);

@@ -193,16 +193,36 @@ pub(super) fn site(
             let g = gather(program, cx, c, &cs, axis, pt, team)?;
             s.fixed = None;
             s.case = Some(Case::Gather(g.case));
-            s.shapes.push((Decomposition::Collective, 1, StreamSchedule::PerIteration, false));
+            s.shapes.push((
+                Decomposition::Collective,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
             if g.can_stream {
                 let ov = g.case.overlappable;
-                s.shapes.push((Decomposition::StreamBroadcast, 1, StreamSchedule::PerIteration, false));
+                s.shapes.push((
+                    Decomposition::StreamBroadcast,
+                    1,
+                    StreamSchedule::PerIteration,
+                    false,
+                ));
                 for sch in ring_schedules(schedule, ov) {
                     s.shapes.push((Decomposition::Ring, 1, sch, false));
                 }
-                s.shapes.push((Decomposition::RingForward, 1, StreamSchedule::Prefetch, false));
+                s.shapes.push((
+                    Decomposition::RingForward,
+                    1,
+                    StreamSchedule::Prefetch,
+                    false,
+                ));
                 if g.halvable {
-                    s.shapes.push((Decomposition::RingBidirectional, 1, StreamSchedule::Prefetch, false));
+                    s.shapes.push((
+                        Decomposition::RingBidirectional,
+                        1,
+                        StreamSchedule::Prefetch,
+                        false,
+                    ));
                 }
             }
             s.apply = g.apply;
@@ -224,14 +244,24 @@ pub(super) fn site(
             s.fixed = Some("annotated by the user");
             s.annotated = true;
             s.case = Some(Case::Gather(g.case));
-            s.shapes.push((Decomposition::StreamBroadcast, 1, StreamSchedule::PerIteration, false));
+            s.shapes.push((
+                Decomposition::StreamBroadcast,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
         }
         Decision::ReduceScatter { pt, axis } if cs.stream().is_none() => {
             s.tensor = p_name.clone();
             let team = pm.size_of(pt).unwrap_or(1) as u64;
             let r = reduce(program, i, p, &ps, &cs, axis, pt, team)?;
             s.case = Some(Case::Reduce(r.case));
-            s.shapes.push((Decomposition::Collective, 1, StreamSchedule::PerIteration, false));
+            s.shapes.push((
+                Decomposition::Collective,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
             if cx.is_annotated(&p_name) || !r.can_stream {
                 s.annotated = cx.is_annotated(&p_name);
                 s.fixed = Some(if s.annotated {
@@ -242,7 +272,12 @@ pub(super) fn site(
                 return Ok(Some(s));
             }
             s.fixed = None;
-            s.shapes.push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration, false));
+            s.shapes.push((
+                Decomposition::StreamReduce,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
             if r.ring {
                 s.shapes.extend(ring_shapes(&r));
             }
@@ -264,7 +299,12 @@ pub(super) fn site(
             s.fixed = Some("annotated by the user");
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
-            s.shapes.push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration, false));
+            s.shapes.push((
+                Decomposition::StreamReduce,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
         }
         _ => {
             if cx.is_annotated(&c_name) {

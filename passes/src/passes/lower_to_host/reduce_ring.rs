@@ -50,9 +50,9 @@ use meshflow_ir::host::{
 use meshflow_ir::{OpKind, ParallelType};
 
 use super::gather_ring::{back_to, on_worker};
-use crate::analysis::accumulates_in_place;
 use super::loop_nest::{Group, LoopCtx, StreamKey};
 use super::Lowering;
+use crate::analysis::accumulates_in_place;
 use crate::decision::{decide, Decision};
 use crate::error::PassError;
 
@@ -483,7 +483,10 @@ impl Lowering<'_> {
                 block.push(Inst::new(InstKind::Wait { comm }));
             }
             let here = self.sums_piece(r, sums, q, block);
-            let index = chunk.clone().mul(Expr::c(r.pieces as i64)).add(Expr::c(q as i64));
+            let index = chunk
+                .clone()
+                .mul(Expr::c(r.pieces as i64))
+                .add(Expr::c(q as i64));
             let mut lp = LoopCtx::at(r.var, r.d * r.pieces, index);
             lp.seed(r.ph, r.axis, here);
             let mut ops = Vec::new();
@@ -506,7 +509,13 @@ impl Lowering<'_> {
             if let Some(dest) = dest {
                 on_worker(block, 0, r.s0);
                 let there = self.sums_piece(r, dest, q, block);
-                sent.push(self.permute(block, team.clone(), (next.clone(), prev.clone()), here, there));
+                sent.push(self.permute(
+                    block,
+                    team.clone(),
+                    (next.clone(), prev.clone()),
+                    here,
+                    there,
+                ));
                 block.push(back_to(r.s0));
             }
         }
