@@ -21,6 +21,8 @@
 //   rank: receive rows [W][T], counts [W], flags) and raise release flags carrying the step number
 //   (epoch, kept on the device in `state[0]` so steps replay in CUDA graphs); receivers acquire.
 //   One kernel per phase; the combine's late weights (when not given at dispatch) take one more.
+//   The fused NVLink kernels (moe_fused.cu, appended to this file; the default) instead run
+//   one kernel per phase with fixed slots and per-chunk flags, receivers overlapping senders.
 //
 // The row kernels (dispatch send and receive, combine send) give each row to a whole block
 // (ROW_THREADS threads, a grid-stride loop over rows): one warp routes the row (atomics,
