@@ -447,18 +447,20 @@ impl MoeTransport for NvlinkMoe {
             stream,
             |c| {
                 c.weights_at_dispatch = req.weights.is_some();
+                c.set_outputs(req);
                 c.zero_padding = req.zero_padding;
                 let inp = SendInputs {
                     x: req.x,
                     topk_idx: req.topk_idx,
                     weights: req.weights,
                 };
+                let to = c.targets();
                 let st = SendState {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
                     status: &c.status,
-                    expert_x: &c.expert_x,
-                    routing: &c.routing,
+                    expert_x: to.expert_x,
+                    routing: to.routing,
                     fan: &c.fan,
                     ecnt: &c.ecnt,
                 };
@@ -467,7 +469,7 @@ impl MoeTransport for NvlinkMoe {
                         sym,
                         counts_off: layout.counts,
                         recv_cnt,
-                        expert_counts: &c.counts,
+                        expert_counts: to.counts,
                         timeout_ns: *flag_timeout_ns,
                     };
                     return fused::nvl_dispatch_fused(
@@ -550,12 +552,13 @@ impl MoeTransport for NvlinkMoe {
                     other_cnt: &counts,
                     cnt_stride: 4,
                 };
+                let to = c.targets();
                 let out = RecvOutputs {
-                    expert_x: &c.expert_x,
-                    routing: &c.routing,
+                    expert_x: to.expert_x,
+                    routing: to.routing,
                     fan: &c.fan,
                     ecnt: &c.ecnt,
-                    counts: &c.counts,
+                    counts: to.counts,
                     status: &c.status,
                     done: &done,
                 };
