@@ -71,6 +71,20 @@ pub struct MoeResult {
     pub combine_us: f64,
     /// Whether every rank's status word stayed clean (no overflow, no timeout).
     pub status_ok: bool,
+    /// Whether the steps ran as replays of a CUDA graph (the evaluator path's low-latency
+    /// mode: no host work between steps).
+    pub graph: bool,
+}
+
+impl MoeResult {
+    /// The transport's name in tables: with `+graph` for replayed steps.
+    pub fn label(&self) -> String {
+        if self.graph {
+            format!("{}+graph", self.transport)
+        } else {
+            self.transport.to_string()
+        }
+    }
 }
 
 impl MoeResult {
@@ -149,6 +163,7 @@ pub fn measure_moe<T: MoeTransport>(
         dispatch_us,
         combine_us,
         status_ok,
+        graph: false,
     })
 }
 
@@ -245,6 +260,7 @@ fn rank_loop<T: MoeTransport>(
         topk_idx: &topk,
         weights: Some(&w),
         zero_padding: false,
+        outputs: None,
     };
     let combine = CombineRequest {
         expert_y: &ex,
@@ -296,16 +312,16 @@ fn rank_loop<T: MoeTransport>(
 /// received bytes per phase (10^6), GB/s those bytes over the phase time.
 pub fn moe_table(results: &[MoeResult]) -> String {
     let mut s = String::from(
-        "transport  W     T     H  K    E    C  wire          dispatch_us  MB     GB/s  \
+        "transport     W     T     H  K    E    C  wire          dispatch_us  MB     GB/s  \
          combine_us  MB     GB/s  status\n",
     );
     for r in results {
         let sh = &r.shape;
         let (db, cb) = r.traffic.max_bytes();
         s.push_str(&format!(
-            "{:<9} {:>2} {:>5} {:>5} {:>2} {:>4} {:>4}  {:<12} {:>11.1} {:>6.1} {:>6.1} \
+            "{:<12} {:>2} {:>5} {:>5} {:>2} {:>4} {:>4}  {:<12} {:>11.1} {:>6.1} {:>6.1} \
              {:>11.1} {:>6.1} {:>6.1}  {}\n",
-            r.transport,
+            r.label(),
             sh.world,
             sh.tokens,
             sh.hidden,

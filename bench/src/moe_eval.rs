@@ -13,6 +13,13 @@
 //! the kernels' path does not have: the difference between the two paths is the evaluator's
 //! overhead. (A program of the dispatch alone cannot be repeated over NVLink: its buffers are
 //! free for the next dispatch only after the combine.)
+//!
+//! With `graph`, each run records one step as a CUDA graph and replays it `steps` times (MoE
+//! over NVLink keeps its step number on the device; NCCL's grouped send/recv within a node
+//! replay too): the low-latency path, no host work between steps. `meshflow bench moe` runs
+//! it for NVLink. The step time is the replays' device time; a graph's
+//! kernels cannot be timed one by one, so the step is split between the phases in the
+//! proportion the same case's plain (profiled) run measured.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -44,12 +51,13 @@ fn wire_attrs(wire: MoeWire) -> &'static str {
 }
 
 /// Times `case` on `world` GPUs through the evaluator over `transport`, `steps` steps per
-/// timed iteration.
+/// timed iteration; with `graph`, the steps are replays of a CUDA graph.
 pub fn measure_moe_evaluator(
     world: usize,
     case: &MoeCase,
     transport: Transport,
     steps: usize,
+    graph: bool,
 ) -> Result<MoeResult> {
     if world == 0 || case.iters == 0 || !case.experts.is_multiple_of(world) {
         return Err(invalid(format!(
@@ -96,31 +104,44 @@ pub fn measure_moe_evaluator(
             .map_err(invalid)?,
         ),
     ]);
-    let options = CudaOptions {
-        ranks: Some(world),
-        config: CudaConfig {
-            transport: Some(transport),
-            steps: steps.max(1),
-            timeout: Duration::from_secs(120),
-            profile: true,
-            ..CudaConfig::default()
-        },
-    };
     let phases = MoePhases::DispatchCombine;
     let (program, host) = layer.lowered(phases).map_err(invalid)?;
     let per_rank = scatter_inputs(&program, &full).map_err(invalid)?;
-    let run = run_cuda_timed(
-        &host,
-        RunInputs::PerRank(per_rank),
-        &options,
-        case.warmup.min(5),
-        case.iters.clamp(1, 20),
-    )
-    .map_err(|e| invalid(format!("{phases:?} over {transport}: {e}")))?;
-    let step_us = Timing::from_times(&run.times_us).us;
+    let timed = |graph: bool| {
+        let options = CudaOptions {
+            ranks: Some(world),
+            config: CudaConfig {
+                transport: Some(transport),
+                steps: steps.max(1),
+                timeout: Duration::from_secs(120),
+                profile: !graph,
+                graph,
+                ..CudaConfig::default()
+            },
+        };
+        run_cuda_timed(
+            &host,
+            RunInputs::PerRank(per_rank.clone()),
+            &options,
+            case.warmup.min(5),
+            case.iters.clamp(1, 20),
+        )
+        .map_err(|e| {
+            let how = if graph { " (CUDA graph)" } else { "" };
+            invalid(format!("{phases:?} over {transport}{how}: {e}"))
+        })
+    };
+    // The plain run: its step time and the phases' shares of it.
+    let run = timed(false)?;
     let dispatch = phase_us(&run.intervals, world, "moe_dispatch")?;
     let combine = phase_us(&run.intervals, world, "moe_combine")?;
-    let dispatch_us = step_us * dispatch / (dispatch + combine);
+    let share = dispatch / (dispatch + combine);
+    let step_us = if graph {
+        Timing::from_times(&timed(true)?.times_us).us
+    } else {
+        Timing::from_times(&run.times_us).us
+    };
+    let dispatch_us = step_us * share;
     Ok(MoeResult {
         transport: match transport {
             Transport::Nvlink => "nvlink",
@@ -132,6 +153,7 @@ pub fn measure_moe_evaluator(
         dispatch_us,
         combine_us: step_us - dispatch_us,
         status_ok: true,
+        graph,
     })
 }
 

@@ -15,11 +15,16 @@
 //! a baseline script's JSON (`--torch`, see `bench/README.md`) from the same machine are
 //! printed next to ours.
 //!
+//! The evaluator path over NVLink gives two rows: the plain evaluator, and its steps recorded
+//! as a CUDA graph and replayed (`nvlink+graph` in the tables, `"graph": true` in the JSON):
+//! no host work between steps.
+//!
 //! `--json` writes a list of rows with the keys `path` (`kernels`, `evaluator`), `transport`, `dtype` (the
 //! element type, or the FP8 wire), `world`, `tokens`, `dispatch_us`, `combine_us`,
 //! `dispatch_gbps`, `combine_gbps`, `torch_dispatch_us`, `torch_combine_us` (null without
 //! `--torch`), `device`, and also `wire`, `hidden`, `top_k`, `experts`, `capacity`,
-//! `dispatch_bytes`, `combine_bytes`, `status_ok`.
+//! `dispatch_bytes`, `combine_bytes` (the busiest rank's received bytes per phase, those of
+//! the GB/s), `status_ok`, `graph` (steps replayed as a CUDA graph).
 
 use std::path::PathBuf;
 
@@ -227,20 +232,27 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
             let mut paths_of = Vec::new();
             for path in &paths {
                 for transport in &transports {
-                    let r = match (path, transport) {
-                        (MoePath::Evaluator, t) => {
-                            measure_moe_evaluator(devices.len(), &case, *t, args.steps)
+                    // The evaluator over NVLink also runs its steps as CUDA graph replays.
+                    let graphs: &[bool] = match (path, transport) {
+                        (MoePath::Evaluator, Transport::Nvlink) => &[false, true],
+                        _ => &[false],
+                    };
+                    for &graph in graphs {
+                        let r = match (path, transport) {
+                            (MoePath::Evaluator, t) => {
+                                measure_moe_evaluator(devices.len(), &case, *t, args.steps, graph)
+                            }
+                            (MoePath::Kernels, Transport::Nvlink) => {
+                                measure_moe(&devices, &case, NvlinkMoe::team_with_wire)
+                            }
+                            (MoePath::Kernels, _) => {
+                                measure_moe(&devices, &case, NcclMoe::team_with_wire)
+                            }
                         }
-                        (MoePath::Kernels, Transport::Nvlink) => {
-                            measure_moe(&devices, &case, NvlinkMoe::team_with_wire)
-                        }
-                        (MoePath::Kernels, _) => {
-                            measure_moe(&devices, &case, NcclMoe::team_with_wire)
-                        }
+                        .map_err(err)?;
+                        results.push(r);
+                        paths_of.push(*path);
                     }
-                    .map_err(err)?;
-                    results.push(r);
-                    paths_of.push(*path);
                 }
             }
             text.push_str(&format!(
@@ -269,7 +281,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                 for (r, path) in results.iter().zip(&paths_of) {
                     text.push_str(&format!(
                         "  {} ({}) vs torch: dispatch {:.2}x faster, combine {:.2}x faster\n",
-                        r.transport,
+                        r.label(),
                         path_name(*path),
                         d / r.dispatch_us,
                         c / r.combine_us
@@ -304,6 +316,7 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                     "dispatch_bytes": db,
                     "combine_bytes": cb,
                     "status_ok": r.status_ok,
+                    "graph": r.graph,
                 });
                 moe_row(
                     path_name(*p),

@@ -3,8 +3,10 @@
 //! skipped with a message. Inputs are fresh random values per run (the seed is printed; set
 //! `MESHFLOW_MOE_SEED` to replay).
 //!
-//! Every case runs 4 steps on the same transport objects (epoch reuse), covering the weights
-//! at dispatch and at combine, with and without padding zeroing, and checks per rank and step:
+//! Every case runs 7 steps on the same transport objects (epoch reuse), covering the weights
+//! at dispatch and at combine, with and without padding zeroing, into the engine's own outputs
+//! and into caller-given ones poisoned (NaN) before the dispatch and again before the combine
+//! (which must not read them), and checks per rank and step:
 //! per-expert counts, per-expert row multisets (routing and row bits, FP8 rows dequantized),
 //! zero padding when asked, the rows received from each source (the deduplicated traffic), the
 //! status word, and the combine output **bit for bit** (the documented summation order).
@@ -24,13 +26,13 @@ use std::time::{Duration, Instant};
 
 use meshflow_kernels::fp8::Fp8Scales;
 use meshflow_kernels::moe::{
-    reference_combine, round_to, CombineRequest, DispatchRequest, MoeShape, MoeStatus,
-    MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
+    reference_combine, round_to, CombineRequest, DispatchOutputs, DispatchRequest, MoeShape,
+    MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
 };
 use meshflow_kernels::{BinaryOp, DType, Device, DeviceBuffer, Stream};
 use moe_common::*;
 
-const STEPS: usize = 4;
+const STEPS: usize = 7;
 
 #[derive(Clone, Copy, Debug)]
 struct Case {
@@ -454,9 +456,46 @@ fn phases_out_of_order_and_misplaced_weights_are_errors() {
         topk_idx: &small,
         weights: None,
         zero_padding: false,
+        outputs: None,
     };
     let err = t.dispatch_send(&stream, &req).unwrap_err().to_string();
     assert!(err.contains("dispatch input x"), "{err}");
+    // Caller outputs of the wrong size, misaligned or overlapping are refused before any work.
+    {
+        let bufs = RankBufs::new(&dev, &shape);
+        let with = |ex: &DeviceBuffer, counts: &DeviceBuffer, routing: &DeviceBuffer| {
+            let mut t = NvlinkMoe::team(std::slice::from_ref(&dev), &shape)
+                .unwrap()
+                .remove(0);
+            let req = DispatchRequest {
+                x: &bufs.x,
+                topk_idx: &bufs.idx,
+                weights: None,
+                zero_padding: false,
+                outputs: Some(DispatchOutputs {
+                    expert_x: ex,
+                    expert_counts: counts,
+                    routing,
+                }),
+            };
+            t.dispatch_send(&stream, &req).unwrap_err().to_string()
+        };
+        let err = with(&bufs.ex, &small, &bufs.routing);
+        assert!(err.contains("dispatch output expert_counts"), "{err}");
+        let big = DeviceBuffer::alloc(&dev, bufs.routing.len() + 8).unwrap();
+        let err = with(
+            &bufs.ex,
+            &bufs.counts,
+            &big.view(4, bufs.routing.len()).unwrap(),
+        );
+        assert!(err.contains("not 8-byte aligned"), "{err}");
+        let err = with(
+            &bufs.ex,
+            &bufs.counts,
+            &bufs.ex.view(0, bufs.routing.len()).unwrap(),
+        );
+        assert!(err.contains("overlaps"), "{err}");
+    }
     // A combine without weights after a dispatch without weights is refused.
     let bufs = RankBufs::new(&dev, &shape);
     let req = DispatchRequest {
@@ -464,6 +503,7 @@ fn phases_out_of_order_and_misplaced_weights_are_errors() {
         topk_idx: &bufs.idx,
         weights: None,
         zero_padding: false,
+        outputs: None,
     };
     bufs.idx.zero(&stream).unwrap();
     t.dispatch_with(&stream, &req).unwrap();
@@ -562,6 +602,7 @@ fn graph_rank(
             topk_idx: &bufs.idx,
             weights: Some(&bufs.w),
             zero_padding: false,
+            outputs: None,
         };
         t.dispatch_with(&stream, &req).map_err(|e| e.to_string())?;
         let ex = t.expert_x().clone();

@@ -324,15 +324,16 @@ class AllToAll:
 
     @property
     def capturable(self) -> bool:
-        """Whether a step can be captured in a CUDA graph (the NCCL transport can; the NVLink
-        transport of this build keeps its step number on the host)."""
+        """Whether a step can be captured in a CUDA graph and replayed (both transports of this
+        build can: NCCL's grouped send/recv, and the NVLink kernels keep their step number on
+        the device)."""
         return bool(self._native.capturable)
 
     def _check_capture(self) -> None:
         if torch.cuda.is_current_stream_capturing() and not self.capturable:
             raise MoeError(
                 f"the {self.transport} MoE transport of this build cannot be captured in a CUDA "
-                "graph (its step number lives on the host); use transport='nccl'"
+                "graph"
             )
 
     def dispatch(

@@ -102,10 +102,12 @@ impl Engine {
         Ok(Engine { transport })
     }
 
-    /// Whether a step can be captured in a CUDA graph and replayed: the NVLink transport of
-    /// this build keeps its step number on the host, which a replay would not advance.
+    /// Whether a step can be captured in a CUDA graph and replayed: both transports of this
+    /// build enqueue only device work (NCCL's grouped send/recv; the NVLink kernels keep their
+    /// step number on the device, so every replay advances it). A transport of another name
+    /// is not known to be.
     fn capturable(&self) -> bool {
-        self.transport.name() == "nccl"
+        matches!(self.transport.name(), "nccl" | "nvlink")
     }
 
     fn shape(&self) -> &MoeShape {

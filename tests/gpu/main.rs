@@ -1,6 +1,7 @@
 //! Every GPU test of the root crate (feature `cuda`): communication kinds, the examples and
 //! the CPU backend's programs on GPUs, determinism, errors, the fault matrix, multi-process
-//! runs (NCCL, and the copy engine and NVLink MoE over CUDA IPC), and the embedding API on the
+//! runs (NCCL, and the copy engine and NVLink MoE over CUDA IPC), MoE dispatch outputs written in
+//! place, and the embedding API on the
 //! caller's CUDA resources. On a machine without enough
 //! GPUs each test prints why it skipped. Run with `--test-threads 1` (the fault and
 //! determinism tests read process-wide probes).
@@ -16,6 +17,7 @@ mod errors;
 mod examples;
 mod faults;
 mod ipc;
+mod moe_outputs;
 mod multiprocess;
 mod programs;
 mod shape_ops;

@@ -7,6 +7,7 @@
 //! Output buffers are poisoned (NaN / INT_POISON) before every run, so padding that is not
 //! written shows up.
 
+use crate::support::moe::{routing_ids, PoisonedMoe, Route};
 use crate::support::runtime as common;
 
 use std::collections::BTreeMap;
@@ -263,45 +264,6 @@ fn moe_texts(
     (l1, host)
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Route {
-    /// `k` distinct uniform experts per token.
-    Uniform,
-    /// Rank 0 routes only to the last rank's experts; nobody routes to rank 1's experts (so
-    /// rank 1 receives nothing) when there are enough other experts.
-    Ragged,
-}
-
-fn routing_ids(d: i64, t: i64, e: i64, k: i64, route: Route, rng: &mut u64) -> Vec<i64> {
-    let mut next = |n: i64| {
-        *rng ^= *rng << 13;
-        *rng ^= *rng >> 7;
-        *rng ^= *rng << 17;
-        (*rng % n as u64) as i64
-    };
-    let experts = e * d;
-    let mut ids = Vec::new();
-    for r in 0..d {
-        let allowed: Vec<i64> = match route {
-            Route::Ragged if r == 0 && k <= e => ((d - 1) * e..d * e).collect(),
-            Route::Ragged if d >= 3 && experts - e >= k => {
-                (0..experts).filter(|x| x / e != 1).collect()
-            }
-            _ => (0..experts).collect(),
-        };
-        for _ in 0..t {
-            let start = ids.len();
-            while (ids.len() - start) < k as usize {
-                let x = allowed[next(allowed.len() as i64) as usize];
-                if !ids[start..].contains(&x) {
-                    ids.push(x);
-                }
-            }
-        }
-    }
-    ids
-}
-
 /// Runs one configuration on sim ranks and compares the dispatch's outputs with the reference
 /// bit for bit and `y` within tolerance; returns the expert counts (to check raggedness).
 fn bit_exact(d: i64, k: i64, dt: DType, wire: &str, route: Route, seed: u64) -> Vec<i64> {
@@ -433,4 +395,73 @@ fn combine_sums_per_rank_partials_in_rank_order() {
     assert_eq!(want[0], 1.0, "the reference follows the same order");
     // Token 0 of rank 1: experts 0, 1 (rank 0: 1 + 0.5) and 2 (rank 1: 1e8).
     assert_eq!(y[1], 1.5f32 + 1e8f32);
+}
+
+/// The dispatch writes outputs poisoned beforehand, packed and as a strided view (the second
+/// half of a wider tensor), bf16 and FP8, top-k 1, 2 and 8, uniform and ragged routing: both
+/// layouts give the same rows, counts and `y`; padding is zero on the CPU backend. (The same
+/// programs run on GPUs in `tests/gpu/moe_outputs.rs`, compared with this backend.)
+#[test]
+fn dispatch_into_poisoned_packed_and_strided_outputs_on_sim_ranks() {
+    let seed = fresh_seed();
+    eprintln!("seed {seed} (set MESHFLOW_MOE_SEED to replay)");
+    for d in [1i64, 2, 3, 4] {
+        for k in [1i64, 2, 8] {
+            for (wire, h) in [("", 32), (", wire=f8e4m3, scale=block128", 128)] {
+                for route in [Route::Uniform, Route::Ragged] {
+                    let base = PoisonedMoe {
+                        d,
+                        t: 5,
+                        e: (8 + d - 1) / d,
+                        k,
+                        h,
+                        f: 16,
+                        dtype: DType::BF16,
+                        wire,
+                        strided: false,
+                    };
+                    let label = format!("d={d} k={k} wire='{wire}' {route:?}");
+                    let mut rng = seed | 1;
+                    let ids = routing_ids(d, base.t, base.e, k, route, &mut rng);
+                    let runs: Vec<_> = [false, true]
+                        .into_iter()
+                        .map(|strided| {
+                            let case = PoisonedMoe { strided, ..base };
+                            let out = run_cpu(
+                                &case.host(),
+                                RunInputs::PerRank(case.inputs(&ids, seed)),
+                                &options(),
+                            )
+                            .unwrap_or_else(|e| panic!("{label} strided={strided}: {e}"));
+                            (case, out.outputs)
+                        })
+                        .collect();
+                    for r in 0..d as usize {
+                        let (packed, strided) = (&runs[0], &runs[1]);
+                        let (p, s) = (&packed.1[&r], &strided.1[&r]);
+                        assert_eq!(
+                            packed.0.expert_rows(p),
+                            strided.0.expert_rows(s),
+                            "{label} rank {r}: rows differ"
+                        );
+                        assert!(p["y"].bit_eq(&s["y"]), "{label} rank {r}: y differs");
+                        let y = p["y"].storage().to_f32_vec();
+                        assert!(y.iter().all(|v| v.is_finite()), "{label}: poison in y");
+                        // The CPU backend zeroes the padding.
+                        let counts = p["expert_counts"].storage().to_i64_vec();
+                        let (c, hh) = (base.cap() as usize, h as usize);
+                        for (x, &n) in counts.iter().enumerate() {
+                            for j in n as usize..c {
+                                let at = (x * c + j) * hh;
+                                assert!(
+                                    (0..hh).all(|q| p["ex_out"].storage().bits(at + q) == Some(0)),
+                                    "{label} rank {r}: padding row {j} of expert {x} is not zero"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

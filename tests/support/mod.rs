@@ -8,6 +8,8 @@
 //! - [`corpus`]: the mutation corpus (`tests/data/mutations`).
 //! - [`embed`]: running every rank of an embedded job on threads, a fused kernel.
 //! - [`faults`]: the timeouts and checks of the CPU fault tests.
+//! - [`moe`]: MoE layers whose dispatch outputs are poisoned first, routing, expert rows as
+//!   multisets.
 //! - [`hardening`]: process probes (threads, descriptors, memory) and the lock that serializes
 //!   the tests that read them.
 //! - [`passes`]: the file-driven pass tests (`tests/data/passes`, `MESHFLOW_BLESS=1`).
@@ -22,6 +24,7 @@ pub mod faults;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod hardening;
+pub mod moe;
 pub mod passes;
 pub mod programs;
 pub mod runtime;

@@ -1,6 +1,7 @@
 //! The measuring tools on 2 GPUs, as smoke tests (no timed assertions): `meshflow calibrate`'s
 //! measurement writes a profile the schedule search reads, and the evaluator path of `bench
-//! moe` runs the lowered `moe_layer` program's dispatch and combine over both transports.
+//! moe` runs the lowered `moe_layer` program's dispatch and combine over both transports, plain
+//! and as CUDA graph replays.
 #![cfg(feature = "cuda")]
 
 use crate::support::gpu::skip_unless;
@@ -58,16 +59,25 @@ fn the_moe_evaluator_path_runs_over_both_transports() {
             warmup: 1,
             ..MoeCase::deepseek(64)
         };
-        for t in [Transport::Nvlink, Transport::Nccl] {
-            let r = measure_moe_evaluator(2, &case, t, 2).unwrap();
+        for (t, graph) in [
+            (Transport::Nvlink, false),
+            (Transport::Nvlink, true),
+            (Transport::Nccl, false),
+            (Transport::Nccl, true),
+        ] {
+            let r = measure_moe_evaluator(2, &case, t, 2, graph).unwrap();
             assert!(r.dispatch_us.is_finite() && r.dispatch_us > 0.0, "{r:?}");
             assert!(r.combine_us.is_finite(), "{r:?}");
             assert!(r.traffic.max_bytes().0 > 0, "{r:?}");
+            assert_eq!(r.graph, graph);
             eprintln!(
-                "{t} {}: dispatch {:.1} us, combine {:.1} us",
+                "{} {}: dispatch {:.1} us ({:.1} GB/s), combine {:.1} us ({:.1} GB/s)",
+                r.label(),
                 wire.name(),
                 r.dispatch_us,
-                r.combine_us
+                r.dispatch_gbps(),
+                r.combine_us,
+                r.combine_gbps()
             );
         }
     }

@@ -13,7 +13,8 @@
 //!   `expert_x[L, C, H]` and `routing[L, C, 2]` (i32: team-global token `src_rank * T + t`,
 //!   and `k`). The row order inside an expert is unspecified (atomics); counts and the row
 //!   multiset are exact. Rows past a count are padding (zeroed only on request,
-//!   [`DispatchRequest::zero_padding`]). `C` (the capacity) is a host-known upper bound: rows
+//!   [`DispatchRequest::zero_padding`]). The outputs are the engine's own buffers, or the
+//!   caller's ([`DispatchRequest::outputs`], written in place: no copy). `C` (the capacity) is a host-known upper bound: rows
 //!   past it are dropped and [`MoeStatus::overflow`] is raised, never a memory corruption.
 //!   With [`MoeWire::Fp8E4m3`] the payload is E4M3 codes plus f32 scales (per token or per 128
 //!   channels, [`crate::fp8`]), dequantized into `expert_x` on arrival.
@@ -82,7 +83,7 @@ pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]
 pub use nvlink::NvlinkMoe;
 #[cfg(feature = "cuda")]
-pub use transport::{CombineRequest, DispatchRequest, MoeTransport};
+pub use transport::{CombineRequest, DispatchOutputs, DispatchRequest, MoeTransport};
 
 use crate::dtype::DType;
 use crate::error::{KernelError, Result};

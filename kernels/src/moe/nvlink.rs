@@ -355,18 +355,20 @@ impl MoeTransport for NvlinkMoe {
             stream,
             |c| {
                 c.weights_at_dispatch = req.weights.is_some();
+                c.set_outputs(req);
                 c.zero_padding = req.zero_padding;
                 let inp = SendInputs {
                     x: req.x,
                     topk_idx: req.topk_idx,
                     weights: req.weights,
                 };
+                let to = c.targets();
                 let st = SendState {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
                     status: &c.status,
-                    expert_x: &c.expert_x,
-                    routing: &c.routing,
+                    expert_x: to.expert_x,
+                    routing: to.routing,
                     fan: &c.fan,
                     ecnt: &c.ecnt,
                 };
@@ -423,12 +425,13 @@ impl MoeTransport for NvlinkMoe {
                     other_cnt: &counts,
                     cnt_stride: 4,
                 };
+                let to = c.targets();
                 let out = RecvOutputs {
-                    expert_x: &c.expert_x,
-                    routing: &c.routing,
+                    expert_x: to.expert_x,
+                    routing: to.routing,
                     fan: &c.fan,
                     ecnt: &c.ecnt,
-                    counts: &c.counts,
+                    counts: to.counts,
                     status: &c.status,
                     done: &done,
                 };

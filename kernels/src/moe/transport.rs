@@ -20,9 +20,33 @@ pub struct DispatchRequest<'a> {
     /// Combine weights `[T, K]` (f32), sent with the rows; then the combine takes none. Every
     /// rank of a step gives them at the same phase.
     pub weights: Option<&'a DeviceBuffer>,
-    /// Zero the padding rows of `expert_x` and `routing` (rows past each count). Costs a pass
-    /// over the rows that held data in the last step; without it their content is unspecified.
+    /// Zero the padding rows of `expert_x` and `routing` (rows past each count); without it
+    /// their content is unspecified. In the engine's own outputs this costs a pass over the
+    /// rows that held data in the last step (the engine knows the rest are still zero); in
+    /// caller-given [`outputs`](Self::outputs) it zeroes every padding row.
     pub zero_padding: bool,
+    /// Where the dispatch writes `expert_x`, `expert_counts` and `routing`: `None` (the
+    /// default), the engine's own buffers ([`MoeTransport::expert_x`] and its siblings);
+    /// `Some`, the caller's (no copy out of the engine's). See [`DispatchOutputs`].
+    pub outputs: Option<DispatchOutputs<'a>>,
+}
+
+/// Caller-given device buffers a dispatch writes its outputs into, in place of the engine's
+/// own (which then keep what they held). Each must be on the engine's device, exactly the
+/// shape's size, and must not overlap the inputs or each other. The combine never reads them
+/// (the engine keeps where every row came from), so the caller may reuse them as soon as its
+/// expert computation has read them. Padding rows (past each count) are left as they were
+/// unless [`DispatchRequest::zero_padding`] is set: the dispatch writes exactly the valid rows
+/// and the counts.
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchOutputs<'a> {
+    /// `expert_x[L, C, H]` of the shape's dtype; 16-byte aligned with FP8 dispatch (rows are
+    /// dequantized into it in 16-byte vectors).
+    pub expert_x: &'a DeviceBuffer,
+    /// `expert_counts[L]` (i32).
+    pub expert_counts: &'a DeviceBuffer,
+    /// `routing[L, C, 2]` (i32, 8-byte aligned: one pair per row is stored at once).
+    pub routing: &'a DeviceBuffer,
 }
 
 /// The inputs of a combine.
@@ -61,19 +85,22 @@ pub trait MoeTransport: Send {
     /// Starts a dispatch. The inputs may be reused once the stream has passed this call.
     fn dispatch_send(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()>;
 
-    /// Finishes the dispatch: after it (in stream order) [`expert_x`](Self::expert_x),
-    /// [`expert_counts`](Self::expert_counts) and [`routing`](Self::routing) hold this rank's
+    /// Finishes the dispatch: after it (in stream order) the request's
+    /// [`outputs`](DispatchRequest::outputs), or else [`expert_x`](Self::expert_x),
+    /// [`expert_counts`](Self::expert_counts) and [`routing`](Self::routing), hold this rank's
     /// rows. Waits on the device (not the host) for the peers' rows.
     fn dispatch_recv(&mut self, stream: &Stream) -> Result<()>;
 
-    /// `expert_x[L, C, H]` written by the last dispatch (owned by the transport; rewritten by
-    /// the next dispatch).
+    /// The engine's own `expert_x[L, C, H]`: written by the last dispatch that was given no
+    /// [`outputs`](DispatchRequest::outputs) (owned by the transport; rewritten by the next
+    /// such dispatch).
     fn expert_x(&self) -> &DeviceBuffer;
 
-    /// `expert_counts[L]` (i32) written by the last dispatch.
+    /// The engine's own `expert_counts[L]` (i32), as [`expert_x`](Self::expert_x).
     fn expert_counts(&self) -> &DeviceBuffer;
 
-    /// `routing[L, C, 2]` (i32: team-global token, k) written by the last dispatch.
+    /// The engine's own `routing[L, C, 2]` (i32: team-global token, k), as
+    /// [`expert_x`](Self::expert_x).
     fn routing(&self) -> &DeviceBuffer;
 
     /// Starts a combine of the last dispatch's rows.
@@ -110,8 +137,8 @@ pub trait MoeTransport: Send {
         self.combine_recv(stream, out)
     }
 
-    /// A whole dispatch without weights, padding zeroed (the weights come with
-    /// [`combine`](Self::combine)).
+    /// A whole dispatch without weights into the engine's own outputs, padding zeroed (the
+    /// weights come with [`combine`](Self::combine)).
     fn dispatch(
         &mut self,
         stream: &Stream,
@@ -125,6 +152,7 @@ pub trait MoeTransport: Send {
                 topk_idx,
                 weights: None,
                 zero_padding: true,
+                outputs: None,
             },
         )
     }
@@ -211,8 +239,25 @@ pub(crate) struct Core {
     /// `[L]` i32: the counts of the last padding-zeroing dispatch.
     pub prev_counts: DeviceBuffer,
     /// Whether every row at or past `prev_counts` is zero (then zeroing the padding only
-    /// touches the rows `[counts, prev_counts)`).
+    /// touches the rows `[counts, prev_counts)`). About the engine's own outputs only.
     pub padding_clean: bool,
+    /// The caller's outputs of the current step's dispatch (held from `dispatch_send` to the
+    /// end of `dispatch_recv`); `None`: the engine's own.
+    caller_outputs: Option<CallerOutputs>,
+}
+
+/// Caller-given dispatch outputs, held between the two halves of a dispatch.
+struct CallerOutputs {
+    expert_x: DeviceBuffer,
+    counts: DeviceBuffer,
+    routing: DeviceBuffer,
+}
+
+/// Where the current step's dispatch writes (the caller's buffers or the engine's own).
+pub(crate) struct Targets<'a> {
+    pub expert_x: &'a DeviceBuffer,
+    pub counts: &'a DeviceBuffer,
+    pub routing: &'a DeviceBuffer,
 }
 
 impl Core {
@@ -257,6 +302,7 @@ impl Core {
             cnt: zeroed(w * 4)?,
             prev_counts: zeroed(l * 4)?,
             padding_clean: true,
+            caller_outputs: None,
         };
         stream.synchronize()?;
         Ok(core)
@@ -324,7 +370,90 @@ impl Core {
         if let Some(w) = req.weights {
             self.expect_buffer(w, s.tokens * s.top_k * 4, "dispatch input weights")?;
         }
+        if let Some(o) = &req.outputs {
+            self.check_outputs(req, o)?;
+        }
         Ok(())
+    }
+
+    /// Checks caller-given dispatch outputs: device, sizes, alignment, no overlaps.
+    fn check_outputs(&self, req: &DispatchRequest<'_>, o: &DispatchOutputs<'_>) -> Result<()> {
+        let s = &self.shape;
+        let rows = s.local_experts() * s.capacity;
+        self.expect_buffer(
+            o.expert_x,
+            rows * s.x_row_bytes(),
+            "dispatch output expert_x",
+        )?;
+        self.expect_buffer(
+            o.expert_counts,
+            s.local_experts() * 4,
+            "dispatch output expert_counts",
+        )?;
+        self.expect_buffer(o.routing, rows * 8, "dispatch output routing")?;
+        let align = |b: &DeviceBuffer, a: usize, what: &str, why: &str| {
+            if b.is_aligned(a) {
+                Ok(())
+            } else {
+                Err(KernelError::InvalidArgument(format!(
+                    "MoE dispatch output {what} at {:#x} is not {a}-byte aligned ({why})",
+                    b.addr()
+                )))
+            }
+        };
+        if self.wire != MoeWire::Native {
+            align(
+                o.expert_x,
+                16,
+                "expert_x",
+                "FP8 rows are dequantized into it in 16-byte vectors",
+            )?;
+        }
+        align(o.expert_x, s.dtype.size_bytes(), "expert_x", "its elements")?;
+        align(o.expert_counts, 4, "expert_counts", "its elements")?;
+        align(o.routing, 8, "routing", "a row's pair is stored at once")?;
+        let named = [
+            (o.expert_x, "expert_x"),
+            (o.expert_counts, "expert_counts"),
+            (o.routing, "routing"),
+            (req.x, "input x"),
+            (req.topk_idx, "input topk_idx"),
+        ];
+        for (i, (a, an)) in named.iter().enumerate().take(3) {
+            for (b, bn) in &named[i + 1..] {
+                if overlap(a, b) {
+                    return Err(KernelError::InvalidArgument(format!(
+                        "MoE dispatch output {an} overlaps {bn}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the current step's outputs from the request (before the dispatch's first kernel).
+    pub fn set_outputs(&mut self, req: &DispatchRequest<'_>) {
+        self.caller_outputs = req.outputs.map(|o| CallerOutputs {
+            expert_x: o.expert_x.clone(),
+            counts: o.expert_counts.clone(),
+            routing: o.routing.clone(),
+        });
+    }
+
+    /// Where the current step's dispatch writes.
+    pub fn targets(&self) -> Targets<'_> {
+        match &self.caller_outputs {
+            Some(o) => Targets {
+                expert_x: &o.expert_x,
+                counts: &o.counts,
+                routing: &o.routing,
+            },
+            None => Targets {
+                expert_x: &self.expert_x,
+                counts: &self.counts,
+                routing: &self.routing,
+            },
+        }
     }
 
     /// Checks a combine request against the step's dispatch.
@@ -375,9 +504,27 @@ impl Core {
     }
 
     /// After the fan-out of a dispatch: zero the padding if asked (keeping the bookkeeping of
-    /// which rows may hold stale data).
+    /// which rows of the engine's own outputs may hold stale data), and let go of the
+    /// caller's outputs. Caller outputs get every padding row zeroed (nothing is known about
+    /// them); the engine's own outputs only the rows that held data since they were last
+    /// clean.
     pub fn finish_padding(&mut self, stream: &Stream, zero: bool) -> Result<()> {
         use super::kernel_calls;
+        if let Some(o) = self.caller_outputs.take() {
+            if !zero {
+                return Ok(());
+            }
+            let out = kernel_calls::RecvOutputs {
+                expert_x: &o.expert_x,
+                routing: &o.routing,
+                fan: &self.fan,
+                ecnt: &self.ecnt,
+                counts: &o.counts,
+                status: &self.status,
+                done: &self.status,
+            };
+            return kernel_calls::zero_padding(&self.kernels, stream, &self.shape, &out, None);
+        }
         if !zero {
             self.padding_clean = false;
             return Ok(());
@@ -397,6 +544,13 @@ impl Core {
         self.padding_clean = true;
         Ok(())
     }
+}
+
+/// Whether two buffers share a byte (both on one device).
+fn overlap(a: &DeviceBuffer, b: &DeviceBuffer) -> bool {
+    let (a0, b0) = (a.addr(), b.addr());
+    let (a1, b1) = (a0 + a.len() as u64, b0 + b.len() as u64);
+    !a.is_empty() && !b.is_empty() && a0 < b1 && b0 < a1
 }
 
 /// A `[n]` u32 zeroed device buffer.

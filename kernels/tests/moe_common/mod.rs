@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
 use meshflow_kernels::moe::{
-    reference_combine, reference_dispatch, round_to, CombineRequest, DispatchRequest, MoeShape,
-    MoeStatus, MoeTraffic, MoeTransport,
+    reference_combine, reference_dispatch, round_to, CombineRequest, DispatchOutputs,
+    DispatchRequest, MoeShape, MoeStatus, MoeTraffic, MoeTransport,
 };
 use meshflow_kernels::{DType, Device, DeviceBuffer, KernelError, Stream};
 
@@ -247,6 +247,11 @@ pub struct RankBufs {
     pub w: DeviceBuffer,
     pub y: DeviceBuffer,
     pub out: DeviceBuffer,
+    /// Caller-given dispatch outputs (`expert_x`, `expert_counts`, `routing`), each a view
+    /// 256 bytes into its allocation, as a runtime's arena would hand out.
+    pub ex: DeviceBuffer,
+    pub counts: DeviceBuffer,
+    pub routing: DeviceBuffer,
 }
 
 impl RankBufs {
@@ -259,12 +264,17 @@ impl RankBufs {
             s.local_experts() * s.capacity * s.y_row_bytes(),
             s.tokens * s.y_row_bytes(),
         );
+        let rows = s.local_experts() * s.capacity;
+        let inner = |bytes: usize| a(bytes + 256).view(256, bytes).unwrap();
         RankBufs {
             x: v(a(tx), tx),
             idx: v(a(tk), tk),
             w: v(a(tk), tk),
             y: v(a(y), y),
             out: v(a(o), o),
+            ex: inner(rows * s.x_row_bytes()),
+            counts: inner(s.local_experts() * 4),
+            routing: inner(rows * 8),
         }
     }
 }
@@ -275,19 +285,25 @@ pub fn poison(stream: &Stream, dtype: DType, b: &DeviceBuffer) {
     }
 }
 
-/// How one step runs: where the weights go and whether padding is zeroed.
+/// How one step runs: where the weights go, whether padding is zeroed, and whether the
+/// dispatch writes into caller-given outputs ([`RankBufs::ex`] and its siblings).
 #[derive(Clone, Copy, Debug)]
 pub struct StepMode {
     pub weights_at_dispatch: bool,
     pub zero_padding: bool,
+    pub caller_outputs: bool,
 }
 
 impl StepMode {
-    /// The modes of step `i`: every combination within four steps.
+    /// The modes of step `i`: the weights/padding combinations every four steps; steps 2 to 5
+    /// (of every 8) write into caller-given outputs (all four combinations), between steps
+    /// into the engine's own that zero the padding (1 and 6: the engine's bookkeeping of its
+    /// own padding must survive the steps in between).
     pub fn of_step(i: usize) -> StepMode {
         StepMode {
             weights_at_dispatch: i.is_multiple_of(2),
             zero_padding: i % 4 == 1 || i % 4 == 2,
+            caller_outputs: (2..=5).contains(&(i % 8)),
         }
     }
 }
@@ -312,10 +328,15 @@ pub fn rank_step(
         s.out_hidden,
     );
     let mut errs = Vec::new();
-    // Poison this rank's outputs (peers never write them). The padding of expert_x / routing
-    // belongs to the transport when it zeroes it, so it is poisoned only in the other steps.
+    // Poison this rank's outputs (peers never write them). The padding of the engine's own
+    // expert_x / routing belongs to the transport when it zeroes it, so it is poisoned only in
+    // the other steps; caller-given outputs are poisoned whole (NaN / INT_POISON).
     team.sync()?;
-    if !mode.zero_padding {
+    if mode.caller_outputs {
+        poison(stream, s.dtype, &bufs.ex);
+        poison(stream, DType::I32, &bufs.routing);
+        poison(stream, DType::I32, &bufs.counts);
+    } else if !mode.zero_padding {
         poison(stream, s.dtype, t.expert_x());
         poison(stream, DType::I32, t.routing());
     }
@@ -325,6 +346,7 @@ pub fn rank_step(
     bufs.idx.upload(stream, &inp.idx[r]).unwrap();
     bufs.w.upload(stream, &inp.w[r]).unwrap();
     stream.synchronize().map_err(|e| e.to_string())?;
+    let own_counts_before = t.expert_counts().to_vec::<i32>(stream).unwrap();
     team.sync()?;
 
     let req = DispatchRequest {
@@ -332,14 +354,35 @@ pub fn rank_step(
         topk_idx: &bufs.idx,
         weights: mode.weights_at_dispatch.then_some(&bufs.w),
         zero_padding: mode.zero_padding,
+        outputs: mode.caller_outputs.then_some(DispatchOutputs {
+            expert_x: &bufs.ex,
+            expert_counts: &bufs.counts,
+            routing: &bufs.routing,
+        }),
     };
     t.dispatch_send(stream, &req)
         .map_err(|e| format!("dispatch_send: {e}"))?;
     t.dispatch_recv(stream)
         .map_err(|e| format!("dispatch_recv: {e}"))?;
-    let counts = t.expert_counts().to_vec::<i32>(stream).unwrap();
-    let ex = download_floats(stream, t.expert_x(), s.dtype);
-    let routing = t.routing().to_vec::<i32>(stream).unwrap();
+    let (ex_buf, counts_buf, routing_buf) = if mode.caller_outputs {
+        (&bufs.ex, &bufs.counts, &bufs.routing)
+    } else {
+        (t.expert_x(), t.expert_counts(), t.routing())
+    };
+    let counts = counts_buf.to_vec::<i32>(stream).unwrap();
+    let ex = download_floats(stream, ex_buf, s.dtype);
+    let routing = routing_buf.to_vec::<i32>(stream).unwrap();
+    if mode.caller_outputs {
+        // The engine's own outputs are left alone; the combine must not read the caller's.
+        if t.expert_counts().to_vec::<i32>(stream).unwrap() != own_counts_before {
+            errs.push(format!(
+                "rank {r}: a dispatch into caller outputs wrote the engine's own counts"
+            ));
+        }
+        poison(stream, s.dtype, &bufs.ex);
+        poison(stream, DType::I32, &bufs.routing);
+        poison(stream, DType::I32, &bufs.counts);
+    }
 
     // The rows received from each source are the deduplicated traffic.
     let traffic = MoeTraffic::from_routing(&s, wire, &inp.idx).unwrap();

@@ -154,8 +154,8 @@ impl CudaBackend {
 
     /// Device time of the last finished run in µs, from an event at its start (its first
     /// instruction that reaches the device, after the inputs are uploaded and, with
-    /// [`set_start_barrier`](Self::set_start_barrier), after every rank got there) to one after
-    /// all its streams were done.
+    /// [`set_start_barrier`](Self::set_start_barrier), after every rank got there; in a run
+    /// recorded as a CUDA graph, the first replay) to one after all its streams were done.
     pub fn last_run_us(&self) -> Option<f64> {
         self.core.timeline.last_run_us
     }

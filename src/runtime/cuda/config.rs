@@ -57,7 +57,9 @@ pub struct CudaConfig {
     /// Record one step as a CUDA graph per run and replay it `steps` times (see
     /// [`Evaluator::set_graph`](crate::runtime::Evaluator::set_graph)). Programs whose
     /// transports need the host during a step (copy engine, host proxy) are refused with the
-    /// reason; MoE over NVLink replays (its step number lives on the device).
+    /// reason; MoE over NVLink replays (its step number lives on the device). The run's device
+    /// time ([`CudaBackend::last_run_us`](super::CudaBackend::last_run_us)) is then that of
+    /// the replays; profiling intervals are not recorded.
     pub graph: bool,
     /// Split the ranks of a launch into nodes of this many consecutive ranks: collective
     /// permutes and MoE dispatch/combine between ranks of different nodes go through the

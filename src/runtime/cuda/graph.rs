@@ -65,6 +65,11 @@ impl GraphRecorder {
             return self.end_run(core);
         }
         let exec = made.map_err(|e| dev_err(core.rank, "cuStreamEndCapture", e))?;
+        // The run's device time is that of the replays (the steps), not of the host's
+        // recording and instantiation, during which the device idles.
+        core.timeline
+            .restart(&core.streams[0])
+            .map_err(core.err("cuEventRecord"))?;
         for _ in 0..replays {
             exec.replay(&core.streams[0])
                 .map_err(|e| dev_err(core.rank, "cuGraphLaunch", e))?;

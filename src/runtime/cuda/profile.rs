@@ -132,6 +132,16 @@ impl Timeline {
         Ok(())
     }
 
+    /// Restarts the run clock on `main` (nothing timed may be pending): a run recorded as a
+    /// CUDA graph times its replays only, not the recording and instantiation on the host.
+    pub(super) fn restart(&mut self, main: &Stream) -> Result<(), KernelError> {
+        if !self.pending.is_empty() {
+            return Ok(());
+        }
+        self.start = None;
+        self.ensure_started(main)
+    }
+
     /// Opens an interval on `stream` (profiling mode only; `None` otherwise).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn open(

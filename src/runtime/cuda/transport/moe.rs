@@ -4,15 +4,19 @@
 //! steps and runs; the engine source ([`EngineSource`]) says how engines are made and
 //! released.
 //!
-//! The engine owns its outputs; after a dispatch they are copied (on the stream) into the
-//! program's `expert_x`, `expert_counts` and `routing`. The engine is sized at the dispatch,
+//! A dispatch writes the program's `expert_x`, `expert_counts` and `routing` in place (the
+//! engine's [`DispatchOutputs`]; no copy out of the engine's own buffers): a view that is
+//! strided, shares a buffer with an input, or breaks the kernels' alignment (16 bytes for
+//! FP8 dispatch's `expert_x`, 8 for `routing`) is written through a temporary instead. Padding
+//! rows (past each count) are left as they were: unspecified, as `meshflow_ir::moe` allows
+//! GPU transports (the combine never reads them). The engine is sized at the dispatch,
 //! before the expert width `F` of the combine is known: it is made with `F = H`, and a combine
 //! with `F < H` runs on zero-padded rows (`F > H` is refused with an error saying so). Leading
 //! batch axes (`[B.., T, H]`) are not supported on GPUs yet. Capacity overflows and bad
 //! routing raised on the device are reported when the run finishes.
 
 use meshflow_ir::{DType, DeviceId};
-use meshflow_kernels::moe::{MoeShape, MoeTransport, MoeWire};
+use meshflow_kernels::moe::{DispatchOutputs, DispatchRequest, MoeShape, MoeTransport, MoeWire};
 use meshflow_kernels::{DType as KDType, DeviceBuffer, KernelError, StridedLayout};
 use meshflow_passes::Transport;
 
@@ -21,6 +25,7 @@ use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, Tens
 use crate::runtime::cuda::core::{dev_err, DeviceCore};
 use crate::runtime::cuda::layout::{kdtype, kwire};
 use crate::runtime::cuda::memory::CudaBuffer;
+use crate::runtime::cuda::operands::OutSlot;
 
 type TV = TensorView<CudaBuffer>;
 
@@ -161,20 +166,35 @@ impl<S: EngineSource> MoeTeams<S> {
             xb = staged;
         }
         let ib = core.input_region(topk_idx)?;
+        // The engine writes the outputs in place: their own bytes when the views are packed,
+        // apart from the inputs and aligned as the kernels store (else a temporary, copied
+        // into the view after).
+        let x_align = if wire == MoeWire::Native { 1 } else { 16 };
+        let targets = [
+            OutTarget::new(core, expert_x, &[x, topk_idx], x_align)?,
+            OutTarget::new(core, expert_counts, &[x, topk_idx], 4)?,
+            OutTarget::new(core, routing, &[x, topk_idx], 8)?,
+        ];
         let s = core.stream().clone();
         let e = core.err(WHAT);
-        let engine = S::engine(&mut self.engines[i].engine);
-        engine.dispatch(&s, &xb, &ib).map_err(&e)?;
-        let outs = [
-            engine.expert_x().clone(),
-            engine.expert_counts().clone(),
-            engine.routing().clone(),
-        ];
+        let [tx, tc, tr] = &targets;
+        let req = DispatchRequest {
+            x: &xb,
+            topk_idx: &ib,
+            weights: None,
+            zero_padding: false,
+            outputs: Some(DispatchOutputs {
+                expert_x: tx.buf(),
+                expert_counts: tc.buf(),
+                routing: tr.buf(),
+            }),
+        };
+        S::engine(&mut self.engines[i].engine)
+            .dispatch_with(&s, &req)
+            .map_err(&e)?;
         self.last = Some(i);
-        for (src, dst) in outs.iter().zip([expert_x, expert_counts, routing]) {
-            let slot = core.output_slot(dst, &[])?;
-            slot.buf.copy_from(&s, src).map_err(&e)?;
-            core.finish_output(slot)?;
+        for t in targets {
+            t.finish(core, WHAT)?;
         }
         Ok(())
     }
@@ -395,6 +415,47 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
             S::release(held.engine, healthy);
         }
         self.last = None;
+    }
+}
+
+/// Where a dispatch writes one output: the view's slot ([`DeviceCore::output_slot`]), or an
+/// aligned temporary when the slot's address breaks the kernels' alignment, copied into the
+/// slot after the dispatch.
+struct OutTarget {
+    slot: OutSlot,
+    staged: Option<DeviceBuffer>,
+}
+
+impl OutTarget {
+    fn new(
+        core: &mut DeviceCore,
+        v: &TV,
+        avoid: &[&TV],
+        align: usize,
+    ) -> Result<OutTarget, BackendError> {
+        let slot = core.output_slot(v, avoid)?;
+        let staged = if slot.buf.is_aligned(align) {
+            None
+        } else {
+            Some(core.temp(slot.buf.len())?)
+        };
+        Ok(OutTarget { slot, staged })
+    }
+
+    /// The bytes the engine writes.
+    fn buf(&self) -> &DeviceBuffer {
+        self.staged.as_ref().unwrap_or(&self.slot.buf)
+    }
+
+    /// After the dispatch: the staged bytes into the slot, the slot into the view.
+    fn finish(self, core: &mut DeviceCore, what: &str) -> Result<(), BackendError> {
+        if let Some(t) = &self.staged {
+            self.slot
+                .buf
+                .copy_from(core.stream(), t)
+                .map_err(core.err(&format!("{what} (aligning an output)")))?;
+        }
+        core.finish_output(self.slot)
     }
 }
 
