@@ -21,6 +21,8 @@
 //   rank: receive rows [W][T], counts [W], flags) and raise release flags carrying the step number
 //   (epoch, kept on the device in `state[0]` so steps replay in CUDA graphs); receivers acquire.
 //   One kernel per phase; the combine's late weights (when not given at dispatch) take one more.
+//   The fused NVLink kernels (moe_fused.cu, appended to this file; the default) instead run
+//   one kernel per phase with fixed slots and per-chunk flags, receivers overlapping senders.
 //
 // The row kernels (dispatch send and receive, combine send) give each row to a whole block
 // (ROW_THREADS threads, a grid-stride loop over rows): one warp routes the row (atomics,
@@ -528,11 +530,16 @@ struct OwnFanOut {
 // this rank's own row gets none: the block fans the token out to the local experts itself
 // (expert_x, routing, fan[(rank * T + pos) * K + k], as a receiver would), reading the token
 // once for all of them. Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
-template <typename T, typename RowAt>
-__device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
-                               i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
-                               i64 rank, i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
-                               i32* cnt, i32* sent_pos, unsigned* status, const OwnFanOut& own) {
+//
+// FIXED (the fused NVLink kernels, moe_fused.cu): the position of token t is t itself (cnt[r]
+// only counts the rows), and every destination the token does not go to gets the token field
+// -1 in its row t, so that a receiver can tell an empty slot from a stale one.
+template <typename T, bool FIXED, typename RowAt>
+__device__ void route_and_send_token(i64 t, RowAt row_at, const T* x, const i32* topk_idx,
+                                     const float* weights, i64 tokens, i64 top_k, i64 experts,
+                                     i64 local_experts, i64 world, i64 rank, i64 hidden,
+                                     unsigned wire, i64 scale_off, i64 meta_off, i32* cnt,
+                                     i32* sent_pos, unsigned* status, const OwnFanOut& own) {
     __shared__ RowTargets to;
     __shared__ char* meta_rows[32];
     // own_pos: this rank's position of the token (or -1), written by warp 0 in the chunk of
@@ -541,7 +548,7 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
     __shared__ int n_meta, own_pos;
     const int lane = lane_id();
     const i64 row_bytes = hidden * (i64)sizeof(T);
-    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+    {
         const i32* idx = topk_idx + t * top_k;
         const T* x_row = x + t * hidden;
         int p_own = -1;
@@ -567,8 +574,10 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
                 int pos = -1;
                 char* row = 0;
                 if (hit) {
-                    pos = atomicAdd(cnt + r, 1);
+                    pos = FIXED ? (atomicAdd(cnt + r, 1), (int)t) : atomicAdd(cnt + r, 1);
                     row = row_at(r, pos);
+                } else if (FIXED && r < world) {
+                    *(i32*)(row_at(r, t) + meta_off) = -1;
                 }
                 if (r < world) sent_pos[t * world + r] = pos;
                 const unsigned m = __ballot_sync(FULL_MASK, hit);
@@ -633,6 +642,17 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
             __syncthreads();
         }
     }
+}
+
+template <typename T, typename RowAt>
+__device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
+                               i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
+                               i64 rank, i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
+                               i32* cnt, i32* sent_pos, unsigned* status, const OwnFanOut& own) {
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x)
+        route_and_send_token<T, false>(t, row_at, x, topk_idx, weights, tokens, top_k, experts,
+                                       local_experts, world, rank, hidden, wire, scale_off,
+                                       meta_off, cnt, sent_pos, status, own);
 }
 
 struct BlockRowAt {
@@ -798,13 +818,15 @@ extern "C" __global__ void moe_zero_padding(char* expert_x, i64 row_bytes, i32* 
 // w_self (s == rank) / w_peers + s * T * K. Each warp of the block takes its own columns and
 // reads the row's fan and weights itself (lane l holds k = k0 + l), then gathers up to 4
 // expert rows per round of loads.
+template <typename T>
+__device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
+                           i64 width);
+
 template <typename T, typename DstAt>
 __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, const i32* fan,
                                 i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,
                                 i64 meta_off, bool late, const float* w_self,
                                 const float* w_peers, unsigned* status) {
-    const int VEC = 16 / (int)sizeof(T);
-    const int lane = lane_id();
     const i64 rank = src.rank;
     for (i64 item = blockIdx.x; item < world * tokens; item += gridDim.x) {
         const i64 s = item / tokens, j = item - s * tokens;
@@ -815,8 +837,18 @@ __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, co
         const char* w_at = late ? (const char*)((s == rank ? w_self : w_peers + s * tokens * top_k) +
                                                 t * top_k)
                                 : row + meta_off + 4 + 4 * top_k;
-        const i32* fan_row = fan + item * top_k;
-        T* dst = (T*)dst_at(s, j);
+        reduce_row<T>((T*)dst_at(s, j), fan + item * top_k, w_at, y, top_k, width);
+    }
+}
+
+// The block computes one partial row into dst: the body of reduce_partials for one received
+// row whose expert rows are fan_row[k] (or -1) and weights f32 at w_at.
+template <typename T>
+__device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
+                           i64 width) {
+    const int VEC = 16 / (int)sizeof(T);
+    const int lane = lane_id();
+    {
         const bool vec = (width % VEC) == 0 && aligned16(y) && aligned16(dst);
         if (vec) {
             const i64 nv = width / VEC, nt = blockDim.x;

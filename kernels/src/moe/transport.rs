@@ -103,7 +103,8 @@ pub trait MoeTransport: Send {
     /// [`expert_x`](Self::expert_x).
     fn routing(&self) -> &DeviceBuffer;
 
-    /// Starts a combine of the last dispatch's rows.
+    /// Starts a combine of the last dispatch's rows. `expert_y` must stay unchanged until
+    /// [`combine_recv`](Self::combine_recv) has been enqueued (an engine may read it there).
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()>;
 
     /// Finishes the combine: `out[T, F]` (the shape's dtype) receives every token's sum of
@@ -306,6 +307,11 @@ impl Core {
         };
         stream.synchronize()?;
         Ok(core)
+    }
+
+    /// Whether no step is in progress.
+    pub fn is_idle(&self) -> bool {
+        self.phase == Phase::Idle
     }
 
     /// Runs `op` (which enqueues the phase `from -> to`) after checking the order; a failure
