@@ -239,6 +239,7 @@ fn compute_op() -> impl Strategy<Value = ComputeOp> {
             ComputeOp::Copy,
             ComputeOp::Matmul,
             ComputeOp::Linear,
+            ComputeOp::LinearAccumulate,
             ComputeOp::Add,
             ComputeOp::Sub,
             ComputeOp::Mul,

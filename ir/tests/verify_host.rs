@@ -703,3 +703,26 @@ fn moe_dispatch_top_k_beyond_the_experts() {
         3,
     );
 }
+
+#[test]
+fn linear_accumulate_reads_its_output_and_checks_shapes_like_linear() {
+    // The accumulating linear reads its output: before the allocate it is a read.
+    let text = host(&["tensor w: f32[4, 4] on m0", "linear_accumulate(x, w -> t)"]);
+    expect_diag(
+        &host_errors(&text),
+        "tensor `t` is read by `linear_accumulate(x, w -> t)` before it is allocated",
+        9,
+        3,
+    );
+    let text = host(&[
+        "tensor w: f32[5, 3] on m0",
+        "allocate t",
+        "linear_accumulate(x, w -> t)",
+    ]);
+    expect_diag(
+        &host_errors(&text),
+        "`linear_accumulate`: contraction extents differ: `x` [8, 4] has K=4, `w` [5, 3] has K=3",
+        10,
+        3,
+    );
+}

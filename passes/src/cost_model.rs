@@ -12,6 +12,7 @@
 //! | producer + reduce-scatter | collective | `G + RS` |
 //! | | reduce, per iteration | `c + (d-1)·ov(c, r, κ₁) + r + d·λ` |
 //! | | ring forward, `p` pieces | `c + (d-1)·(ov(p·g, m, κ₂) + a + (p-1)·(σ·a + ℓ)) + d·λ` |
+//! | | ring forward accumulating in place, `p` pieces | `T + κ₂·(M − (T − Σg)) + d·λ` (simulated) |
 //!
 //! `G` is the whole compute op, `c` one chunk of it, `h` half a chunk, `g` one piece; `m`, `b`,
 //! `r`, `AG`, `RS` the transport's curves at the bytes one rank moves (`m½`: half a chunk); `cp`
@@ -20,7 +21,11 @@
 //! that slows it by `κ` of the transfer's time, `κ₁` when the GEMM was launched first (one
 //! worker stream per iteration), `κ₂` when the transfer was (prefetch, neighbour rings); `σ` the
 //! slowdown of a GEMM by an add beside it. Consumers that cannot join the stream loop overlap
-//! nothing: the transfers and `G` add up.
+//! nothing: the transfers and `G` add up. The ring that accumulates in place has no add; its
+//! pieces' GEMMs and transfers are simulated in the order the lowering emits them: `T` is
+//! when the last GEMM ends, `Σg` the time of all GEMMs, `M` that of all transfers (`m` of
+//! `1/p` of a chunk, each), of which what did not run while the main stream waited ran beside
+//! a GEMM.
 
 use meshflow_ir::DType;
 
@@ -252,6 +257,9 @@ impl CostModel {
                         let (red, k1, _) = self.comm(t, Collective::Reduce, r.chunk_bytes);
                         c + (df - 1.0) * overlapped(c, red, k1) + red + df * step
                     }
+                    (Decomposition::RingForward, StreamSchedule::Prefetch) if plan.accumulate => {
+                        self.accumulating_ring_us(r, t, plan.pieces.max(1))
+                    }
                     (Decomposition::RingForward, StreamSchedule::Prefetch) => {
                         let (m, _, k2) = self.comm(t, Collective::Permute, r.chunk_bytes);
                         let p = plan.pieces.max(1);
@@ -274,6 +282,51 @@ impl CostModel {
     }
 }
 
+impl CostModel {
+    /// The reduce-scatter ring that accumulates in place ([`Plan::accumulate`]), `p` pieces
+    /// per step over `t`: the schedule the lowering emits, simulated. The main stream runs
+    /// every piece's GEMM in order (step 0 plain, later steps accumulating); piece `q` of step
+    /// `k < d − 1` then moves on worker 0 (after the previous transfer); a GEMM of step `k`
+    /// starts once the transfer it adds onto has landed: piece by piece where the lowering
+    /// waits for each piece (the last step, and the middle step of `d = 3`), after all of
+    /// step `k − 1`'s transfers otherwise (the steps of the loop in between wait for all of
+    /// theirs). The transfers that run beside GEMMs slow them by `κ₂` of their time.
+    fn accumulating_ring_us(&self, r: &ReduceCase, t: Transport, p: u64) -> f64 {
+        let d = r.team.max(1);
+        let step = self.profile.host.loop_step_us;
+        let plain = r.producer.part(d * p);
+        let g0 = self.compute_us(&plain);
+        let ga = self.compute_us(&Work {
+            bytes: plain.bytes + r.chunk_bytes / p as f64,
+            ..plain
+        });
+        let (mp, _, k2) = self.comm(t, Collective::Permute, r.chunk_bytes / p as f64);
+        let (p, last) = (p as usize, d as usize - 1);
+        let (mut main, mut worker) = (0.0f64, 0.0f64);
+        let mut landed = vec![0.0f64; p];
+        for k in 0..=last {
+            let per_piece = k == last || (d == 3 && k == 1);
+            if k > 0 && !per_piece {
+                main = landed.iter().copied().fold(main, f64::max);
+            }
+            for arrived in landed.iter_mut() {
+                if k > 0 && per_piece {
+                    main = main.max(*arrived);
+                }
+                main += if k == 0 { g0 } else { ga };
+                if k < last {
+                    worker = worker.max(main) + mp;
+                    *arrived = worker;
+                }
+            }
+        }
+        let busy = g0 * p as f64 + ga * (p * last) as f64;
+        let moving = mp * (p * last) as f64;
+        let beside = (moving - (main - busy)).max(0.0);
+        main + k2 * beside + d as f64 * step
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,6 +346,7 @@ mod tests {
             pieces: 1,
             schedule,
             transport,
+            accumulate: false,
         }
     }
 
@@ -345,5 +399,38 @@ mod tests {
                 &plan(Decomposition::RingForward, StreamSchedule::Prefetch, nccl)
             )
             .is_some());
+    }
+
+    #[test]
+    fn the_ring_accumulating_in_place_hides_its_transfers_only_in_pieces() {
+        let m = CostModel::default();
+        // GEMM+RS 16384 x 8192 x 8192 on 2 ranks (local K 4096), bf16.
+        let r = ReduceCase {
+            team: 2,
+            chunk_bytes: 8192.0 * 8192.0 * 2.0,
+            producer: gemm(16384, 8192, 4096),
+        };
+        let t = Transport::CopyEngine;
+        let cost = |pieces, accumulate| {
+            let plan = Plan {
+                pieces,
+                accumulate,
+                ..plan(Decomposition::RingForward, StreamSchedule::Prefetch, t)
+            };
+            m.cost(&Case::Reduce(r), &plan).unwrap()
+        };
+        // One piece: nothing overlaps the transfer (the second GEMM adds onto what arrived).
+        let c = m.compute_us(&r.producer.part(2));
+        let (mv, _, _) = m.comm(t, Collective::Permute, r.chunk_bytes);
+        let want = 2.0 * c + mv + 2.0 * m.profile.host.loop_step_us;
+        assert!(
+            (cost(1, true) - want).abs() < 1.0,
+            "{} vs {want}",
+            cost(1, true)
+        );
+        assert!(cost(1, true) > cost(1, false));
+        // In pieces each piece's transfer runs under the next GEMMs, and no add is left.
+        assert!(cost(2, true) < cost(1, true));
+        assert!(cost(2, true) < cost(2, false));
     }
 }

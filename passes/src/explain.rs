@@ -35,10 +35,16 @@ impl fmt::Display for ExplainRecord {
             "{} [{}]: chose {} ({})",
             self.op, self.communication, self.chosen, self.reason
         )?;
+        // One column of names, at least 48 wide.
+        let w = self
+            .variants
+            .iter()
+            .map(|v| v.variant.chars().count())
+            .fold(48, usize::max);
         for v in &self.variants {
             match v.cost_us {
-                Some(c) => writeln!(f, "  {:<48} {:>10.2} us", v.variant, c)?,
-                None => writeln!(f, "  {:<48} {:>10}", v.variant, "-")?,
+                Some(c) => writeln!(f, "  {:<w$} {:>10.2} us", v.variant, c)?,
+                None => writeln!(f, "  {:<w$} {:>10}", v.variant, "-")?,
             }
         }
         Ok(())

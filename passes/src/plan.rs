@@ -19,6 +19,12 @@ pub struct Plan {
     pub schedule: StreamSchedule,
     /// The transport the bytes move over.
     pub transport: Transport,
+    /// Reduce-scatter ring only: the running sum received from rank − 1 lands in this step's
+    /// accumulator (the result itself at the last step) and the step's chunk GEMM adds onto
+    /// it in place (`linear_accumulate`), each piece's transfer starting once that piece is
+    /// computed; no separate add. Only where the producer of the partial sums is a `linear`
+    /// read by the reduce alone, all of one dtype (see `docs/schedule-search.md`).
+    pub accumulate: bool,
 }
 
 impl Plan {
@@ -32,14 +38,16 @@ impl Plan {
         }
     }
 
-    /// E.g. `ring(s=2, prefetch, copy_engine)`.
+    /// E.g. `ring(s=2, prefetch, copy_engine)`, `ring_forward(s=8, prefetch, copy_engine,
+    /// accumulate)`.
     pub fn label(&self, team: u64) -> String {
         let schedule = match self.decomposition {
             Decomposition::Collective => String::new(),
             _ => format!(", {}", self.schedule.name()),
         };
+        let accumulate = if self.accumulate { ", accumulate" } else { "" };
         format!(
-            "{}(s={}{schedule}, {})",
+            "{}(s={}{schedule}, {}{accumulate})",
             self.decomposition.name(),
             self.chunks(team),
             transport_key(self.transport)

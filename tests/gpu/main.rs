@@ -1,4 +1,5 @@
-//! Every GPU test of the root crate (feature `cuda`): communication kinds, the examples and
+//! Every GPU test of the root crate (feature `cuda`): the accumulating GEMM and the ring that
+//! uses it, communication kinds, the examples and
 //! the CPU backend's programs on GPUs, determinism, errors, the fault matrix, multi-process
 //! runs (NCCL, and the copy engine and NVLink MoE over CUDA IPC), MoE dispatch outputs written in
 //! place, and the embedding API on the
@@ -10,6 +11,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod accumulate;
 mod comm;
 mod determinism;
 mod embed;

@@ -143,25 +143,31 @@ fn row_parallel_all_reduces_each_chunk_in_the_loop() {
 
 #[test]
 fn row_parallel_ring_passes_running_sums_to_the_next_rank() {
+    // The search accumulates in place here: each step's GEMM adds onto the running sum that
+    // arrived (`linear_accumulate`), no separate add.
     let host = lower("row_parallel_linear_ring", 4);
     assert!(comms(&host, CommKind::ReduceScatter).is_empty());
     let cps: Vec<_> = insts(&host)
         .into_iter()
         .filter(|(i, _)| matches!(i.kind, InstKind::CollectivePermute { .. }))
         .collect();
-    // Steps 1..d-2 in a loop, step d-1 peeled: d - 1 transfers of a running sum.
-    assert_eq!(cps.len(), 2);
-    assert_eq!((cps[0].1, cps[1].1), (1, 0));
+    // Step 0 peeled, the middle steps but the last in a loop, step d-2 peeled (it sends into
+    // z): d - 1 transfers of a running sum.
+    assert_eq!(cps.len(), 3);
+    assert_eq!((cps[0].1, cps[1].1, cps[2].1), (0, 1, 0));
     let text = host.to_string();
     assert_eq!(
         text.matches("send=(my(m0, DIDx) + 1) % 4, recv=(my(m0, DIDx) + 3) % 4")
             .count(),
-        2,
+        3,
         "{text}"
     );
-    // Each step adds its partial product to what arrived; the last one into z.
-    assert_eq!(text.matches("add(").count(), 2, "{text}");
-    assert!(text.contains("-> z)"), "{text}");
+    // Steps 1..d-1 accumulate onto what arrived; the last one into z, where the running sum
+    // landed.
+    assert!(!text.contains("add("), "{text}");
+    assert_eq!(text.matches("linear_accumulate(").count(), 3, "{text}");
+    assert!(text.contains("w -> z)"), "{text}");
+    assert!(text.contains("-> z, team="), "{text}");
     // The partial sums are never materialized whole.
     assert!(!text.contains("tensor y:"), "{text}");
 }

@@ -150,6 +150,7 @@ fn neighbour_rings_also_fill_a_gathered_output() {
                 pieces: 1,
                 schedule: StreamSchedule::Prefetch,
                 transport: meshflow::Transport::Nccl,
+                accumulate: false,
             };
             let plans = BTreeMap::from([("ag".to_string(), plan)]);
             let (host, _) = meshflow::passes::passes::lower_to_host::lower_planned(
@@ -291,6 +292,17 @@ fn snapshots_of_the_lowered_rings_and_reduces() {
         .cost_model(adds_are_expensive());
     let c = compile(&rs, &pieces).unwrap();
     insta::assert_snapshot!("rsmm_ring_forward_pieces", c.host().to_string());
+    // The ring accumulating in place, 2 pieces per step, as lowered (before the host passes).
+    let plan = meshflow::Plan {
+        pieces: 2,
+        accumulate: true,
+        ..c.plans()["y"]
+    };
+    let plans = BTreeMap::from([("y".to_string(), plan)]);
+    let (host, _) =
+        meshflow::passes::passes::lower_to_host::lower_planned(c.level1().unwrap(), &plans)
+            .unwrap();
+    insta::assert_snapshot!("rsmm_ring_forward_accumulate_pieces", host.to_string());
 }
 
 #[test]
@@ -331,4 +343,118 @@ fn forced_pieces_pick_the_cut_ring_and_bad_pieces_are_named_errors() {
     .expect_err("an all-gather has no pieces")
     .to_string();
     assert!(e.contains("reduce-scatter"), "{e}");
+}
+
+#[test]
+fn the_reduce_scatter_ring_runs_with_and_without_accumulating_in_place() {
+    // Both lowerings of the ring of running sums, in 1, 2 and 4 pieces per step, at every
+    // rank count: with a separate add per step, and accumulating in place (the received sum
+    // lands in the step's accumulator or in z, the chunk GEMM adds onto it).
+    let mut runs = 0;
+    for d in RANKS.into_iter().filter(|&d| d >= 2) {
+        for dtype in [DType::F32, DType::BF16] {
+            let program = rsmm(d, dtype);
+            let o = options("y", Decomposition::RingForward, StreamSchedule::Auto, 2);
+            let c = compile(&program, &o).unwrap();
+            let level1 = c.level1().expect("lowered");
+            for pieces in [1u64, 2, 4] {
+                for accumulate in [false, true] {
+                    let plan = meshflow::Plan {
+                        decomposition: Decomposition::RingForward,
+                        pieces,
+                        schedule: StreamSchedule::Prefetch,
+                        transport: meshflow::Transport::Nccl,
+                        accumulate,
+                    };
+                    let plans = BTreeMap::from([("y".to_string(), plan)]);
+                    let (host, _) =
+                        meshflow::passes::passes::lower_to_host::lower_planned(level1, &plans)
+                            .unwrap();
+                    meshflow::ir::verify_host(&host).unwrap();
+                    let what =
+                        format!("rsmm d={d} {dtype} pieces={pieces} accumulate={accumulate}");
+                    let text = host.to_string();
+                    assert_eq!(
+                        text.contains("linear_accumulate("),
+                        accumulate,
+                        "{what}\n{text}"
+                    );
+                    assert_eq!(text.contains("add("), !accumulate, "{what}\n{text}");
+                    // Accumulating: one transfer per piece of every step but the last.
+                    let permutes = text.matches("collective_permute(").count() as u64;
+                    if accumulate {
+                        assert!(permutes >= pieces.min(2), "{what}\n{text}");
+                        assert!(!text.contains("z_part"), "{what}\n{text}");
+                    }
+                    check_and_run_host(&what, level1, &host);
+                    runs += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(runs, 5 * 2 * 3 * 2);
+}
+
+#[test]
+fn the_ring_accumulates_in_place_only_where_the_producer_is_a_linear_of_one_dtype() {
+    let d = 2;
+    // Where it applies, both lowerings are candidates and priced.
+    let c = compile(
+        &rsmm(d, DType::BF16),
+        &options("y", Decomposition::RingForward, StreamSchedule::Auto, 2),
+    )
+    .unwrap();
+    let record = &c.explain()[0];
+    let labels: Vec<&str> = record.variants.iter().map(|v| v.variant.as_str()).collect();
+    assert!(
+        labels.iter().any(|l| l.ends_with(", accumulate)")),
+        "{record}"
+    );
+    assert!(
+        labels.iter().any(|l| !l.ends_with(", accumulate)")),
+        "{record}"
+    );
+    // A producer other than a linear (a matmul): only the ring with a separate add.
+    let mut b = ProgramBuilder::new("rsmm_matmul");
+    let m = b
+        .mesh("m0", DeviceMesh::iota(vec![d as usize], 0).unwrap())
+        .unwrap();
+    let x = b.input("x", DType::F32, &[16 * d, 16 * d], m).unwrap();
+    let w = b.input("w", DType::F32, &[16 * d, 24], m).unwrap();
+    b.schedule(x).outer_split(1, d).parallelize(1, DIDx);
+    b.schedule(w).outer_split(0, d).parallelize(0, DIDx);
+    let y = b.matmul(x, w).unwrap();
+    b.rename(y, "y").unwrap();
+    let z = b.set(y).unwrap();
+    b.schedule(z).outer_split(0, d).parallelize(0, DIDx);
+    b.output(z);
+    let program = b.build().unwrap();
+    let c = compile(
+        &program,
+        &options("y", Decomposition::RingForward, StreamSchedule::Auto, 2),
+    )
+    .unwrap();
+    let record = &c.explain()[0];
+    assert!(
+        record
+            .variants
+            .iter()
+            .all(|v| !v.variant.contains("accumulate")),
+        "{record}"
+    );
+    assert!(!c.plans()["y"].accumulate);
+    check_and_run("rsmm matmul d=2", &c);
+    // A plan that asks for it there is a named error.
+    let plan = meshflow::Plan {
+        accumulate: true,
+        ..c.plans()["y"]
+    };
+    let plans = BTreeMap::from([("y".to_string(), plan)]);
+    let e = meshflow::passes::passes::lower_to_host::lower_planned(c.level1().unwrap(), &plans)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("`y`") && e.contains("cannot accumulate in place"),
+        "{e}"
+    );
 }

@@ -242,7 +242,9 @@ fn forced_pieces() {
             err.contains(&format!("chose ring_forward({chunks}")),
             "{err}"
         );
-        assert_eq!(err.matches("  ring_forward(").count(), 2, "{err}");
+        // Per transport: the ring with an add and the ring accumulating in place.
+        assert_eq!(err.matches("  ring_forward(").count(), 4, "{err}");
+        assert_eq!(err.matches(", accumulate)  ").count(), 2, "{err}");
     }
     let err = fails(&["lower", rs, "--pieces", "y=3"]);
     assert!(err.contains("cannot be cut into 3 pieces"), "{err}");

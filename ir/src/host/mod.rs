@@ -284,6 +284,12 @@ pub enum ComputeOp {
     Matmul,
     /// `x[B.., M, K] @ w[N, K]^T -> [B.., M, N]`.
     Linear,
+    /// `out += x[B.., M, K] @ w[N, K]^T`, `out` `[B.., M, N]`: a linear that accumulates into
+    /// its output, which it reads as well as writes (the running sum of a reduce-scatter ring
+    /// lands in `out`, and the chunk's GEMM adds onto it in place). Every element is rounded
+    /// once: `round(out + sum_k x[.., m, k] * w[n, k])`, the sum of products and the add taken
+    /// in `f32` (cuBLAS with `beta = 1` and `C = D = out`), then rounded to the dtype.
+    LinearAccumulate,
     /// `a + b`.
     Add,
     /// `a - b`.
@@ -364,6 +370,7 @@ impl ComputeOp {
             ComputeOp::Copy => "copy",
             ComputeOp::Matmul => "matmul",
             ComputeOp::Linear => "linear",
+            ComputeOp::LinearAccumulate => "linear_accumulate",
             ComputeOp::Add => "add",
             ComputeOp::Sub => "sub",
             ComputeOp::Mul => "mul",
@@ -403,6 +410,7 @@ impl ComputeOp {
             ComputeOp::Copy
             | ComputeOp::Matmul
             | ComputeOp::Linear
+            | ComputeOp::LinearAccumulate
             | ComputeOp::Add
             | ComputeOp::Sub
             | ComputeOp::Mul
@@ -411,6 +419,34 @@ impl ComputeOp {
             | ComputeOp::Cast
             | ComputeOp::GroupedMatmul
             | ComputeOp::Expand => String::new(),
+        }
+    }
+
+    /// True when the op reads its output's previous contents as well as writing it
+    /// ([`ComputeOp::LinearAccumulate`]): the output must hold defined values before it runs.
+    pub fn reads_output(&self) -> bool {
+        match self {
+            ComputeOp::LinearAccumulate => true,
+            ComputeOp::Copy
+            | ComputeOp::Matmul
+            | ComputeOp::Linear
+            | ComputeOp::Add
+            | ComputeOp::Sub
+            | ComputeOp::Mul
+            | ComputeOp::Gelu
+            | ComputeOp::Silu
+            | ComputeOp::Sum { .. }
+            | ComputeOp::Cast
+            | ComputeOp::Permute { .. }
+            | ComputeOp::GroupedMatmul
+            | ComputeOp::Max { .. }
+            | ComputeOp::Min { .. }
+            | ComputeOp::Avg { .. }
+            | ComputeOp::Expand
+            | ComputeOp::Slice { .. }
+            | ComputeOp::Cat { .. }
+            | ComputeOp::Softmax { .. }
+            | ComputeOp::RmsNorm { .. } => false,
         }
     }
 
@@ -431,6 +467,7 @@ impl ComputeOp {
             | ComputeOp::Softmax { .. } => (1, 1),
             ComputeOp::Matmul
             | ComputeOp::Linear
+            | ComputeOp::LinearAccumulate
             | ComputeOp::Add
             | ComputeOp::Sub
             | ComputeOp::Mul

@@ -14,6 +14,9 @@ pub enum TensorUse {
     Read,
     /// Its contents are written.
     Written,
+    /// Its contents are read, then written (the output of an accumulating compute op,
+    /// [`ComputeOp::reads_output`](super::ComputeOp::reads_output)).
+    Updated,
     /// Its buffer is created (`allocate`).
     Allocated,
     /// Its buffer is released (`deallocate`).
@@ -25,7 +28,8 @@ pub enum TensorUse {
 }
 
 /// Calls `$f(use, tensor)` on every tensor handle of `$kind` (not those of a loop body), in a
-/// fixed order: reads before writes, each in declaration order. The same body serves `&` and
+/// fixed order: reads before writes (and updates), each in declaration order; every handle
+/// once. The same body serves `&` and
 /// `&mut` instructions (binding modes follow the reference).
 macro_rules! each_tensor {
     ($kind:expr, $f:expr) => {{
@@ -71,9 +75,23 @@ macro_rules! each_tensor {
                 f(TensorUse::Written, out);
             }
             InstKind::Compute {
-                inputs, outputs, ..
+                op,
+                inputs,
+                outputs,
+            } => {
+                let out = if op.reads_output() {
+                    TensorUse::Updated
+                } else {
+                    TensorUse::Written
+                };
+                for t in inputs {
+                    f(TensorUse::Read, t);
+                }
+                for t in outputs {
+                    f(out, t);
+                }
             }
-            | InstKind::CallKernel {
+            InstKind::CallKernel {
                 inputs, outputs, ..
             } => {
                 for t in inputs {
@@ -161,22 +179,22 @@ impl InstKind {
         each_tensor!(self, f)
     }
 
-    fn with_use(&self, wanted: TensorUse) -> Vec<HostTensorId> {
+    fn with_use(&self, wanted: &[TensorUse]) -> Vec<HostTensorId> {
         let mut out = Vec::new();
-        each_tensor!(self, |u, t: &HostTensorId| if u == wanted {
+        each_tensor!(self, |u, t: &HostTensorId| if wanted.contains(&u) {
             out.push(*t)
         });
         out
     }
 
-    /// The tensors whose contents the instruction reads.
+    /// The tensors whose contents the instruction reads (also those it updates).
     pub fn reads(&self) -> Vec<HostTensorId> {
-        self.with_use(TensorUse::Read)
+        self.with_use(&[TensorUse::Read, TensorUse::Updated])
     }
 
-    /// The tensors whose contents the instruction writes.
+    /// The tensors whose contents the instruction writes (also those it updates).
     pub fn writes(&self) -> Vec<HostTensorId> {
-        self.with_use(TensorUse::Written)
+        self.with_use(&[TensorUse::Written, TensorUse::Updated])
     }
 
     /// Every tensor the instruction names (reads, writes, allocations and views).

@@ -284,6 +284,7 @@ impl HostParser {
             ComputeOp::Copy,
             ComputeOp::Matmul,
             ComputeOp::Linear,
+            ComputeOp::LinearAccumulate,
             ComputeOp::Add,
             ComputeOp::Sub,
             ComputeOp::Mul,

@@ -61,6 +61,7 @@ pub(super) fn check(p: &HostProgram) -> Vec<Diagnostic> {
                 }
                 TensorUse::Read
                 | TensorUse::Written
+                | TensorUse::Updated
                 | TensorUse::Deallocated
                 | TensorUse::Viewed => {}
             }

@@ -147,9 +147,9 @@ impl HostChecker<'_> {
                     .collect();
                 out_shape(&want)
             }),
-            ComputeOp::Matmul | ComputeOp::Linear => {
+            ComputeOp::Matmul | ComputeOp::Linear | ComputeOp::LinearAccumulate => {
                 let b = ins.get(1)?;
-                let linear = matches!(op, ComputeOp::Linear);
+                let linear = matches!(op, ComputeOp::Linear | ComputeOp::LinearAccumulate);
                 need_float(a)
                     .or_else(|| same_dtypes(&[a, b, out]))
                     .or_else(|| match matmul_shape(a, b, linear) {

@@ -167,6 +167,7 @@ pub(super) fn problem(op: &ComputeOp, ins: &[HostTensor], out: &HostTensor) -> O
         ComputeOp::Copy
         | ComputeOp::Matmul
         | ComputeOp::Linear
+        | ComputeOp::LinearAccumulate
         | ComputeOp::Add
         | ComputeOp::Sub
         | ComputeOp::Mul

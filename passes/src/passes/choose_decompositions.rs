@@ -8,7 +8,9 @@
 //! collective, a stream broadcast, a distance ring per iteration or prefetched, a forwarding
 //! ring, a bidirectional ring); a reduce-scatter `z = set(y)` of unannotated partial sums `y`
 //! computed by a compute op (one collective, a per-step reduce rooted at the loop index, a
-//! forwarding ring of running sums in 1, 2 or 4 pieces per step). Where the user annotated the
+//! forwarding ring of running sums in 1, 2 or 4 pieces per step, each with a separate add and,
+//! where [`accumulates_in_place`](crate::analysis::accumulates_in_place), also accumulating
+//! in place). Where the user annotated the
 //! decomposition (a swizzled or plain Stream split), the search still picks what the
 //! annotation leaves open (the ring's schedule or pieces) and prices it.
 //!
@@ -255,6 +257,7 @@ fn plan_of(shape: &sites::Shape, transport: Transport) -> Plan {
         pieces: shape.1,
         schedule: shape.2,
         transport,
+        accumulate: shape.3,
     }
 }
 

@@ -672,7 +672,13 @@ impl Backend for CpuBackend {
         outputs: &[&TensorView<CpuBuffer>],
         ctx: InstCtx<'_>,
     ) -> Result<(), BackendError> {
-        self.check_compute(inputs, outputs, ctx)?;
+        if op.reads_output() {
+            let reads: Vec<&TensorView<CpuBuffer>> =
+                inputs.iter().chain(outputs).copied().collect();
+            self.check_compute(&reads, outputs, ctx)?;
+        } else {
+            self.check_compute(inputs, outputs, ctx)?;
+        }
         let [out] = outputs else {
             return Err(BackendError::Invalid(format!(
                 "{} has one output",

@@ -89,12 +89,19 @@ pub(crate) fn expect_shape(
 
 /// `out = a @ b` with `a[B.., M, K]` and `b[K, N]` or `b[B.., K, N]`, `out[B.., M, N]`.
 pub fn matmul(a: &View<'_>, b: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
-    gemm("matmul", a, b, out, false)
+    gemm("matmul", a, b, out, false, false)
 }
 
 /// `out = x @ w^T` with `x[B.., M, K]`, `w[N, K]`, `out[B.., M, N]`.
 pub fn linear(x: &View<'_>, w: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
-    gemm("linear", x, w, out, true)
+    gemm("linear", x, w, out, true, false)
+}
+
+/// `out += x @ w^T` with `x[B.., M, K]`, `w[N, K]`, `out[B.., M, N]`: each element is
+/// `round(out + s)`, `s` the `f32` sum of products in the order [`linear`] takes, the add in
+/// `f32`, one rounding to the output's type.
+pub fn linear_accumulate(x: &View<'_>, w: &View<'_>, out: &mut ViewMut<'_>) -> Result<(), OpError> {
+    gemm("linear_accumulate", x, w, out, true, true)
 }
 
 fn gemm(
@@ -103,6 +110,7 @@ fn gemm(
     b: &View<'_>,
     out: &mut ViewMut<'_>,
     transposed_b: bool,
+    accumulate: bool,
 ) -> Result<(), OpError> {
     let (sa, sb) = (a.shape(), b.shape());
     if sa.len() < 2 || sb.len() < 2 {
@@ -165,6 +173,11 @@ fn gemm(
                     }
                 }
             }
+        }
+    }
+    if accumulate {
+        for (r, acc) in res.iter_mut().zip(out.as_view().to_f32()) {
+            *r += acc;
         }
     }
     out.assign_f32(&res).map_err(view_err(op))
@@ -407,6 +420,7 @@ pub fn run_compute(
         ComputeOp::Copy => copy(&inputs[0], out),
         ComputeOp::Matmul => matmul(&inputs[0], &inputs[1], out),
         ComputeOp::Linear => linear(&inputs[0], &inputs[1], out),
+        ComputeOp::LinearAccumulate => linear_accumulate(&inputs[0], &inputs[1], out),
         ComputeOp::Add => binary(Binary::Add, &inputs[0], &inputs[1], out),
         ComputeOp::Sub => binary(Binary::Sub, &inputs[0], &inputs[1], out),
         ComputeOp::Mul => binary(Binary::Mul, &inputs[0], &inputs[1], out),

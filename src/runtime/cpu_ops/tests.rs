@@ -79,6 +79,48 @@ fn linear_matches_naive_on_transposed_view_and_rounds_once() {
 }
 
 #[test]
+fn linear_accumulate_adds_onto_the_output_with_one_rounding() {
+    let (m, k, n) = (5usize, 7usize, 3usize);
+    let x = rnd(DType::BF16, &[5, 7], 11);
+    let w = rnd(DType::BF16, &[3, 7], 12);
+    let acc = rnd(DType::BF16, &[5, 3], 13);
+    let mut out = acc.clone();
+    run_compute(
+        &ComputeOp::LinearAccumulate,
+        &[View::of(&x), View::of(&w)],
+        &mut ViewMut::of(&mut out),
+    )
+    .unwrap();
+    let (xv, wv, av) = (f(&x), f(&w), f(&acc));
+    let mut want = vec![0f32; m * n];
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0f32;
+            for kk in 0..k {
+                s += xv[i * k + kk] * wv[j * k + kk];
+            }
+            // One rounding of (acc + sum), not of each.
+            want[i * n + j] = half::bf16::from_f32(av[i * n + j] + s).to_f32();
+        }
+    }
+    assert_eq!(f(&out), want);
+    // Onto zeros it is the plain linear.
+    let mut from_zero = zeros(DType::BF16, &[5, 3]);
+    let mut plain = zeros(DType::BF16, &[5, 3]);
+    linear_accumulate(
+        &View::of(&x),
+        &View::of(&w),
+        &mut ViewMut::of(&mut from_zero),
+    )
+    .unwrap();
+    linear(&View::of(&x), &View::of(&w), &mut ViewMut::of(&mut plain)).unwrap();
+    assert_eq!(f(&from_zero), f(&plain));
+    let mut bad = zeros(DType::BF16, &[5, 4]);
+    let e = linear_accumulate(&View::of(&x), &View::of(&w), &mut ViewMut::of(&mut bad));
+    assert!(e.unwrap_err().to_string().contains("linear_accumulate"));
+}
+
+#[test]
 fn elementwise_ops_match_naive() {
     let a = rnd(DType::F32, &[4, 5], 6);
     let b = rnd(DType::F32, &[4, 5], 7);

@@ -29,6 +29,17 @@ fn to_usize(v: u64) -> Result<usize, BackendError> {
     usize::try_from(v).map_err(|_| BackendError::Invalid(format!("extent {v} does not fit usize")))
 }
 
+/// Which GEMM [`DeviceCore::gemm`] runs.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Form {
+    /// `out = a @ b`.
+    Matmul,
+    /// `out = a @ b^T`.
+    Linear,
+    /// `out += a @ b^T`.
+    LinearAccumulate,
+}
+
 /// The output dtype a GEMM may write for `input` elements.
 fn gemm_out_ok(input: DType, out: DType) -> bool {
     out == input || (out == DType::F32 && matches!(input, DType::BF16 | DType::F16))
@@ -56,8 +67,15 @@ impl DeviceCore {
             .into());
         }
         match op {
-            ComputeOp::Linear => self.gemm("linear", inputs[0], inputs[1], out, true),
-            ComputeOp::Matmul => self.gemm("matmul", inputs[0], inputs[1], out, false),
+            ComputeOp::Linear => self.gemm("linear", inputs[0], inputs[1], out, Form::Linear),
+            ComputeOp::LinearAccumulate => self.gemm(
+                "linear_accumulate",
+                inputs[0],
+                inputs[1],
+                out,
+                Form::LinearAccumulate,
+            ),
+            ComputeOp::Matmul => self.gemm("matmul", inputs[0], inputs[1], out, Form::Matmul),
             ComputeOp::GroupedMatmul => self.grouped_matmul(inputs[0], inputs[1], inputs[2], out),
             ComputeOp::Add => self.binary(BinaryOp::Add, "add", inputs[0], inputs[1], out),
             ComputeOp::Sub => self.binary(BinaryOp::Sub, "sub", inputs[0], inputs[1], out),
@@ -82,16 +100,19 @@ impl DeviceCore {
         }
     }
 
-    /// `out = a @ b` (`b` `[K, N]` or batched `[B.., K, N]`) or `out = a @ b^T` (`linear`,
-    /// `b` `[N, K]`), with `a` `[B.., M, K]`.
+    /// `out = a @ b` (`b` `[K, N]` or batched `[B.., K, N]`), `out = a @ b^T` (`linear`, `b`
+    /// `[N, K]`) or `out += a @ b^T` (`linear_accumulate`: cuBLAS with `beta = 1` and
+    /// `C = D = out`, the product and the add in `f32`, one rounding), with `a` `[B.., M, K]`.
     fn gemm(
         &mut self,
         op: &'static str,
         a: &TV,
         b: &TV,
         out: &TV,
-        linear: bool,
+        form: Form,
     ) -> Result<(), BackendError> {
+        let linear = matches!(form, Form::Linear | Form::LinearAccumulate);
+        let accumulate = matches!(form, Form::LinearAccumulate);
         let (sa, sb) = (&a.shape, &b.shape);
         if sa.len() < 2 || sb.len() < 2 {
             return Err(shape_err(
@@ -136,7 +157,11 @@ impl DeviceCore {
         let (m, n, k, batch) = (to_usize(m)?, to_usize(n)?, to_usize(k)?, to_usize(batch)?);
         let av = self.input_region(a)?;
         let bv = self.input_region(b)?;
-        let slot = self.output_slot(out, &[a, b])?;
+        let slot = if accumulate {
+            self.accumulator_slot(out, &[a, b])?
+        } else {
+            self.output_slot(out, &[a, b])?
+        };
         let mut g = if linear {
             // The shared weight lets the batch fold into the rows.
             Gemm::linear(m * batch, n, k, kdtype(a.dtype))
@@ -147,6 +172,9 @@ impl DeviceCore {
         };
         g.out_dtype = kdtype(out.dtype);
         g.allow_tf32 = false;
+        if accumulate {
+            g.beta = 1.0;
+        }
         g.run(self.stream(), &av, &bv, &slot.buf)
             .map_err(self.err(op))?;
         self.finish_output(slot)

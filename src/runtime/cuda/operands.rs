@@ -109,6 +109,28 @@ impl DeviceCore {
         })
     }
 
+    /// Where an op that reads and writes output `v` accumulates: the view's own bytes when
+    /// packed and apart from `avoid`, else a packed copy of its current contents (copied back
+    /// after the op).
+    pub(super) fn accumulator_slot(
+        &mut self,
+        v: &TensorView<CudaBuffer>,
+        avoid: &[&TensorView<CudaBuffer>],
+    ) -> Result<OutSlot, BackendError> {
+        let aliased = avoid.iter().any(|a| a.buffer == v.buffer);
+        if view_is_contiguous(v) && !aliased {
+            return Ok(OutSlot {
+                buf: self.packed_region(v)?,
+                unstage: None,
+            });
+        }
+        let temp = self.packed_copy(v)?;
+        Ok(OutSlot {
+            buf: temp.clone(),
+            unstage: Some((temp, v.clone())),
+        })
+    }
+
     /// Copies the view `input` into the view `output` on the current stream (a communication
     /// whose only peer is this rank).
     pub fn local_copy(

@@ -3,15 +3,16 @@
 
 use meshflow_ir::{DType, OpKind, ParallelType, Program, TensorId};
 
-use crate::analysis::{op_axis_map, Sharding, Spec, StreamSpec};
+use crate::analysis::{accumulates_in_place, op_axis_map, Sharding, Spec, StreamSpec};
 use crate::cost_model::{Case, GatherCase, ReduceCase, Work};
 use crate::decision::{decide, Decision};
 use crate::edit::decl;
 use crate::error::{op_text, PassError};
 use crate::manager::{Decomposition, PassContext, StreamSchedule};
 
-/// A plan without its transport.
-pub(super) type Shape = (Decomposition, u64, StreamSchedule);
+/// A plan without its transport: decomposition, pieces, stream schedule, and whether the ring
+/// of running sums accumulates in place ([`Plan::accumulate`](crate::plan::Plan::accumulate)).
+pub(super) type Shape = (Decomposition, u64, StreamSchedule, bool);
 
 /// How a chosen plan changes the program.
 #[derive(Clone, Debug)]
@@ -192,25 +193,35 @@ pub(super) fn site(
             let g = gather(program, cx, c, &cs, axis, pt, team)?;
             s.fixed = None;
             s.case = Some(Case::Gather(g.case));
-            s.shapes
-                .push((Decomposition::Collective, 1, StreamSchedule::PerIteration));
+            s.shapes.push((
+                Decomposition::Collective,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
             if g.can_stream {
                 let ov = g.case.overlappable;
                 s.shapes.push((
                     Decomposition::StreamBroadcast,
                     1,
                     StreamSchedule::PerIteration,
+                    false,
                 ));
                 for sch in ring_schedules(schedule, ov) {
-                    s.shapes.push((Decomposition::Ring, 1, sch));
+                    s.shapes.push((Decomposition::Ring, 1, sch, false));
                 }
-                s.shapes
-                    .push((Decomposition::RingForward, 1, StreamSchedule::Prefetch));
+                s.shapes.push((
+                    Decomposition::RingForward,
+                    1,
+                    StreamSchedule::Prefetch,
+                    false,
+                ));
                 if g.halvable {
                     s.shapes.push((
                         Decomposition::RingBidirectional,
                         1,
                         StreamSchedule::Prefetch,
+                        false,
                     ));
                 }
             }
@@ -224,7 +235,7 @@ pub(super) fn site(
             s.annotated = true;
             s.case = Some(Case::Gather(g.case));
             for sch in ring_schedules(schedule, g.case.overlappable) {
-                s.shapes.push((Decomposition::Ring, 1, sch));
+                s.shapes.push((Decomposition::Ring, 1, sch, false));
             }
         }
         Decision::StreamBroadcast { pt, axis } => {
@@ -237,6 +248,7 @@ pub(super) fn site(
                 Decomposition::StreamBroadcast,
                 1,
                 StreamSchedule::PerIteration,
+                false,
             ));
         }
         Decision::ReduceScatter { pt, axis } if cs.stream().is_none() => {
@@ -244,8 +256,12 @@ pub(super) fn site(
             let team = pm.size_of(pt).unwrap_or(1) as u64;
             let r = reduce(program, i, p, &ps, &cs, axis, pt, team)?;
             s.case = Some(Case::Reduce(r.case));
-            s.shapes
-                .push((Decomposition::Collective, 1, StreamSchedule::PerIteration));
+            s.shapes.push((
+                Decomposition::Collective,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
             if cx.is_annotated(&p_name) || !r.can_stream {
                 s.annotated = cx.is_annotated(&p_name);
                 s.fixed = Some(if s.annotated {
@@ -256,13 +272,14 @@ pub(super) fn site(
                 return Ok(Some(s));
             }
             s.fixed = None;
-            s.shapes
-                .push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration));
+            s.shapes.push((
+                Decomposition::StreamReduce,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
             if r.ring {
-                for pieces in r.pieces {
-                    s.shapes
-                        .push((Decomposition::RingForward, pieces, StreamSchedule::Prefetch));
-                }
+                s.shapes.extend(ring_shapes(&r));
             }
             s.apply = r.apply;
         }
@@ -273,10 +290,7 @@ pub(super) fn site(
             s.fixed = Some("decomposition annotated by the user; pieces searched");
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
-            for pieces in r.pieces {
-                s.shapes
-                    .push((Decomposition::RingForward, pieces, StreamSchedule::Prefetch));
-            }
+            s.shapes.extend(ring_shapes(&r));
         }
         Decision::StreamReduce { pt, axis } => {
             s.tensor = p_name;
@@ -285,8 +299,12 @@ pub(super) fn site(
             s.fixed = Some("annotated by the user");
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
-            s.shapes
-                .push((Decomposition::StreamReduce, 1, StreamSchedule::PerIteration));
+            s.shapes.push((
+                Decomposition::StreamReduce,
+                1,
+                StreamSchedule::PerIteration,
+                false,
+            ));
         }
         _ => {
             if cx.is_annotated(&c_name) {
@@ -397,7 +415,23 @@ struct ReduceSite {
     can_stream: bool,
     ring: bool,
     pieces: Vec<u64>,
+    /// The ring may accumulate in place ([`accumulates_in_place`]).
+    accumulate: bool,
     apply: Apply,
+}
+
+/// The plans of the ring of running sums: each cut into pieces, with a separate add, and where
+/// it applies accumulating in place.
+fn ring_shapes(r: &ReduceSite) -> Vec<Shape> {
+    let mut shapes = Vec::new();
+    for &pieces in &r.pieces {
+        let schedule = StreamSchedule::Prefetch;
+        shapes.push((Decomposition::RingForward, pieces, schedule, false));
+        if r.accumulate {
+            shapes.push((Decomposition::RingForward, pieces, schedule, true));
+        }
+    }
+    shapes
 }
 
 /// A reduce-scatter (op `i`) of the partial sums `p` over value axis `axis` into `c`.
@@ -457,6 +491,7 @@ fn reduce(
         can_stream,
         ring,
         pieces,
+        accumulate: accumulates_in_place(program, i),
         apply: Apply::Reduce {
             p,
             spec,

@@ -32,15 +32,27 @@
 //! receives the sum in `z`; an ordinary stream loop (`assign_streams` puts iterations on
 //! workers).
 //!
+//! **Ring accumulating in place** ([`Plan::accumulate`](crate::plan::Plan::accumulate), where
+//! [`accumulates_in_place`]): no `part`, no `add`. The running sum received from rank − 1
+//! lands in this step's accumulator (two alternate between the middle steps) or, at the last
+//! step, in `z` itself, and the step's chunk GEMM adds onto it in place
+//! (`linear_accumulate`). Both sides are pipelined in pieces: each piece of a step moves on
+//! once it is computed, and at the last step piece `j`'s GEMM waits for piece `j`'s transfer
+//! alone (see `emit_accumulating_ring`).
+//!
 //! A ring whose partial sums are also read elsewhere (or are an output) is lowered as the loop
 //! followed by one `reduce_scatter`.
 
-use meshflow_ir::host::{CommKind, ComputeOp, Expr, Inst, InstKind, ReduceOp, StreamRef, Team};
+use meshflow_ir::host::{
+    CommId, CommKind, ComputeOp, Expr, HostTensorId, Inst, InstKind, LoopVar, ReduceOp, StreamRef,
+    StreamVar, Team,
+};
 use meshflow_ir::{OpKind, ParallelType};
 
 use super::gather_ring::{back_to, on_worker};
 use super::loop_nest::{Group, LoopCtx, StreamKey};
 use super::Lowering;
+use crate::analysis::accumulates_in_place;
 use crate::decision::{decide, Decision};
 use crate::error::PassError;
 
@@ -125,6 +137,45 @@ impl Lowering<'_> {
             for &k in &others {
                 self.emit_op(k, Some(&mut lp), block)?;
             }
+            return Ok(true);
+        }
+        let accumulate = self
+            .plans
+            .get(self.name(p))
+            .is_some_and(|plan| plan.accumulate);
+        if accumulate {
+            if !accumulates_in_place(self.program, set) {
+                return Err(PassError::tensor(
+                    self.name(p),
+                    "its ring cannot accumulate in place: the partial sums must be computed by \
+                     a `linear` right before the reduce, read by it alone, and of the dtype of \
+                     its operands and of the result",
+                ));
+            }
+            // Two accumulators alternate between the middle steps (one suffices for d = 2).
+            let halves = if d == 2 { 1 } else { 2 };
+            let mut shape = zshape.clone();
+            if let Some(e) = shape.get_mut(axis) {
+                *e *= halves;
+            }
+            let acc = self.derived(zh, "acc", shape);
+            let s0 = self.fresh_stream();
+            block.push(Inst::new(InstKind::GetCurrentStream { dst: s0 }));
+            let ring = AccumulatingRing {
+                mesh,
+                pt,
+                axis,
+                d,
+                pieces,
+                others: &others,
+                ph,
+                z: zh,
+                acc,
+                halves,
+                s0,
+                var,
+            };
+            self.emit_accumulating_ring(&ring, block)?;
             return Ok(true);
         }
         let acc = self.derived(zh, "acc", zshape.clone());
@@ -272,6 +323,227 @@ impl Lowering<'_> {
             op: Some(ReduceOp::Sum),
         });
         Ok(())
+    }
+}
+
+/// What every step of a reduce-scatter ring that accumulates in place shares.
+struct AccumulatingRing<'a> {
+    mesh: meshflow_ir::MeshId,
+    pt: ParallelType,
+    axis: usize,
+    d: u64,
+    pieces: u64,
+    /// The ops computing the partial sums, in order (the last one a `linear`).
+    others: &'a [usize],
+    /// The partial sums (never materialized: their pieces are seeded).
+    ph: HostTensorId,
+    /// The result.
+    z: HostTensorId,
+    /// `halves` accumulators stacked along `axis`.
+    acc: HostTensorId,
+    halves: u64,
+    s0: StreamVar,
+    /// The nominal loop variable of the chunk contexts.
+    var: LoopVar,
+}
+
+/// Where a step's running sums live.
+#[derive(Clone)]
+enum Sums {
+    /// The result.
+    Result,
+    /// Accumulator `half` (an expression of the step).
+    Acc(Expr),
+}
+
+/// How a step's running sums arrive from rank − 1.
+enum Arrival {
+    /// Step 0: none, the step computes its partial products from scratch.
+    None,
+    /// Piece `q` waits for the transfer labelled `ids[q]`.
+    PerPiece(Vec<CommId>),
+    /// Everything has landed already (waited for by the step before).
+    Landed,
+}
+
+impl Lowering<'_> {
+    /// The ring of running sums accumulating in place: the sum received from rank − 1 lands
+    /// in this step's accumulator (the result at the last step), the step's chunk GEMM adds
+    /// onto it (`linear_accumulate`), piece by piece, and each piece moves on to rank + 1 as
+    /// soon as it is computed, on worker 0:
+    ///
+    /// ```text
+    /// s0 = get_current_stream
+    /// for each piece q: linear(x piece of chunk my-1 -> acc[0][q])            // step 0
+    ///                   on worker 0 after s0: c_q = permute(acc[0][q] -> next[q])
+    /// [d >= 4: wait every c_q; for k in 1..d-2 { step k into acc[k % 2], sending to
+    ///  acc[(k + 1) % 2], then wait for its transfers }]
+    /// [d >= 3: step d-2 into acc[(d-2) % 2], sending to z]
+    /// for each piece q: wait c_q; linear_accumulate(x piece of chunk my -> z[q])
+    /// synchronize worker(0)
+    /// ```
+    ///
+    /// The last step (and the middle step of d = 3) waits for each piece's transfer alone;
+    /// the steps of the loop wait for all of a step's transfers (a wait names a transfer of
+    /// its own block).
+    fn emit_accumulating_ring(
+        &mut self,
+        r: &AccumulatingRing<'_>,
+        block: &mut Vec<Inst>,
+    ) -> Result<(), PassError> {
+        let d = r.d as i64;
+        let first_dest = if d == 2 {
+            Sums::Result
+        } else {
+            Sums::Acc(Expr::c(1))
+        };
+        let sent = self.accumulating_step(
+            r,
+            Expr::c(0),
+            &Sums::Acc(Expr::c(0)),
+            Some(&first_dest),
+            Arrival::None,
+            block,
+        )?;
+        let mut arrival = Arrival::PerPiece(sent);
+        if d >= 4 {
+            if let Arrival::PerPiece(ids) = &arrival {
+                for &comm in ids {
+                    block.push(Inst::new(InstKind::Wait { comm }));
+                }
+            }
+            let var = self.fresh_loop();
+            let k = Expr::var(var);
+            let mut body = Vec::new();
+            let sent = self.accumulating_step(
+                r,
+                k.clone(),
+                &Sums::Acc(k.clone().rem(Expr::c(2))),
+                Some(&Sums::Acc(k.add(Expr::c(1)).rem(Expr::c(2)))),
+                Arrival::Landed,
+                &mut body,
+            )?;
+            for comm in sent {
+                body.push(Inst::new(InstKind::Wait { comm }));
+            }
+            block.push(Inst::new(InstKind::ForLoop {
+                index: var,
+                start: Expr::c(1),
+                stop: Expr::c(d - 2),
+                body,
+            }));
+            arrival = Arrival::Landed;
+        }
+        if d >= 3 {
+            let sent = self.accumulating_step(
+                r,
+                Expr::c(d - 2),
+                &Sums::Acc(Expr::c((d - 2) % 2)),
+                Some(&Sums::Result),
+                arrival,
+                block,
+            )?;
+            arrival = Arrival::PerPiece(sent);
+        }
+        self.accumulating_step(r, Expr::c(d - 1), &Sums::Result, None, arrival, block)?;
+        block.push(Inst::new(InstKind::Synchronize {
+            stream: StreamRef::Worker(Expr::c(0)),
+        }));
+        Ok(())
+    }
+
+    /// Step `k` of the ring: chunk `(my + d - 1 - k) % d` computed piece by piece into
+    /// `sums` (onto what arrived there, after step 0), each piece sent on to `dest` of rank +
+    /// 1 once computed. Returns the labels of the transfers (one per piece).
+    fn accumulating_step(
+        &mut self,
+        r: &AccumulatingRing<'_>,
+        k: Expr,
+        sums: &Sums,
+        dest: Option<&Sums>,
+        arrival: Arrival,
+        block: &mut Vec<Inst>,
+    ) -> Result<Vec<CommId>, PassError> {
+        let di = r.d as i64;
+        let my = Expr::my(r.mesh, r.pt);
+        let chunk = my.clone().add(Expr::c(di - 1)).sub(k).rem(Expr::c(di));
+        let team = Team::Slice {
+            mesh: r.mesh,
+            pt: r.pt,
+        };
+        let next = my.clone().add(Expr::c(1)).rem(Expr::c(di));
+        let prev = my.add(Expr::c(di - 1)).rem(Expr::c(di));
+        let accumulate = !matches!(arrival, Arrival::None);
+        let mut sent = Vec::new();
+        for q in 0..r.pieces {
+            if let Arrival::PerPiece(ids) = &arrival {
+                let comm = ids.get(q as usize).copied().ok_or_else(|| {
+                    PassError::internal("lower_to_host", "a ring piece without its transfer")
+                })?;
+                block.push(Inst::new(InstKind::Wait { comm }));
+            }
+            let here = self.sums_piece(r, sums, q, block);
+            let index = chunk
+                .clone()
+                .mul(Expr::c(r.pieces as i64))
+                .add(Expr::c(q as i64));
+            let mut lp = LoopCtx::at(r.var, r.d * r.pieces, index);
+            lp.seed(r.ph, r.axis, here);
+            let mut ops = Vec::new();
+            for &o in r.others {
+                self.emit_op(o, Some(&mut lp), &mut ops)?;
+            }
+            if accumulate {
+                let gemm = match ops.last_mut().map(|i| &mut i.kind) {
+                    Some(InstKind::Compute { op, .. }) if *op == ComputeOp::Linear => op,
+                    _ => {
+                        return Err(PassError::internal(
+                            "lower_to_host",
+                            "the accumulating ring's producer did not lower to a `linear`",
+                        ))
+                    }
+                };
+                *gemm = ComputeOp::LinearAccumulate;
+            }
+            block.extend(ops);
+            if let Some(dest) = dest {
+                on_worker(block, 0, r.s0);
+                let there = self.sums_piece(r, dest, q, block);
+                sent.push(self.permute(
+                    block,
+                    team.clone(),
+                    (next.clone(), prev.clone()),
+                    here,
+                    there,
+                ));
+                block.push(back_to(r.s0));
+            }
+        }
+        Ok(sent)
+    }
+
+    /// Piece `q` of the running sums `sums` (the tensor itself when it is one piece).
+    fn sums_piece(
+        &mut self,
+        r: &AccumulatingRing<'_>,
+        sums: &Sums,
+        q: u64,
+        block: &mut Vec<Inst>,
+    ) -> HostTensorId {
+        let p = r.pieces as i64;
+        let (t, chunks, index) = match sums {
+            Sums::Result => (r.z, r.pieces, Expr::c(q as i64)),
+            Sums::Acc(half) => (
+                r.acc,
+                r.halves * r.pieces,
+                half.clone().mul(Expr::c(p)).add(Expr::c(q as i64)),
+            ),
+        };
+        if chunks == 1 {
+            t
+        } else {
+            self.cut(block, t, r.axis, chunks, index, "piece")
+        }
     }
 }
 
