@@ -355,14 +355,14 @@ impl MoeTransport for NvlinkMoe {
             stream,
             |c| {
                 c.weights_at_dispatch = req.weights.is_some();
-                c.set_outputs(req);
+                c.set_outputs(req)?;
                 c.zero_padding = req.zero_padding;
                 let inp = SendInputs {
                     x: req.x,
                     topk_idx: req.topk_idx,
                     weights: req.weights,
                 };
-                let to = c.targets();
+                let to = c.targets()?;
                 let st = SendState {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
@@ -425,7 +425,7 @@ impl MoeTransport for NvlinkMoe {
                     other_cnt: &counts,
                     cnt_stride: 4,
                 };
-                let to = c.targets();
+                let to = c.targets()?;
                 let out = RecvOutputs {
                     expert_x: to.expert_x,
                     routing: to.routing,
@@ -451,16 +451,20 @@ impl MoeTransport for NvlinkMoe {
         )
     }
 
-    fn expert_x(&self) -> &DeviceBuffer {
-        &self.core.expert_x
+    fn expert_x(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.expert_x)
     }
 
-    fn expert_counts(&self) -> &DeviceBuffer {
-        &self.core.counts
+    fn expert_counts(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.counts)
     }
 
-    fn routing(&self) -> &DeviceBuffer {
-        &self.core.routing
+    fn routing(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.routing)
+    }
+
+    fn own_output_bytes(&self) -> usize {
+        self.core.own_bytes()
     }
 
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {
