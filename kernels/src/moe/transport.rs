@@ -230,8 +230,12 @@ pub(crate) struct Core {
     pub weights_at_dispatch: bool,
     /// Whether the current step's dispatch zeroes the padding.
     pub zero_padding: bool,
-    /// Status word (u32).
+    /// Status word (u32): the first 4 bytes of a 16-byte block whose bytes 8..16 hold the
+    /// device address of an abort word the kernels' peer waits poll (0: none; see
+    /// [`Core::watch_abort`] and `block_wait_flags` in `moe.cu`).
     pub status: DeviceBuffer,
+    /// Bytes 8..16 of the status block.
+    abort_slot: DeviceBuffer,
     /// The engine's own outputs, allocated by the first dispatch given no caller outputs (or
     /// the first call of an accessor): an engine whose dispatches always write into the
     /// caller's buffers never holds them.
@@ -335,6 +339,7 @@ impl Core {
             shape.top_k,
             shape.local_experts(),
         );
+        let status_block = zeroed(16)?;
         let core = Core {
             shape: *shape,
             wire,
@@ -344,7 +349,8 @@ impl Core {
             phase: Phase::Idle,
             weights_at_dispatch: false,
             zero_padding: false,
-            status: zeroed(4)?,
+            status: status_block.view(0, 4)?,
+            abort_slot: status_block.view(8, 8)?,
             own: OnceLock::new(),
             ecnt: zeroed(l * 4)?,
             fan: zeroed(w * t * k * 4)?,
@@ -354,6 +360,15 @@ impl Core {
         };
         stream.synchronize()?;
         Ok(core)
+    }
+
+    /// Makes every peer wait of this engine's kernels also poll `word` (blocks until the
+    /// address is stored; the address is fixed, so steps recorded in graphs poll it too).
+    pub fn watch_abort(&self, word: &crate::abort::AbortWord) -> Result<()> {
+        let stream = Stream::new(&self.device)?;
+        self.abort_slot
+            .upload(&stream, &[word.device_addr()? as i64])?;
+        stream.synchronize()
     }
 
     /// Runs `op` (which enqueues the phase `from -> to`) after checking the order; a failure
