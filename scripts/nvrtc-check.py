@@ -36,11 +36,19 @@ def load_nvrtc():
     sys.exit("libnvrtc not found: pip install nvidia-cuda-nvrtc-cu12 or set NVRTC_LIB")
 
 
+# Sources appended to another before compiling (kernels/src/kernels/sources.rs does the same).
+PARTS = {"moe.cu": ["moe_fused.cu"]}
+APPENDED = {p for parts in PARTS.values() for p in parts}
+
+
 def compile_one(lib, path, arch, verbose=False):
     with open(os.path.join(CUDA, "common.cuh")) as f:
         common = f.read()
     with open(path) as f:
         body = f.read()
+    for part in PARTS.get(os.path.basename(path), []):
+        with open(os.path.join(CUDA, part)) as f:
+            body += "\n" + f.read()
     text = f'{common}\n#line 1 "{os.path.basename(path)}"\n{body}'
     prog = ctypes.c_void_p()
     rc = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), os.path.basename(path).encode(),
@@ -67,6 +75,7 @@ def main():
     ap.add_argument("files", nargs="*")
     args = ap.parse_args()
     files = args.files or sorted(glob.glob(os.path.join(CUDA, "*.cu")))
+    files = [f for f in files if os.path.basename(f) not in APPENDED]
     lib = load_nvrtc()
     failed = 0
     for path in files:

@@ -275,6 +275,7 @@ fn rank_loop<T: MoeTransport>(
         stream.synchronize()
     })();
     barrier.wait();
+    let phases = std::env::var_os(PHASES_ENV).is_some();
     let timed = warm.and_then(|()| {
         let mut events = Vec::with_capacity(case.iters);
         for _ in 0..case.iters {
@@ -282,11 +283,24 @@ fn rank_loop<T: MoeTransport>(
                 Event::timing(dev)?,
                 Event::timing(dev)?,
                 Event::timing(dev)?,
+                Event::timing(dev)?,
+                Event::timing(dev)?,
             ];
             e[0].record(&stream)?;
-            t.dispatch_with(&stream, &dispatch)?;
-            e[1].record(&stream)?;
-            t.combine_with(&stream, &combine, &out)?;
+            if phases {
+                // Events between the four calls (each record may cost the GPU a little).
+                t.dispatch_send(&stream, &dispatch)?;
+                e[3].record(&stream)?;
+                t.dispatch_recv(&stream)?;
+                e[1].record(&stream)?;
+                t.combine_send(&stream, &combine)?;
+                e[4].record(&stream)?;
+                t.combine_recv(&stream, &out)?;
+            } else {
+                t.dispatch_with(&stream, &dispatch)?;
+                e[1].record(&stream)?;
+                t.combine_with(&stream, &combine, &out)?;
+            }
             e[2].record(&stream)?;
             events.push(e);
         }
@@ -300,12 +314,42 @@ fn rank_loop<T: MoeTransport>(
                 ))
             })
             .collect::<Result<Vec<_>>>()?;
+        if phases {
+            log_phases(t.rank(), &s, &events)?;
+        }
         Ok((times, t.status(&stream)?.is_ok()))
     });
     // Every rank must be done with its peers' memory before any transport is dropped.
     let _ = stream.synchronize();
     barrier.wait();
     timed
+}
+
+/// Set to time the four calls of a step separately (logged at `info` level by
+/// `meshflow_bench`, e.g. `RUST_LOG=meshflow_bench=info`).
+pub const PHASES_ENV: &str = "MESHFLOW_MOE_BENCH_PHASES";
+
+/// Logs this rank's median time of each call of a step from the events
+/// `[start, after dispatch_recv, end, after dispatch_send, after combine_send]`.
+fn log_phases(rank: usize, s: &MoeShape, events: &[[Event; 5]]) -> Result<()> {
+    let median = |a: usize, b: usize| -> Result<f64> {
+        let mut v = events
+            .iter()
+            .map(|e| Ok(Event::elapsed_ms(&e[a], &e[b])? as f64 * 1e3))
+            .collect::<Result<Vec<f64>>>()?;
+        v.sort_by(f64::total_cmp);
+        Ok(v.get(v.len() / 2).copied().unwrap_or(0.0))
+    };
+    tracing::info!(
+        rank,
+        tokens = s.tokens,
+        dispatch_send_us = median(0, 3)?,
+        dispatch_recv_us = median(3, 1)?,
+        combine_send_us = median(1, 4)?,
+        combine_recv_us = median(4, 2)?,
+        "MoE step phases (median per call)"
+    );
+    Ok(())
 }
 
 /// The results as a text table (one line per transport and case). MB are the busiest rank's

@@ -21,6 +21,8 @@
 //   rank: receive rows [W][T], counts [W], flags) and raise release flags carrying the step number
 //   (epoch, kept on the device in `state[0]` so steps replay in CUDA graphs); receivers acquire.
 //   One kernel per phase; the combine's late weights (when not given at dispatch) take one more.
+//   The fused NVLink kernels (moe_fused.cu, appended to this file; the default) instead run
+//   one kernel per phase with fixed slots and per-chunk flags, receivers overlapping senders.
 //
 // The row kernels (dispatch send and receive, combine send) give each row to a whole block
 // (ROW_THREADS threads, a grid-stride loop over rows): one warp routes the row (atomics,
@@ -122,6 +124,48 @@ __device__ void moe_give_up(unsigned* status, unsigned why, unsigned phase, i64 
     }
 }
 
+// One thread waits until *flag reaches `epoch` (acquire, system scope); false: the wait gave up
+// (see block_wait_flags), `peer` being the team rank whose flag it is. `start` is when the
+// block's wait began, `spins` counts the polls since.
+__device__ bool wait_flag(const unsigned* flag, unsigned epoch, u64 start, u64 timeout_ns,
+                          unsigned* status, unsigned phase, i64 peer, unsigned& spins) {
+    const volatile unsigned* abort = abort_word_of(status);
+    while ((int)(ld_acquire_sys(flag) - epoch) < 0) {
+        // Another wait gave up (and recorded why).
+        if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0) return false;
+        unsigned why = 0;
+        if (abort != 0 && (++spins % MOE_ABORT_POLL) == 0 && *abort != 0u) {
+            why = MOE_ABORTED;
+        } else if (global_timer_ns() - start > timeout_ns) {
+            why = MOE_TIMEOUT;
+        }
+        if (why != 0) {
+            if ((int)(ld_acquire_sys(flag) - epoch) >= 0) return true;
+            moe_give_up(status, why, phase, peer);
+            return false;
+        }
+    }
+    return true;
+}
+
+// Thread 0 waits until flags[i * stride] has reached `epoch` for every i < n but `skip` (the
+// flag of team rank peer0 + i), then the block proceeds; see block_wait_flags.
+__device__ void block_wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip,
+                                   unsigned epoch, u64 timeout_ns, unsigned* status,
+                                   unsigned phase, i64 peer0) {
+    if (threadIdx.x == 0) {
+        u64 start = global_timer_ns();
+        unsigned spins = 0;
+        bool ok = (*(volatile unsigned*)status & MOE_TIMEOUT) == 0;
+        for (i64 i = 0; i < n && ok; ++i) {
+            if (i == skip) continue;
+            ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i,
+                           spins);
+        }
+    }
+    __syncthreads();
+}
+
 // Thread 0 of the block waits until every flags[i] (i < n, the team's ranks) has reached
 // `epoch` (acquire, system scope), then the block proceeds. A wait gives up (results are then
 // garbage, but the GPU never hangs on a dead peer) after `timeout_ns`, or at once when the host
@@ -131,33 +175,7 @@ __device__ void moe_give_up(unsigned* status, unsigned why, unsigned phase, i64 
 // dead team fails fast until the status is cleared.
 __device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u64 timeout_ns,
                                  unsigned* status, unsigned phase) {
-    if (threadIdx.x == 0) {
-        const volatile unsigned* abort = abort_word_of(status);
-        u64 start = global_timer_ns();
-        bool timed_out = (*(volatile unsigned*)status & MOE_TIMEOUT) != 0;
-        unsigned spins = 0;
-        for (i64 i = 0; i < n && !timed_out; ++i) {
-            while ((int)(ld_acquire_sys(flags + i) - epoch) < 0) {
-                unsigned why = 0;
-                if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0) {
-                    timed_out = true;  // another wait gave up (and recorded why)
-                    break;
-                }
-                if (abort != 0 && (++spins % MOE_ABORT_POLL) == 0 && *abort != 0u) {
-                    why = MOE_ABORTED;
-                } else if (global_timer_ns() - start > timeout_ns) {
-                    why = MOE_TIMEOUT;
-                }
-                if (why != 0) {
-                    if ((int)(ld_acquire_sys(flags + i) - epoch) >= 0) break;
-                    moe_give_up(status, why, phase, i);
-                    timed_out = true;
-                    break;
-                }
-            }
-        }
-    }
-    __syncthreads();
+    block_wait_strided(flags, n, 1, -1, epoch, timeout_ns, status, phase, 0);
 }
 
 // Called by every block at its end: returns true (to every thread of the block) in the last block
@@ -567,11 +585,16 @@ struct OwnFanOut {
 // this rank's own row gets none: the block fans the token out to the local experts itself
 // (expert_x, routing, fan[(rank * T + pos) * K + k], as a receiver would), reading the token
 // once for all of them. Invalid expert ids raise MOE_BAD_EXPERT and are skipped.
-template <typename T, typename RowAt>
-__device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
-                               i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
-                               i64 rank, i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
-                               i32* cnt, i32* sent_pos, unsigned* status, const OwnFanOut& own) {
+//
+// FIXED (the fused NVLink kernels, moe_fused.cu): the position of token t is t itself (cnt[r]
+// only counts the rows), and every destination the token does not go to gets the token field
+// -1 in its row t, so that a receiver can tell an empty slot from a stale one.
+template <typename T, bool FIXED, typename RowAt>
+__device__ void route_and_send_token(i64 t, RowAt row_at, const T* x, const i32* topk_idx,
+                                     const float* weights, i64 tokens, i64 top_k, i64 experts,
+                                     i64 local_experts, i64 world, i64 rank, i64 hidden,
+                                     unsigned wire, i64 scale_off, i64 meta_off, i32* cnt,
+                                     i32* sent_pos, unsigned* status, const OwnFanOut& own) {
     __shared__ RowTargets to;
     __shared__ char* meta_rows[32];
     // own_pos: this rank's position of the token (or -1), written by warp 0 in the chunk of
@@ -580,7 +603,7 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
     __shared__ int n_meta, own_pos;
     const int lane = lane_id();
     const i64 row_bytes = hidden * (i64)sizeof(T);
-    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x) {
+    {
         const i32* idx = topk_idx + t * top_k;
         const T* x_row = x + t * hidden;
         int p_own = -1;
@@ -606,8 +629,10 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
                 int pos = -1;
                 char* row = 0;
                 if (hit) {
-                    pos = atomicAdd(cnt + r, 1);
+                    pos = FIXED ? (atomicAdd(cnt + r, 1), (int)t) : atomicAdd(cnt + r, 1);
                     row = row_at(r, pos);
+                } else if (FIXED && r < world) {
+                    *(i32*)(row_at(r, t) + meta_off) = -1;
                 }
                 if (r < world) sent_pos[t * world + r] = pos;
                 const unsigned m = __ballot_sync(FULL_MASK, hit);
@@ -672,6 +697,17 @@ __device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, co
             __syncthreads();
         }
     }
+}
+
+template <typename T, typename RowAt>
+__device__ void route_and_send(RowAt row_at, const T* x, const i32* topk_idx, const float* weights,
+                               i64 tokens, i64 top_k, i64 experts, i64 local_experts, i64 world,
+                               i64 rank, i64 hidden, unsigned wire, i64 scale_off, i64 meta_off,
+                               i32* cnt, i32* sent_pos, unsigned* status, const OwnFanOut& own) {
+    for (i64 t = blockIdx.x; t < tokens; t += gridDim.x)
+        route_and_send_token<T, false>(t, row_at, x, topk_idx, weights, tokens, top_k, experts,
+                                       local_experts, world, rank, hidden, wire, scale_off,
+                                       meta_off, cnt, sent_pos, status, own);
 }
 
 struct BlockRowAt {
@@ -837,13 +873,15 @@ extern "C" __global__ void moe_zero_padding(char* expert_x, i64 row_bytes, i32* 
 // w_self (s == rank) / w_peers + s * T * K. Each warp of the block takes its own columns and
 // reads the row's fan and weights itself (lane l holds k = k0 + l), then gathers up to 4
 // expert rows per round of loads.
+template <typename T>
+__device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
+                           i64 width);
+
 template <typename T, typename DstAt>
 __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, const i32* fan,
                                 i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,
                                 i64 meta_off, bool late, const float* w_self,
                                 const float* w_peers, unsigned* status) {
-    const int VEC = 16 / (int)sizeof(T);
-    const int lane = lane_id();
     const i64 rank = src.rank;
     for (i64 item = blockIdx.x; item < world * tokens; item += gridDim.x) {
         const i64 s = item / tokens, j = item - s * tokens;
@@ -854,8 +892,18 @@ __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, co
         const char* w_at = late ? (const char*)((s == rank ? w_self : w_peers + s * tokens * top_k) +
                                                 t * top_k)
                                 : row + meta_off + 4 + 4 * top_k;
-        const i32* fan_row = fan + item * top_k;
-        T* dst = (T*)dst_at(s, j);
+        reduce_row<T>((T*)dst_at(s, j), fan + item * top_k, w_at, y, top_k, width);
+    }
+}
+
+// The block computes one partial row into dst: the body of reduce_partials for one received
+// row whose expert rows are fan_row[k] (or -1) and weights f32 at w_at.
+template <typename T>
+__device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
+                           i64 width) {
+    const int VEC = 16 / (int)sizeof(T);
+    const int lane = lane_id();
+    {
         const bool vec = (width % VEC) == 0 && aligned16(y) && aligned16(dst);
         if (vec) {
             const i64 nv = width / VEC, nt = blockDim.x;

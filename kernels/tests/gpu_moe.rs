@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use meshflow_kernels::fp8::Fp8Scales;
 use meshflow_kernels::moe::{
-    reference_combine, round_to, CombineRequest, DispatchOutputs, DispatchRequest, MoeShape,
-    MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
+    reference_combine, round_to, CombineRequest, DispatchOutputs, DispatchRequest, MoeKernels,
+    MoeShape, MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
 };
 use meshflow_kernels::{BinaryOp, DType, Device, DeviceBuffer, Stream};
 use moe_common::*;
@@ -203,6 +203,15 @@ fn cases() -> Vec<Case> {
             wire: FP8_TOKEN,
             ..base
         },
+        // More than 2048 tokens: the fused kernels take two tokens per chunk, the last one
+        // partial.
+        Case {
+            name: "E=256 K=8 bf16 T=2601 (chunks of two tokens)",
+            tokens: 2601,
+            hidden: 512,
+            out_hidden: 256,
+            ..base
+        },
         // K > 32: the routing warp takes the k in several chunks of 32.
         Case {
             name: "E=128 K=40 bf16 (k in two chunks)",
@@ -233,7 +242,12 @@ fn cases() -> Vec<Case> {
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 enum Engine {
     Nccl,
+    /// NVLink with the kernels `MESHFLOW_MOE_KERNELS` picks (default: fused).
     Nvlink,
+    /// NVLink with the split (send + receive) kernels, whatever the environment says.
+    NvlinkSplit,
+    /// NVLink with the fused kernels, whatever the environment says.
+    NvlinkFused,
 }
 
 impl Engine {
@@ -241,6 +255,8 @@ impl Engine {
         match self {
             Engine::Nccl => "nccl",
             Engine::Nvlink => "nvlink",
+            Engine::NvlinkSplit => "nvlink-v1",
+            Engine::NvlinkFused => "nvlink-v2",
         }
     }
 }
@@ -258,6 +274,18 @@ fn make_transports(
     }
     match kind {
         Engine::Nvlink => boxed(NvlinkMoe::team_with_wire(devs, shape, wire).unwrap()),
+        Engine::NvlinkSplit | Engine::NvlinkFused => {
+            let generation = if kind == Engine::NvlinkSplit {
+                MoeKernels::Split
+            } else {
+                MoeKernels::Fused
+            };
+            let mut team = NvlinkMoe::team_with_wire(devs, shape, wire).unwrap();
+            for t in &mut team {
+                t.set_kernel_generation(generation).unwrap();
+            }
+            boxed(team)
+        }
         Engine::Nccl => boxed(NcclMoe::team_with_wire(devs, shape, wire).unwrap()),
     }
 }
@@ -400,6 +428,16 @@ fn nccl_transport_matches_reference() {
 #[test]
 fn nvlink_transport_matches_reference() {
     run_all(Engine::Nvlink, &cases());
+}
+
+#[test]
+fn nvlink_split_kernels_match_reference() {
+    run_all(Engine::NvlinkSplit, &cases());
+}
+
+#[test]
+fn nvlink_fused_kernels_match_reference() {
+    run_all(Engine::NvlinkFused, &cases());
 }
 
 #[test]

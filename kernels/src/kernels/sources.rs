@@ -22,7 +22,8 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
-    /// `moe.cu`: MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]).
+    /// `moe.cu` and `moe_fused.cu` (appended): MoE dispatch / combine (NCCL and NVLink
+    /// transports, [`crate::moe`]).
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
     Rows,
@@ -73,7 +74,12 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
-            Source::Moe => include_str!("../../cuda/moe.cu"),
+            // moe_fused.cu uses moe.cu's helpers: one module, its own `#line` directive.
+            Source::Moe => concat!(
+                include_str!("../../cuda/moe.cu"),
+                "\n",
+                include_str!("../../cuda/moe_fused.cu")
+            ),
             Source::Rows => include_str!("../../cuda/rows.cu"),
         }
     }
@@ -138,13 +144,15 @@ impl Source {
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
 /// The kernels of `moe.cu` instantiated per float type (`moe_<kind>_<dtype>`).
-pub(crate) const MOE_TYPED: [&str; 6] = [
+pub(crate) const MOE_TYPED: [&str; 8] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
     "nccl_combine_send",
     "nvl_combine_send",
     "combine_recv",
+    "nvl_dispatch_fused",
+    "nvl_combine_fused",
 ];
 
 /// The kernels of `moe.cu`.
@@ -242,7 +250,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 6 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 8 * 3) + 15);
     }
 
     #[test]

@@ -174,6 +174,8 @@ pub(crate) struct PeerRegions<'a> {
     pub combine_flags: usize,
     pub weights: usize,
     pub weight_flags: usize,
+    pub dispatch_chunks: usize,
+    pub combine_chunks: usize,
 }
 
 /// NVLink dispatch send: route, store rows and counts in the receivers, raise their flags;

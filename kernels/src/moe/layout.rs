@@ -29,6 +29,11 @@ pub(crate) struct SymLayout {
     pub weights: usize,
     /// `[W]` u32 weight flags.
     pub weight_flags: usize,
+    /// `[W, T]` u32 per-chunk dispatch release flags of the fused kernels (slot `[s][c]`
+    /// written by rank `s`; at most `T` chunks).
+    pub dispatch_chunks: usize,
+    /// `[W, T]` u32 per-chunk combine release flags of the fused kernels.
+    pub combine_chunks: usize,
     pub total: usize,
 }
 
@@ -49,6 +54,8 @@ impl SymLayout {
             combine_flags: region(w * 4),
             weights: region(w * t * k * 4),
             weight_flags: region(w * 4),
+            dispatch_chunks: region(w * t * 4),
+            combine_chunks: region(w * t * 4),
             total: at.max(256),
         }
     }
@@ -83,6 +90,8 @@ mod tests {
                 (l.combine_flags, 8),
                 (l.weights, 2 * 128 * 8 * 4),
                 (l.weight_flags, 8),
+                (l.dispatch_chunks, 2 * 128 * 4),
+                (l.combine_chunks, 2 * 128 * 4),
             ];
             let mut end = 0;
             for (off, bytes) in regions {

@@ -70,6 +70,8 @@ pub use traffic::MoeTraffic;
 pub use wire::{MoeWire, WireLayout};
 
 #[cfg(feature = "cuda")]
+mod fused;
+#[cfg(feature = "cuda")]
 mod kernel_calls;
 #[cfg(feature = "cuda")]
 mod nccl;
@@ -78,6 +80,8 @@ mod nvlink;
 #[cfg(feature = "cuda")]
 mod transport;
 
+#[cfg(feature = "cuda")]
+pub use fused::{MoeKernels, MOE_KERNELS_ENV};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]

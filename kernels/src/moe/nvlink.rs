@@ -19,11 +19,16 @@
 //! 4. `combine_recv`: acquire all flags, `out[t] = Σ_r partials[r][sent_pos[t, r]]` in rank
 //!    order.
 //!
+//! The fused kernels ([`MoeKernels::Fused`], the default; `moe_fused.cu` states their protocol)
+//! run one kernel per phase instead: the dispatch in `dispatch_send`, the combine in
+//! `combine_recv`, with per-chunk flags instead of the all-rank flags.
+//!
 //! Reuse across steps needs no acknowledgements: a peer writes into this rank's areas in step
 //! `s + 1` only after its `combine_recv(s)`, which waited for this rank's `combine_send(s)`,
 //! which follows (in stream order) every read of step `s`'s rows, counts and weights; the
 //! partials are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
+use super::fused::{self, FusedCombine, FusedDispatch, MoeKernels};
 use super::kernel_calls::{
     self, FlagWait, NvlLocal, PeerRegions, RecvOutputs, SendInputs, SendState, SourceRows,
 };
@@ -74,6 +79,13 @@ pub struct NvlinkMoe {
     flag_timeout_ns: u64,
     /// Polled by every peer wait of the kernels (see [`NvlinkMoe::abort_word`]).
     abort: AbortWord,
+    /// Which kernels run the phases.
+    generation: MoeKernels,
+    /// `[W]` i32 received-row counters of the fused dispatch (zeroed by it after use).
+    recv_cnt: DeviceBuffer,
+    /// The fused combine's `expert_y` and whether its weights came with it, from
+    /// `combine_send` to `combine_recv`.
+    pending_combine: Option<(DeviceBuffer, bool)>,
 }
 
 impl NvlinkMoe {
@@ -91,6 +103,9 @@ impl NvlinkMoe {
         let sym = DeviceBuffer::alloc(device, layout.total)?;
         sym.zero(&stream)?;
         let t = NvlinkMoe {
+            generation: MoeKernels::from_env()?,
+            recv_cnt: zeroed_u32(device, &stream, shape.world)?,
+            pending_combine: None,
             state: zeroed_u32(device, &stream, STATE_WORDS)?,
             sym,
             layout,
@@ -294,9 +309,79 @@ impl NvlinkMoe {
         self.abort.clone()
     }
 
+    /// The kernels this engine runs (chosen by `MESHFLOW_MOE_KERNELS` when it was made).
+    pub fn kernel_generation(&self) -> MoeKernels {
+        self.generation
+    }
+
+    /// Switches the kernels (every rank of the team alike, between steps): for comparisons.
+    pub fn set_kernel_generation(&mut self, generation: MoeKernels) -> Result<()> {
+        if !self.core.is_idle() {
+            return Err(KernelError::InvalidArgument(
+                "the NVLink MoE kernels can only be switched between steps".into(),
+            ));
+        }
+        self.generation = generation;
+        Ok(())
+    }
+
     /// A view of region `off` of `bytes` bytes of this rank's symmetric allocation.
     fn region(sym: &DeviceBuffer, off: usize, bytes: usize) -> Result<DeviceBuffer> {
         sym.view(off, bytes.max(4))
+    }
+}
+
+impl NvlinkMoe {
+    /// The fused combine (see `combine_send`, which recorded `expert_y`).
+    fn combine_fused(&mut self, stream: &Stream, out: &DeviceBuffer) -> Result<()> {
+        let rank = self.core.rank;
+        let NvlinkMoe {
+            core,
+            layout,
+            sym,
+            state,
+            tables,
+            flag_timeout_ns,
+            pending_combine,
+            ..
+        } = self;
+        let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
+        let weight_flags = NvlinkMoe::region(sym, layout.weight_flags, core.shape.world * 4)?;
+        core.step(
+            "combine_recv",
+            Phase::CombineSent,
+            Phase::Idle,
+            stream,
+            |c| {
+                let (expert_y, late) = pending_combine.take().ok_or_else(|| {
+                    KernelError::InvalidArgument("MoE combine_recv without combine_send".into())
+                })?;
+                let wait = FlagWait {
+                    flags: &weight_flags,
+                    state,
+                    timeout_ns: *flag_timeout_ns,
+                };
+                let f = FusedCombine {
+                    sym,
+                    expert_y: &expert_y,
+                    fan: &c.fan,
+                    sent_pos: &c.sent_pos,
+                    out,
+                    late,
+                    status: &c.status,
+                };
+                fused::nvl_combine_fused(
+                    &c.kernels,
+                    stream,
+                    &c.shape,
+                    c.wire,
+                    c.rank,
+                    &f,
+                    &wait,
+                    &peer_regions(tables, layout),
+                )
+            },
+        )
     }
 }
 
@@ -317,6 +402,8 @@ fn peer_regions<'a>(tables: &'a Tables, l: &SymLayout) -> PeerRegions<'a> {
         combine_flags: l.combine_flags,
         weights: l.weights,
         weight_flags: l.weight_flags,
+        dispatch_chunks: l.dispatch_chunks,
+        combine_chunks: l.combine_chunks,
     }
 }
 
@@ -347,11 +434,16 @@ impl MoeTransport for NvlinkMoe {
         let NvlinkMoe {
             core,
             layout,
+            sym,
             state,
             tables,
+            generation,
+            recv_cnt,
+            flag_timeout_ns,
             ..
         } = self;
         let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
+        let generation = *generation;
         core.step(
             "dispatch_send",
             Phase::Idle,
@@ -376,6 +468,27 @@ impl MoeTransport for NvlinkMoe {
                     fan: &c.fan,
                     ecnt: &c.ecnt,
                 };
+                if generation == MoeKernels::Fused {
+                    let f = FusedDispatch {
+                        sym,
+                        counts_off: layout.counts,
+                        recv_cnt,
+                        expert_counts: to.counts,
+                        timeout_ns: *flag_timeout_ns,
+                    };
+                    return fused::nvl_dispatch_fused(
+                        &c.kernels,
+                        stream,
+                        &c.shape,
+                        c.wire,
+                        c.rank,
+                        &inp,
+                        &st,
+                        &peer_regions(tables, layout),
+                        &f,
+                        state,
+                    );
+                }
                 kernel_calls::nvl_dispatch_send(
                     &c.kernels,
                     stream,
@@ -398,8 +511,22 @@ impl MoeTransport for NvlinkMoe {
             sym,
             state,
             flag_timeout_ns,
+            generation,
             ..
         } = self;
+        if *generation == MoeKernels::Fused {
+            // The fused dispatch_send did the whole dispatch.
+            return core.step(
+                "dispatch_recv",
+                Phase::DispatchSent,
+                Phase::Dispatched,
+                stream,
+                |c| {
+                    let zero = c.zero_padding;
+                    c.finish_padding(stream, zero)
+                },
+            );
+        }
         let s = core.shape;
         let rows = NvlinkMoe::region(
             sym,
@@ -481,10 +608,31 @@ impl MoeTransport for NvlinkMoe {
             state,
             tables,
             flag_timeout_ns,
+            generation,
+            pending_combine,
             ..
         } = self;
         let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
         let s = core.shape;
+        if *generation == MoeKernels::Fused {
+            // Only the late weights move now; the fused combine runs in combine_recv.
+            return core.step(
+                "combine_send",
+                Phase::Dispatched,
+                Phase::CombineSent,
+                stream,
+                |c| {
+                    if let Some(w) = req.weights {
+                        let peers = peer_regions(tables, layout);
+                        kernel_calls::nvl_weights_send(
+                            &c.kernels, stream, &s, c.rank, w, &peers, state,
+                        )?;
+                    }
+                    *pending_combine = Some((req.expert_y.clone(), req.weights.is_some()));
+                    Ok(())
+                },
+            );
+        }
         let stride = WireLayout::of(&s, core.wire).stride;
         let weight_flags = NvlinkMoe::region(sym, layout.weight_flags, s.world * 4)?;
         let rows = NvlinkMoe::region(sym, layout.rows, s.world * s.tokens * stride)?;
@@ -529,6 +677,9 @@ impl MoeTransport for NvlinkMoe {
 
     fn combine_recv(&mut self, stream: &Stream, out: &DeviceBuffer) -> Result<()> {
         self.core.check_out(out)?;
+        if self.generation == MoeKernels::Fused {
+            return self.combine_fused(stream, out);
+        }
         let NvlinkMoe {
             core,
             layout,

@@ -113,7 +113,8 @@ pub trait MoeTransport: Send {
     /// [`expert_x`](Self::expert_x)).
     fn own_output_bytes(&self) -> usize;
 
-    /// Starts a combine of the last dispatch's rows.
+    /// Starts a combine of the last dispatch's rows. `expert_y` must stay unchanged until
+    /// [`combine_recv`](Self::combine_recv) has been enqueued (an engine may read it there).
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()>;
 
     /// Finishes the combine: `out[T, F]` (the shape's dtype) receives every token's sum of
@@ -369,6 +370,11 @@ impl Core {
         self.abort_slot
             .upload(&stream, &[word.device_addr()? as i64])?;
         stream.synchronize()
+    }
+
+    /// Whether no step is in progress.
+    pub fn is_idle(&self) -> bool {
+        self.phase == Phase::Idle
     }
 
     /// Runs `op` (which enqueues the phase `from -> to`) after checking the order; a failure

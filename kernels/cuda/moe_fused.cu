@@ -1,0 +1,346 @@
+#line 1 "moe_fused.cu"
+// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu, whose helpers they use; host
+// side: kernels/src/moe/fused.rs).
+//
+// One kernel per phase instead of two, with the receive side overlapping the peers' sends:
+//
+// - Positions are fixed: token t of rank s lies in slot t of every receiver's rows[s] (token
+//   field -1 when it does not go there), so sent_pos[t][r] is t or -1, and a receiver knows
+//   where a token lies before its sender is done.
+// - Tokens form chunks of `chunk` consecutive tokens (the same on every rank: it is derived
+//   from the shape). A sender releases chunk_flags[me][c] = epoch at every peer (after a
+//   system-scope fence over the chunk's stores) as soon as it has written chunk c there; a
+//   receiver acquires only the chunk it is about to read.
+// - Work is handed out in tickets (one atomic per block and item, ascending): per chunk there
+//   are `A` producer items and `B` consumer items, and the consumers of chunk c are handed out
+//   after the producers of chunk c + lag, so they rarely wait. A consumer only waits for
+//   producers of lower tickets (here: its peers' producers, which never wait), so the team
+//   makes progress whatever number of blocks is resident.
+//
+// Dispatch (A = 1, B = W - 1): a producer routes its chunk's tokens (own fan-out, wire rows into
+// the receivers' slot t, -1 markers) and releases the chunk at the peers; a consumer fans out
+// the chunk's rows of one source. Combine (A = W - 1, B = 1): a producer reduces the chunk's
+// received rows of one source into partials stored at the source and releases the chunk there;
+// a consumer waits for the chunk from every peer, computes this rank's own partials of its
+// tokens into out (no partial round trip through memory of its own), then sums in rank order
+// into out (same order, same roundings as the unfused kernels).
+//
+// Reuse across steps: a peer writes rows / partials of step s + 1 only after its combine of
+// step s, whose consumers waited for this rank's release of every chunk (empty ones included),
+// which follows all of this rank's reads of step s's rows; partials alike through the dispatch
+// of step s + 1, whose consumers wait for every chunk of every peer.
+
+// A ticket for the block (every thread gets the same value).
+__device__ __forceinline__ i64 block_ticket(unsigned* counter) {
+    __shared__ i64 ticket;
+    __syncthreads();
+    if (threadIdx.x == 0) ticket = (i64)atomicAdd(counter, 1u);
+    __syncthreads();
+    return ticket;
+}
+
+// One work item of a fused kernel: `consumer` or producer of chunk `chunk`, `index` < A (or B).
+struct Item {
+    bool valid, consumer;
+    i64 chunk, index;
+};
+
+// The item of ticket q with n chunks, a producers and b consumers per chunk, consumers of chunk c
+// after the producers of chunk c + lag (see the top of this file).
+__device__ __forceinline__ Item item_of(i64 q, i64 n, i64 a, i64 b, i64 lag) {
+    Item it = {false, false, 0, 0};
+    const i64 d = lag < n ? lag : n;
+    if (q < d * a) {
+        it.valid = true;
+        it.chunk = q / a;
+        it.index = q - it.chunk * a;
+        return it;
+    }
+    q -= d * a;
+    const i64 per = a + b, body = (n - d) * per;
+    if (q < body) {
+        const i64 i = q / per, j = q - i * per;
+        it.valid = true;
+        if (j < a) {
+            it.chunk = d + i;
+            it.index = j;
+        } else {
+            it.consumer = true;
+            it.chunk = i;
+            it.index = j - a;
+        }
+        return it;
+    }
+    q -= body;
+    if (b > 0 && q < d * b) {
+        it.valid = true;
+        it.consumer = true;
+        it.chunk = (n - d) + q / b;
+        it.index = q - (q / b) * b;
+    }
+    return it;
+}
+
+// After the block's stores of chunk c: chunk_flags[rank * n + c] = epoch in every peer but this
+// rank (release, system scope, after a fence over the whole block's stores). peer == -1: every
+// other rank, else only that one.
+__device__ void release_chunk(const u64* peer_sym, i64 flags_off, i64 world, i64 rank, i64 peer,
+                              i64 n, i64 c, unsigned epoch) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (i64 d = 0; d < world; ++d)
+            if (d != rank && (peer < 0 || d == peer))
+                st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
+    }
+}
+
+// ---- dispatch ---------------------------------------------------------------------------------
+
+// The block fans the row in slot t of source s out to the local experts (as fan_out does for
+// one row); returns whether the slot held a row (the same in every thread).
+template <typename T>
+__device__ bool fan_out_slot(const char* rows, i64 s, i64 t, i64 tokens, i64 top_k, i64 experts,
+                             i64 local_experts, i64 rank, i64 capacity, i64 hidden, unsigned wire,
+                             i64 stride, i64 scale_off, i64 meta_off, T* expert_x, i32* routing,
+                             i32* fan, i32* ecnt, unsigned* status) {
+    __shared__ RowTargets to;
+    __shared__ int present;
+    const int lane = lane_id();
+    const char* row = rows + (s * tokens + t) * stride;
+    const i64 row_bytes = hidden * (i64)sizeof(T);
+    for (i64 k0 = 0; k0 < top_k; k0 += 32) {
+        if (threadIdx.x < 32) {
+            const int tok = ld_cg_i32(row + meta_off);
+            if (tok != -1 && tok != t && lane == 0 && k0 == 0) atomicOr(status, MOE_BAD_ROUTING);
+            const int e = tok == t && k0 + lane < top_k
+                              ? ld_cg_i32(row + meta_off + 4 + 4 * (k0 + lane))
+                              : -1;
+            int n = 0;
+            if (tok == t)
+                n = take_expert_rows(e, k0, top_k, experts, local_experts, rank, capacity,
+                                     (i32)(s * tokens + t), (char*)expert_x, row_bytes, routing,
+                                     fan + (s * tokens + t) * top_k, ecnt, status, to, 0);
+            if (lane == 0) {
+                present = tok == t;
+                to.n_wire = 0;
+                to.n = n;
+            }
+        }
+        __syncthreads();
+        if (!present) {
+            // Uniform; warp 0 rewrites `present` for the next slot only after this barrier.
+            __syncthreads();
+            return false;
+        }
+        block_read_payload<T>(row, hidden, wire, scale_off, to);
+        __syncthreads();
+    }
+    return true;
+}
+
+// rows/counts/chunk flags: this rank's symmetric regions (local addresses); recv_cnt[W]: zeroed
+// per-source counters of received rows. The last block writes the expert counts, this rank's
+// received row counts (counts[s]), zeroes the counters and stores the epoch.
+template <typename T>
+__device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float* weights,
+                                   i64 tokens, i64 top_k, i64 experts, i64 local_experts,
+                                   i64 world, i64 rank, i64 hidden, unsigned wire, i64 stride,
+                                   i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,
+                                   i64 chunk_flags_off, char* sym, i64 counts_off, i64 chunk,
+                                   i64 lag, u64 timeout_ns, i32* cnt, i32* recv_cnt,
+                                   i32* sent_pos, unsigned* status, unsigned* state,
+                                   const OwnFanOut& own, i32* expert_counts) {
+    const unsigned epoch = *(volatile unsigned*)state + 1u;
+    const i64 n = (tokens + chunk - 1) / chunk;
+    PeerRowAt at = {peer_sym, rows_off, rank, tokens, stride};
+    const char* rows = sym + rows_off;
+    const unsigned* flags = (const unsigned*)(sym + chunk_flags_off);
+    for (;;) {
+        const Item it = item_of(block_ticket(state + 5), n, 1, world - 1, lag);
+        if (!it.valid) break;
+        const i64 t0 = it.chunk * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
+        if (!it.consumer) {
+            for (i64 t = t0; t < t1; ++t)
+                route_and_send_token<T, true>(t, at, x, topk_idx, weights, tokens, top_k, experts,
+                                              local_experts, world, rank, hidden, wire, scale_off,
+                                              meta_off, cnt, sent_pos, status, own);
+            release_chunk(peer_sym, chunk_flags_off, world, rank, -1, n, it.chunk, epoch);
+        } else {
+            const i64 s = (rank + 1 + it.index) % world;
+            block_wait_strided(flags + s * n + it.chunk, 1, 0, -1, epoch, timeout_ns, status,
+                               MOE_GAVE_UP_DISPATCH, s);
+            int got = 0;
+            for (i64 t = t0; t < t1; ++t)
+                got += fan_out_slot<T>(rows, s, t, tokens, top_k, experts, local_experts, rank,
+                                       own.capacity, hidden, wire, stride, scale_off, meta_off,
+                                       (T*)own.expert_x, own.routing, own.fan, own.ecnt, status);
+            if (threadIdx.x == 0 && got > 0) atomicAdd(recv_cnt + s, got);
+        }
+    }
+    if (grid_last_block(state + 1)) {
+        for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
+            const int total = ld_relaxed_gpu(own.ecnt + le);
+            expert_counts[le] = total < own.capacity ? total : (i32)own.capacity;
+            own.ecnt[le] = 0;
+        }
+        for (i64 s = threadIdx.x; s < world; s += blockDim.x) {
+            ((i32*)(sym + counts_off))[s] = ld_relaxed_gpu(s == rank ? cnt + s : recv_cnt + s);
+            recv_cnt[s] = 0;
+        }
+        for (i64 r = threadIdx.x; r < world; r += blockDim.x) cnt[r] = 0;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            state[5] = 0u;
+            *(volatile unsigned*)state = epoch;
+        }
+    }
+}
+
+// ---- combine ----------------------------------------------------------------------------------
+
+// out[t] for t in [t0, t1): the sum in ascending rank order of the partials of the ranks with
+// sent_pos[t][r] >= 0, where this rank's own partial already lies in out[t] and every other
+// rank's in partials[r][t]; f32 from +0, rounded once (sum_partials, in place).
+template <typename T>
+__device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_pos, T* out,
+                                i64 t0, i64 t1, i64 tokens, i64 world, i64 width) {
+    const int VEC = 16 / (int)sizeof(T);
+    const i64 row_bytes = width * (i64)sizeof(T);
+    if ((width % VEC) == 0 && aligned16(out) && aligned16(partials)) {
+        const i64 nv = width / VEC, items = (t1 - t0) * nv, nt = blockDim.x;
+        for (i64 base = threadIdx.x; base < items; base += 2 * nt) {
+            float acc[2][16 / sizeof(T)];
+            i64 tt[2], vv[2];
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                const i64 i = base + u * nt;
+                tt[u] = t0 + i / nv;
+                vv[u] = i - (i / nv) * nv;
+#pragma unroll
+                for (int q = 0; q < VEC; ++q) acc[u][q] = 0.0f;
+            }
+            for (i64 r = 0; r < world; ++r) {
+                U128 raw[2];
+                bool use[2];
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    use[u] = base + u * nt < items && sent_pos[tt[u] * world + r] >= 0;
+                    if (use[u]) {
+                        const char* src = r == rank ? (const char*)(out + tt[u] * width)
+                                                    : partials + (r * tokens + tt[u]) * row_bytes;
+                        raw[u] = ld_cg_v4(src + 16 * vv[u]);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    if (use[u]) {
+                        const Vec16<T> pv = *(const Vec16<T>*)&raw[u];
+#pragma unroll
+                        for (int q = 0; q < VEC; ++q) acc[u][q] = __fadd_rn(acc[u][q], to_f32(pv.v[q]));
+                    }
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+                if (base + u * nt < items) {
+                    Vec16<T> o;
+#pragma unroll
+                    for (int q = 0; q < VEC; ++q) o.v[q] = from_f32<T>(acc[u][q]);
+                    st_v4(out + tt[u] * width + vv[u] * VEC, *(const U128*)&o);
+                }
+            }
+        }
+    } else {
+        for (i64 i = threadIdx.x; i < (t1 - t0) * width; i += blockDim.x) {
+            const i64 t = t0 + i / width, c = i - (i / width) * width;
+            float acc = 0.0f;
+            for (i64 r = 0; r < world; ++r) {
+                if (sent_pos[t * world + r] < 0) continue;
+                const char* src = r == rank ? (const char*)(out + t * width)
+                                            : partials + (r * tokens + t) * row_bytes;
+                acc = __fadd_rn(acc, to_f32(load_cg<T>(src + c * (i64)sizeof(T))));
+            }
+            out[t * width + c] = from_f32<T>(acc);
+        }
+    }
+}
+
+// rows / partials / chunk flags: this rank's symmetric regions (local addresses). late: the
+// weights come from w_area ([W, T, K], slot s from rank s) after the weight flags; else from
+// the wire rows. The last block resets the ticket counter.
+template <typename T>
+__device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 timeout_ns,
+                                  const char* rows, const char* partials, const unsigned* flags,
+                                  i64 rank, const T* y, const i32* fan, const i32* sent_pos,
+                                  T* out, i64 tokens, i64 top_k, i64 world, i64 width,
+                                  i64 stride, i64 meta_off, unsigned late, const float* w_area,
+                                  const u64* peer_sym, i64 partials_off, i64 chunk_flags_off,
+                                  i64 chunk, i64 lag, unsigned* status) {
+    const unsigned epoch = *(volatile unsigned*)state;
+    if (late != 0) block_wait_flags(w_flags, world, epoch, timeout_ns, status, MOE_GAVE_UP_COMBINE);
+    const i64 n = (tokens + chunk - 1) / chunk;
+    const i64 row_bytes = width * (i64)sizeof(T);
+    for (;;) {
+        const Item it = item_of(block_ticket(state + 6), n, world - 1, 1, lag);
+        if (!it.valid) break;
+        const i64 t0 = it.chunk * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
+        // Producer: partials of source s; consumer: this rank's own tokens.
+        const i64 s = it.consumer ? rank : (rank + 1 + it.index) % world;
+        for (i64 t = t0; t < t1; ++t) {
+            const char* row = rows + (s * tokens + t) * stride;
+            // Own tokens: the slot holds a row iff the token went to this rank.
+            if (it.consumer ? sent_pos[t * world + rank] < 0 : ld_cg_i32(row + meta_off) != t)
+                continue;
+            const char* w_at = late != 0 ? (const char*)(w_area + (s * tokens + t) * top_k)
+                                         : row + meta_off + 4 + 4 * top_k;
+            T* dst = it.consumer ? out + t * width
+                                 : (T*)((char*)peer_sym[s] + partials_off +
+                                        (rank * tokens + t) * row_bytes);
+            reduce_row<T>(dst, fan + (s * tokens + t) * top_k, w_at, y, top_k, width);
+        }
+        if (it.consumer) {
+            // The own partials first (they need nothing from the peers), then the peers'.
+            __syncthreads();
+            block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status,
+                               MOE_GAVE_UP_COMBINE, 0);
+            block_sum_chunk<T>(partials, rank, sent_pos, out, t0, t1, tokens, world, width);
+        } else {
+            release_chunk(peer_sym, chunk_flags_off, world, rank, s, n, it.chunk, epoch);
+        }
+    }
+    if (grid_last_block(state + 3)) {
+        if (threadIdx.x == 0) state[6] = 0u;
+    }
+}
+
+// ---- typed entry points ----------------------------------------------------------------------
+
+#define MOE_FUSED_KERNELS(T)                                                                       \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_##T(                              \
+        const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
+        i64 experts, i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire,            \
+        i64 stride, i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,                \
+        i64 chunk_flags_off, char* sym, i64 counts_off, i64 chunk, i64 lag, u64 timeout_ns,        \
+        i32* cnt, i32* recv_cnt, i32* sent_pos, unsigned* status, unsigned* state, T* expert_x,    \
+        i32* routing, i32* fan, i32* ecnt, i64 capacity, i32* expert_counts) {                     \
+        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
+        nvl_dispatch_fused<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,  \
+                              rank, hidden, wire, stride, scale_off, meta_off, peer_sym, rows_off, \
+                              chunk_flags_off, sym, counts_off, chunk, lag, timeout_ns, cnt,       \
+                              recv_cnt, sent_pos, status, state, own, expert_counts);              \
+    }                                                                                              \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_##T(                               \
+        const unsigned* w_flags, unsigned* state, u64 timeout_ns, const char* rows,                \
+        const char* partials, const unsigned* flags, i64 rank, const T* y, const i32* fan,         \
+        const i32* sent_pos, T* out, i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,      \
+        i64 meta_off, unsigned late, const float* w_area, const u64* peer_sym, i64 partials_off,   \
+        i64 chunk_flags_off, i64 chunk, i64 lag, unsigned* status) {                               \
+        nvl_combine_fused<T>(w_flags, state, timeout_ns, rows, partials, flags, rank, y, fan,      \
+                             sent_pos, out, tokens, top_k, world, width, stride, meta_off, late,   \
+                             w_area, peer_sym, partials_off, chunk_flags_off, chunk, lag, status); \
+    }
+
+MOE_FUSED_KERNELS(f32)
+MOE_FUSED_KERNELS(bf16)
+MOE_FUSED_KERNELS(f16)

@@ -1,0 +1,253 @@
+//! The fused NVLink MoE kernels (`moe_fused.cu`): which kernel generation an NVLink engine
+//! runs, the chunking both ranks agree on, and the launch code.
+//!
+//! - [`MoeKernels::Split`]: two kernels per phase (send, then receive after one all-rank flag),
+//!   positions packed by atomics.
+//! - [`MoeKernels::Fused`] (default): one kernel per phase. Token `t` lies in slot `t` of every
+//!   receiver; tokens form chunks ([`fused_chunk`]) released one by one, so a receiver fans out
+//!   (dispatch) or sums (combine) chunk `c` while its peers still send later chunks. The fused
+//!   dispatch runs in `dispatch_send` (`dispatch_recv` only zeroes padding), the fused combine
+//!   in `combine_recv` (`combine_send` only moves late weights and records `expert_y`).
+//!
+//! `MESHFLOW_MOE_KERNELS=v1|split|v2|fused` picks the generation when an engine is made;
+//! `MESHFLOW_MOE_CHUNK` (tokens per chunk, the same on every rank) and `MESHFLOW_MOE_LAG`
+//! (chunks between a chunk's producers and its consumers in the work order; local) tune the
+//! fused kernels.
+
+use super::kernel_calls::{n, ptr, FlagWait, PeerRegions, SendInputs, SendState, NULL};
+use super::{MoeShape, MoeWire, WireLayout};
+use crate::buffer::DeviceBuffer;
+use crate::error::{KernelError, Result};
+use crate::kernels::{moe_typed_name, Arg, Kernels, Source};
+use crate::stream::Stream;
+
+/// Threads per block of the fused kernels (their `ROW_KERNEL` launch bounds).
+const FUSED_BLOCK: u32 = 256;
+
+/// The environment variable choosing the kernel generation.
+pub const MOE_KERNELS_ENV: &str = "MESHFLOW_MOE_KERNELS";
+
+/// Which NVLink kernels an engine runs (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeKernels {
+    /// Send and receive kernels per phase, one all-rank flag between them.
+    Split,
+    /// One kernel per phase, per-chunk release flags.
+    Fused,
+}
+
+impl MoeKernels {
+    /// The generation named by `MESHFLOW_MOE_KERNELS` (default [`MoeKernels::Fused`]).
+    pub fn from_env() -> Result<MoeKernels> {
+        match std::env::var(MOE_KERNELS_ENV) {
+            Err(_) => Ok(MoeKernels::Fused),
+            Ok(v) => MoeKernels::parse(&v),
+        }
+    }
+
+    /// Parses `v1`/`split` or `v2`/`fused`.
+    pub fn parse(v: &str) -> Result<MoeKernels> {
+        match v.trim() {
+            "v1" | "split" => Ok(MoeKernels::Split),
+            "v2" | "fused" | "" => Ok(MoeKernels::Fused),
+            other => Err(KernelError::InvalidArgument(format!(
+                "{MOE_KERNELS_ENV}={other}: expected v1 (split) or v2 (fused)"
+            ))),
+        }
+    }
+
+    /// `v1` or `v2`, for reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeKernels::Split => "v1",
+            MoeKernels::Fused => "v2",
+        }
+    }
+}
+
+/// A positive integer from the environment variable `var`, if set.
+fn env_count(var: &str) -> Result<Option<usize>> {
+    match std::env::var(var) {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(KernelError::InvalidArgument(format!(
+                "{var}={v}: expected a positive integer"
+            ))),
+        },
+    }
+}
+
+/// Tokens per chunk of the fused kernels for `tokens` tokens per rank: one token per chunk up
+/// to 2048 tokens (latency), two beyond (fewer release fences); `MESHFLOW_MOE_CHUNK`
+/// overrides. Every rank must use the same value (it is derived from the shape alone).
+pub fn fused_chunk(tokens: usize) -> Result<usize> {
+    Ok(env_count("MESHFLOW_MOE_CHUNK")?.unwrap_or(if tokens > 2048 { 2 } else { 1 }))
+}
+
+/// The grid and lag of a fused kernel with `items` work items, `per_chunk` of them per chunk:
+/// at most two blocks per SM (all resident), and consumers handed out about one grid of items
+/// after the producers of their chunk.
+fn grid_and_lag(k: &Kernels, items: usize, per_chunk: usize) -> Result<(u32, usize)> {
+    let cap = (k.device().sm_count() as usize * 2).max(1);
+    let grid = items.clamp(1, cap);
+    let lag = env_count("MESHFLOW_MOE_LAG")?.unwrap_or(grid.div_ceil(per_chunk.max(1)));
+    Ok((u32::try_from(grid).unwrap_or(1), lag))
+}
+
+/// What the fused dispatch writes besides [`SendState`]: the symmetric allocation of this rank
+/// (its rows, counts and chunk flags) and the `[W]` i32 received-row counters.
+pub(crate) struct FusedDispatch<'a> {
+    pub sym: &'a DeviceBuffer,
+    pub counts_off: usize,
+    pub recv_cnt: &'a DeviceBuffer,
+    pub expert_counts: &'a DeviceBuffer,
+    pub timeout_ns: u64,
+}
+
+/// The fused NVLink dispatch (routing, sends, own and received fan-out, counts; `state` is the
+/// engine's `[8]` u32 device state).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn nvl_dispatch_fused(
+    k: &Kernels,
+    stream: &Stream,
+    shape: &MoeShape,
+    wire: MoeWire,
+    rank: usize,
+    inp: &SendInputs<'_>,
+    st: &SendState<'_>,
+    peers: &PeerRegions<'_>,
+    fused: &FusedDispatch<'_>,
+    state: &DeviceBuffer,
+) -> Result<()> {
+    let lay = WireLayout::of(shape, wire);
+    let chunk = fused_chunk(shape.tokens)?;
+    let chunks = shape.tokens.div_ceil(chunk);
+    let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world)?;
+    let mut args = [
+        ptr(inp.x),
+        ptr(inp.topk_idx),
+        inp.weights.map_or(NULL, ptr),
+        n(shape.tokens),
+        n(shape.top_k),
+        n(shape.experts),
+        n(shape.local_experts()),
+        n(shape.world),
+        n(rank),
+        n(shape.hidden),
+        Arg::U32(wire.code()),
+        n(lay.stride),
+        n(lay.scale_off),
+        n(lay.meta_off),
+        ptr(peers.peer_sym),
+        n(peers.rows),
+        n(peers.dispatch_chunks),
+        ptr(fused.sym),
+        n(fused.counts_off),
+        n(chunk),
+        n(lag),
+        Arg::U64(fused.timeout_ns),
+        ptr(st.cnt),
+        ptr(fused.recv_cnt),
+        ptr(st.sent_pos),
+        ptr(st.status),
+        ptr(state),
+        ptr(st.expert_x),
+        ptr(st.routing),
+        ptr(st.fan),
+        ptr(st.ecnt),
+        n(shape.capacity),
+        ptr(fused.expert_counts),
+    ];
+    let name = moe_typed_name("nvl_dispatch_fused", shape.dtype);
+    k.call(stream, Source::Moe, &name, grid, FUSED_BLOCK, &mut args)
+}
+
+/// The inputs of a fused NVLink combine.
+pub(crate) struct FusedCombine<'a> {
+    /// This rank's symmetric allocation (rows, partials, chunk flags read locally).
+    pub sym: &'a DeviceBuffer,
+    pub expert_y: &'a DeviceBuffer,
+    pub fan: &'a DeviceBuffer,
+    pub sent_pos: &'a DeviceBuffer,
+    pub out: &'a DeviceBuffer,
+    /// The weights came with the combine (then they lie in the weight area after its flags).
+    pub late: bool,
+    pub status: &'a DeviceBuffer,
+}
+
+/// The fused NVLink combine: partials of received rows into their sources, own partials and
+/// the rank-ordered sum into `out`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn nvl_combine_fused(
+    k: &Kernels,
+    stream: &Stream,
+    shape: &MoeShape,
+    wire: MoeWire,
+    rank: usize,
+    c: &FusedCombine<'_>,
+    wait: &FlagWait<'_>,
+    peers: &PeerRegions<'_>,
+) -> Result<()> {
+    let lay = WireLayout::of(shape, wire);
+    let chunk = fused_chunk(shape.tokens)?;
+    let chunks = shape.tokens.div_ceil(chunk);
+    let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world)?;
+    let at = |off: usize| Arg::Ptr(c.sym.addr() + off as u64);
+    let mut args = [
+        ptr(wait.flags),
+        ptr(wait.state),
+        Arg::U64(wait.timeout_ns),
+        at(peers.rows),
+        at(peers.partials),
+        at(peers.combine_chunks),
+        n(rank),
+        ptr(c.expert_y),
+        ptr(c.fan),
+        ptr(c.sent_pos),
+        ptr(c.out),
+        n(shape.tokens),
+        n(shape.top_k),
+        n(shape.world),
+        n(shape.out_hidden),
+        n(lay.stride),
+        n(lay.meta_off),
+        Arg::U32(u32::from(c.late)),
+        at(peers.weights),
+        ptr(peers.peer_sym),
+        n(peers.partials),
+        n(peers.combine_chunks),
+        n(chunk),
+        n(lag),
+        ptr(c.status),
+    ];
+    let name = moe_typed_name("nvl_combine_fused", shape.dtype);
+    k.call(stream, Source::Moe, &name, grid, FUSED_BLOCK, &mut args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_generations_parse() {
+        assert_eq!(MoeKernels::parse("v1").unwrap(), MoeKernels::Split);
+        assert_eq!(MoeKernels::parse("split").unwrap(), MoeKernels::Split);
+        assert_eq!(MoeKernels::parse(" v2 ").unwrap(), MoeKernels::Fused);
+        assert_eq!(MoeKernels::parse("fused").unwrap(), MoeKernels::Fused);
+        assert!(MoeKernels::parse("v3").is_err());
+        assert_eq!(MoeKernels::Split.name(), "v1");
+    }
+
+    #[test]
+    fn fused_block_matches_the_kernels_launch_bounds() {
+        let line = format!("#define ROW_THREADS {FUSED_BLOCK}\n");
+        assert!(Source::Moe.text().contains(&line));
+        assert!(Source::Moe
+            .text()
+            .contains("ROW_KERNEL moe_nvl_dispatch_fused_##T("));
+        assert!(Source::Moe
+            .text()
+            .contains("ROW_KERNEL moe_nvl_combine_fused_##T("));
+    }
+}
