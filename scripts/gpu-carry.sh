@@ -4,7 +4,7 @@
 # copies them (stripped) with gpu-env.sh, torch_baselines.py and a runner into gpu/suite/
 # (git-ignored), then on the GPU machine, from the repository root:
 #
-#   bash gpu/suite/run.sh [tests|bench|calibrate|all]   # logs and JSON under $OUT (default /tmp/out)
+#   bash gpu/suite/run.sh [tests|bench|schedule|calibrate|all]   # logs and JSON under $OUT (default /tmp/out)
 #
 # `tests` runs every GPU test binary (the kernels crate's as kernels_gpu, each transport alone
 # from the root crate's unit tests as meshflow_lib; the fault matrix test by test) on the GPUs
@@ -12,7 +12,9 @@
 # them in the same call, `meshflow bench schedule` (in one process, and one process per GPU
 # under `meshflow launch`; the rows merged into $OUT/<date>-<gpu>x<n>-schedule.json), `bench
 # moe` (kernels and evaluator paths, $OUT/moe-<n>.json) and `bench permute` (a few minutes on 2
-# GPUs); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
+# GPUs); `schedule` runs only PyTorch's baselines and the two `bench schedule` runs, and prints
+# each case's default row with its ratios to the bound, to the fastest variant and to PyTorch's
+# async-TP (about 3-4 minutes on 2 GPUs); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
 # and the benchmarks.
 # `python` runs the Python package's GPU tests (python/gpu/run.sh) from the wheel that
 # scripts/python-carry.sh packs into gpu/python/ (run it too, before carrying).
@@ -95,15 +97,20 @@ tests() {
     step 300 "$B/gpu" "faults::$t" --exact --test-threads 1 --nocapture
   done
 }
-bench() {
+torch_figures() {
   # PyTorch's figures first, in the same call; then every benchmark reads them (--torch).
   step 200 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
-  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 5 --steps 10 --skip-parts)
-  # Every AG+GEMM and GEMM+RS variant, ranks as threads of one process (procs = 1) ...
-  step 300 "$B/meshflow" bench schedule --torch "$tj" --json "$OUT/schedule-threads-$n.json" "${q[@]}"
+}
+schedule() {
+  # Each case is set up once, every variant checked once, then timed in interleaved rounds
+  # (2 untimed + 10 timed rounds of 5 steps each): about 1-2 minutes per process mode on 2 GPUs.
+  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 10 --steps 5 --skip-parts)
+  # Every AG+GEMM and GEMM+RS variant at both shapes, ranks as threads of one process (procs = 1) ...
+  step 270 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
+    --json "$OUT/schedule-threads-$n.json" "${q[@]}"
   # ... and one process per GPU (procs = n; rank 0 writes the rows).
-  [ "$n" -ge 2 ] && step 300 "$B/meshflow" launch --nproc "$n" -- "$B/meshflow" bench schedule \
-    --torch "$tj" --json "$OUT/schedule-procs-$n.json" "${q[@]}"
+  [ "$n" -ge 2 ] && step 270 env RUST_LOG=meshflow_bench=info "$B/meshflow" launch --nproc "$n" -- \
+    "$B/meshflow" bench schedule --torch "$tj" --json "$OUT/schedule-procs-$n.json" "${q[@]}"
   python3 - "$OUT" "$n" <<'PY'
 import json, sys, os, datetime
 out, n = sys.argv[1], sys.argv[2]
@@ -117,10 +124,26 @@ model = next((w.lower() for w in dev if any(c.isdigit() for c in w)), "gpu")
 name = f"{datetime.date.today()}-{model}x{n}-schedule.json"
 json.dump(rows, open(os.path.join(out, name), "w"), indent=1)
 print(f"{len(rows)} schedule rows in {name}")
+groups = {}
 for r in rows:
-    if r["default"]:
-        print(f"  default {r['case']} procs={r['procs']}: {r['variant']} {r['us']} us, bound {r['bound_us']} us, torch async-TP {r['torch_async_tp_us']} us")
+    groups.setdefault((r["case"], r["procs"]), []).append(r)
+for (case, procs), rs in sorted(groups.items()):
+    timed = [r for r in rs if r["us"] is not None]
+    d = next((r for r in rs if r["default"]), None)
+    if not timed or d is None or d["us"] is None:
+        print(f"  {case} procs={procs}: no default figure")
+        continue
+    best = min(timed, key=lambda r: r["us"])
+    t = d["torch_async_tp_us"]
+    print(f"  {case} procs={procs}: {d['variant']} {d['us']} us = {d['us'] / d['bound_us']:.3f}x bound"
+          f" ({d['bound_us']} us), {d['us'] / best['us']:.3f}x fastest ({best['variant']} {best['us']} us)"
+          + (f", {d['us'] / t:.2f}x torch async-TP" if t else ""))
 PY
+}
+bench() {
+  torch_figures
+  schedule
+  local tj="$OUT/torch_baselines_$n.json"
   # MoE: the kernels alone and the lowered program through the evaluator.
   step 300 "$B/meshflow" bench moe --torch "$tj" --json "$OUT/moe-$n.json" --warmup 5 --iters 20 --steps 10
   [ "$n" -ge 2 ] && step 120 "$B/meshflow" bench permute --torch "$tj" --json "$OUT/permute-$n.json" --mib 256
@@ -133,6 +156,7 @@ calibrate() {
   case "${1:-all}" in
     tests) tests ;;
     bench) bench ;;
+    schedule) torch_figures; schedule ;;
     calibrate) calibrate ;;
     python) OUT="$OUT" bash "$root/python/gpu/run.sh" "$root/gpu/python" ;;
     *) tests; bench ;;
@@ -141,4 +165,4 @@ calibrate() {
 } 2>&1 | tee "$OUT/suite.log"
 RUN
 du -sh "$dest"
-echo "carry gpu (or gpu/suite) to the GPU machine and run: bash gpu/suite/run.sh [tests|bench|all]"
+echo "carry gpu (or gpu/suite) to the GPU machine and run: bash gpu/suite/run.sh [tests|bench|schedule|calibrate|all]"

@@ -3,7 +3,8 @@
 //! one TCP rendezvous (the torchrun variables), each program under a key prefix of its own.
 //! Every rank publishes whether its run succeeded, its device times and its outputs; rank 0
 //! gathers them, so that it reports the same figures (the maximum over ranks of the per-rank
-//! medians) and checks the same outputs as an in-process run.
+//! medians) and checks the same outputs as an in-process run. The cases of `bench agmm|rsmm|
+//! schedule` run through [`crate::session`] on a [`Launched::scope`] of the store instead.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,6 +20,7 @@ use meshflow::runtime::rendezvous::{
 use meshflow::runtime::RunOutcome;
 
 use crate::gpu::BenchError;
+use crate::session::Scoped;
 
 /// The rendezvous of this process's rank, shared by its runs.
 pub(crate) struct Launched {
@@ -26,40 +28,6 @@ pub(crate) struct Launched {
     store: Arc<TcpRendezvous>,
     runs: AtomicUsize,
     timeout: Duration,
-}
-
-/// One run's keys: `bench/<run>/...` in the shared store. The namespace stays the store's, so
-/// that caches keyed by it (NCCL communicators) serve every run of the process, as they do
-/// across the runs of an in-process benchmark.
-#[derive(Debug)]
-struct Prefixed {
-    store: Arc<TcpRendezvous>,
-    prefix: String,
-    namespace: String,
-}
-
-impl Rendezvous for Prefixed {
-    fn namespace(&self) -> &str {
-        &self.namespace
-    }
-    fn publish(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
-        self.store.publish(&format!("{}{key}", self.prefix), value)
-    }
-    fn fetch(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RendezvousError> {
-        self.store.fetch(&format!("{}{key}", self.prefix), timeout)
-    }
-    fn barrier(
-        &self,
-        name: &str,
-        parties: usize,
-        timeout: Duration,
-    ) -> Result<(), RendezvousError> {
-        self.store
-            .barrier(&format!("{}{name}", self.prefix), parties, timeout)
-    }
-    fn abort(&self, reason: &str) {
-        self.store.abort(reason);
-    }
 }
 
 /// What every rank gathers from one run: per-rank device times, and (rank 0) every rank's
@@ -132,6 +100,15 @@ impl Launched {
         self.env.local_rank
     }
 
+    /// A fresh scope of the store for one run or one case: keys and barriers under
+    /// `bench/<n>/`, the store's namespace (so that communicators cached per namespace serve
+    /// every run of the process, as they do across the runs of an in-process benchmark).
+    pub(crate) fn scope(&self) -> Arc<dyn Rendezvous> {
+        let n = self.runs.fetch_add(1, Ordering::Relaxed);
+        let store: Arc<dyn Rendezvous> = self.store.clone();
+        Arc::new(Scoped::new(store, format!("bench/{n}/")))
+    }
+
     /// Runs this rank of `host` (`warmup` untimed and `iterations` timed runs) with this
     /// rank's `inputs`; every rank gets the times of all, rank 0 also their outputs.
     pub(crate) fn time(
@@ -143,17 +120,11 @@ impl Launched {
         warmup: usize,
         iterations: usize,
     ) -> Result<Gathered, BenchError> {
-        let n = self.runs.fetch_add(1, Ordering::Relaxed);
-        let prefix = format!("bench/{n}/");
-        let rdv = Arc::new(Prefixed {
-            store: self.store.clone(),
-            namespace: self.store.namespace().to_string(),
-            prefix: prefix.clone(),
-        });
+        let rdv = self.scope();
         let (rank, world) = (self.env.rank, self.env.world_size);
         let empty = BTreeMap::new();
         let mine = inputs.get(&rank).unwrap_or(&empty);
-        let shared: Arc<dyn Rendezvous> = rdv.clone();
+        let shared = rdv.clone();
         let run = run_rank(
             host,
             rank,

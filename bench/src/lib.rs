@@ -23,6 +23,8 @@ pub mod stats;
 pub mod torch;
 
 #[cfg(feature = "cuda")]
+mod cases;
+#[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
 mod launched;
@@ -30,9 +32,13 @@ mod launched;
 pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod moe_eval;
+#[cfg(feature = "cuda")]
+mod session;
 
 #[cfg(feature = "cuda")]
-pub use gpu::{bench_agmm, bench_permute, bench_rsmm, BenchError, BenchOptions};
+pub use cases::{bench_agmm, bench_rsmm};
+#[cfg(feature = "cuda")]
+pub use gpu::{bench_permute, BenchError, BenchOptions};
 pub use stats::{
     median, permute_json, permute_table, results_json, CaseResult, PermuteResult, Timing,
     VariantResult,

@@ -11,6 +11,9 @@
 //!   `combine_gbps`, `torch_dispatch_us`, `torch_combine_us`, `device` (and extra keys the
 //!   caller adds).
 //!
+//! Schedule rows also carry `min_us` and `max_us` (the fastest and slowest timed round) and
+//! `rounds`.
+//!
 //! Times that were not measured (a failed variant, no PyTorch figures) are `null`.
 
 use serde_json::{json, Map, Value};
@@ -50,6 +53,9 @@ pub fn schedule_rows(cases: &[CaseResult], procs: usize) -> Vec<Value> {
                 "bound_us": num(c.bound_us),
                 "torch_async_tp_us": torch,
                 "device": c.device,
+                "min_us": num(v.timing.min_us),
+                "max_us": num(v.timing.max_us),
+                "rounds": v.timing.iterations,
             }));
         }
     }

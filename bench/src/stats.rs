@@ -28,8 +28,12 @@ pub struct Timing {
     pub per_rank_median_us: Vec<f64>,
     /// The maximum over ranks of the per-rank medians, µs.
     pub us: f64,
-    /// Timed iterations per rank.
+    /// Timed iterations (rounds) per rank.
     pub iterations: usize,
+    /// The fastest and the slowest iteration (round), each taken at its slowest rank, µs.
+    pub min_us: f64,
+    /// See [`Timing::min_us`].
+    pub max_us: f64,
 }
 
 impl Timing {
@@ -37,10 +41,16 @@ impl Timing {
     pub fn from_times(times_us: &[Vec<f64>]) -> Timing {
         let per_rank: Vec<f64> = times_us.iter().map(|t| median(t)).collect();
         let us = per_rank.iter().copied().fold(f64::NAN, f64::max);
+        let iterations = times_us.iter().map(Vec::len).min().unwrap_or(0);
+        let slowest: Vec<f64> = (0..iterations)
+            .map(|i| times_us.iter().map(|t| t[i]).fold(f64::NAN, f64::max))
+            .collect();
         Timing {
-            iterations: times_us.iter().map(Vec::len).min().unwrap_or(0),
+            iterations,
             per_rank_median_us: per_rank,
             us,
+            min_us: slowest.iter().copied().fold(f64::NAN, f64::min),
+            max_us: slowest.iter().copied().fold(f64::NAN, f64::max),
         }
     }
 }
@@ -268,10 +278,12 @@ fn json_s(v: &str) -> String {
 fn timing_json(t: &Timing) -> String {
     let ranks: Vec<String> = t.per_rank_median_us.iter().map(|v| json_f(*v)).collect();
     format!(
-        "{{\"us\": {}, \"per_rank_median_us\": [{}], \"iterations\": {}}}",
+        "{{\"us\": {}, \"per_rank_median_us\": [{}], \"iterations\": {}, \"min_us\": {}, \"max_us\": {}}}",
         json_f(t.us),
         ranks.join(", "),
-        t.iterations
+        t.iterations,
+        json_f(t.min_us),
+        json_f(t.max_us)
     )
 }
 
@@ -334,6 +346,8 @@ mod tests {
         let t = Timing::from_times(&[vec![1.0, 5.0, 3.0], vec![2.0, 2.0, 9.0]]);
         assert_eq!(t.per_rank_median_us, vec![3.0, 2.0]);
         assert_eq!((t.us, t.iterations), (3.0, 3));
+        // Per round the slowest rank: 2, 5, 9.
+        assert_eq!((t.min_us, t.max_us), (2.0, 9.0));
     }
 
     #[test]

@@ -10,7 +10,11 @@
 //! `meshflow launch` (one process per GPU) rank 0 prints and writes the results with `procs` =
 //! the world size. Every time is per step of `--steps` steps of the host program run back to
 //! back on warm GPUs (CUDA events; the median over iterations per rank, then the maximum over
-//! ranks). Prints one table per case; `--json` also writes the results. Exits with an error
+//! ranks). `agmm`, `rsmm` and `schedule` set each case up once (backends, communicators,
+//! inputs on the GPUs), check every variant's outputs once against the reference, then time
+//! every program of the case in interleaved rounds (`--warmup` untimed and `--iters` timed
+//! rounds, each program once per round); programs that lower to the same host program are
+//! timed once. Prints one table per case; `--json` also writes the results. Exits with an error
 //! when a variant failed (after printing the others).
 
 use std::path::PathBuf;
@@ -58,10 +62,11 @@ pub struct BenchArgs {
     /// PyTorch's figures: the JSON written by `bench/torch_baselines.py` (or its output).
     #[arg(long, value_name = "FILE")]
     torch: Option<PathBuf>,
-    /// Untimed iterations.
+    /// Untimed iterations (`agmm`, `rsmm`, `schedule`: untimed rounds over the case's programs).
     #[arg(long, default_value_t = 3)]
     warmup: usize,
-    /// Timed iterations (CUDA events; the median per rank, then the maximum over ranks).
+    /// Timed iterations (`agmm`, `rsmm`, `schedule`: rounds, every program of the case once per
+    /// round, in turn); CUDA events; the median per rank, then the maximum over ranks.
     #[arg(long, default_value_t = 10)]
     iters: usize,
     /// Host program steps per iteration, back to back (times are per step).

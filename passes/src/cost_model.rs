@@ -300,10 +300,11 @@ mod tests {
     fn measured_gemms_cost_what_was_measured() {
         let m = CostModel::default();
         let us = m.compute_us(&gemm(8192, 4096, 8192));
-        assert!((us - 665.0).abs() < 1.0, "{us}");
+        // 687.4 us measured (profiles/h200x2.json) plus one launch (3.43 us).
+        assert!((us - 690.8).abs() < 1.0, "{us}");
         // Halving the rows halves the time at the same throughput (plus one launch).
         let half = m.compute_us(&gemm(8192, 4096, 8192).part(2));
-        assert!((half - 330.0).abs() < 1.0, "{half}");
+        assert!((half - 351.3).abs() < 1.0, "{half}");
     }
 
     #[test]

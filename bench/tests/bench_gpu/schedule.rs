@@ -1,0 +1,60 @@
+//! `meshflow bench schedule` on 2 GPUs at a small shape, as a smoke test (no timed
+//! assertions): every case is set up once and timed in interleaved rounds; every variant's
+//! outputs are checked against the reference; every variant has a figure from each round and
+//! rank; the rows have one default row per case.
+#![cfg(feature = "cuda")]
+
+use crate::support::gpu::skip_unless;
+
+use meshflow_bench::programs::Gemm3;
+use meshflow_bench::rows::schedule_rows;
+use meshflow_bench::{bench_agmm, bench_rsmm, BenchOptions};
+
+#[test]
+fn schedule_cases_are_checked_and_timed_in_rounds() {
+    if skip_unless(2, "schedule_cases_are_checked_and_timed_in_rounds") {
+        return;
+    }
+    let opts = BenchOptions {
+        ranks: Some(2),
+        warmup: 1,
+        iterations: 3,
+        steps: 2,
+        shapes: vec![Gemm3 {
+            m: 1024,
+            k: 512,
+            n: 768,
+        }],
+        parts: true,
+        ..BenchOptions::default()
+    };
+    let mut cases = bench_agmm(&opts).unwrap();
+    cases.extend(bench_rsmm(&opts).unwrap());
+    assert_eq!(cases.len(), 2);
+    for c in &cases {
+        assert!(c.bound_us.is_finite() && c.bound_us > 0.0, "{}", c.table());
+        assert!(!c.parts.is_empty(), "{}", c.table());
+        for v in &c.variants {
+            assert!(v.failure.is_none(), "{}: {:?}", v.name, v.failure);
+            assert!(
+                v.sampled_rel_err <= 1e-2,
+                "{}: {}",
+                v.name,
+                v.sampled_rel_err
+            );
+            assert_eq!(v.timing.iterations, 3, "{}", v.name);
+            assert_eq!(v.timing.per_rank_median_us.len(), 2, "{}", v.name);
+            assert!(v.timing.min_us <= v.timing.us && v.timing.us <= v.timing.max_us);
+        }
+        let defaults: Vec<_> = c
+            .variants
+            .iter()
+            .filter(|v| v.name.starts_with("default"))
+            .collect();
+        assert_eq!(defaults.len(), 1, "{}", c.table());
+        eprintln!("{}", c.table());
+    }
+    let rows = schedule_rows(&cases, 1);
+    assert!(rows.iter().all(|r| r["us"].is_number() && r["procs"] == 1));
+    assert_eq!(rows.iter().filter(|r| r["default"] == true).count(), 2);
+}
