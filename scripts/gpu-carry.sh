@@ -54,6 +54,7 @@ pick tests/cli_gpu/main.rs cli_gpu
 pick tests/bench_gpu/main.rs bench_gpu
 pick tests/gpu.rs kernels_gpu
 pick tests/gpu_moe.rs gpu_moe
+pick tests/gpu_moe_abort.rs gpu_moe_abort
 # The root crate's unit tests: each GPU transport alone (src/runtime/cuda/transport/tests.rs).
 f="$(grep "unittests src/lib.rs" /tmp/gpu-carry-build.log | grep -oE "\(.*/deps/meshflow-[0-9a-f]+\)" |
   tr -d '()' | tail -1)"
@@ -88,7 +89,7 @@ tests() {
   [ -x "$B/gpu" ] && step 600 "$B/gpu" --skip faults:: --skip ipc:: --test-threads 1 --nocapture
   # The ranks in processes of their own (CUDA IPC): copy engine and NVLink MoE.
   [ -x "$B/gpu" ] && step 400 "$B/gpu" ipc:: --test-threads 1 --nocapture
-  for t in cli_gpu gpu_moe bench_gpu; do
+  for t in cli_gpu gpu_moe gpu_moe_abort bench_gpu; do
     [ -x "$B/$t" ] && step 300 "$B/$t" --test-threads 1 --nocapture
   done
   [ -x "$B/meshflow_lib" ] && step 300 "$B/meshflow_lib" runtime::cuda --test-threads 1 --nocapture

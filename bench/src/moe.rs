@@ -254,7 +254,7 @@ fn rank_loop<T: MoeTransport>(
     let topk = DeviceBuffer::from_slice(&stream, idx)?;
     let w = DeviceBuffer::from_slice(&stream, &vec![1.0f32 / s.top_k as f32; s.tokens * s.top_k])?;
     let out = DeviceBuffer::alloc(dev, s.tokens * s.y_row_bytes())?;
-    let ex = t.expert_x().clone();
+    let ex = t.expert_x()?.clone();
     let dispatch = DispatchRequest {
         x: &x,
         topk_idx: &topk,

@@ -42,6 +42,13 @@
 #define MOE_BAD_EXPERT 2u
 #define MOE_BAD_ROUTING 4u
 #define MOE_TIMEOUT 8u
+#define MOE_ABORTED 16u
+#define MOE_GAVE_UP_DISPATCH 32u
+#define MOE_GAVE_UP_COMBINE 64u
+// Bits MOE_PEER_SHIFT.. of the status: 1 + the team index of the first peer a wait gave up on.
+#define MOE_PEER_SHIFT 16
+// Spins of a peer wait between two polls of the host's abort word (a read over PCIe).
+#define MOE_ABORT_POLL 64u
 
 #define WIRE_NATIVE 0u
 #define WIRE_FP8_TOKEN 1u
@@ -99,28 +106,76 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-// Thread 0 of the block waits until every flags[i] (i < n) has reached `epoch` (acquire, system
-// scope), then the block proceeds. A wait longer than `timeout_ns` raises MOE_TIMEOUT and gives up
-// (results are then garbage, but the GPU never hangs on a dead peer); once MOE_TIMEOUT is set,
-// later waits give up at once, so a dead team fails fast until the status is cleared. The host
-// sets MOE_TIMEOUT itself when a peer is known to be gone: a wait in progress sees it and stops.
-__device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u64 timeout_ns,
-                                 unsigned* status) {
+// The status block of an engine: word 0 the status, bytes 8..16 the device address of the host's
+// abort word (pinned, device-mapped host memory; 0: none), fixed at the engine's creation.
+__device__ __forceinline__ const volatile unsigned* abort_word_of(const unsigned* status) {
+    return (const volatile unsigned*)*(const volatile u64*)(status + 2);
+}
+
+// Records that a wait of `phase` (MOE_GAVE_UP_*) gave up on team peer `peer` for `why`
+// (MOE_TIMEOUT, with MOE_ABORTED when the host raised the abort word); the first peer recorded
+// stays.
+__device__ void moe_give_up(unsigned* status, unsigned why, unsigned phase, i64 peer) {
+    unsigned old = atomicOr(status, why | MOE_TIMEOUT | phase) | why | MOE_TIMEOUT | phase;
+    while ((old >> MOE_PEER_SHIFT) == 0u) {
+        unsigned seen = atomicCAS(status, old, old | ((unsigned)(peer + 1) << MOE_PEER_SHIFT));
+        if (seen == old) break;
+        old = seen;
+    }
+}
+
+// One thread waits until *flag reaches `epoch` (acquire, system scope); false: the wait gave up
+// (see block_wait_flags), `peer` being the team rank whose flag it is. `start` is when the
+// block's wait began, `spins` counts the polls since.
+__device__ bool wait_flag(const unsigned* flag, unsigned epoch, u64 start, u64 timeout_ns,
+                          unsigned* status, unsigned phase, i64 peer, unsigned& spins) {
+    const volatile unsigned* abort = abort_word_of(status);
+    while ((int)(ld_acquire_sys(flag) - epoch) < 0) {
+        // Another wait gave up (and recorded why).
+        if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0) return false;
+        unsigned why = 0;
+        if (abort != 0 && (++spins % MOE_ABORT_POLL) == 0 && *abort != 0u) {
+            why = MOE_ABORTED;
+        } else if (global_timer_ns() - start > timeout_ns) {
+            why = MOE_TIMEOUT;
+        }
+        if (why != 0) {
+            if ((int)(ld_acquire_sys(flag) - epoch) >= 0) return true;
+            moe_give_up(status, why, phase, peer);
+            return false;
+        }
+    }
+    return true;
+}
+
+// Thread 0 waits until flags[i * stride] has reached `epoch` for every i < n but `skip` (the
+// flag of team rank peer0 + i), then the block proceeds; see block_wait_flags.
+__device__ void block_wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip,
+                                   unsigned epoch, u64 timeout_ns, unsigned* status,
+                                   unsigned phase, i64 peer0) {
     if (threadIdx.x == 0) {
         u64 start = global_timer_ns();
-        bool timed_out = (*(volatile unsigned*)status & MOE_TIMEOUT) != 0;
-        for (i64 i = 0; i < n && !timed_out; ++i) {
-            while ((int)(ld_acquire_sys(flags + i) - epoch) < 0) {
-                if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0 ||
-                    global_timer_ns() - start > timeout_ns) {
-                    atomicOr(status, MOE_TIMEOUT);
-                    timed_out = true;
-                    break;
-                }
-            }
+        unsigned spins = 0;
+        bool ok = (*(volatile unsigned*)status & MOE_TIMEOUT) == 0;
+        for (i64 i = 0; i < n && ok; ++i) {
+            if (i == skip) continue;
+            ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i,
+                           spins);
         }
     }
     __syncthreads();
+}
+
+// Thread 0 of the block waits until every flags[i] (i < n, the team's ranks) has reached
+// `epoch` (acquire, system scope), then the block proceeds. A wait gives up (results are then
+// garbage, but the GPU never hangs on a dead peer) after `timeout_ns`, or at once when the host
+// raised the engine's abort word (a peer known lost; polled every MOE_ABORT_POLL spins), recording
+// why, `phase` (MOE_GAVE_UP_DISPATCH or MOE_GAVE_UP_COMBINE) and the peer (moe_give_up); a flag
+// that arrived meanwhile still counts. Once MOE_TIMEOUT is set, later waits give up at once, so a
+// dead team fails fast until the status is cleared.
+__device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u64 timeout_ns,
+                                 unsigned* status, unsigned phase) {
+    block_wait_strided(flags, n, 1, -1, epoch, timeout_ns, status, phase, 0);
 }
 
 // Called by every block at its end: returns true (to every thread of the block) in the last block
@@ -1029,7 +1084,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         i64 local_experts, i64 world, i64 capacity, i64 hidden, unsigned wire, i64 stride,         \
         i64 scale_off, i64 meta_off, T* expert_x, i32* routing, i32* fan, i32* ecnt, i32* counts,  \
         unsigned* status, unsigned* done) {                                                        \
-        if (flags != 0) block_wait_flags(flags, world, *state, timeout_ns, status);                \
+        if (flags != 0)                                                                            \
+            block_wait_flags(flags, world, *state, timeout_ns, status, MOE_GAVE_UP_DISPATCH);      \
         Sources src = {own_rows, other_rows, block_bytes, row_off, own_cnt, other_cnt,             \
                        cnt_stride, rank};                                                          \
         fan_out<T>(src, tokens, top_k, experts, local_experts, world, capacity, hidden, wire,      \
@@ -1055,7 +1111,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         i64 width, i64 stride, i64 meta_off, unsigned late, const float* w_area,                   \
         const u64* peer_sym, i64 partials_off, i64 flags_off, unsigned* status) {                  \
         const unsigned epoch = *(volatile unsigned*)state;                                         \
-        if (late != 0) block_wait_flags(w_flags, world, epoch, timeout_ns, status);                \
+        if (late != 0)                                                                             \
+            block_wait_flags(w_flags, world, epoch, timeout_ns, status, MOE_GAVE_UP_COMBINE);      \
         Sources src = {rows, rows, tokens * stride, 0, cnts, cnts, 4, rank};                       \
         PeerDstAt at = {peer_sym, partials_off, rank, tokens, width * (i64)sizeof(T)};             \
         reduce_partials<T>(at, src, y, fan, tokens, top_k, world, width, stride, meta_off,         \
@@ -1067,7 +1124,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         const unsigned* flags, const unsigned* state, u64 timeout_ns, unsigned* status,            \
         const char* own, const char* other, i64 rank, const i32* sent_pos, T* out, i64 tokens,     \
         i64 world, i64 width) {                                                                    \
-        if (flags != 0) block_wait_flags(flags, world, *state, timeout_ns, status);                \
+        if (flags != 0)                                                                            \
+            block_wait_flags(flags, world, *state, timeout_ns, status, MOE_GAVE_UP_COMBINE);       \
         sum_partials<T>(own, other, rank, sent_pos, out, tokens, world, width);                    \
     }
 

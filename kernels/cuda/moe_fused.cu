@@ -81,28 +81,6 @@ __device__ __forceinline__ Item item_of(i64 q, i64 n, i64 a, i64 b, i64 lag) {
     return it;
 }
 
-// Thread 0 waits until flags[i * stride] >= epoch for every i < n with i != skip (see
-// block_wait_flags for the timeout), then the block proceeds.
-__device__ void block_wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip,
-                                   unsigned epoch, u64 timeout_ns, unsigned* status) {
-    if (threadIdx.x == 0) {
-        u64 start = global_timer_ns();
-        bool timed_out = (*(volatile unsigned*)status & MOE_TIMEOUT) != 0;
-        for (i64 i = 0; i < n && !timed_out; ++i) {
-            if (i == skip) continue;
-            while ((int)(ld_acquire_sys(flags + i * stride) - epoch) < 0) {
-                if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0 ||
-                    global_timer_ns() - start > timeout_ns) {
-                    atomicOr(status, MOE_TIMEOUT);
-                    timed_out = true;
-                    break;
-                }
-            }
-        }
-    }
-    __syncthreads();
-}
-
 // After the block's stores of chunk c: chunk_flags[rank * n + c] = epoch in every peer but this
 // rank (release, system scope, after a fence over the whole block's stores). peer == -1: every
 // other rank, else only that one.
@@ -190,7 +168,8 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
             release_chunk(peer_sym, chunk_flags_off, world, rank, -1, n, it.chunk, epoch);
         } else {
             const i64 s = (rank + 1 + it.index) % world;
-            block_wait_strided(flags + s * n + it.chunk, 1, 0, -1, epoch, timeout_ns, status);
+            block_wait_strided(flags + s * n + it.chunk, 1, 0, -1, epoch, timeout_ns, status,
+                               MOE_GAVE_UP_DISPATCH, s);
             int got = 0;
             for (i64 t = t0; t < t1; ++t)
                 got += fan_out_slot<T>(rows, s, t, tokens, top_k, experts, local_experts, rank,
@@ -299,7 +278,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
                                   const u64* peer_sym, i64 partials_off, i64 chunk_flags_off,
                                   i64 chunk, i64 lag, unsigned* status) {
     const unsigned epoch = *(volatile unsigned*)state;
-    if (late != 0) block_wait_flags(w_flags, world, epoch, timeout_ns, status);
+    if (late != 0) block_wait_flags(w_flags, world, epoch, timeout_ns, status, MOE_GAVE_UP_COMBINE);
     const i64 n = (tokens + chunk - 1) / chunk;
     const i64 row_bytes = width * (i64)sizeof(T);
     for (;;) {
@@ -323,7 +302,8 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         if (it.consumer) {
             // The own partials first (they need nothing from the peers), then the peers'.
             __syncthreads();
-            block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status);
+            block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status,
+                               MOE_GAVE_UP_COMBINE, 0);
             block_sum_chunk<T>(partials, rank, sent_pos, out, t0, t1, tokens, world, width);
         } else {
             release_chunk(peer_sym, chunk_flags_off, world, rank, s, n, it.chunk, epoch);

@@ -74,6 +74,8 @@ pub use dtype::{BinaryOp, DType, Element, ReduceOp, UnaryOp};
 pub use error::{KernelError, Result};
 
 #[cfg(feature = "cuda")]
+mod abort;
+#[cfg(feature = "cuda")]
 mod buffer;
 #[cfg(feature = "cuda")]
 mod device;
@@ -102,6 +104,8 @@ pub mod python;
 #[cfg(feature = "cuda")]
 mod stream;
 
+#[cfg(feature = "cuda")]
+pub use abort::AbortWord;
 #[cfg(feature = "cuda")]
 pub use buffer::DeviceBuffer;
 #[cfg(feature = "cuda")]

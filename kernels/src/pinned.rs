@@ -156,15 +156,27 @@ impl PinnedBuffer {
         self.flag().fetch_max(FLAG_RELEASE, Ordering::Release);
     }
 
-    /// Makes `stream` wait until the flag (the first 4 bytes) is at least `value`.
-    pub(crate) fn wait_on(&self, stream: &Stream, value: u32) -> Result<()> {
-        stream.expect_device(&self.device, "a flag wait")?;
-        let s = stream.bind_raw()?;
+    /// The flag's current value (the first 4 bytes; acquire).
+    pub(crate) fn value(&self) -> u32 {
+        self.flag().load(Ordering::Acquire)
+    }
+
+    /// The device address at which kernels of this buffer's device reach it.
+    pub(crate) fn device_addr(&self) -> Result<u64> {
+        self.device.bind()?;
         let mut dev: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` was allocated with DEVICEMAP in a context of this device; flags 0.
         drv("cuMemHostGetDevicePointer", unsafe {
             sys::cuMemHostGetDevicePointer_v2(&mut dev, self.ptr.cast(), 0).result()
         })?;
+        Ok(dev)
+    }
+
+    /// Makes `stream` wait until the flag (the first 4 bytes) is at least `value`.
+    pub(crate) fn wait_on(&self, stream: &Stream, value: u32) -> Result<()> {
+        stream.expect_device(&self.device, "a flag wait")?;
+        let s = stream.bind_raw()?;
+        let dev = self.device_addr()?;
         // SAFETY: `dev` maps the live flag word; GEQ waits until the host raises it.
         drv("cuStreamWaitValue32", unsafe {
             sys::cuStreamWaitValue32_v2(

@@ -643,7 +643,7 @@ fn graph_rank(
             outputs: None,
         };
         t.dispatch_with(&stream, &req).map_err(|e| e.to_string())?;
-        let ex = t.expert_x().clone();
+        let ex = t.expert_x().map_err(|e| e.to_string())?.clone();
         kernels
             .binary(&stream, BinaryOp::Mul, s.dtype, &ex, &ex, &bufs.y)
             .map_err(|e| e.to_string())?;

@@ -130,26 +130,23 @@ impl Engine {
         weights: &DeviceBuffer,
         out: &DeviceBuffer,
     ) -> Result<(), KernelError> {
-        let counts = self.transport.expert_counts().clone();
-        let routing = self.transport.routing().clone();
+        let counts = self.transport.expert_counts()?.clone();
+        let routing = self.transport.routing()?.clone();
         self.transport
             .combine(s, expert_y, &counts, &routing, weights, out)
     }
 
     /// `(expert_x, expert_counts, routing)`, owned by the transport and rewritten by every
     /// dispatch.
-    fn outputs(&self) -> [(DeviceBuffer, DType, Vec<u64>); 3] {
+    fn outputs(&self) -> Result<[(DeviceBuffer, DType, Vec<u64>); 3], KernelError> {
         let s = self.shape();
         let (l, c) = (s.local_experts() as u64, s.capacity as u64);
-        [
-            (
-                self.transport.expert_x().clone(),
-                s.dtype,
-                vec![l, c, s.hidden as u64],
-            ),
-            (self.transport.expert_counts().clone(), DType::I32, vec![l]),
-            (self.transport.routing().clone(), DType::I32, vec![l, c, 2]),
-        ]
+        let t = &self.transport;
+        Ok([
+            (t.expert_x()?.clone(), s.dtype, vec![l, c, s.hidden as u64]),
+            (t.expert_counts()?.clone(), DType::I32, vec![l]),
+            (t.routing()?.clone(), DType::I32, vec![l, c, 2]),
+        ])
     }
 
     fn status(&self, s: &Stream) -> Result<u32, KernelError> {
@@ -267,6 +264,7 @@ impl AllToAll {
     fn outputs<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyCapsule>>> {
         self.engine
             .outputs()
+            .map_err(moe_error)?
             .iter()
             .map(|(buf, dtype, shape)| {
                 export(py, buf, DlDtype::of(*dtype), shape).map_err(moe_error)

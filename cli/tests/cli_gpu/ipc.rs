@@ -135,15 +135,17 @@ fn a_rank_process_that_dies_mid_run_fails_its_cuda_ipc_peer_quickly() {
         return;
     }
     // The ring posts one communication per rank: rank 1 leaves before it. The MoE layer posts
-    // its dispatch and then its combine: rank 1 leaves between them, after the NVLink buffers
-    // are set up. (A rank that leaves before the start barrier of the NVLink MoE buffers is
-    // noticed at the rendezvous timeout only.)
+    // its dispatch and then its combine: rank 1 leaves before its dispatch (rank 0 then waits
+    // at the rendezvous for rank 1's NVLink MoE buffers), or between them, after the buffers
+    // are set up (rank 0's combine kernel then waits on the device for rank 1's flags, until
+    // the host raises its abort word).
     for (example, at, extra) in [
         (
             "column_parallel_linear_ring",
             0,
             &["--transport", "copy-engine"][..],
         ),
+        ("moe_layer", 0, &[][..]),
         ("moe_layer", 1, &[][..]),
     ] {
         let (ranks, took) = run_with_a_dying_rank(example, at, extra);
@@ -153,6 +155,16 @@ fn a_rank_process_that_dies_mid_run_fails_its_cuda_ipc_peer_quickly() {
         assert_eq!(ranks[1].0, Some(FAULT_EXIT_STATUS), "{}", ranks[1].1);
         assert!(matches!(ranks[0].0, Some(c) if c != 0), "{}", ranks[0].1);
         assert!(ranks[0].1.contains("rank 1"), "{}", ranks[0].1);
+        // It names the instruction that waited: the set-up of the first dispatch, or the
+        // dispatch or combine whose device wait gave up (rank 1's dispatch kernels may not
+        // have run before its process exited).
+        if example == "moe_layer" {
+            let text = &ranks[0].1;
+            assert!(
+                text.contains("moe_dispatch") || text.contains("moe_combine"),
+                "rank 0 names no MoE instruction:\n{text}"
+            );
+        }
         // The survivor learns of the loss from the closed connection, not from its 60 s
         // timeout (start-up takes a few seconds).
         assert!(

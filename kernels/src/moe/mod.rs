@@ -184,8 +184,18 @@ impl MoeStatus {
     pub const BAD_EXPERT: u32 = 2;
     /// A received row or count was out of range (a peer with another shape); it was skipped.
     pub const BAD_ROUTING: u32 = 4;
-    /// A receiver waited longer than the timeout for a peer's flag (a dead or absent peer).
+    /// A receiver gave up waiting for a peer's flag: it waited longer than the timeout, or
+    /// [`Self::ABORTED`] (a dead or absent peer).
     pub const TIMEOUT: u32 = 8;
+    /// The wait gave up because the host raised the engine's abort word (a peer known lost).
+    pub const ABORTED: u32 = 16;
+    /// A wait of a dispatch gave up.
+    pub const GAVE_UP_DISPATCH: u32 = 32;
+    /// A wait of a combine gave up.
+    pub const GAVE_UP_COMBINE: u32 = 64;
+    /// Bits `PEER_SHIFT..32` hold 1 + the team index of the first peer a wait gave up on
+    /// (0: none recorded).
+    pub const PEER_SHIFT: u32 = 16;
 
     /// Whether no bit is set.
     pub fn is_ok(self) -> bool {
@@ -206,6 +216,28 @@ impl MoeStatus {
     /// [`Self::TIMEOUT`] is set.
     pub fn timeout(self) -> bool {
         self.0 & Self::TIMEOUT != 0
+    }
+    /// [`Self::ABORTED`] is set.
+    pub fn aborted(self) -> bool {
+        self.0 & Self::ABORTED != 0
+    }
+    /// The phase whose wait gave up first: `dispatch` or `combine` (both when both did).
+    pub fn gave_up_in(self) -> Option<&'static str> {
+        match (
+            self.0 & Self::GAVE_UP_DISPATCH != 0,
+            self.0 & Self::GAVE_UP_COMBINE != 0,
+        ) {
+            (true, false) => Some("dispatch"),
+            (false, true) => Some("combine"),
+            (true, true) => Some("dispatch and combine"),
+            (false, false) => None,
+        }
+    }
+    /// The team index of the first peer a wait gave up on.
+    pub fn waited_for(self) -> Option<usize> {
+        (self.0 >> Self::PEER_SHIFT)
+            .checked_sub(1)
+            .map(|p| p as usize)
     }
 }
 
@@ -263,5 +295,34 @@ mod tests {
         let s = MoeStatus(MoeStatus::OVERFLOW | MoeStatus::TIMEOUT);
         assert!(s.overflow() && s.timeout() && !s.bad_expert() && !s.bad_routing() && !s.is_ok());
         assert!(MoeStatus::default().is_ok());
+        assert_eq!(
+            (s.aborted(), s.gave_up_in(), s.waited_for()),
+            (false, None, None)
+        );
+        let lost = MoeStatus(
+            MoeStatus::TIMEOUT
+                | MoeStatus::ABORTED
+                | MoeStatus::GAVE_UP_COMBINE
+                | (4 << MoeStatus::PEER_SHIFT),
+        );
+        assert!(lost.timeout() && lost.aborted() && !lost.overflow());
+        assert_eq!(lost.gave_up_in(), Some("combine"));
+        assert_eq!(lost.waited_for(), Some(3));
+    }
+
+    #[test]
+    fn status_bits_match_the_kernels() {
+        let src = include_str!("../../cuda/moe.cu");
+        for (name, v) in [
+            ("MOE_TIMEOUT", MoeStatus::TIMEOUT),
+            ("MOE_ABORTED", MoeStatus::ABORTED),
+            ("MOE_GAVE_UP_DISPATCH", MoeStatus::GAVE_UP_DISPATCH),
+            ("MOE_GAVE_UP_COMBINE", MoeStatus::GAVE_UP_COMBINE),
+        ] {
+            let line = format!("#define {name} {v}u\n");
+            assert!(src.contains(&line), "moe.cu must define {name} as {v}u");
+        }
+        let shift = format!("#define MOE_PEER_SHIFT {}\n", MoeStatus::PEER_SHIFT);
+        assert!(src.contains(&shift), "moe.cu must define MOE_PEER_SHIFT");
     }
 }

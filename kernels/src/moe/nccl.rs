@@ -235,13 +235,13 @@ impl MoeTransport for NcclMoe {
             stream,
             |c| {
                 c.weights_at_dispatch = req.weights.is_some();
-                c.set_outputs(req);
+                c.set_outputs(req)?;
                 let inp = SendInputs {
                     x: req.x,
                     topk_idx: req.topk_idx,
                     weights: req.weights,
                 };
-                let to = c.targets();
+                let to = c.targets()?;
                 let st = SendState {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
@@ -292,7 +292,7 @@ impl MoeTransport for NcclMoe {
             Phase::Dispatched,
             stream,
             |c| {
-                let to = c.targets();
+                let to = c.targets()?;
                 let out = RecvOutputs {
                     expert_x: to.expert_x,
                     routing: to.routing,
@@ -311,16 +311,20 @@ impl MoeTransport for NcclMoe {
         )
     }
 
-    fn expert_x(&self) -> &DeviceBuffer {
-        &self.core.expert_x
+    fn expert_x(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.expert_x)
     }
 
-    fn expert_counts(&self) -> &DeviceBuffer {
-        &self.core.counts
+    fn expert_counts(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.counts)
     }
 
-    fn routing(&self) -> &DeviceBuffer {
-        &self.core.routing
+    fn routing(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.routing)
+    }
+
+    fn own_output_bytes(&self) -> usize {
+        self.core.own_bytes()
     }
 
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {

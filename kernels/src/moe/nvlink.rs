@@ -35,10 +35,10 @@ use super::kernel_calls::{
 use super::layout::SymLayout;
 use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
 use super::{MoeShape, MoeStatus, MoeWire, WireLayout};
+use crate::abort::AbortWord;
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::error::{KernelError, Result};
-use crate::flag::DeviceFlag;
 use crate::ipc::{IpcHandle, IPC_HANDLE_BYTES as HANDLE_LEN};
 use crate::stream::Stream;
 
@@ -77,6 +77,8 @@ pub struct NvlinkMoe {
     peers: Vec<PeerMemory>,
     tables: Option<Tables>,
     flag_timeout_ns: u64,
+    /// Polled by every peer wait of the kernels (see [`NvlinkMoe::abort_word`]).
+    abort: AbortWord,
     /// Which kernels run the phases.
     generation: MoeKernels,
     /// `[W]` i32 received-row counters of the fused dispatch (zeroed by it after use).
@@ -94,6 +96,8 @@ impl NvlinkMoe {
         rank: usize,
     ) -> Result<NvlinkMoe> {
         let core = Core::new(device, shape, wire, rank)?;
+        let abort = AbortWord::new(device)?;
+        core.watch_abort(&abort)?;
         let layout = SymLayout::of(shape, wire);
         let stream = Stream::new(device)?;
         let sym = DeviceBuffer::alloc(device, layout.total)?;
@@ -109,6 +113,7 @@ impl NvlinkMoe {
             peers: Vec::new(),
             tables: None,
             flag_timeout_ns: kernel_calls::FLAG_TIMEOUT_NS,
+            abort,
         };
         stream.synchronize()?;
         Ok(t)
@@ -286,23 +291,22 @@ impl NvlinkMoe {
         self.flag_timeout_ns = u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX);
     }
 
-    /// Makes every wait of this rank's kernels for a peer give up at once, raising
-    /// [`MoeStatus::TIMEOUT`] (a write from a fresh stream, seen by kernels already waiting):
-    /// for when a peer is known to be gone, so that the device drains and the transport can be
-    /// dropped without waiting for the flag timeout. The transport's results are garbage from
-    /// then on; drop it.
+    /// Makes every wait of this rank's kernels for a peer give up at once (raises its
+    /// [`abort_word`](Self::abort_word)): for when a peer is known to be gone, so that the
+    /// device drains and the transport can be dropped without waiting for the flag timeout.
+    /// The transport's results are garbage from then on; drop it.
     pub fn abandon(&self) {
-        let raise = || -> Result<()> {
-            let s = Stream::new(&self.core.device)?;
-            DeviceFlag::at(self.core.status.view(0, 4)?)?.signal(&s, MoeStatus::TIMEOUT)?;
-            s.synchronize()
-        };
-        if let Err(e) = raise() {
-            tracing::warn!(
-                rank = self.core.rank,
-                "abandoning the NVLink MoE waits failed: {e}"
-            );
-        }
+        self.abort.raise();
+    }
+
+    /// The word every wait of this rank's kernels for a peer polls (in pinned host memory,
+    /// fixed at creation, so steps replayed from CUDA graphs poll it too). Raising it (a host
+    /// store, from any thread, even while another thread is blocked in a CUDA call that waits
+    /// for those kernels) makes a waiting kernel give up within microseconds, recording
+    /// [`MoeStatus::ABORTED`], the phase and the peer it waited for. The engine is broken from
+    /// then on; drop it.
+    pub fn abort_word(&self) -> AbortWord {
+        self.abort.clone()
     }
 
     /// The kernels this engine runs (chosen by `MESHFLOW_MOE_KERNELS` when it was made).
@@ -447,14 +451,14 @@ impl MoeTransport for NvlinkMoe {
             stream,
             |c| {
                 c.weights_at_dispatch = req.weights.is_some();
-                c.set_outputs(req);
+                c.set_outputs(req)?;
                 c.zero_padding = req.zero_padding;
                 let inp = SendInputs {
                     x: req.x,
                     topk_idx: req.topk_idx,
                     weights: req.weights,
                 };
-                let to = c.targets();
+                let to = c.targets()?;
                 let st = SendState {
                     cnt: &c.cnt,
                     sent_pos: &c.sent_pos,
@@ -552,7 +556,7 @@ impl MoeTransport for NvlinkMoe {
                     other_cnt: &counts,
                     cnt_stride: 4,
                 };
-                let to = c.targets();
+                let to = c.targets()?;
                 let out = RecvOutputs {
                     expert_x: to.expert_x,
                     routing: to.routing,
@@ -578,16 +582,20 @@ impl MoeTransport for NvlinkMoe {
         )
     }
 
-    fn expert_x(&self) -> &DeviceBuffer {
-        &self.core.expert_x
+    fn expert_x(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.expert_x)
     }
 
-    fn expert_counts(&self) -> &DeviceBuffer {
-        &self.core.counts
+    fn expert_counts(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.counts)
     }
 
-    fn routing(&self) -> &DeviceBuffer {
-        &self.core.routing
+    fn routing(&self) -> Result<&DeviceBuffer> {
+        Ok(&self.core.own()?.routing)
+    }
+
+    fn own_output_bytes(&self) -> usize {
+        self.core.own_bytes()
     }
 
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {

@@ -1,6 +1,8 @@
 //! The [`MoeTransport`] trait, its requests, and the state both transports share: shape, wire
 //! format, outputs, status word, padding bookkeeping and the per-step phase check.
 
+use std::sync::OnceLock;
+
 use super::{MoeShape, MoeStatus, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
@@ -62,8 +64,10 @@ pub struct CombineRequest<'a> {
 
 /// One rank's MoE dispatch/combine engine for one layer shape: created once, reused every step.
 ///
-/// All buffers are allocated at creation; the methods only enqueue work on `stream` (a stream of
-/// [`MoeTransport::device`]) and never wait for the device. See the [module docs](super) for the
+/// All buffers but the engine's own dispatch outputs are allocated at creation; those are
+/// allocated at their first use (see [`MoeTransport::expert_x`]: that call blocks until they
+/// are zeroed, on a stream of its own). Otherwise the methods only enqueue work on `stream` (a
+/// stream of [`MoeTransport::device`]) and never wait for the device. See the [module docs](super) for the
 /// semantics and the calling contract (order of the four phases, every rank in every step).
 pub trait MoeTransport: Send {
     /// The engine's name, for reports (`nccl`, `nvlink`; the runtime's transport of the same
@@ -93,15 +97,21 @@ pub trait MoeTransport: Send {
 
     /// The engine's own `expert_x[L, C, H]`: written by the last dispatch that was given no
     /// [`outputs`](DispatchRequest::outputs) (owned by the transport; rewritten by the next
-    /// such dispatch).
-    fn expert_x(&self) -> &DeviceBuffer;
+    /// such dispatch). The engine's own outputs are allocated (zeroed) by the first such
+    /// dispatch or the first call of this or a sibling accessor, so an engine whose
+    /// dispatches always write into caller-given outputs never holds them.
+    fn expert_x(&self) -> Result<&DeviceBuffer>;
 
     /// The engine's own `expert_counts[L]` (i32), as [`expert_x`](Self::expert_x).
-    fn expert_counts(&self) -> &DeviceBuffer;
+    fn expert_counts(&self) -> Result<&DeviceBuffer>;
 
     /// The engine's own `routing[L, C, 2]` (i32: team-global token, k), as
     /// [`expert_x`](Self::expert_x).
-    fn routing(&self) -> &DeviceBuffer;
+    fn routing(&self) -> Result<&DeviceBuffer>;
+
+    /// Device bytes the engine's own dispatch outputs hold: 0 until they are first used (see
+    /// [`expert_x`](Self::expert_x)).
+    fn own_output_bytes(&self) -> usize;
 
     /// Starts a combine of the last dispatch's rows. `expert_y` must stay unchanged until
     /// [`combine_recv`](Self::combine_recv) has been enqueued (an engine may read it there).
@@ -221,14 +231,16 @@ pub(crate) struct Core {
     pub weights_at_dispatch: bool,
     /// Whether the current step's dispatch zeroes the padding.
     pub zero_padding: bool,
-    /// Status word (u32).
+    /// Status word (u32): the first 4 bytes of a 16-byte block whose bytes 8..16 hold the
+    /// device address of an abort word the kernels' peer waits poll (0: none; see
+    /// [`Core::watch_abort`] and `block_wait_flags` in `moe.cu`).
     pub status: DeviceBuffer,
-    /// Output `expert_counts[L]`.
-    pub counts: DeviceBuffer,
-    /// Output `expert_x[L, C, H]`, zeroed at creation.
-    pub expert_x: DeviceBuffer,
-    /// Output `routing[L, C, 2]`, zeroed at creation.
-    pub routing: DeviceBuffer,
+    /// Bytes 8..16 of the status block.
+    abort_slot: DeviceBuffer,
+    /// The engine's own outputs, allocated by the first dispatch given no caller outputs (or
+    /// the first call of an accessor): an engine whose dispatches always write into the
+    /// caller's buffers never holds them.
+    own: OnceLock<OwnOutputs>,
     /// `[L]` row counters of the fan-out (zeroed by its kernel after use).
     pub ecnt: DeviceBuffer,
     /// `[W, T, K]` i32: the expert row of each received row and k.
@@ -237,14 +249,59 @@ pub(crate) struct Core {
     pub sent_pos: DeviceBuffer,
     /// `[W]` i32 per-destination row counters of the sender (zeroed by its kernel).
     pub cnt: DeviceBuffer,
-    /// `[L]` i32: the counts of the last padding-zeroing dispatch.
-    pub prev_counts: DeviceBuffer,
-    /// Whether every row at or past `prev_counts` is zero (then zeroing the padding only
-    /// touches the rows `[counts, prev_counts)`). About the engine's own outputs only.
-    pub padding_clean: bool,
     /// The caller's outputs of the current step's dispatch (held from `dispatch_send` to the
     /// end of `dispatch_recv`); `None`: the engine's own.
     caller_outputs: Option<CallerOutputs>,
+}
+
+/// The engine's own dispatch outputs and their padding bookkeeping.
+pub(crate) struct OwnOutputs {
+    /// `expert_x[L, C, H]`, zeroed when allocated.
+    pub expert_x: DeviceBuffer,
+    /// `expert_counts[L]`.
+    pub counts: DeviceBuffer,
+    /// `routing[L, C, 2]`, zeroed when allocated.
+    pub routing: DeviceBuffer,
+    /// `[L]` i32: the counts of the last padding-zeroing dispatch.
+    prev_counts: DeviceBuffer,
+    /// Whether every row at or past `prev_counts` is zero (then zeroing the padding only
+    /// touches the rows `[counts, prev_counts)`).
+    padding_clean: bool,
+}
+
+impl OwnOutputs {
+    /// Zeroed outputs of `shape` on `device` (blocks until they are zeroed).
+    fn new(device: &Device, shape: &MoeShape) -> Result<OwnOutputs> {
+        let stream = Stream::new(device)?;
+        let zeroed = |bytes: usize| -> Result<DeviceBuffer> {
+            let b = DeviceBuffer::alloc(device, bytes.max(4))?;
+            b.zero(&stream)?;
+            Ok(b)
+        };
+        let (l, c) = (shape.local_experts(), shape.capacity);
+        let own = OwnOutputs {
+            expert_x: zeroed(l * c * shape.x_row_bytes())?,
+            counts: zeroed(l * 4)?,
+            routing: zeroed(l * c * 8)?,
+            prev_counts: zeroed(l * 4)?,
+            padding_clean: true,
+        };
+        stream.synchronize()?;
+        Ok(own)
+    }
+
+    /// Device bytes they hold.
+    fn bytes(&self) -> usize {
+        [
+            &self.expert_x,
+            &self.counts,
+            &self.routing,
+            &self.prev_counts,
+        ]
+        .iter()
+        .map(|b| b.len())
+        .sum()
+    }
 }
 
 /// Caller-given dispatch outputs, held between the two halves of a dispatch.
@@ -277,13 +334,13 @@ impl Core {
             b.zero(&stream)?;
             Ok(b)
         };
-        let (w, t, k, l, c) = (
+        let (w, t, k, l) = (
             shape.world,
             shape.tokens,
             shape.top_k,
             shape.local_experts(),
-            shape.capacity,
         );
+        let status_block = zeroed(16)?;
         let core = Core {
             shape: *shape,
             wire,
@@ -293,20 +350,26 @@ impl Core {
             phase: Phase::Idle,
             weights_at_dispatch: false,
             zero_padding: false,
-            status: zeroed(4)?,
-            counts: zeroed(l * 4)?,
-            expert_x: zeroed(l * c * shape.x_row_bytes())?,
-            routing: zeroed(l * c * 8)?,
+            status: status_block.view(0, 4)?,
+            abort_slot: status_block.view(8, 8)?,
+            own: OnceLock::new(),
             ecnt: zeroed(l * 4)?,
             fan: zeroed(w * t * k * 4)?,
             sent_pos: zeroed(t * w * 4)?,
             cnt: zeroed(w * 4)?,
-            prev_counts: zeroed(l * 4)?,
-            padding_clean: true,
             caller_outputs: None,
         };
         stream.synchronize()?;
         Ok(core)
+    }
+
+    /// Makes every peer wait of this engine's kernels also poll `word` (blocks until the
+    /// address is stored; the address is fixed, so steps recorded in graphs poll it too).
+    pub fn watch_abort(&self, word: &crate::abort::AbortWord) -> Result<()> {
+        let stream = Stream::new(&self.device)?;
+        self.abort_slot
+            .upload(&stream, &[word.device_addr()? as i64])?;
+        stream.synchronize()
     }
 
     /// Whether no step is in progress.
@@ -437,29 +500,51 @@ impl Core {
         Ok(())
     }
 
-    /// Takes the current step's outputs from the request (before the dispatch's first kernel).
-    pub fn set_outputs(&mut self, req: &DispatchRequest<'_>) {
+    /// The engine's own outputs, allocated (zeroed) at the first call.
+    pub fn own(&self) -> Result<&OwnOutputs> {
+        if let Some(o) = self.own.get() {
+            return Ok(o);
+        }
+        let fresh = OwnOutputs::new(&self.device, &self.shape)?;
+        Ok(self.own.get_or_init(|| fresh))
+    }
+
+    /// Device bytes of the engine's own outputs (0 until they are first used).
+    pub fn own_bytes(&self) -> usize {
+        self.own.get().map_or(0, OwnOutputs::bytes)
+    }
+
+    /// Takes the current step's outputs from the request (before the dispatch's first
+    /// kernel); without caller outputs, makes sure the engine's own exist.
+    pub fn set_outputs(&mut self, req: &DispatchRequest<'_>) -> Result<()> {
         self.caller_outputs = req.outputs.map(|o| CallerOutputs {
             expert_x: o.expert_x.clone(),
             counts: o.expert_counts.clone(),
             routing: o.routing.clone(),
         });
+        if self.caller_outputs.is_none() {
+            self.own()?;
+        }
+        Ok(())
     }
 
     /// Where the current step's dispatch writes.
-    pub fn targets(&self) -> Targets<'_> {
-        match &self.caller_outputs {
+    pub fn targets(&self) -> Result<Targets<'_>> {
+        Ok(match &self.caller_outputs {
             Some(o) => Targets {
                 expert_x: &o.expert_x,
                 counts: &o.counts,
                 routing: &o.routing,
             },
-            None => Targets {
-                expert_x: &self.expert_x,
-                counts: &self.counts,
-                routing: &self.routing,
-            },
-        }
+            None => {
+                let o = self.own()?;
+                Targets {
+                    expert_x: &o.expert_x,
+                    counts: &o.counts,
+                    routing: &o.routing,
+                }
+            }
+        })
     }
 
     /// Checks a combine request against the step's dispatch.
@@ -531,23 +616,37 @@ impl Core {
             };
             return kernel_calls::zero_padding(&self.kernels, stream, &self.shape, &out, None);
         }
+        let Core {
+            own,
+            kernels,
+            shape,
+            fan,
+            ecnt,
+            status,
+            ..
+        } = self;
+        let own = own.get_mut().ok_or_else(|| {
+            KernelError::InvalidArgument(
+                "MoE dispatch into the engine's own outputs before they were allocated".into(),
+            )
+        })?;
         if !zero {
-            self.padding_clean = false;
+            own.padding_clean = false;
             return Ok(());
         }
         let out = kernel_calls::RecvOutputs {
-            expert_x: &self.expert_x,
-            routing: &self.routing,
-            fan: &self.fan,
-            ecnt: &self.ecnt,
-            counts: &self.counts,
-            status: &self.status,
-            done: &self.status,
+            expert_x: &own.expert_x,
+            routing: &own.routing,
+            fan,
+            ecnt,
+            counts: &own.counts,
+            status,
+            done: status,
         };
-        let prev = self.padding_clean.then_some(&self.prev_counts);
-        kernel_calls::zero_padding(&self.kernels, stream, &self.shape, &out, prev)?;
-        self.prev_counts.copy_from(stream, &self.counts)?;
-        self.padding_clean = true;
+        let prev = own.padding_clean.then_some(&own.prev_counts);
+        kernel_calls::zero_padding(kernels, stream, shape, &out, prev)?;
+        own.prev_counts.copy_from(stream, &own.counts)?;
+        own.padding_clean = true;
         Ok(())
     }
 }

@@ -295,15 +295,16 @@ pub struct StepMode {
 }
 
 impl StepMode {
-    /// The modes of step `i`: the weights/padding combinations every four steps; steps 2 to 5
-    /// (of every 8) write into caller-given outputs (all four combinations), between steps
-    /// into the engine's own that zero the padding (1 and 6: the engine's bookkeeping of its
-    /// own padding must survive the steps in between).
+    /// The modes of step `i`: the weights/padding combinations every four steps; steps 0, 1,
+    /// 3, 6 and 7 (of every 8) write into caller-given outputs (all four combinations; the
+    /// first two before the engine ever needs its own outputs, which it must then never
+    /// allocate), steps 2, 4 and 5 into the engine's own (2 and 5 zero the padding: the
+    /// engine's bookkeeping of its own padding must survive the steps in between).
     pub fn of_step(i: usize) -> StepMode {
         StepMode {
             weights_at_dispatch: i.is_multiple_of(2),
             zero_padding: i % 4 == 1 || i % 4 == 2,
-            caller_outputs: (2..=5).contains(&(i % 8)),
+            caller_outputs: matches!(i % 8, 0 | 1 | 3 | 6 | 7),
         }
     }
 }
@@ -330,23 +331,37 @@ pub fn rank_step(
     let mut errs = Vec::new();
     // Poison this rank's outputs (peers never write them). The padding of the engine's own
     // expert_x / routing belongs to the transport when it zeroes it, so it is poisoned only in
-    // the other steps; caller-given outputs are poisoned whole (NaN / INT_POISON).
+    // the other steps; caller-given outputs are poisoned whole (NaN / INT_POISON). An engine
+    // that has only dispatched into caller outputs holds no outputs of its own (and touching
+    // them here would allocate them).
     team.sync()?;
+    let own_before = t.own_output_bytes();
     if mode.caller_outputs {
         poison(stream, s.dtype, &bufs.ex);
         poison(stream, DType::I32, &bufs.routing);
         poison(stream, DType::I32, &bufs.counts);
     } else if !mode.zero_padding {
-        poison(stream, s.dtype, t.expert_x());
-        poison(stream, DType::I32, t.routing());
+        poison(stream, s.dtype, t.expert_x().map_err(|e| e.to_string())?);
+        poison(stream, DType::I32, t.routing().map_err(|e| e.to_string())?);
     }
-    poison(stream, DType::I32, t.expert_counts());
+    if !mode.caller_outputs || own_before > 0 {
+        poison(
+            stream,
+            DType::I32,
+            t.expert_counts().map_err(|e| e.to_string())?,
+        );
+    }
     poison(stream, s.dtype, &bufs.out);
     upload_floats(stream, &bufs.x, s.dtype, &inp.x[r]);
     bufs.idx.upload(stream, &inp.idx[r]).unwrap();
     bufs.w.upload(stream, &inp.w[r]).unwrap();
     stream.synchronize().map_err(|e| e.to_string())?;
-    let own_counts_before = t.expert_counts().to_vec::<i32>(stream).unwrap();
+    let own_counts_before = if own_before > 0 {
+        let b = t.expert_counts().map_err(|e| e.to_string())?;
+        Some(b.to_vec::<i32>(stream).unwrap())
+    } else {
+        None
+    };
     team.sync()?;
 
     let req = DispatchRequest {
@@ -367,17 +382,25 @@ pub fn rank_step(
     let (ex_buf, counts_buf, routing_buf) = if mode.caller_outputs {
         (&bufs.ex, &bufs.counts, &bufs.routing)
     } else {
-        (t.expert_x(), t.expert_counts(), t.routing())
+        let own = |b: Result<_, KernelError>| b.map_err(|e| e.to_string());
+        (
+            own(t.expert_x())?,
+            own(t.expert_counts())?,
+            own(t.routing())?,
+        )
     };
     let counts = counts_buf.to_vec::<i32>(stream).unwrap();
     let ex = download_floats(stream, ex_buf, s.dtype);
     let routing = routing_buf.to_vec::<i32>(stream).unwrap();
     if mode.caller_outputs {
         // The engine's own outputs are left alone; the combine must not read the caller's.
-        if t.expert_counts().to_vec::<i32>(stream).unwrap() != own_counts_before {
-            errs.push(format!(
-                "rank {r}: a dispatch into caller outputs wrote the engine's own counts"
-            ));
+        if let Some(before) = &own_counts_before {
+            let own_counts = t.expert_counts().map_err(|e| e.to_string())?;
+            if own_counts.to_vec::<i32>(stream).unwrap() != *before {
+                errs.push(format!(
+                    "rank {r}: a dispatch into caller outputs wrote the engine's own counts"
+                ));
+            }
         }
         poison(stream, s.dtype, &bufs.ex);
         poison(stream, DType::I32, &bufs.routing);
@@ -562,6 +585,12 @@ pub fn rank_step(
     }
     t.clear_status(stream).map_err(|e| e.to_string())?;
     stream.synchronize().map_err(|e| e.to_string())?;
+    if mode.caller_outputs && own_before == 0 && t.own_output_bytes() != 0 {
+        errs.push(format!(
+            "rank {r}: a step with caller outputs allocated the engine's own outputs ({} bytes)",
+            t.own_output_bytes()
+        ));
+    }
     if errs.is_empty() {
         Ok(format!(
             "rank {r}: rows {} received {got_rows:?}, combine bit-identical ({} values)",

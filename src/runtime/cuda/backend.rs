@@ -644,7 +644,30 @@ impl Backend for CudaBackend {
         self.graph.end_run(&mut self.core)?;
         self.core.pending_reads.clear();
         if let Err(e) = self.transports.check_status(&self.core) {
-            return Err(self.lost_peer().unwrap_or(e));
+            // A device wait for a peer gave up: the team's transports cannot go on.
+            let gave_up = matches!(
+                e,
+                BackendError::Aborted { .. } | BackendError::Timeout { .. }
+            );
+            if gave_up {
+                self.abort_all();
+            }
+            return Err(match self.lost_peer() {
+                Some(BackendError::Aborted {
+                    failed_rank,
+                    reason,
+                }) if gave_up => {
+                    let detail = match e {
+                        BackendError::Aborted { reason, .. } => reason,
+                        other => other.to_string(),
+                    };
+                    BackendError::Aborted {
+                        failed_rank,
+                        reason: format!("{reason}; {detail}"),
+                    }
+                }
+                lost => lost.unwrap_or(e),
+            });
         }
         let core = &mut self.core;
         let rank = core.rank;

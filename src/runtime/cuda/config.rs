@@ -8,7 +8,7 @@ use std::time::Duration;
 use meshflow_ir::DeviceId;
 use meshflow_kernels::nccl::Comm;
 use meshflow_kernels::proxy::WireChoice;
-use meshflow_kernels::{Device, Stream};
+use meshflow_kernels::{AbortWord, Device, Stream};
 use meshflow_passes::Transport;
 
 use super::user_kernels::CudaKernels;
@@ -111,11 +111,14 @@ pub struct CudaResources {
 }
 
 /// A flag the ranks of one run share: set by the first rank that fails, so that the others
-/// stop waiting for it (and abort their NCCL communicators) instead of hanging.
+/// stop waiting for it (and abort their NCCL communicators) instead of hanging. Setting it also
+/// raises the device abort words it watches ([`AbortSignal::watch`]), so that kernels waiting
+/// for a peer give up even while their rank's host thread is blocked in a CUDA call.
 #[derive(Clone, Debug, Default)]
 pub struct AbortSignal {
     flag: Arc<AtomicBool>,
     first: Arc<Mutex<Option<(DeviceId, String)>>>,
+    words: Arc<Mutex<Vec<AbortWord>>>,
 }
 
 impl AbortSignal {
@@ -131,6 +134,19 @@ impl AbortSignal {
             *first = Some((rank, reason.into()));
         }
         self.flag.store(true, Ordering::SeqCst);
+        drop(first);
+        for w in self.words.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            w.raise();
+        }
+    }
+
+    /// Raises `word` when the signal is set (at once if it is set already).
+    pub fn watch(&self, word: AbortWord) {
+        let mut words = self.words.lock().unwrap_or_else(|p| p.into_inner());
+        if self.is_aborted() {
+            word.raise();
+        }
+        words.push(word);
     }
 
     /// Whether some rank failed.

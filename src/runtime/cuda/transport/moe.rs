@@ -374,7 +374,10 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
     }
 
     /// Reads and clears every engine's device status (the device is idle); an error names the
-    /// problem (capacity overflow, bad expert ids or routing, a peer timeout).
+    /// problem (capacity overflow, bad expert ids or routing). A device wait for a peer that
+    /// gave up (the peer was known lost, or the timeout passed) is an
+    /// [`BackendError::Aborted`] or [`BackendError::Timeout`] naming the instruction and the
+    /// peer.
     fn check_status(&mut self, core: &DeviceCore) -> Result<(), BackendError> {
         let s = core.streams[0].clone();
         for held in &mut self.engines {
@@ -385,6 +388,9 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 continue;
             }
             eng.clear_status(&s).map_err(core.err("MoE status"))?;
+            if st.timeout() {
+                return Err(gave_up(core, &held.members, st));
+            }
             let mut why = Vec::new();
             if st.overflow() {
                 why.push(format!(
@@ -396,9 +402,6 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
             }
             if st.bad_routing() {
                 why.push("combine met counts or routing no dispatch produces".to_string());
-            }
-            if st.timeout() {
-                why.push("a peer's rows never arrived (timeout)".to_string());
             }
             return Err(BackendError::Invalid(format!(
                 "rank {}: MoE on team {:?}: {}",
@@ -415,6 +418,40 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
             S::release(held.engine, healthy);
         }
         self.last = None;
+    }
+}
+
+/// The error of an engine whose device wait for a peer gave up (`st` has
+/// [`MoeStatus::TIMEOUT`](meshflow_kernels::moe::MoeStatus::TIMEOUT)).
+fn gave_up(
+    core: &DeviceCore,
+    members: &[DeviceId],
+    st: meshflow_kernels::moe::MoeStatus,
+) -> BackendError {
+    let op = match st.gave_up_in() {
+        Some("dispatch") => "moe_dispatch",
+        Some("combine") => "moe_combine",
+        _ => "moe_dispatch and moe_combine",
+    };
+    let peer = st.waited_for().and_then(|i| members.get(i).copied());
+    let whom = peer.map_or_else(|| "a peer".to_string(), |p| format!("rank {p}"));
+    if st.aborted() {
+        BackendError::Aborted {
+            failed_rank: peer.unwrap_or(core.rank),
+            reason: format!(
+                "rank {}: {op} on team {members:?} stopped waiting on the device for {whom} \
+                 (known to have stopped)",
+                core.rank
+            ),
+        }
+    } else {
+        BackendError::Timeout {
+            peer: peer.unwrap_or(core.rank),
+            waited: core.timeout,
+            what: format!(
+                "{op} on team {members:?}: the device waited for {whom}'s rows or partials"
+            ),
+        }
     }
 }
 

@@ -43,6 +43,10 @@ impl EngineSource for NvlinkEngines {
         let core = &*cx.core;
         let mut engine = self.link.nvlink_engine(core, team, shape, wire)?;
         engine.set_flag_timeout(core.timeout);
+        // A failing rank of this process ends the engine's waits for peers at once.
+        if let Some(abort) = &core.abort {
+            abort.watch(engine.abort_word());
+        }
         Ok(engine)
     }
 
@@ -54,8 +58,8 @@ impl EngineSource for NvlinkEngines {
         None
     }
 
-    /// After a failure, the engine's waits for peers give up at once (so that dropping it,
-    /// which waits for its kernels, does not wait for the flag timeout).
+    /// After a failure, the engine's waits for peers give up at once (its abort word: so that
+    /// dropping it, which waits for its kernels, does not wait for the flag timeout).
     fn release(e: NvlinkMoe, healthy: bool) {
         if !healthy {
             e.abandon();

@@ -12,7 +12,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use meshflow_ir::DeviceId;
 use meshflow_kernels::{IpcHandle, IPC_HANDLE_BYTES};
@@ -22,6 +22,8 @@ use crate::runtime::backend::BackendError;
 use crate::runtime::rendezvous::{Rendezvous, RendezvousError};
 
 const CARD_MAGIC: &[u8; 8] = b"MFIPCCD1";
+/// How long a watched rendezvous wait waits between two looks at whether its peer is gone.
+const WATCH_SLICE: Duration = Duration::from_millis(200);
 
 /// What a rank tells its peers about itself, once.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -211,12 +213,15 @@ impl Meeting {
     }
 
     /// Every member's `mine` for `tag` (this rank is `members[my_index]`), in member order.
+    /// While it waits for a member `m`, `gone(m)` is asked a few times a second: an error
+    /// (the member is known to have stopped) ends the wait at once.
     pub fn all_gather(
         &self,
         tag: &str,
         members: &[DeviceId],
         my_index: usize,
         mine: &[u8],
+        gone: &dyn Fn(DeviceId) -> Option<BackendError>,
     ) -> Result<Vec<Vec<u8>>, BackendError> {
         let key = |i: usize| format!("{tag}/{}/{i}", members_key(members));
         self.publish(&key(my_index), mine, tag)?;
@@ -227,10 +232,40 @@ impl Meeting {
                 if i == my_index {
                     Ok(mine.to_vec())
                 } else {
-                    self.fetch(&key(i), m, &format!("rank {m}'s {tag}"))
+                    self.fetch_watching(&key(i), m, &format!("rank {m}'s {tag}"), gone)
                 }
             })
             .collect()
+    }
+
+    /// [`fetch`](Self::fetch) in slices of [`WATCH_SLICE`], asking `gone(peer)` between them.
+    fn fetch_watching(
+        &self,
+        key: &str,
+        peer: DeviceId,
+        what: &str,
+        gone: &dyn Fn(DeviceId) -> Option<BackendError>,
+    ) -> Result<Vec<u8>, BackendError> {
+        let full = format!("{}/{key}", self.base);
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(e) = gone(peer) {
+                return Err(e);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rdv.fetch(&full, left.min(WATCH_SLICE)) {
+                Ok(v) => return Ok(v),
+                Err(RendezvousError::Timeout { .. }) if left > WATCH_SLICE => {}
+                Err(RendezvousError::Timeout { what: w, .. }) => {
+                    let e = RendezvousError::Timeout {
+                        what: w,
+                        waited: self.timeout,
+                    };
+                    return Err(self.error(peer, what, e));
+                }
+                Err(e) => return Err(self.error(peer, what, e)),
+            }
+        }
     }
 }
 
@@ -275,8 +310,11 @@ mod tests {
         assert_eq!(a.verdict(&[0, 1], 1).unwrap(), Err("no peer access".into()));
         assert_eq!(b.verdict(&[0, 1], 0).unwrap(), Ok(()));
         let got = std::thread::scope(|s| {
-            let h = s.spawn(|| b.all_gather("moe/1", &[0, 1], 1, b"bee").unwrap());
-            let mine = a.all_gather("moe/1", &[0, 1], 0, b"ay").unwrap();
+            let h = s.spawn(|| {
+                b.all_gather("moe/1", &[0, 1], 1, b"bee", &|_| None)
+                    .unwrap()
+            });
+            let mine = a.all_gather("moe/1", &[0, 1], 0, b"ay", &|_| None).unwrap();
             (mine, h.join().unwrap())
         });
         assert_eq!(got.0, vec![b"ay".to_vec(), b"bee".to_vec()]);
@@ -292,5 +330,29 @@ mod tests {
         );
         let e = quick.card(4).unwrap_err();
         assert!(matches!(e, BackendError::Timeout { peer: 4, .. }), "{e}");
+        let e = quick
+            .all_gather("moe/2", &[0, 4], 0, b"ay", &|_| None)
+            .unwrap_err();
+        assert!(matches!(e, BackendError::Timeout { peer: 4, .. }), "{e}");
+        // A member known to be gone ends the gather with that error, not at the timeout.
+        let patient = Meeting::new(
+            Arc::new(LocalRendezvous::new("ipc-meet-gone")),
+            0,
+            1,
+            Duration::from_secs(3600),
+        );
+        let gone = |p: DeviceId| {
+            (p == 1).then(|| BackendError::Aborted {
+                failed_rank: 1,
+                reason: "rank 1 stopped".into(),
+            })
+        };
+        let e = patient
+            .all_gather("moe/1", &[0, 1], 0, b"ay", &gone)
+            .unwrap_err();
+        assert!(
+            matches!(e, BackendError::Aborted { failed_rank: 1, .. }),
+            "{e}"
+        );
     }
 }

@@ -603,12 +603,36 @@ impl PeerLink for IpcLink {
             *n += 1;
             *n
         };
-        let all =
-            self.meeting
-                .all_gather(&format!("moe/{n}"), &team.members, team.my_index, &mine)?;
+        // A member that stopped before publishing its buffers fails this wait at once (its
+        // connection, made when the team was decided, ended), not at the rendezvous timeout.
+        let net = &self.reach()?.net;
+        let gone = |peer: DeviceId| match net.ended(peer) {
+            Some(Ended::Lost(why)) => Some(BackendError::Aborted {
+                failed_rank: peer,
+                reason: format!(
+                    "rank {peer} stopped (its process exited or failed; seen by rank {rank} \
+                     while it set up the NVLink MoE buffers of moe_dispatch: {why})"
+                ),
+            }),
+            Some(Ended::Finished) => Some(BackendError::Invalid(format!(
+                "rank {rank}: moe_dispatch: rank {peer} finished its run without publishing \
+                 its NVLink MoE buffers"
+            ))),
+            None => core.aborted(),
+        };
+        let all = self.meeting.all_gather(
+            &format!("moe/{n}"),
+            &team.members,
+            team.my_index,
+            &mine,
+            &gone,
+        )?;
         engine
             .import_handles(&all)
             .map_err(e("mapping the peers' NVLink MoE buffers"))?;
+        // A peer lost from now on ends the engine's device waits at once (raised by the
+        // reader thread that sees its connection end).
+        net.watch(engine.abort_word());
         Ok(engine)
     }
 

@@ -17,7 +17,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use meshflow_ir::DeviceId;
-use meshflow_kernels::{IpcHandle, IPC_HANDLE_BYTES};
+use meshflow_kernels::{AbortWord, IpcHandle, IPC_HANDLE_BYTES};
 
 use super::super::peers::Key;
 
@@ -186,6 +186,24 @@ struct Shared {
     stop: AtomicBool,
     /// Incoming connections (shut down when the link goes, ending their readers).
     incoming: Mutex<Vec<TcpStream>>,
+    /// Device abort words raised as soon as a peer is lost (the reader that sees the
+    /// connection end raises them: no CUDA call, so a host thread blocked in one is no
+    /// obstacle).
+    words: Mutex<Vec<AbortWord>>,
+}
+
+impl Shared {
+    /// Whether some peer was lost.
+    fn any_lost(g: &Inbox) -> bool {
+        g.ended.values().any(|(e, _)| matches!(e, Ended::Lost(_)))
+    }
+
+    /// Raises every watched abort word.
+    fn raise_words(&self) {
+        for w in self.words.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            w.raise();
+        }
+    }
 }
 
 impl Shared {
@@ -223,6 +241,7 @@ impl Net {
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
             incoming: Mutex::new(Vec::new()),
+            words: Mutex::new(Vec::new()),
         });
         let s = shared.clone();
         std::thread::Builder::new()
@@ -309,6 +328,28 @@ impl Net {
         }
     }
 
+    /// Raises `word` as soon as a peer is lost (at once if one is already).
+    pub fn watch(&self, word: AbortWord) {
+        let lost = Shared::any_lost(&self.shared.lock());
+        if lost {
+            word.raise();
+        }
+        self.shared
+            .words
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(word);
+        // A loss filed between the check and the push raised the others but not this one.
+        if !lost && Shared::any_lost(&self.shared.lock()) {
+            self.shared.raise_words();
+        }
+    }
+
+    /// How `peer`'s connection ended, if it did.
+    pub fn ended(&self, peer: DeviceId) -> Option<Ended> {
+        self.shared.lock().ended.get(&peer).map(|(e, _)| e.clone())
+    }
+
     /// The first peer whose connection ended without a goodbye at least `age` ago, and why.
     pub fn lost(&self, age: Duration) -> Option<(DeviceId, String)> {
         let g = self.shared.lock();
@@ -391,9 +432,14 @@ fn read_loop(mut conn: TcpStream, shared: Arc<Shared>) {
     let mut said_bye = false;
     let end = |from: Option<DeviceId>, how: Ended| {
         if let Some(p) = from {
+            let lost = matches!(how, Ended::Lost(_));
             let mut g = shared.lock();
             g.ended.entry(p).or_insert((how, Instant::now()));
             shared.changed.notify_all();
+            drop(g);
+            if lost {
+                shared.raise_words();
+            }
         }
     };
     loop {
