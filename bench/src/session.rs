@@ -25,12 +25,13 @@
 //! such a failure, naming the job and the phase; a rank thread that even the abort does not
 //! free (blocked inside NCCL) ends the process with that message rather than a hang.
 //!
-//! In-process, a case's NCCL communicators live as long as the case: the process-wide cache is
-//! emptied (aborted) once every rank thread of the case has returned, so the next case creates
-//! its own and never pairs one rank's communicator of an old clique with another rank's of a
-//! different one.
+//! A case's NCCL communicators live as long as the case: they are made under a rendezvous
+//! namespace of the case's own, and the process-wide cache is emptied (aborted) once every rank
+//! of the case is done with it, so the next case creates its own and never pairs one rank's
+//! communicator of an old clique with another rank's of a different one.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -93,22 +94,48 @@ pub(crate) type Checker<'a> =
 pub(crate) type InputSets = [BTreeMap<usize, BTreeMap<String, TensorData>>];
 
 /// A rendezvous whose keys and barriers live under a prefix of another's, with its namespace
-/// (so that communicators cached per namespace serve every scope).
+/// (so that communicators cached per namespace serve every scope), or one of its own.
 #[derive(Debug)]
 pub(crate) struct Scoped {
     inner: Arc<dyn Rendezvous>,
     prefix: String,
+    namespace: Option<String>,
 }
 
 impl Scoped {
     pub(crate) fn new(inner: Arc<dyn Rendezvous>, prefix: String) -> Scoped {
-        Scoped { inner, prefix }
+        Scoped {
+            inner,
+            prefix,
+            namespace: None,
+        }
     }
+
+    /// The same keys under the namespace `namespace`: communicators made through it are
+    /// cached apart from every other namespace's.
+    pub(crate) fn renamed(inner: Arc<dyn Rendezvous>, namespace: String) -> Scoped {
+        Scoped {
+            inner,
+            prefix: String::new(),
+            namespace: Some(namespace),
+        }
+    }
+}
+
+/// A namespace of this process's next case: its communicators are its own (the ranks of every
+/// process number their cases alike, as they run the same cases in the same order). Numbering
+/// per case also gives each case fresh creation generations, so that a case whose ranks
+/// failed unevenly cannot leave the next one's ranks counting differently.
+fn case_namespace(base: &str) -> String {
+    static CASES: AtomicUsize = AtomicUsize::new(0);
+    format!("{base}/case-{}", CASES.fetch_add(1, Ordering::Relaxed))
 }
 
 impl Rendezvous for Scoped {
     fn namespace(&self) -> &str {
-        self.inner.namespace()
+        self.namespace
+            .as_deref()
+            .unwrap_or_else(|| self.inner.namespace())
     }
     fn publish(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         self.inner.publish(&format!("{}{key}", self.prefix), value)
@@ -403,7 +430,7 @@ pub(crate) fn measure_in_process(
     config: &CudaConfig,
     checker: Checker<'_>,
 ) -> Result<Vec<Measured>, String> {
-    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("inproc"));
+    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new(case_namespace("bench")));
     let abort = AbortSignal::new();
     let hubs: Vec<Arc<PeerHub>> = jobs.iter().map(|_| PeerHub::new()).collect();
     let progress = Arc::new(Progress::new(world));
@@ -515,7 +542,11 @@ pub(crate) fn measure_launched(
     config: &CudaConfig,
     checker: Checker<'_>,
 ) -> Result<Vec<Measured>, String> {
-    let rdv = launched.scope();
+    let store = launched.scope();
+    let rdv: Arc<dyn Rendezvous> = Arc::new(Scoped::renamed(
+        store.clone(),
+        case_namespace(store.namespace()),
+    ));
     let (rank, world) = (launched.rank(), launched.world());
     let cx = RankCtx {
         rank,
@@ -548,7 +579,8 @@ pub(crate) fn measure_launched(
         }
         h.join()
             .unwrap_or_else(|_| Err("the rank thread panicked".into()))
-    })?;
+    })
+    .inspect_err(|_| clear_communicator_cache())?;
     let err = |e: RendezvousError| format!("sharing the figures: {e}");
     rdv.publish(&format!("figures/{rank}"), &encode(&mine))
         .map_err(err)?;
@@ -561,6 +593,9 @@ pub(crate) fn measure_launched(
     }
     rdv.barrier("figures/read", world, config.timeout)
         .map_err(err)?;
+    // Every rank is done with the case: its communicators end with it (see the module's
+    // documentation).
+    clear_communicator_cache();
     Ok(combine(per_rank, jobs.len()))
 }
 
