@@ -455,7 +455,11 @@ pub(crate) fn measure_in_process(
                     .spawn_scoped(scope, move || guarded(&cx, jobs, &mine, rounds, checker))
             })
             .collect();
-        let finished = || handles.iter().all(|h| h.as_ref().map_or(true, |h| h.is_finished()));
+        let finished = || {
+            handles
+                .iter()
+                .all(|h| h.as_ref().map_or(true, |h| h.is_finished()))
+        };
         let watched = watch(
             &progress,
             config.timeout + STALL_MARGIN,

@@ -196,7 +196,9 @@ mod tests {
         assert_eq!(r, Ok(()));
         assert_eq!(seen.len(), 1);
         assert_eq!(seen[0].slot, 1);
-        assert!(seen[0].to_string().starts_with("rank 1: case: variant: check run"));
+        assert!(seen[0]
+            .to_string()
+            .starts_with("rank 1: case: variant: check run"));
     }
 
     /// A thread that no abort reaches: the watchdog gives up on it with the stall.
