@@ -99,18 +99,18 @@ tests() {
 }
 torch_figures() {
   # PyTorch's figures first, in the same call; then every benchmark reads them (--torch).
-  step 90 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
+  step 60 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
 }
 schedule() {
   # Each case is set up once, every variant checked once, then timed in interleaved rounds
   # (2 untimed + 10 timed rounds of 5 steps each). A rank that makes no progress for
   # --timeout + 10 s ends its case as an error naming the program and the phase (or, blocked
   # inside NCCL, its process); `step` caps each run on top.
-  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 10 --steps 5 --skip-parts --timeout 20)
+  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 10 --steps 5 --skip-parts --timeout 15)
   # Ranks as threads of one process (procs = 1): a fresh process per shape, each running that
   # shape's AG+GEMM and GEMM+RS cases (about 30 s each on 2 GPUs) ...
   for s in 16384x8192x8192 8192x8192x8192; do
-    step 60 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
+    step 65 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
       --shape "$s" --json "$OUT/schedule-threads-$n-$s.json" "${q[@]}"
   done
   # ... and one process per GPU (procs = n; rank 0 writes the rows): every case, about 50 s.
