@@ -580,7 +580,10 @@ mod tests {
         assert_eq!(r0.fetch("from1", LONG).unwrap(), b"x");
         r0.barrier("met", 2, LONG).unwrap();
         let err = r0.fetch("never", LONG).unwrap_err();
-        assert!(matches!(err, RendezvousError::Lost { rank: 1, .. }), "{err}");
+        assert!(
+            matches!(err, RendezvousError::Lost { rank: 1, .. }),
+            "{err}"
+        );
     }
 
     #[test]
