@@ -18,7 +18,7 @@
 use crate::support::gpu as support;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use meshflow::ir::{parse_program_with, HostProgram};

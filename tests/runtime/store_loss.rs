@@ -54,7 +54,7 @@ fn rank_of_a_run_whose_last_rank_exits_before_the_start_barrier() {
     let rdv = TcpRendezvous::connect(&env, TIMEOUT).expect("the rendezvous");
     let rank = env.rank;
     if rank == 2 {
-        println!("rank 2 exits");
+        eprintln!("rank 2 exits");
         // Exits at once: no destructor runs, so the store hears no goodbye.
         std::process::exit(0);
     }
@@ -63,7 +63,7 @@ fn rank_of_a_run_whose_last_rank_exits_before_the_start_barrier() {
         .barrier(START, 3, TIMEOUT)
         .expect_err("the start barrier cannot complete without rank 2");
     let took = t0.elapsed();
-    println!("rank {rank}: {err} (after {took:?})");
+    eprintln!("rank {rank}: {err} (after {took:?})");
     assert!(
         matches!(err, RendezvousError::Lost { rank: 2, .. }),
         "rank {rank}: {err}"
