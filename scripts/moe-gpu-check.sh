@@ -39,7 +39,7 @@ diag() {
   txt="$(timeout 60 env ${envs[@]+"${envs[@]}"} "$M" bench moe --warmup 5 --iters 30 --steps 10 "${args[@]}" 2>&1)"
   echo "$txt"
   # The result lines: transport, W, T, ..., dispatch_us (col 10), ..., combine_us (col 13).
-  echo "$txt" | awk -v l="$label" '$2 ~ /^[0-9]+$/ && NF >= 15 { printf "%s\t%s\t%s\t%s\t%s\n", l, $1, $3, $10, $13 }' \
+  echo "$txt" | awk -v l="$label" '$2 ~ /^[0-9]+$/ && NF >= 15 { printf "%s\t%s\t%s\t%s\t%s\t%s\n", l, $1, $3, $9, $10, $13 }' \
     >> "$OUT/diag.tsv"
 }
 {
@@ -81,7 +81,7 @@ diag() {
   diag chunk-d2-c4 MESHFLOW_MOE_DISPATCH_CHUNK=2 MESHFLOW_MOE_COMBINE_CHUNK=4 "${k4k[@]}" --wire native
   diag chunk-d4-c2 MESHFLOW_MOE_DISPATCH_CHUNK=4 MESHFLOW_MOE_COMBINE_CHUNK=2 "${k4k[@]}" --wire native
   diag chunk-v1 MESHFLOW_MOE_KERNELS=v1 "${k4k[@]}" --wire native
-  log "diagnostics (label, transport, T, dispatch_us, combine_us)"
+  log "diagnostics (label, transport, T, wire, dispatch_us, combine_us)"
   cat "$OUT/diag.tsv"
   # The bench rows against the goals (evaluator path, bf16, 2 GPUs).
   python3 - "$OUT/moe-$n.json" <<'PY'
