@@ -9,7 +9,9 @@ struct MulOp { __device__ float operator()(float a, float b) const { return a * 
 struct GeluOp {
     __device__ float operator()(float x) const {
         const float k = 0.7978845608028654f;  // sqrt(2 / pi)
-        return 0.5f * x * (1.0f + tanhf(k * (x + 0.044715f * x * x * x)));
+        // 0.5 x (1 + tanh z) written as x / (1 + e^(-2z)): the same function, without the
+        // cancellation of 1 + tanh z in f32 for negative z (where the result is tiny).
+        return x / (1.0f + expf(-2.0f * k * (x + 0.044715f * x * x * x)));
     }
 };
 struct SiluOp {

@@ -230,7 +230,9 @@ pub fn binary(
 /// GELU, tanh approximation: `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub fn gelu_scalar(x: f32) -> f32 {
     const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
+                                // 0.5 x (1 + tanh z) written as x / (1 + e^(-2z)): the same function, without the
+                                // cancellation of 1 + tanh z in f32 for negative z (where the result is tiny).
+    x / (1.0 + (-2.0 * C * (x + 0.044_715 * x * x * x)).exp())
 }
 
 /// SiLU: `x * sigmoid(x)`.

@@ -475,3 +475,26 @@ fn run_compute_dispatches_every_op() {
     assert_eq!(f(&out), f(&a).iter().map(|v| v + v).collect::<Vec<_>>());
     assert!(run_compute(&ComputeOp::Add, &[View::of(&a)], &mut ViewMut::of(&mut out)).is_err());
 }
+
+/// The f32 GELU keeps its relative accuracy in the negative tail, where `1 + tanh z` would
+/// cancel (the f64 tanh form is the reference).
+#[test]
+fn gelu_is_accurate_in_the_negative_tail() {
+    for x in [
+        -9.0f32, -6.0, -4.0, -2.5, -1.0, -0.1, 0.0, 0.1, 1.0, 3.0, 8.0,
+    ] {
+        let xd = f64::from(x);
+        let c = (2.0 / std::f64::consts::PI).sqrt();
+        let want = 0.5 * xd * (1.0 + (c * (xd + 0.044715 * xd * xd * xd)).tanh());
+        let got = f64::from(super::gelu_scalar(x));
+        let err = if want == 0.0 {
+            got.abs()
+        } else {
+            ((got - want) / want).abs()
+        };
+        assert!(
+            err < 1e-5,
+            "gelu({x}) = {got}, want {want} (rel err {err:.2e})"
+        );
+    }
+}
