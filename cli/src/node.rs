@@ -132,8 +132,9 @@ pub fn run(args: NodeArgs) -> Result<(), CliError> {
         master_port: port,
     };
     let setup = setup_timeout(&args.cpu);
-    let rendezvous: Arc<dyn Rendezvous> =
-        Arc::new(TcpRendezvous::connect(&env, setup).map_err(|e| CliError::Run(e.to_string()))?);
+    let rendezvous: Arc<dyn Rendezvous> = Arc::new(
+        TcpRendezvous::connect_unwatched(&env, setup).map_err(|e| CliError::Run(e.to_string()))?,
+    );
     let host =
         std::env::var("MESHFLOW_PROXY_ADDR").unwrap_or_else(|_| local_address_toward(&args.master));
     let ring = match std::env::var("MESHFLOW_PROXY_RING") {

@@ -18,12 +18,10 @@
 use crate::support::gpu as support;
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use meshflow::ir::{parse_program_with, HostProgram};
-use meshflow::launch::{launch_processes, LaunchSpec, Sink};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cuda::{
     run_cuda_timed, run_rank, CopyStream, CudaConfig, CudaOptions, Transport,
@@ -37,44 +35,10 @@ use support::*;
 
 type PerRank = BTreeMap<usize, BTreeMap<String, TensorData>>;
 
-#[derive(Clone, Default)]
-struct Buf(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Buf {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// Runs this test binary's ignored test `child` as ranks 0 and 1 (the launcher behind
 /// `meshflow launch`); returns whether every rank passed, and their output.
 fn launch_children(child: &str) -> (Result<(), String>, String) {
-    let exe = std::env::current_exe().unwrap().display().to_string();
-    let spec = LaunchSpec {
-        nproc: 2,
-        master_addr: "127.0.0.1".into(),
-        master_port: None,
-        command: vec![
-            exe,
-            "--ignored".into(),
-            "--exact".into(),
-            format!("ipc::{child}"),
-            "--nocapture".into(),
-            "--test-threads=1".into(),
-        ],
-    };
-    let (out, err) = (Buf::default(), Buf::default());
-    let out_sink: Sink = Arc::new(Mutex::new(out.clone()));
-    let err_sink: Sink = Arc::new(Mutex::new(err.clone()));
-    let r = launch_processes(&spec, out_sink, err_sink).map_err(|e| e.to_string());
-    let text = String::from_utf8_lossy(&out.0.lock().unwrap()).into_owned()
-        + &String::from_utf8_lossy(&err.0.lock().unwrap());
-    eprintln!("{text}");
-    (r, text)
+    crate::support::launch::launch_test_children(&format!("ipc::{child}"), 2)
 }
 
 /// This process's rank (started by [`launch_children`]) and the run's rendezvous.

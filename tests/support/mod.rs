@@ -12,6 +12,8 @@
 //!   multisets.
 //! - [`hardening`]: process probes (threads, descriptors, memory) and the lock that serializes
 //!   the tests that read them.
+//! - [`launch`]: an ignored test of the current binary run as the ranks of a multi-process
+//!   run (the launcher behind `meshflow launch`).
 //! - [`passes`]: the file-driven pass tests (`tests/data/passes`, `MESHFLOW_BLESS=1`).
 //! - `gpu` (feature `cuda`): GPU counts, honest skips, CPU-vs-GPU comparisons.
 #![allow(dead_code)]
@@ -24,6 +26,7 @@ pub mod faults;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod hardening;
+pub mod launch;
 pub mod moe;
 pub mod passes;
 pub mod programs;

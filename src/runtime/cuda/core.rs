@@ -301,6 +301,10 @@ impl DeviceCore {
                             .map_or(self.rank, |f| f.0),
                         reason,
                     },
+                    RendezvousError::Lost { rank, ref reason } => BackendError::Aborted {
+                        failed_rank: rank,
+                        reason: format!("rank {rank} stopped ({reason})"),
+                    },
                     e => BackendError::Invalid(format!("rank {}: start barrier: {e}", self.rank)),
                 })?;
         }

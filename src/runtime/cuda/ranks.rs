@@ -164,6 +164,12 @@ fn iterate(
                             reason,
                         }
                     }
+                    RendezvousError::Lost { rank: lost, reason } => {
+                        crate::runtime::backend::BackendError::Aborted {
+                            failed_rank: lost,
+                            reason: format!("rank {lost} stopped ({reason})"),
+                        }
+                    }
                     e => crate::runtime::backend::BackendError::Invalid(e.to_string()),
                 },
             })?;

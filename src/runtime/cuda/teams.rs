@@ -113,6 +113,12 @@ pub(crate) fn create(
                 failed_rank: members.first().copied().unwrap_or(rank),
                 reason,
             },
+            crate::runtime::rendezvous::RendezvousError::Lost { rank: lost, reason } => {
+                BackendError::Aborted {
+                    failed_rank: lost,
+                    reason: format!("rank {lost} stopped ({reason})"),
+                }
+            }
             e => BackendError::Invalid(format!("rank {rank}: creating the {what}: {e}")),
         };
         let id = if my_index == 0 {

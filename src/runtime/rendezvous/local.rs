@@ -12,6 +12,8 @@ struct State {
     values: HashMap<String, Vec<u8>>,
     arrivals: HashMap<String, usize>,
     aborted: Option<String>,
+    /// A rank whose connection ended without a goodbye, and how that was seen.
+    lost: Option<(usize, String)>,
 }
 
 /// Values, barrier counters and an abort flag behind one lock, with a condition variable that
@@ -54,6 +56,12 @@ impl Store {
             if let Some(v) = ready(&s) {
                 return Ok(v);
             }
+            if let Some((rank, reason)) = &s.lost {
+                return Err(RendezvousError::Lost {
+                    rank: *rank,
+                    reason: reason.clone(),
+                });
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(RendezvousError::Timeout {
@@ -81,15 +89,38 @@ impl Store {
         parties: usize,
         timeout: Duration,
     ) -> Result<(), RendezvousError> {
-        {
-            let mut s = self.lock();
-            *s.arrivals.entry(name.to_owned()).or_insert(0) += 1;
-            self.changed.notify_all();
-        }
+        self.arrive(name);
+        self.await_barrier(name, parties, timeout)
+    }
+
+    /// Counts one arrival at barrier `name`.
+    pub(super) fn arrive(&self, name: &str) {
+        let mut s = self.lock();
+        *s.arrivals.entry(name.to_owned()).or_insert(0) += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until `parties` arrivals were counted at barrier `name`.
+    pub(super) fn await_barrier(
+        &self,
+        name: &str,
+        parties: usize,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
         let what = format!("barrier `{name}` ({parties} parties)");
         self.wait_for(&what, timeout, |s| {
             (s.arrivals.get(name).copied().unwrap_or(0) >= parties).then_some(())
         })
+    }
+
+    /// Records that `rank` is gone (the first loss is kept): every wait that is not complete
+    /// yet, now or later, fails with [`RendezvousError::Lost`].
+    pub(super) fn lose(&self, rank: usize, reason: &str) {
+        let mut s = self.lock();
+        if s.lost.is_none() {
+            s.lost = Some((rank, reason.to_owned()));
+        }
+        self.changed.notify_all();
     }
 
     pub(super) fn abort(&self, reason: &str) {

@@ -8,7 +8,9 @@
 //!   `MASTER_PORT`) that say which rank a process is and where the store lives.
 //!
 //! Every blocking operation takes a timeout, so a rank that never arrives is reported as an
-//! error naming the key, never a hang.
+//! error naming the key, never a hang. A rank whose process dies is noticed sooner: its
+//! connection to the TCP store closes without a goodbye, and every wait that can no longer
+//! complete fails at once with [`RendezvousError::Lost`] naming it.
 
 mod env;
 mod local;
@@ -53,6 +55,16 @@ pub enum RendezvousError {
     /// The rendezvous was aborted because a rank failed.
     #[error("rendezvous aborted: {0}")]
     Aborted(String),
+    /// A rank is gone: its connection to the store ended without a goodbye (its process
+    /// exited or was killed), or the store itself went away with the rank serving it. Only a
+    /// wait that cannot complete any more fails with it.
+    #[error("rank {rank} stopped ({reason})")]
+    Lost {
+        /// The rank that is gone.
+        rank: usize,
+        /// How it was noticed.
+        reason: String,
+    },
 }
 
 /// A key/value store with barriers shared by the ranks of one run.

@@ -3,8 +3,15 @@
 //! Wire format (little endian), one request and one response at a time per connection:
 //! request `op: u8, key_len: u32, key, payload`, where the payload is `len: u64, bytes` for
 //! `SET` and `ABORT`, `timeout_ms: u64` for `GET`, and `parties: u64, timeout_ms: u64` for
-//! `BARRIER`; response `status: u8 (0 ok, 1 timeout, 2 aborted, 3 error), len: u64, bytes`
-//! (the value of a `GET`, or a message).
+//! `BARRIER`, `rank: u64` for `HELLO` and nothing for `GOODBYE`; response `status: u8 (0 ok,
+//! 1 timeout, 2 aborted, 3 error, 4 lost), len: u64, bytes` (the value of a `GET`, a message,
+//! or for `lost` the lost rank as `u64` followed by how it was seen).
+//!
+//! A client that says `HELLO` with its rank is watched: when its connection ends without a
+//! `GOODBYE` (its process exited or was killed), the server records the rank as lost, and
+//! every wait that can no longer complete fails at once with [`RendezvousError::Lost`]. While
+//! a watched client waits, the server looks at its connection every [`WATCH_SLICE`], so a
+//! client that dies in the middle of a wait is noticed too.
 
 use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -19,11 +26,21 @@ const SET: u8 = 1;
 const GET: u8 = 2;
 const BARRIER: u8 = 3;
 const ABORT: u8 = 4;
+const HELLO: u8 = 5;
+const GOODBYE: u8 = 6;
 
 const OK: u8 = 0;
 const TIMEOUT: u8 = 1;
 const ABORTED: u8 = 2;
 const ERROR: u8 = 3;
+const LOST: u8 = 4;
+
+/// How often the server looks at the connection of a watched client that waits.
+const WATCH_SLICE: Duration = Duration::from_millis(100);
+
+/// How a watched rank's loss is described when its connection closed without a goodbye.
+const CLOSED_WITHOUT_GOODBYE: &str = "its process exited or failed; seen by the rendezvous \
+                                      store: its connection closed without a goodbye";
 
 /// Largest key accepted by the server.
 const MAX_KEY: u32 = 64 * 1024;
@@ -69,8 +86,77 @@ fn write_response(w: &mut impl Write, status: u8, body: &[u8]) -> io::Result<()>
     w.flush()
 }
 
-/// Serves one client connection until it closes.
-fn serve(mut conn: TcpStream, store: Arc<Store>) -> io::Result<()> {
+/// What the server knows of one client connection.
+#[derive(Debug, Default)]
+struct Client {
+    /// The rank it said `HELLO` with (then it is watched).
+    rank: Option<usize>,
+    /// Whether it said `GOODBYE`.
+    left: bool,
+}
+
+/// Whether the peer of `conn` closed it (or it broke); data waiting to be read means it is
+/// alive.
+fn closed(conn: &TcpStream) -> bool {
+    if conn.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let mut b = [0u8; 1];
+    let gone = match conn.peek(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != io::ErrorKind::WouldBlock,
+    };
+    conn.set_nonblocking(false).is_err() || gone
+}
+
+/// Runs the wait `once` (given how long it may wait) for up to `timeout`: in one go for an
+/// unwatched client, in slices of [`WATCH_SLICE`] for a watched one, looking at its connection
+/// between them; `Err` when that connection closed.
+fn wait_watching<T>(
+    conn: &TcpStream,
+    watched: bool,
+    timeout: Duration,
+    mut once: impl FnMut(Duration) -> Result<T, RendezvousError>,
+) -> io::Result<Result<T, RendezvousError>> {
+    if !watched {
+        return Ok(once(timeout));
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match once(left.min(WATCH_SLICE)) {
+            Err(RendezvousError::Timeout { what, .. }) if left <= WATCH_SLICE => {
+                return Ok(Err(RendezvousError::Timeout {
+                    what,
+                    waited: timeout,
+                }))
+            }
+            Err(RendezvousError::Timeout { .. }) => {}
+            done => return Ok(done),
+        }
+        if closed(conn) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the client closed its connection while it waited",
+            ));
+        }
+    }
+}
+
+/// Serves one client connection until it closes; a watched client that leaves without a
+/// goodbye is recorded as lost.
+fn serve(conn: TcpStream, store: Arc<Store>) -> io::Result<()> {
+    let mut client = Client::default();
+    let served = serve_requests(conn, &store, &mut client);
+    if let (Some(rank), false) = (client.rank, client.left) {
+        tracing::warn!(rank, "rendezvous: rank {rank} left without a goodbye");
+        store.lose(rank, CLOSED_WITHOUT_GOODBYE);
+    }
+    served
+}
+
+fn serve_requests(mut conn: TcpStream, store: &Store, client: &mut Client) -> io::Result<()> {
     conn.set_nodelay(true)?;
     loop {
         let op = match read_u8(&mut conn) {
@@ -89,12 +175,26 @@ fn serve(mut conn: TcpStream, store: Arc<Store>) -> io::Result<()> {
             }
             GET => {
                 let timeout = Duration::from_millis(read_u64(&mut conn)?);
-                store.fetch(&key, timeout)
+                wait_watching(&conn, client.rank.is_some(), timeout, |t| {
+                    store.fetch(&key, t)
+                })?
             }
             BARRIER => {
                 let parties = read_u64(&mut conn)? as usize;
                 let timeout = Duration::from_millis(read_u64(&mut conn)?);
-                store.barrier(&key, parties, timeout).map(|()| Vec::new())
+                store.arrive(&key);
+                wait_watching(&conn, client.rank.is_some(), timeout, |t| {
+                    store.await_barrier(&key, parties, t)
+                })?
+                .map(|()| Vec::new())
+            }
+            HELLO => {
+                client.rank = Some(read_u64(&mut conn)? as usize);
+                Ok(Vec::new())
+            }
+            GOODBYE => {
+                client.left = true;
+                Ok(Vec::new())
             }
             ABORT => {
                 let len = read_u64(&mut conn)?;
@@ -111,6 +211,11 @@ fn serve(mut conn: TcpStream, store: Arc<Store>) -> io::Result<()> {
             Ok(v) => write_response(&mut conn, OK, &v)?,
             Err(RendezvousError::Timeout { .. }) => write_response(&mut conn, TIMEOUT, &[])?,
             Err(RendezvousError::Aborted(r)) => write_response(&mut conn, ABORTED, r.as_bytes())?,
+            Err(RendezvousError::Lost { rank, reason }) => {
+                let mut body = (rank as u64).to_le_bytes().to_vec();
+                body.extend_from_slice(reason.as_bytes());
+                write_response(&mut conn, LOST, &body)?
+            }
             Err(e) => write_response(&mut conn, ERROR, e.to_string().as_bytes())?,
         }
     }
@@ -177,13 +282,36 @@ pub struct TcpRendezvous {
     conn: Mutex<TcpStream>,
     address: String,
     namespace: String,
+    /// This client's rank when it is watched (it said `HELLO`; it says `GOODBYE` when dropped).
+    watched: Option<usize>,
     _server: Option<Server>,
 }
 
 impl TcpRendezvous {
     /// Starts the store (on rank 0) and connects to it, retrying for up to `connect_timeout`
-    /// while the store is not up yet.
+    /// while the store is not up yet. The connection is watched: if this process ends without
+    /// dropping the rendezvous (it exited or was killed), the waits of the other ranks that
+    /// can no longer complete fail at once naming `env.rank`; if the store goes away, this
+    /// rank's waits fail naming rank 0, which serves it.
     pub fn connect(
+        env: &TorchrunEnv,
+        connect_timeout: Duration,
+    ) -> Result<TcpRendezvous, RendezvousError> {
+        let mut rdv = TcpRendezvous::connect_unwatched(env, connect_timeout)?;
+        rdv.request(
+            HELLO,
+            "",
+            &(env.rank as u64).to_le_bytes(),
+            Duration::ZERO,
+            "hello",
+        )?;
+        rdv.watched = Some(env.rank);
+        Ok(rdv)
+    }
+
+    /// [`connect`](Self::connect) without the watching: for callers whose parties are not
+    /// ranks (the node processes of a CPU run, which their supervisor watches instead).
+    pub fn connect_unwatched(
         env: &TorchrunEnv,
         connect_timeout: Duration,
     ) -> Result<TcpRendezvous, RendezvousError> {
@@ -231,6 +359,7 @@ impl TcpRendezvous {
             conn: Mutex::new(conn),
             namespace: format!("tcp://{address}/{}", env.world_size),
             address,
+            watched: None,
             _server: server,
         })
     }
@@ -250,9 +379,20 @@ impl TcpRendezvous {
         wait: Duration,
         what: &str,
     ) -> Result<Vec<u8>, RendezvousError> {
-        let io_err = |e: io::Error| RendezvousError::Io {
-            address: self.address.clone(),
-            message: format!("{what}: {e}"),
+        let io_err = |e: io::Error| match self.watched {
+            // The store closed the connection: rank 0, which serves it, is gone.
+            Some(rank) if rank != 0 && store_gone(&e) => RendezvousError::Lost {
+                rank: 0,
+                reason: format!(
+                    "its process exited or failed; seen by rank {rank}: the rendezvous store \
+                     it serves at {} closed the connection during {what}",
+                    self.address
+                ),
+            },
+            _ => RendezvousError::Io {
+                address: self.address.clone(),
+                message: format!("{what}: {e}"),
+            },
         };
         let mut msg = Vec::with_capacity(5 + key.len() + payload.len());
         msg.push(op);
@@ -276,10 +416,41 @@ impl TcpRendezvous {
             ABORTED => Err(RendezvousError::Aborted(
                 String::from_utf8_lossy(&body).into_owned(),
             )),
+            LOST if body.len() >= 8 => {
+                let (rank, reason) = body.split_at(8);
+                let mut b = [0u8; 8];
+                b.copy_from_slice(rank);
+                Err(RendezvousError::Lost {
+                    rank: u64::from_le_bytes(b) as usize,
+                    reason: String::from_utf8_lossy(reason).into_owned(),
+                })
+            }
             _ => Err(RendezvousError::Io {
                 address: self.address.clone(),
                 message: format!("{what}: {}", String::from_utf8_lossy(&body)),
             }),
+        }
+    }
+}
+
+/// Whether `e` says that the other end closed or reset the connection.
+fn store_gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
+impl Drop for TcpRendezvous {
+    /// A watched client says goodbye, so that the server does not take its leaving for a loss.
+    fn drop(&mut self) {
+        if self.watched.is_some() {
+            if let Err(e) = self.request(GOODBYE, "", &[], Duration::ZERO, "goodbye") {
+                tracing::debug!("rendezvous goodbye: {e}");
+            }
         }
     }
 }
@@ -373,5 +544,88 @@ mod tests {
         r0.abort("rank 2 failed");
         let err = r0.barrier("after", 2, t).unwrap_err();
         assert_eq!(err, RendezvousError::Aborted("rank 2 failed".into()));
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap()
+    }
+
+    /// Closes `r`'s connection without the goodbye of its drop, as a process that exits does.
+    fn vanish(r: TcpRendezvous) {
+        let conn = r.conn.lock().unwrap().try_clone().unwrap();
+        conn.shutdown(std::net::Shutdown::Both).unwrap();
+        std::mem::forget(r);
+    }
+
+    // The waits below are given a minute: they end long before it, or the test hangs.
+    const LONG: Duration = Duration::from_secs(60);
+
+    #[test]
+    fn a_rank_that_leaves_without_a_goodbye_fails_the_waits_it_would_end() {
+        let port = free_port();
+        let r0 = TcpRendezvous::connect(&env(0, port), LONG).unwrap();
+        let r1 = TcpRendezvous::connect(&env(1, port), LONG).unwrap();
+        r1.publish("from1", b"x").unwrap();
+        r1.barrier("met", 1, LONG).unwrap();
+        vanish(r1);
+        let err = r0.barrier("start", 2, LONG).unwrap_err();
+        let RendezvousError::Lost { rank: 1, reason } = &err else {
+            panic!("{err}");
+        };
+        assert!(reason.contains("without a goodbye"), "{err}");
+        // What it left behind is still there; only waits that cannot complete fail.
+        assert_eq!(r0.fetch("from1", LONG).unwrap(), b"x");
+        r0.barrier("met", 2, LONG).unwrap();
+        let err = r0.fetch("never", LONG).unwrap_err();
+        assert!(
+            matches!(err, RendezvousError::Lost { rank: 1, .. }),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_watched_wait_ends_when_its_client_closes_the_connection() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server_side, _) = listener.accept().unwrap();
+        drop(client);
+        let store = Store::default();
+        let waited = wait_watching(&server_side, true, LONG, |t| store.fetch("never", t));
+        assert!(waited.is_err(), "{waited:?}");
+    }
+
+    #[test]
+    fn a_rank_that_says_goodbye_is_not_lost() {
+        let port = free_port();
+        let r0 = TcpRendezvous::connect(&env(0, port), LONG).unwrap();
+        let r1 = TcpRendezvous::connect(&env(1, port), LONG).unwrap();
+        drop(r1);
+        let err = r0.fetch("never", Duration::from_millis(300)).unwrap_err();
+        assert!(matches!(err, RendezvousError::Timeout { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_rank_whose_store_went_away_names_rank_0() {
+        // A store that answers the hello, then goes away as rank 0's process would.
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().unwrap();
+            assert_eq!(read_u8(&mut conn).unwrap(), HELLO);
+            let key_len = read_u32(&mut conn).unwrap();
+            read_bytes(&mut conn, u64::from(key_len), 0).unwrap();
+            assert_eq!(read_u64(&mut conn).unwrap(), 1);
+            write_response(&mut conn, OK, &[]).unwrap();
+        });
+        let r1 = TcpRendezvous::connect(&env(1, port), LONG).unwrap();
+        server.join().unwrap();
+        let err = r1.barrier("start", 2, LONG).unwrap_err();
+        let RendezvousError::Lost { rank: 0, reason } = &err else {
+            panic!("{err}");
+        };
+        assert!(reason.contains("closed the connection"), "{err}");
     }
 }

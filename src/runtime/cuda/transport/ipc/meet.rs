@@ -153,6 +153,10 @@ impl Meeting {
                 failed_rank: peer,
                 reason,
             },
+            RendezvousError::Lost { rank, reason } => BackendError::Aborted {
+                failed_rank: rank,
+                reason: format!("rank {rank} stopped ({reason})"),
+            },
             RendezvousError::Timeout { waited, .. } => BackendError::Timeout {
                 peer,
                 waited,
