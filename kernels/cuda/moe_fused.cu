@@ -14,8 +14,9 @@
 // - Work is handed out in tickets (one atomic per block and item, ascending): per chunk there
 //   are `A` producer items and `B` consumer items, and the consumers of chunk c are handed out
 //   after the producers of chunk c + lag, so they rarely wait. A consumer only waits for
-//   producers of lower tickets (here: its peers' producers, which never wait), so the team
-//   makes progress whatever number of blocks is resident.
+//   producers of lower tickets (here: its peers' producers, which wait at most for late
+//   weights, raised by an earlier kernel of their source), so the team makes progress whatever
+//   number of blocks is resident.
 //
 // Dispatch (A = 1, B = W - 1): a producer routes its chunk's tokens (own fan-out, wire rows into
 // the receivers' slot t, -1 markers) and releases the chunk at the peers; a consumer fans out
