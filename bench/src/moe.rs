@@ -3,7 +3,7 @@
 //! Every rank runs in its own thread. After warm-up the ranks synchronize once, then queue
 //! `iters` steps back to back (no host synchronization inside the timed loop, so the GPUs run in
 //! lockstep through the transport's own waits); CUDA events around the dispatch (send + recv,
-//! the weights travelling with the rows, padding not zeroed) and the combine (send + recv) time
+//! the weights travelling with the rows unless [`LATE_WEIGHTS_ENV`] is set, padding not zeroed) and the combine (send + recv) time
 //! each step on each rank. A step's time is the slowest rank's; the result is the median over
 //! steps. The expert computation is the identity (`expert_y` is `expert_x`, so `F = H`).
 //! Bandwidth is reported the way DeepEP does, on the deduplicated bytes ([`MoeTraffic`]: the
@@ -255,16 +255,19 @@ fn rank_loop<T: MoeTransport>(
     let w = DeviceBuffer::from_slice(&stream, &vec![1.0f32 / s.top_k as f32; s.tokens * s.top_k])?;
     let out = DeviceBuffer::alloc(dev, s.tokens * s.y_row_bytes())?;
     let ex = t.expert_x()?.clone();
+    // The weights travel with the dispatch, or (LATE_WEIGHTS_ENV) with the combine, as the
+    // evaluator's lowered programs give them.
+    let late = std::env::var_os(LATE_WEIGHTS_ENV).is_some();
     let dispatch = DispatchRequest {
         x: &x,
         topk_idx: &topk,
-        weights: Some(&w),
+        weights: (!late).then_some(&w),
         zero_padding: false,
         outputs: None,
     };
     let combine = CombineRequest {
         expert_y: &ex,
-        weights: None,
+        weights: late.then_some(&w),
     };
     let warm = (|| -> Result<()> {
         x.memset(&stream, 0x3C)?;
@@ -324,6 +327,10 @@ fn rank_loop<T: MoeTransport>(
     barrier.wait();
     timed
 }
+
+/// Set to give the weights to the combine instead of the dispatch (the kernels' path; the
+/// evaluator's lowered programs give them to the combine): for comparisons.
+pub const LATE_WEIGHTS_ENV: &str = "MESHFLOW_MOE_BENCH_LATE_WEIGHTS";
 
 /// Set to time the four calls of a step separately (logged at `info` level by
 /// `meshflow_bench`, e.g. `RUST_LOG=meshflow_bench=info`).

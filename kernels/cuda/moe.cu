@@ -47,8 +47,9 @@
 #define MOE_GAVE_UP_COMBINE 64u
 // Bits MOE_PEER_SHIFT.. of the status: 1 + the team index of the first peer a wait gave up on.
 #define MOE_PEER_SHIFT 16
-// Spins of a peer wait between two polls of the host's abort word (a read over PCIe).
-#define MOE_ABORT_POLL 64u
+// Microseconds (units of 1024 ns) between two polls of the host's abort word (a read over
+// PCIe) by the waits of one engine's kernels together (see abort_raised).
+#define MOE_ABORT_POLL_US 16u
 
 #define WIRE_NATIVE 0u
 #define WIRE_FP8_TOKEN 1u
@@ -106,10 +107,26 @@ __device__ __forceinline__ u64 global_timer_ns() {
     return t;
 }
 
-// The status block of an engine: word 0 the status, bytes 8..16 the device address of the host's
-// abort word (pinned, device-mapped host memory; 0: none), fixed at the engine's creation.
+// The status block of an engine: word 0 the status, word 1 when the abort word was last polled
+// (abort_raised), bytes 8..16 the device address of the host's abort word (pinned, device-mapped
+// host memory; 0: none), fixed at the engine's creation.
 __device__ __forceinline__ const volatile unsigned* abort_word_of(const unsigned* status) {
     return (const volatile unsigned*)*(const volatile u64*)(status + 2);
+}
+
+// Whether the host raised the engine's abort word, polled by at most one waiting thread of the
+// engine's kernels every MOE_ABORT_POLL_US: the waiter that wins the poll time in status word 1
+// (globaltimer >> 10, wrapping) reads the word; every other waiter returns false at once. Reads of
+// host memory are slow: polled by every waiting block (hundreds of them in a split kernel), they
+// made waits notice their flags hundreds of microseconds late. A waiter that sees the word raised
+// gives up, and the others then see MOE_TIMEOUT in the status word.
+__device__ __forceinline__ bool abort_raised(unsigned* status, const volatile unsigned* abort) {
+    if (abort == 0) return false;
+    const unsigned now = (unsigned)(global_timer_ns() >> 10);
+    const unsigned last = *(volatile unsigned*)(status + 1);
+    if (now - last < MOE_ABORT_POLL_US) return false;
+    if (atomicCAS(status + 1, last, now) != last) return false;
+    return *abort != 0u;
 }
 
 // Records that a wait of `phase` (MOE_GAVE_UP_*) gave up on team peer `peer` for `why`
@@ -126,15 +143,15 @@ __device__ void moe_give_up(unsigned* status, unsigned why, unsigned phase, i64 
 
 // One thread waits until *flag reaches `epoch` (acquire, system scope); false: the wait gave up
 // (see block_wait_flags), `peer` being the team rank whose flag it is. `start` is when the
-// block's wait began, `spins` counts the polls since.
+// block's wait began.
 __device__ bool wait_flag(const unsigned* flag, unsigned epoch, u64 start, u64 timeout_ns,
-                          unsigned* status, unsigned phase, i64 peer, unsigned& spins) {
+                          unsigned* status, unsigned phase, i64 peer) {
     const volatile unsigned* abort = abort_word_of(status);
     while ((int)(ld_acquire_sys(flag) - epoch) < 0) {
         // Another wait gave up (and recorded why).
         if ((*(volatile unsigned*)status & MOE_TIMEOUT) != 0) return false;
         unsigned why = 0;
-        if (abort != 0 && (++spins % MOE_ABORT_POLL) == 0 && *abort != 0u) {
+        if (abort_raised(status, abort)) {
             why = MOE_ABORTED;
         } else if (global_timer_ns() - start > timeout_ns) {
             why = MOE_TIMEOUT;
@@ -155,12 +172,10 @@ __device__ void block_wait_strided(const unsigned* flags, i64 n, i64 stride, i64
                                    unsigned phase, i64 peer0) {
     if (threadIdx.x == 0) {
         u64 start = global_timer_ns();
-        unsigned spins = 0;
         bool ok = (*(volatile unsigned*)status & MOE_TIMEOUT) == 0;
         for (i64 i = 0; i < n && ok; ++i) {
             if (i == skip) continue;
-            ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i,
-                           spins);
+            ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i);
         }
     }
     __syncthreads();
@@ -169,7 +184,7 @@ __device__ void block_wait_strided(const unsigned* flags, i64 n, i64 stride, i64
 // Thread 0 of the block waits until every flags[i] (i < n, the team's ranks) has reached
 // `epoch` (acquire, system scope), then the block proceeds. A wait gives up (results are then
 // garbage, but the GPU never hangs on a dead peer) after `timeout_ns`, or at once when the host
-// raised the engine's abort word (a peer known lost; polled every MOE_ABORT_POLL spins), recording
+// raised the engine's abort word (a peer known lost; see abort_raised), recording
 // why, `phase` (MOE_GAVE_UP_DISPATCH or MOE_GAVE_UP_COMBINE) and the peer (moe_give_up); a flag
 // that arrived meanwhile still counts. Once MOE_TIMEOUT is set, later waits give up at once, so a
 // dead team fails fast until the status is cleared.

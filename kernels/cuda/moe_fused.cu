@@ -14,8 +14,9 @@
 // - Work is handed out in tickets (one atomic per block and item, ascending): per chunk there
 //   are `A` producer items and `B` consumer items, and the consumers of chunk c are handed out
 //   after the producers of chunk c + lag, so they rarely wait. A consumer only waits for
-//   producers of lower tickets (here: its peers' producers, which never wait), so the team
-//   makes progress whatever number of blocks is resident.
+//   producers of lower tickets (here: its peers' producers, which wait at most for late
+//   weights, raised by an earlier kernel of their source), so the team makes progress whatever
+//   number of blocks is resident.
 //
 // Dispatch (A = 1, B = W - 1): a producer routes its chunk's tokens (own fan-out, wire rows into
 // the receivers' slot t, -1 markers) and releases the chunk at the peers; a consumer fans out
@@ -267,8 +268,9 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
 }
 
 // rows / partials / chunk flags: this rank's symmetric regions (local addresses). late: the
-// weights come from w_area ([W, T, K], slot s from rank s) after the weight flags; else from
-// the wire rows. The last block resets the ticket counter.
+// weights come from w_area ([W, T, K], slot s from rank s), an item of source s waiting for
+// weight flag s only (a block never waits for weights it does not read); else from the wire
+// rows. The last block resets the ticket counter.
 template <typename T>
 __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 timeout_ns,
                                   const char* rows, const char* partials, const unsigned* flags,
@@ -278,7 +280,6 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
                                   const u64* peer_sym, i64 partials_off, i64 chunk_flags_off,
                                   i64 chunk, i64 lag, unsigned* status) {
     const unsigned epoch = *(volatile unsigned*)state;
-    if (late != 0) block_wait_flags(w_flags, world, epoch, timeout_ns, status, MOE_GAVE_UP_COMBINE);
     const i64 n = (tokens + chunk - 1) / chunk;
     const i64 row_bytes = width * (i64)sizeof(T);
     for (;;) {
@@ -287,6 +288,10 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         const i64 t0 = it.chunk * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
         // Producer: partials of source s; consumer: this rank's own tokens.
         const i64 s = it.consumer ? rank : (rank + 1 + it.index) % world;
+        // Late weights: only source s's (this rank's own were raised earlier on this stream).
+        if (late != 0)
+            block_wait_strided(w_flags + s, 1, 0, -1, epoch, timeout_ns, status,
+                               MOE_GAVE_UP_COMBINE, s);
         for (i64 t = t0; t < t1; ++t) {
             const char* row = rows + (s * tokens + t) * stride;
             // Own tokens: the slot holds a row iff the token went to this rank.

@@ -1,7 +1,7 @@
 //! GPU tests of the MoE dispatch/combine transports against the CPU reference. Without a GPU
 //! each test prints `skipped: ...` and returns; team sizes needing more GPUs than visible are
 //! skipped with a message. Inputs are fresh random values per run (the seed is printed; set
-//! `MESHFLOW_MOE_SEED` to replay).
+//! `MESHFLOW_MOE_SEED` to replay). `MESHFLOW_MOE_WORLDS=2` runs only the 2-rank teams (quick).
 //!
 //! Every case runs 7 steps on the same transport objects (epoch reuse), covering the weights
 //! at dispatch and at combine, with and without padding zeroing, into the engine's own outputs
@@ -387,13 +387,28 @@ fn run_case(kind: Engine, world: usize, case: &Case, seed: u64) -> Vec<String> {
     errs.into_iter().flatten().collect()
 }
 
-/// Team sizes to run: 1, 2, 4, 8 as far as GPUs are visible.
+/// Restricts the team sizes to the comma-separated list it holds (e.g. `2`, for a quick run).
+const WORLDS_ENV: &str = "MESHFLOW_MOE_WORLDS";
+
+/// Team sizes to run: 1, 2, 4, 8 as far as GPUs are visible (and `MESHFLOW_MOE_WORLDS` lists).
 fn worlds(n: usize) -> Vec<usize> {
     let all = [1, 2, 4, 8];
     for w in all.iter().filter(|&&w| w > n) {
         println!("skipped W={w}: only {n} GPU(s) visible");
     }
-    all.into_iter().filter(|&w| w <= n).collect()
+    let listed: Option<Vec<usize>> = std::env::var(WORLDS_ENV)
+        .ok()
+        .map(|v| v.split(',').filter_map(|w| w.trim().parse().ok()).collect());
+    all.into_iter()
+        .filter(|&w| w <= n)
+        .filter(|w| match &listed {
+            Some(l) if !l.contains(w) => {
+                println!("skipped W={w}: not in {WORLDS_ENV}");
+                false
+            }
+            _ => true,
+        })
+        .collect()
 }
 
 fn run_all(kind: Engine, cases: &[Case]) {

@@ -85,7 +85,7 @@ pub use fused::{MoeKernels, MOE_KERNELS_ENV};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]
-pub use nvlink::NvlinkMoe;
+pub use nvlink::{NvlinkMoe, ABORT_POLL_ENV};
 #[cfg(feature = "cuda")]
 pub use transport::{CombineRequest, DispatchOutputs, DispatchRequest, MoeTransport};
 

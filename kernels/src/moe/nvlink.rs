@@ -59,6 +59,15 @@ enum PeerMemory {
     Ipc(DeviceBuffer),
 }
 
+/// Set to `0` to keep the NVLink MoE kernels from polling the abort word (a lost peer is then
+/// noticed at the flag timeout only): a switch for comparisons, not for production.
+pub const ABORT_POLL_ENV: &str = "MESHFLOW_MOE_ABORT_POLL";
+
+/// Whether new engines' kernels poll their abort word (see [`ABORT_POLL_ENV`]).
+fn abort_polling_enabled() -> bool {
+    std::env::var(ABORT_POLL_ENV).map_or(true, |v| v.trim() != "0")
+}
+
 /// Magic prefix of [`NvlinkMoe::export_handles`].
 const HANDLE_MAGIC: &[u8; 8] = b"MFMOEIP2";
 
@@ -97,7 +106,15 @@ impl NvlinkMoe {
     ) -> Result<NvlinkMoe> {
         let core = Core::new(device, shape, wire, rank)?;
         let abort = AbortWord::new(device)?;
-        core.watch_abort(&abort)?;
+        if abort_polling_enabled() {
+            core.watch_abort(&abort)?;
+        } else {
+            tracing::warn!(
+                rank,
+                "{ABORT_POLL_ENV}=0: the NVLink MoE kernels do not poll the abort word (a lost \
+                 peer is noticed at the flag timeout only)"
+            );
+        }
         let layout = SymLayout::of(shape, wire);
         let stream = Stream::new(device)?;
         let sym = DeviceBuffer::alloc(device, layout.total)?;
