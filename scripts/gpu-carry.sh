@@ -14,7 +14,7 @@
 # moe` (kernels and evaluator paths, $OUT/moe-<n>.json) and `bench permute` (a few minutes on 2
 # GPUs); `schedule` runs only PyTorch's baselines and the two `bench schedule` runs, and prints
 # each case's default row with its ratios to the bound, to the fastest variant and to PyTorch's
-# async-TP (about 3-4 minutes on 2 GPUs); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
+# async-TP (about 2 minutes on 2 GPUs, each run capped: at most about 5); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
 # and the benchmarks.
 # `python` runs the Python package's GPU tests (python/gpu/run.sh) from the wheel that
 # scripts/python-carry.sh packs into gpu/python/ (run it too, before carrying).
@@ -99,23 +99,29 @@ tests() {
 }
 torch_figures() {
   # PyTorch's figures first, in the same call; then every benchmark reads them (--torch).
-  step 200 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
+  step 60 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"
 }
 schedule() {
   # Each case is set up once, every variant checked once, then timed in interleaved rounds
-  # (2 untimed + 10 timed rounds of 5 steps each): about 1-2 minutes per process mode on 2 GPUs.
-  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 10 --steps 5 --skip-parts)
-  # Every AG+GEMM and GEMM+RS variant at both shapes, ranks as threads of one process (procs = 1) ...
-  step 270 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
-    --json "$OUT/schedule-threads-$n.json" "${q[@]}"
-  # ... and one process per GPU (procs = n; rank 0 writes the rows).
-  [ "$n" -ge 2 ] && step 270 env RUST_LOG=meshflow_bench=info "$B/meshflow" launch --nproc "$n" -- \
+  # (2 untimed + 10 timed rounds of 5 steps each). A rank that makes no progress for
+  # --timeout + 10 s ends its case as an error naming the program and the phase (or, blocked
+  # inside NCCL, its process); `step` caps each run on top.
+  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 10 --steps 5 --skip-parts --timeout 15)
+  # Ranks as threads of one process (procs = 1): a fresh process per shape, each running that
+  # shape's AG+GEMM and GEMM+RS cases (about 30 s each on 2 GPUs) ...
+  for s in 16384x8192x8192 8192x8192x8192; do
+    step 65 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
+      --shape "$s" --json "$OUT/schedule-threads-$n-$s.json" "${q[@]}"
+  done
+  # ... and one process per GPU (procs = n; rank 0 writes the rows): every case, about 50 s.
+  [ "$n" -ge 2 ] && step 100 env RUST_LOG=meshflow_bench=info "$B/meshflow" launch --nproc "$n" -- \
     "$B/meshflow" bench schedule --torch "$tj" --json "$OUT/schedule-procs-$n.json" "${q[@]}"
   python3 - "$OUT" "$n" <<'PY'
 import json, sys, os, datetime
 out, n = sys.argv[1], sys.argv[2]
 rows = []
-for f in (f"schedule-threads-{n}.json", f"schedule-procs-{n}.json"):
+threads = [f"schedule-threads-{n}-{s}.json" for s in ("16384x8192x8192", "8192x8192x8192")]
+for f in threads + [f"schedule-procs-{n}.json"]:
     p = os.path.join(out, f)
     if os.path.exists(p):
         rows += json.load(open(p))

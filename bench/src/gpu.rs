@@ -98,6 +98,10 @@ pub struct BenchOptions {
     /// Also time each ring's communications alone and its compute alone (the `parts` of the
     /// tables; the bound needs only the collective and the GEMM alone).
     pub parts: bool,
+    /// How long a rank waits for a peer or the device (and the rendezvous of a launched run)
+    /// before it gives up; a rank that makes no progress for longer is reported stalled, with
+    /// the case, the program and the phase (see `session`).
+    pub timeout: Duration,
 }
 
 impl Default for BenchOptions {
@@ -128,6 +132,7 @@ impl Default for BenchOptions {
             trace_dir: None,
             launched: None,
             parts: true,
+            timeout: Duration::from_secs(300),
         }
     }
 }
@@ -183,7 +188,7 @@ struct Timed {
 
 impl Runner {
     pub(crate) fn new(opts: &BenchOptions) -> Result<Runner, BenchError> {
-        let timeout = Duration::from_secs(300);
+        let timeout = opts.timeout;
         let launched = match &opts.launched {
             Some(env) => Some(Launched::connect(env, timeout)?),
             None => None,

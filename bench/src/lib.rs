@@ -34,6 +34,8 @@ pub mod moe;
 pub mod moe_eval;
 #[cfg(feature = "cuda")]
 mod session;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod watchdog;
 
 #[cfg(feature = "cuda")]
 pub use cases::{bench_agmm, bench_rsmm};

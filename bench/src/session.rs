@@ -20,11 +20,22 @@
 //!
 //! A failure of any rank aborts the case (its rendezvous and abort signal), so that no rank
 //! waits for a peer that gave up; every job of the case is then reported failed with the
-//! reason.
+//! reason. A rank that makes no progress (one job's setup, check run or round) for longer than
+//! the run's timeout plus [`STALL_MARGIN`] is reported by the [`watchdog`](crate::watchdog) as
+//! such a failure, naming the job and the phase; a rank thread that even the abort does not
+//! free (blocked inside NCCL) ends the process with that message rather than a hang.
+//!
+//! A case's NCCL communicators live as long as the case: they are made under a rendezvous
+//! namespace of the case's own, and the process-wide cache is emptied (aborted) once every rank
+//! of the case is done with it, so the next case creates its own and never pairs one rank's
+//! communicator of an old clique with another rank's of a different one.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+use crate::watchdog::{watch, Progress, Stall};
 
 use meshflow::ir::{DType, DeviceId, HostProgram, Role};
 use meshflow::kernels::{Device, DeviceBuffer, Stream};
@@ -83,22 +94,48 @@ pub(crate) type Checker<'a> =
 pub(crate) type InputSets = [BTreeMap<usize, BTreeMap<String, TensorData>>];
 
 /// A rendezvous whose keys and barriers live under a prefix of another's, with its namespace
-/// (so that communicators cached per namespace serve every scope).
+/// (so that communicators cached per namespace serve every scope), or one of its own.
 #[derive(Debug)]
 pub(crate) struct Scoped {
     inner: Arc<dyn Rendezvous>,
     prefix: String,
+    namespace: Option<String>,
 }
 
 impl Scoped {
     pub(crate) fn new(inner: Arc<dyn Rendezvous>, prefix: String) -> Scoped {
-        Scoped { inner, prefix }
+        Scoped {
+            inner,
+            prefix,
+            namespace: None,
+        }
     }
+
+    /// The same keys under the namespace `namespace`: communicators made through it are
+    /// cached apart from every other namespace's.
+    pub(crate) fn renamed(inner: Arc<dyn Rendezvous>, namespace: String) -> Scoped {
+        Scoped {
+            inner,
+            prefix: String::new(),
+            namespace: Some(namespace),
+        }
+    }
+}
+
+/// A namespace of this process's next case: its communicators are its own (the ranks of every
+/// process number their cases alike, as they run the same cases in the same order). Numbering
+/// per case also gives each case fresh creation generations, so that a case whose ranks
+/// failed unevenly cannot leave the next one's ranks counting differently.
+fn case_namespace(base: &str) -> String {
+    static CASES: AtomicUsize = AtomicUsize::new(0);
+    format!("{base}/case-{}", CASES.fetch_add(1, Ordering::Relaxed))
 }
 
 impl Rendezvous for Scoped {
     fn namespace(&self) -> &str {
-        self.inner.namespace()
+        self.namespace
+            .as_deref()
+            .unwrap_or_else(|| self.inner.namespace())
     }
     fn publish(&self, key: &str, value: &[u8]) -> Result<(), RendezvousError> {
         self.inner.publish(&format!("{}{key}", self.prefix), value)
@@ -134,6 +171,22 @@ struct RankCtx {
     /// transfers of each job's backends are filed apart). Empty: CUDA IPC between processes.
     hubs: Vec<Arc<PeerHub>>,
     config: CudaConfig,
+    /// What this rank is doing (its slot: `slot`), for the watchdog.
+    progress: Arc<Progress>,
+    slot: usize,
+}
+
+/// How long after the run's own timeout (device and peer waits) a rank that made no progress
+/// is declared stalled.
+pub(crate) const STALL_MARGIN: Duration = Duration::from_secs(10);
+/// How long the watchdog waits for rank threads to return after aborting a stalled case.
+const STALL_GRACE: Duration = Duration::from_secs(15);
+
+impl RankCtx {
+    fn at(&self, what: std::fmt::Arguments<'_>) {
+        self.progress
+            .at(self.slot, format!("rank {}: {what}", self.rank));
+    }
 }
 
 /// One rank's figures of one job.
@@ -175,6 +228,7 @@ fn rank_worker(
     checker: Checker<'_>,
 ) -> Result<Vec<RankMeasured>, String> {
     let rank = cx.rank;
+    cx.at(format_args!("uploading the inputs"));
     let device = Device::new(cx.ordinal).map_err(|e| format!("rank {rank}: GPU: {e}"))?;
     let stream = Stream::new(&device).map_err(|e| format!("rank {rank}: stream: {e}"))?;
     // Inputs: uploaded once, lent to every job's backend.
@@ -189,6 +243,7 @@ fn rank_worker(
     let mut evs: Vec<(Ev<'_>, BTreeMap<String, CudaBuffer>)> = Vec::new();
     for (j, job) in jobs.iter().enumerate() {
         let what = |e: &dyn std::fmt::Display| format!("{}: rank {rank}: {e}", job.name);
+        cx.at(format_args!("{}: setting up", job.name));
         let mut config = cx.config.clone();
         config.transport = Some(job.setup.transport);
         config.copy_stream = job.setup.copy_stream;
@@ -225,6 +280,7 @@ fn rank_worker(
     let mut outputs: BTreeMap<(String, Vec<u64>, DType), DeviceBuffer> = BTreeMap::new();
     for (j, (ev, ext)) in evs.iter_mut().enumerate() {
         let job = &jobs[j];
+        cx.at(format_args!("{}: first run (check)", job.name));
         let got = ev
             .run_with(&none, ext)
             .map_err(|e| format!("{}: {e}", job.name))?;
@@ -260,6 +316,13 @@ fn rank_worker(
     }
     for round in 0..rounds.warmup + rounds.rounds {
         for (j, (ev, ext)) in evs.iter_mut().enumerate() {
+            cx.at(format_args!(
+                "{}: round {} of {} ({} untimed first)",
+                jobs[j].name,
+                round + 1,
+                rounds.warmup + rounds.rounds,
+                rounds.warmup
+            ));
             ev.run_with(&none, ext)
                 .map_err(|e| format!("{}: {e}", jobs[j].name))?;
             if round >= rounds.warmup {
@@ -280,6 +343,8 @@ fn rank_worker(
             );
         }
     }
+    cx.at(format_args!("releasing the case's backends"));
+    drop(evs);
     Ok(out)
 }
 
@@ -301,7 +366,29 @@ fn guarded(
             cx.rdv.abort(&format!("rank {} failed: {e}", cx.rank));
         }
     }
+    cx.progress.done(cx.slot);
     r
+}
+
+/// Aborts a case whose rank `rank` stalled (every wait of meshflow's own ends with the
+/// reason).
+fn abort_stalled(abort: &AbortSignal, rdv: &dyn Rendezvous, rank: DeviceId, stall: &Stall) {
+    let why = format!("{stall} (a peer or the device stopped answering)");
+    tracing::warn!("bench: {why}: aborting the case");
+    abort.abort(rank, why.clone());
+    rdv.abort(&why);
+}
+
+/// The end of a watch that gave up: a rank thread is blocked where no abort reaches (inside
+/// NCCL). The process cannot end the thread; it ends itself with the reason instead of
+/// hanging.
+fn give_up(stall: &Stall) -> ! {
+    tracing::error!(
+        "bench: {stall}, and the rank did not return {} s after the abort (blocked inside a \
+         library call): ending the process",
+        STALL_GRACE.as_secs()
+    );
+    std::process::exit(3)
 }
 
 fn this_rank<'a>(
@@ -343,9 +430,10 @@ pub(crate) fn measure_in_process(
     config: &CudaConfig,
     checker: Checker<'_>,
 ) -> Result<Vec<Measured>, String> {
-    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new("inproc"));
+    let rdv: Arc<dyn Rendezvous> = Arc::new(LocalRendezvous::new(case_namespace("bench")));
     let abort = AbortSignal::new();
     let hubs: Vec<Arc<PeerHub>> = jobs.iter().map(|_| PeerHub::new()).collect();
+    let progress = Arc::new(Progress::new(world));
     let empty = BTreeMap::new();
     let results: Vec<Result<Vec<RankMeasured>, String>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..world)
@@ -358,6 +446,8 @@ pub(crate) fn measure_in_process(
                     abort: abort.clone(),
                     hubs: hubs.clone(),
                     config: config.clone(),
+                    progress: progress.clone(),
+                    slot: rank,
                 };
                 let mine = this_rank(sets, rank, &empty);
                 std::thread::Builder::new()
@@ -365,6 +455,21 @@ pub(crate) fn measure_in_process(
                     .spawn_scoped(scope, move || guarded(&cx, jobs, &mine, rounds, checker))
             })
             .collect();
+        let finished = || {
+            handles
+                .iter()
+                .all(|h| h.as_ref().map_or(true, |h| h.is_finished()))
+        };
+        let watched = watch(
+            &progress,
+            config.timeout + STALL_MARGIN,
+            STALL_GRACE,
+            finished,
+            |s| abort_stalled(&abort, rdv.as_ref(), s.slot, s),
+        );
+        if let Err(stall) = watched {
+            give_up(&stall);
+        }
         handles
             .into_iter()
             .map(|h| match h {
@@ -375,13 +480,14 @@ pub(crate) fn measure_in_process(
             })
             .collect()
     });
+    // The case's communicators end with it (see the module's documentation); after a failure
+    // the ranks may also disagree about which communicators are healthy.
+    clear_communicator_cache();
     let mut per_rank = Vec::new();
     for r in results {
         match r {
             Ok(m) => per_rank.push(m),
             Err(e) => {
-                // The ranks may disagree about which communicators are healthy.
-                clear_communicator_cache();
                 return Err(abort.first().map_or(e, |(rank, why)| {
                     if why.contains(&format!("rank {rank}")) {
                         why
@@ -440,7 +546,11 @@ pub(crate) fn measure_launched(
     config: &CudaConfig,
     checker: Checker<'_>,
 ) -> Result<Vec<Measured>, String> {
-    let rdv = launched.scope();
+    let store = launched.scope();
+    let rdv: Arc<dyn Rendezvous> = Arc::new(Scoped::renamed(
+        store.clone(),
+        case_namespace(store.namespace()),
+    ));
     let (rank, world) = (launched.rank(), launched.world());
     let cx = RankCtx {
         rank,
@@ -450,9 +560,31 @@ pub(crate) fn measure_launched(
         abort: AbortSignal::new(),
         hubs: Vec::new(),
         config: config.clone(),
+        progress: Arc::new(Progress::new(1)),
+        slot: 0,
     };
     let empty = BTreeMap::new();
-    let mine = guarded(&cx, jobs, &this_rank(sets, rank, &empty), rounds, checker)?;
+    let mine_sets = this_rank(sets, rank, &empty);
+    // This rank runs on a thread of its own, watched from here like an in-process rank.
+    let mine = std::thread::scope(|scope| {
+        let h = std::thread::Builder::new()
+            .name(format!("meshflow-bench-rank-{rank}"))
+            .spawn_scoped(scope, || guarded(&cx, jobs, &mine_sets, rounds, checker))
+            .map_err(|e| format!("could not start the rank thread: {e}"))?;
+        let watched = watch(
+            &cx.progress,
+            config.timeout + STALL_MARGIN,
+            STALL_GRACE,
+            || h.is_finished(),
+            |s| abort_stalled(&cx.abort, rdv.as_ref(), rank, s),
+        );
+        if let Err(stall) = watched {
+            give_up(&stall);
+        }
+        h.join()
+            .unwrap_or_else(|_| Err("the rank thread panicked".into()))
+    })
+    .inspect_err(|_| clear_communicator_cache())?;
     let err = |e: RendezvousError| format!("sharing the figures: {e}");
     rdv.publish(&format!("figures/{rank}"), &encode(&mine))
         .map_err(err)?;
@@ -465,6 +597,9 @@ pub(crate) fn measure_launched(
     }
     rdv.barrier("figures/read", world, config.timeout)
         .map_err(err)?;
+    // Every rank is done with the case: its communicators end with it (see the module's
+    // documentation).
+    clear_communicator_cache();
     Ok(combine(per_rank, jobs.len()))
 }
 

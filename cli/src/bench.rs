@@ -98,6 +98,11 @@ pub struct BenchArgs {
     /// Seed of the random inputs.
     #[arg(long, default_value_t = 2024)]
     seed: u64,
+    /// Seconds a rank waits for a peer or the device before it gives up (`agmm`, `rsmm`,
+    /// `schedule`: a rank that makes no progress for longer ends its case as an error naming
+    /// the program and the phase).
+    #[arg(long, default_value_t = 300, value_name = "SECS")]
+    timeout: u64,
 }
 
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -173,6 +178,7 @@ fn measure(name: &str, args: &BenchArgs) -> Result<(), CliError> {
         trace_dir: args.trace_dir.clone(),
         launched: env,
         parts: !args.skip_parts,
+        timeout: std::time::Duration::from_secs(args.timeout.max(1)),
         ..BenchOptions::default()
     };
     if let Some(path) = &args.torch {

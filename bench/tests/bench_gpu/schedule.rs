@@ -1,8 +1,13 @@
-//! `meshflow bench schedule` on 2 GPUs at a small shape, as a smoke test (no timed
-//! assertions): every case is set up once and timed in interleaved rounds; every variant's
-//! outputs are checked against the reference; every variant has a figure from each round and
-//! rank; the rows have one default row per case.
+//! `meshflow bench schedule` on 2 GPUs at two small shapes, as a smoke test (no timed
+//! assertions): four cases in a row in this one process (ranks as threads; the second case of
+//! each kind is the one that used to inherit the first one's NCCL communicators and hang);
+//! every case is set up once and timed in interleaved rounds; every variant's outputs are
+//! checked against the reference; every variant has a figure from each round and rank; the
+//! rows have one default row per case. A short timeout makes a stalled rank fail the case
+//! instead of hanging the test.
 #![cfg(feature = "cuda")]
+
+use std::time::Duration;
 
 use crate::support::gpu::skip_unless;
 
@@ -20,17 +25,25 @@ fn schedule_cases_are_checked_and_timed_in_rounds() {
         warmup: 1,
         iterations: 3,
         steps: 2,
-        shapes: vec![Gemm3 {
-            m: 1024,
-            k: 512,
-            n: 768,
-        }],
+        shapes: vec![
+            Gemm3 {
+                m: 1024,
+                k: 512,
+                n: 768,
+            },
+            Gemm3 {
+                m: 512,
+                k: 512,
+                n: 512,
+            },
+        ],
         parts: true,
+        timeout: Duration::from_secs(60),
         ..BenchOptions::default()
     };
     let mut cases = bench_agmm(&opts).unwrap();
     cases.extend(bench_rsmm(&opts).unwrap());
-    assert_eq!(cases.len(), 2);
+    assert_eq!(cases.len(), 4);
     for c in &cases {
         assert!(c.bound_us.is_finite() && c.bound_us > 0.0, "{}", c.table());
         assert!(!c.parts.is_empty(), "{}", c.table());
@@ -56,5 +69,5 @@ fn schedule_cases_are_checked_and_timed_in_rounds() {
     }
     let rows = schedule_rows(&cases, 1);
     assert!(rows.iter().all(|r| r["us"].is_number() && r["procs"] == 1));
-    assert_eq!(rows.iter().filter(|r| r["default"] == true).count(), 2);
+    assert_eq!(rows.iter().filter(|r| r["default"] == true).count(), 4);
 }

@@ -48,11 +48,23 @@ fn cache() -> MutexGuard<'static, Cache> {
         .unwrap_or_else(|p| p.into_inner())
 }
 
-/// Takes the cached communicator of `key`, if any.
+/// Takes the cached communicator of `key`, if any: the oldest one checked in.
+///
+/// Members of a team pair their communicators by order: each takes its own oldest one of the
+/// team, and every member checked in the same cliques in the same order (the same programs'
+/// backends, dropped in the same order). So the order of one key's entries must depend on
+/// that rank's own check-ins and check-outs only. Ranks that are threads of one process share
+/// this cache; removing with `swap_remove` let one rank's check-out move another rank's newest
+/// entry in front of its oldest, and the two ranks then took communicators of different
+/// cliques: their first collective waited for each other forever.
 pub(crate) fn checkout(key: &TeamKey) -> Option<Comm> {
-    let mut c = cache();
-    let i = c.comms.iter().position(|(k, _)| k == key)?;
-    Some(c.comms.swap_remove(i).1)
+    take_oldest(&mut cache().comms, key)
+}
+
+/// Removes and returns the oldest entry of `key` in `entries`, keeping the others' order.
+fn take_oldest<K: PartialEq, V>(entries: &mut Vec<(K, V)>, key: &K) -> Option<V> {
+    let i = entries.iter().position(|(k, _)| k == key)?;
+    Some(entries.remove(i).1)
 }
 
 /// Puts a healthy communicator back for later runs.
@@ -385,5 +397,48 @@ impl Communicators {
     /// The number of held communicators.
     pub fn len(&self) -> usize {
         self.held.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_oldest;
+
+    /// Two ranks (threads of one process) check their communicators of one team in and out of
+    /// the shared cache, their operations interleaved in every way of a small schedule: each
+    /// rank must take its cliques back in the order it checked them in, so that the members'
+    /// check-outs pair the same cliques whatever the other rank did meanwhile.
+    #[test]
+    fn a_ranks_checkouts_follow_its_own_checkins_whatever_the_other_rank_does() {
+        // Rank r's entries: key r, value (r, clique).
+        let cliques = 5usize;
+        for pattern in 0u32..(1 << (2 * cliques)) {
+            let mut entries: Vec<(usize, (usize, usize))> = Vec::new();
+            // Check-ins interleaved as the pattern's low bits say.
+            let mut next = [0usize; 2];
+            for bit in 0..2 * cliques {
+                let mut r = ((pattern >> bit) & 1) as usize;
+                if next[r] == cliques {
+                    r = 1 - r;
+                }
+                entries.push((r, (r, next[r])));
+                next[r] += 1;
+            }
+            // Check-outs interleaved as its bits in reverse say.
+            let mut taken = [Vec::new(), Vec::new()];
+            for bit in (0..2 * cliques).rev() {
+                let mut r = ((pattern >> bit) & 1) as usize;
+                if taken[r].len() == cliques {
+                    r = 1 - r;
+                }
+                let (owner, clique) = take_oldest(&mut entries, &r).expect("an entry of rank r");
+                assert_eq!(owner, r);
+                taken[r].push(clique);
+            }
+            let order: Vec<usize> = (0..cliques).collect();
+            assert_eq!(taken[0], order, "pattern {pattern:#b}");
+            assert_eq!(taken[1], order, "pattern {pattern:#b}");
+            assert!(entries.is_empty());
+        }
     }
 }
