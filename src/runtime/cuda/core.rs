@@ -424,7 +424,10 @@ impl DeviceCore {
 
     /// Collects the deferred completions of peers' reads of `buffers` (of every buffer with
     /// `None`), in posting order, and files them as [`Self::add_peer_reads`] does.
-    pub fn settle_peer_reads(&mut self, buffers: Option<&[CudaBuffer]>) -> Result<(), BackendError> {
+    pub fn settle_peer_reads(
+        &mut self,
+        buffers: Option<&[CudaBuffer]>,
+    ) -> Result<(), BackendError> {
         self.settle_where(|u| buffers.is_none_or(|b| b.contains(&u.buffer)))
     }
 

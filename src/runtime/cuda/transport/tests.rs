@@ -291,10 +291,20 @@ fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() 
             let deferred = r.core.uncollected.len();
             r.core.before_writes(&[&o]).expect("unrelated write");
             let after_unrelated = r.core.uncollected.len();
-            r.core.before_writes(&[&i]).expect("write of the sent buffer");
+            r.core
+                .before_writes(&[&i])
+                .expect("write of the sent buffer");
             let after_write = (r.core.uncollected.len(), r.core.pending_reads.len());
-            r.core.local_copy("overwrite", &fresh, &i).expect("overwrite");
-            (deferred, after_unrelated, after_write, r.read(&o), r.read(&i))
+            r.core
+                .local_copy("overwrite", &fresh, &i)
+                .expect("overwrite");
+            (
+                deferred,
+                after_unrelated,
+                after_write,
+                r.read(&o),
+                r.read(&i),
+            )
         });
         for (me, (deferred, after_unrelated, after_write, received, sent)) in
             got.into_iter().enumerate()

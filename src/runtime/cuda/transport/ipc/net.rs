@@ -653,7 +653,14 @@ mod tests {
         for (i, pause) in [0, 0, 0, 2, 0].into_iter().enumerate() {
             std::thread::sleep(READ_SPIN * pause);
             let k = key(i);
-            b.send(0, &Msg::Done { key: k.clone(), n: i as u32 }).unwrap();
+            b.send(
+                0,
+                &Msg::Done {
+                    key: k.clone(),
+                    n: i as u32,
+                },
+            )
+            .unwrap();
             let got = a.wait(1, deadline, &|| None, |s| s.dones.remove(&k)).ok();
             assert_eq!(got, Some(i as u32), "frame {i}");
         }
@@ -661,8 +668,11 @@ mod tests {
         let c = Net::start(2).unwrap();
         let mut raw = TcpStream::connect(("127.0.0.1", c.port())).unwrap();
         raw.write_all(&Msg::Hello { from: 6 }.encode()).unwrap();
-        raw.write_all(&Msg::Done { key: key(0), n: 1 }.encode()).unwrap();
-        let got = c.wait(6, deadline, &|| None, |s| s.dones.remove(&key(0))).ok();
+        raw.write_all(&Msg::Done { key: key(0), n: 1 }.encode())
+            .unwrap();
+        let got = c
+            .wait(6, deadline, &|| None, |s| s.dones.remove(&key(0)))
+            .ok();
         assert_eq!(got, Some(1));
         drop(raw);
         let ended = c.wait(6, deadline, &|| None, |s| s.offers.remove(&key(0)));
