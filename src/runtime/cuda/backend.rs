@@ -5,6 +5,7 @@
 
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Duration;
 
 use meshflow_ir::{ComputeOp, DType, DeviceId, EntityRef};
 use meshflow_kernels::nccl;
@@ -274,6 +275,35 @@ impl CudaBackend {
         self.transports.release(false);
     }
 
+    /// Logs (debug, target `meshflow::peer_waits`) where the host of the run just finished
+    /// waited: the start barrier, the time from the run's start event to its first compute
+    /// launch, and the copy-engine posts' waits for peers (see `PeerWaits`). With one process
+    /// per GPU, compare with the same program's in-process run to see whether a slower run is
+    /// the host's doing.
+    fn log_host_waits(&mut self) {
+        let h = std::mem::take(&mut self.core.run_host);
+        let w = self
+            .link
+            .as_ref()
+            .map(|l| l.drain_waits())
+            .unwrap_or_default();
+        let us = |d: Duration| d.as_secs_f64() * 1e6;
+        tracing::debug!(
+            target: "meshflow::peer_waits",
+            rank = self.core.rank,
+            run = self.core.runs,
+            link = self.link.as_ref().map_or("none", |l| l.name()),
+            barrier_us = us(h.barrier),
+            first_compute_us = h.first_compute.map_or(f64::NAN, us),
+            offer_waits = w.offers,
+            offer_wait_us = us(w.offers_time),
+            completion_waits = w.completions,
+            completion_wait_us = us(w.completions_time),
+            longest_wait_us = us(w.longest),
+            "host waits of the run"
+        );
+    }
+
     /// Blocks until `done` completes (see [`DeviceCore::wait_device`]); aborts everything when
     /// a peer failed or stopped.
     fn wait_device(&mut self, done: &meshflow_kernels::Event) -> Result<(), BackendError> {
@@ -339,6 +369,7 @@ impl CudaBackend {
     ) -> Result<(), BackendError> {
         let core = &mut self.core;
         core.step_started()?;
+        core.run_host.computing();
         let opened = core
             .timeline
             .open(
@@ -439,12 +470,14 @@ impl Backend for CudaBackend {
                 "release of an unknown buffer {buffer:?}"
             )));
         }
+        self.core.settle_peer_reads(Some(&[buffer]))?;
         let pending = self.core.events_on_all_streams()?;
         self.core.memory.release(buffer, pending);
         Ok(())
     }
 
     fn upload(&mut self, buffer: CudaBuffer, data: &TensorData) -> Result<(), BackendError> {
+        self.core.settle_peer_reads(Some(&[buffer]))?;
         self.core.upload(buffer, data)
     }
 
@@ -624,6 +657,7 @@ impl Backend for CudaBackend {
         let core = &mut self.core;
         core.step_started()?;
         core.runs += 1;
+        core.settle_peer_reads(None)?;
         let main = core.streams[0].clone();
         for w in core.all_streams().skip(1) {
             main.join(w).map_err(core.err("cuStreamWaitEvent"))?;
@@ -669,6 +703,7 @@ impl Backend for CudaBackend {
                 lost => lost.unwrap_or(e),
             });
         }
+        self.log_host_waits();
         let core = &mut self.core;
         let rank = core.rank;
         let e = core.err("cuEventElapsedTime");

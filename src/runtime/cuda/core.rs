@@ -136,6 +136,44 @@ pub(crate) struct DeviceCore {
     pub start_barrier: Option<usize>,
     /// Runs finished (names the start barriers).
     pub runs: u64,
+    /// Host timings of the current run (diagnostics, see [`RunHost`]).
+    pub run_host: RunHost,
+    /// Peers' reads of this rank's memory whose completions the host has not collected yet,
+    /// in posting order (see [`Self::defer_peer_reads`]).
+    pub uncollected: Vec<Uncollected>,
+}
+
+/// Collects the completions of a post's sends: waits (host) until the receivers have posted
+/// their reads, makes the peer-read stream wait for them and returns events of this GPU that
+/// complete after them.
+pub(crate) type CollectReads = Box<dyn FnOnce(&DeviceCore) -> Result<Vec<Event>, BackendError>>;
+
+/// Peers' reads of a view of this rank whose completions are collected later.
+pub(crate) struct Uncollected {
+    buffer: CudaBuffer,
+    range: (u64, u64),
+    collect: CollectReads,
+}
+
+/// Host timings of one run, logged at its end with the host waits for peers (target
+/// `meshflow::peer_waits`): where the device may have idled because the host was late.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct RunHost {
+    /// When the run's start event was recorded (after the start barrier).
+    pub started: Option<Instant>,
+    /// Time spent in the start barrier.
+    pub barrier: Duration,
+    /// From the start event to the launch of the run's first compute op.
+    pub first_compute: Option<Duration>,
+}
+
+impl RunHost {
+    /// Notes that a compute op is being launched.
+    pub fn computing(&mut self) {
+        if let (Some(t), None) = (self.started, self.first_compute) {
+            self.first_compute = Some(t.elapsed());
+        }
+    }
 }
 
 impl DeviceCore {
@@ -187,6 +225,8 @@ impl DeviceCore {
             rendezvous,
             start_barrier: None,
             runs: 0,
+            run_host: RunHost::default(),
+            uncollected: Vec::new(),
         })
     }
 
@@ -289,6 +329,10 @@ impl DeviceCore {
         if self.timeline.is_started() {
             return Ok(());
         }
+        // Completions left uncollected by a run that failed before its end belong to no
+        // run any more.
+        self.uncollected.clear();
+        let barrier = Instant::now();
         if let (Some(parties), Some(rdv)) = (self.start_barrier, self.rendezvous.clone()) {
             let name = format!("meshflow/start/{}", self.runs);
             rdv.barrier(&name, parties, self.timeout)
@@ -309,6 +353,11 @@ impl DeviceCore {
                 })?;
         }
         let main = self.streams[0].clone();
+        self.run_host = RunHost {
+            started: Some(Instant::now()),
+            barrier: barrier.elapsed(),
+            first_compute: None,
+        };
         self.timeline
             .ensure_started(&main)
             .map_err(self.err("cuEventRecord"))
@@ -358,12 +407,69 @@ impl DeviceCore {
             .extend(dones.into_iter().map(|e| (range, Rc::new(e))));
     }
 
+    /// Records that peers read the elements of `view`, their completions to be collected by
+    /// `collect` only when something needs them ([`Self::settle_peer_reads`]): before a write
+    /// of the view's buffer, its release or upload, and at the end of the run. The host of a
+    /// sender thus does not wait for its receivers in the post itself (a round trip between
+    /// processes with one process per GPU), only where the order matters, by when the
+    /// receivers have mostly posted. Device waits are still enqueued only after the peer
+    /// posted the read (see `transport/peers.rs`).
+    pub fn defer_peer_reads(&mut self, view: &TensorView<CudaBuffer>, collect: CollectReads) {
+        self.uncollected.push(Uncollected {
+            buffer: view.buffer,
+            range: element_range(view),
+            collect,
+        });
+    }
+
+    /// Collects the deferred completions of peers' reads of `buffers` (of every buffer with
+    /// `None`), in posting order, and files them as [`Self::add_peer_reads`] does.
+    pub fn settle_peer_reads(
+        &mut self,
+        buffers: Option<&[CudaBuffer]>,
+    ) -> Result<(), BackendError> {
+        self.settle_where(|u| buffers.is_none_or(|b| b.contains(&u.buffer)))
+    }
+
+    /// Collects the deferred completions that `pick` selects, in posting order.
+    fn settle_where(&mut self, pick: impl Fn(&Uncollected) -> bool) -> Result<(), BackendError> {
+        if self.uncollected.is_empty() {
+            return Ok(());
+        }
+        let (now, later): (Vec<Uncollected>, Vec<Uncollected>) =
+            std::mem::take(&mut self.uncollected)
+                .into_iter()
+                .partition(|u| pick(u));
+        self.uncollected = later;
+        for u in now {
+            let dones = (u.collect)(self)?;
+            if !dones.is_empty() {
+                self.pending_reads
+                    .entry(u.buffer)
+                    .or_default()
+                    .extend(dones.into_iter().map(|e| (u.range, Rc::new(e))));
+            }
+        }
+        Ok(())
+    }
+
     /// Orders an op that writes `outputs` after the peers' reads of their buffers (the current
     /// stream waits for them).
     pub fn before_writes(
         &mut self,
         outputs: &[&TensorView<CudaBuffer>],
     ) -> Result<(), BackendError> {
+        if !self.uncollected.is_empty() {
+            let written: Vec<(CudaBuffer, (u64, u64))> = outputs
+                .iter()
+                .map(|o| (o.buffer, element_range(o)))
+                .collect();
+            self.settle_where(|u| {
+                written
+                    .iter()
+                    .any(|&(b, (s, e))| b == u.buffer && s < u.range.1 && u.range.0 < e)
+            })?;
+        }
         if self.pending_reads.is_empty() {
             return Ok(());
         }

@@ -9,13 +9,16 @@
 //! the offer (the host waits until the sender has posted), makes its copy stream wait until
 //! the data is ready, pulls the bytes with a copy engine of the receiving GPU, and reports the
 //! read done once its stream is past the copy. The sender collects the completions of its
-//! sends before its post returns (the receivers post the same instruction at the same time, so
-//! this host wait is short) and attaches them to its send buffer: every later op that writes
-//! that buffer first waits for them on its stream (write-after-read ordering is kept per
-//! buffer, so a `wait` only waits for this rank's own receive and the next step's data can be
-//! offered without waiting for the peers' reads of the last one). The sender's peer-read
-//! stream also waits for them, so that deallocation, the allocator's reuse of send temporaries
-//! and the end of the run are ordered after the peers' reads.
+//! sends and attaches them to its send buffer: every later op that writes that buffer first
+//! waits for them on its stream (write-after-read ordering is kept per buffer, so a `wait`
+//! only waits for this rank's own receive and the next step's data can be offered without
+//! waiting for the peers' reads of the last one). The sender's peer-read stream also waits for
+//! them, so that deallocation, the allocator's reuse of send temporaries and the end of the
+//! run are ordered after the peers' reads. A permute sent in place (no staged send temporary,
+//! no staged output) collects them lazily (`DeviceCore::defer_peer_reads`): its post returns
+//! without waiting for the receiver, and the host waits only where the order matters (a later
+//! write or release of the sent buffer, the end of the run); the other posts collect them
+//! before they return.
 //!
 //! A reduce-scatter (sum, floating point) pulls chunk `my` of every peer's send buffer into a
 //! temporary and adds them to its own chunk (an elementwise kernel: the only SM work).
@@ -101,7 +104,7 @@ impl CommTransport for CopyEngine {
                     return Ok(Posted::OnStream(opened));
                 }
                 let t = Transfer {
-                    link: self.link.as_ref(),
+                    link: &self.link,
                     copy_stream: self.copy_stream,
                     label: label.index(),
                     seq,
@@ -124,7 +127,7 @@ impl CommTransport for CopyEngine {
                     member_buffers(request.name(), CommKind::Broadcast, at, *input, *output)?;
                 let seq = self.next_seq(label.index());
                 let t = Transfer {
-                    link: self.link.as_ref(),
+                    link: &self.link,
                     copy_stream: self.copy_stream,
                     label: label.index(),
                     seq,
@@ -145,7 +148,7 @@ impl CommTransport for CopyEngine {
                 member_buffers(request.name(), kind, at, Some(*input), Some(*output))?;
                 let seq = self.next_seq(label.index());
                 let t = Transfer {
-                    link: self.link.as_ref(),
+                    link: &self.link,
                     copy_stream: self.copy_stream,
                     label: label.index(),
                     seq,
@@ -170,7 +173,7 @@ impl CommTransport for CopyEngine {
 
 /// One instance of a labelled copy-engine transfer.
 struct Transfer<'l> {
-    link: &'l dyn PeerLink,
+    link: &'l Arc<dyn PeerLink>,
     copy_stream: CopyStream,
     label: usize,
     seq: u64,
@@ -310,6 +313,19 @@ impl Transfer<'_> {
         let slot = core.output_slot(output, &[input])?;
         let pulled = self.pull(core, NAME, from, &slot.buf, ctx)?;
         let events = vec![pulled.done];
+        if send_temps.is_empty() && slot.is_direct() {
+            // Nothing here needs the peer's read now: its completion is collected where it
+            // matters (a later write of the sent buffer, its release, the end of the run),
+            // not in the issue loop.
+            core.finish_output(slot)?;
+            let link = self.link.clone();
+            let key = self.key(core.rank, to);
+            core.defer_peer_reads(
+                input,
+                Box::new(move |core| link.reads_done(core, &[key], NAME)),
+            );
+            return Ok(events);
+        }
         let dones = self.collect_dones(core, NAME, &[to])?;
         if !slot.is_direct() {
             // The unstaging copy runs on the current stream after the pull, and after the

@@ -15,7 +15,7 @@ use meshflow_ir::DeviceId;
 use meshflow_kernels::moe::{MoeShape, MoeWire, NvlinkMoe};
 use meshflow_kernels::{Device, DeviceBuffer, Event, Stream};
 
-use super::peers::{Access, Key, PeerLink};
+use super::peers::{Access, Key, PeerLink, PeerWaits};
 use crate::runtime::backend::{BackendError, TeamInfo};
 use crate::runtime::cuda::core::{dev_err, DeviceCore};
 
@@ -236,12 +236,20 @@ impl PeerHub {
 /// an event on its stream, completions events on the receiver's.
 pub(crate) struct HubLink {
     hub: Arc<PeerHub>,
+    waits: Mutex<PeerWaits>,
 }
 
 impl HubLink {
     /// The link of a rank that registered with `hub`.
     pub fn new(hub: Arc<PeerHub>) -> HubLink {
-        HubLink { hub }
+        HubLink {
+            hub,
+            waits: Mutex::new(PeerWaits::default()),
+        }
+    }
+
+    fn waits(&self) -> MutexGuard<'_, PeerWaits> {
+        self.waits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Waits (host) for the slot of `key` in `map` of the hub.
@@ -325,12 +333,14 @@ impl PeerLink for HubLink {
         stream: &Stream,
         what: &str,
     ) -> Result<DeviceBuffer, BackendError> {
+        let started = Instant::now();
         let offer = self.wait_slot(
             core,
             key.from,
             || format!("{what} #{} instance {} data", key.label, key.seq),
             |s| s.offers.remove(key),
         )?;
+        self.waits().offer(started.elapsed());
         stream
             .wait(&offer.ready)
             .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
@@ -351,6 +361,7 @@ impl PeerLink for HubLink {
     ) -> Result<Vec<Event>, BackendError> {
         let mut out = Vec::with_capacity(keys.len());
         for key in keys {
+            let started = Instant::now();
             let done = self.wait_slot(
                 core,
                 key.to,
@@ -362,12 +373,17 @@ impl PeerLink for HubLink {
                 },
                 |s| s.dones.remove(key),
             )?;
+            self.waits().completion(started.elapsed());
             core.peer_reads
                 .wait(&done)
                 .map_err(core.err("cuStreamWaitEvent (peer read done)"))?;
             out.push(done);
         }
         Ok(out)
+    }
+
+    fn drain_waits(&self) -> PeerWaits {
+        std::mem::take(&mut *self.waits())
     }
 
     fn nvlink_engine(

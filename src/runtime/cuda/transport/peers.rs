@@ -39,6 +39,40 @@ pub(crate) struct Key {
     pub to: DeviceId,
 }
 
+/// Host time a rank's posting thread spent waiting for its peers in copy-engine posts: the
+/// waits for a peer's offer ([`PeerLink::take`]) and for the receivers' reports of their reads
+/// ([`PeerLink::reads_done`]). A diagnostic, logged per run (target `meshflow::peer_waits`):
+/// the device idles while a wait delays the launch of work it has nothing else to do before.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PeerWaits {
+    /// Waits for offers.
+    pub offers: u64,
+    /// Their total time.
+    pub offers_time: Duration,
+    /// Waits for completions (one per receiver).
+    pub completions: u64,
+    /// Their total time.
+    pub completions_time: Duration,
+    /// The longest single wait.
+    pub longest: Duration,
+}
+
+impl PeerWaits {
+    /// Counts a wait for an offer that took `d`.
+    pub fn offer(&mut self, d: Duration) {
+        self.offers += 1;
+        self.offers_time += d;
+        self.longest = self.longest.max(d);
+    }
+
+    /// Counts a wait for a completion that took `d`.
+    pub fn completion(&mut self, d: Duration) {
+        self.completions += 1;
+        self.completions_time += d;
+        self.longest = self.longest.max(d);
+    }
+}
+
 /// Whether a team's ranks reach each other's memory: `Ok`, or why not (the same on every
 /// member of the team).
 pub(crate) type Access = Result<(), String>;
@@ -118,4 +152,26 @@ pub(crate) trait PeerLink: Send + Sync {
     /// After a failure: lets device work waiting for peers that will never signal go on (its
     /// results are garbage), so that the device drains.
     fn abandon(&self) {}
+
+    /// The host waits for peers counted since the last call (and starts counting afresh).
+    fn drain_waits(&self) -> PeerWaits {
+        PeerWaits::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn waits_add_up_and_keep_the_longest() {
+        let mut w = PeerWaits::default();
+        w.offer(Duration::from_micros(30));
+        w.offer(Duration::from_micros(5));
+        w.completion(Duration::from_micros(12));
+        assert_eq!((w.offers, w.completions), (2, 1));
+        assert_eq!(w.offers_time, Duration::from_micros(35));
+        assert_eq!(w.completions_time, Duration::from_micros(12));
+        assert_eq!(w.longest, Duration::from_micros(30));
+    }
 }

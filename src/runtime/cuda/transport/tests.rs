@@ -105,8 +105,10 @@ impl Rank {
         }
     }
 
-    /// Waits for everything, then reads `v`.
+    /// Waits for everything (the peers' reads of this rank's sends too, as the end of a run
+    /// does), then reads `v`.
     fn read(&mut self, v: &TV) -> Vec<f32> {
+        self.core.settle_peer_reads(None).expect("completions");
         let main = self.core.streams[0].clone();
         for s in self.core.all_streams().skip(1) {
             main.join(s).expect("join");
@@ -259,6 +261,59 @@ fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
             assert_eq!(broadcast, values(1, 32), "{stream:?}");
             let want: Vec<f32> = (0..16).map(|i| (2 * (16 * me + i) + 1000) as f32).collect();
             assert_eq!(reduced, want, "{stream:?}");
+        }
+    }
+}
+
+#[test]
+fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() {
+    let test = "a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written";
+    if skip(test) {
+        return;
+    }
+    let Some(hub) = hub_with_peers(test) else {
+        return;
+    };
+    for stream in [CopyStream::Current, CopyStream::Dedicated] {
+        let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub.clone()));
+        let got = pair("ce-deferred", |r| {
+            let mut ce = copy_engine::CopyEngine::new(link.clone(), stream);
+            ce.prepare_team(&r.core, &r.team).expect("peer access");
+            let me = r.team.my_index;
+            let team = r.team.clone();
+            let mine = TensorData::from_f32(DType::F32, &[4096], &values(me, 4096)).unwrap();
+            let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[4096]));
+            let fresh = TensorData::from_f32(DType::F32, &[4096], &vec![-1.0; 4096]).unwrap();
+            let fresh = r.tensor(&fresh);
+            r.post(&mut ce, &permute(&team, &i, &o));
+            // The post returned without the receiver's report; the first write of the sent
+            // buffer collects it and waits for the read on the device.
+            let deferred = r.core.uncollected.len();
+            r.core.before_writes(&[&o]).expect("unrelated write");
+            let after_unrelated = r.core.uncollected.len();
+            r.core
+                .before_writes(&[&i])
+                .expect("write of the sent buffer");
+            let after_write = (r.core.uncollected.len(), r.core.pending_reads.len());
+            r.core
+                .local_copy("overwrite", &fresh, &i)
+                .expect("overwrite");
+            (
+                deferred,
+                after_unrelated,
+                after_write,
+                r.read(&o),
+                r.read(&i),
+            )
+        });
+        for (me, (deferred, after_unrelated, after_write, received, sent)) in
+            got.into_iter().enumerate()
+        {
+            assert_eq!(deferred, 1, "{stream:?}: rank {me}");
+            assert_eq!(after_unrelated, 1, "{stream:?}: rank {me}");
+            assert_eq!(after_write, (0, 1), "{stream:?}: rank {me}");
+            assert_eq!(received, values(1 - me, 4096), "{stream:?}: rank {me}");
+            assert_eq!(sent, vec![-1.0; 4096], "{stream:?}: rank {me}");
         }
     }
 }

@@ -38,7 +38,7 @@ use meshflow_kernels::{Device, DeviceBuffer, DeviceFlag, Event, Stream};
 
 use self::meet::{members_key, Card, Meeting};
 use self::net::{Ended, Msg, Net, OfferMsg, WaitError};
-use super::peers::{Access, Key, PeerLink};
+use super::peers::{Access, Key, PeerLink, PeerWaits};
 use crate::runtime::backend::{BackendError, TeamInfo};
 use crate::runtime::cuda::core::{dev_err, DeviceCore};
 use crate::runtime::rendezvous::Rendezvous;
@@ -74,6 +74,8 @@ struct State {
     taken: HashMap<Key, u32>,
     /// NVLink MoE handle exchanges per team.
     exchanges: HashMap<Vec<DeviceId>, u64>,
+    /// Host waits for peers' messages since they were last drained.
+    waits: PeerWaits,
 }
 
 /// What a rank needs to share memory over CUDA IPC.
@@ -477,6 +479,7 @@ impl PeerLink for IpcLink {
         what: &str,
     ) -> Result<DeviceBuffer, BackendError> {
         let from = key.from;
+        let started = Instant::now();
         let msg = self.wait(
             core,
             from,
@@ -485,6 +488,7 @@ impl PeerLink for IpcLink {
         )?;
         {
             let mut s = self.lock();
+            s.waits.offer(started.elapsed());
             let expected = s.received.get(&from).copied().unwrap_or(0).wrapping_add(1);
             if msg.n != expected {
                 return Err(BackendError::Invalid(format!(
@@ -555,6 +559,7 @@ impl PeerLink for IpcLink {
                     self.rank
                 ))
             })?;
+            let started = Instant::now();
             let got = self.wait(
                 core,
                 key.to,
@@ -566,6 +571,7 @@ impl PeerLink for IpcLink {
                 },
                 |inbox| inbox.dones.remove(key),
             )?;
+            self.lock().waits.completion(started.elapsed());
             if got != n {
                 return Err(BackendError::Invalid(format!(
                     "rank {}: {what}: rank {} reports reading transfer {got}, not {n}",
@@ -634,6 +640,10 @@ impl PeerLink for IpcLink {
         // reader thread that sees its connection end).
         net.watch(engine.abort_word());
         Ok(engine)
+    }
+
+    fn drain_waits(&self) -> PeerWaits {
+        std::mem::take(&mut self.lock().waits)
     }
 
     fn failure(&self, age: Duration) -> Option<BackendError> {

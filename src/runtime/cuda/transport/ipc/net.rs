@@ -1,7 +1,9 @@
 //! The host messages between CUDA IPC peers ([`Net`]): every rank listens on the loopback
 //! interface (the peers share the host), connects once to each peer it transfers with, and
 //! sends it offers and completions; a reader thread per incoming connection files them in the
-//! rank's inbox, where the posting thread waits for them.
+//! rank's inbox, where the posting thread waits for them. A reader polls its connection for a
+//! while after each frame ([`READ_SPIN`]) instead of sleeping in the kernel at once, so that
+//! the next message of a run reaches the inbox without a thread wake-up.
 //!
 //! Frames (little endian): `len: u32` then `len` bytes: `kind: u8` and its fields:
 //! `HELLO from: u64` (first on every connection), `OFFER label, seq, from, to: u64, n: u32,
@@ -30,6 +32,11 @@ const BYE: u8 = 4;
 const MAX_FRAME: usize = 4096;
 /// How often a blocked reader checks whether its link is gone.
 const READ_SLICE: Duration = Duration::from_millis(200);
+/// After a frame arrives, a reader polls its connection (yielding the thread) this long
+/// before it blocks again: the messages of a run come in bursts, and a reader blocked in the
+/// kernel wakes tens of microseconds after its frame arrives (longer from a deep idle state of
+/// its core), time the posting thread of the receiving rank spends waiting for it.
+const READ_SPIN: Duration = Duration::from_millis(10);
 /// Host waits spin this many times (yielding the thread) before sleeping.
 const SPINS: usize = 2000;
 
@@ -430,6 +437,8 @@ fn read_loop(mut conn: TcpStream, shared: Arc<Shared>) {
     let mut chunk = [0u8; 4096];
     let mut from: Option<DeviceId> = None;
     let mut said_bye = false;
+    // While polling (non-blocking reads): when the last frame arrived.
+    let mut polling: Option<Instant> = None;
     let end = |from: Option<DeviceId>, how: Ended| {
         if let Some(p) = from {
             let lost = matches!(how, Ended::Lost(_));
@@ -452,7 +461,12 @@ fn read_loop(mut conn: TcpStream, shared: Arc<Shared>) {
                 };
                 return end(from, how);
             }
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if polling.is_some() || conn.set_nonblocking(true).is_ok() {
+                    polling = Some(Instant::now());
+                }
+            }
             Err(e)
                 if matches!(
                     e.kind(),
@@ -463,6 +477,14 @@ fn read_loop(mut conn: TcpStream, shared: Arc<Shared>) {
             {
                 if shared.stop.load(Ordering::SeqCst) {
                     return;
+                }
+                if let Some(since) = polling {
+                    if since.elapsed() >= READ_SPIN && conn.set_nonblocking(false).is_ok() {
+                        // Quiet for a while: block again (with the read timeout).
+                        polling = None;
+                    } else {
+                        std::thread::yield_now();
+                    }
                 }
                 continue;
             }
@@ -619,5 +641,41 @@ mod tests {
             c.lost(Duration::from_secs(3600)).is_none(),
             "not lost that long ago"
         );
+    }
+
+    #[test]
+    fn frames_arrive_while_the_reader_polls_and_after_it_blocks_again() {
+        let (a, b) = (Net::start(0).unwrap(), Net::start(1).unwrap());
+        b.connect(0, a.port(), Duration::from_secs(5)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // A burst (the reader polls after the first frame), then frames after quiet periods
+        // longer than the polling window (the reader blocked in between).
+        for (i, pause) in [0, 0, 0, 2, 0].into_iter().enumerate() {
+            std::thread::sleep(READ_SPIN * pause);
+            let k = key(i);
+            b.send(
+                0,
+                &Msg::Done {
+                    key: k.clone(),
+                    n: i as u32,
+                },
+            )
+            .unwrap();
+            let got = a.wait(1, deadline, &|| None, |s| s.dones.remove(&k)).ok();
+            assert_eq!(got, Some(i as u32), "frame {i}");
+        }
+        // A peer that stops while the reader polls is still seen to stop.
+        let c = Net::start(2).unwrap();
+        let mut raw = TcpStream::connect(("127.0.0.1", c.port())).unwrap();
+        raw.write_all(&Msg::Hello { from: 6 }.encode()).unwrap();
+        raw.write_all(&Msg::Done { key: key(0), n: 1 }.encode())
+            .unwrap();
+        let got = c
+            .wait(6, deadline, &|| None, |s| s.dones.remove(&key(0)))
+            .ok();
+        assert_eq!(got, Some(1));
+        drop(raw);
+        let ended = c.wait(6, deadline, &|| None, |s| s.offers.remove(&key(0)));
+        assert!(matches!(ended, Err(WaitError::Ended(Ended::Lost(_)))));
     }
 }
