@@ -24,7 +24,10 @@
 // received rows of one source into partials stored at the source and releases the chunk there;
 // a consumer waits for the chunk from every peer, computes this rank's own partials of its
 // tokens into out (no partial round trip through memory of its own), then sums in rank order
-// into out (same order, same roundings as the unfused kernels).
+// into out (same order, same roundings as the unfused kernels). The one-pass variant of the
+// consumer waits first and sums each token with its own partial held in registers
+// (reduce_sum_row); the per-wire dispatch kernels are the same code for one wire format each
+// (see the typed entry points).
 //
 // Reuse across steps: a peer writes rows / partials of step s + 1 only after its combine of
 // step s, whose consumers waited for this rank's release of every chunk (empty ones included),
