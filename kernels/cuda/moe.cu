@@ -429,10 +429,10 @@ __device__ __forceinline__ float group_max(float m, int width) {
 // (code * scale rounded to T, as a receiver dequantizes them) into its expert rows: one scale
 // per row
 // (WIRE_FP8_TOKEN) or per 128 channels (WIRE_FP8_BLOCK, h % 128 == 0). Thread i handles the
-// 16-element chunks c = i + m * blockDim.x, FP8_BATCH of them per round of loads; with block
+// 16-element chunks c = i + m * blockDim.x, QB of them per round of loads; with block
 // scales the 8 threads 8g .. 8g + 7 (consecutive chunks) share one 128-channel block, wholly
 // inside the row or wholly past it. Every thread of the block must call this.
-template <typename T>
+template <typename T, int QB = FP8_BATCH>
 __device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 scale_off,
                                      const RowTargets& to) {
     __shared__ unsigned amax_bits;
@@ -443,13 +443,13 @@ __device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 s
         if (threadIdx.x == 0) amax_bits = 0u;
         __syncthreads();
         float amax = 0.0f;
-        for (i64 base = threadIdx.x; base < chunks; base += nt * FP8_BATCH) {
-            float v[FP8_BATCH][16];
+        for (i64 base = threadIdx.x; base < chunks; base += nt * QB) {
+            float v[QB][16];
 #pragma unroll
-            for (int u = 0; u < FP8_BATCH; ++u)
+            for (int u = 0; u < QB; ++u)
                 if (base + u * nt < chunks) load16(x_row + 16 * (base + u * nt), v[u]);
 #pragma unroll
-            for (int u = 0; u < FP8_BATCH; ++u)
+            for (int u = 0; u < QB; ++u)
                 if (base + u * nt < chunks) {
 #pragma unroll
                     for (int j = 0; j < 16; ++j) amax = amax_finite(amax, v[u][j]);
@@ -462,15 +462,15 @@ __device__ void block_quantize_multi(const T* x_row, i64 h, unsigned wire, i64 s
         row_scale = fp8_scale(__uint_as_float(amax_bits));
         for (int d = threadIdx.x; d < nw; d += nt) *(float*)(to.row[d] + scale_off) = row_scale;
     }
-    for (i64 base = 0; base < chunks; base += nt * FP8_BATCH) {
-        float v[FP8_BATCH][16];
+    for (i64 base = 0; base < chunks; base += nt * QB) {
+        float v[QB][16];
 #pragma unroll
-        for (int u = 0; u < FP8_BATCH; ++u) {
+        for (int u = 0; u < QB; ++u) {
             const i64 c = base + threadIdx.x + u * nt;
             if (c < chunks) load16(x_row + 16 * c, v[u]);
         }
 #pragma unroll
-        for (int u = 0; u < FP8_BATCH; ++u) {
+        for (int u = 0; u < QB; ++u) {
             const i64 c = base + threadIdx.x + u * nt;
             const bool active = c < chunks;
             float scale = row_scale;
@@ -536,14 +536,15 @@ __device__ void block_read_payload(const char* src, i64 h, unsigned wire, i64 sc
 }
 
 // The block writes token row x_row as the payload of the wire rows of `to` and as the row of
-// its expert rows (native: the same bytes for both).
-template <typename T>
+// its expert rows (native: the same bytes for both). QB: FP8 chunks per thread and round of
+// loads (block_quantize_multi).
+template <typename T, int QB = FP8_BATCH>
 __device__ void block_write_payload(const T* x_row, i64 h, unsigned wire, i64 scale_off,
                                     const RowTargets& to) {
     if (wire == WIRE_NATIVE)
         block_copy_multi<false>((const char*)x_row, h * (i64)sizeof(T), to.row, to.n);
     else
-        block_quantize_multi<T>(x_row, h, wire, scale_off, to);
+        block_quantize_multi<T, QB>(x_row, h, wire, scale_off, to);
 }
 
 // ---- fan-out to local experts (warp 0 of a row kernel) ----------------------------------------
@@ -603,8 +604,9 @@ struct OwnFanOut {
 //
 // FIXED (the fused NVLink kernels, moe_fused.cu): the position of token t is t itself (cnt[r]
 // only counts the rows), and every destination the token does not go to gets the token field
-// -1 in its row t, so that a receiver can tell an empty slot from a stale one.
-template <typename T, bool FIXED, typename RowAt>
+// -1 in its row t, so that a receiver can tell an empty slot from a stale one. QB: see
+// block_write_payload.
+template <typename T, bool FIXED, typename RowAt, int QB = FP8_BATCH>
 __device__ void route_and_send_token(i64 t, RowAt row_at, const T* x, const i32* topk_idx,
                                      const float* weights, i64 tokens, i64 top_k, i64 experts,
                                      i64 local_experts, i64 world, i64 rank, i64 hidden,
@@ -675,7 +677,7 @@ __device__ void route_and_send_token(i64 t, RowAt row_at, const T* x, const i32*
             }
             __syncthreads();
             if (own_chunk) p_own = own_pos;
-            if (to.n > 0) block_write_payload<T>(x_row, hidden, wire, scale_off, to);
+            if (to.n > 0) block_write_payload<T, QB>(x_row, hidden, wire, scale_off, to);
             const int n = n_meta;
             const float* w = weights != 0 ? weights + t * top_k : 0;
             const i64 words = 1 + 2 * top_k;
@@ -708,7 +710,7 @@ __device__ void route_and_send_token(i64 t, RowAt row_at, const T* x, const i32*
                 }
             }
             __syncthreads();
-            if (to.n > 0) block_write_payload<T>(x_row, hidden, wire, scale_off, to);
+            if (to.n > 0) block_write_payload<T, QB>(x_row, hidden, wire, scale_off, to);
             __syncthreads();
         }
     }

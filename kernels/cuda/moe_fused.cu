@@ -24,7 +24,10 @@
 // received rows of one source into partials stored at the source and releases the chunk there;
 // a consumer waits for the chunk from every peer, computes this rank's own partials of its
 // tokens into out (no partial round trip through memory of its own), then sums in rank order
-// into out (same order, same roundings as the unfused kernels).
+// into out (same order, same roundings as the unfused kernels). The one-pass variant of the
+// consumer waits first and sums each token with its own partial held in registers
+// (reduce_sum_row); the per-wire dispatch kernels are the same code for one wire format each
+// (see the typed entry points).
 //
 // Reuse across steps: a peer writes rows / partials of step s + 1 only after its combine of
 // step s, whose consumers waited for this rank's release of every chunk (empty ones included),
@@ -142,8 +145,9 @@ __device__ bool fan_out_slot(const char* rows, i64 s, i64 t, i64 tokens, i64 top
 
 // rows/counts/chunk flags: this rank's symmetric regions (local addresses); recv_cnt[W]: zeroed
 // per-source counters of received rows. The last block writes the expert counts, this rank's
-// received row counts (counts[s]), zeroes the counters and stores the epoch.
-template <typename T>
+// received row counts (counts[s]), zeroes the counters and stores the epoch. QB: FP8 chunks
+// per thread and round of loads of the sender's quantisation (block_quantize_multi).
+template <typename T, int QB = FP8_BATCH>
 __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float* weights,
                                    i64 tokens, i64 top_k, i64 experts, i64 local_experts,
                                    i64 world, i64 rank, i64 hidden, unsigned wire, i64 stride,
@@ -163,7 +167,7 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
         const i64 t0 = it.chunk * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
         if (!it.consumer) {
             for (i64 t = t0; t < t1; ++t)
-                route_and_send_token<T, true>(t, at, x, topk_idx, weights, tokens, top_k, experts,
+                route_and_send_token<T, true, PeerRowAt, QB>(t, at, x, topk_idx, weights, tokens, top_k, experts,
                                               local_experts, world, rank, hidden, wire, scale_off,
                                               meta_off, cnt, sent_pos, status, own);
             release_chunk(peer_sym, chunk_flags_off, world, rank, -1, n, it.chunk, epoch);
@@ -267,11 +271,138 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
     }
 }
 
+// The one-pass consumer of token t (ONEPASS below): out_row = the sum in ascending rank order of
+// the partials of the ranks with pos_row[r] >= 0 (pos_row = sent_pos + t * W), in f32 from +0,
+// rounded once, where this rank's own partial (when pos_row[rank] >= 0) is computed here as
+// reduce_row does (weighted sum of its expert rows in k order, rounded to T) and never stored,
+// and every other rank's is read from partials[r][t]. The same roundings in the same order as
+// reduce_row into out followed by block_sum_chunk, without the round trip of the own partial
+// through out (one write of out instead of two writes and a read).
+template <typename T>
+__device__ void reduce_sum_row(T* out_row, const i32* fan_row, const char* w_at, const T* y,
+                               i64 top_k, i64 width, const char* partials, i64 rank,
+                               const i32* pos_row, i64 t, i64 tokens, i64 world) {
+    const int VEC = 16 / (int)sizeof(T);
+    const int lane = lane_id();
+    const i64 row_bytes = width * (i64)sizeof(T);
+    const bool own = pos_row[rank] >= 0;
+    const bool vec = (width % VEC) == 0 && aligned16(y) && aligned16(out_row) &&
+                     aligned16(partials);
+    if (vec) {
+        const i64 nv = width / VEC, nt = blockDim.x;
+        for (i64 base = 0; base < nv; base += 2 * nt) {
+            const i64 v0 = base + threadIdx.x, v1 = v0 + nt;
+            float acc[2][16 / sizeof(T)];
+#pragma unroll
+            for (int q = 0; q < VEC; ++q) acc[0][q] = acc[1][q] = 0.0f;
+            // The own partial (warp-uniform: `own` is the same in every thread).
+            for (i64 k0 = 0; own && k0 < top_k; k0 += 32) {
+                const i64 k = k0 + lane;
+                const int f = k < top_k ? fan_row[k] : -1;
+                const float wk = f >= 0 ? ld_cg_f32(w_at + 4 * k) : 0.0f;
+                unsigned m = __ballot_sync(FULL_MASK, f >= 0);
+                while (m != 0u) {
+                    int fs[4];
+                    float ws[4];
+                    int cnt = 0;
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        const int l = m != 0u ? __ffs(m) - 1 : 0;
+                        fs[q] = __shfl_sync(FULL_MASK, f, l);
+                        ws[q] = __shfl_sync(FULL_MASK, wk, l);
+                        if (m != 0u) {
+                            ++cnt;
+                            m &= m - 1u;
+                        }
+                    }
+                    U128 yv[4][2];
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if (q < cnt) {
+                            const char* yr = (const char*)(y + (i64)fs[q] * width);
+                            if (v0 < nv) yv[q][0] = ld_nc_v4(yr + 16 * v0);
+                            if (v1 < nv) yv[q][1] = ld_nc_v4(yr + 16 * v1);
+                        }
+                    }
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) {
+                        if (q < cnt) {
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const Vec16<T> yy = *(const Vec16<T>*)&yv[q][h];
+#pragma unroll
+                                for (int e = 0; e < VEC; ++e)
+                                    acc[h][e] = __fadd_rn(acc[h][e], __fmul_rn(ws[q], to_f32(yy.v[e])));
+                            }
+                        }
+                    }
+                }
+            }
+            // The rank-ordered sum; acc now holds the own partial before rounding.
+            float sum[2][16 / sizeof(T)];
+#pragma unroll
+            for (int q = 0; q < VEC; ++q) sum[0][q] = sum[1][q] = 0.0f;
+            for (i64 r = 0; r < world; ++r) {
+                if (pos_row[r] < 0) continue;
+                const char* src = partials + (r * tokens + t) * row_bytes;
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const i64 v = h == 0 ? v0 : v1;
+                    if (v >= nv) continue;
+                    if (r == rank) {
+#pragma unroll
+                        for (int q = 0; q < VEC; ++q)
+                            sum[h][q] = __fadd_rn(sum[h][q], to_f32(from_f32<T>(acc[h][q])));
+                    } else {
+                        const U128 raw = ld_cg_v4(src + 16 * v);
+                        const Vec16<T> pv = *(const Vec16<T>*)&raw;
+#pragma unroll
+                        for (int q = 0; q < VEC; ++q)
+                            sum[h][q] = __fadd_rn(sum[h][q], to_f32(pv.v[q]));
+                    }
+                }
+            }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 v = h == 0 ? v0 : v1;
+                if (v < nv) {
+                    Vec16<T> o;
+#pragma unroll
+                    for (int q = 0; q < VEC; ++q) o.v[q] = from_f32<T>(sum[h][q]);
+                    st_v4(out_row + v * VEC, *(const U128*)&o);
+                }
+            }
+        }
+    } else {
+        for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
+            float acc = 0.0f;
+            for (i64 k = 0; own && k < top_k; ++k) {
+                const int f = fan_row[k];
+                if (f < 0) continue;
+                const float w = ld_cg_f32(w_at + 4 * k);
+                acc = __fadd_rn(acc, __fmul_rn(w, to_f32(y[(i64)f * width + c])));
+            }
+            float sum = 0.0f;
+            for (i64 r = 0; r < world; ++r) {
+                if (pos_row[r] < 0) continue;
+                const float p = r == rank ? to_f32(from_f32<T>(acc))
+                                          : to_f32(load_cg<T>(partials + (r * tokens + t) * row_bytes +
+                                                              c * (i64)sizeof(T)));
+                sum = __fadd_rn(sum, p);
+            }
+            out_row[c] = from_f32<T>(sum);
+        }
+    }
+}
+
 // rows / partials / chunk flags: this rank's symmetric regions (local addresses). late: the
 // weights come from w_area ([W, T, K], slot s from rank s), an item of source s waiting for
 // weight flag s only (a block never waits for weights it does not read); else from the wire
-// rows. The last block resets the ticket counter.
-template <typename T>
+// rows. The last block resets the ticket counter. ONEPASS: the consumer waits for the chunk
+// from every peer first, then computes each token's own partial and the rank-ordered sum in
+// one pass (reduce_sum_row); else it stores its own partials into out, waits, and sums
+// (block_sum_chunk).
+template <typename T, bool ONEPASS = false>
 __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 timeout_ns,
                                   const char* rows, const char* partials, const unsigned* flags,
                                   i64 rank, const T* y, const i32* fan, const i32* sent_pos,
@@ -292,6 +423,18 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         if (late != 0)
             block_wait_strided(w_flags + s, 1, 0, -1, epoch, timeout_ns, status,
                                MOE_GAVE_UP_COMBINE, s);
+        if (ONEPASS && it.consumer) {
+            block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status,
+                               MOE_GAVE_UP_COMBINE, 0);
+            for (i64 t = t0; t < t1; ++t) {
+                const char* row = rows + (s * tokens + t) * stride;
+                const char* w_at = late != 0 ? (const char*)(w_area + (s * tokens + t) * top_k)
+                                             : row + meta_off + 4 + 4 * top_k;
+                reduce_sum_row<T>(out + t * width, fan + (s * tokens + t) * top_k, w_at, y, top_k,
+                                  width, partials, rank, sent_pos + t * world, t, tokens, world);
+            }
+            continue;
+        }
         for (i64 t = t0; t < t1; ++t) {
             const char* row = rows + (s * tokens + t) * stride;
             // Own tokens: the slot holds a row iff the token went to this rank.
@@ -320,31 +463,60 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
 }
 
 // ---- typed entry points ----------------------------------------------------------------------
+//
+// moe_nvl_dispatch_fused_<T> takes the wire format as an argument (every format's code in one
+// kernel: at the 128-register bound of ROW_KERNEL it spills, measured with ptxas -v);
+// moe_nvl_dispatch_fused_{native,fp8t,fp8b}_<T> are the same code for one format each (the
+// `wire` argument is ignored), none of which spills (per-token FP8 quantises one 16-element
+// chunk per thread and round of loads for that). moe_nvl_combine_fused_onepass_<T> is the
+// combine with the one-pass consumer (see nvl_combine_fused).
+
+#define MOE_FUSED_DISPATCH_PARAMS(T)                                                               \
+    const T *x, const i32 *topk_idx, const float *weights, i64 tokens, i64 top_k, i64 experts,     \
+        i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire, i64 stride,             \
+        i64 scale_off, i64 meta_off, const u64 *peer_sym, i64 rows_off, i64 chunk_flags_off,       \
+        char *sym, i64 counts_off, i64 chunk, i64 lag, u64 timeout_ns, i32 *cnt, i32 *recv_cnt,    \
+        i32 *sent_pos, unsigned *status, unsigned *state, T *expert_x, i32 *routing, i32 *fan,     \
+        i32 *ecnt, i64 capacity, i32 *expert_counts
+
+#define MOE_FUSED_DISPATCH_BODY(T, WIRE, QB)                                                       \
+    {                                                                                              \
+        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
+        nvl_dispatch_fused<T, QB>(x, topk_idx, weights, tokens, top_k, experts, local_experts,     \
+                                  world, rank, hidden, WIRE, stride, scale_off, meta_off,          \
+                                  peer_sym, rows_off, chunk_flags_off, sym, counts_off, chunk,     \
+                                  lag, timeout_ns, cnt, recv_cnt, sent_pos, status, state, own,    \
+                                  expert_counts);                                                  \
+    }
+
+#define MOE_FUSED_COMBINE_PARAMS(T)                                                                \
+    const unsigned *w_flags, unsigned *state, u64 timeout_ns, const char *rows,                    \
+        const char *partials, const unsigned *flags, i64 rank, const T *y, const i32 *fan,         \
+        const i32 *sent_pos, T *out, i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,      \
+        i64 meta_off, unsigned late, const float *w_area, const u64 *peer_sym, i64 partials_off,   \
+        i64 chunk_flags_off, i64 chunk, i64 lag, unsigned *status
+
+#define MOE_FUSED_COMBINE_BODY(T, ONEPASS)                                                         \
+    {                                                                                              \
+        nvl_combine_fused<T, ONEPASS>(w_flags, state, timeout_ns, rows, partials, flags, rank, y,  \
+                                      fan, sent_pos, out, tokens, top_k, world, width, stride,     \
+                                      meta_off, late, w_area, peer_sym, partials_off,              \
+                                      chunk_flags_off, chunk, lag, status);                        \
+    }
 
 #define MOE_FUSED_KERNELS(T)                                                                       \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_##T(                              \
-        const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
-        i64 experts, i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire,            \
-        i64 stride, i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,                \
-        i64 chunk_flags_off, char* sym, i64 counts_off, i64 chunk, i64 lag, u64 timeout_ns,        \
-        i32* cnt, i32* recv_cnt, i32* sent_pos, unsigned* status, unsigned* state, T* expert_x,    \
-        i32* routing, i32* fan, i32* ecnt, i64 capacity, i32* expert_counts) {                     \
-        OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
-        nvl_dispatch_fused<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,  \
-                              rank, hidden, wire, stride, scale_off, meta_off, peer_sym, rows_off, \
-                              chunk_flags_off, sym, counts_off, chunk, lag, timeout_ns, cnt,       \
-                              recv_cnt, sent_pos, status, state, own, expert_counts);              \
-    }                                                                                              \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, wire, FP8_BATCH)                  \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_native_##T(                       \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_NATIVE, FP8_BATCH)           \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_fp8t_##T(                         \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_TOKEN, 1)                \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_fp8b_##T(                         \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_BLOCK, FP8_BATCH)        \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_##T(                               \
-        const unsigned* w_flags, unsigned* state, u64 timeout_ns, const char* rows,                \
-        const char* partials, const unsigned* flags, i64 rank, const T* y, const i32* fan,         \
-        const i32* sent_pos, T* out, i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,      \
-        i64 meta_off, unsigned late, const float* w_area, const u64* peer_sym, i64 partials_off,   \
-        i64 chunk_flags_off, i64 chunk, i64 lag, unsigned* status) {                               \
-        nvl_combine_fused<T>(w_flags, state, timeout_ns, rows, partials, flags, rank, y, fan,      \
-                             sent_pos, out, tokens, top_k, world, width, stride, meta_off, late,   \
-                             w_area, peer_sym, partials_off, chunk_flags_off, chunk, lag, status); \
-    }
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false)                              \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_onepass_##T(                       \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true)
 
 MOE_FUSED_KERNELS(f32)
 MOE_FUSED_KERNELS(bf16)

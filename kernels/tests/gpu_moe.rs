@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use meshflow_kernels::fp8::Fp8Scales;
 use meshflow_kernels::moe::{
-    reference_combine, round_to, CombineRequest, DispatchOutputs, DispatchRequest, MoeKernels,
-    MoeShape, MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
+    reference_combine, round_to, CombineRequest, DispatchOutputs, DispatchRequest, FusedOptions,
+    MoeKernels, MoeShape, MoeStatus, MoeTransport, MoeWire, NcclMoe, NvlinkMoe,
 };
 use meshflow_kernels::{BinaryOp, DType, Device, DeviceBuffer, Stream};
 use moe_common::*;
@@ -246,17 +246,17 @@ enum Engine {
     Nvlink,
     /// NVLink with the split (send + receive) kernels, whatever the environment says.
     NvlinkSplit,
-    /// NVLink with the fused kernels, whatever the environment says.
-    NvlinkFused,
+    /// NVLink with the fused kernels and these variants, whatever the environment says.
+    NvlinkFused(FusedOptions),
 }
 
 impl Engine {
-    fn name(self) -> &'static str {
+    fn name(self) -> String {
         match self {
-            Engine::Nccl => "nccl",
-            Engine::Nvlink => "nvlink",
-            Engine::NvlinkSplit => "nvlink-v1",
-            Engine::NvlinkFused => "nvlink-v2",
+            Engine::Nccl => "nccl".into(),
+            Engine::Nvlink => "nvlink".into(),
+            Engine::NvlinkSplit => "nvlink-v1".into(),
+            Engine::NvlinkFused(o) => format!("nvlink-v2-{}", o.name()),
         }
     }
 }
@@ -274,7 +274,7 @@ fn make_transports(
     }
     match kind {
         Engine::Nvlink => boxed(NvlinkMoe::team_with_wire(devs, shape, wire).unwrap()),
-        Engine::NvlinkSplit | Engine::NvlinkFused => {
+        Engine::NvlinkSplit | Engine::NvlinkFused(_) => {
             let generation = if kind == Engine::NvlinkSplit {
                 MoeKernels::Split
             } else {
@@ -283,6 +283,9 @@ fn make_transports(
             let mut team = NvlinkMoe::team_with_wire(devs, shape, wire).unwrap();
             for t in &mut team {
                 t.set_kernel_generation(generation).unwrap();
+                if let Engine::NvlinkFused(o) = kind {
+                    t.set_fused_options(o).unwrap();
+                }
             }
             boxed(team)
         }
@@ -452,7 +455,11 @@ fn nvlink_split_kernels_match_reference() {
 
 #[test]
 fn nvlink_fused_kernels_match_reference() {
-    run_all(Engine::NvlinkFused, &cases());
+    // Every variant of the fused kernels (per-wire or generic dispatch, one- or two-pass
+    // combine), each bit-identical to the reference.
+    for options in FusedOptions::ALL {
+        run_all(Engine::NvlinkFused(options), &cases());
+    }
 }
 
 #[test]

@@ -144,7 +144,7 @@ impl Source {
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
 /// The kernels of `moe.cu` instantiated per float type (`moe_<kind>_<dtype>`).
-pub(crate) const MOE_TYPED: [&str; 8] = [
+pub(crate) const MOE_TYPED: [&str; 12] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
@@ -152,7 +152,11 @@ pub(crate) const MOE_TYPED: [&str; 8] = [
     "nvl_combine_send",
     "combine_recv",
     "nvl_dispatch_fused",
+    "nvl_dispatch_fused_native",
+    "nvl_dispatch_fused_fp8t",
+    "nvl_dispatch_fused_fp8b",
     "nvl_combine_fused",
+    "nvl_combine_fused_onepass",
 ];
 
 /// The kernels of `moe.cu`.
@@ -250,7 +254,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 8 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 12 * 3) + 15);
     }
 
     #[test]

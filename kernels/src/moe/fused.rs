@@ -14,11 +14,21 @@
 //! `MESHFLOW_MOE_DISPATCH_CHUNK` / `MESHFLOW_MOE_COMBINE_CHUNK`) and `MESHFLOW_MOE_LAG`
 //! (chunks between a chunk's producers and its consumers in the work order; local) tune the
 //! fused kernels.
+//!
+//! Variants of the fused kernels ([`FusedOptions`], local to a rank, chosen when an engine is
+//! made; results are bit-identical whichever runs):
+//! - `MESHFLOW_MOE_FUSED_DISPATCH=wire|generic`: one dispatch kernel per wire format (default;
+//!   no register spills) or the single kernel taking the format as an argument (spills at the
+//!   128-register bound; the FP8 dispatch of that kernel was slower than the split kernels').
+//! - `MESHFLOW_MOE_FUSED_COMBINE=twopass|onepass`: the combine's consumer stores this rank's
+//!   own partials into `out`, then sums (default), or computes them and sums in one pass
+//!   (one write of `out` instead of two writes and a read).
 
 use super::kernel_calls::{n, ptr, FlagWait, PeerRegions, SendInputs, SendState, NULL};
 use super::{MoeShape, MoeWire, WireLayout};
 use crate::buffer::DeviceBuffer;
 use crate::error::{KernelError, Result};
+use crate::fp8::Fp8Scales;
 use crate::kernels::{moe_typed_name, Arg, Kernels, Source};
 use crate::stream::Stream;
 
@@ -76,6 +86,140 @@ fn env_count(var: &str) -> Result<Option<usize>> {
                 "{var}={v}: expected a positive integer"
             ))),
         },
+    }
+}
+
+/// Which dispatch kernel the fused generation runs (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FusedDispatchKernel {
+    /// `moe_nvl_dispatch_fused_<T>`: the wire format is an argument.
+    Generic,
+    /// `moe_nvl_dispatch_fused_{native,fp8t,fp8b}_<T>`: one kernel per wire format.
+    PerWire,
+}
+
+/// Which combine kernel the fused generation runs (see the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FusedCombineKernel {
+    /// `moe_nvl_combine_fused_<T>`: own partials through `out`, then the sum.
+    TwoPass,
+    /// `moe_nvl_combine_fused_onepass_<T>`: own partial and sum in one pass per token.
+    OnePass,
+}
+
+/// The variants of the fused kernels an engine runs (each rank may choose its own: they
+/// follow the same protocol and give the same results).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FusedOptions {
+    /// The dispatch kernel.
+    pub dispatch: FusedDispatchKernel,
+    /// The combine kernel.
+    pub combine: FusedCombineKernel,
+}
+
+/// The environment variable choosing [`FusedOptions::dispatch`].
+pub const FUSED_DISPATCH_ENV: &str = "MESHFLOW_MOE_FUSED_DISPATCH";
+/// The environment variable choosing [`FusedOptions::combine`].
+pub const FUSED_COMBINE_ENV: &str = "MESHFLOW_MOE_FUSED_COMBINE";
+
+impl Default for FusedOptions {
+    fn default() -> FusedOptions {
+        FusedOptions {
+            dispatch: FusedDispatchKernel::PerWire,
+            combine: FusedCombineKernel::TwoPass,
+        }
+    }
+}
+
+impl FusedOptions {
+    /// Every combination, for tests.
+    pub const ALL: [FusedOptions; 4] = [
+        FusedOptions {
+            dispatch: FusedDispatchKernel::Generic,
+            combine: FusedCombineKernel::TwoPass,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::PerWire,
+            combine: FusedCombineKernel::TwoPass,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::Generic,
+            combine: FusedCombineKernel::OnePass,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::PerWire,
+            combine: FusedCombineKernel::OnePass,
+        },
+    ];
+
+    /// The options named by `MESHFLOW_MOE_FUSED_DISPATCH` and `MESHFLOW_MOE_FUSED_COMBINE`
+    /// (unset: [`FusedOptions::default`]).
+    pub fn from_env() -> Result<FusedOptions> {
+        let mut o = FusedOptions::default();
+        if let Ok(v) = std::env::var(FUSED_DISPATCH_ENV) {
+            o.dispatch = FusedOptions::parse_dispatch(&v)?;
+        }
+        if let Ok(v) = std::env::var(FUSED_COMBINE_ENV) {
+            o.combine = FusedOptions::parse_combine(&v)?;
+        }
+        Ok(o)
+    }
+
+    /// Parses `wire` or `generic` (empty: the default).
+    pub fn parse_dispatch(v: &str) -> Result<FusedDispatchKernel> {
+        match v.trim() {
+            "wire" | "" => Ok(FusedDispatchKernel::PerWire),
+            "generic" => Ok(FusedDispatchKernel::Generic),
+            other => Err(KernelError::InvalidArgument(format!(
+                "{FUSED_DISPATCH_ENV}={other}: expected wire or generic"
+            ))),
+        }
+    }
+
+    /// Parses `twopass` or `onepass` (empty: the default).
+    pub fn parse_combine(v: &str) -> Result<FusedCombineKernel> {
+        match v.trim() {
+            "twopass" | "" => Ok(FusedCombineKernel::TwoPass),
+            "onepass" => Ok(FusedCombineKernel::OnePass),
+            other => Err(KernelError::InvalidArgument(format!(
+                "{FUSED_COMBINE_ENV}={other}: expected twopass or onepass"
+            ))),
+        }
+    }
+
+    /// `dispatch-combine` names (`wire-twopass`, ...), for reports.
+    pub fn name(self) -> String {
+        let d = match self.dispatch {
+            FusedDispatchKernel::Generic => "generic",
+            FusedDispatchKernel::PerWire => "wire",
+        };
+        let c = match self.combine {
+            FusedCombineKernel::TwoPass => "twopass",
+            FusedCombineKernel::OnePass => "onepass",
+        };
+        format!("{d}-{c}")
+    }
+
+    /// The dispatch kernel's kind (`moe_<kind>_<dtype>`) for `wire`.
+    fn dispatch_kind(self, wire: MoeWire) -> &'static str {
+        match (self.dispatch, wire) {
+            (FusedDispatchKernel::Generic, _) => "nvl_dispatch_fused",
+            (FusedDispatchKernel::PerWire, MoeWire::Native) => "nvl_dispatch_fused_native",
+            (FusedDispatchKernel::PerWire, MoeWire::Fp8E4m3(Fp8Scales::PerToken)) => {
+                "nvl_dispatch_fused_fp8t"
+            }
+            (FusedDispatchKernel::PerWire, MoeWire::Fp8E4m3(Fp8Scales::Block128)) => {
+                "nvl_dispatch_fused_fp8b"
+            }
+        }
+    }
+
+    /// The combine kernel's kind.
+    fn combine_kind(self) -> &'static str {
+        match self.combine {
+            FusedCombineKernel::TwoPass => "nvl_combine_fused",
+            FusedCombineKernel::OnePass => "nvl_combine_fused_onepass",
+        }
     }
 }
 
@@ -155,6 +299,7 @@ pub(crate) fn nvl_dispatch_fused(
     peers: &PeerRegions<'_>,
     fused: &FusedDispatch<'_>,
     state: &DeviceBuffer,
+    options: FusedOptions,
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Dispatch, shape.tokens)?;
@@ -195,7 +340,7 @@ pub(crate) fn nvl_dispatch_fused(
         n(shape.capacity),
         ptr(fused.expert_counts),
     ];
-    let name = moe_typed_name("nvl_dispatch_fused", shape.dtype);
+    let name = moe_typed_name(options.dispatch_kind(wire), shape.dtype);
     k.call(stream, Source::Moe, &name, grid, FUSED_BLOCK, &mut args)
 }
 
@@ -224,6 +369,7 @@ pub(crate) fn nvl_combine_fused(
     c: &FusedCombine<'_>,
     wait: &FlagWait<'_>,
     peers: &PeerRegions<'_>,
+    options: FusedOptions,
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Combine, shape.tokens)?;
@@ -257,7 +403,7 @@ pub(crate) fn nvl_combine_fused(
         n(lag),
         ptr(c.status),
     ];
-    let name = moe_typed_name("nvl_combine_fused", shape.dtype);
+    let name = moe_typed_name(options.combine_kind(), shape.dtype);
     k.call(stream, Source::Moe, &name, grid, FUSED_BLOCK, &mut args)
 }
 
@@ -273,6 +419,37 @@ mod tests {
         assert_eq!(MoeKernels::parse("fused").unwrap(), MoeKernels::Fused);
         assert!(MoeKernels::parse("v3").is_err());
         assert_eq!(MoeKernels::Split.name(), "v1");
+    }
+
+    #[test]
+    fn fused_options_parse_and_name_their_kernels() {
+        use FusedCombineKernel::*;
+        use FusedDispatchKernel::*;
+        assert_eq!(FusedOptions::parse_dispatch("wire").unwrap(), PerWire);
+        assert_eq!(FusedOptions::parse_dispatch(" generic").unwrap(), Generic);
+        assert!(FusedOptions::parse_dispatch("warp").is_err());
+        assert_eq!(FusedOptions::parse_combine("onepass").unwrap(), OnePass);
+        assert_eq!(FusedOptions::parse_combine("").unwrap(), TwoPass);
+        assert!(FusedOptions::parse_combine("one").is_err());
+        let d = FusedOptions::default();
+        assert_eq!(d.name(), "wire-twopass");
+        let wires = [
+            MoeWire::Native,
+            MoeWire::Fp8E4m3(Fp8Scales::PerToken),
+            MoeWire::Fp8E4m3(Fp8Scales::Block128),
+        ];
+        // Every kernel named exists in moe.cu, with the fused kernels' launch bounds.
+        for o in FusedOptions::ALL {
+            for w in wires {
+                let line = format!("ROW_KERNEL moe_{}_##T(", o.dispatch_kind(w));
+                assert!(Source::Moe.text().contains(&line), "{line}");
+            }
+            let line = format!("ROW_KERNEL moe_{}_##T(", o.combine_kind());
+            assert!(Source::Moe.text().contains(&line), "{line}");
+        }
+        let names: std::collections::HashSet<String> =
+            FusedOptions::ALL.iter().map(|o| o.name()).collect();
+        assert_eq!(names.len(), FusedOptions::ALL.len());
     }
 
     #[test]

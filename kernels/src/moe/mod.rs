@@ -81,7 +81,10 @@ mod nvlink;
 mod transport;
 
 #[cfg(feature = "cuda")]
-pub use fused::{MoeKernels, MOE_KERNELS_ENV};
+pub use fused::{
+    FusedCombineKernel, FusedDispatchKernel, FusedOptions, MoeKernels, FUSED_COMBINE_ENV,
+    FUSED_DISPATCH_ENV, MOE_KERNELS_ENV,
+};
 #[cfg(feature = "cuda")]
 pub use nccl::NcclMoe;
 #[cfg(feature = "cuda")]

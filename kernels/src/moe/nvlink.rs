@@ -28,7 +28,7 @@
 //! which follows (in stream order) every read of step `s`'s rows, counts and weights; the
 //! partials are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
-use super::fused::{self, FusedCombine, FusedDispatch, MoeKernels};
+use super::fused::{self, FusedCombine, FusedDispatch, FusedOptions, MoeKernels};
 use super::kernel_calls::{
     self, FlagWait, NvlLocal, PeerRegions, RecvOutputs, SendInputs, SendState, SourceRows,
 };
@@ -90,6 +90,8 @@ pub struct NvlinkMoe {
     abort: AbortWord,
     /// Which kernels run the phases.
     generation: MoeKernels,
+    /// The variants of the fused kernels.
+    fused: FusedOptions,
     /// `[W]` i32 received-row counters of the fused dispatch (zeroed by it after use).
     recv_cnt: DeviceBuffer,
     /// The fused combine's `expert_y` and whether its weights came with it, from
@@ -121,6 +123,7 @@ impl NvlinkMoe {
         sym.zero(&stream)?;
         let t = NvlinkMoe {
             generation: MoeKernels::from_env()?,
+            fused: FusedOptions::from_env()?,
             recv_cnt: zeroed_u32(device, &stream, shape.world)?,
             pending_combine: None,
             state: zeroed_u32(device, &stream, STATE_WORDS)?,
@@ -342,6 +345,24 @@ impl NvlinkMoe {
         Ok(())
     }
 
+    /// The variants of the fused kernels this engine runs (chosen by
+    /// `MESHFLOW_MOE_FUSED_DISPATCH` / `MESHFLOW_MOE_FUSED_COMBINE` when it was made).
+    pub fn fused_options(&self) -> FusedOptions {
+        self.fused
+    }
+
+    /// Switches the variants of the fused kernels (between steps): for comparisons and tests.
+    /// Ranks of a team may differ (the variants follow one protocol).
+    pub fn set_fused_options(&mut self, options: FusedOptions) -> Result<()> {
+        if !self.core.is_idle() {
+            return Err(KernelError::InvalidArgument(
+                "the NVLink MoE kernels can only be switched between steps".into(),
+            ));
+        }
+        self.fused = options;
+        Ok(())
+    }
+
     /// A view of region `off` of `bytes` bytes of this rank's symmetric allocation.
     fn region(sym: &DeviceBuffer, off: usize, bytes: usize) -> Result<DeviceBuffer> {
         sym.view(off, bytes.max(4))
@@ -360,8 +381,10 @@ impl NvlinkMoe {
             tables,
             flag_timeout_ns,
             pending_combine,
+            fused: options,
             ..
         } = self;
+        let options = *options;
         let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
         let weight_flags = NvlinkMoe::region(sym, layout.weight_flags, core.shape.world * 4)?;
         core.step(
@@ -396,6 +419,7 @@ impl NvlinkMoe {
                     &f,
                     &wait,
                     &peer_regions(tables, layout),
+                    options,
                 )
             },
         )
@@ -457,10 +481,12 @@ impl MoeTransport for NvlinkMoe {
             generation,
             recv_cnt,
             flag_timeout_ns,
+            fused: options,
             ..
         } = self;
         let tables = tables.as_ref().ok_or_else(|| not_connected(rank))?;
         let generation = *generation;
+        let options = *options;
         core.step(
             "dispatch_send",
             Phase::Idle,
@@ -504,6 +530,7 @@ impl MoeTransport for NvlinkMoe {
                         &peer_regions(tables, layout),
                         &f,
                         state,
+                        options,
                     );
                 }
                 kernel_calls::nvl_dispatch_send(
