@@ -6,11 +6,11 @@
 //! |---|---|---|
 //! | all-gather + consumer | collective | `AG + G` |
 //! | | broadcast, per iteration | `cp + c + (d-1)·ov(c, b, κ₁) + d·λ` |
-//! | | ring, per iteration | `cp + c + (d-1)·ov(c, m, κ₁) + d·λ` |
+//! | | ring, per iteration | `W(cp, m, …, m; c; κ₁, ω) + d·λ` (simulated) |
 //! | | ring prefetch, ring forward | `c + (d-1)·ov(c, m, κ₂) + d·λ` |
 //! | | ring bidirectional | `c + (d-1)·ov(2h, 2m½, κ₂) + 2d·λ` |
 //! | producer + reduce-scatter | collective | `G + RS` |
-//! | | reduce, per iteration | `c + (d-1)·ov(c, r, κ₁) + r + d·λ` |
+//! | | reduce, per iteration | `W(c then r, each iteration; κ₁, ω) + d·λ` (simulated) |
 //! | | ring forward, `p` pieces | `c + (d-1)·(ov(p·g, m, κ₂) + a + (p-1)·(σ·a + ℓ)) + d·λ` |
 //! | | ring forward accumulating in place, `p` pieces | `T + κ₂·(M − (T − Σg)) + d·λ` (simulated) |
 //!
@@ -25,7 +25,9 @@
 //! pieces' GEMMs and transfers are simulated in the order the lowering emits them: `T` is
 //! when the last GEMM ends, `Σg` the time of all GEMMs, `M` that of all transfers (`m` of
 //! `1/p` of a chunk, each), of which what did not run while the main stream waited ran beside
-//! a GEMM.
+//! a GEMM. `W` simulates a per-iteration schedule over the pool of workers (`per_iteration_us`):
+//! iteration `i` on worker `i mod P`, a GEMM waiting on another worker starting `ω·c` before the
+//! running one ends (it fills its tail; `ω` the profile's `gemm_overlap`).
 
 use meshflow_ir::DType;
 
@@ -227,10 +229,16 @@ impl CostModel {
                         }
                     }
                     (Decomposition::Ring, StreamSchedule::PerIteration) if g.overlappable => {
-                        let w = self.profile.gemm_overlap(self.profile.mover(t, Collective::Permute));
+                        let w = self
+                            .profile
+                            .gemm_overlap(self.profile.mover(t, Collective::Permute));
                         let iterations: Vec<Iteration> = (0..d)
                             .map(|i| Iteration {
-                                before: if i == 0 { Before::Copy(cp) } else { Before::Transfer(m) },
+                                before: if i == 0 {
+                                    Before::Copy(cp)
+                                } else {
+                                    Before::Transfer(m)
+                                },
                                 gemm: c,
                                 after: 0.0,
                             })
@@ -269,7 +277,9 @@ impl CostModel {
                     }
                     (Decomposition::StreamReduce, StreamSchedule::PerIteration) => {
                         let (red, k1, _) = self.comm(t, Collective::Reduce, r.chunk_bytes);
-                        let w = self.profile.gemm_overlap(self.profile.mover(t, Collective::Reduce));
+                        let w = self
+                            .profile
+                            .gemm_overlap(self.profile.mover(t, Collective::Reduce));
                         let iterations = vec![
                             Iteration {
                                 before: Before::Nothing,

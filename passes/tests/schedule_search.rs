@@ -96,7 +96,10 @@ fn large_m_picks_a_copy_engine_ring() {
         for m in [16384, 8192] {
             let (a, cx) = search(&agmm(2, m, 8192, 8192), profile);
             let (chosen, schedule) = match profile {
-                "h200x2" => ("ring(s=2, per-iteration, copy_engine)", StreamSchedule::PerIteration),
+                "h200x2" => (
+                    "ring(s=2, per-iteration, copy_engine)",
+                    StreamSchedule::PerIteration,
+                ),
                 _ => ("ring(s=2, prefetch, copy_engine)", StreamSchedule::Prefetch),
             };
             assert_eq!(a[0].chosen, chosen, "{profile}: {}", a[0]);
@@ -220,6 +223,12 @@ fn label(bench: &str, variant: &str) -> Option<&'static str> {
         ("rsmm", "ring (NCCL send/recv)") => "ring_forward(s=2, prefetch, nccl)",
         ("rsmm", "ring (copy engine)") => "ring_forward(s=2, prefetch, copy_engine)",
         ("rsmm", "ring pieces=4 (copy engine)") => "ring_forward(s=8, prefetch, copy_engine)",
+        ("rsmm", "ring accumulate pieces=2 (copy engine)") => {
+            "ring_forward(s=4, prefetch, copy_engine, accumulate)"
+        }
+        ("rsmm", "ring accumulate pieces=4 (copy engine)") => {
+            "ring_forward(s=8, prefetch, copy_engine, accumulate)"
+        }
         _ => return None,
     })
 }
@@ -398,7 +407,8 @@ fn predicted_and_measured_orders_agree_on_the_committed_measurements() {
             let (bench, dims) = case.split_once('_').unwrap();
             let d: Vec<u64> = dims.split('x').map(|x| x.parse().unwrap()).collect();
             let what = format!("{file} procs={procs}");
-            rows_compared += compare_orders(&what, bench, [d[0], d[1], d[2], 2], &measured, &mut wrong);
+            rows_compared +=
+                compare_orders(&what, bench, [d[0], d[1], d[2], 2], &measured, &mut wrong);
         }
     }
     assert!(
@@ -446,7 +456,9 @@ fn the_conflicting_pairs_are_measured_both_ways() {
                 .unwrap()
                 .iter()
                 .find(|r| {
-                    r["case"] == format!("agmm_{m}x8192x8192") && r["procs"] == 2 && r["variant"] == name
+                    r["case"] == format!("agmm_{m}x8192x8192")
+                        && r["procs"] == 2
+                        && r["variant"] == name
                 })
                 .and_then(|r| r["us"].as_f64())
                 .unwrap()
