@@ -32,7 +32,7 @@ gpu_env="${GPU_ENV:-$shared/device/gpu-env.sh}"
 torch_baselines="${TORCH_BASELINES:-$shared/bench/torch_baselines.py}"
 target="${CARGO_TARGET_DIR:-$root/target}"
 cargo build --release --features cuda
-cargo build --release --features cuda -p meshflow-kernels --example peer_bandwidth
+cargo build --release --features cuda -p meshflow-kernels --example peer_bandwidth --example gemm_timing
 cargo test --release --features cuda --workspace --no-run 2>&1 | tee /tmp/gpu-carry-build.log |
   grep -E "^error" && exit 1
 dest="$root/gpu/suite"
@@ -40,7 +40,7 @@ rm -rf "$dest"
 mkdir -p "$dest/bin"
 # The test build above rebuilt the binary with the test hooks (feature `fault-injection`,
 # `MESHFLOW_FAULT_EXIT`) that the multi-process fault tests need; it is the one carried.
-cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$dest/bin/"
+cp "$target/release/meshflow" "$target/release/examples/peer_bandwidth" "$target/release/examples/gemm_timing" "$dest/bin/"
 # The GPU test binaries, by source (cargo names two of them `gpu`): the root crate's
 # (tests/gpu/), the binary's (cli/tests/cli_gpu/), the benchmarks' (bench/tests/bench_gpu/), and
 # the kernels crate's (kernels/tests/gpu.rs as kernels_gpu, gpu_moe.rs).
