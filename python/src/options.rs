@@ -75,9 +75,7 @@ pub fn from_kwargs(
                 for (tensor, n) in map.iter() {
                     let n: i64 = n.extract()?;
                     let n = u64::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| {
-                        PyValueError::new_err(format!(
-                            "pieces must be positive integers, is {n}"
-                        ))
+                        PyValueError::new_err(format!("pieces must be positive integers, is {n}"))
                     })?;
                     o = o.pieces(tensor.extract::<String>()?, n);
                 }
