@@ -6,7 +6,8 @@
 #
 # 1. The essential MoE GPU tests at W=2 (MESHFLOW_MOE_WORLDS=2): NVLink fused (v2, every
 #    variant, also with odd chunk sizes per phase) and split (v1) kernels, NCCL, the CUDA graph
-#    replay, the abort word, the IPC pair, the runtime's MoE tests.
+#    replay, the abort word, the IPC pair, the runtime's MoE tests (the evaluator handing the
+#    top-k weights to the dispatch or to the combine included), each MoE transport alone.
 # 2. PyTorch's figures, then `meshflow bench moe` (kernels and evaluator paths, NVLink and NCCL,
 #    native and fp8-block128, T=128 and 4096) against them: $OUT/moe-2.json.
 # 3. A diagnostic matrix (kernels path, NVLink): v1 against v2, the weights at the dispatch or
@@ -57,6 +58,9 @@ diag() {
     MESHFLOW_MOE_COMBINE_CHUNK=5 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 60 "$B/gpu_moe_abort" "${q[@]}"
   step 90 "$B/gpu" "${q[@]}" moe --skip faults::
+  # Each MoE transport alone, the weights given at the dispatch, at the combine, cast from
+  # bf16, and a combine naming other weights than its dispatch carried (an error).
+  [ -x "$B/meshflow_lib" ] && step 90 "$B/meshflow_lib" "${q[@]}" runtime::cuda::transport::tests::moe
   # 2. PyTorch's figures, then the benchmark rows.
   tj="$OUT/torch_baselines_$n.json"
   step 120 env PYTHONUNBUFFERED=1 OUT="$OUT" torchrun --standalone --nproc-per-node "$n" "$S/torch_baselines.py"

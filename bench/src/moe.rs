@@ -264,8 +264,9 @@ fn rank_loop<T: MoeTransport>(
     let w = DeviceBuffer::from_slice(&stream, &vec![1.0f32 / s.top_k as f32; s.tokens * s.top_k])?;
     let out = DeviceBuffer::alloc(dev, s.tokens * s.y_row_bytes())?;
     let ex = t.expert_x()?.clone();
-    // The weights travel with the dispatch, or (LATE_WEIGHTS_ENV) with the combine, as the
-    // evaluator's lowered programs give them.
+    // The weights travel with the dispatch (as the evaluator gives weights that are a program
+    // input), or (LATE_WEIGHTS_ENV) with the combine (weights the program computes after the
+    // dispatch).
     let late = std::env::var_os(LATE_WEIGHTS_ENV).is_some();
     let dispatch = DispatchRequest {
         x: &x,
@@ -338,7 +339,7 @@ fn rank_loop<T: MoeTransport>(
 }
 
 /// Set to give the weights to the combine instead of the dispatch (the kernels' path; the
-/// evaluator's lowered programs give them to the combine): for comparisons.
+/// evaluator does so when a program computes them after the dispatch): for comparisons.
 pub const LATE_WEIGHTS_ENV: &str = "MESHFLOW_MOE_BENCH_LATE_WEIGHTS";
 
 /// Set to time the four calls of a step separately (logged at `info` level by

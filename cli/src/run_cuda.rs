@@ -11,6 +11,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use meshflow::kernels::proxy::WireChoice;
+use meshflow::runtime::backend::MoeWeightsAt;
 use meshflow::runtime::cuda::{run_cuda, run_program_cuda, CudaConfig, CudaOptions, ProgramRun};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
@@ -202,16 +203,26 @@ fn exit_fault(rank: usize) -> Result<Option<usize>, CliError> {
         .find_map(|(r, n)| (r == rank).then_some(n)))
 }
 
-/// One line per communication: the transport each rank of this process ran it over.
+/// One line per communication: the transport each rank of this process ran it over (and, for
+/// an MoE step, which instruction carried the top-k weights).
 fn explain_transports(run: &ProgramRun) -> String {
     use std::collections::BTreeSet;
     // (label, instruction, transport) -> ranks
     let mut uses: BTreeMap<(u32, &str, String), BTreeSet<usize>> = BTreeMap::new();
     for (&rank, list) in &run.transports {
         for t in list {
-            let how = t
+            let mut how = t
                 .transport
                 .map_or_else(|| "none".to_string(), |t| t.to_string());
+            match t.moe_weights {
+                Some(MoeWeightsAt::Dispatch) => {
+                    how.push_str(", top-k weights travel with the dispatch")
+                }
+                Some(MoeWeightsAt::Combine) => {
+                    how.push_str(", top-k weights sent at the combine (one more exchange)")
+                }
+                None => {}
+            }
             uses.entry((t.comm.0, t.name, how))
                 .or_default()
                 .insert(rank);

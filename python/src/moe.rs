@@ -133,7 +133,7 @@ impl Engine {
         let counts = self.transport.expert_counts()?.clone();
         let routing = self.transport.routing()?.clone();
         self.transport
-            .combine(s, expert_y, &counts, &routing, weights, out)
+            .combine(s, expert_y, &counts, &routing, Some(weights), out)
     }
 
     /// `(expert_x, expert_counts, routing)`, owned by the transport and rewritten by every

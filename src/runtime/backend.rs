@@ -161,6 +161,31 @@ pub struct CommInfo {
     pub team: Option<TeamId>,
     /// Whether it is posted inside a coalescing group.
     pub grouped: bool,
+    /// For an MoE dispatch or combine this rank posts: which of the pair carries the top-k
+    /// weights.
+    pub moe_weights: Option<MoeWeightsAt>,
+}
+
+/// Which instruction of an MoE step hands the top-k weights to the transport: the dispatch
+/// (they travel with the token rows) or the combine (a GPU engine first copies them to every
+/// peer there: one more exchange). The evaluator chooses the dispatch when the combine's
+/// weights are a program input nothing writes; see `runtime/evaluator/moe_weights.rs`.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MoeWeightsAt {
+    /// The dispatch carries them.
+    Dispatch,
+    /// The combine carries them.
+    Combine,
+}
+
+impl MoeWeightsAt {
+    /// `dispatch` or `combine`.
+    pub fn name(self) -> &'static str {
+        match self {
+            MoeWeightsAt::Dispatch => "dispatch",
+            MoeWeightsAt::Combine => "combine",
+        }
+    }
 }
 
 /// What a backend learns about a program before it runs.
@@ -237,6 +262,10 @@ pub enum CommRequest<'a, Buf> {
         routing: &'a TensorView<Buf>,
         /// How travelling tokens are encoded.
         wire: meshflow_ir::MoeWire,
+        /// The weights `[B.., T, K]` of the combine that follows, when they travel with the
+        /// dispatch ([`MoeWeightsAt::Dispatch`]); that combine names the same view. A backend
+        /// may send them now or ignore them (the combine still names them).
+        topk_weights: Option<&'a TensorView<Buf>>,
     },
     /// MoE combine (see [`InstKind::MoeCombine`](meshflow_ir::InstKind::MoeCombine)).
     MoeCombine {

@@ -1,6 +1,7 @@
 //! Chrome/Perfetto traces of a run: one `"X"` (complete) event per executed instruction, with
 //! `pid` = rank, `tid` = stream, `name` = instruction kind and the instruction text in `args`
-//! (with, for a communication on GPUs, the transport that executed it), and metadata events
+//! (with, for a communication on GPUs, the transport that executed it, and for an MoE step
+//! which instruction carried the top-k weights), and metadata events
 //! naming every process (`rank R`) and thread (`main`, `worker W`, `copy`) so viewers show
 //! those names. Open the JSON in `chrome://tracing` or <https://ui.perfetto.dev>.
 
@@ -8,6 +9,8 @@ use std::fmt::Write as _;
 
 use meshflow_ir::DeviceId;
 use meshflow_passes::Transport;
+
+use super::backend::MoeWeightsAt;
 
 /// One executed instruction.
 #[derive(Clone, Debug, PartialEq)]
@@ -29,6 +32,9 @@ pub struct TraceEvent {
     /// For a communication on a backend with transports: the transport that executed it
     /// (written to `args.transport`).
     pub transport: Option<Transport>,
+    /// For an MoE dispatch or combine: which of the two handed the top-k weights to the
+    /// transport (written to `args.topk_weights_with`: `dispatch` or `combine`).
+    pub moe_weights: Option<MoeWeightsAt>,
 }
 
 /// The events of every rank of a run.
@@ -121,6 +127,9 @@ impl Trace {
             if let Some(t) = e.transport {
                 let _ = write!(out, "\",\"transport\":\"{}", t.name());
             }
+            if let Some(w) = e.moe_weights {
+                let _ = write!(out, "\",\"topk_weights_with\":\"{}", w.name());
+            }
             out.push_str("\"}}");
         }
         out.push_str("\n],\"displayTimeUnit\":\"ns\"}\n");
@@ -147,6 +156,7 @@ mod tests {
             start_us: 1.0,
             dur_us: 2.0,
             transport: None,
+            moe_weights: None,
         }
     }
 
@@ -185,6 +195,7 @@ mod tests {
             start_us: 1.0,
             dur_us: 2.0,
             transport,
+            moe_weights: None,
         };
         let json = Trace {
             events: vec![event(Some(Transport::CopyEngine)), event(None)],
@@ -197,5 +208,18 @@ mod tests {
         );
         assert_eq!(json.matches("\"transport\"").count(), 1, "{json}");
         assert!(json.contains("\"iteration\":\"3\",\"transport\""), "{json}");
+    }
+
+    #[test]
+    fn an_moe_step_names_the_instruction_that_carried_the_weights() {
+        let mut e = ev(0, 1);
+        e.name = "moe_dispatch";
+        e.transport = Some(Transport::Nvlink);
+        e.moe_weights = Some(MoeWeightsAt::Dispatch);
+        let json = Trace { events: vec![e] }.to_json();
+        assert!(
+            json.contains("\"transport\":\"nvlink\",\"topk_weights_with\":\"dispatch\"}"),
+            "{json}"
+        );
     }
 }

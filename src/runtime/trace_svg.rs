@@ -181,6 +181,7 @@ mod tests {
             start_us: start,
             dur_us: dur,
             transport: None,
+            moe_weights: None,
         }
     }
 

@@ -2,7 +2,7 @@
 //! uses it, communication kinds, the examples and
 //! the CPU backend's programs on GPUs, determinism, errors, the fault matrix, multi-process
 //! runs (NCCL, and the copy engine and NVLink MoE over CUDA IPC), MoE dispatch outputs written in
-//! place, and the embedding API on the
+//! place, the top-k weights carried by the dispatch or the combine, and the embedding API on the
 //! caller's CUDA resources. On a machine without enough
 //! GPUs each test prints why it skipped. Run with `--test-threads 1` (the fault and
 //! determinism tests read process-wide probes).
@@ -20,6 +20,7 @@ mod examples;
 mod faults;
 mod ipc;
 mod moe_outputs;
+mod moe_weights;
 mod multiprocess;
 mod programs;
 mod shape_ops;

@@ -10,6 +10,7 @@ mod comm;
 mod errors;
 mod faults;
 mod moe;
+mod moe_weights;
 mod nodes;
 mod programs;
 mod race;

@@ -234,3 +234,34 @@ host moe_outputs {{
             .collect()
     }
 }
+
+/// `host` (an MoE layer whose combine reads the input `topk_weights`) with the combine's
+/// weights computed inside the program after the dispatch instead: `w_late`, a copy of
+/// `topk_weights` made between the dispatch and the combine. The values are the same, but
+/// they cannot travel with the dispatch (the evaluator gives them to the combine), so the two
+/// programs compare the two ways of moving the weights.
+pub fn with_late_weights(host: &HostProgram) -> HostProgram {
+    let text = host.to_string();
+    let mut out = String::new();
+    let mut combines = 0;
+    for line in text.lines() {
+        if line.trim() == "}" {
+            out.push_str("  deallocate w_late\n");
+        }
+        if line.contains("= moe_combine(") {
+            combines += 1;
+            out.push_str(&line.replace(", topk_weights ->", ", w_late ->"));
+        } else {
+            out.push_str(line);
+        }
+        out.push('\n');
+        if let Some(decl) = line.trim().strip_prefix("in topk_weights:") {
+            out.push_str(&format!("  tensor w_late:{decl}\n"));
+        }
+        if line.contains("= moe_dispatch(") {
+            out.push_str("  allocate w_late\n  copy(topk_weights -> w_late)\n");
+        }
+    }
+    assert_eq!(combines, 1, "one moe_combine expected in\n{text}");
+    meshflow::ir::parse_host(&out).unwrap_or_else(|e| panic!("{e}\n{out}"))
+}

@@ -168,7 +168,8 @@ pub trait MoeTransport: Send {
         )
     }
 
-    /// A whole combine of `expert_y` with this rank's `weights[T, K]` (f32) into `out[T, F]`.
+    /// A whole combine of `expert_y` with this rank's `weights[T, K]` (f32) into `out[T, F]`
+    /// (`None` when the last dispatch carried them, see [`CombineRequest::weights`]).
     /// `expert_counts` and `routing` must be (copies of) the last dispatch's; they are checked
     /// for size only (the transport keeps where each row came from).
     fn combine(
@@ -177,7 +178,7 @@ pub trait MoeTransport: Send {
         expert_y: &DeviceBuffer,
         expert_counts: &DeviceBuffer,
         routing: &DeviceBuffer,
-        weights: &DeviceBuffer,
+        weights: Option<&DeviceBuffer>,
         out: &DeviceBuffer,
     ) -> Result<()> {
         let s = *self.shape();
@@ -197,14 +198,7 @@ pub trait MoeTransport: Send {
                 )));
             }
         }
-        self.combine_with(
-            stream,
-            &CombineRequest {
-                expert_y,
-                weights: Some(weights),
-            },
-            out,
-        )
+        self.combine_with(stream, &CombineRequest { expert_y, weights }, out)
     }
 }
 

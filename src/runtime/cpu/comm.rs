@@ -98,15 +98,18 @@ pub(super) fn accesses<'r>(req: &'r CommRequest<'_, CpuBuffer>) -> (Vec<&'r TV>,
             )
         }
         CommRequest::Permute { input, output, .. } => (vec![*input], vec![*output]),
+        // The weights a dispatch carries count as read there (GPU backends send them then),
+        // though this backend reads them at the combine.
         CommRequest::MoeDispatch {
             x,
             topk_idx,
             expert_x,
             expert_counts,
             routing,
+            topk_weights,
             ..
         } => (
-            vec![*x, *topk_idx],
+            [*x, *topk_idx].into_iter().chain(*topk_weights).collect(),
             vec![*expert_x, *expert_counts, *routing],
         ),
         CommRequest::MoeCombine {

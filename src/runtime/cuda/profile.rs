@@ -72,6 +72,7 @@ impl Interval {
             start_us: self.start_us,
             dur_us: self.duration_us(),
             transport: self.transport,
+            moe_weights: None,
         }
     }
 }

@@ -9,11 +9,11 @@ use meshflow_ir::{
 use meshflow_ir::host::{EvalError, ExprEnv};
 
 use super::plan::{Plan, Step, StreamSel};
-use super::{State, StepError};
+use super::{SentWeights, State, StepError};
 use meshflow_passes::Transport;
 
 use crate::runtime::backend::{
-    Backend, CommLabel, CommRequest, InstCtx, StreamIndex, TeamId, TensorView,
+    Backend, CommLabel, CommRequest, InstCtx, MoeWeightsAt, StreamIndex, TeamId, TensorView,
 };
 use crate::runtime::trace::TraceEvent;
 
@@ -132,8 +132,10 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 return Err((at, self.state.iteration.clone(), e));
             }
             if let (Some(epoch), Some(t0)) = (self.trace_epoch, started) {
-                let transport = step_label(step).and_then(|l| self.backend.transport_of(l));
-                self.record(epoch, t0, at, stream, transport);
+                let label = step_label(step);
+                let transport = label.and_then(|l| self.backend.transport_of(l));
+                let moe_weights = label.and_then(|l| self.plan.comms[l].moe_weights);
+                self.record(epoch, t0, at, stream, (transport, moe_weights));
             }
         }
         Ok(())
@@ -145,7 +147,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         t0: Instant,
         at: u32,
         stream: StreamIndex,
-        transport: Option<Transport>,
+        (transport, moe_weights): (Option<Transport>, Option<MoeWeightsAt>),
     ) {
         let inst = self.plan.insts[at as usize];
         self.state.trace.push(TraceEvent {
@@ -157,6 +159,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             start_us: t0.duration_since(epoch).as_secs_f64() * 1e6,
             dur_us: t0.elapsed().as_secs_f64() * 1e6,
             transport,
+            moe_weights,
         });
     }
 
@@ -274,6 +277,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 team,
                 t,
                 wire,
+                weights,
                 ..
             } => {
                 if !self.backend.supports_moe_wire(*wire) {
@@ -293,13 +297,44 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                     expert_counts: view_in(self.program, views, t[3])?,
                     routing: view_in(self.program, views, t[4])?,
                     wire: *wire,
+                    topk_weights: weights
+                        .map(|w| view_in(self.program, views, w))
+                        .transpose()?,
+                };
+                let sent = match &req {
+                    CommRequest::MoeDispatch {
+                        topk_weights: Some(w),
+                        ..
+                    } => Some(SentWeights::of(w)),
+                    _ => None,
                 };
                 let handle = self.backend.post(&req, ctx)?;
                 self.state.pending[*label] = Some(handle);
+                self.state.moe_sent[*label] = sent;
                 Ok(())
             }
-            Step::Combine { label, team, t, .. } => {
+            Step::Combine {
+                label,
+                team,
+                t,
+                early,
+                ..
+            } => {
                 let views = &self.state.views;
+                if let Some(d) = early {
+                    let w = view_in(self.program, views, t[3])?;
+                    if self.state.moe_sent[*d].as_ref() != Some(&SentWeights::of(w)) {
+                        return Err(invalid(format!(
+                            "`{}` is not the weights view its moe_dispatch {} carried (the \
+                             dispatch sent the top-k weights with the tokens; the combine must \
+                             name the same, unchanged view)",
+                            self.program.tensors[t[3]].name,
+                            self.plan
+                                .comm(*d)
+                                .map_or_else(String::new, |c| format!("c{}", c.0)),
+                        )));
+                    }
+                }
                 let req = CommRequest::MoeCombine {
                     label: *label,
                     team: self.plan.team(*team),

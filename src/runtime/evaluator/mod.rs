@@ -5,6 +5,7 @@
 //! or hash-map lookups. Scalar expressions are evaluated per rank and per iteration.
 
 mod exec;
+mod moe_weights;
 mod plan;
 
 use std::collections::BTreeMap;
@@ -15,7 +16,7 @@ use meshflow_ir::{Arena, CommId, DeviceId, HostProgram, HostTensorId};
 use meshflow_passes::Transport;
 
 use super::backend::{
-    Backend, BackendError, CommLabel, PlanInfo, RaceReport, StreamIndex, TensorView,
+    Backend, BackendError, CommLabel, MoeWeightsAt, PlanInfo, RaceReport, StreamIndex, TensorView,
 };
 use super::data::TensorData;
 use super::trace::TraceEvent;
@@ -160,6 +161,29 @@ pub struct SelectedTransport {
     pub name: &'static str,
     /// The transport, when the backend has transports.
     pub transport: Option<Transport>,
+    /// For an MoE dispatch or combine: which of the two hands the top-k weights to the
+    /// transport.
+    pub moe_weights: Option<MoeWeightsAt>,
+}
+
+/// The weights view an MoE dispatch carried (its combine must name the same one).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct SentWeights {
+    tensor: HostTensorId,
+    offset: u64,
+    shape: Vec<u64>,
+    strides: Vec<u64>,
+}
+
+impl SentWeights {
+    fn of<Buf>(v: &TensorView<Buf>) -> SentWeights {
+        SentWeights {
+            tensor: v.tensor,
+            offset: v.offset,
+            shape: v.shape.clone(),
+            strides: v.strides.clone(),
+        }
+    }
 }
 
 /// Mutable execution state of one rank.
@@ -174,6 +198,8 @@ struct State<B: Backend> {
     saved: Vec<Option<StreamIndex>>,
     current: StreamIndex,
     pending: Arena<CommLabel, Option<B::Comm>>,
+    /// Per MoE dispatch label, the weights view its latest instance carried.
+    moe_sent: Arena<CommLabel, Option<SentWeights>>,
     in_group: bool,
     at: Option<u32>,
     args: Vec<i64>,
@@ -229,6 +255,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             saved: vec![None; plan.stream_vars],
             current: StreamIndex::MAIN,
             pending: table(plan.comms.len(), None),
+            moe_sent: table(plan.comms.len(), None),
             in_group: false,
             at: None,
             args: Vec::new(),
@@ -259,6 +286,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
                 comm: c.comm,
                 name: c.name,
                 transport: self.backend.transport_of(label),
+                moe_weights: c.moe_weights,
             })
             .collect()
     }
@@ -450,6 +478,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         s.saved.iter_mut().for_each(|v| *v = None);
         s.current = StreamIndex::MAIN;
         s.pending.iter_mut().for_each(|(_, p)| *p = None);
+        s.moe_sent.iter_mut().for_each(|(_, p)| *p = None);
         s.in_group = false;
         s.at = None;
     }

@@ -16,8 +16,11 @@ use meshflow_ir::{
     InstKind, LoopVar, ReduceOp, StreamRef, StreamVar, Team,
 };
 
+use super::moe_weights::{pair_moe_weights, MoeWeightPairs};
 use super::RuntimeError;
-use crate::runtime::backend::{Backend, CommInfo, CommLabel, CommOp, KernelId, TeamId, TeamInfo};
+use crate::runtime::backend::{
+    Backend, CommInfo, CommLabel, CommOp, KernelId, MoeWeightsAt, TeamId, TeamInfo,
+};
 
 /// Which stream an instruction names.
 #[derive(Debug)]
@@ -91,20 +94,24 @@ pub(crate) enum Step<'p> {
         input: HostTensorId,
         output: HostTensorId,
     },
-    /// `[x, topk_idx, expert_x, expert_counts, routing]`, tokens encoded as `wire`.
+    /// `[x, topk_idx, expert_x, expert_counts, routing]`, tokens encoded as `wire`; with
+    /// `weights`, the top-k weights of its combine travel with it (see `moe_weights.rs`).
     Dispatch {
         at: u32,
         label: CommLabel,
         team: TeamId,
         t: [HostTensorId; 5],
         wire: meshflow_ir::MoeWire,
+        weights: Option<HostTensorId>,
     },
-    /// `[expert_y, expert_counts, routing, topk_weights, out]`.
+    /// `[expert_y, expert_counts, routing, topk_weights, out]`; `early`: the label of the
+    /// dispatch that carried `topk_weights` already.
     Combine {
         at: u32,
         label: CommLabel,
         team: TeamId,
         t: [HostTensorId; 5],
+        early: Option<CommLabel>,
     },
     Wait {
         at: u32,
@@ -187,6 +194,8 @@ struct Builder<'p, 'b, B: Backend> {
     loop_stack: Vec<LoopVar>,
     /// Labels posted since the last `start_coalescing`, when inside a group.
     group: Option<Vec<CommLabel>>,
+    /// The MoE dispatches that carry their combine's weights.
+    moe: MoeWeightPairs,
 }
 
 impl<'p> Plan<'p> {
@@ -230,6 +239,7 @@ impl<'p> Plan<'p> {
                 op: None,
                 team: None,
                 grouped: false,
+                moe_weights: None,
             },
         );
         for (&c, &l) in &label_index {
@@ -279,6 +289,7 @@ impl<'p> Plan<'p> {
             team_index: BTreeMap::new(),
             loop_stack: Vec::new(),
             group: None,
+            moe: pair_moe_weights(program),
         };
         let steps = b.block(&program.body)?;
         // Drop waits on labels this rank never posts.
@@ -561,12 +572,23 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     return Ok(None);
                 };
                 let t = self.five(at, [*x, *topk_idx, *expert_x, *expert_counts, *routing])?;
+                let weights = self.moe.early.get(id).copied();
+                if let Some(w) = weights {
+                    self.five(at, [w; 5])?;
+                }
+                let label = self.post(at, *id, CommOp::MoeDispatch, Some(team));
+                self.plan.comms[label].moe_weights = Some(if weights.is_some() {
+                    MoeWeightsAt::Dispatch
+                } else {
+                    MoeWeightsAt::Combine
+                });
                 Step::Dispatch {
                     at,
-                    label: self.post(at, *id, CommOp::MoeDispatch, Some(team)),
+                    label,
                     team,
                     t,
                     wire: *wire,
+                    weights,
                 }
             }
             InstKind::MoeCombine {
@@ -585,11 +607,19 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
                     at,
                     [*expert_y, *expert_counts, *routing, *topk_weights, *out],
                 )?;
+                let early = self.moe.combine_of.get(id).map(|d| self.label_index[d]);
+                let label = self.post(at, *id, CommOp::MoeCombine, Some(team));
+                self.plan.comms[label].moe_weights = Some(if early.is_some() {
+                    MoeWeightsAt::Dispatch
+                } else {
+                    MoeWeightsAt::Combine
+                });
                 Step::Combine {
                     at,
-                    label: self.post(at, *id, CommOp::MoeCombine, Some(team)),
+                    label,
                     team,
                     t,
+                    early,
                 }
             }
             InstKind::Wait { comm } => Step::Wait {

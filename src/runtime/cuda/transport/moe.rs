@@ -14,6 +14,12 @@
 //! with `F < H` runs on zero-padded rows (`F > H` is refused with an error saying so). Leading
 //! batch axes (`[B.., T, H]`) are not supported on GPUs yet. Capacity overflows and bad
 //! routing raised on the device are reported when the run finishes.
+//!
+//! The top-k weights go to the engine at the dispatch when the request carries them (the
+//! evaluator's choice, `runtime/evaluator/moe_weights.rs`): they travel with the rows, and the
+//! combine then hands the engine none, after checking that it names the very view the
+//! dispatch sent (else an error naming it). Otherwise the combine hands them over and the
+//! engine first copies them to every peer (one more device exchange).
 
 use meshflow_ir::{DType, DeviceId};
 use meshflow_kernels::moe::{DispatchOutputs, DispatchRequest, MoeShape, MoeTransport, MoeWire};
@@ -77,6 +83,9 @@ pub(super) struct MoeTeams<S: EngineSource> {
     engines: Vec<Held<S::Engine>>,
     /// The engine of the last dispatch (its combine follows).
     last: Option<usize>,
+    /// The weights view the last dispatch carried, if it carried them (its combine must
+    /// name the same view).
+    sent: Option<TV>,
 }
 
 impl<S: EngineSource> MoeTeams<S> {
@@ -85,6 +94,7 @@ impl<S: EngineSource> MoeTeams<S> {
             source,
             engines: Vec::new(),
             last: None,
+            sent: None,
         }
     }
 
@@ -125,8 +135,10 @@ impl<S: EngineSource> MoeTeams<S> {
         expert_counts: &TV,
         routing: &TV,
         wire: meshflow_ir::MoeWire,
+        topk_weights: Option<&TV>,
     ) -> Result<(), BackendError> {
         const WHAT: &str = "moe_dispatch";
+        self.sent = None;
         let rank = cx.core.rank;
         let [t, h] = dims(rank, WHAT, x, "x")?;
         let [_, k] = dims(rank, WHAT, topk_idx, "topk_idx")?;
@@ -166,6 +178,24 @@ impl<S: EngineSource> MoeTeams<S> {
             xb = staged;
         }
         let ib = core.input_region(topk_idx)?;
+        let weights = match topk_weights {
+            Some(w) => {
+                let [wt, wk] = dims(rank, WHAT, w, "topk_weights")?;
+                if [wt, wk] != [t, k] {
+                    return Err(invalid(
+                        rank,
+                        WHAT,
+                        format!(
+                            "the weights carried with the dispatch have shape {:?}, topk_idx {:?}",
+                            w.shape, topk_idx.shape
+                        ),
+                    ));
+                }
+                let region = core.input_region(w)?;
+                Some((f32_weights(core, w, region, WHAT)?, w.clone()))
+            }
+            None => None,
+        };
         // The engine writes the outputs in place: their own bytes when the views are packed,
         // apart from the inputs and aligned as the kernels store (else a temporary, copied
         // into the view after).
@@ -181,7 +211,7 @@ impl<S: EngineSource> MoeTeams<S> {
         let req = DispatchRequest {
             x: &xb,
             topk_idx: &ib,
-            weights: None,
+            weights: weights.as_ref().map(|(b, _)| b),
             zero_padding: false,
             outputs: Some(DispatchOutputs {
                 expert_x: tx.buf(),
@@ -193,6 +223,7 @@ impl<S: EngineSource> MoeTeams<S> {
             .dispatch_with(&s, &req)
             .map_err(&e)?;
         self.last = Some(i);
+        self.sent = weights.map(|(_, sent)| sent);
         for t in targets {
             t.finish(core, WHAT)?;
         }
@@ -249,15 +280,31 @@ impl<S: EngineSource> MoeTeams<S> {
         let y = core.input_region(expert_y)?;
         let counts = core.input_region(expert_counts)?;
         let routes = core.input_region(routing)?;
-        let w = core.input_region(topk_weights)?;
-        let weights = if topk_weights.dtype == DType::F32 {
-            w
-        } else {
-            let wf = core.temp(topk_weights.numel() as usize * 4)?;
-            core.kernels
-                .cast(&s, &w, kdtype(topk_weights.dtype), &wf, KDType::F32)
-                .map_err(&e)?;
-            wf
+        // Weights the dispatch carried are not handed over again: the combine must name them.
+        let weights = match self.sent.take() {
+            Some(sent) if sent == *topk_weights => None,
+            Some(sent) => {
+                return Err(invalid(
+                    rank,
+                    WHAT,
+                    format!(
+                        "`topk_weights` ({:?}: {:?} at offset {} of {:?}) is not the weights \
+                         view its moe_dispatch carried ({:?}: {:?} at offset {} of {:?})",
+                        topk_weights.tensor,
+                        topk_weights.shape,
+                        topk_weights.offset,
+                        topk_weights.buffer,
+                        sent.tensor,
+                        sent.shape,
+                        sent.offset,
+                        sent.buffer
+                    ),
+                ))
+            }
+            None => {
+                let w = core.input_region(topk_weights)?;
+                Some(f32_weights(core, topk_weights, w, WHAT)?)
+            }
         };
         let (y_in, out_buf) = if f == h {
             (y, None)
@@ -278,7 +325,7 @@ impl<S: EngineSource> MoeTeams<S> {
         let slot = core.output_slot(out, &[expert_y, topk_weights])?;
         let target: DeviceBuffer = out_buf.clone().unwrap_or_else(|| slot.buf.clone());
         S::engine(&mut self.engines[i].engine)
-            .combine(&s, &y_in, &counts, &routes, &weights, &target)
+            .combine(&s, &y_in, &counts, &routes, weights.as_ref(), &target)
             .map_err(&e)?;
         if let Some(ob) = out_buf {
             let src = StridedLayout {
@@ -324,6 +371,7 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 expert_counts,
                 routing,
                 wire,
+                topk_weights,
                 ..
             } => self.dispatch(
                 cx,
@@ -334,6 +382,7 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 expert_counts,
                 routing,
                 *wire,
+                *topk_weights,
             )?,
             CommRequest::MoeCombine {
                 team,
@@ -418,7 +467,27 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
             S::release(held.engine, healthy);
         }
         self.last = None;
+        self.sent = None;
     }
+}
+
+/// `w` (this rank's top-k weights, at `region`) as the f32 the engines take: the region
+/// itself, or a cast into a temporary.
+fn f32_weights(
+    core: &mut DeviceCore,
+    w: &TV,
+    region: DeviceBuffer,
+    what: &str,
+) -> Result<DeviceBuffer, BackendError> {
+    if w.dtype == DType::F32 {
+        return Ok(region);
+    }
+    let wf = core.temp(w.numel() as usize * 4)?;
+    let s = core.stream().clone();
+    core.kernels
+        .cast(&s, &region, kdtype(w.dtype), &wf, KDType::F32)
+        .map_err(core.err(what))?;
+    Ok(wf)
 }
 
 /// The error of an engine whose device wait for a peer gave up (`st` has

@@ -349,8 +349,28 @@ fn host_proxy_transport_alone_moves_a_permute_between_nodes() {
     assert_eq!(got, [values(1, 64), values(0, 64)]);
 }
 
-/// A dispatch, the identity as the experts, a combine: each rank's output is `x[t] · Σ_k w`.
-fn moe_round_trip(name: &str, make: impl Fn(&mut Rank) -> Box<dyn CommTransport> + Sync) {
+/// When the top-k weights go to the transport in one step of [`moe_round_trip`].
+#[derive(Copy, Clone, Debug)]
+enum Weights {
+    /// With the dispatch, as f32.
+    Early,
+    /// With the dispatch, as bf16 (cast on the way).
+    EarlyBf16,
+    /// With the combine.
+    Late,
+    /// With the dispatch, but the combine names another view: an error.
+    Mismatched,
+}
+
+/// Steps of a dispatch, the identity as the experts, and a combine, the weights given as
+/// `steps` say: each rank's output is `x[t] · Σ_k w` every step (bit-identical whichever
+/// instruction carried the weights). A [`Weights::Mismatched`] step must fail at its combine
+/// with an error naming `topk_weights`, and ends the steps.
+fn moe_round_trip(
+    name: &str,
+    steps: &[Weights],
+    make: impl Fn(&mut Rank) -> Box<dyn CommTransport> + Sync,
+) {
     let (t, h, k, l, c) = (4u64, 8u64, 2u64, 2u64, 8u64);
     let e = 2 * l;
     let got = pair(name, |r| {
@@ -364,60 +384,111 @@ fn moe_round_trip(name: &str, make: impl Fn(&mut Rank) -> Box<dyn CommTransport>
             .collect();
         let idx = TensorData::from_i64(DType::I32, &[t, k], &ids).unwrap();
         let w: Vec<f32> = (0..t).flat_map(|_| [0.5, 0.25]).collect();
+        let w16 = TensorData::from_f32(DType::BF16, &[t, k], &w).unwrap();
         let w = TensorData::from_f32(DType::F32, &[t, k], &w).unwrap();
-        let (x, idx, w) = (r.tensor(&x), r.tensor(&idx), r.tensor(&w));
+        let (x, idx) = (r.tensor(&x), r.tensor(&idx));
+        let (w, w16, w_other) = (r.tensor(&w), r.tensor(&w16), r.tensor(&w));
         let ex = r.zeros(DType::F32, &[l, c, h]);
         let counts = r.tensor(&TensorData::from_i64(DType::I32, &[l], &[0; 2]).unwrap());
         let routing = r.tensor(&TensorData::from_i64(DType::I32, &[l, c, 2], &[0; 32]).unwrap());
-        let out = r.zeros(DType::F32, &[t, h]);
-        let d = CommRequest::MoeDispatch {
-            label: CommLabel::new(0),
-            team: &team,
-            x: &x,
-            topk_idx: &idx,
-            expert_x: &ex,
-            expert_counts: &counts,
-            routing: &routing,
-            wire: MoeWire::Native,
-        };
-        r.post(moe.as_mut(), &d);
-        let cb = CommRequest::MoeCombine {
-            label: CommLabel::new(1),
-            team: &team,
-            expert_y: &ex,
-            expert_counts: &counts,
-            routing: &routing,
-            topk_weights: &w,
-            out: &out,
-        };
-        r.post(moe.as_mut(), &cb);
-        let rows: f32 = r.read(&counts).iter().sum();
-        let out = r.read(&out);
+        let mut outs = Vec::new();
+        let mut rows = 0.0f32;
+        for (step, how) in steps.iter().enumerate() {
+            let out = r.zeros(DType::F32, &[t, h]);
+            let (sent, named) = match how {
+                Weights::Early => (Some(&w), &w),
+                Weights::EarlyBf16 => (Some(&w16), &w16),
+                Weights::Late => (None, &w),
+                Weights::Mismatched => (Some(&w), &w_other),
+            };
+            let d = CommRequest::MoeDispatch {
+                label: CommLabel::new(0),
+                team: &team,
+                x: &x,
+                topk_idx: &idx,
+                expert_x: &ex,
+                expert_counts: &counts,
+                routing: &routing,
+                wire: MoeWire::Native,
+                topk_weights: sent,
+            };
+            r.post(moe.as_mut(), &d);
+            let cb = CommRequest::MoeCombine {
+                label: CommLabel::new(1),
+                team: &team,
+                expert_y: &ex,
+                expert_counts: &counts,
+                routing: &routing,
+                topk_weights: named,
+                out: &out,
+            };
+            if let Weights::Mismatched = how {
+                let mut cx = PostCx {
+                    core: &mut r.core,
+                    comms: &r.comms,
+                };
+                let err = match moe.post(&mut cx, &cb, CTX) {
+                    Ok(_) => panic!("step {step}: a combine naming other weights was accepted"),
+                    Err(e) => e.to_string(),
+                };
+                assert!(
+                    err.contains("topk_weights") && err.contains("moe_dispatch carried"),
+                    "step {step}: {err}"
+                );
+                // The combine failed before the engine saw it, on both ranks: let the
+                // dispatch finish, then drop the engines unhealthy, as after any failed run.
+                r.read(&counts);
+                moe.release(false);
+                return (rows, outs);
+            }
+            r.post(moe.as_mut(), &cb);
+            rows += r.read(&counts).iter().sum::<f32>();
+            outs.push(r.read(&out));
+        }
         moe.check_status(&r.core).expect("clean MoE status");
         moe.release(true);
-        (rows, out)
+        (rows, outs)
     });
+    let full = steps
+        .iter()
+        .filter(|w| !matches!(w, Weights::Mismatched))
+        .count();
     let rows: f32 = got.iter().map(|g| g.0).sum();
     assert_eq!(
         rows,
-        (2 * t * k) as f32,
-        "every (token, k) reached its expert"
+        (full as u64 * 2 * t * k) as f32,
+        "every (token, k) reached its expert in every step"
     );
-    for (me, (_, out)) in got.into_iter().enumerate() {
+    for (me, (_, outs)) in got.into_iter().enumerate() {
         let want: Vec<f32> = values(me, (t * h) as usize)
             .iter()
             .map(|v| v * 0.75)
             .collect();
-        assert_eq!(out, want, "rank {me}");
+        assert_eq!(outs.len(), full, "rank {me}");
+        for (step, out) in outs.iter().enumerate() {
+            assert_eq!(out, &want, "rank {me}, step {step} ({:?})", steps[step]);
+        }
     }
 }
+
+/// Weights with the dispatch, with the combine, cast from bf16, and back: the engines switch
+/// between the two protocols from one step to the next.
+const MIXED: [Weights; 5] = [
+    Weights::Late,
+    Weights::Early,
+    Weights::EarlyBf16,
+    Weights::Late,
+    Weights::Early,
+];
 
 #[test]
 fn moe_over_nccl_alone_round_trips_tokens() {
     if skip("moe_over_nccl_alone_round_trips_tokens") {
         return;
     }
-    moe_round_trip("moe-nccl", |_| Box::new(moe_nccl::moe_over_nccl(None)));
+    moe_round_trip("moe-nccl", &MIXED, |_| {
+        Box::new(moe_nccl::moe_over_nccl(None))
+    });
 }
 
 #[test]
@@ -430,7 +501,20 @@ fn moe_over_nvlink_alone_round_trips_tokens() {
         return;
     };
     let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub));
-    moe_round_trip("moe-nvlink", |_| {
+    moe_round_trip("moe-nvlink", &MIXED, |_| {
         Box::new(moe_nvlink::moe_over_nvlink(link.clone()))
     });
+}
+
+#[test]
+fn moe_combine_naming_other_weights_than_its_dispatch_sent_is_an_error() {
+    let test = "moe_combine_naming_other_weights_than_its_dispatch_sent_is_an_error";
+    if skip(test) {
+        return;
+    }
+    moe_round_trip(
+        "moe-nccl-mismatch",
+        &[Weights::Early, Weights::Mismatched],
+        |_| Box::new(moe_nccl::moe_over_nccl(None)),
+    );
 }
