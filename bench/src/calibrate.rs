@@ -376,12 +376,18 @@ pub fn calibrate(timer: &mut dyn Timer, o: &CalibrateOptions) -> Result<Profile,
             TransportCosts {
                 falls_back_to,
                 gemm_slowdown,
+                gemm_overlap: 0.0,
                 collectives,
             },
         );
     }
     notes.push(
         "memory.concurrent_add_slowdown: not measured, kept from the built-in profile.".into(),
+    );
+    notes.push(
+        "gemm_overlap: not measured (0: GEMMs on different worker streams run one after the \
+         other); fit it to the per-iteration rows of `meshflow bench schedule` (docs/schedule-search.md)."
+            .into(),
     );
     let mut profile = Profile {
         format: FORMAT,

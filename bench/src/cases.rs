@@ -550,6 +550,17 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                     ));
                 }
             }
+            // The ring accumulating in place (what the search picks on the committed
+            // profiles: 2 pieces), forced, in 2 and in RING_PIECES pieces.
+            for p in [2, pieces] {
+                if (s.m / du).is_multiple_of(p) {
+                    list.push((
+                        RsVariant::RingAccumulate(p),
+                        CE,
+                        format!("ring accumulate pieces={p} (copy engine)"),
+                    ));
+                }
+            }
         }
         if opts.graph || opts.graph_only {
             list.push((

@@ -74,6 +74,13 @@ pub struct MoeResult {
     /// Whether the steps ran as replays of a CUDA graph (the evaluator path's low-latency
     /// mode: no host work between steps).
     pub graph: bool,
+    /// Evaluator path: the device time of a whole step (the run's device time over its
+    /// steps: the phases, the host program's work between them, and the device's idle time
+    /// whenever the host falls behind), µs; the median over iterations of the slowest rank.
+    pub step_us: Option<f64>,
+    /// Evaluator path: the host's time to issue one step (without waiting for the device), µs;
+    /// the median over iterations of the slowest rank.
+    pub host_us: Option<f64>,
 }
 
 impl MoeResult {
@@ -164,6 +171,8 @@ pub fn measure_moe<T: MoeTransport>(
         combine_us,
         status_ok,
         graph: false,
+        step_us: None,
+        host_us: None,
     })
 }
 
@@ -360,18 +369,21 @@ fn log_phases(rank: usize, s: &MoeShape, events: &[[Event; 5]]) -> Result<()> {
 }
 
 /// The results as a text table (one line per transport and case). MB are the busiest rank's
-/// received bytes per phase (10^6), GB/s those bytes over the phase time.
+/// received bytes per phase (10^6), GB/s those bytes over the phase time; `step_us` and
+/// `host_us` (evaluator path; `-` otherwise) are a whole step's device time and the host's
+/// time to issue it ([`MoeResult::step_us`], [`MoeResult::host_us`]).
 pub fn moe_table(results: &[MoeResult]) -> String {
     let mut s = String::from(
         "transport     W     T     H  K    E    C  wire          dispatch_us  MB     GB/s  \
-         combine_us  MB     GB/s  status\n",
+         combine_us  MB     GB/s  status   step_us  host_us\n",
     );
+    let us = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"));
     for r in results {
         let sh = &r.shape;
         let (db, cb) = r.traffic.max_bytes();
         s.push_str(&format!(
             "{:<12} {:>2} {:>5} {:>5} {:>2} {:>4} {:>4}  {:<12} {:>11.1} {:>6.1} {:>6.1} \
-             {:>11.1} {:>6.1} {:>6.1}  {}\n",
+             {:>11.1} {:>6.1} {:>6.1}  {:<7} {:>8} {:>8}\n",
             r.label(),
             sh.world,
             sh.tokens,
@@ -386,7 +398,9 @@ pub fn moe_table(results: &[MoeResult]) -> String {
             r.combine_us,
             cb as f64 / 1e6,
             r.combine_gbps(),
-            if r.status_ok { "ok" } else { "FLAGGED" }
+            if r.status_ok { "ok" } else { "FLAGGED" },
+            us(r.step_us),
+            us(r.host_us),
         ));
     }
     s

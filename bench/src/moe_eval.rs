@@ -3,23 +3,28 @@
 //! this process (one thread per GPU), over a forced transport (`nvlink` or `nccl`), with the
 //! same routing and capacity as the kernels' path ([`measure_moe`](crate::moe::measure_moe)).
 //!
-//! The program with both phases is timed, `steps` steps back to back per iteration (CUDA events
-//! around the run, divided by the steps; the median over iterations per rank, then the slowest
-//! rank; at most 5 warm-up and 20 timed iterations of the case's, since every iteration already
-//! holds `steps` steps), with the evaluator's profile on. The step's time is split between the
-//! phases in proportion to their device intervals in the profile (median per rank, slowest
-//! rank), so the two figures add up to the step and each carries its share of the evaluator's
-//! own per-instruction work (the waits, allocations and launches of the host program), which
-//! the kernels' path does not have: the difference between the two paths is the evaluator's
-//! overhead. (A program of the dispatch alone cannot be repeated over NVLink: its buffers are
-//! free for the next dispatch only after the combine.)
+//! The program with both phases runs `steps` steps back to back per iteration (at most 5
+//! warm-up and 20 timed iterations of the case's, since every iteration already holds `steps`
+//! steps) with the evaluator's profile on: CUDA events recorded on the stream just before each
+//! instruction's first device work and just after its last one. A phase's time is that
+//! interval: per step the slowest rank's, then the median over the steps of the last
+//! iteration. This is the span the kernels' path times (an event before the dispatch's first
+//! launch, one after it, one after the combine's last launch; per step the slowest rank, the
+//! median over steps), so the two paths compare the same thing: a phase's device time as
+//! issued, including any wait of the device for the host *within* the phase. What the
+//! evaluator does between the phases and between steps (waits, allocations and releases of
+//! the host program) is outside both spans; it shows in the step time (`step_us`: the run's
+//! device time divided by its steps, which includes the device's idle time whenever the host
+//! falls behind) and in the host's issue time per step (`host_us`), reported beside. (A
+//! program of the dispatch alone cannot be repeated over NVLink: its buffers are free for the
+//! next dispatch only after the combine.)
 //!
 //! With `graph`, each run records one step as a CUDA graph and replays it `steps` times (MoE
 //! over NVLink keeps its step number on the device; NCCL's grouped send/recv within a node
 //! replay too): the low-latency path, no host work between steps. `meshflow bench moe` runs
-//! it for NVLink. The step time is the replays' device time; a graph's
-//! kernels cannot be timed one by one, so the step is split between the phases in the
-//! proportion the same case's plain (profiled) run measured.
+//! it for NVLink. The profile's events are event record nodes of the graph, given fresh
+//! events before every replay, so the phases of every replay are measured the same way as
+//! without a graph; the step time is the replays' device time divided by the replays.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -107,41 +112,32 @@ pub fn measure_moe_evaluator(
     let phases = MoePhases::DispatchCombine;
     let (program, host) = layer.lowered(phases).map_err(invalid)?;
     let per_rank = scatter_inputs(&program, &full).map_err(invalid)?;
-    let timed = |graph: bool| {
-        let options = CudaOptions {
-            ranks: Some(world),
-            config: CudaConfig {
-                transport: Some(transport),
-                steps: steps.max(1),
-                timeout: Duration::from_secs(120),
-                profile: !graph,
-                graph,
-                ..CudaConfig::default()
-            },
-        };
-        run_cuda_timed(
-            &host,
-            RunInputs::PerRank(per_rank.clone()),
-            &options,
-            case.warmup.min(5),
-            case.iters.clamp(1, 20),
-        )
-        .map_err(|e| {
-            let how = if graph { " (CUDA graph)" } else { "" };
-            invalid(format!("{phases:?} over {transport}{how}: {e}"))
-        })
+    let options = CudaOptions {
+        ranks: Some(world),
+        config: CudaConfig {
+            transport: Some(transport),
+            steps: steps.max(1),
+            timeout: Duration::from_secs(120),
+            profile: true,
+            graph,
+            ..CudaConfig::default()
+        },
     };
-    // The plain run: its step time and the phases' shares of it.
-    let run = timed(false)?;
-    let dispatch = phase_us(&run.intervals, world, "moe_dispatch")?;
-    let combine = phase_us(&run.intervals, world, "moe_combine")?;
-    let share = dispatch / (dispatch + combine);
-    let step_us = if graph {
-        Timing::from_times(&timed(true)?.times_us).us
-    } else {
-        Timing::from_times(&run.times_us).us
-    };
-    let dispatch_us = step_us * share;
+    let run = run_cuda_timed(
+        &host,
+        RunInputs::PerRank(per_rank),
+        &options,
+        case.warmup.min(5),
+        case.iters.clamp(1, 20),
+    )
+    .map_err(|e| {
+        let how = if graph { " (CUDA graph)" } else { "" };
+        invalid(format!("{phases:?} over {transport}{how}: {e}"))
+    })?;
+    let dispatch_us = phase_us(&run.intervals, world, "moe_dispatch")?;
+    let combine_us = phase_us(&run.intervals, world, "moe_combine")?;
+    let step_us = Timing::from_times(&run.times_us).us;
+    let host_us = Timing::from_times(&run.host_us).us;
     Ok(MoeResult {
         transport: match transport {
             Transport::Nvlink => "nvlink",
@@ -151,35 +147,95 @@ pub fn measure_moe_evaluator(
         wire: case.wire,
         traffic,
         dispatch_us,
-        combine_us: step_us - dispatch_us,
+        combine_us,
         status_ok: true,
         graph,
+        step_us: Some(step_us),
+        host_us: Some(host_us),
     })
 }
 
-/// The device time of instruction `name` in the profile: the median of its intervals on each
-/// rank, the slowest rank.
+/// The device time of instruction `name` in the profile: per step (the `i`-th interval of
+/// `name` on every rank) the slowest rank's, then the median over the steps.
 fn phase_us(intervals: &[Interval], world: usize, name: &str) -> Result<f64> {
-    let mut slowest = 0.0f64;
-    for rank in 0..world {
-        let mut us: Vec<f64> = intervals
-            .iter()
-            .filter(|i| i.rank == rank && i.name == name)
-            .map(|i| i.end_us - i.start_us)
-            .collect();
-        if us.is_empty() {
-            return Err(invalid(format!(
-                "MoE evaluator bench: the profile of rank {rank} holds no `{name}`"
-            )));
-        }
-        us.sort_by(f64::total_cmp);
-        slowest = slowest.max(us[us.len() / 2]);
+    let per_rank: Vec<Vec<f64>> = (0..world)
+        .map(|rank| {
+            let mut mine: Vec<&Interval> = intervals
+                .iter()
+                .filter(|i| i.rank == rank && i.name == name)
+                .collect();
+            mine.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+            mine.iter().map(|i| i.end_us - i.start_us).collect()
+        })
+        .collect();
+    let steps = per_rank.first().map_or(0, Vec::len);
+    if steps == 0 || per_rank.iter().any(|r| r.len() != steps) {
+        let counts: Vec<usize> = per_rank.iter().map(Vec::len).collect();
+        return Err(invalid(format!(
+            "MoE evaluator bench: the profile holds {counts:?} `{name}` intervals per rank (the \
+             same number of steps on every rank expected)"
+        )));
     }
-    if slowest > 0.0 {
-        Ok(slowest)
+    let mut slowest: Vec<f64> = (0..steps)
+        .map(|i| per_rank.iter().map(|r| r[i]).fold(0.0, f64::max))
+        .collect();
+    slowest.sort_by(f64::total_cmp);
+    let us = slowest[steps / 2];
+    if us > 0.0 {
+        Ok(us)
     } else {
         Err(invalid(format!(
             "MoE evaluator bench: `{name}` took no time in the profile"
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshflow::runtime::cuda::IntervalKind;
+
+    fn interval(rank: usize, name: &'static str, start_us: f64, end_us: f64) -> Interval {
+        Interval {
+            rank,
+            stream: 0,
+            kind: IntervalKind::Comm,
+            name,
+            transport: None,
+            inst: 0,
+            iteration: Vec::new(),
+            start_us,
+            end_us,
+        }
+    }
+
+    #[test]
+    fn a_phase_is_the_median_over_steps_of_the_slowest_rank() {
+        // Three steps; rank 1 is slower in step 0, rank 0 in step 2; the other op is ignored.
+        let iv = vec![
+            interval(0, "moe_dispatch", 0.0, 10.0),
+            interval(0, "moe_combine", 10.0, 15.0),
+            interval(0, "moe_dispatch", 20.0, 31.0),
+            interval(0, "moe_dispatch", 40.0, 70.0),
+            interval(1, "moe_dispatch", 0.0, 12.0),
+            interval(1, "moe_dispatch", 20.0, 29.0),
+            interval(1, "moe_dispatch", 40.0, 45.0),
+        ];
+        // Per step: max(10, 12) = 12, max(11, 9) = 11, max(30, 5) = 30; median 12.
+        assert_eq!(phase_us(&iv, 2, "moe_dispatch").unwrap(), 12.0);
+        assert_eq!(phase_us(&iv[..2], 1, "moe_combine").unwrap(), 5.0);
+    }
+
+    #[test]
+    fn ranks_with_different_step_counts_or_no_intervals_are_errors() {
+        let iv = vec![
+            interval(0, "moe_dispatch", 0.0, 10.0),
+            interval(0, "moe_dispatch", 20.0, 30.0),
+            interval(1, "moe_dispatch", 0.0, 10.0),
+        ];
+        let e = phase_us(&iv, 2, "moe_dispatch").unwrap_err().to_string();
+        assert!(e.contains("[2, 1]"), "{e}");
+        let e = phase_us(&iv, 2, "moe_combine").unwrap_err().to_string();
+        assert!(e.contains("moe_combine"), "{e}");
     }
 }

@@ -116,8 +116,13 @@ pub enum RsVariant {
     /// A ring of neighbours: running sums of row chunks travel to rank + 1 under the next
     /// chunk's GEMM ([`Decomposition::RingForward`] of the partial sums); each step's GEMM and
     /// add are cut into this many row pieces ([`Options::pieces`]), the add of a piece running
-    /// on a worker under the GEMM of the next one (1: one GEMM, then one add).
+    /// on a worker under the GEMM of the next one (1: one GEMM, then one add). Forced not to
+    /// accumulate in place ([`Options::accumulate`] off).
     Ring(u64),
+    /// [`RsVariant::Ring`] accumulating in place ([`Options::accumulate`] on): the running sum
+    /// lands in the step's accumulator and the chunk GEMM adds onto it (`linear_accumulate`),
+    /// each of this many pieces moving on as soon as it is computed.
+    RingAccumulate(u64),
     /// A stream loop of reduces rooted at the loop index ([`Decomposition::StreamReduce`]).
     Reduce,
     /// The partial sums `y` left to the schedule search (the default lowering, no options).
@@ -131,6 +136,7 @@ impl RsVariant {
             RsVariant::Collective => "collective".into(),
             RsVariant::Ring(1) => "ring".into(),
             RsVariant::Ring(p) => format!("ring pieces={p}"),
+            RsVariant::RingAccumulate(p) => format!("ring accumulate pieces={p}"),
             RsVariant::Reduce => "reduce".into(),
             RsVariant::Default => "default".into(),
         }
@@ -247,6 +253,7 @@ fn lower_with(
         let p = options.pass_options_mut();
         p.decompositions.clear();
         p.pieces.clear();
+        p.accumulate.clear();
     }
     if let Some(t) = transport {
         options = options.transport(t);
@@ -326,7 +333,15 @@ pub fn rsmm_lowered_over(
             rsmm_searched_program(d, s, dtype),
             options
                 .decomposition("y", Decomposition::RingForward)
-                .pieces("y", pieces),
+                .pieces("y", pieces)
+                .accumulate("y", false),
+        ),
+        RsVariant::RingAccumulate(pieces) => (
+            rsmm_searched_program(d, s, dtype),
+            options
+                .decomposition("y", Decomposition::RingForward)
+                .pieces("y", pieces)
+                .accumulate("y", true),
         ),
         RsVariant::Reduce => (
             rsmm_searched_program(d, s, dtype),
@@ -467,6 +482,8 @@ mod tests {
                     RsVariant::Collective,
                     RsVariant::Ring(1),
                     RsVariant::Ring(2),
+                    RsVariant::RingAccumulate(1),
+                    RsVariant::RingAccumulate(2),
                     RsVariant::Reduce,
                     RsVariant::Default,
                 ] {

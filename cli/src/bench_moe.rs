@@ -17,14 +17,22 @@
 //!
 //! The evaluator path over NVLink gives two rows: the plain evaluator, and its steps recorded
 //! as a CUDA graph and replayed (`nvlink+graph` in the tables, `"graph": true` in the JSON):
-//! no host work between steps.
+//! no host work between steps. Both paths time the same span per phase: from an event
+//! recorded just before the phase's first device work to one just after its last (for the
+//! evaluator, its profile's events around the `moe_dispatch` and `moe_combine`
+//! instructions; in a graph, event record nodes given fresh events at every replay), per step
+//! the slowest rank, the median over steps. The evaluator's work between the phases and
+//! between steps is outside those spans: its rows also give `step_us`, the device time of a
+//! whole step (idle time included when the host falls behind), and `host_us`, the host's time
+//! to issue one step.
 //!
 //! `--json` writes a list of rows with the keys `path` (`kernels`, `evaluator`), `transport`, `dtype` (the
 //! element type, or the FP8 wire), `world`, `tokens`, `dispatch_us`, `combine_us`,
 //! `dispatch_gbps`, `combine_gbps`, `torch_dispatch_us`, `torch_combine_us` (null without
 //! `--torch`), `device`, and also `wire`, `hidden`, `top_k`, `experts`, `capacity`,
 //! `dispatch_bytes`, `combine_bytes` (the busiest rank's received bytes per phase, those of
-//! the GB/s), `status_ok`, `graph` (steps replayed as a CUDA graph).
+//! the GB/s), `status_ok`, `graph` (steps replayed as a CUDA graph), `step_us` and `host_us`
+//! (evaluator rows; null for the kernels' path).
 
 use std::path::PathBuf;
 
@@ -49,7 +57,10 @@ pub enum Wire {
 pub enum MoePath {
     /// The kernels crate's transports, driven directly.
     Kernels,
-    /// The lowered `moe_layer` program's instructions, run by the evaluator.
+    /// The lowered `moe_layer` program's instructions, run by the evaluator: each phase timed
+    /// by events just before and after its instruction's device work (the span the kernels'
+    /// path times), also inside a CUDA graph; plus the whole step's device time and the host's
+    /// time to issue a step (`step_us`, `host_us`).
     Evaluator,
 }
 
@@ -317,6 +328,8 @@ pub fn run(args: MoeBenchArgs) -> Result<(), CliError> {
                     "combine_bytes": cb,
                     "status_ok": r.status_ok,
                     "graph": r.graph,
+                    "step_us": r.step_us,
+                    "host_us": r.host_us,
                 });
                 moe_row(
                     path_name(*p),

@@ -100,6 +100,13 @@ pub struct CompileArgs {
     /// TENSOR is the partial sums; N >= 1).
     #[arg(long = "pieces", value_name = "TENSOR=N")]
     pub pieces: Vec<String>,
+    /// Force whether the reduce-scatter ring of running sums accumulates in place:
+    /// `--accumulate TENSOR=on|off` (repeatable; TENSOR is the partial sums). `on`: the chunk
+    /// GEMM adds onto the running sum that arrived (`linear_accumulate`; only where the partial
+    /// sums come from a `linear` read by the reduce-scatter alone, all of one dtype); `off`: a
+    /// separate add per step.
+    #[arg(long = "accumulate", value_name = "TENSOR=on|off")]
+    pub accumulate: Vec<String>,
     /// Skip a pass (repeatable).
     #[arg(long = "disable-pass", value_name = "PASS")]
     pub disable_pass: Vec<String>,
@@ -137,6 +144,9 @@ impl CompileArgs {
         }
         for p in &self.pieces {
             args.extend(["--pieces".to_string(), p.clone()]);
+        }
+        for a in &self.accumulate {
+            args.extend(["--accumulate".to_string(), a.clone()]);
         }
         for p in &self.disable_pass {
             args.extend(["--disable-pass".to_string(), p.clone()]);
@@ -198,6 +208,21 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
         })?;
         options = options.pieces(tensor.trim(), n);
     }
+    for a in &compile.accumulate {
+        let (tensor, on) = a.split_once('=').ok_or_else(|| {
+            CliError::Usage(format!("--accumulate `{a}`: expected TENSOR=on|off"))
+        })?;
+        let on = match on.trim() {
+            "on" | "true" => true,
+            "off" | "false" => false,
+            other => {
+                return Err(CliError::Usage(format!(
+                    "--accumulate `{a}`: `{other}` is neither on nor off"
+                )))
+            }
+        };
+        options = options.accumulate(tensor.trim(), on);
+    }
     for p in &compile.disable_pass {
         options = options.disable_pass(p.clone());
     }
@@ -245,6 +270,9 @@ impl CompileArgs {
         }
         if !self.pieces.is_empty() {
             given.push("--pieces");
+        }
+        if !self.accumulate.is_empty() {
+            given.push("--accumulate");
         }
         if !self.disable_pass.is_empty() {
             given.push("--disable-pass");

@@ -111,6 +111,27 @@ impl Event {
         })
     }
 
+    /// Records the event on `stream` as an *external* record: outside a stream capture it is
+    /// [`Event::record`]; while `stream` is being captured into a graph, it becomes an event
+    /// record node of the graph (a plain record would only order the capture), so every
+    /// replay records it, e.g. to time the parts of a replay ([`Graph::retarget_event`](crate::Graph::retarget_event)
+    /// gives each replay an event of its own).
+    pub fn record_external(&self, stream: &Stream) -> Result<()> {
+        stream.expect_device(&self.device, "recording an event")?;
+        let s = stream.bind_raw()?;
+        let flags = sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as std::ffi::c_uint;
+        // SAFETY: the event and the stream are live handles of the same, current context;
+        // the flag is a defined `CUevent_record_flags` value.
+        drv("cuEventRecordWithFlags", unsafe {
+            sys::cuEventRecordWithFlags(self.raw.0, s, flags).result()
+        })
+    }
+
+    /// The raw handle (for graph nodes that record it).
+    pub(crate) fn raw(&self) -> sys::CUevent {
+        self.raw.0
+    }
+
     /// Makes `stream` (of any device) wait for this event.
     pub(crate) fn wait_on(&self, stream: &Stream) -> Result<()> {
         let s = stream.bind_raw()?;

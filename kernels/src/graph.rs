@@ -1,12 +1,16 @@
 //! CUDA graphs: record the device work issued to a stream (and the streams forked from it
-//! through events) once, then replay it with one call.
+//! through events) once, then replay it with one call. Events recorded with
+//! [`Event::record_external`] during the capture become event record nodes; each replay can
+//! record a different event in their place ([`Graph::retarget_event`]), so that the parts of
+//! every replay can be timed.
 
 use std::fmt;
 
 use cudarc::driver::sys;
 
 use crate::device::{drv, Device};
-use crate::error::Result;
+use crate::error::{KernelError, Result};
+use crate::event::Event;
 use crate::stream::Stream;
 
 /// An instantiated graph of one device, replayed with [`Graph::replay`]. Destroyed on drop
@@ -15,6 +19,8 @@ pub struct Graph {
     graph: sys::CUgraph,
     exec: sys::CUgraphExec,
     device: Device,
+    /// The event record nodes of the graph and the event each recorded when captured.
+    event_nodes: Vec<(sys::CUevent, sys::CUgraphNode)>,
 }
 
 impl Stream {
@@ -50,12 +56,51 @@ impl Stream {
             let _ = unsafe { sys::cuGraphDestroy(graph) };
             return drv("cuGraphInstantiate", Err(e));
         }
-        Ok(Graph {
+        let mut made = Graph {
             graph,
             exec,
             device: self.device().clone(),
-        })
+            event_nodes: Vec::new(),
+        };
+        made.event_nodes = event_record_nodes(graph)?;
+        Ok(made)
     }
+}
+
+/// The event record nodes of `graph` (top level) with the events they record.
+fn event_record_nodes(graph: sys::CUgraph) -> Result<Vec<(sys::CUevent, sys::CUgraphNode)>> {
+    let mut n = 0usize;
+    // SAFETY: a live graph; a null node array asks for the count only.
+    drv("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n).result()
+    })?;
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` has room for `n` handles, the count passed in.
+    drv("cuGraphGetNodes", unsafe {
+        sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n).result()
+    })?;
+    nodes.truncate(n);
+    let mut found = Vec::new();
+    for node in nodes {
+        let mut ty = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+        // SAFETY: a node of the live graph; `ty` is a valid out pointer.
+        drv("cuGraphNodeGetType", unsafe {
+            sys::cuGraphNodeGetType(node, &mut ty).result()
+        })?;
+        if ty != sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EVENT_RECORD {
+            continue;
+        }
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: an event record node of the live graph; `ev` is a valid out pointer.
+        drv("cuGraphEventRecordNodeGetEvent", unsafe {
+            sys::cuGraphEventRecordNodeGetEvent(node, &mut ev).result()
+        })?;
+        found.push((ev, node));
+    }
+    Ok(found)
 }
 
 impl Graph {
@@ -67,6 +112,44 @@ impl Graph {
         drv("cuGraphLaunch", unsafe {
             sys::cuGraphLaunch(self.exec, s).result()
         })
+    }
+}
+
+impl Graph {
+    /// Makes the later replays record `now` where the capture recorded `captured` (an event
+    /// recorded with [`Event::record_external`] during the capture); replays already
+    /// enqueued keep the event they had. Errors when the graph has no such node.
+    pub fn retarget_event(&self, captured: &Event, now: &Event) -> Result<()> {
+        if !now.device().same_as(&self.device) {
+            return Err(KernelError::InvalidArgument(format!(
+                "an event of device {} for a graph of device {}",
+                now.device().ordinal(),
+                self.device.ordinal()
+            )));
+        }
+        let node = self
+            .event_nodes
+            .iter()
+            .find(|(e, _)| *e == captured.raw())
+            .map(|(_, n)| *n)
+            .ok_or_else(|| {
+                KernelError::InvalidArgument(
+                    "the graph records no such event (record it with Event::record_external \
+                     during the capture)"
+                        .into(),
+                )
+            })?;
+        self.device.bind()?;
+        // SAFETY: a live executable graph, one of its event record nodes, a live event of the
+        // same context.
+        drv("cuGraphExecEventRecordNodeSetEvent", unsafe {
+            sys::cuGraphExecEventRecordNodeSetEvent(self.exec, node, now.raw()).result()
+        })
+    }
+
+    /// How many event record nodes the graph has.
+    pub fn event_record_nodes(&self) -> usize {
+        self.event_nodes.len()
     }
 }
 

@@ -6,11 +6,11 @@
 //! |---|---|---|
 //! | all-gather + consumer | collective | `AG + G` |
 //! | | broadcast, per iteration | `cp + c + (d-1)·ov(c, b, κ₁) + d·λ` |
-//! | | ring, per iteration | `cp + c + (d-1)·ov(c, m, κ₁) + d·λ` |
+//! | | ring, per iteration | `W(cp, m, …, m; c; κ₁, ω) + d·λ` (simulated) |
 //! | | ring prefetch, ring forward | `c + (d-1)·ov(c, m, κ₂) + d·λ` |
 //! | | ring bidirectional | `c + (d-1)·ov(2h, 2m½, κ₂) + 2d·λ` |
 //! | producer + reduce-scatter | collective | `G + RS` |
-//! | | reduce, per iteration | `c + (d-1)·ov(c, r, κ₁) + r + d·λ` |
+//! | | reduce, per iteration | `W(c then r, each iteration; κ₁, ω) + d·λ` (simulated) |
 //! | | ring forward, `p` pieces | `c + (d-1)·(ov(p·g, m, κ₂) + a + (p-1)·(σ·a + ℓ)) + d·λ` |
 //! | | ring forward accumulating in place, `p` pieces | `T + κ₂·(M − (T − Σg)) + d·λ` (simulated) |
 //!
@@ -25,7 +25,9 @@
 //! pieces' GEMMs and transfers are simulated in the order the lowering emits them: `T` is
 //! when the last GEMM ends, `Σg` the time of all GEMMs, `M` that of all transfers (`m` of
 //! `1/p` of a chunk, each), of which what did not run while the main stream waited ran beside
-//! a GEMM.
+//! a GEMM. `W` simulates a per-iteration schedule over the pool of workers (`per_iteration_us`):
+//! iteration `i` on worker `i mod P`, a GEMM waiting on another worker starting `ω·c` before the
+//! running one ends (it fills its tail; `ω` the profile's `gemm_overlap`).
 
 use meshflow_ir::DType;
 
@@ -101,6 +103,9 @@ pub struct GatherCase {
     pub consumer: Work,
     /// True when the consumer can join the stream loop (chunk by chunk, overlapped).
     pub overlappable: bool,
+    /// Worker streams of the pool the per-iteration schedule spreads its iterations over
+    /// ([`PassOptions::num_streams`](crate::PassOptions::num_streams)).
+    pub workers: u64,
 }
 
 /// A compute op producing partial sums that are reduce-scattered.
@@ -112,6 +117,9 @@ pub struct ReduceCase {
     pub chunk_bytes: f64,
     /// The producer's work (the whole local partial product).
     pub producer: Work,
+    /// Worker streams of the pool the per-iteration schedule spreads its iterations over
+    /// ([`PassOptions::num_streams`](crate::PassOptions::num_streams)).
+    pub workers: u64,
 }
 
 /// What a plan is priced for.
@@ -221,7 +229,21 @@ impl CostModel {
                         }
                     }
                     (Decomposition::Ring, StreamSchedule::PerIteration) if g.overlappable => {
-                        cp + c + (df - 1.0) * overlapped(c, m, k1) + df * step
+                        let w = self
+                            .profile
+                            .gemm_overlap(self.profile.mover(t, Collective::Permute));
+                        let iterations: Vec<Iteration> = (0..d)
+                            .map(|i| Iteration {
+                                before: if i == 0 {
+                                    Before::Copy(cp)
+                                } else {
+                                    Before::Transfer(m)
+                                },
+                                gemm: c,
+                                after: 0.0,
+                            })
+                            .collect();
+                        per_iteration_us(&iterations, g.workers, k1, w) + df * step
                     }
                     (Decomposition::Ring | Decomposition::RingForward, _) if g.overlappable => {
                         c + (df - 1.0) * overlapped(c, m, k2) + df * step
@@ -255,7 +277,18 @@ impl CostModel {
                     }
                     (Decomposition::StreamReduce, StreamSchedule::PerIteration) => {
                         let (red, k1, _) = self.comm(t, Collective::Reduce, r.chunk_bytes);
-                        c + (df - 1.0) * overlapped(c, red, k1) + red + df * step
+                        let w = self
+                            .profile
+                            .gemm_overlap(self.profile.mover(t, Collective::Reduce));
+                        let iterations = vec![
+                            Iteration {
+                                before: Before::Nothing,
+                                gemm: c,
+                                after: red,
+                            };
+                            d as usize
+                        ];
+                        per_iteration_us(&iterations, r.workers, k1, w) + df * step
                     }
                     (Decomposition::RingForward, StreamSchedule::Prefetch) if plan.accumulate => {
                         self.accumulating_ring_us(r, t, plan.pieces.max(1))
@@ -280,6 +313,86 @@ impl CostModel {
             }
         }
     }
+}
+
+/// What an iteration of a per-iteration stream loop does before its GEMM.
+#[derive(Copy, Clone, Debug)]
+enum Before {
+    /// Nothing.
+    Nothing,
+    /// A local copy of this many µs (the ring's own chunk): no link, no slowdown.
+    Copy(f64),
+    /// A transfer of this many µs over the link.
+    Transfer(f64),
+}
+
+/// One iteration of a per-iteration stream loop: what moves before its GEMM, the GEMM (µs),
+/// and a transfer after it (µs, 0 for none).
+#[derive(Copy, Clone, Debug)]
+struct Iteration {
+    before: Before,
+    gemm: f64,
+    after: f64,
+}
+
+/// The per-iteration schedule (`assign_streams`) of `iterations`, simulated: iteration `i`
+/// runs on worker `i mod workers`, after that worker's previous iteration (all start
+/// together); transfers take the link one at a time; GEMMs run one at a time, except that a
+/// GEMM already waiting on another worker starts `overlap` of the running GEMM's time before
+/// it ends (it fills the running one's tail); a GEMM loses `kappa` of the time of the
+/// transfers that run beside it (three passes, each charging the overlaps of the last).
+/// Returns when the last GEMM or transfer ends, µs.
+fn per_iteration_us(iterations: &[Iteration], workers: u64, kappa: f64, overlap: f64) -> f64 {
+    let workers = workers.max(1) as usize;
+    let mut extra = vec![0.0f64; iterations.len()];
+    let mut end = 0.0f64;
+    for _ in 0..3 {
+        let mut free = vec![0.0f64; workers];
+        let mut link = 0.0f64;
+        // (start, end) of every GEMM and every transfer.
+        let mut gemms: Vec<(f64, f64)> = Vec::with_capacity(iterations.len());
+        let mut transfers: Vec<(f64, f64)> = Vec::new();
+        // When the last GEMM ends, its time, and its worker.
+        let mut last: Option<(f64, f64, usize)> = None;
+        for (i, it) in iterations.iter().enumerate() {
+            let w = i % workers;
+            let mut ready = free[w];
+            match it.before {
+                Before::Nothing => {}
+                Before::Copy(us) => ready += us,
+                Before::Transfer(us) => {
+                    let start = ready.max(link);
+                    link = start + us;
+                    transfers.push((start, link));
+                    ready = link;
+                }
+            }
+            let start = match last {
+                Some((e, g, lw)) if lw != w => ready.max(e - overlap * g),
+                Some((e, _, _)) => ready.max(e),
+                None => ready,
+            };
+            let stop = start + it.gemm + extra[i];
+            gemms.push((start, stop));
+            last = Some((stop, it.gemm, w));
+            free[w] = stop;
+            if it.after > 0.0 {
+                let start = stop.max(link);
+                link = start + it.after;
+                transfers.push((start, link));
+                free[w] = link;
+            }
+        }
+        end = free.iter().copied().fold(link, f64::max);
+        for (x, &(a, b)) in extra.iter_mut().zip(&gemms) {
+            let beside: f64 = transfers
+                .iter()
+                .map(|&(s, e)| (e.min(b) - s.max(a)).max(0.0))
+                .sum();
+            *x = kappa * beside;
+        }
+    }
+    end
 }
 
 impl CostModel {
@@ -369,6 +482,7 @@ mod tests {
             chunk_bytes: 1e6,
             consumer: gemm(1024, 1024, 1024),
             overlappable: true,
+            workers: 2,
         });
         let nccl = Transport::Nccl;
         let ring = plan(Decomposition::Ring, StreamSchedule::Prefetch, nccl);
@@ -383,6 +497,7 @@ mod tests {
             team: 2,
             chunk_bytes: 1e6,
             producer: gemm(1024, 1024, 1024),
+            workers: 2,
         });
         for d in [
             Decomposition::StreamBroadcast,
@@ -409,6 +524,7 @@ mod tests {
             team: 2,
             chunk_bytes: 8192.0 * 8192.0 * 2.0,
             producer: gemm(16384, 8192, 4096),
+            workers: 2,
         };
         let t = Transport::CopyEngine;
         let cost = |pieces, accumulate| {

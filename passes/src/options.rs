@@ -119,6 +119,11 @@ pub struct PassOptions {
     /// step's compute and add cut into this many row pieces), by the same tensor names as
     /// [`PassOptions::decompositions`]; the search keeps only the plans with that many pieces.
     pub pieces: BTreeMap<String, u64>,
+    /// Forces the reduce-scatter ring of running sums to accumulate in place or not
+    /// ([`Plan::accumulate`](crate::Plan::accumulate)), by the same tensor names as
+    /// [`PassOptions::decompositions`]: `true` leaves only the ring accumulating in place (an
+    /// error where it does not apply), `false` drops it from the search.
+    pub accumulate: BTreeMap<String, bool>,
     /// The cost model of `choose_decompositions`: the machine profile, and a transport to force.
     pub cost_model: CostModel,
     /// How stream loops use the stream pool (default: chosen per loop by the schedule search).
@@ -139,6 +144,7 @@ impl Default for PassOptions {
             verify: cfg!(debug_assertions),
             decompositions: BTreeMap::new(),
             pieces: BTreeMap::new(),
+            accumulate: BTreeMap::new(),
             cost_model: CostModel::default(),
             stream_schedule: StreamSchedule::default(),
             merge_collectives: true,

@@ -172,6 +172,14 @@ pub struct TransportCosts {
     pub falls_back_to: Option<String>,
     /// GEMM slowdown beside this transport.
     pub gemm_slowdown: Slowdown,
+    /// The fraction of a GEMM's time that the next GEMM of the same stream loop, already
+    /// waiting on another worker stream, runs under it (filling its tail) while this transport
+    /// moves the loop's bytes: the per-iteration schedules, whose iterations run on the workers
+    /// of the pool in turn. 0 (the default, for profiles without the field): GEMMs on
+    /// different workers run one after the other. Fitted, not measured by `meshflow
+    /// calibrate` (see `docs/schedule-search.md`).
+    #[serde(default)]
+    pub gemm_overlap: f64,
     /// Time curves by collective key (`permute`, `broadcast`, `reduce`, `all_gather`,
     /// `reduce_scatter`): `[bytes, us]` points with increasing sizes.
     pub collectives: BTreeMap<String, Vec<(f64, f64)>>,
@@ -340,6 +348,7 @@ impl Profile {
                 &format!("{key}.gemm_slowdown.transfer_first"),
                 t.gemm_slowdown.transfer_first,
             )?;
+            fraction(&format!("{key}.gemm_overlap"), t.gemm_overlap)?;
             if let Some(f) = &t.falls_back_to {
                 if f == key || !self.transports.contains_key(f) {
                     return Err(bad(
@@ -419,6 +428,15 @@ impl Profile {
             Some((_, points)) => interpolate(points, bytes),
             None => self.host.launch_us,
         }
+    }
+
+    /// The fraction of a GEMM that the next one, waiting on another worker stream, runs under
+    /// while `t` moves the bytes ([`TransportCosts::gemm_overlap`]; 0 when the profile does
+    /// not know `t`).
+    pub fn gemm_overlap(&self, t: Transport) -> f64 {
+        self.transports
+            .get(transport_key(t))
+            .map_or(0.0, |c| c.gemm_overlap)
     }
 
     /// The GEMM slowdown beside transport `t` (0 when the profile does not know it).

@@ -84,22 +84,28 @@ fn small_m_picks_the_collective() {
 }
 
 #[test]
-fn large_m_picks_the_prefetched_ring_on_the_copy_engine() {
-    // AG+GEMM at 16384x8192x8192 and 8192^3 on 2 ranks: measured fastest on 2x H200 were the
-    // prefetched ring and the forwarding ring (same schedule at d = 2, 1.01x / 1.05x of the
-    // bound); the search predicts them equal and takes the simpler, over the copy engine.
+fn large_m_picks_a_copy_engine_ring() {
+    // AG+GEMM at 16384x8192x8192 and 8192^3 on 2 ranks, over the copy engine. On the
+    // calibrated H200 pair the per-iteration ring's two GEMMs run on two workers and the second
+    // fills the first's tail (`gemm_overlap` 0.13): it is predicted within 1 % of the prefetched
+    // ring and, being simpler, chosen (measured fastest at 16384 in interleaved rounds, within
+    // 3 % of the fastest at 8192^3). The provisional H100 profile knows no such overlap (on 2x
+    // H100 the per-iteration ring measured 1.10x / 1.13x of the GEMM alone, the prefetched
+    // ring 1.01x / 1.05x): it keeps the prefetched ring.
     for profile in PROFILES {
         for m in [16384, 8192] {
             let (a, cx) = search(&agmm(2, m, 8192, 8192), profile);
-            assert_eq!(
-                a[0].chosen, "ring(s=2, prefetch, copy_engine)",
-                "{profile}: {}",
-                a[0]
-            );
+            let (chosen, schedule) = match profile {
+                "h200x2" => (
+                    "ring(s=2, per-iteration, copy_engine)",
+                    StreamSchedule::PerIteration,
+                ),
+                _ => ("ring(s=2, prefetch, copy_engine)", StreamSchedule::Prefetch),
+            };
+            assert_eq!(a[0].chosen, chosen, "{profile}: {}", a[0]);
             assert_eq!(cx.transport, Some(Transport::CopyEngine));
             let plan = cx.plans["x_gathered"];
-            assert_eq!(plan.schedule, StreamSchedule::Prefetch);
-            // The forwarding ring is priced the same (to the cent).
+            assert_eq!(plan.schedule, schedule);
             let cost = |label: &str| {
                 a[0].variants
                     .iter()
@@ -107,14 +113,53 @@ fn large_m_picks_the_prefetched_ring_on_the_copy_engine() {
                     .and_then(|v| v.cost_us)
                     .unwrap()
             };
+            // The forwarding ring is priced as the prefetched ring (to the cent).
             let fwd = cost("ring_forward(s=2, prefetch, copy_engine)");
             assert!((fwd - cost("ring(s=2, prefetch, copy_engine)")).abs() < 0.01);
-            // Per iteration and over NCCL are predicted slower, as measured.
-            assert!(cost("ring(s=2, per-iteration, copy_engine)") > fwd * 1.04);
+            let per_iteration = cost("ring(s=2, per-iteration, copy_engine)");
+            if profile == "h200x2" {
+                assert!((per_iteration / fwd - 1.0).abs() < 0.01, "{}", a[0]);
+            } else {
+                assert!(per_iteration > fwd * 1.04, "{}", a[0]);
+            }
+            // Over NCCL and the collective are predicted slower, as measured.
             assert!(cost("ring(s=2, prefetch, nccl)") > fwd * 1.1);
             assert!(cost("collective(s=1, nccl)") > fwd * 1.2);
         }
     }
+}
+
+#[test]
+fn gemm_overlap_prices_only_gemms_on_different_workers() {
+    // One worker stream: the per-iteration ring runs its iterations one after the other on it,
+    // so nothing overlaps (neither the transfer nor the GEMMs) and the overlap changes nothing.
+    let program = agmm(2, 16384, 8192, 8192);
+    let cost = |streams: usize, overlap: f64| {
+        let mut profile = Profile::builtin("h200x2").unwrap();
+        for t in profile.transports.values_mut() {
+            t.gemm_overlap = overlap;
+        }
+        let options = PassOptions {
+            num_streams: streams,
+            cost_model: CostModel::new(profile),
+            decompositions: [("x_gathered".to_string(), Decomposition::Ring)].into(),
+            stream_schedule: StreamSchedule::PerIteration,
+            ..PassOptions::default()
+        };
+        let out = common::all_passes().run(program.clone(), &options).unwrap();
+        out.explain[0]
+            .variants
+            .iter()
+            .find(|v| v.variant == "ring(s=2, per-iteration, copy_engine)")
+            .and_then(|v| v.cost_us)
+            .unwrap()
+    };
+    assert_eq!(cost(1, 0.0), cost(1, 0.5));
+    // Two workers: the transfer runs beside the first GEMM, and the second GEMM starts under
+    // the first one's tail, by the overlap times one chunk GEMM (690.8 us).
+    assert!(cost(2, 0.0) < cost(1, 0.0));
+    let gain = cost(2, 0.0) - cost(2, 0.13);
+    assert!((gain - 0.13 * 690.8).abs() < 1.0, "{gain}");
 }
 
 #[test]
@@ -178,6 +223,12 @@ fn label(bench: &str, variant: &str) -> Option<&'static str> {
         ("rsmm", "ring (NCCL send/recv)") => "ring_forward(s=2, prefetch, nccl)",
         ("rsmm", "ring (copy engine)") => "ring_forward(s=2, prefetch, copy_engine)",
         ("rsmm", "ring pieces=4 (copy engine)") => "ring_forward(s=8, prefetch, copy_engine)",
+        ("rsmm", "ring accumulate pieces=2 (copy engine)") => {
+            "ring_forward(s=4, prefetch, copy_engine, accumulate)"
+        }
+        ("rsmm", "ring accumulate pieces=4 (copy engine)") => {
+            "ring_forward(s=8, prefetch, copy_engine, accumulate)"
+        }
         _ => return None,
     })
 }
@@ -208,33 +259,38 @@ fn schedule_files(dir: &str) -> Vec<String> {
 /// variant in interleaved rounds, see `bench/README.md`) is not an order.
 const NOISE: f64 = 1.05;
 
-/// Pairs whose measured order the cost model gets wrong, by measurement file and variant
-/// names: the model overprices the per-iteration copy-engine ring (AG+GEMM), whose two
-/// iterations' GEMMs run on two worker streams and overlap on the device, while the model
-/// runs them one after the other. On 2026-11-26 (interleaved rounds) it measured 1497.9 µs
-/// at 16384 with one process per GPU against 1571.7 predicted, and 760.9 / 764.6 µs at 8192³
-/// against 811.2. Every other pair must agree; a new disagreement fails.
-const KNOWN_DISAGREEMENTS: [(&str, &str, &str); 3] = [
+/// Pairs that two measurement files order the opposite way, each more than [`NOISE`] apart:
+/// no model agrees with both. The per-iteration copy-engine ring against the prefetched and
+/// the forwarding ring at 16384 was 5.2 % slower on 2026-11-22 (variants timed one after
+/// another, before the copy engine's rework of 2026-11-25) and 5.6 % faster on 2026-11-26
+/// with one process per GPU (interleaved rounds, which share the machine's drift). The model
+/// follows the newer rows (the profile's `gemm_overlap`, see its notes). Listed by the older
+/// file; [`the_conflicting_pairs_are_measured_both_ways`] checks that the newer file really
+/// orders each of them the other way round.
+const CONFLICTING: [(&str, &str, &str, u64); 2] = [
     (
-        "2026-11-26-h200x2-schedule.json",
+        "2026-11-22-h200x2-ce-ceiling-agmm.json",
         "ring (copy engine)",
         "ring forward (copy engine)",
+        16384,
     ),
     (
-        "2026-11-26-h200x2-schedule.json",
+        "2026-11-22-h200x2-ce-ceiling-agmm.json",
         "ring (copy engine)",
-        "bidirectional ring (copy engine)",
-    ),
-    (
-        "2026-11-26-h200x2-schedule.json",
-        "ring (copy engine)",
-        "broadcast (copy engine)",
+        "ring, prefetch schedule (copy engine)",
+        16384,
     ),
 ];
 
 /// Compares the measured and predicted order of every pair of `measured` variants (name, µs)
 /// of one case further apart than [`NOISE`]; returns the pairs compared.
-fn compare_orders(what: &str, bench: &str, dims: [u64; 4], measured: &[(String, f64)]) -> usize {
+fn compare_orders(
+    what: &str,
+    bench: &str,
+    dims: [u64; 4],
+    measured: &[(String, f64)],
+    wrong: &mut Vec<String>,
+) -> usize {
     let [m, k, n, world] = dims;
     assert_eq!(world, 2, "{what}: the H200 profile describes 2 GPUs");
     let program = if bench == "agmm" {
@@ -265,23 +321,20 @@ fn compare_orders(what: &str, bench: &str, dims: [u64; 4], measured: &[(String, 
                 continue;
             }
             compared += 1;
-            let known = KNOWN_DISAGREEMENTS.iter().any(|&(f, x, y)| {
-                what.starts_with(f) && ((a.0 == x && b.0 == y) || (a.0 == y && b.0 == x))
+            let known = CONFLICTING.iter().any(|&(f, x, y, rows)| {
+                what.starts_with(f)
+                    && rows == m
+                    && ((a.0 == x && b.0 == y) || (a.0 == y && b.0 == x))
             });
             if known {
                 continue;
             }
-            assert_eq!(
-                a.1 < b.1,
-                a.2 < b.2,
-                "{what} {bench} {m}: measured {} {:.1} vs {} {:.1} us, predicted {:.1} vs {:.1}",
-                a.0,
-                a.1,
-                b.0,
-                b.1,
-                a.2,
-                b.2
-            );
+            if (a.1 < b.1) != (a.2 < b.2) {
+                wrong.push(format!(
+                    "{what} {bench} {m}: measured {} {:.1} vs {} {:.1} us, predicted {:.1} vs {:.1}",
+                    a.0, a.1, b.0, b.1, a.2, b.2
+                ));
+            }
         }
     }
     compared
@@ -290,6 +343,8 @@ fn compare_orders(what: &str, bench: &str, dims: [u64; 4], measured: &[(String, 
 #[test]
 fn predicted_and_measured_orders_agree_on_the_committed_measurements() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results");
+    // Every pair predicted in the wrong order, reported together.
+    let mut wrong: Vec<String> = Vec::new();
     let mut compared = 0;
     for file in MEASURED {
         let text = std::fs::read_to_string(format!("{dir}/{file}")).unwrap();
@@ -316,7 +371,7 @@ fn predicted_and_measured_orders_agree_on_the_committed_measurements() {
                 }
                 measured.push((name.to_string(), us));
             }
-            compared += compare_orders(file, bench, [m, k, n, world], &measured);
+            compared += compare_orders(file, bench, [m, k, n, world], &measured, &mut wrong);
         }
     }
     // The pairs apart by more than the noise: 30 + 29 (AG+GEMM, 16384 and 8192), 5 + 5 (GEMM+RS
@@ -352,12 +407,68 @@ fn predicted_and_measured_orders_agree_on_the_committed_measurements() {
             let (bench, dims) = case.split_once('_').unwrap();
             let d: Vec<u64> = dims.split('x').map(|x| x.parse().unwrap()).collect();
             let what = format!("{file} procs={procs}");
-            rows_compared += compare_orders(&what, bench, [d[0], d[1], d[2], 2], &measured);
+            rows_compared +=
+                compare_orders(&what, bench, [d[0], d[1], d[2], 2], &measured, &mut wrong);
         }
     }
+    assert!(
+        wrong.is_empty(),
+        "{} pairs predicted in the wrong order:\n{}",
+        wrong.len(),
+        wrong.join("\n")
+    );
     // 2026-11-25-h200x2-schedule.json: 8192^3 in one process, both cases.
     assert!(
         rows_compared >= 20,
         "{rows_compared} pairs of schedule rows"
     );
+}
+
+#[test]
+fn the_conflicting_pairs_are_measured_both_ways() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../bench/results");
+    let read = |file: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/{file}")).unwrap()).unwrap()
+    };
+    let newer = read("2026-11-26-h200x2-schedule.json");
+    for (file, x, y, m) in CONFLICTING {
+        let older = read(file);
+        let case = older["cases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["m"] == m)
+            .unwrap();
+        let us = |name: &str| {
+            case["variants"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|v| v["name"] == name)
+                .and_then(|v| v["timing"]["us"].as_f64())
+                .unwrap()
+        };
+        let old = us(x) / us(y);
+        // The newer rows: one process per GPU, the same case.
+        let row = |name: &str| {
+            newer
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| {
+                    r["case"] == format!("agmm_{m}x8192x8192")
+                        && r["procs"] == 2
+                        && r["variant"] == name
+                })
+                .and_then(|r| r["us"].as_f64())
+                .unwrap()
+        };
+        let new = row(x) / row(y);
+        // The newer rows order the pair the other way round (the forwarding ring by 5.6 %,
+        // the prefetched ring by 4.9 %).
+        assert!(
+            old > NOISE && new < 1.0 / 1.04,
+            "{file} {x} / {y}: {old:.3} there, {new:.3} in 2026-11-26"
+        );
+    }
 }

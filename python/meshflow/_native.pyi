@@ -91,6 +91,8 @@ class Program:
         streams: Optional[int] = ...,
         schedule: Optional[str] = ...,
         decompose: Optional[Mapping[str, str]] = ...,
+        pieces: Optional[Mapping[str, int]] = ...,
+        accumulate: Optional[Mapping[str, bool]] = ...,
         transport: Optional[str] = ...,
         profile: Optional[str] = ...,
         disable_passes: Optional[Sequence[str]] = ...,

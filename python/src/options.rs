@@ -12,11 +12,13 @@ use meshflow::{Decomposition, Options, Transport};
 use crate::errors::error;
 
 /// The option names, in the order the docs list them.
-pub const NAMES: [&str; 11] = [
+pub const NAMES: [&str; 13] = [
     "ranks",
     "streams",
     "schedule",
     "decompose",
+    "pieces",
+    "accumulate",
     "transport",
     "profile",
     "disable_passes",
@@ -63,6 +65,31 @@ pub fn from_kwargs(
                             PyValueError::new_err(e.to_string())
                         })?;
                     o = o.decomposition(tensor.extract::<String>()?, how);
+                }
+                o
+            }
+            "pieces" => {
+                let map = value
+                    .cast::<PyDict>()
+                    .map_err(|_| PyTypeError::new_err("pieces must be a dict {tensor: int}"))?;
+                for (tensor, n) in map.iter() {
+                    let n: i64 = n.extract()?;
+                    let n = u64::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| {
+                        PyValueError::new_err(format!("pieces must be positive integers, is {n}"))
+                    })?;
+                    o = o.pieces(tensor.extract::<String>()?, n);
+                }
+                o
+            }
+            "accumulate" => {
+                let map = value.cast::<PyDict>().map_err(|_| {
+                    PyTypeError::new_err("accumulate must be a dict {tensor: bool}")
+                })?;
+                for (tensor, on) in map.iter() {
+                    let on: bool = on.extract().map_err(|_| {
+                        PyTypeError::new_err("accumulate must be a dict {tensor: bool}")
+                    })?;
+                    o = o.accumulate(tensor.extract::<String>()?, on);
                 }
                 o
             }

@@ -369,7 +369,8 @@ impl HostProgram {
     }
 
     /// The plan taken for each resharding, by tensor: `{"decomposition", "pieces",
-    /// "schedule", "transport"}`.
+    /// "schedule", "transport", "accumulate"}` (`accumulate`: the reduce-scatter ring adds
+    /// onto the running sum in its GEMM, `linear_accumulate`).
     #[getter]
     fn plans<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let out = PyDict::new(py);
@@ -379,6 +380,7 @@ impl HostProgram {
             d.set_item("pieces", plan.pieces)?;
             d.set_item("schedule", schedule_name(plan.schedule))?;
             d.set_item("transport", plan.transport.name())?;
+            d.set_item("accumulate", plan.accumulate)?;
             out.set_item(name, d)?;
         }
         Ok(out)

@@ -93,3 +93,27 @@ def test_stubs_cover_the_native_module():
     for name in meshflow.__all__:
         assert hasattr(meshflow, name), name
     assert (Path(meshflow.__file__).parent / "py.typed").exists()
+
+
+def test_the_reduce_scatter_ring_is_forced_through_the_options():
+    from programs import rsmm
+
+    program = rsmm(2)
+    on = program.lower(accumulate={"y": True}, pieces={"y": 2})
+    plan = on.plans["y"]
+    assert plan["decomposition"] == "ring_forward"
+    assert plan["accumulate"] is True and plan["pieces"] == 2
+    assert "linear_accumulate" in on.text
+    off = program.lower(decompose={"y": "ring_forward"}, accumulate={"y": False})
+    assert off.plans["y"]["accumulate"] is False
+    assert "linear_accumulate" not in off.text
+    assert "accumulate)" not in off.explain
+    assert program.run(accumulate={"y": True}).ok
+    assert program.lower(decompose={"y": "collective"}).plans["y"]["accumulate"] is False
+    with pytest.raises(meshflow.CompileError, match="cannot accumulate in place"):
+        agmm(2).lower(accumulate={"x_gathered": True})
+    with pytest.raises(TypeError, match="accumulate must be a dict"):
+        program.lower(accumulate=True)
+    with pytest.raises(ValueError, match="pieces must be positive"):
+        program.lower(pieces={"y": 0})
+    assert {"pieces", "accumulate"} <= set(meshflow.OPTION_NAMES)

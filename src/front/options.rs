@@ -123,6 +123,16 @@ impl Options {
         self
     }
 
+    /// Forces whether the reduce-scatter ring of the partial sums `tensor` accumulates in place
+    /// (`on`: the running sum lands in the step's accumulator and the chunk GEMM adds onto it,
+    /// `linear_accumulate`; only where the partial sums come from a `linear` read by the
+    /// reduce-scatter alone, all of one dtype) or adds separately (`off`), instead of letting
+    /// the schedule search choose. `on` leaves only the accumulating ring.
+    pub fn accumulate(mut self, tensor: impl Into<String>, on: bool) -> Options {
+        self.passes.accumulate.insert(tensor.into(), on);
+        self
+    }
+
     /// Forces the transport the plans assume (and the GPU runtime uses) instead of letting
     /// the schedule search pick it.
     pub fn transport(mut self, transport: Transport) -> Options {

@@ -299,7 +299,9 @@ fn ipc_rank_moe() {
 }
 
 /// The same MoE layers in one process (one thread per GPU), recorded as a CUDA graph and
-/// replayed 3 times, over NVLink, against the CPU backend.
+/// replayed 3 times, over NVLink, against the CPU backend; with the profile on, every replay
+/// reports its own dispatch and combine intervals (event record nodes of the graph given fresh
+/// events per replay), in stream order.
 #[test]
 fn nvlink_moe_in_a_cuda_graph_in_one_process_matches_the_cpu_backend() {
     let test = "nvlink_moe_in_a_cuda_graph_in_one_process_matches_the_cpu_backend";
@@ -313,12 +315,51 @@ fn nvlink_moe_in_a_cuda_graph_in_one_process_matches_the_cpu_backend() {
         co.ranks = Some(2);
         let want = run_cpu(c.host(), RunInputs::PerRank(inputs.clone()), &co)
             .unwrap_or_else(|e| panic!("{example} on the CPU: {e}"));
+        let config = CudaConfig {
+            profile: true,
+            ..moe_config(true)
+        };
+        let replays = config.steps;
         let options = CudaOptions {
             ranks: Some(2),
-            config: moe_config(true),
+            config,
         };
         let got = run_cuda_timed(c.host(), RunInputs::PerRank(inputs), &options, 1, 2)
             .unwrap_or_else(|e| panic!("{example} recorded as a graph: {e}"));
+        for rank in 0..2 {
+            let of = |name: &str| -> Vec<(f64, f64)> {
+                let mut v: Vec<(f64, f64)> = got
+                    .intervals
+                    .iter()
+                    .filter(|i| i.rank == rank && i.name == name)
+                    .map(|i| (i.start_us, i.end_us))
+                    .collect();
+                v.sort_by(|a, b| a.0.total_cmp(&b.0));
+                v
+            };
+            let (d, cb) = (of("moe_dispatch"), of("moe_combine"));
+            assert_eq!(d.len(), replays, "{example} rank {rank}: dispatches {d:?}");
+            assert_eq!(cb.len(), replays, "{example} rank {rank}: combines {cb:?}");
+            for i in 0..replays {
+                assert!(d[i].0 <= d[i].1, "{example} rank {rank} replay {i}: {d:?}");
+                assert!(
+                    d[i].1 <= cb[i].0,
+                    "{example} rank {rank} replay {i}: {d:?} {cb:?}"
+                );
+                assert!(
+                    cb[i].0 <= cb[i].1,
+                    "{example} rank {rank} replay {i}: {cb:?}"
+                );
+                if i + 1 < replays {
+                    assert!(cb[i].1 <= d[i + 1].0, "{example} rank {rank}: {d:?} {cb:?}");
+                }
+            }
+            assert!(
+                got.times_us[rank].iter().all(|t| t.is_finite() && *t > 0.0),
+                "{example} rank {rank}: {:?}",
+                got.times_us[rank]
+            );
+        }
         for (rank, outs) in &want.outputs {
             for (t, w) in outs {
                 let err = got.outcome.outputs[rank][t].rel_error(w).unwrap();

@@ -67,7 +67,12 @@ fn the_moe_evaluator_path_runs_over_both_transports() {
         ] {
             let r = measure_moe_evaluator(2, &case, t, 2, graph).unwrap();
             assert!(r.dispatch_us.is_finite() && r.dispatch_us > 0.0, "{r:?}");
-            assert!(r.combine_us.is_finite(), "{r:?}");
+            assert!(r.combine_us.is_finite() && r.combine_us > 0.0, "{r:?}");
+            // Measured per phase for the graph rows too (not split from the plain run), and
+            // the whole step and the host's issue time beside.
+            for v in [r.step_us, r.host_us] {
+                assert!(v.is_some_and(|v| v.is_finite() && v > 0.0), "{r:?}");
+            }
             assert!(r.traffic.max_bytes().0 > 0, "{r:?}");
             assert_eq!(r.graph, graph);
             eprintln!(

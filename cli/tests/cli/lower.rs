@@ -253,3 +253,52 @@ fn forced_pieces() {
     let err = fails(&["lower", rs, "--pieces", "y=two"]);
     assert!(err.contains("not a positive integer"), "{err}");
 }
+
+#[test]
+fn forced_accumulate() {
+    let rs = "examples/programs/row_parallel_linear_ring.mf";
+    // On: only the rings accumulating in place stay (every pieces count, every transport).
+    let o = meshflow(&["lower", rs, "--explain", "--accumulate", "y=on"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(", accumulate) (forced by the options"),
+        "{err}"
+    );
+    assert_eq!(
+        err.matches("  ring_forward(").count(),
+        err.matches(", accumulate)  ").count(),
+        "{err}"
+    );
+    // With the pieces forced too: one candidate per transport.
+    let o = meshflow(&[
+        "lower",
+        rs,
+        "--explain",
+        "--accumulate",
+        "y=on",
+        "--pieces",
+        "y=2",
+    ]);
+    let err = stderr(&o);
+    assert!(err.contains("chose ring_forward(s=8, prefetch,"), "{err}");
+    assert_eq!(err.matches(", accumulate)  ").count(), 2, "{err}");
+    // Off: no ring accumulating in place is left.
+    let o = meshflow(&["lower", rs, "--explain", "--accumulate", "y=off"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("chose ring_forward("), "{err}");
+    assert!(!err.contains("accumulate)"), "{err}");
+    let err = fails(&["lower", rs, "--accumulate", "y=maybe"]);
+    assert!(err.contains("neither on nor off"), "{err}");
+    let err = fails(&["lower", rs, "--accumulate", "y"]);
+    assert!(err.contains("expected TENSOR=on|off"), "{err}");
+    let err = fails(&["lower", rs, "--accumulate", "nope=on"]);
+    assert!(err.contains("no resharding decided by `nope`"), "{err}");
+    // An all-gather has no ring of running sums.
+    let ag = "examples/programs/column_parallel_linear_collective.mf";
+    let err = fails(&["lower", ag, "--accumulate", "ag=on"]);
+    assert!(err.contains("cannot accumulate in place"), "{err}");
+    let o = meshflow(&["lower", "--help"]);
+    assert!(stdout(&o).contains("--accumulate <TENSOR=on|off>"));
+}

@@ -27,7 +27,9 @@
 //! Options: [`PassOptions::decompositions`](crate::PassOptions::decompositions) forces a
 //! decomposition by tensor name (an error on an annotated tensor or a decomposition the site
 //! cannot take); [`PassOptions::pieces`](crate::PassOptions::pieces) the pieces per step of the
-//! reduce-scatter ring (also on a ring the user annotated); the cost model's transport
+//! reduce-scatter ring (also on a ring the user annotated);
+//! [`PassOptions::accumulate`](crate::PassOptions::accumulate) whether that ring accumulates
+//! in place; the cost model's transport
 //! forces the transport; a stream schedule other than
 //! [`Auto`](crate::StreamSchedule::Auto) forces the distance ring's schedule. Every decision,
 //! and the transport, is recorded in [`PassContext::explain`] with every candidate's predicted
@@ -79,6 +81,14 @@ impl ProgramPass for ChooseDecompositions {
                 )));
             }
         }
+        for (name, &on) in &cx.options.accumulate {
+            if local.contains(name) && on {
+                return Err(PassError::Options(format!(
+                    "`{name}` cannot accumulate in place: its resharding moves nothing between \
+                     devices (every team it would use has one device)"
+                )));
+            }
+        }
         for (name, &pieces) in &cx.options.pieces {
             if local.contains(name) && pieces != 1 {
                 return Err(PassError::Options(format!(
@@ -92,6 +102,7 @@ impl ProgramPass for ChooseDecompositions {
             .decompositions
             .keys()
             .chain(cx.options.pieces.keys())
+            .chain(cx.options.accumulate.keys())
             .find(|n| !all.iter().any(|s| &s.tensor == *n) && !local.contains(*n))
         {
             let open: Vec<&str> = all
@@ -169,7 +180,31 @@ impl ProgramPass for ChooseDecompositions {
 /// cannot take them).
 fn restrict(s: Site, cx: &PassContext) -> Result<Site, PassError> {
     let s = restrict_decomposition(s, cx)?;
-    restrict_pieces(s, cx)
+    let s = restrict_pieces(s, cx)?;
+    restrict_accumulate(s, cx)
+}
+
+/// `s` with its plans cut down to a forced choice of accumulating in place: on, only the
+/// rings that accumulate in place stay (an error where there is none); off, they go.
+fn restrict_accumulate(mut s: Site, cx: &PassContext) -> Result<Site, PassError> {
+    let Some(&on) = cx.options.accumulate.get(&s.tensor) else {
+        return Ok(s);
+    };
+    if !on {
+        s.shapes.retain(|x| !x.3);
+        return Ok(s);
+    }
+    if !s.shapes.iter().any(|x| x.3) {
+        return Err(PassError::Options(format!(
+            "`{}` ({}) cannot accumulate in place: only the ring of running sums of a \
+             reduce-scatter (`ring_forward` of partial sums) does, where the partial sums are \
+             computed by a `linear` read by the reduce-scatter alone, all of one dtype",
+            s.tensor, s.communication
+        )));
+    }
+    s.shapes.retain(|x| x.3);
+    s.fixed = Some("forced by the options");
+    Ok(s)
 }
 
 /// `s` with its plans cut down to a forced decomposition (an error when it cannot take it).

@@ -460,6 +460,7 @@ impl Backend for CudaBackend {
             .map_err(|e| BackendError::Invalid(e.to_string()))?;
         let n = usize::try_from(n)
             .map_err(|_| BackendError::Invalid(format!("{shape:?} is too large")))?;
+        self.core.fence_released()?;
         let e = self.core.err("allocate (cuMemAlloc)");
         self.core.memory.allocate(dtype, n).map_err(e)
     }
@@ -470,9 +471,11 @@ impl Backend for CudaBackend {
                 "release of an unknown buffer {buffer:?}"
             )));
         }
+        // A permute's pending peer reads of this buffer end before it can be reused; the
+        // buffer is fenced at the next allocation (one set of events for every buffer released
+        // since).
         self.core.settle_peer_reads(Some(&[buffer]))?;
-        let pending = self.core.events_on_all_streams()?;
-        self.core.memory.release(buffer, pending);
+        self.core.memory.release(buffer);
         Ok(())
     }
 
@@ -640,6 +643,10 @@ impl Backend for CudaBackend {
             )
         })?;
         let core = &self.core;
+        if comm.stream == Some(core.current) {
+            // Issued on this very stream: its work precedes whatever follows in stream order.
+            return Ok(());
+        }
         for e in events {
             core.stream()
                 .wait(e)

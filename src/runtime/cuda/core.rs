@@ -51,6 +51,9 @@ pub(crate) fn dev_err(rank: DeviceId, call: &str, e: KernelError) -> BackendErro
 #[derive(Clone, Debug, Default)]
 pub struct CudaComm {
     pub(super) events: Rc<RefCell<Option<Vec<Rc<Event>>>>>,
+    /// The stream (index into the core's streams) all of the communication's device work was
+    /// issued on, when there is one: a wait on that same stream is ordered already.
+    pub(super) stream: Option<usize>,
 }
 
 impl CudaComm {
@@ -58,6 +61,16 @@ impl CudaComm {
     pub(super) fn done_after(events: Vec<Rc<Event>>) -> CudaComm {
         CudaComm {
             events: Rc::new(RefCell::new(Some(events))),
+            stream: None,
+        }
+    }
+
+    /// A handle for work issued entirely on stream `stream`, complete once `event` (recorded
+    /// on that stream after it) is.
+    pub(super) fn on_stream(stream: usize, event: Event) -> CudaComm {
+        CudaComm {
+            events: Rc::new(RefCell::new(Some(vec![Rc::new(event)]))),
+            stream: Some(stream),
         }
     }
 }
@@ -291,6 +304,18 @@ impl DeviceCore {
             .map(|s| s.record_event())
             .collect::<Result<_, _>>()
             .map_err(self.err("cuEventRecord"))
+    }
+
+    /// Fences the buffers released since the last fence (see `memory.rs`): one event on every
+    /// stream, shared by all of them. Called before any allocation, so that a released buffer
+    /// is reused only after the work issued before its release.
+    pub fn fence_released(&mut self) -> Result<(), BackendError> {
+        if !self.memory.needs_fence() {
+            return Ok(());
+        }
+        let events = self.events_on_all_streams()?;
+        self.memory.fence(events);
+        Ok(())
     }
 
     /// The main, worker, copy, peer-read and signal streams.

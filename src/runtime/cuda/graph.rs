@@ -10,8 +10,6 @@ use crate::runtime::backend::BackendError;
 #[derive(Debug)]
 struct Recording {
     exec: Option<Graph>,
-    /// Whether profiling was on before (timing events cannot be read back from a graph).
-    profile: bool,
 }
 
 /// The graph of the current run, if one is recorded.
@@ -37,17 +35,13 @@ impl GraphRecorder {
             )));
         }
         core.step_started()?;
-        let profile = core.timeline.profile;
-        // Timing events cannot be read back from inside a graph.
-        core.timeline.profile = false;
         core.streams[0]
             .begin_capture()
             .map_err(core.err("cuStreamBeginCapture"))?;
+        // Profiling intervals become event record nodes of the graph, retargeted per replay.
+        core.timeline.begin_capture();
         core.memory.begin_hold();
-        self.recording = Some(Recording {
-            exec: None,
-            profile,
-        });
+        self.recording = Some(Recording { exec: None });
         Ok(())
     }
 
@@ -59,6 +53,7 @@ impl GraphRecorder {
             ));
         };
         let made = core.streams[0].end_capture();
+        let captured = core.timeline.end_capture();
         if replays == 0 {
             // Nothing will replay: forget the recording now.
             drop(made);
@@ -71,6 +66,10 @@ impl GraphRecorder {
             .restart(&core.streams[0])
             .map_err(core.err("cuEventRecord"))?;
         for _ in 0..replays {
+            // Each replay records its intervals into events of its own.
+            core.timeline
+                .retarget_for_replay(&exec, &captured)
+                .map_err(|e| dev_err(core.rank, "cuGraphExecEventRecordNodeSetEvent", e))?;
             exec.replay(&core.streams[0])
                 .map_err(|e| dev_err(core.rank, "cuGraphLaunch", e))?;
         }
@@ -85,7 +84,6 @@ impl GraphRecorder {
             return Ok(());
         };
         drop(state.exec);
-        core.timeline.profile = state.profile;
         let streams = core.streams.clone();
         let e = core.err("cuEventRecord");
         core.memory

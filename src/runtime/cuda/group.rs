@@ -14,24 +14,25 @@ impl DeviceCore {
     /// its handle is filled when the group ends; outside, it is an event recorded now (and
     /// its profiling interval `opened` is closed).
     pub fn complete_on_stream(&mut self, opened: Option<Opened>) -> Result<CudaComm, BackendError> {
-        let handle = CudaComm::default();
         match self.group.as_mut() {
             Some(g) => {
+                let handle = CudaComm::default();
                 if !g.streams.contains(&self.current) {
                     g.streams.push(self.current);
                 }
                 g.members.push(handle.clone());
+                Ok(handle)
             }
             None => {
                 let e = self
                     .stream()
                     .record_event()
                     .map_err(self.err("cuEventRecord"))?;
-                *handle.events.borrow_mut() = Some(vec![Rc::new(e)]);
+                let handle = CudaComm::on_stream(self.current, e);
                 self.close_op(opened)?;
+                Ok(handle)
             }
         }
-        Ok(handle)
     }
 
     /// Ends the open coalescing group: `issue` issues its communications (NCCL's group end),

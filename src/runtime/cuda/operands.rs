@@ -51,6 +51,7 @@ impl DeviceCore {
 
     /// A fresh temporary of `bytes` bytes, retired after the current op.
     pub(super) fn temp(&mut self, bytes: usize) -> Result<DeviceBuffer, BackendError> {
+        self.fence_released()?;
         let (whole, data) = self
             .memory
             .raw(bytes)

@@ -1,9 +1,14 @@
 //! Device-side timing of a run: the run's duration from CUDA events on the main stream, and
 //! (in profiling mode) one interval per compute op and communication, read from events
 //! recorded before and after it on its stream.
+//!
+//! In a step recorded as a CUDA graph the events are recorded as the graph's event record
+//! nodes ([`Event::record_external`]); before every replay each node is given fresh events
+//! ([`Timeline::retarget_for_replay`]), so that every replay reports its own intervals, as the
+//! steps of a run without a graph do.
 
 use meshflow_ir::DeviceId;
-use meshflow_kernels::{Event, KernelError, Stream};
+use meshflow_kernels::{Event, Graph, KernelError, Stream};
 use meshflow_passes::Transport;
 
 use crate::runtime::trace::TraceEvent;
@@ -107,6 +112,9 @@ pub(crate) struct Timeline {
     pub last_run_us: Option<f64>,
     /// Intervals of the last finished run (profiling mode).
     pub intervals: Vec<Interval>,
+    /// While a step is recorded as a graph: the intervals recorded as event record nodes of
+    /// the graph (`Some` in profiling mode only).
+    captured: Option<Vec<Pending>>,
 }
 
 impl Timeline {
@@ -132,14 +140,56 @@ impl Timeline {
         Ok(())
     }
 
-    /// Restarts the run clock on `main` (nothing timed may be pending): a run recorded as a
-    /// CUDA graph times its replays only, not the recording and instantiation on the host.
+    /// Restarts the run clock on `main`: a run recorded as a CUDA graph times its replays
+    /// only, not the recording and instantiation on the host (nor the step issued without
+    /// recording before the first recording, whose intervals are dropped).
     pub(super) fn restart(&mut self, main: &Stream) -> Result<(), KernelError> {
-        if !self.pending.is_empty() {
-            return Ok(());
-        }
+        self.pending.clear();
         self.start = None;
         self.ensure_started(main)
+    }
+
+    /// A step is being recorded as a graph: in profiling mode, intervals opened from now on
+    /// are recorded as event record nodes of the graph ([`Timeline::end_capture`]).
+    pub(super) fn begin_capture(&mut self) {
+        self.captured = self.profile.then(Vec::new);
+    }
+
+    /// The recording ended: the intervals recorded into the graph (to be given fresh events
+    /// before every replay with [`Timeline::retarget_for_replay`]).
+    pub(super) fn end_capture(&mut self) -> Vec<CapturedInterval> {
+        self.captured
+            .take()
+            .unwrap_or_default()
+            .into_iter()
+            .map(CapturedInterval)
+            .collect()
+    }
+
+    /// Before a replay of `graph`: gives every captured interval's nodes fresh events and
+    /// keeps them as an interval of this run (read at [`Timeline::collect`]).
+    pub(super) fn retarget_for_replay(
+        &mut self,
+        graph: &Graph,
+        captured: &[CapturedInterval],
+    ) -> Result<(), KernelError> {
+        for CapturedInterval(c) in captured {
+            let start = Event::timing(c.start.device())?;
+            let end = Event::timing(c.start.device())?;
+            graph.retarget_event(&c.start, &start)?;
+            graph.retarget_event(&c.end, &end)?;
+            self.pending.push(Pending {
+                stream: c.stream,
+                kind: c.kind,
+                name: c.name,
+                transport: c.transport,
+                inst: c.inst,
+                iteration: c.iteration.clone(),
+                start,
+                end,
+            });
+        }
+        Ok(())
     }
 
     /// Opens an interval on `stream` (profiling mode only; `None` otherwise).
@@ -177,7 +227,11 @@ impl Timeline {
             return Ok(None);
         }
         let start = Event::timing(s.device())?;
-        start.record(s)?;
+        if self.captured.is_some() {
+            start.record_external(s)?;
+        } else {
+            start.record(s)?;
+        }
         Ok(Some(Opened {
             stream,
             kind,
@@ -211,8 +265,7 @@ impl Timeline {
             return Ok(());
         };
         let end = Event::timing(s.device())?;
-        end.record(s)?;
-        self.pending.push(Pending {
+        let closed = |end| Pending {
             stream: o.stream,
             kind: o.kind,
             name: o.name,
@@ -221,7 +274,17 @@ impl Timeline {
             iteration: o.iteration,
             start: o.start,
             end,
-        });
+        };
+        match self.captured.as_mut() {
+            Some(captured) => {
+                end.record_external(s)?;
+                captured.push(closed(end));
+            }
+            None => {
+                end.record(s)?;
+                self.pending.push(closed(end));
+            }
+        }
         Ok(())
     }
 
@@ -273,5 +336,11 @@ impl Timeline {
     pub(super) fn reset(&mut self) {
         self.start = None;
         self.pending.clear();
+        self.captured = None;
     }
 }
+
+/// An interval recorded as two event record nodes of a graph (see
+/// [`Timeline::retarget_for_replay`]).
+#[derive(Debug)]
+pub(crate) struct CapturedInterval(Pending);

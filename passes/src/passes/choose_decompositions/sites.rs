@@ -254,7 +254,7 @@ pub(super) fn site(
         Decision::ReduceScatter { pt, axis } if cs.stream().is_none() => {
             s.tensor = p_name.clone();
             let team = pm.size_of(pt).unwrap_or(1) as u64;
-            let r = reduce(program, i, p, &ps, &cs, axis, pt, team)?;
+            let r = reduce(program, cx, i, p, &ps, &cs, axis, pt, team)?;
             s.case = Some(Case::Reduce(r.case));
             s.shapes.push((
                 Decomposition::Collective,
@@ -286,7 +286,7 @@ pub(super) fn site(
         Decision::ReduceRing { pt, axis } => {
             s.tensor = p_name;
             let team = pm.size_of(pt).unwrap_or(1) as u64;
-            let r = reduce(program, i, p, &ps, &cs, axis, pt, team)?;
+            let r = reduce(program, cx, i, p, &ps, &cs, axis, pt, team)?;
             s.fixed = Some("decomposition annotated by the user; pieces searched");
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
@@ -295,7 +295,7 @@ pub(super) fn site(
         Decision::StreamReduce { pt, axis } => {
             s.tensor = p_name;
             let team = pm.size_of(pt).unwrap_or(1) as u64;
-            let r = reduce(program, i, p, &ps, &cs, axis, pt, team)?;
+            let r = reduce(program, cx, i, p, &ps, &cs, axis, pt, team)?;
             s.fixed = Some("annotated by the user");
             s.annotated = true;
             s.case = Some(Case::Reduce(r.case));
@@ -396,6 +396,7 @@ fn gather(
             chunk_bytes,
             consumer: work,
             overlappable,
+            workers: cx.options.num_streams as u64,
         },
         can_stream,
         halvable,
@@ -438,6 +439,7 @@ fn ring_shapes(r: &ReduceSite) -> Vec<Shape> {
 #[allow(clippy::too_many_arguments)]
 fn reduce(
     program: &Program,
+    cx: &PassContext,
     i: usize,
     p: TensorId,
     ps: &Sharding,
@@ -487,6 +489,7 @@ fn reduce(
             team,
             chunk_bytes,
             producer: work,
+            workers: cx.options.num_streams as u64,
         },
         can_stream,
         ring,
