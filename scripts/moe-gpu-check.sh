@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A quick MoE check on 2 GPUs (about 4-5 minutes), from the repository root on the GPU machine,
+# A quick MoE check on 2 GPUs (about 5-6 minutes), from the repository root on the GPU machine,
 # with the folder scripts/gpu-carry.sh prepared:
 #
 #   bash scripts/moe-gpu-check.sh gpu/suite      # logs and JSON under $OUT (default /tmp/out)
@@ -11,9 +11,9 @@
 # 2. PyTorch's figures, then `meshflow bench moe` (kernels and evaluator paths, NVLink and NCCL,
 #    native and fp8-block128, T=128 and 4096) against them: $OUT/moe-2.json.
 # 3. A diagnostic matrix (kernels path, NVLink): v1 against v2, the weights at the dispatch or
-#    at the combine (as the evaluator gives them), the abort-word polling off, the sub-phases
-#    of a step, the fused kernels' chunk per phase at T=4096, and the variants of the fused
-#    kernels (MESHFLOW_MOE_FUSED_DISPATCH=generic|wire, MESHFLOW_MOE_FUSED_COMBINE=
+#    at the combine (as the evaluator gives them), the sub-phases of a step, the fused
+#    kernels' chunk per phase at T=4096, and the variants of the fused kernels
+#    (MESHFLOW_MOE_FUSED_DISPATCH=generic|wire|warp, MESHFLOW_MOE_FUSED_COMBINE=
 #    twopass|onepass) at T=128 and 4096, bf16 and fp8; $OUT/diag.tsv sums it up.
 set -uo pipefail
 S="${1:-gpu/suite}"
@@ -50,11 +50,11 @@ diag() {
   q=(--test-threads 1 --nocapture)
   # 1. Tests.
   # The fused kernels' test runs every variant (FusedOptions::ALL) in turn.
-  step 180 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
+  step 240 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 150 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_split_kernels_match_reference \
     nccl_transport_matches_reference nvlink_step_replays_in_a_cuda_graph overflow_and_bad_ids_are_flagged_without_corruption \
     phases_out_of_order nvlink_ipc_two_processes
-  step 150 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
+  step 200 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
     MESHFLOW_MOE_COMBINE_CHUNK=5 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 60 "$B/gpu_moe_abort" "${q[@]}"
   step 90 "$B/gpu" "${q[@]}" moe --skip faults::
@@ -70,40 +70,40 @@ diag() {
   k128=(--path kernels --transport nvlink --tokens 128 --wire native)
   diag v1 MESHFLOW_MOE_KERNELS=v1 "${k128[@]}"
   diag v2 MESHFLOW_MOE_KERNELS=v2 "${k128[@]}"
-  diag v1-late MESHFLOW_MOE_KERNELS=v1 MESHFLOW_MOE_BENCH_LATE_WEIGHTS=1 "${k128[@]}"
   diag v2-late MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_BENCH_LATE_WEIGHTS=1 "${k128[@]}"
-  diag v1-nopoll MESHFLOW_MOE_KERNELS=v1 MESHFLOW_MOE_ABORT_POLL=0 "${k128[@]}"
-  diag v2-late-nopoll MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_BENCH_LATE_WEIGHTS=1 MESHFLOW_MOE_ABORT_POLL=0 "${k128[@]}"
   diag v2-late-phases MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_BENCH_LATE_WEIGHTS=1 \
     MESHFLOW_MOE_BENCH_PHASES=1 RUST_LOG=meshflow_bench=info "${k128[@]}"
   diag eval-v1 MESHFLOW_MOE_KERNELS=v1 --path evaluator --transport nvlink --tokens 128 --wire native
-  diag eval-v2-nopoll MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_ABORT_POLL=0 --path evaluator \
+  diag eval-v2 MESHFLOW_MOE_KERNELS=v2 --path evaluator --transport nvlink --tokens 128 --wire native
+  diag eval-warp MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_DISPATCH=warp --path evaluator \
     --transport nvlink --tokens 128 --wire native
   # FP8 at T=4096 (the fused dispatch was pathological) and the chunk per phase.
   k4k=(--path kernels --transport nvlink --tokens 4096)
   diag fp8-v1 MESHFLOW_MOE_KERNELS=v1 "${k4k[@]}" --wire fp8-block128
-  diag fp8-v2-nopoll MESHFLOW_MOE_ABORT_POLL=0 "${k4k[@]}" --wire fp8-block128
   diag fp8-v2-d1 MESHFLOW_MOE_DISPATCH_CHUNK=1 "${k4k[@]}" --wire fp8-block128
   diag chunk-d1-c8 MESHFLOW_MOE_DISPATCH_CHUNK=1 MESHFLOW_MOE_COMBINE_CHUNK=8 "${k4k[@]}" --wire native
   diag chunk-d2-c4 MESHFLOW_MOE_DISPATCH_CHUNK=2 MESHFLOW_MOE_COMBINE_CHUNK=4 "${k4k[@]}" --wire native
-  diag chunk-d4-c2 MESHFLOW_MOE_DISPATCH_CHUNK=4 MESHFLOW_MOE_COMBINE_CHUNK=2 "${k4k[@]}" --wire native
   diag chunk-v1 MESHFLOW_MOE_KERNELS=v1 "${k4k[@]}" --wire native
   # The variants of the fused kernels (generic = the dispatch kernel before the per-wire ones).
   gen=(MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_DISPATCH=generic MESHFLOW_MOE_FUSED_COMBINE=twopass)
   wire=(MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_DISPATCH=wire MESHFLOW_MOE_FUSED_COMBINE=twopass)
   one=(MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_DISPATCH=wire MESHFLOW_MOE_FUSED_COMBINE=onepass)
+  # The warp dispatch (a warp per item, no block barrier per token, rows loaded before routing).
+  warp=(MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_DISPATCH=warp MESHFLOW_MOE_FUSED_COMBINE=twopass)
   for w in native fp8-block128; do
     diag "var-generic-$w-128" "${gen[@]}" "${k128[@]/native/$w}"
     diag "var-wire-$w-128" "${wire[@]}" "${k128[@]/native/$w}"
+    diag "var-warp-$w-128" "${warp[@]}" "${k128[@]/native/$w}"
     diag "var-generic-$w-4k" "${gen[@]}" "${k4k[@]}" --wire "$w"
     diag "var-wire-$w-4k" "${wire[@]}" "${k4k[@]}" --wire "$w"
+    diag "var-warp-$w-4k" "${warp[@]}" "${k4k[@]}" --wire "$w"
   done
+  # The warp dispatch with other chunks at T=4096 (more tokens per warp item, fewer fences).
+  diag var-warp-4k-d4 "${warp[@]}" MESHFLOW_MOE_DISPATCH_CHUNK=4 "${k4k[@]}" --wire native
+  diag var-warp-4k-d1 "${warp[@]}" MESHFLOW_MOE_DISPATCH_CHUNK=1 "${k4k[@]}" --wire native
   diag var-onepass-128 "${one[@]}" "${k128[@]}"
   diag var-onepass-4k "${one[@]}" "${k4k[@]}" --wire native
-  diag var-onepass-4k-c2 "${one[@]}" MESHFLOW_MOE_COMBINE_CHUNK=2 "${k4k[@]}" --wire native
   diag var-onepass-4k-c8 "${one[@]}" MESHFLOW_MOE_COMBINE_CHUNK=8 "${k4k[@]}" --wire native
-  diag var-fp8-wire-d1 "${wire[@]}" MESHFLOW_MOE_DISPATCH_CHUNK=1 "${k4k[@]}" --wire fp8-block128
-  diag var-fp8-wire-d4 "${wire[@]}" MESHFLOW_MOE_DISPATCH_CHUNK=4 "${k4k[@]}" --wire fp8-block128
   log "diagnostics (label, transport, T, wire, dispatch_us, combine_us)"
   cat "$OUT/diag.tsv"
   # The bench rows against the goals (evaluator path, bf16, 2 GPUs).

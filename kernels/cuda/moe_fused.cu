@@ -1,5 +1,6 @@
 #line 1 "moe_fused.cu"
-// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu, whose helpers they use; host
+// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu, whose helpers they use; the warp
+// dispatch, moe_fused_warp.cu, is appended after this file; host
 // side: kernels/src/moe/fused.rs).
 //
 // One kernel per phase instead of two, with the receive side overlapping the peers' sends:
@@ -27,7 +28,8 @@
 // into out (same order, same roundings as the unfused kernels). The one-pass variant of the
 // consumer waits first and sums each token with its own partial held in registers
 // (reduce_sum_row); the per-wire dispatch kernels are the same code for one wire format each
-// (see the typed entry points).
+// (see the typed entry points); the warp dispatch kernels (moe_fused_warp.cu) run the same
+// items with a warp each instead of a block.
 //
 // Reuse across steps: a peer writes rows / partials of step s + 1 only after its combine of
 // step s, whose consumers waited for this rank's release of every chunk (empty ones included),
@@ -143,6 +145,31 @@ __device__ bool fan_out_slot(const char* rows, i64 s, i64 t, i64 tokens, i64 top
     return true;
 }
 
+// The end of a fused dispatch, called by every block: the last block writes the expert counts,
+// this rank's received row counts (counts[s]), zeroes the counters, resets the ticket counter
+// and stores the epoch.
+__device__ void dispatch_fused_finish(i64 local_experts, i64 world, i64 rank, char* sym,
+                                      i64 counts_off, i32* cnt, i32* recv_cnt, unsigned* state,
+                                      const OwnFanOut& own, i32* expert_counts, unsigned epoch) {
+    if (grid_last_block(state + 1)) {
+        for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
+            const int total = ld_relaxed_gpu(own.ecnt + le);
+            expert_counts[le] = total < own.capacity ? total : (i32)own.capacity;
+            own.ecnt[le] = 0;
+        }
+        for (i64 s = threadIdx.x; s < world; s += blockDim.x) {
+            ((i32*)(sym + counts_off))[s] = ld_relaxed_gpu(s == rank ? cnt + s : recv_cnt + s);
+            recv_cnt[s] = 0;
+        }
+        for (i64 r = threadIdx.x; r < world; r += blockDim.x) cnt[r] = 0;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            state[5] = 0u;
+            *(volatile unsigned*)state = epoch;
+        }
+    }
+}
+
 // rows/counts/chunk flags: this rank's symmetric regions (local addresses); recv_cnt[W]: zeroed
 // per-source counters of received rows. The last block writes the expert counts, this rank's
 // received row counts (counts[s]), zeroes the counters and stores the epoch. QB: FP8 chunks
@@ -183,23 +210,8 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
             if (threadIdx.x == 0 && got > 0) atomicAdd(recv_cnt + s, got);
         }
     }
-    if (grid_last_block(state + 1)) {
-        for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
-            const int total = ld_relaxed_gpu(own.ecnt + le);
-            expert_counts[le] = total < own.capacity ? total : (i32)own.capacity;
-            own.ecnt[le] = 0;
-        }
-        for (i64 s = threadIdx.x; s < world; s += blockDim.x) {
-            ((i32*)(sym + counts_off))[s] = ld_relaxed_gpu(s == rank ? cnt + s : recv_cnt + s);
-            recv_cnt[s] = 0;
-        }
-        for (i64 r = threadIdx.x; r < world; r += blockDim.x) cnt[r] = 0;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            state[5] = 0u;
-            *(volatile unsigned*)state = epoch;
-        }
-    }
+    dispatch_fused_finish(local_experts, world, rank, sym, counts_off, cnt, recv_cnt, state, own,
+                          expert_counts, epoch);
 }
 
 // ---- combine ----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
-    /// `moe.cu` and `moe_fused.cu` (appended): MoE dispatch / combine (NCCL and NVLink
+    /// `moe.cu` with `moe_fused.cu` and `moe_fused_warp.cu` (appended): MoE dispatch / combine (NCCL and NVLink
     /// transports, [`crate::moe`]).
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
@@ -74,11 +74,14 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
-            // moe_fused.cu uses moe.cu's helpers: one module, its own `#line` directive.
+            // moe_fused.cu uses moe.cu's helpers, moe_fused_warp.cu both: one module, each file its
+            // own `#line` directive.
             Source::Moe => concat!(
                 include_str!("../../cuda/moe.cu"),
                 "\n",
-                include_str!("../../cuda/moe_fused.cu")
+                include_str!("../../cuda/moe_fused.cu"),
+                "\n",
+                include_str!("../../cuda/moe_fused_warp.cu")
             ),
             Source::Rows => include_str!("../../cuda/rows.cu"),
         }
@@ -144,7 +147,7 @@ impl Source {
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
 /// The kernels of `moe.cu` instantiated per float type (`moe_<kind>_<dtype>`).
-pub(crate) const MOE_TYPED: [&str; 12] = [
+pub(crate) const MOE_TYPED: [&str; 15] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
@@ -155,6 +158,9 @@ pub(crate) const MOE_TYPED: [&str; 12] = [
     "nvl_dispatch_fused_native",
     "nvl_dispatch_fused_fp8t",
     "nvl_dispatch_fused_fp8b",
+    "nvl_dispatch_fused_warp_native",
+    "nvl_dispatch_fused_warp_fp8t",
+    "nvl_dispatch_fused_warp_fp8b",
     "nvl_combine_fused",
     "nvl_combine_fused_onepass",
 ];
@@ -254,7 +260,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 12 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 15 * 3) + 15);
     }
 
     #[test]

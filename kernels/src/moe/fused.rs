@@ -17,9 +17,12 @@
 //!
 //! Variants of the fused kernels ([`FusedOptions`], local to a rank, chosen when an engine is
 //! made; results are bit-identical whichever runs):
-//! - `MESHFLOW_MOE_FUSED_DISPATCH=wire|generic`: one dispatch kernel per wire format (default;
-//!   no register spills) or the single kernel taking the format as an argument (spills at the
-//!   128-register bound; the FP8 dispatch of that kernel was slower than the split kernels').
+//! - `MESHFLOW_MOE_FUSED_DISPATCH=wire|generic|warp`: one dispatch kernel per wire format
+//!   (default; no register spills), the single kernel taking the format as an argument (spills
+//!   at the 128-register bound; the FP8 dispatch of that kernel was slower than the split
+//!   kernels'), or the warp kernels (`moe_fused_warp.cu`, one per wire format): every warp of
+//!   small blocks takes its own items, with no block-wide barrier per token, and loads the
+//!   first part of a row before its routing round trips.
 //! - `MESHFLOW_MOE_FUSED_COMBINE=twopass|onepass`: the combine's consumer stores this rank's
 //!   own partials into `out`, then sums (default), or computes them and sums in one pass
 //!   (one write of `out` instead of two writes and a read).
@@ -34,6 +37,10 @@ use crate::stream::Stream;
 
 /// Threads per block of the fused kernels (their `ROW_KERNEL` launch bounds).
 const FUSED_BLOCK: u32 = 256;
+
+/// Threads per block of the warp dispatch kernels (their `WARP_KERNEL` launch bounds:
+/// `WARP_THREADS` in `moe_fused_warp.cu`, at most 8 blocks per SM).
+const FUSED_WARP_BLOCK: u32 = 64;
 
 /// The environment variable choosing the kernel generation.
 pub const MOE_KERNELS_ENV: &str = "MESHFLOW_MOE_KERNELS";
@@ -96,6 +103,18 @@ pub enum FusedDispatchKernel {
     Generic,
     /// `moe_nvl_dispatch_fused_{native,fp8t,fp8b}_<T>`: one kernel per wire format.
     PerWire,
+    /// `moe_nvl_dispatch_fused_warp_{native,fp8t,fp8b}_<T>`: a warp per item.
+    Warp,
+}
+
+impl FusedDispatchKernel {
+    /// Threads per block and the most blocks per SM the kernel is launched with.
+    fn block(self) -> (u32, usize) {
+        match self {
+            FusedDispatchKernel::Warp => (FUSED_WARP_BLOCK, 8),
+            FusedDispatchKernel::Generic | FusedDispatchKernel::PerWire => (FUSED_BLOCK, 2),
+        }
+    }
 }
 
 /// Which combine kernel the fused generation runs (see the [module docs](self)).
@@ -133,7 +152,7 @@ impl Default for FusedOptions {
 
 impl FusedOptions {
     /// Every combination, for tests.
-    pub const ALL: [FusedOptions; 4] = [
+    pub const ALL: [FusedOptions; 6] = [
         FusedOptions {
             dispatch: FusedDispatchKernel::Generic,
             combine: FusedCombineKernel::TwoPass,
@@ -148,6 +167,14 @@ impl FusedOptions {
         },
         FusedOptions {
             dispatch: FusedDispatchKernel::PerWire,
+            combine: FusedCombineKernel::OnePass,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::Warp,
+            combine: FusedCombineKernel::TwoPass,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::OnePass,
         },
     ];
@@ -165,13 +192,14 @@ impl FusedOptions {
         Ok(o)
     }
 
-    /// Parses `wire` or `generic` (empty: the default).
+    /// Parses `wire`, `generic` or `warp` (empty: the default).
     pub fn parse_dispatch(v: &str) -> Result<FusedDispatchKernel> {
         match v.trim() {
             "wire" | "" => Ok(FusedDispatchKernel::PerWire),
             "generic" => Ok(FusedDispatchKernel::Generic),
+            "warp" => Ok(FusedDispatchKernel::Warp),
             other => Err(KernelError::InvalidArgument(format!(
-                "{FUSED_DISPATCH_ENV}={other}: expected wire or generic"
+                "{FUSED_DISPATCH_ENV}={other}: expected wire, generic or warp"
             ))),
         }
     }
@@ -192,6 +220,7 @@ impl FusedOptions {
         let d = match self.dispatch {
             FusedDispatchKernel::Generic => "generic",
             FusedDispatchKernel::PerWire => "wire",
+            FusedDispatchKernel::Warp => "warp",
         };
         let c = match self.combine {
             FusedCombineKernel::TwoPass => "twopass",
@@ -210,6 +239,13 @@ impl FusedOptions {
             }
             (FusedDispatchKernel::PerWire, MoeWire::Fp8E4m3(Fp8Scales::Block128)) => {
                 "nvl_dispatch_fused_fp8b"
+            }
+            (FusedDispatchKernel::Warp, MoeWire::Native) => "nvl_dispatch_fused_warp_native",
+            (FusedDispatchKernel::Warp, MoeWire::Fp8E4m3(Fp8Scales::PerToken)) => {
+                "nvl_dispatch_fused_warp_fp8t"
+            }
+            (FusedDispatchKernel::Warp, MoeWire::Fp8E4m3(Fp8Scales::Block128)) => {
+                "nvl_dispatch_fused_warp_fp8b"
             }
         }
     }
@@ -265,13 +301,22 @@ pub fn fused_chunk(phase: FusedPhase, tokens: usize) -> Result<usize> {
     })
 }
 
-/// The grid and lag of a fused kernel with `items` work items, `per_chunk` of them per chunk:
-/// at most two blocks per SM (all resident), and consumers handed out about one grid of items
-/// after the producers of their chunk.
-fn grid_and_lag(k: &Kernels, items: usize, per_chunk: usize) -> Result<(u32, usize)> {
-    let cap = (k.device().sm_count() as usize * 2).max(1);
-    let grid = items.clamp(1, cap);
-    let lag = env_count("MESHFLOW_MOE_LAG")?.unwrap_or(grid.div_ceil(per_chunk.max(1)));
+/// The grid and lag of a fused kernel with `items` work items, `per_chunk` of them per chunk,
+/// run by blocks of `block` threads, at most `per_sm` of them per SM (all resident): one block
+/// per item (one warp per item when `per_warp`: every warp takes its own items), and consumers
+/// handed out about one grid of items after the producers of their chunk.
+fn grid_and_lag(
+    k: &Kernels,
+    items: usize,
+    per_chunk: usize,
+    (block, per_sm): (u32, usize),
+    per_warp: bool,
+) -> Result<(u32, usize)> {
+    let cap = (k.device().sm_count() as usize * per_sm).max(1);
+    let workers_per_block = if per_warp { block as usize / 32 } else { 1 };
+    let grid = items.div_ceil(workers_per_block).clamp(1, cap);
+    let workers = grid * workers_per_block;
+    let lag = env_count("MESHFLOW_MOE_LAG")?.unwrap_or(workers.div_ceil(per_chunk.max(1)));
     Ok((u32::try_from(grid).unwrap_or(1), lag))
 }
 
@@ -304,7 +349,9 @@ pub(crate) fn nvl_dispatch_fused(
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Dispatch, shape.tokens)?;
     let chunks = shape.tokens.div_ceil(chunk);
-    let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world)?;
+    let block = options.dispatch.block();
+    let per_warp = options.dispatch == FusedDispatchKernel::Warp;
+    let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world, block, per_warp)?;
     let mut args = [
         ptr(inp.x),
         ptr(inp.topk_idx),
@@ -341,7 +388,7 @@ pub(crate) fn nvl_dispatch_fused(
         ptr(fused.expert_counts),
     ];
     let name = moe_typed_name(options.dispatch_kind(wire), shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, FUSED_BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, block.0, &mut args)
 }
 
 /// The inputs of a fused NVLink combine.
@@ -374,7 +421,13 @@ pub(crate) fn nvl_combine_fused(
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Combine, shape.tokens)?;
     let chunks = shape.tokens.div_ceil(chunk);
-    let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world)?;
+    let (grid, lag) = grid_and_lag(
+        k,
+        chunks * shape.world,
+        shape.world,
+        (FUSED_BLOCK, 2),
+        false,
+    )?;
     let at = |off: usize| Arg::Ptr(c.sym.addr() + off as u64);
     let mut args = [
         ptr(wait.flags),
@@ -427,7 +480,8 @@ mod tests {
         use FusedDispatchKernel::*;
         assert_eq!(FusedOptions::parse_dispatch("wire").unwrap(), PerWire);
         assert_eq!(FusedOptions::parse_dispatch(" generic").unwrap(), Generic);
-        assert!(FusedOptions::parse_dispatch("warp").is_err());
+        assert_eq!(FusedOptions::parse_dispatch("warp").unwrap(), Warp);
+        assert!(FusedOptions::parse_dispatch("warps").is_err());
         assert_eq!(FusedOptions::parse_combine("onepass").unwrap(), OnePass);
         assert_eq!(FusedOptions::parse_combine("").unwrap(), TwoPass);
         assert!(FusedOptions::parse_combine("one").is_err());
@@ -438,11 +492,20 @@ mod tests {
             MoeWire::Fp8E4m3(Fp8Scales::PerToken),
             MoeWire::Fp8E4m3(Fp8Scales::Block128),
         ];
-        // Every kernel named exists in moe.cu, with the fused kernels' launch bounds.
+        // Every kernel named exists in moe.cu, with the launch bounds of its block size, and is
+        // in the list of the module's functions.
+        let functions = Source::Moe.functions();
         for o in FusedOptions::ALL {
             for w in wires {
-                let line = format!("ROW_KERNEL moe_{}_##T(", o.dispatch_kind(w));
+                let bounds = match o.dispatch.block().0 {
+                    FUSED_WARP_BLOCK => "WARP_KERNEL",
+                    _ => "ROW_KERNEL",
+                };
+                let kind = o.dispatch_kind(w);
+                let line = format!("{bounds} moe_{kind}_##T(");
                 assert!(Source::Moe.text().contains(&line), "{line}");
+                let name = moe_typed_name(kind, crate::dtype::DType::BF16);
+                assert!(functions.contains(&name), "{name}");
             }
             let line = format!("ROW_KERNEL moe_{}_##T(", o.combine_kind());
             assert!(Source::Moe.text().contains(&line), "{line}");
@@ -468,6 +531,12 @@ mod tests {
     fn fused_block_matches_the_kernels_launch_bounds() {
         let line = format!("#define ROW_THREADS {FUSED_BLOCK}\n");
         assert!(Source::Moe.text().contains(&line));
+        let line = format!("#define WARP_THREADS {FUSED_WARP_BLOCK}\n");
+        assert!(Source::Moe.text().contains(&line));
+        assert!(Source::Moe
+            .text()
+            .contains("#define WARP_KERNEL __launch_bounds__(WARP_THREADS, 8)\n"));
+        assert_eq!(FusedDispatchKernel::Warp.block(), (FUSED_WARP_BLOCK, 8));
         assert!(Source::Moe
             .text()
             .contains("ROW_KERNEL moe_nvl_dispatch_fused_##T("));
