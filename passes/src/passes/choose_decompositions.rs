@@ -52,8 +52,9 @@ use sites::{apply, local_copies, site, Site};
 /// Plans within this fraction of the best count as ties, won by the simplest. It is small:
 /// the model separates the schedules of one decomposition by fractions of a percent (on 2x
 /// H200 it prices the per-iteration ring 0.2 % under the prefetched one at 16384x8192x8192 and
-/// 0.3 % over it at 8192^3), and those small predicted gaps carry the measured order (2.7-5.8 %
-/// and 2.3-4.0 % apart, `bench/results/2026-11-26-h200x2-schedule.json`); a 1 % tie gave the
+/// 0.3 % over it at 8192^3), and those small predicted gaps carry the order measured on
+/// 2026-11-26 (the per-iteration ring 1.5-5.8 % ahead at 16384 in two runs; 2.3-4.0 % behind
+/// at 8192^3 in the first, level in the second, `docs/schedule-search.md`); a 1 % tie gave the
 /// per-iteration ring both shapes.
 const TIE: f64 = 0.001;
 
