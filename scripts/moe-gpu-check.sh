@@ -13,7 +13,7 @@
 # 3. A diagnostic matrix (kernels path, NVLink): v1 against v2, the weights at the dispatch or
 #    at the combine (as the evaluator gives them), the sub-phases of a step, the fused
 #    kernels' chunk per phase at T=4096, and the variants of the fused kernels
-#    (MESHFLOW_MOE_FUSED_DISPATCH=generic|wire|warp, MESHFLOW_MOE_FUSED_COMBINE=
+#    (MESHFLOW_MOE_FUSED_DISPATCH=auto|generic|wire|warp, MESHFLOW_MOE_FUSED_COMBINE=
 #    twopass|onepass) at T=128 and 4096, bf16 and fp8; $OUT/diag.tsv sums it up.
 set -uo pipefail
 S="${1:-gpu/suite}"

@@ -17,12 +17,14 @@
 //!
 //! Variants of the fused kernels ([`FusedOptions`], local to a rank, chosen when an engine is
 //! made; results are bit-identical whichever runs):
-//! - `MESHFLOW_MOE_FUSED_DISPATCH=wire|generic|warp`: one dispatch kernel per wire format
-//!   (default; no register spills), the single kernel taking the format as an argument (spills
-//!   at the 128-register bound; the FP8 dispatch of that kernel was slower than the split
-//!   kernels'), or the warp kernels (`moe_fused_warp.cu`, one per wire format): every warp of
-//!   small blocks takes its own items, with no block-wide barrier per token, and loads the
-//!   first part of a row before its routing round trips.
+//! - `MESHFLOW_MOE_FUSED_DISPATCH=auto|wire|generic|warp`: `auto` (default) runs the warp
+//!   kernel for the native wire and the per-format kernel for FP8 (each the fastest measured
+//!   for its wire on 2x H200, `bench/results/2026-11-26-h200x2.md`); `wire`: one dispatch
+//!   kernel per wire format (no register spills); `generic`: the single kernel taking the
+//!   format as an argument (spills at the 128-register bound); `warp`: the warp kernels
+//!   (`moe_fused_warp.cu`, one per wire format): every warp of small blocks takes its own
+//!   items, with no block-wide barrier per token, and loads the first part of a row before its
+//!   routing round trips.
 //! - `MESHFLOW_MOE_FUSED_COMBINE=twopass|onepass`: the combine's consumer stores this rank's
 //!   own partials into `out`, then sums (default), or computes them and sums in one pass
 //!   (one write of `out` instead of two writes and a read).
@@ -105,14 +107,27 @@ pub enum FusedDispatchKernel {
     PerWire,
     /// `moe_nvl_dispatch_fused_warp_{native,fp8t,fp8b}_<T>`: a warp per item.
     Warp,
+    /// [`Warp`](FusedDispatchKernel::Warp) for the native wire, [`PerWire`](FusedDispatchKernel::PerWire)
+    /// for FP8 (the warp kernel's FP8 dispatch was 2x slower at 128 tokens).
+    Auto,
 }
 
 impl FusedDispatchKernel {
-    /// Threads per block and the most blocks per SM the kernel is launched with.
+    /// The kernel that runs for `wire` (resolves [`Auto`](FusedDispatchKernel::Auto)).
+    pub fn for_wire(self, wire: MoeWire) -> FusedDispatchKernel {
+        match (self, wire) {
+            (FusedDispatchKernel::Auto, MoeWire::Native) => FusedDispatchKernel::Warp,
+            (FusedDispatchKernel::Auto, MoeWire::Fp8E4m3(_)) => FusedDispatchKernel::PerWire,
+            (k, _) => k,
+        }
+    }
+
+    /// Threads per block and the most blocks per SM the kernel is launched with
+    /// ([`Auto`](FusedDispatchKernel::Auto): as for the native wire).
     fn block(self) -> (u32, usize) {
-        match self {
+        match self.for_wire(MoeWire::Native) {
             FusedDispatchKernel::Warp => (FUSED_WARP_BLOCK, 8),
-            FusedDispatchKernel::Generic | FusedDispatchKernel::PerWire => (FUSED_BLOCK, 2),
+            _ => (FUSED_BLOCK, 2),
         }
     }
 }
@@ -144,7 +159,7 @@ pub const FUSED_COMBINE_ENV: &str = "MESHFLOW_MOE_FUSED_COMBINE";
 impl Default for FusedOptions {
     fn default() -> FusedOptions {
         FusedOptions {
-            dispatch: FusedDispatchKernel::PerWire,
+            dispatch: FusedDispatchKernel::Auto,
             combine: FusedCombineKernel::TwoPass,
         }
     }
@@ -192,10 +207,11 @@ impl FusedOptions {
         Ok(o)
     }
 
-    /// Parses `wire`, `generic` or `warp` (empty: the default).
+    /// Parses `auto`, `wire`, `generic` or `warp` (empty: the default, `auto`).
     pub fn parse_dispatch(v: &str) -> Result<FusedDispatchKernel> {
         match v.trim() {
-            "wire" | "" => Ok(FusedDispatchKernel::PerWire),
+            "auto" | "" => Ok(FusedDispatchKernel::Auto),
+            "wire" => Ok(FusedDispatchKernel::PerWire),
             "generic" => Ok(FusedDispatchKernel::Generic),
             "warp" => Ok(FusedDispatchKernel::Warp),
             other => Err(KernelError::InvalidArgument(format!(
@@ -221,6 +237,7 @@ impl FusedOptions {
             FusedDispatchKernel::Generic => "generic",
             FusedDispatchKernel::PerWire => "wire",
             FusedDispatchKernel::Warp => "warp",
+            FusedDispatchKernel::Auto => "auto",
         };
         let c = match self.combine {
             FusedCombineKernel::TwoPass => "twopass",
@@ -231,8 +248,8 @@ impl FusedOptions {
 
     /// The dispatch kernel's kind (`moe_<kind>_<dtype>`) for `wire`.
     fn dispatch_kind(self, wire: MoeWire) -> &'static str {
-        match (self.dispatch, wire) {
-            (FusedDispatchKernel::Generic, _) => "nvl_dispatch_fused",
+        match (self.dispatch.for_wire(wire), wire) {
+            (FusedDispatchKernel::Generic | FusedDispatchKernel::Auto, _) => "nvl_dispatch_fused",
             (FusedDispatchKernel::PerWire, MoeWire::Native) => "nvl_dispatch_fused_native",
             (FusedDispatchKernel::PerWire, MoeWire::Fp8E4m3(Fp8Scales::PerToken)) => {
                 "nvl_dispatch_fused_fp8t"
@@ -277,15 +294,18 @@ impl FusedPhase {
         }
     }
 
-    /// The default chunk at `tokens` tokens per rank: one token up to 2048 tokens (latency);
-    /// beyond, two for the dispatch and four for the combine (fewer release fences; the
-    /// combine's consumer sums a whole chunk from every rank at once, the dispatch's producers
-    /// feed consumers sooner with smaller chunks: measured on 2 GPUs at 4096 tokens).
-    pub fn default_chunk(self, tokens: usize) -> usize {
-        match (self, tokens > 2048) {
-            (_, false) => 1,
-            (FusedPhase::Dispatch, true) => 2,
-            (FusedPhase::Combine, true) => 4,
+    /// The default chunk at `tokens` tokens per rank on `wire`: one token up to 2048 tokens
+    /// (latency), and one for the native dispatch at any size (its default kernel, a warp per
+    /// item, measured 225 µs at 4096 tokens with one token per chunk against 254-258 µs with
+    /// two or four, on 2x H200); beyond 2048 tokens, two for the FP8 dispatch and four for the
+    /// combine (fewer release fences; the combine's consumer sums a whole chunk from every rank
+    /// at once). It depends on the shape and the wire alone, never on a rank's kernel variant,
+    /// so every rank agrees.
+    pub fn default_chunk(self, tokens: usize, wire: MoeWire) -> usize {
+        match (self, tokens > 2048, wire) {
+            (_, false, _) | (FusedPhase::Dispatch, true, MoeWire::Native) => 1,
+            (FusedPhase::Dispatch, true, MoeWire::Fp8E4m3(_)) => 2,
+            (FusedPhase::Combine, true, _) => 4,
         }
     }
 }
@@ -294,10 +314,10 @@ impl FusedPhase {
 /// [`FusedPhase::default_chunk`], overridden by the phase's variable
 /// ([`FusedPhase::chunk_env`]), else by `MESHFLOW_MOE_CHUNK` (both phases). Every rank must
 /// use the same value (it is derived from the shape and the environment alone).
-pub fn fused_chunk(phase: FusedPhase, tokens: usize) -> Result<usize> {
+pub fn fused_chunk(phase: FusedPhase, tokens: usize, wire: MoeWire) -> Result<usize> {
     Ok(match env_count(phase.chunk_env())? {
         Some(c) => c,
-        None => env_count("MESHFLOW_MOE_CHUNK")?.unwrap_or(phase.default_chunk(tokens)),
+        None => env_count("MESHFLOW_MOE_CHUNK")?.unwrap_or(phase.default_chunk(tokens, wire)),
     })
 }
 
@@ -347,10 +367,11 @@ pub(crate) fn nvl_dispatch_fused(
     options: FusedOptions,
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
-    let chunk = fused_chunk(FusedPhase::Dispatch, shape.tokens)?;
+    let chunk = fused_chunk(FusedPhase::Dispatch, shape.tokens, wire)?;
     let chunks = shape.tokens.div_ceil(chunk);
-    let block = options.dispatch.block();
-    let per_warp = options.dispatch == FusedDispatchKernel::Warp;
+    let kernel = options.dispatch.for_wire(wire);
+    let block = kernel.block();
+    let per_warp = kernel == FusedDispatchKernel::Warp;
     let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world, block, per_warp)?;
     let mut args = [
         ptr(inp.x),
@@ -419,7 +440,7 @@ pub(crate) fn nvl_combine_fused(
     options: FusedOptions,
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
-    let chunk = fused_chunk(FusedPhase::Combine, shape.tokens)?;
+    let chunk = fused_chunk(FusedPhase::Combine, shape.tokens, wire)?;
     let chunks = shape.tokens.div_ceil(chunk);
     let (grid, lag) = grid_and_lag(
         k,
@@ -485,8 +506,15 @@ mod tests {
         assert_eq!(FusedOptions::parse_combine("onepass").unwrap(), OnePass);
         assert_eq!(FusedOptions::parse_combine("").unwrap(), TwoPass);
         assert!(FusedOptions::parse_combine("one").is_err());
+        assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
-        assert_eq!(d.name(), "wire-twopass");
+        assert_eq!(d.name(), "auto-twopass");
+        assert_eq!(Auto.for_wire(MoeWire::Native), Warp);
+        assert_eq!(
+            Auto.for_wire(MoeWire::Fp8E4m3(Fp8Scales::Block128)),
+            PerWire
+        );
+        assert_eq!(Generic.for_wire(MoeWire::Native), Generic);
         let wires = [
             MoeWire::Native,
             MoeWire::Fp8E4m3(Fp8Scales::PerToken),
@@ -517,10 +545,12 @@ mod tests {
 
     #[test]
     fn default_chunks_per_phase() {
-        assert_eq!(FusedPhase::Dispatch.default_chunk(128), 1);
-        assert_eq!(FusedPhase::Combine.default_chunk(2048), 1);
-        assert_eq!(FusedPhase::Dispatch.default_chunk(4096), 2);
-        assert_eq!(FusedPhase::Combine.default_chunk(4096), 4);
+        let (native, fp8) = (MoeWire::Native, MoeWire::Fp8E4m3(Fp8Scales::PerToken));
+        assert_eq!(FusedPhase::Dispatch.default_chunk(128, fp8), 1);
+        assert_eq!(FusedPhase::Combine.default_chunk(2048, native), 1);
+        assert_eq!(FusedPhase::Dispatch.default_chunk(4096, native), 1);
+        assert_eq!(FusedPhase::Dispatch.default_chunk(4096, fp8), 2);
+        assert_eq!(FusedPhase::Combine.default_chunk(4096, native), 4);
         assert_ne!(
             FusedPhase::Dispatch.chunk_env(),
             FusedPhase::Combine.chunk_env()
