@@ -128,8 +128,8 @@ impl<K: EntityRef, V> Arena<K, V> {
     }
 
     /// The handle of the first entity `pred` accepts, in insertion order.
-    pub fn find_key(&self, mut pred: impl FnMut(&V) -> bool) -> Option<K> {
-        self.items.iter().position(|v| pred(v)).map(K::new)
+    pub fn find_key(&self, pred: impl FnMut(&V) -> bool) -> Option<K> {
+        self.items.iter().position(pred).map(K::new)
     }
 
     /// The handles of the entities `pred` accepts, in insertion order.
