@@ -409,20 +409,9 @@ fn dispatch_into_poisoned_packed_and_strided_outputs_on_sim_ranks() {
         for k in [1i64, 2, 8] {
             for (wire, h) in [("", 32), (", wire=f8e4m3, scale=block128", 128)] {
                 for route in [Route::Uniform, Route::Ragged] {
-                    let base = PoisonedMoe {
-                        d,
-                        t: 5,
-                        e: (8 + d - 1) / d,
-                        k,
-                        h,
-                        f: 16,
-                        dtype: DType::BF16,
-                        wire,
-                        strided: false,
-                    };
+                    let base = PoisonedMoe::on_sim_ranks(d, k, h, wire);
                     let label = format!("d={d} k={k} wire='{wire}' {route:?}");
-                    let mut rng = seed | 1;
-                    let ids = routing_ids(d, base.t, base.e, k, route, &mut rng);
+                    let ids = base.routing_ids(route, seed);
                     let runs: Vec<_> = [false, true]
                         .into_iter()
                         .map(|strided| {
