@@ -20,19 +20,22 @@ fn zeros(dtype: DType, shape: &[u64]) -> TensorData {
     TensorData::zeros(dtype, shape).unwrap()
 }
 
-/// The outputs of a MoE dispatch to `l` experts of capacity `c`, rows of `h` elements:
-/// `expert_x[l, c, h]` of `dtype`, `counts[l]` and `routing[l, c, 2]`, made by `make`
-/// (`TensorData::poison` or `TensorData::zeros`).
-fn dispatch_outputs(
+/// [`dispatch`] into fresh outputs for `l` experts of capacity `c`, rows of `h` elements,
+/// made by `make` (`TensorData::poison` or `TensorData::zeros`): `expert_x[l, c, h]` of
+/// `dtype`, `counts[l]` and `routing[l, c, 2]`, returned in that order.
+fn dispatch_fresh(
+    x: &TensorData,
+    idx: &TensorData,
+    wire: MoeWire,
     make: fn(DType, &[u64]) -> Result<TensorData, DataError>,
     dtype: DType,
     [l, c, h]: [u64; 3],
 ) -> (TensorData, TensorData, TensorData) {
-    (
-        make(dtype, &[l, c, h]).unwrap(),
-        make(DType::I32, &[l]).unwrap(),
-        make(DType::I32, &[l, c, 2]).unwrap(),
-    )
+    let mut ex = make(dtype, &[l, c, h]).unwrap();
+    let mut counts = make(DType::I32, &[l]).unwrap();
+    let mut routing = make(DType::I32, &[l, c, 2]).unwrap();
+    dispatch(x, idx, wire, &mut ex, &mut counts, &mut routing).unwrap();
+    (ex, counts, routing)
 }
 
 /// [`moe_dispatch`] of whole tensors.
@@ -304,17 +307,14 @@ fn moe_dispatch_and_combine_reference_semantics() {
     let x =
         TensorData::from_f32(DType::F32, &[4, 2], &[0., 1., 10., 11., 20., 21., 30., 31.]).unwrap();
     let idx = TensorData::from_i64(DType::I32, &[4, 2], &[2, 0, 0, 2, 2, 0, 0, 2]).unwrap();
-    let (mut ex, mut counts, mut routing) =
-        dispatch_outputs(TensorData::poison, DType::F32, [3, 4, 2]);
-    dispatch(
+    let (mut ex, mut counts, mut routing) = dispatch_fresh(
         &x,
         &idx,
         MoeWire::Native,
-        &mut ex,
-        &mut counts,
-        &mut routing,
-    )
-    .unwrap();
+        TensorData::poison,
+        DType::F32,
+        [3, 4, 2],
+    );
     assert_eq!(counts.storage().to_i64_vec(), vec![4, 0, 4]);
     // Expert 0 gets (0,1), (1,0), (2,1), (3,0) in ascending (t, k) order.
     assert_eq!(
@@ -388,17 +388,14 @@ fn moe_fp8_dispatch_quantizes_each_token_once_and_combine_sums_groups_in_order()
     let x = TensorData::from_f32(DType::BF16, &[2, 128], &xv).unwrap();
     let idx = TensorData::from_i64(DType::I32, &[2, 3], &[3, 0, 1, 2, 3, 0]).unwrap();
     for scales in Fp8Scales::ALL {
-        let (mut ex, mut counts, mut routing) =
-            dispatch_outputs(TensorData::poison, DType::BF16, [4, 2, 128]);
-        dispatch(
+        let (ex, counts, _routing) = dispatch_fresh(
             &x,
             &idx,
             MoeWire::Fp8E4m3(scales),
-            &mut ex,
-            &mut counts,
-            &mut routing,
-        )
-        .unwrap();
+            TensorData::poison,
+            DType::BF16,
+            [4, 2, 128],
+        );
         let ks = match scales {
             Fp8Scales::PerToken => fp8::Fp8Scales::PerToken,
             Fp8Scales::Block128 => fp8::Fp8Scales::Block128,
@@ -418,17 +415,14 @@ fn moe_fp8_dispatch_quantizes_each_token_once_and_combine_sums_groups_in_order()
         assert_eq!(counts.storage().to_i64_vec(), vec![2, 1, 1, 2]);
     }
     // Combine over 2 groups of 2 experts: token 0 has experts 3 (group 1), 0 and 1 (group 0).
-    let (mut ex, mut counts, mut routing) =
-        dispatch_outputs(TensorData::zeros, DType::BF16, [4, 2, 128]);
-    dispatch(
+    let (ex, mut counts, mut routing) = dispatch_fresh(
         &x,
         &idx,
         MoeWire::Native,
-        &mut ex,
-        &mut counts,
-        &mut routing,
-    )
-    .unwrap();
+        TensorData::zeros,
+        DType::BF16,
+        [4, 2, 128],
+    );
     let w = TensorData::from_f32(DType::F32, &[2, 3], &[0.3, 0.7, 1.1, 0.9, 0.45, 0.2]).unwrap();
     let wv = f(&w);
     let r = |v: f32| half::bf16::from_f32(v).to_f32();
