@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use meshflow::ir::{parse_host, parse_program_with, HostProgram, Program};
-use meshflow::runtime::{CpuConfig, CpuOptions};
+use meshflow::runtime::data::TensorData;
+use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunError, RunInputs, RunOutcome};
 
 /// `tests/data/runtime/<name>`.
 pub fn data_path(name: &str) -> PathBuf {
@@ -40,6 +41,16 @@ pub fn options() -> CpuOptions {
         },
         trace: false,
     }
+}
+
+/// Runs `host` on CPU ranks with the full (unsharded) `inputs` of `program`.
+pub fn run_full(
+    host: &HostProgram,
+    program: &Program,
+    inputs: &BTreeMap<String, TensorData>,
+    options: &CpuOptions,
+) -> Result<RunOutcome, RunError> {
+    run_cpu(host, RunInputs::Full { program, inputs }, options)
 }
 
 /// `iota(d)` as mesh text.
