@@ -14,7 +14,8 @@
 #    at the combine (as the evaluator gives them), the sub-phases of a step, the fused
 #    kernels' chunk per phase at T=4096, and the variants of the fused kernels
 #    (MESHFLOW_MOE_FUSED_DISPATCH=auto|generic|wire|warp, MESHFLOW_MOE_FUSED_COMBINE=
-#    twopass|onepass) at T=128 and 4096, bf16 and fp8; $OUT/diag.tsv sums it up.
+#    twopass|onepass|warp) at T=128 and 4096, bf16 and fp8, the warp combine also with 1, 2,
+#    4 and 8 tokens per chunk at T=4096; $OUT/diag.tsv sums it up.
 set -uo pipefail
 S="${1:-gpu/suite}"
 root="$(pwd)"; S="$(cd "$S" && pwd)"; B="$S/bin"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -50,12 +51,15 @@ diag() {
   q=(--test-threads 1 --nocapture)
   # 1. Tests.
   # The fused kernels' test runs every variant (FusedOptions::ALL) in turn.
-  step 240 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
+  step 360 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 150 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_split_kernels_match_reference \
     nccl_transport_matches_reference nvlink_step_replays_in_a_cuda_graph overflow_and_bad_ids_are_flagged_without_corruption \
     phases_out_of_order nvlink_ipc_two_processes
-  step 200 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
+  step 300 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
     MESHFLOW_MOE_COMBINE_CHUNK=5 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
+  # The warp combine in a CUDA graph and across processes (CUDA IPC).
+  step 90 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_FUSED_COMBINE=warp "$B/gpu_moe" "${q[@]}" \
+    nvlink_step_replays_in_a_cuda_graph nvlink_ipc_two_processes
   step 60 "$B/gpu_moe_abort" "${q[@]}"
   step 90 "$B/gpu" "${q[@]}" moe --skip faults::
   # Each MoE transport alone, the weights given at the dispatch, at the combine, cast from
@@ -104,6 +108,16 @@ diag() {
   diag var-onepass-128 "${one[@]}" "${k128[@]}"
   diag var-onepass-4k "${one[@]}" "${k4k[@]}" --wire native
   diag var-onepass-4k-c8 "${one[@]}" MESHFLOW_MOE_COMBINE_CHUNK=8 "${k4k[@]}" --wire native
+  # The warp combine (a warp per item, one-pass consumer; the default dispatch), then its chunk
+  # at T=4096 (the default there is 4).
+  wcomb=(MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_COMBINE=warp)
+  for w in native fp8-block128; do
+    diag "var-wcomb-$w-128" "${wcomb[@]}" "${k128[@]/native/$w}"
+    diag "var-wcomb-$w-4k" "${wcomb[@]}" "${k4k[@]}" --wire "$w"
+  done
+  for c in 1 2 4 8; do
+    diag "var-wcomb-4k-c$c" "${wcomb[@]}" MESHFLOW_MOE_COMBINE_CHUNK=$c "${k4k[@]}" --wire native
+  done
   log "diagnostics (label, transport, T, wire, dispatch_us, combine_us)"
   cat "$OUT/diag.tsv"
   # The bench rows against the goals (evaluator path, bf16, 2 GPUs).

@@ -37,7 +37,7 @@ def load_nvrtc():
 
 
 # Sources appended to another before compiling (kernels/src/kernels/sources.rs does the same).
-PARTS = {"moe.cu": ["moe_fused.cu", "moe_fused_warp.cu"]}
+PARTS = {"moe.cu": ["moe_fused.cu", "moe_fused_warp.cu", "moe_fused_warp_combine.cu"]}
 APPENDED = {p for parts in PARTS.values() for p in parts}
 
 

@@ -165,19 +165,24 @@ __device__ bool wait_flag(const unsigned* flag, unsigned epoch, u64 start, u64 t
     return true;
 }
 
-// Thread 0 waits until flags[i * stride] has reached `epoch` for every i < n but `skip` (the
-// flag of team rank peer0 + i), then the block proceeds; see block_wait_flags.
+// One thread waits until flags[i * stride] has reached `epoch` for every i < n but `skip` (the
+// flag of team rank peer0 + i); see block_wait_flags.
+__device__ void wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip, unsigned epoch,
+                             u64 timeout_ns, unsigned* status, unsigned phase, i64 peer0) {
+    u64 start = global_timer_ns();
+    bool ok = (*(volatile unsigned*)status & MOE_TIMEOUT) == 0;
+    for (i64 i = 0; i < n && ok; ++i) {
+        if (i == skip) continue;
+        ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i);
+    }
+}
+
+// Thread 0 waits (wait_strided), then the block proceeds.
 __device__ void block_wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip,
                                    unsigned epoch, u64 timeout_ns, unsigned* status,
                                    unsigned phase, i64 peer0) {
-    if (threadIdx.x == 0) {
-        u64 start = global_timer_ns();
-        bool ok = (*(volatile unsigned*)status & MOE_TIMEOUT) == 0;
-        for (i64 i = 0; i < n && ok; ++i) {
-            if (i == skip) continue;
-            ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i);
-        }
-    }
+    if (threadIdx.x == 0)
+        wait_strided(flags, n, stride, skip, epoch, timeout_ns, status, phase, peer0);
     __syncthreads();
 }
 
@@ -883,17 +888,175 @@ extern "C" __global__ void moe_zero_padding(char* expert_x, i64 row_bytes, i32* 
 }
 
 // ---- combine, expert side ------------------------------------------------------------------
+//
+// A partial row is the sum over k (ascending) with fan_row[k] >= 0 of w[k] * y[fan_row[k]], in
+// f32 with separate multiply and add from +0, rounded once to T. The threads sharing a row (a
+// block, or one warp: tid < nt) split it into 16-byte vectors: in each round a thread takes the
+// NV vectors base + tid + u * nt (u < NV) and loads them from up to 4 expert rows before it
+// accumulates any (accumulate_experts). Every warp reads the row's fan and weights itself
+// (lane l holds k = k0 + l, KLane) once per row, not once per round. The block kernels here and
+// in moe_fused.cu run NV = 2 (the vectors of a round spread over the block), the warp combine
+// (moe_fused_warp_combine.cu) COMBINE_WARP_BATCH over 32 lanes.
 
-// One block per received row (s, j): the partial P = sum over k (in order) with fan >= 0 of
-// w[t, k] * y[fan], in f32 with separate multiply and add from +0, rounded once to T, stored
-// at dst_at(s, j). Weights come from the wire row (given at dispatch) or, when `late`, from
-// w_self (s == rank) / w_peers + s * T * K. Each warp of the block takes its own columns and
-// reads the row's fan and weights itself (lane l holds k = k0 + l), then gathers up to 4
-// expert rows per round of loads.
+// Lane l's expert row (-1: none) and weight for k = k0 + l of one row.
+struct KLane {
+    int f;
+    float w;
+};
+
+// The warp's k = k0 + lane of fan_row and the weights (f32 at w_at), both read in one round
+// trip (the weight whatever the expert row: every k < top_k has one).
+__device__ __forceinline__ KLane k_lane(const i32* fan_row, const char* w_at, i64 top_k, i64 k0) {
+    const i64 k = k0 + lane_id();
+    KLane r = {-1, 0.0f};
+    if (k < top_k) {
+        r.f = fan_row[k];
+        r.w = ld_cg_f32(w_at + 4 * k);
+    }
+    return r;
+}
+
+// The 16-byte vectors v0 + u * nt (u < NV) of a row that one thread handles in a round: their
+// byte offsets off + u * step, and which lie in the row (ok[u]: below nv).
+template <int NV>
+struct RowVecs {
+    i64 off, step;
+    bool ok[NV];
+};
+
+template <int NV>
+__device__ __forceinline__ RowVecs<NV> row_vecs(i64 v0, i64 nt, i64 nv) {
+    RowVecs<NV> r;
+    r.off = 16 * v0;
+    r.step = 16 * nt;
+#pragma unroll
+    for (int u = 0; u < NV; ++u) r.ok[u] = v0 + u * nt < nv;
+    return r;
+}
+
+// acc[u] += w_k * y[f_k] at the thread's vectors `at` (acc[u] is garbage where !at.ok[u]) for
+// every k of one 32-k chunk (kl: lane l's k) with f_k >= 0, in ascending k: up to 4 k per round,
+// the vectors of every expert row of a round loaded before any is accumulated. Every lane of
+// the warp calls it (shuffles).
+template <typename T, int NV>
+__device__ __forceinline__ void accumulate_experts(float (&acc)[NV][16 / sizeof(T)],
+                                                   const RowVecs<NV>& at, KLane kl, const T* y,
+                                                   i64 width) {
+    const int VEC = 16 / (int)sizeof(T);
+    unsigned m = __ballot_sync(FULL_MASK, kl.f >= 0);
+    while (m != 0u) {
+        int fs[4];
+        float ws[4];
+        int cnt = 0;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int l = m != 0u ? __ffs(m) - 1 : 0;
+            fs[q] = __shfl_sync(FULL_MASK, kl.f, l);
+            ws[q] = __shfl_sync(FULL_MASK, kl.w, l);
+            if (m != 0u) {
+                ++cnt;
+                m &= m - 1u;
+            }
+        }
+        U128 yv[4][NV];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (q < cnt) {
+                const char* yr = (const char*)(y + (i64)fs[q] * width) + at.off;
+#pragma unroll
+                for (int u = 0; u < NV; ++u)
+                    if (at.ok[u]) yv[q][u] = ld_nc_v4(yr + u * at.step);
+            }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            if (q < cnt) {
+#pragma unroll
+                for (int u = 0; u < NV; ++u) {
+                    const Vec16<T> yy = *(const Vec16<T>*)&yv[q][u];
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e)
+                        acc[u][e] = __fadd_rn(acc[u][e], __fmul_rn(ws[q], to_f32(yy.v[e])));
+                }
+            }
+        }
+    }
+}
+
+// acc = the partial row (not rounded) at the thread's vectors `at`; first: the warp's
+// k_lane(fan_row, w_at, top_k, 0) (later chunks of k, K > 32, are read here).
+template <typename T, int NV>
+__device__ __forceinline__ void weighted_sum(float (&acc)[NV][16 / sizeof(T)],
+                                             const RowVecs<NV>& at, KLane first,
+                                             const i32* fan_row, const char* w_at, const T* y,
+                                             i64 top_k, i64 width) {
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+#pragma unroll
+        for (int e = 0; e < 16 / (int)sizeof(T); ++e) acc[u][e] = 0.0f;
+    }
+    for (i64 k0 = 0; k0 < top_k; k0 += 32)
+        accumulate_experts<T, NV>(acc, at, k0 == 0 ? first : k_lane(fan_row, w_at, top_k, k0), y,
+                                  width);
+}
+
+// Column c of the partial row (not rounded), one element at a time (rows not 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ float weighted_column(const i32* fan_row, const char* w_at, const T* y,
+                                                 i64 top_k, i64 width, i64 c) {
+    float acc = 0.0f;
+    for (i64 k = 0; k < top_k; ++k) {
+        const int f = fan_row[k];
+        if (f < 0) continue;
+        acc = __fadd_rn(acc, __fmul_rn(ld_cg_f32(w_at + 4 * k), to_f32(y[(i64)f * width + c])));
+    }
+    return acc;
+}
+
+// The 16-byte vector at dst: a rounded to T.
+template <typename T>
+__device__ __forceinline__ void store_rounded(char* dst, const float (&a)[16 / sizeof(T)]) {
+    Vec16<T> o;
+#pragma unroll
+    for (int e = 0; e < 16 / (int)sizeof(T); ++e) o.v[e] = from_f32<T>(a[e]);
+    st_v4(dst, *(const U128*)&o);
+}
+
+// The threads tid < nt sharing a row (every lane of their warps calls it) compute the partial
+// row whose expert rows are fan_row[k] (or -1) and weights f32 at w_at into dst, rounded to T;
+// first: the warp's k_lane(fan_row, w_at, top_k, 0).
+template <typename T, int NV>
+__device__ __forceinline__ void partial_row(T* dst, KLane first, const i32* fan_row,
+                                            const char* w_at, const T* y, i64 top_k, i64 width,
+                                            i64 tid, i64 nt) {
+    const int VEC = 16 / (int)sizeof(T);
+    if ((width % VEC) == 0 && aligned16(y) && aligned16(dst)) {
+        const i64 nv = width / VEC;
+        for (i64 base = 0; base < nv; base += NV * nt) {
+            const RowVecs<NV> at = row_vecs<NV>(base + tid, nt, nv);
+            float acc[NV][16 / sizeof(T)];
+            weighted_sum<T, NV>(acc, at, first, fan_row, w_at, y, top_k, width);
+#pragma unroll
+            for (int u = 0; u < NV; ++u)
+                if (at.ok[u]) store_rounded<T>((char*)dst + at.off + u * at.step, acc[u]);
+        }
+    } else {
+        for (i64 c = tid; c < width; c += nt)
+            dst[c] = from_f32<T>(weighted_column<T>(fan_row, w_at, y, top_k, width, c));
+    }
+}
+
+// The block computes one partial row into dst (partial_row, two vectors per thread and round).
 template <typename T>
 __device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
-                           i64 width);
+                           i64 width) {
+    partial_row<T, 2>(dst, k_lane(fan_row, w_at, top_k, 0), fan_row, w_at, y, top_k, width,
+                      threadIdx.x, blockDim.x);
+}
 
+// One block per received row (s, j): its partial row (reduce_row) stored at dst_at(s, j).
+// Weights come from the wire row (given at dispatch) or, when `late`, from w_self (s == rank)
+// / w_peers + s * T * K.
 template <typename T, typename DstAt>
 __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, const i32* fan,
                                 i64 tokens, i64 top_k, i64 world, i64 width, i64 stride,
@@ -912,93 +1075,6 @@ __device__ void reduce_partials(DstAt dst_at, const Sources& src, const T* y, co
         reduce_row<T>((T*)dst_at(s, j), fan + item * top_k, w_at, y, top_k, width);
     }
 }
-
-// The block computes one partial row into dst: the body of reduce_partials for one received
-// row whose expert rows are fan_row[k] (or -1) and weights f32 at w_at.
-template <typename T>
-__device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
-                           i64 width) {
-    const int VEC = 16 / (int)sizeof(T);
-    const int lane = lane_id();
-    {
-        const bool vec = (width % VEC) == 0 && aligned16(y) && aligned16(dst);
-        if (vec) {
-            const i64 nv = width / VEC, nt = blockDim.x;
-            // Columns (vectors) v = base + threadIdx.x + u * nt, two per thread per round.
-            for (i64 base = 0; base < nv; base += 2 * nt) {
-                const i64 v0 = base + threadIdx.x, v1 = v0 + nt;
-                float acc[2][16 / sizeof(T)];
-#pragma unroll
-                for (int q = 0; q < VEC; ++q) acc[0][q] = acc[1][q] = 0.0f;
-                for (i64 k0 = 0; k0 < top_k; k0 += 32) {
-                    const i64 k = k0 + lane;
-                    const int f = k < top_k ? fan_row[k] : -1;
-                    const float wk = f >= 0 ? ld_cg_f32(w_at + 4 * k) : 0.0f;
-                    unsigned m = __ballot_sync(FULL_MASK, f >= 0);
-                    while (m != 0u) {
-                        // Up to 4 k of this chunk, in order: load, then accumulate in order.
-                        int fs[4];
-                        float ws[4];
-                        int cnt = 0;
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            const int l = m != 0u ? __ffs(m) - 1 : 0;
-                            fs[q] = __shfl_sync(FULL_MASK, f, l);
-                            ws[q] = __shfl_sync(FULL_MASK, wk, l);
-                            if (m != 0u) {
-                                ++cnt;
-                                m &= m - 1u;
-                            }
-                        }
-                        U128 yv[4][2];
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            if (q < cnt) {
-                                const char* yr = (const char*)(y + (i64)fs[q] * width);
-                                if (v0 < nv) yv[q][0] = ld_nc_v4(yr + 16 * v0);
-                                if (v1 < nv) yv[q][1] = ld_nc_v4(yr + 16 * v1);
-                            }
-                        }
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) {
-                            if (q < cnt) {
-#pragma unroll
-                                for (int h = 0; h < 2; ++h) {
-                                    const Vec16<T> yy = *(const Vec16<T>*)&yv[q][h];
-#pragma unroll
-                                    for (int e = 0; e < VEC; ++e)
-                                        acc[h][e] = __fadd_rn(acc[h][e], __fmul_rn(ws[q], to_f32(yy.v[e])));
-                                }
-                            }
-                        }
-                    }
-                }
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const i64 v = h == 0 ? v0 : v1;
-                    if (v < nv) {
-                        Vec16<T> o;
-#pragma unroll
-                        for (int e = 0; e < VEC; ++e) o.v[e] = from_f32<T>(acc[h][e]);
-                        st_v4(dst + v * VEC, *(const U128*)&o);
-                    }
-                }
-            }
-        } else {
-            for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
-                float acc = 0.0f;
-                for (i64 k = 0; k < top_k; ++k) {
-                    const int f = fan_row[k];
-                    if (f < 0) continue;
-                    const float w = ld_cg_f32(w_at + 4 * k);
-                    acc = __fadd_rn(acc, __fmul_rn(w, to_f32(y[(i64)f * width + c])));
-                }
-                dst[c] = from_f32<T>(acc);
-            }
-        }
-    }
-}
-
 
 struct LocalDstAt {
     char* send;

@@ -1,7 +1,7 @@
 #line 1 "moe_fused.cu"
 // moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu, whose helpers they use; the warp
-// dispatch, moe_fused_warp.cu, is appended after this file; host
-// side: kernels/src/moe/fused.rs).
+// dispatch, moe_fused_warp.cu, and the warp combine, moe_fused_warp_combine.cu, are appended
+// after this file; host side: kernels/src/moe/fused.rs).
 //
 // One kernel per phase instead of two, with the receive side overlapping the peers' sends:
 //
@@ -27,9 +27,9 @@
 // tokens into out (no partial round trip through memory of its own), then sums in rank order
 // into out (same order, same roundings as the unfused kernels). The one-pass variant of the
 // consumer waits first and sums each token with its own partial held in registers
-// (reduce_sum_row); the per-wire dispatch kernels are the same code for one wire format each
-// (see the typed entry points); the warp dispatch kernels (moe_fused_warp.cu) run the same
-// items with a warp each instead of a block.
+// (partial_sum_row); the per-wire dispatch kernels are the same code for one wire format each
+// (see the typed entry points); the warp kernels (moe_fused_warp.cu: dispatch,
+// moe_fused_warp_combine.cu: combine) run the same items with a warp each instead of a block.
 //
 // Reuse across steps: a peer writes rows / partials of step s + 1 only after its combine of
 // step s, whose consumers waited for this rank's release of every chunk (empty ones included),
@@ -87,18 +87,22 @@ __device__ __forceinline__ Item item_of(i64 q, i64 n, i64 a, i64 b, i64 lag) {
     return it;
 }
 
-// After the block's stores of chunk c: chunk_flags[rank * n + c] = epoch in every peer but this
-// rank (release, system scope, after a fence over the whole block's stores). peer == -1: every
-// other rank, else only that one.
+// One thread, after its block's (or warp's) stores of chunk c and a barrier over them:
+// chunk_flags[rank * n + c] = epoch in every peer but this rank (release, system scope, after a
+// fence). peer == -1: every other rank, else only that one.
+__device__ void release_chunk_flags(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,
+                                    i64 peer, i64 n, i64 c, unsigned epoch) {
+    __threadfence_system();
+    for (i64 d = 0; d < world; ++d)
+        if (d != rank && (peer < 0 || d == peer))
+            st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
+}
+
+// release_chunk_flags after the whole block's stores of chunk c.
 __device__ void release_chunk(const u64* peer_sym, i64 flags_off, i64 world, i64 rank, i64 peer,
                               i64 n, i64 c, unsigned epoch) {
     __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence_system();
-        for (i64 d = 0; d < world; ++d)
-            if (d != rank && (peer < 0 || d == peer))
-                st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
-    }
+    if (threadIdx.x == 0) release_chunk_flags(peer_sym, flags_off, world, rank, peer, n, c, epoch);
 }
 
 // ---- dispatch ---------------------------------------------------------------------------------
@@ -283,117 +287,81 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
     }
 }
 
-// The one-pass consumer of token t (ONEPASS below): out_row = the sum in ascending rank order of
-// the partials of the ranks with pos_row[r] >= 0 (pos_row = sent_pos + t * W), in f32 from +0,
-// rounded once, where this rank's own partial (when pos_row[rank] >= 0) is computed here as
-// reduce_row does (weighted sum of its expert rows in k order, rounded to T) and never stored,
-// and every other rank's is read from partials[r][t]. The same roundings in the same order as
-// reduce_row into out followed by block_sum_chunk, without the round trip of the own partial
-// through out (one write of out instead of two writes and a read).
-template <typename T>
-__device__ void reduce_sum_row(T* out_row, const i32* fan_row, const char* w_at, const T* y,
-                               i64 top_k, i64 width, const char* partials, i64 rank,
-                               const i32* pos_row, i64 t, i64 tokens, i64 world) {
+// The one-pass consumer of token t (ONEPASS below; tid < nt: the threads sharing the row, as in
+// partial_row): out_row = the sum in ascending rank order of the partials of the ranks with
+// pos_row[r] >= 0 (pos_row = sent_pos + t * W), in f32 from +0, rounded once, where this rank's
+// own partial (when pos_row[rank] >= 0) is computed here as partial_row does (first: the warp's
+// k_lane of fan_row) and never stored, and every other rank's is read from partials[r][t]. The
+// same roundings in the same order as reduce_row into out followed by block_sum_chunk, without
+// the round trip of the own partial through out (one write of out instead of two writes and a
+// read). The first peer's vectors are loaded together with the own expert rows.
+template <typename T, int NV>
+__device__ __forceinline__ void partial_sum_row(T* out_row, KLane first, const i32* fan_row,
+                                                const char* w_at, const T* y, i64 top_k,
+                                                i64 width, const char* partials, i64 rank,
+                                                const i32* pos_row, i64 t, i64 tokens, i64 world,
+                                                i64 tid, i64 nt) {
     const int VEC = 16 / (int)sizeof(T);
-    const int lane = lane_id();
     const i64 row_bytes = width * (i64)sizeof(T);
     const bool own = pos_row[rank] >= 0;
-    const bool vec = (width % VEC) == 0 && aligned16(y) && aligned16(out_row) &&
-                     aligned16(partials);
-    if (vec) {
-        const i64 nv = width / VEC, nt = blockDim.x;
-        for (i64 base = 0; base < nv; base += 2 * nt) {
-            const i64 v0 = base + threadIdx.x, v1 = v0 + nt;
-            float acc[2][16 / sizeof(T)];
+    if ((width % VEC) == 0 && aligned16(y) && aligned16(out_row) && aligned16(partials)) {
+        // The first peer with a partial (world: none).
+        i64 r1 = 0;
+        while (r1 < world && (r1 == rank || pos_row[r1] < 0)) ++r1;
+        const i64 nv = width / VEC;
+        for (i64 base = 0; base < nv; base += NV * nt) {
+            const RowVecs<NV> at = row_vecs<NV>(base + tid, nt, nv);
+            U128 pre[NV];
+            if (r1 < world) {
+                const char* src = partials + (r1 * tokens + t) * row_bytes + at.off;
 #pragma unroll
-            for (int q = 0; q < VEC; ++q) acc[0][q] = acc[1][q] = 0.0f;
-            // The own partial (warp-uniform: `own` is the same in every thread).
-            for (i64 k0 = 0; own && k0 < top_k; k0 += 32) {
-                const i64 k = k0 + lane;
-                const int f = k < top_k ? fan_row[k] : -1;
-                const float wk = f >= 0 ? ld_cg_f32(w_at + 4 * k) : 0.0f;
-                unsigned m = __ballot_sync(FULL_MASK, f >= 0);
-                while (m != 0u) {
-                    int fs[4];
-                    float ws[4];
-                    int cnt = 0;
+                for (int u = 0; u < NV; ++u)
+                    if (at.ok[u]) pre[u] = ld_cg_v4(src + u * at.step);
+            }
+            float acc[NV][16 / sizeof(T)];
+            // `own` is the same in every thread (weighted_sum shuffles).
+            if (own) {
+                weighted_sum<T, NV>(acc, at, first, fan_row, w_at, y, top_k, width);
+            } else {
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        const int l = m != 0u ? __ffs(m) - 1 : 0;
-                        fs[q] = __shfl_sync(FULL_MASK, f, l);
-                        ws[q] = __shfl_sync(FULL_MASK, wk, l);
-                        if (m != 0u) {
-                            ++cnt;
-                            m &= m - 1u;
-                        }
-                    }
-                    U128 yv[4][2];
+                for (int u = 0; u < NV; ++u) {
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if (q < cnt) {
-                            const char* yr = (const char*)(y + (i64)fs[q] * width);
-                            if (v0 < nv) yv[q][0] = ld_nc_v4(yr + 16 * v0);
-                            if (v1 < nv) yv[q][1] = ld_nc_v4(yr + 16 * v1);
-                        }
-                    }
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        if (q < cnt) {
-#pragma unroll
-                            for (int h = 0; h < 2; ++h) {
-                                const Vec16<T> yy = *(const Vec16<T>*)&yv[q][h];
-#pragma unroll
-                                for (int e = 0; e < VEC; ++e)
-                                    acc[h][e] = __fadd_rn(acc[h][e], __fmul_rn(ws[q], to_f32(yy.v[e])));
-                            }
-                        }
-                    }
+                    for (int e = 0; e < VEC; ++e) acc[u][e] = 0.0f;
                 }
             }
-            // The rank-ordered sum; acc now holds the own partial before rounding.
-            float sum[2][16 / sizeof(T)];
+            // The rank-ordered sum; acc holds the own partial before rounding.
+            float sum[NV][16 / sizeof(T)];
 #pragma unroll
-            for (int q = 0; q < VEC; ++q) sum[0][q] = sum[1][q] = 0.0f;
+            for (int u = 0; u < NV; ++u) {
+#pragma unroll
+                for (int e = 0; e < VEC; ++e) sum[u][e] = 0.0f;
+            }
             for (i64 r = 0; r < world; ++r) {
                 if (pos_row[r] < 0) continue;
-                const char* src = partials + (r * tokens + t) * row_bytes;
+                const char* src = partials + (r * tokens + t) * row_bytes + at.off;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const i64 v = h == 0 ? v0 : v1;
-                    if (v >= nv) continue;
+                for (int u = 0; u < NV; ++u) {
+                    if (!at.ok[u]) continue;
                     if (r == rank) {
 #pragma unroll
-                        for (int q = 0; q < VEC; ++q)
-                            sum[h][q] = __fadd_rn(sum[h][q], to_f32(from_f32<T>(acc[h][q])));
+                        for (int e = 0; e < VEC; ++e)
+                            sum[u][e] = __fadd_rn(sum[u][e], to_f32(from_f32<T>(acc[u][e])));
                     } else {
-                        const U128 raw = ld_cg_v4(src + 16 * v);
+                        const U128 raw = r == r1 ? pre[u] : ld_cg_v4(src + u * at.step);
                         const Vec16<T> pv = *(const Vec16<T>*)&raw;
 #pragma unroll
-                        for (int q = 0; q < VEC; ++q)
-                            sum[h][q] = __fadd_rn(sum[h][q], to_f32(pv.v[q]));
+                        for (int e = 0; e < VEC; ++e)
+                            sum[u][e] = __fadd_rn(sum[u][e], to_f32(pv.v[e]));
                     }
                 }
             }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const i64 v = h == 0 ? v0 : v1;
-                if (v < nv) {
-                    Vec16<T> o;
-#pragma unroll
-                    for (int q = 0; q < VEC; ++q) o.v[q] = from_f32<T>(sum[h][q]);
-                    st_v4(out_row + v * VEC, *(const U128*)&o);
-                }
-            }
+            for (int u = 0; u < NV; ++u)
+                if (at.ok[u]) store_rounded<T>((char*)out_row + at.off + u * at.step, sum[u]);
         }
     } else {
-        for (i64 c = threadIdx.x; c < width; c += blockDim.x) {
-            float acc = 0.0f;
-            for (i64 k = 0; own && k < top_k; ++k) {
-                const int f = fan_row[k];
-                if (f < 0) continue;
-                const float w = ld_cg_f32(w_at + 4 * k);
-                acc = __fadd_rn(acc, __fmul_rn(w, to_f32(y[(i64)f * width + c])));
-            }
+        for (i64 c = tid; c < width; c += nt) {
+            const float acc = own ? weighted_column<T>(fan_row, w_at, y, top_k, width, c) : 0.0f;
             float sum = 0.0f;
             for (i64 r = 0; r < world; ++r) {
                 if (pos_row[r] < 0) continue;
@@ -407,12 +375,21 @@ __device__ void reduce_sum_row(T* out_row, const i32* fan_row, const char* w_at,
     }
 }
 
+// Where the combine's weights of token t of source s lie: the wire row `row` (given at dispatch)
+// or, when late, w_area ([W, T, K], slot s from rank s).
+__device__ __forceinline__ const char* combine_w_at(const char* row, i64 meta_off, i64 top_k,
+                                                    unsigned late, const float* w_area, i64 s,
+                                                    i64 t, i64 tokens) {
+    return late != 0 ? (const char*)(w_area + (s * tokens + t) * top_k)
+                     : row + meta_off + 4 + 4 * top_k;
+}
+
 // rows / partials / chunk flags: this rank's symmetric regions (local addresses). late: the
 // weights come from w_area ([W, T, K], slot s from rank s), an item of source s waiting for
 // weight flag s only (a block never waits for weights it does not read); else from the wire
 // rows. The last block resets the ticket counter. ONEPASS: the consumer waits for the chunk
 // from every peer first, then computes each token's own partial and the rank-ordered sum in
-// one pass (reduce_sum_row); else it stores its own partials into out, waits, and sums
+// one pass (partial_sum_row); else it stores its own partials into out, waits, and sums
 // (block_sum_chunk).
 template <typename T, bool ONEPASS = false>
 __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 timeout_ns,
@@ -439,11 +416,12 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
             block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status,
                                MOE_GAVE_UP_COMBINE, 0);
             for (i64 t = t0; t < t1; ++t) {
-                const char* row = rows + (s * tokens + t) * stride;
-                const char* w_at = late != 0 ? (const char*)(w_area + (s * tokens + t) * top_k)
-                                             : row + meta_off + 4 + 4 * top_k;
-                reduce_sum_row<T>(out + t * width, fan + (s * tokens + t) * top_k, w_at, y, top_k,
-                                  width, partials, rank, sent_pos + t * world, t, tokens, world);
+                const char* w_at = combine_w_at(rows + (s * tokens + t) * stride, meta_off, top_k,
+                                                late, w_area, s, t, tokens);
+                const i32* fan_row = fan + (s * tokens + t) * top_k;
+                partial_sum_row<T, 2>(out + t * width, k_lane(fan_row, w_at, top_k, 0), fan_row,
+                                      w_at, y, top_k, width, partials, rank, sent_pos + t * world,
+                                      t, tokens, world, threadIdx.x, blockDim.x);
             }
             continue;
         }
@@ -452,8 +430,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
             // Own tokens: the slot holds a row iff the token went to this rank.
             if (it.consumer ? sent_pos[t * world + rank] < 0 : ld_cg_i32(row + meta_off) != t)
                 continue;
-            const char* w_at = late != 0 ? (const char*)(w_area + (s * tokens + t) * top_k)
-                                         : row + meta_off + 4 + 4 * top_k;
+            const char* w_at = combine_w_at(row, meta_off, top_k, late, w_area, s, t, tokens);
             T* dst = it.consumer ? out + t * width
                                  : (T*)((char*)peer_sym[s] + partials_off +
                                         (rank * tokens + t) * row_bytes);

@@ -39,26 +39,27 @@ __device__ __forceinline__ i64 warp_ticket(unsigned* counter) {
     return (i64)__shfl_sync(FULL_MASK, q, 0);
 }
 
-// Lane 0 waits until *flag reaches `epoch` (as block_wait_strided does for one flag: gives up on
-// a timeout or the abort word, at once when an earlier wait gave up), then the warp proceeds.
-__device__ void warp_wait_flag(const unsigned* flag, unsigned epoch, u64 timeout_ns,
-                               unsigned* status, unsigned phase, i64 peer) {
-    if (lane_id() == 0 && (*(volatile unsigned*)status & MOE_TIMEOUT) == 0)
-        wait_flag(flag, epoch, global_timer_ns(), timeout_ns, status, phase, peer);
+// block_wait_strided for a warp: lane 0 waits (wait_strided), then the warp proceeds.
+__device__ void warp_wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip,
+                                  unsigned epoch, u64 timeout_ns, unsigned* status,
+                                  unsigned phase, i64 peer0) {
+    if (lane_id() == 0)
+        wait_strided(flags, n, stride, skip, epoch, timeout_ns, status, phase, peer0);
     __syncwarp();
 }
 
-// After the warp's stores of chunk c: chunk_flags[rank * n + c] = epoch in every peer (release,
-// system scope, after a fence over the warp's stores), as release_chunk does for a block.
-__device__ void warp_release_chunk(const u64* peer_sym, i64 flags_off, i64 world, i64 rank, i64 n,
-                                   i64 c, unsigned epoch) {
+// Lane 0 waits until *flag (team rank peer's) reaches `epoch`, then the warp proceeds.
+__device__ void warp_wait_flag(const unsigned* flag, unsigned epoch, u64 timeout_ns,
+                               unsigned* status, unsigned phase, i64 peer) {
+    warp_wait_strided(flag, 1, 0, -1, epoch, timeout_ns, status, phase, peer);
+}
+
+// release_chunk for a warp: release_chunk_flags after the warp's stores of chunk c (peer == -1:
+// at every other rank, else at that one).
+__device__ void warp_release_chunk(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,
+                                   i64 peer, i64 n, i64 c, unsigned epoch) {
     __syncwarp();
-    if (lane_id() == 0) {
-        __threadfence_system();
-        for (i64 d = 0; d < world; ++d)
-            if (d != rank)
-                st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
-    }
+    if (lane_id() == 0) release_chunk_flags(peer_sym, flags_off, world, rank, peer, n, c, epoch);
     __syncwarp();
 }
 
@@ -400,7 +401,7 @@ __device__ void nvl_dispatch_fused_warp(const T* x, const i32* topk_idx, const f
                 warp_send_token<T, QB>(t, at, x, topk_idx, weights, tokens, top_k, experts,
                                        local_experts, world, rank, hidden, wire, scale_off,
                                        meta_off, cnt, sent_pos, status, own, ws);
-            warp_release_chunk(peer_sym, chunk_flags_off, world, rank, n, it.chunk, epoch);
+            warp_release_chunk(peer_sym, chunk_flags_off, world, rank, -1, n, it.chunk, epoch);
         } else {
             const i64 s = (rank + 1 + it.index) % world;
             warp_wait_flag(flags + s * n + it.chunk, epoch, timeout_ns, status,

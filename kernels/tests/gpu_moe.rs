@@ -455,8 +455,8 @@ fn nvlink_split_kernels_match_reference() {
 
 #[test]
 fn nvlink_fused_kernels_match_reference() {
-    // Every variant of the fused kernels (per-wire, generic or warp dispatch, one- or two-pass
-    // combine), each bit-identical to the reference.
+    // Every variant of the fused kernels (per-wire, generic or warp dispatch; two-pass,
+    // one-pass or warp combine), each bit-identical to the reference.
     for options in FusedOptions::ALL {
         run_all(Engine::NvlinkFused(options), &cases());
     }

@@ -22,8 +22,8 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
-    /// `moe.cu` with `moe_fused.cu` and `moe_fused_warp.cu` (appended): MoE dispatch / combine (NCCL and NVLink
-    /// transports, [`crate::moe`]).
+    /// `moe.cu` with `moe_fused.cu`, `moe_fused_warp.cu` and `moe_fused_warp_combine.cu`
+    /// (appended): MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]).
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
     Rows,
@@ -74,14 +74,16 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
-            // moe_fused.cu uses moe.cu's helpers, moe_fused_warp.cu both: one module, each file its
-            // own `#line` directive.
+            // moe_fused.cu uses moe.cu's helpers, moe_fused_warp.cu both, and
+            // moe_fused_warp_combine.cu all three: one module, each file its own `#line` directive.
             Source::Moe => concat!(
                 include_str!("../../cuda/moe.cu"),
                 "\n",
                 include_str!("../../cuda/moe_fused.cu"),
                 "\n",
-                include_str!("../../cuda/moe_fused_warp.cu")
+                include_str!("../../cuda/moe_fused_warp.cu"),
+                "\n",
+                include_str!("../../cuda/moe_fused_warp_combine.cu")
             ),
             Source::Rows => include_str!("../../cuda/rows.cu"),
         }
@@ -147,7 +149,7 @@ impl Source {
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
 /// The kernels of `moe.cu` instantiated per float type (`moe_<kind>_<dtype>`).
-pub(crate) const MOE_TYPED: [&str; 15] = [
+pub(crate) const MOE_TYPED: [&str; 16] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
@@ -163,6 +165,7 @@ pub(crate) const MOE_TYPED: [&str; 15] = [
     "nvl_dispatch_fused_warp_fp8b",
     "nvl_combine_fused",
     "nvl_combine_fused_onepass",
+    "nvl_combine_fused_warp",
 ];
 
 /// The kernels of `moe.cu`.
@@ -260,7 +263,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 15 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 16 * 3) + 15);
     }
 
     #[test]

@@ -25,9 +25,12 @@
 //!   (`moe_fused_warp.cu`, one per wire format): every warp of small blocks takes its own
 //!   items, with no block-wide barrier per token, and loads the first part of a row before its
 //!   routing round trips.
-//! - `MESHFLOW_MOE_FUSED_COMBINE=twopass|onepass`: the combine's consumer stores this rank's
-//!   own partials into `out`, then sums (default), or computes them and sums in one pass
-//!   (one write of `out` instead of two writes and a read).
+//! - `MESHFLOW_MOE_FUSED_COMBINE=twopass|onepass|warp`: the combine's consumer stores this
+//!   rank's own partials into `out`, then sums (default), or computes them and sums in one pass
+//!   (one write of `out` instead of two writes and a read); `warp`: the warp kernel
+//!   (`moe_fused_warp_combine.cu`): every warp of small blocks takes its own items, reads a
+//!   token's fan and weights once (one token ahead) and keeps the vectors of up to 4 expert rows
+//!   in flight per lane; its consumer is one-pass.
 
 use super::kernel_calls::{n, ptr, FlagWait, PeerRegions, SendInputs, SendState, NULL};
 use super::{MoeShape, MoeWire, WireLayout};
@@ -40,8 +43,8 @@ use crate::stream::Stream;
 /// Threads per block of the fused kernels (their `ROW_KERNEL` launch bounds).
 const FUSED_BLOCK: u32 = 256;
 
-/// Threads per block of the warp dispatch kernels (their `WARP_KERNEL` launch bounds:
-/// `WARP_THREADS` in `moe_fused_warp.cu`, at most 8 blocks per SM).
+/// Threads per block of the warp kernels (dispatch and combine; their `WARP_KERNEL` launch
+/// bounds: `WARP_THREADS` in `moe_fused_warp.cu`, at most 8 blocks per SM).
 const FUSED_WARP_BLOCK: u32 = 64;
 
 /// The environment variable choosing the kernel generation.
@@ -139,6 +142,18 @@ pub enum FusedCombineKernel {
     TwoPass,
     /// `moe_nvl_combine_fused_onepass_<T>`: own partial and sum in one pass per token.
     OnePass,
+    /// `moe_nvl_combine_fused_warp_<T>`: a warp per item, one-pass consumer.
+    Warp,
+}
+
+impl FusedCombineKernel {
+    /// Threads per block and the most blocks per SM the kernel is launched with.
+    fn block(self) -> (u32, usize) {
+        match self {
+            FusedCombineKernel::Warp => (FUSED_WARP_BLOCK, 8),
+            FusedCombineKernel::TwoPass | FusedCombineKernel::OnePass => (FUSED_BLOCK, 2),
+        }
+    }
 }
 
 /// The variants of the fused kernels an engine runs (each rank may choose its own: they
@@ -167,7 +182,7 @@ impl Default for FusedOptions {
 
 impl FusedOptions {
     /// Every combination, for tests.
-    pub const ALL: [FusedOptions; 6] = [
+    pub const ALL: [FusedOptions; 9] = [
         FusedOptions {
             dispatch: FusedDispatchKernel::Generic,
             combine: FusedCombineKernel::TwoPass,
@@ -191,6 +206,18 @@ impl FusedOptions {
         FusedOptions {
             dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::OnePass,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::Generic,
+            combine: FusedCombineKernel::Warp,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::PerWire,
+            combine: FusedCombineKernel::Warp,
+        },
+        FusedOptions {
+            dispatch: FusedDispatchKernel::Warp,
+            combine: FusedCombineKernel::Warp,
         },
     ];
 
@@ -220,13 +247,14 @@ impl FusedOptions {
         }
     }
 
-    /// Parses `twopass` or `onepass` (empty: the default).
+    /// Parses `twopass`, `onepass` or `warp` (empty: the default, `twopass`).
     pub fn parse_combine(v: &str) -> Result<FusedCombineKernel> {
         match v.trim() {
             "twopass" | "" => Ok(FusedCombineKernel::TwoPass),
             "onepass" => Ok(FusedCombineKernel::OnePass),
+            "warp" => Ok(FusedCombineKernel::Warp),
             other => Err(KernelError::InvalidArgument(format!(
-                "{FUSED_COMBINE_ENV}={other}: expected twopass or onepass"
+                "{FUSED_COMBINE_ENV}={other}: expected twopass, onepass or warp"
             ))),
         }
     }
@@ -242,6 +270,7 @@ impl FusedOptions {
         let c = match self.combine {
             FusedCombineKernel::TwoPass => "twopass",
             FusedCombineKernel::OnePass => "onepass",
+            FusedCombineKernel::Warp => "warp",
         };
         format!("{d}-{c}")
     }
@@ -272,6 +301,7 @@ impl FusedOptions {
         match self.combine {
             FusedCombineKernel::TwoPass => "nvl_combine_fused",
             FusedCombineKernel::OnePass => "nvl_combine_fused_onepass",
+            FusedCombineKernel::Warp => "nvl_combine_fused_warp",
         }
     }
 }
@@ -442,13 +472,9 @@ pub(crate) fn nvl_combine_fused(
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Combine, shape.tokens, wire)?;
     let chunks = shape.tokens.div_ceil(chunk);
-    let (grid, lag) = grid_and_lag(
-        k,
-        chunks * shape.world,
-        shape.world,
-        (FUSED_BLOCK, 2),
-        false,
-    )?;
+    let block = options.combine.block();
+    let per_warp = options.combine == FusedCombineKernel::Warp;
+    let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world, block, per_warp)?;
     let at = |off: usize| Arg::Ptr(c.sym.addr() + off as u64);
     let mut args = [
         ptr(wait.flags),
@@ -478,7 +504,7 @@ pub(crate) fn nvl_combine_fused(
         ptr(c.status),
     ];
     let name = moe_typed_name(options.combine_kind(), shape.dtype);
-    k.call(stream, Source::Moe, &name, grid, FUSED_BLOCK, &mut args)
+    k.call(stream, Source::Moe, &name, grid, block.0, &mut args)
 }
 
 #[cfg(test)]
@@ -497,19 +523,33 @@ mod tests {
 
     #[test]
     fn fused_options_parse_and_name_their_kernels() {
-        use FusedCombineKernel::*;
-        use FusedDispatchKernel::*;
+        use FusedCombineKernel::{OnePass, TwoPass};
+        use FusedDispatchKernel::{Auto, Generic, PerWire};
         assert_eq!(FusedOptions::parse_dispatch("wire").unwrap(), PerWire);
         assert_eq!(FusedOptions::parse_dispatch(" generic").unwrap(), Generic);
-        assert_eq!(FusedOptions::parse_dispatch("warp").unwrap(), Warp);
+        assert_eq!(
+            FusedOptions::parse_dispatch("warp").unwrap(),
+            FusedDispatchKernel::Warp
+        );
         assert!(FusedOptions::parse_dispatch("warps").is_err());
         assert_eq!(FusedOptions::parse_combine("onepass").unwrap(), OnePass);
+        assert_eq!(
+            FusedOptions::parse_combine(" warp").unwrap(),
+            FusedCombineKernel::Warp
+        );
         assert_eq!(FusedOptions::parse_combine("").unwrap(), TwoPass);
         assert!(FusedOptions::parse_combine("one").is_err());
+        assert!(FusedOptions::parse_combine("warps").is_err());
         assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
         assert_eq!(d.name(), "auto-twopass");
-        assert_eq!(Auto.for_wire(MoeWire::Native), Warp);
+        let w = FusedOptions {
+            dispatch: FusedDispatchKernel::Warp,
+            combine: FusedCombineKernel::Warp,
+        };
+        assert_eq!(w.name(), "warp-warp");
+        assert_eq!(w.combine_kind(), "nvl_combine_fused_warp");
+        assert_eq!(Auto.for_wire(MoeWire::Native), FusedDispatchKernel::Warp);
         assert_eq!(
             Auto.for_wire(MoeWire::Fp8E4m3(Fp8Scales::Block128)),
             PerWire
@@ -535,8 +575,14 @@ mod tests {
                 let name = moe_typed_name(kind, crate::dtype::DType::BF16);
                 assert!(functions.contains(&name), "{name}");
             }
-            let line = format!("ROW_KERNEL moe_{}_##T(", o.combine_kind());
+            let bounds = match o.combine.block().0 {
+                FUSED_WARP_BLOCK => "WARP_KERNEL",
+                _ => "ROW_KERNEL",
+            };
+            let line = format!("{bounds} moe_{}_##T(", o.combine_kind());
             assert!(Source::Moe.text().contains(&line), "{line}");
+            let name = moe_typed_name(o.combine_kind(), crate::dtype::DType::BF16);
+            assert!(functions.contains(&name), "{name}");
         }
         let names: std::collections::HashSet<String> =
             FusedOptions::ALL.iter().map(|o| o.name()).collect();
@@ -567,6 +613,8 @@ mod tests {
             .text()
             .contains("#define WARP_KERNEL __launch_bounds__(WARP_THREADS, 8)\n"));
         assert_eq!(FusedDispatchKernel::Warp.block(), (FUSED_WARP_BLOCK, 8));
+        assert_eq!(FusedCombineKernel::Warp.block(), (FUSED_WARP_BLOCK, 8));
+        assert_eq!(FusedCombineKernel::OnePass.block(), (FUSED_BLOCK, 2));
         assert!(Source::Moe
             .text()
             .contains("ROW_KERNEL moe_nvl_dispatch_fused_##T("));
