@@ -14,7 +14,7 @@
 # moe` (kernels and evaluator paths, $OUT/moe-<n>.json) and `bench permute` (a few minutes on 2
 # GPUs); `schedule` runs only PyTorch's baselines and the two `bench schedule` runs, and prints
 # each case's default row with its ratios to the bound, to the fastest variant and to PyTorch's
-# async-TP (about 2 minutes on 2 GPUs, each run capped: at most about 5); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
+# async-TP (about 3 minutes on 2 GPUs, each run capped: at most about 6); `calibrate` writes the measured profile ($OUT/profile-<n>.json); `all` runs the tests
 # and the benchmarks.
 # `python` runs the Python package's GPU tests (python/gpu/run.sh) from the wheel that
 # scripts/python-carry.sh packs into gpu/python/ (run it too, before carrying).
@@ -103,18 +103,19 @@ torch_figures() {
 }
 schedule() {
   # Each case is set up once, every variant checked once, then timed in interleaved rounds
-  # (2 untimed + 10 timed rounds of 5 steps each). A rank that makes no progress for
+  # (3 untimed + 40 timed rounds of 5 steps each: with 10 rounds, two variants that lower to
+  # the same program measured up to 3.4 % apart at 8192^3 on 2x H200). A rank that makes no progress for
   # --timeout + 10 s ends its case as an error naming the program and the phase (or, blocked
   # inside NCCL, its process); `step` caps each run on top.
-  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 2 --iters 10 --steps 5 --skip-parts --timeout 15)
+  local tj="$OUT/torch_baselines_$n.json" q=(--warmup 3 --iters 40 --steps 5 --skip-parts --timeout 15)
   # Ranks as threads of one process (procs = 1): a fresh process per shape, each running that
   # shape's AG+GEMM and GEMM+RS cases (about 30 s each on 2 GPUs) ...
   for s in 16384x8192x8192 8192x8192x8192; do
-    step 65 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
+    step 90 env RUST_LOG=meshflow_bench=info "$B/meshflow" bench schedule --torch "$tj" \
       --shape "$s" --json "$OUT/schedule-threads-$n-$s.json" "${q[@]}"
   done
   # ... and one process per GPU (procs = n; rank 0 writes the rows): every case, about 50 s.
-  [ "$n" -ge 2 ] && step 100 env RUST_LOG=meshflow_bench=info "$B/meshflow" launch --nproc "$n" -- \
+  [ "$n" -ge 2 ] && step 150 env RUST_LOG=meshflow_bench=info "$B/meshflow" launch --nproc "$n" -- \
     "$B/meshflow" bench schedule --torch "$tj" --json "$OUT/schedule-procs-$n.json" "${q[@]}"
   python3 - "$OUT" "$n" <<'PY'
 import json, sys, os, datetime

@@ -21,8 +21,8 @@
 //!   set_current_stream s; pre(i); post(i)             // ... while chunk i is computed
 //!   wait c
 //! }
-//! synchronize worker(0)
 //! pre(b-1); post(b-1)
+//! synchronize worker(0)                               // the worker's last send is done
 //! ```
 //!
 //! When the first transfer is a permute to the rank itself (a ring's step 0: the own chunk
@@ -38,8 +38,8 @@
 //! set_current_stream s; pre(a); post(a)[comm(a)'s output read as its input]
 //! wait c2; wait c1
 //! for i in a+1..b-1 { ... as above ... }
-//! synchronize worker(0)
 //! pre(b-1); post(b-1)
+//! synchronize worker(0)
 //! ```
 //!
 //! The copy to itself is left out when the gathered buffer is a temporary that no instruction
@@ -371,11 +371,9 @@ impl<'a> Candidate<'a> {
         if b - 1 > a + 1 {
             out.push(self.steady_loop(saved, a + 1));
         }
-        out.push(Inst::new(InstKind::Synchronize {
-            stream: StreamRef::Worker(Expr::c(0)),
-        }));
         out.extend(at(self.pre, Expr::c(b - 1)));
         out.extend(at(self.post, Expr::c(b - 1)));
+        out.push(join_worker());
     }
 
     /// `for i in from..stop-1`: the transfer of chunk i + 1 on the worker under the compute of
@@ -422,13 +420,23 @@ impl<'a> Candidate<'a> {
         out.push(back_to(saved));
         out.push(Inst::new(InstKind::Wait { comm: first }));
         out.push(self.steady_loop(saved, self.start));
-        // The worker is done (every transfer was waited for); the last chunk's compute.
-        out.push(Inst::new(InstKind::Synchronize {
-            stream: StreamRef::Worker(Expr::c(0)),
-        }));
+        // Every transfer was waited for: the last chunk's compute, then the join with the
+        // worker (see `join_worker`).
         out.extend(at(self.pre, Expr::c(self.stop - 1)));
         out.extend(at(self.post, Expr::c(self.stop - 1)));
+        out.push(join_worker());
     }
+}
+
+/// The main stream joins worker 0 after the last chunk's compute, not before it: the waits
+/// already order that compute after the transfer it reads, and a join in front of it would
+/// also hold it behind this rank's own last send (on 2x H200, 12-20 µs per AG+GEMM at
+/// 8192^3: `bench/results/2026-11-26-h200x2-schedule.json`, the forwarding ring, which joins
+/// last, against the prefetched ring, which joined first).
+fn join_worker() -> Inst {
+    Inst::new(InstKind::Synchronize {
+        stream: StreamRef::Worker(Expr::c(0)),
+    })
 }
 
 /// Switches to worker 0 and orders it after the main stream (`saved`) so far.
