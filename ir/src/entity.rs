@@ -126,6 +126,19 @@ impl<K: EntityRef, V> Arena<K, V> {
     pub fn values(&self) -> impl ExactSizeIterator<Item = &V> + '_ {
         self.items.iter()
     }
+
+    /// The handle of the first entity `pred` accepts, in insertion order.
+    pub fn find_key(&self, pred: impl FnMut(&V) -> bool) -> Option<K> {
+        self.items.iter().position(pred).map(K::new)
+    }
+
+    /// The handles of the entities `pred` accepts, in insertion order.
+    pub fn keys_where<'a>(
+        &'a self,
+        mut pred: impl FnMut(&V) -> bool + 'a,
+    ) -> impl Iterator<Item = K> + 'a {
+        self.iter().filter(move |(_, v)| pred(v)).map(|(k, _)| k)
+    }
 }
 
 impl<K: EntityRef, V> std::ops::Index<K> for Arena<K, V> {

@@ -90,6 +90,35 @@ macro_rules! with_storage {
     };
 }
 
+/// Applies `$body` to the inner vector of a [`Storage`] and wraps its result (a vector of the
+/// same element type) in the same variant.
+macro_rules! map_storage {
+    ($s:expr, $v:ident => $body:expr) => {
+        match $s {
+            Storage::F32($v) => Storage::F32($body),
+            Storage::BF16($v) => Storage::BF16($body),
+            Storage::F16($v) => Storage::F16($body),
+            Storage::I32($v) => Storage::I32($body),
+            Storage::I64($v) => Storage::I64($body),
+        }
+    };
+}
+
+/// Applies `$body` to the inner vectors of two [`Storage`]s of the same element type; `false`
+/// when their element types differ.
+macro_rules! with_storage_pair {
+    (($a:expr, $b:expr), ($x:ident, $y:ident) => $body:expr) => {
+        match ($a, $b) {
+            (Storage::F32($x), Storage::F32($y)) => $body,
+            (Storage::BF16($x), Storage::BF16($y)) => $body,
+            (Storage::F16($x), Storage::F16($y)) => $body,
+            (Storage::I32($x), Storage::I32($y)) => $body,
+            (Storage::I64($x), Storage::I64($y)) => $body,
+            _ => false,
+        }
+    };
+}
+
 /// The value written into fresh buffers by the CPU backend so that reading uninitialized
 /// memory shows up: NaN for floats, this value for integers.
 pub const INT_POISON: i64 = -0x5A5A_5A5A;
@@ -235,126 +264,54 @@ impl Storage {
 
     /// A copy of elements `range` (empty when out of range).
     pub fn slice(&self, range: std::ops::Range<usize>) -> Storage {
-        match self {
-            Storage::F32(v) => Storage::F32(v.get(range).unwrap_or(&[]).to_vec()),
-            Storage::BF16(v) => Storage::BF16(v.get(range).unwrap_or(&[]).to_vec()),
-            Storage::F16(v) => Storage::F16(v.get(range).unwrap_or(&[]).to_vec()),
-            Storage::I32(v) => Storage::I32(v.get(range).unwrap_or(&[]).to_vec()),
-            Storage::I64(v) => Storage::I64(v.get(range).unwrap_or(&[]).to_vec()),
-        }
+        map_storage!(self, v => v.get(range).unwrap_or(&[]).to_vec())
     }
 
     /// Appends elements `range` of `src`; false (nothing appended) when the element types
     /// differ or the range is out of bounds.
     pub fn extend_from(&mut self, src: &Storage, range: std::ops::Range<usize>) -> bool {
-        macro_rules! arm {
-            ($d:expr, $s:expr) => {
-                match $s.get(range) {
-                    Some(part) => {
-                        $d.extend_from_slice(part);
-                        true
-                    }
-                    None => false,
-                }
-            };
-        }
-        match (self, src) {
-            (Storage::F32(d), Storage::F32(s)) => arm!(d, s),
-            (Storage::BF16(d), Storage::BF16(s)) => arm!(d, s),
-            (Storage::F16(d), Storage::F16(s)) => arm!(d, s),
-            (Storage::I32(d), Storage::I32(s)) => arm!(d, s),
-            (Storage::I64(d), Storage::I64(s)) => arm!(d, s),
-            _ => false,
-        }
+        with_storage_pair!((self, src), (d, s) => match s.get(range) {
+            Some(part) => {
+                d.extend_from_slice(part);
+                true
+            }
+            None => false,
+        })
     }
 
     /// Overwrites elements from `at` with elements `range` of `src`; false (nothing written)
     /// when the element types differ or a range is out of bounds.
     pub fn write_at(&mut self, at: usize, src: &Storage, range: std::ops::Range<usize>) -> bool {
         let n = range.len();
-        macro_rules! arm {
-            ($d:expr, $s:expr) => {
-                match ($d.get_mut(at..at + n), $s.get(range)) {
-                    (Some(d), Some(s)) => {
-                        d.copy_from_slice(s);
-                        true
-                    }
-                    _ => false,
-                }
-            };
-        }
-        match (self, src) {
-            (Storage::F32(d), Storage::F32(s)) => arm!(d, s),
-            (Storage::BF16(d), Storage::BF16(s)) => arm!(d, s),
-            (Storage::F16(d), Storage::F16(s)) => arm!(d, s),
-            (Storage::I32(d), Storage::I32(s)) => arm!(d, s),
-            (Storage::I64(d), Storage::I64(s)) => arm!(d, s),
+        with_storage_pair!((self, src), (d, s) => match (d.get_mut(at..at + n), s.get(range)) {
+            (Some(d), Some(s)) => {
+                d.copy_from_slice(s);
+                true
+            }
             _ => false,
-        }
+        })
     }
 
     /// The elements at `indices`, in that order (`None` when an index is out of range).
     pub fn pick(&self, indices: &[usize]) -> Option<Storage> {
-        Some(match self {
-            Storage::F32(v) => Storage::F32(
-                indices
-                    .iter()
-                    .map(|&i| v.get(i).copied())
-                    .collect::<Option<_>>()?,
-            ),
-            Storage::BF16(v) => Storage::BF16(
-                indices
-                    .iter()
-                    .map(|&i| v.get(i).copied())
-                    .collect::<Option<_>>()?,
-            ),
-            Storage::F16(v) => Storage::F16(
-                indices
-                    .iter()
-                    .map(|&i| v.get(i).copied())
-                    .collect::<Option<_>>()?,
-            ),
-            Storage::I32(v) => Storage::I32(
-                indices
-                    .iter()
-                    .map(|&i| v.get(i).copied())
-                    .collect::<Option<_>>()?,
-            ),
-            Storage::I64(v) => Storage::I64(
-                indices
-                    .iter()
-                    .map(|&i| v.get(i).copied())
-                    .collect::<Option<_>>()?,
-            ),
-        })
+        Some(map_storage!(self, v => {
+            indices.iter().map(|&i| v.get(i).copied()).collect::<Option<_>>()?
+        }))
     }
 
     /// Writes element `j` of `src` to index `indices[j]`; false (possibly partly written) when
     /// the types differ or an index is out of range.
     pub fn put(&mut self, indices: &[usize], src: &Storage) -> bool {
-        macro_rules! arm {
-            ($d:expr, $s:expr) => {
-                indices.len() == $s.len()
-                    && indices
-                        .iter()
-                        .zip($s.iter())
-                        .all(|(&i, &x)| match $d.get_mut(i) {
-                            Some(slot) => {
-                                *slot = x;
-                                true
-                            }
-                            None => false,
-                        })
-            };
-        }
-        match (self, src) {
-            (Storage::F32(d), Storage::F32(s)) => arm!(d, s),
-            (Storage::BF16(d), Storage::BF16(s)) => arm!(d, s),
-            (Storage::F16(d), Storage::F16(s)) => arm!(d, s),
-            (Storage::I32(d), Storage::I32(s)) => arm!(d, s),
-            (Storage::I64(d), Storage::I64(s)) => arm!(d, s),
-            _ => false,
-        }
+        indices.len() == src.len()
+            && with_storage_pair!((self, src), (d, s) => {
+                indices.iter().zip(s.iter()).all(|(&i, &x)| match d.get_mut(i) {
+                    Some(slot) => {
+                        *slot = x;
+                        true
+                    }
+                    None => false,
+                })
+            })
     }
 
     /// All elements as `i64`.

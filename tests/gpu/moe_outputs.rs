@@ -8,11 +8,11 @@
 //! `y` within the dtype's tolerance.
 
 use crate::support::gpu::*;
-use crate::support::moe::{routing_ids, PoisonedMoe, Route};
+use crate::support::moe::{PoisonedMoe, Route};
 
 use meshflow::ir::DType;
 use meshflow::runtime::cuda::{run_cuda_timed, Transport};
-use meshflow::runtime::{run_cpu, RunInputs};
+use meshflow::runtime::RunInputs;
 
 #[test]
 fn dispatch_writes_poisoned_program_outputs_in_place() {
@@ -20,12 +20,7 @@ fn dispatch_writes_poisoned_program_outputs_in_place() {
     let seed = 0x5EED_0042;
     for d in counts {
         // (transport forced, graph): the automatic choice is NVLink for d >= 2.
-        let runs: &[(Option<Transport>, bool)] = if d >= 2 {
-            &[(None, false), (Some(Transport::Nccl), false), (None, true)]
-        } else {
-            &[(None, false)]
-        };
-        for &(forced, graph) in runs {
+        for &(forced, graph) in moe_runs(d) {
             for k in [1i64, 2, 8] {
                 for (wire, h) in [
                     ("", 64),
@@ -35,15 +30,8 @@ fn dispatch_writes_poisoned_program_outputs_in_place() {
                     for route in [Route::Uniform, Route::Ragged] {
                         for strided in [false, true] {
                             let case = PoisonedMoe {
-                                d: d as i64,
-                                t: 6,
-                                e: 8 / d as i64,
-                                k,
-                                h,
-                                f: 32,
-                                dtype: DType::BF16,
-                                wire,
                                 strided,
+                                ..PoisonedMoe::on_gpus(d, k, h, wire)
                             };
                             let label = format!(
                                 "d={d} {forced:?} graph={graph} k={k} wire='{wire}' {route:?} \
@@ -66,19 +54,11 @@ fn check(
     graph: bool,
     seed: u64,
 ) {
-    let mut rng = seed | 1;
-    let ids = routing_ids(case.d, case.t, case.e, case.k, route, &mut rng);
+    let ids = case.routing_ids(route, seed);
     let host = case.host();
     let inputs = case.inputs(&ids, seed);
-    let mut co = cpu_options();
-    co.ranks = Some(case.d as usize);
-    let want = run_cpu(&host, RunInputs::PerRank(inputs.clone()), &co)
-        .unwrap_or_else(|e| panic!("{label} on CPU ranks: {e}"));
-    let mut o = cuda_options();
-    o.ranks = Some(case.d as usize);
-    o.config.transport = forced;
-    o.config.graph = graph;
-    o.config.steps = if graph { 2 } else { 1 };
+    let want = run_on_cpu_ranks(&host, case.d as usize, inputs.clone(), label);
+    let o = moe_run_options(case.d as usize, forced, graph);
     let run = run_cuda_timed(&host, RunInputs::PerRank(inputs), &o, 0, 1)
         .unwrap_or_else(|e| panic!("{label} on GPUs: {e}"));
     let used: Vec<_> = run.transports[&0]

@@ -8,13 +8,13 @@
 //! dtype's tolerance, and the run reports which instruction carried the weights.
 
 use crate::support::gpu::*;
-use crate::support::moe::{routing_ids, with_late_weights, PoisonedMoe, Route};
+use crate::support::moe::{with_late_weights, PoisonedMoe, Route};
 
 use meshflow::ir::{DType, HostProgram};
 use meshflow::runtime::backend::MoeWeightsAt;
 use meshflow::runtime::cuda::{run_cuda_timed, Transport};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::{run_cpu, RunInputs};
+use meshflow::runtime::RunInputs;
 
 use std::collections::BTreeMap;
 
@@ -24,29 +24,14 @@ type Outputs = BTreeMap<usize, BTreeMap<String, TensorData>>;
 fn moe_weights_early_and_late_match_bit_for_bit_on_gpus() {
     let seed = 0x5EED_0019;
     for d in rank_counts("moe_weights_early_and_late_match_bit_for_bit_on_gpus") {
-        let runs: &[(Option<Transport>, bool)] = if d >= 2 {
-            &[(None, false), (Some(Transport::Nccl), false), (None, true)]
-        } else {
-            &[(None, false)]
-        };
-        for &(forced, graph) in runs {
+        for &(forced, graph) in moe_runs(d) {
             for (k, wire, h) in [
                 (1i64, "", 64i64),
                 (2, ", wire=f8e4m3, scale=token", 64),
                 (8, ", wire=f8e4m3, scale=block128", 128),
             ] {
                 for route in [Route::Uniform, Route::Ragged] {
-                    let case = PoisonedMoe {
-                        d: d as i64,
-                        t: 6,
-                        e: 8 / d as i64,
-                        k,
-                        h,
-                        f: 32,
-                        dtype: DType::BF16,
-                        wire,
-                        strided: false,
-                    };
+                    let case = PoisonedMoe::on_gpus(d, k, h, wire);
                     let label =
                         format!("d={d} {forced:?} graph={graph} k={k} wire='{wire}' {route:?}");
                     check(&case, &label, route, forced, graph, seed);
@@ -64,21 +49,13 @@ fn check(
     graph: bool,
     seed: u64,
 ) {
-    let mut rng = seed | 1;
-    let ids = routing_ids(case.d, case.t, case.e, case.k, route, &mut rng);
+    let ids = case.routing_ids(route, seed);
     let inputs = case.inputs(&ids, seed);
     let early = case.host();
     let late = with_late_weights(&early);
-    let mut co = cpu_options();
-    co.ranks = Some(case.d as usize);
-    let want = run_cpu(&early, RunInputs::PerRank(inputs.clone()), &co)
-        .unwrap_or_else(|e| panic!("{label} on CPU ranks: {e}"));
+    let want = run_on_cpu_ranks(&early, case.d as usize, inputs.clone(), label);
     let gpu = |host: &HostProgram, how: MoeWeightsAt| -> Outputs {
-        let mut o = cuda_options();
-        o.ranks = Some(case.d as usize);
-        o.config.transport = forced;
-        o.config.graph = graph;
-        o.config.steps = if graph { 2 } else { 1 };
+        let o = moe_run_options(case.d as usize, forced, graph);
         let run = run_cuda_timed(host, RunInputs::PerRank(inputs.clone()), &o, 0, 1)
             .unwrap_or_else(|e| panic!("{label} weights at the {}: {e}", how.name()));
         for (rank, list) in &run.transports {

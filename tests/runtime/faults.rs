@@ -14,7 +14,6 @@ use meshflow::ir::{HostProgram, Program};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cpu::{Fault, FaultKind};
 use meshflow::runtime::ranks::RunError;
-use meshflow::runtime::{run_cpu, RunInputs};
 
 /// The receive timeout of a run with `fault`.
 fn timeout_for(fault: &Fault) -> Duration {
@@ -31,15 +30,7 @@ fn run_faulty(l1: &Program, host: &HostProgram, fault: Fault) -> (Vec<(usize, St
     opts.config.timeout = timeout_for(&fault);
     opts.config.faults = vec![fault];
     let start = Instant::now();
-    let err = run_cpu(
-        host,
-        RunInputs::Full {
-            program: l1,
-            inputs: &inputs,
-        },
-        &opts,
-    )
-    .unwrap_err();
+    let err = run_full(host, l1, &inputs, &opts).unwrap_err();
     let elapsed = start.elapsed();
     let RunError::Failed(f) = err else {
         panic!("expected a run failure, got {err}");

@@ -98,15 +98,7 @@ fn ragged_routing_with_idle_experts_and_silent_ranks() {
     let l1 = moe_level1(d, t, e, 1);
     let host = moe_host(d, t, e, 1, 8, 4);
     let full = inputs(d, t, e, &routes);
-    let out = run_cpu(
-        &host,
-        RunInputs::Full {
-            program: &l1,
-            inputs: &full,
-        },
-        &options(),
-    )
-    .unwrap();
+    let out = run_full(&host, &l1, &full, &options()).unwrap();
     let got = out.gather(&l1).unwrap();
     let want = evaluate(&l1, &full).unwrap();
     let cmp = compare_outputs(&l1, &got, &want).unwrap();
@@ -139,15 +131,7 @@ fn top_k_rows_of_one_token_go_to_several_ranks() {
     let routes: Vec<Vec<i64>> = (0..t * d).map(|g| vec![g % 4, (g + 1) % 4]).collect();
     let l1 = moe_level1(d, t, e, 2);
     let full = inputs(d, t, e, &routes);
-    let out = run_cpu(
-        &moe_host(d, t, e, 2, 8, 4),
-        RunInputs::Full {
-            program: &l1,
-            inputs: &full,
-        },
-        &options(),
-    )
-    .unwrap();
+    let out = run_full(&moe_host(d, t, e, 2, 8, 4), &l1, &full, &options()).unwrap();
     let got = out.gather(&l1).unwrap();
     let want = evaluate(&l1, &full).unwrap();
     assert!(compare_outputs(&l1, &got, &want).unwrap().passed());
@@ -161,16 +145,9 @@ fn capacity_overflow_is_an_error_naming_the_expert() {
     let l1 = moe_level1(d, t, e, 1);
     let full = inputs(d, t, e, &routes);
     let host = moe_host_cap(d, t, e, 1, 8, 4, 4);
-    let err = run_cpu(
-        &host,
-        RunInputs::Full {
-            program: &l1,
-            inputs: &full,
-        },
-        &options(),
-    )
-    .unwrap_err()
-    .to_string();
+    let err = run_full(&host, &l1, &full, &options())
+        .unwrap_err()
+        .to_string();
     assert!(
         err.contains("expert 1 receives more than its capacity of 4 rows"),
         "{err}"
@@ -179,16 +156,9 @@ fn capacity_overflow_is_an_error_naming_the_expert() {
     // Invalid expert ids are rejected too.
     let bad: Vec<Vec<i64>> = vec![vec![2]; 6];
     let full = inputs(d, t, e, &bad);
-    let err = run_cpu(
-        &moe_host(d, t, e, 1, 8, 4),
-        RunInputs::Full {
-            program: &l1,
-            inputs: &full,
-        },
-        &options(),
-    )
-    .unwrap_err()
-    .to_string();
+    let err = run_full(&moe_host(d, t, e, 1, 8, 4), &l1, &full, &options())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("is not an expert id in 0..2"), "{err}");
 }
 
@@ -282,15 +252,7 @@ fn bit_exact(d: i64, k: i64, dt: DType, wire: &str, route: Route, seed: u64) -> 
         TensorData::from_i64(DType::I32, &[(t * d) as u64, k as u64], &ids).unwrap(),
     );
     let label = format!("d={d} k={k} {dt} wire='{wire}' {route:?} seed={seed}");
-    let out = run_cpu(
-        &host,
-        RunInputs::Full {
-            program: &l1,
-            inputs: &inputs,
-        },
-        &options(),
-    )
-    .unwrap_or_else(|e| panic!("{label}: {e}"));
+    let out = run_full(&host, &l1, &inputs, &options()).unwrap_or_else(|e| panic!("{label}: {e}"));
     let got = out.gather(&l1).unwrap();
     let want = evaluate(&l1, &inputs).unwrap();
     // The dispatch (FP8 quantization included) is exact; `y` went through the reference's
@@ -380,15 +342,7 @@ fn combine_sums_per_rank_partials_in_rank_order() {
             TensorData::from_f32(DType::F32, &[4, 1, 1], &[1.0, 0.5, 1e8, -1e8]).unwrap(),
         ),
     ]);
-    let out = run_cpu(
-        &host,
-        RunInputs::Full {
-            program: &l1,
-            inputs: &inputs,
-        },
-        &options(),
-    )
-    .unwrap();
+    let out = run_full(&host, &l1, &inputs, &options()).unwrap();
     let y = out.gather(&l1).unwrap()["y"].storage().to_f32_vec();
     assert_eq!(y[0], 1.0);
     let want = evaluate(&l1, &inputs).unwrap()["y"].storage().to_f32_vec();
@@ -409,20 +363,9 @@ fn dispatch_into_poisoned_packed_and_strided_outputs_on_sim_ranks() {
         for k in [1i64, 2, 8] {
             for (wire, h) in [("", 32), (", wire=f8e4m3, scale=block128", 128)] {
                 for route in [Route::Uniform, Route::Ragged] {
-                    let base = PoisonedMoe {
-                        d,
-                        t: 5,
-                        e: (8 + d - 1) / d,
-                        k,
-                        h,
-                        f: 16,
-                        dtype: DType::BF16,
-                        wire,
-                        strided: false,
-                    };
+                    let base = PoisonedMoe::on_sim_ranks(d, k, h, wire);
                     let label = format!("d={d} k={k} wire='{wire}' {route:?}");
-                    let mut rng = seed | 1;
-                    let ids = routing_ids(d, base.t, base.e, k, route, &mut rng);
+                    let ids = base.routing_ids(route, seed);
                     let runs: Vec<_> = [false, true]
                         .into_iter()
                         .map(|strided| {

@@ -6,11 +6,11 @@
 //! pairs of programs run on GPUs in `tests/gpu/moe_weights.rs`, where the two ways move
 //! different bytes.)
 
-use crate::support::moe::{routing_ids, with_late_weights, PoisonedMoe, Route};
+use crate::support::moe::{with_late_weights, PoisonedMoe, Route};
 use crate::support::runtime as common;
 
 use common::*;
-use meshflow::ir::{DType, HostProgram};
+use meshflow::ir::HostProgram;
 use meshflow::runtime::backend::MoeWeightsAt;
 use meshflow::runtime::{run_and_compare, run_cpu, RunInputs, RunOutcome};
 
@@ -64,20 +64,9 @@ fn weights_with_the_dispatch_or_the_combine_give_bit_identical_results() {
             (8, ", wire=f8e4m3, scale=block128", 128),
         ] {
             for route in [Route::Uniform, Route::Ragged] {
-                let case = PoisonedMoe {
-                    d,
-                    t: 5,
-                    e: (8 + d - 1) / d,
-                    k,
-                    h,
-                    f: 16,
-                    dtype: DType::BF16,
-                    wire,
-                    strided: false,
-                };
+                let case = PoisonedMoe::on_sim_ranks(d, k, h, wire);
                 let label = format!("d={d} k={k} wire='{wire}' {route:?}");
-                let mut rng = seed | 1;
-                let ids = routing_ids(d, case.t, case.e, k, route, &mut rng);
+                let ids = case.routing_ids(route, seed);
                 let run = |host: &HostProgram| {
                     run_cpu(host, RunInputs::PerRank(case.inputs(&ids, seed)), &traced)
                         .unwrap_or_else(|e| panic!("{label}: {e}"))

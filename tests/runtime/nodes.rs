@@ -2,6 +2,8 @@
 //! over real TCP sockets): results match the in-process run bit for bit, and a rank that fails
 //! on one node stops the other node through the proxy's failure notice, naming it.
 
+use crate::support::runtime::run_full;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -14,7 +16,7 @@ use meshflow::runtime::data::TensorData;
 use meshflow::runtime::multinode::{run_node, NodeError, NodeOutcome, NodeSpec};
 use meshflow::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 use meshflow::runtime::shard::scatter_inputs;
-use meshflow::runtime::{run_cpu, CpuOptions, RunInputs};
+use meshflow::runtime::CpuOptions;
 use meshflow::{compile, Compiled, Options};
 
 fn compiled(example: &str, ranks: i64) -> (Program, Compiled) {
@@ -86,18 +88,12 @@ fn nodes_linked_by_the_proxy_compute_the_same_bits_as_one_process() {
         let (program, c) = compiled(example, ranks as i64);
         let inputs = random_inputs(&program, 3).expect("inputs");
         let opts = options(Vec::new());
-        let want = run_cpu(
-            c.host(),
-            RunInputs::Full {
-                program: c.level1().expect("lowered"),
-                inputs: &inputs,
-            },
-            &CpuOptions {
-                ranks: Some(ranks),
-                ..opts.clone()
-            },
-        )
-        .expect("in-process run");
+        let in_process = CpuOptions {
+            ranks: Some(ranks),
+            ..opts.clone()
+        };
+        let want = run_full(c.host(), c.level1().expect("lowered"), &inputs, &in_process)
+            .expect("in-process run");
         let topology = Topology::contiguous(ranks, node_size).expect("topology");
         let results = run_nodes(&c, &inputs, &topology, ring, &opts);
         let mut writes = 0;

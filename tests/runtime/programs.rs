@@ -89,15 +89,7 @@ fn repeated_runs_are_bit_identical() {
     let host = row_parallel_host(4, 3);
     let inputs = random_inputs(&l1, 7).unwrap();
     let run = || {
-        let out = run_cpu(
-            &host,
-            RunInputs::Full {
-                program: &l1,
-                inputs: &inputs,
-            },
-            &options(),
-        )
-        .unwrap();
+        let out = run_full(&host, &l1, &inputs, &options()).unwrap();
         out.gather(&l1).unwrap()
     };
     let first = run();
@@ -119,15 +111,7 @@ fn trace_has_one_event_per_executed_instruction() {
     let inputs = random_inputs(&l1, 1).unwrap();
     let mut opts = options();
     opts.trace = true;
-    let out = run_cpu(
-        &host,
-        RunInputs::Full {
-            program: &l1,
-            inputs: &inputs,
-        },
-        &opts,
-    )
-    .unwrap();
+    let out = run_full(&host, &l1, &inputs, &opts).unwrap();
     let trace = out.trace.expect("trace requested");
     // Per rank: allocate y, allocate ag, get stream, 2 x 7 loop instructions, set stream,
     // 2 synchronizes, deallocate.

@@ -1,13 +1,14 @@
 //! Helpers shared by the GPU tests: GPU counts and honest skips,
-//! options, host-text templates, and CPU-vs-GPU comparisons.
+//! options (the runs of the MoE tests among them), host-text templates, and CPU-vs-GPU
+//! comparisons.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use meshflow::ir::{parse_host, DType, HostProgram};
-use meshflow::runtime::cuda::{device_count, run_cuda, CudaConfig, CudaOptions};
+use meshflow::runtime::cuda::{device_count, run_cuda, CudaConfig, CudaOptions, Transport};
 use meshflow::runtime::data::TensorData;
-use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunInputs};
+use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunInputs, RunOutcome};
 
 /// Number of GPUs, or why there are none.
 pub fn gpus() -> Result<usize, String> {
@@ -49,6 +50,41 @@ pub fn cuda_options() -> CudaOptions {
             ..CudaConfig::default()
         },
     }
+}
+
+/// The runs of the GPU MoE tests on `d` GPUs, as (transport forced, step recorded as a CUDA
+/// graph): the automatic choice (NVLink for `d >= 2`), NCCL, and NVLink replayed from a graph;
+/// on one GPU the automatic choice alone.
+pub fn moe_runs(d: usize) -> &'static [(Option<Transport>, bool)] {
+    if d >= 2 {
+        &[(None, false), (Some(Transport::Nccl), false), (None, true)]
+    } else {
+        &[(None, false)]
+    }
+}
+
+/// Options of one of the [`moe_runs`] on `d` GPUs (a graph run replays its step: two steps).
+pub fn moe_run_options(d: usize, forced: Option<Transport>, graph: bool) -> CudaOptions {
+    let mut o = cuda_options();
+    o.ranks = Some(d);
+    o.config.transport = forced;
+    o.config.graph = graph;
+    o.config.steps = if graph { 2 } else { 1 };
+    o
+}
+
+/// `host` run on `d` CPU ranks with `inputs` (the reference of a GPU run); a failure panics
+/// naming `label`.
+pub fn run_on_cpu_ranks(
+    host: &HostProgram,
+    d: usize,
+    inputs: BTreeMap<usize, BTreeMap<String, TensorData>>,
+    label: &str,
+) -> RunOutcome {
+    let mut co = cpu_options();
+    co.ranks = Some(d);
+    run_cpu(host, RunInputs::PerRank(inputs), &co)
+        .unwrap_or_else(|e| panic!("{label} on CPU ranks: {e}"))
 }
 
 /// CPU options (the reference implementation).

@@ -1,6 +1,7 @@
 //! MoE layer host programs whose dispatch outputs are poisoned before the dispatch, their
 //! per-rank inputs with chosen routing, and the expert rows as per-expert multisets: shared by
-//! the sim-rank tests (`tests/runtime/moe.rs`) and the GPU tests (`tests/gpu/moe_outputs.rs`),
+//! the sim-rank tests (`tests/runtime/moe.rs`, `tests/runtime/moe_weights.rs`) and the GPU
+//! tests (`tests/gpu/moe_outputs.rs`, `tests/gpu/moe_weights.rs`),
 //! which compare the GPU transports (writing the outputs in place, padding unspecified) with
 //! the CPU backend.
 
@@ -74,6 +75,46 @@ pub struct PoisonedMoe {
 }
 
 impl PoisonedMoe {
+    /// The packed bf16 layer of the sim-rank tests on `d` ranks: 5 tokens per rank, 8 experts
+    /// over the team (rounded up to whole experts per rank), top-`k`, width `h` -> 16, the
+    /// dispatch's `wire` attributes.
+    pub fn on_sim_ranks(d: i64, k: i64, h: i64, wire: &'static str) -> PoisonedMoe {
+        PoisonedMoe {
+            d,
+            t: 5,
+            e: (8 + d - 1) / d,
+            k,
+            h,
+            f: 16,
+            dtype: DType::BF16,
+            wire,
+            strided: false,
+        }
+    }
+
+    /// The packed bf16 layer of the GPU tests on `d` GPUs: 6 tokens per rank, 8 experts over
+    /// the team, top-`k`, width `h` -> 32, the dispatch's `wire` attributes.
+    pub fn on_gpus(d: usize, k: i64, h: i64, wire: &'static str) -> PoisonedMoe {
+        PoisonedMoe {
+            d: d as i64,
+            t: 6,
+            e: 8 / d as i64,
+            k,
+            h,
+            f: 32,
+            dtype: DType::BF16,
+            wire,
+            strided: false,
+        }
+    }
+
+    /// Routing ids of this layer (see [`routing_ids`]), drawn from a generator seeded by
+    /// `seed`.
+    pub fn routing_ids(&self, route: Route, seed: u64) -> Vec<i64> {
+        let mut rng = seed | 1;
+        routing_ids(self.d, self.t, self.e, self.k, route, &mut rng)
+    }
+
     /// The capacity: every token of the team fits in one expert.
     pub fn cap(&self) -> i64 {
         self.t * self.d

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use meshflow::ir::{parse_host, parse_program_with, HostProgram, Program};
-use meshflow::runtime::{CpuConfig, CpuOptions};
+use meshflow::runtime::data::TensorData;
+use meshflow::runtime::{run_cpu, CpuConfig, CpuOptions, RunError, RunInputs, RunOutcome};
 
 /// `tests/data/runtime/<name>`.
 pub fn data_path(name: &str) -> PathBuf {
@@ -42,6 +43,16 @@ pub fn options() -> CpuOptions {
     }
 }
 
+/// Runs `host` on CPU ranks with the full (unsharded) `inputs` of `program`.
+pub fn run_full(
+    host: &HostProgram,
+    program: &Program,
+    inputs: &BTreeMap<String, TensorData>,
+    options: &CpuOptions,
+) -> Result<RunOutcome, RunError> {
+    run_cpu(host, RunInputs::Full { program, inputs }, options)
+}
+
 /// `iota(d)` as mesh text.
 pub fn iota(d: i64) -> String {
     let v: Vec<String> = (0..d).map(|i| i.to_string()).collect();
@@ -50,57 +61,66 @@ pub fn iota(d: i64) -> String {
 
 /// Ring all-gather + linear on worker streams (what the lowering emits for `ring_linear.mf`).
 pub fn ring_host(d: i64) -> HostProgram {
-    let t = r#"
-host ring_linear {
-  mesh m0 = $MESH
-  in x: bf16[16, 32] on m0
-  in w: bf16[12, 32] on m0
-  out y: bf16[$rows, 12] on m0
-  tensor ag: bf16[$rows, 32] on m0
-  tensor ag_chunk: bf16[16, 32] on m0
-  tensor y_chunk: bf16[16, 12] on m0
-  allocate y
-  allocate ag
-  s0 = get_current_stream
-  for i0 in 0..$d {
-    set_current_stream worker(i0)
-    synchronize s0
-    ag_chunk = shard_by_stream(ag, axis=0, chunks=$d, index=(i0 + my(m0, DIDx)) % $d)
-    c0 = collective_permute(x -> ag_chunk, team=slice(m0, DIDx), send=($d + my(m0, DIDx) - i0) % $d, recv=(i0 + my(m0, DIDx)) % $d)
-    wait c0
-    y_chunk = shard_by_stream(y, axis=0, chunks=$d, index=(i0 + my(m0, DIDx)) % $d)
-    linear(ag_chunk, w -> y_chunk)
-  }
-  set_current_stream s0
-  for i1 in 0..$d {
-    synchronize worker(i1)
-  }
-  deallocate ag
-}
-"#;
-    host(&t.replace("$MESH", &iota(d)), &[("d", d), ("rows", 16 * d)])
+    gathered_linear_host(
+        d,
+        GatheredLinear {
+            name: "ring_linear",
+            dtype: "bf16",
+            allocate_y: true,
+            chunk: "(i0 + my(m0, DIDx)) % $d",
+            gather: "collective_permute(x -> ag_chunk, team=slice(m0, DIDx), \
+                     send=($d + my(m0, DIDx) - i0) % $d, recv=(i0 + my(m0, DIDx)) % $d)",
+        },
+    )
 }
 
 /// Stream-broadcast all-gather + linear (`broadcast_linear.mf`).
 pub fn broadcast_host(d: i64) -> HostProgram {
+    gathered_linear_host(
+        d,
+        GatheredLinear {
+            name: "broadcast_linear",
+            dtype: "f32",
+            allocate_y: false,
+            chunk: "i0",
+            gather: "broadcast(x -> ag_chunk, team=slice(m0, DIDx), root=i0)",
+        },
+    )
+}
+
+/// What differs between [`ring_host`] and [`broadcast_host`].
+struct GatheredLinear {
+    name: &'static str,
+    dtype: &'static str,
+    /// Whether `y` is allocated explicitly at the start.
+    allocate_y: bool,
+    /// The index of the chunk worker stream `i0` gathers and multiplies.
+    chunk: &'static str,
+    /// The communication that fills `ag_chunk` (waited on as `c0`).
+    gather: &'static str,
+}
+
+/// `x[16, 32]` of every rank gathered into `ag` chunk by chunk, each on worker stream `i0`,
+/// and each gathered chunk multiplied by `w` into the matching rows of `y`.
+fn gathered_linear_host(d: i64, g: GatheredLinear) -> HostProgram {
     let t = r#"
-host broadcast_linear {
+host $NAME {
   mesh m0 = $MESH
-  in x: f32[16, 32] on m0
-  in w: f32[12, 32] on m0
-  out y: f32[$rows, 12] on m0
-  tensor ag: f32[$rows, 32] on m0
-  tensor ag_chunk: f32[16, 32] on m0
-  tensor y_chunk: f32[16, 12] on m0
-  allocate ag
+  in x: $DT[16, 32] on m0
+  in w: $DT[12, 32] on m0
+  out y: $DT[$rows, 12] on m0
+  tensor ag: $DT[$rows, 32] on m0
+  tensor ag_chunk: $DT[16, 32] on m0
+  tensor y_chunk: $DT[16, 12] on m0
+$ALLOCATE_Y  allocate ag
   s0 = get_current_stream
   for i0 in 0..$d {
     set_current_stream worker(i0)
     synchronize s0
-    ag_chunk = shard_by_stream(ag, axis=0, chunks=$d, index=i0)
-    c0 = broadcast(x -> ag_chunk, team=slice(m0, DIDx), root=i0)
+    ag_chunk = shard_by_stream(ag, axis=0, chunks=$d, index=$CHUNK)
+    c0 = $GATHER
     wait c0
-    y_chunk = shard_by_stream(y, axis=0, chunks=$d, index=i0)
+    y_chunk = shard_by_stream(y, axis=0, chunks=$d, index=$CHUNK)
     linear(ag_chunk, w -> y_chunk)
   }
   set_current_stream s0
@@ -110,7 +130,17 @@ host broadcast_linear {
   deallocate ag
 }
 "#;
-    host(&t.replace("$MESH", &iota(d)), &[("d", d), ("rows", 16 * d)])
+    let text = t
+        .replace("$NAME", g.name)
+        .replace("$MESH", &iota(d))
+        .replace("$DT", g.dtype)
+        .replace(
+            "$ALLOCATE_Y",
+            if g.allocate_y { "  allocate y\n" } else { "" },
+        )
+        .replace("$CHUNK", g.chunk)
+        .replace("$GATHER", g.gather);
+    host(&text, &[("d", d), ("rows", 16 * d)])
 }
 
 /// Chunked row-parallel linear: per chunk a partial GEMM and an all-reduce.

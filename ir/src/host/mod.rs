@@ -769,27 +769,17 @@ impl HostProgram {
     }
 
     fn with_role(&self, role: Role) -> Vec<HostTensorId> {
-        self.tensors
-            .iter()
-            .filter(|(_, t)| t.role == role)
-            .map(|(id, _)| id)
-            .collect()
+        self.tensors.keys_where(|t| t.role == role).collect()
     }
 
     /// The tensor called `name`.
     pub fn tensor_by_name(&self, name: &str) -> Option<HostTensorId> {
-        self.tensors
-            .iter()
-            .find(|(_, t)| t.name == name)
-            .map(|(id, _)| id)
+        self.tensors.find_key(|t| t.name == name)
     }
 
     /// The mesh called `name`.
     pub fn mesh_by_name(&self, name: &str) -> Option<MeshId> {
-        self.meshes
-            .iter()
-            .find(|(_, m)| m.name == name)
-            .map(|(id, _)| id)
+        self.meshes.find_key(|m| m.name == name)
     }
 
     /// The number of devices a run needs.

@@ -506,27 +506,17 @@ impl Program {
 
     /// Program inputs, in declaration order.
     pub fn inputs(&self) -> Vec<TensorId> {
-        self.tensors
-            .iter()
-            .filter(|(_, t)| t.is_input)
-            .map(|(id, _)| id)
-            .collect()
+        self.tensors.keys_where(|t| t.is_input).collect()
     }
 
     /// The tensor called `name`.
     pub fn tensor_by_name(&self, name: &str) -> Option<TensorId> {
-        self.tensors
-            .iter()
-            .find(|(_, t)| t.name == name)
-            .map(|(id, _)| id)
+        self.tensors.find_key(|t| t.name == name)
     }
 
     /// The mesh called `name`.
     pub fn mesh_by_name(&self, name: &str) -> Option<MeshId> {
-        self.meshes
-            .iter()
-            .find(|(_, m)| m.name == name)
-            .map(|(id, _)| id)
+        self.meshes.find_key(|m| m.name == name)
     }
 
     /// The index in [`Program::ops`] of the op defining `tensor`, if any.

@@ -140,6 +140,8 @@ impl HostChecker<'_> {
         }
     }
 
+    /// `shard_by_stream`: the view is one of `chunks` equal chunks of the viewed tensor along
+    /// the axis; a constant index must name one of them.
     pub(super) fn shard_by_stream(&mut self, kind: &InstKind, here: &Location) {
         let InstKind::ShardByStream {
             out,
@@ -151,51 +153,7 @@ impl HostChecker<'_> {
         else {
             return;
         };
-        let (Some(v), Some(t)) = (self.decl(*out).cloned(), self.decl(*input).cloned()) else {
-            return;
-        };
-        if out == input {
-            self.push(here, format!("`{}` cannot be a view of itself", v.name));
-            return;
-        }
-        if v.role != Role::Internal {
-            self.push(
-                here,
-                format!(
-                    "view `{}` must be declared `tensor` (internal), not as a program {}",
-                    v.name,
-                    if v.role == Role::Input {
-                        "input"
-                    } else {
-                        "output"
-                    }
-                ),
-            );
-        }
-        if v.dtype != t.dtype {
-            self.push(
-                here,
-                format!(
-                    "view `{}` is {} but `{}` is {}",
-                    v.name, v.dtype, t.name, t.dtype
-                ),
-            );
-        }
-        if v.mesh != t.mesh {
-            self.push(
-                here,
-                format!("view `{}` and `{}` are on different meshes", v.name, t.name),
-            );
-        }
-        let Some(&extent) = t.shape.get(*axis) else {
-            self.push(
-                here,
-                format!(
-                    "axis {axis} is out of range for `{}` of shape {}",
-                    t.name,
-                    shape_str(&t.shape)
-                ),
-            );
+        let Some((v, t, extent)) = self.view_rules(*out, *input, *axis, here) else {
             return;
         };
         if *chunks == 0 {

@@ -6,10 +6,12 @@
 //! No host reads of counts: NCCL moves whole blocks (sized by the bound `T` rows), whatever the
 //! routing; [`super::NvlinkMoe`] moves only the rows used.
 
-use super::kernel_calls::{self, LateWeights, RecvOutputs, SendInputs, SendState, SourceRows};
+use super::kernel_calls::{self, LateWeights, SourceRows};
 use super::layout::{nccl_block_bytes, NCCL_HEADER as HEADER};
-use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus, MoeWire};
+use super::transport::{
+    core_accessors, zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase,
+};
+use super::{MoeShape, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -195,24 +197,10 @@ fn exchange(
 }
 
 impl MoeTransport for NcclMoe {
+    core_accessors!();
+
     fn name(&self) -> &'static str {
         "nccl"
-    }
-
-    fn shape(&self) -> &MoeShape {
-        &self.core.shape
-    }
-
-    fn wire(&self) -> MoeWire {
-        self.core.wire
-    }
-
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    fn device(&self) -> &Device {
-        &self.core.device
     }
 
     fn dispatch_send(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()> {
@@ -236,21 +224,7 @@ impl MoeTransport for NcclMoe {
             |c| {
                 c.weights_at_dispatch = req.weights.is_some();
                 c.set_outputs(req)?;
-                let inp = SendInputs {
-                    x: req.x,
-                    topk_idx: req.topk_idx,
-                    weights: req.weights,
-                };
-                let to = c.targets()?;
-                let st = SendState {
-                    cnt: &c.cnt,
-                    sent_pos: &c.sent_pos,
-                    status: &c.status,
-                    expert_x: to.expert_x,
-                    routing: to.routing,
-                    fan: &c.fan,
-                    ecnt: &c.ecnt,
-                };
+                let (inp, st) = c.send_parts(req)?;
                 kernel_calls::nccl_dispatch_send(
                     &c.kernels,
                     stream,
@@ -292,39 +266,13 @@ impl MoeTransport for NcclMoe {
             Phase::Dispatched,
             stream,
             |c| {
-                let to = c.targets()?;
-                let out = RecvOutputs {
-                    expert_x: to.expert_x,
-                    routing: to.routing,
-                    fan: &c.fan,
-                    ecnt: &c.ecnt,
-                    counts: to.counts,
-                    status: &c.status,
-                    done: &done,
-                };
+                let out = c.recv_outputs(&done)?;
                 kernel_calls::dispatch_recv(
                     &c.kernels, stream, &c.shape, c.wire, c.rank, None, &src, &out,
                 )?;
-                let zero = c.zero_padding;
-                c.finish_padding(stream, zero)
+                c.finish_padding(stream)
             },
         )
-    }
-
-    fn expert_x(&self) -> Result<&DeviceBuffer> {
-        Ok(&self.core.own()?.expert_x)
-    }
-
-    fn expert_counts(&self) -> Result<&DeviceBuffer> {
-        Ok(&self.core.own()?.counts)
-    }
-
-    fn routing(&self) -> Result<&DeviceBuffer> {
-        Ok(&self.core.own()?.routing)
-    }
-
-    fn own_output_bytes(&self) -> usize {
-        self.core.own_bytes()
     }
 
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {
@@ -419,14 +367,6 @@ impl MoeTransport for NcclMoe {
                 )
             },
         )
-    }
-
-    fn status(&self, stream: &Stream) -> Result<MoeStatus> {
-        self.core.read_status(stream)
-    }
-
-    fn clear_status(&self, stream: &Stream) -> Result<()> {
-        self.core.status.zero(stream)
     }
 
     fn received_rows(&self, stream: &Stream) -> Result<Vec<usize>> {

@@ -29,12 +29,12 @@
 //! partials are likewise protected by `dispatch_recv(s + 1)` waiting for every sender.
 
 use super::fused::{self, FusedCombine, FusedDispatch, FusedOptions, MoeKernels};
-use super::kernel_calls::{
-    self, FlagWait, NvlLocal, PeerRegions, RecvOutputs, SendInputs, SendState, SourceRows,
-};
+use super::kernel_calls::{self, FlagWait, NvlLocal, PeerRegions, SourceRows};
 use super::layout::SymLayout;
-use super::transport::{zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase};
-use super::{MoeShape, MoeStatus, MoeWire, WireLayout};
+use super::transport::{
+    core_accessors, zeroed_u32, CombineRequest, Core, DispatchRequest, MoeTransport, Phase,
+};
+use super::{MoeShape, MoeWire, WireLayout};
 use crate::abort::AbortWord;
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
@@ -336,11 +336,7 @@ impl NvlinkMoe {
 
     /// Switches the kernels (every rank of the team alike, between steps): for comparisons.
     pub fn set_kernel_generation(&mut self, generation: MoeKernels) -> Result<()> {
-        if !self.core.is_idle() {
-            return Err(KernelError::InvalidArgument(
-                "the NVLink MoE kernels can only be switched between steps".into(),
-            ));
-        }
+        self.expect_between_steps()?;
         self.generation = generation;
         Ok(())
     }
@@ -354,13 +350,20 @@ impl NvlinkMoe {
     /// Switches the variants of the fused kernels (between steps): for comparisons and tests.
     /// Ranks of a team may differ (the variants follow one protocol).
     pub fn set_fused_options(&mut self, options: FusedOptions) -> Result<()> {
-        if !self.core.is_idle() {
-            return Err(KernelError::InvalidArgument(
-                "the NVLink MoE kernels can only be switched between steps".into(),
-            ));
-        }
+        self.expect_between_steps()?;
         self.fused = options;
         Ok(())
+    }
+
+    /// Errors unless no step is in progress (the kernels can only be switched between steps).
+    fn expect_between_steps(&self) -> Result<()> {
+        if self.core.is_idle() {
+            Ok(())
+        } else {
+            Err(KernelError::InvalidArgument(
+                "the NVLink MoE kernels can only be switched between steps".into(),
+            ))
+        }
     }
 
     /// A view of region `off` of `bytes` bytes of this rank's symmetric allocation.
@@ -449,24 +452,10 @@ fn peer_regions<'a>(tables: &'a Tables, l: &SymLayout) -> PeerRegions<'a> {
 }
 
 impl MoeTransport for NvlinkMoe {
+    core_accessors!();
+
     fn name(&self) -> &'static str {
         "nvlink"
-    }
-
-    fn shape(&self) -> &MoeShape {
-        &self.core.shape
-    }
-
-    fn wire(&self) -> MoeWire {
-        self.core.wire
-    }
-
-    fn rank(&self) -> usize {
-        self.core.rank
-    }
-
-    fn device(&self) -> &Device {
-        &self.core.device
     }
 
     fn dispatch_send(&mut self, stream: &Stream, req: &DispatchRequest<'_>) -> Result<()> {
@@ -496,27 +485,13 @@ impl MoeTransport for NvlinkMoe {
                 c.weights_at_dispatch = req.weights.is_some();
                 c.set_outputs(req)?;
                 c.zero_padding = req.zero_padding;
-                let inp = SendInputs {
-                    x: req.x,
-                    topk_idx: req.topk_idx,
-                    weights: req.weights,
-                };
-                let to = c.targets()?;
-                let st = SendState {
-                    cnt: &c.cnt,
-                    sent_pos: &c.sent_pos,
-                    status: &c.status,
-                    expert_x: to.expert_x,
-                    routing: to.routing,
-                    fan: &c.fan,
-                    ecnt: &c.ecnt,
-                };
+                let (inp, st) = c.send_parts(req)?;
                 if generation == MoeKernels::Fused {
                     let f = FusedDispatch {
                         sym,
                         counts_off: layout.counts,
                         recv_cnt,
-                        expert_counts: to.counts,
+                        expert_counts: c.targets()?.counts,
                         timeout_ns: *flag_timeout_ns,
                     };
                     return fused::nvl_dispatch_fused(
@@ -565,10 +540,7 @@ impl MoeTransport for NvlinkMoe {
                 Phase::DispatchSent,
                 Phase::Dispatched,
                 stream,
-                |c| {
-                    let zero = c.zero_padding;
-                    c.finish_padding(stream, zero)
-                },
+                |c| c.finish_padding(stream),
             );
         }
         let s = core.shape;
@@ -600,16 +572,7 @@ impl MoeTransport for NvlinkMoe {
                     other_cnt: &counts,
                     cnt_stride: 4,
                 };
-                let to = c.targets()?;
-                let out = RecvOutputs {
-                    expert_x: to.expert_x,
-                    routing: to.routing,
-                    fan: &c.fan,
-                    ecnt: &c.ecnt,
-                    counts: to.counts,
-                    status: &c.status,
-                    done: &done,
-                };
+                let out = c.recv_outputs(&done)?;
                 kernel_calls::dispatch_recv(
                     &c.kernels,
                     stream,
@@ -620,26 +583,9 @@ impl MoeTransport for NvlinkMoe {
                     &src,
                     &out,
                 )?;
-                let zero = c.zero_padding;
-                c.finish_padding(stream, zero)
+                c.finish_padding(stream)
             },
         )
-    }
-
-    fn expert_x(&self) -> Result<&DeviceBuffer> {
-        Ok(&self.core.own()?.expert_x)
-    }
-
-    fn expert_counts(&self) -> Result<&DeviceBuffer> {
-        Ok(&self.core.own()?.counts)
-    }
-
-    fn routing(&self) -> Result<&DeviceBuffer> {
-        Ok(&self.core.own()?.routing)
-    }
-
-    fn own_output_bytes(&self) -> usize {
-        self.core.own_bytes()
     }
 
     fn combine_send(&mut self, stream: &Stream, req: &CombineRequest<'_>) -> Result<()> {
@@ -761,14 +707,6 @@ impl MoeTransport for NvlinkMoe {
                 )
             },
         )
-    }
-
-    fn status(&self, stream: &Stream) -> Result<MoeStatus> {
-        self.core.read_status(stream)
-    }
-
-    fn clear_status(&self, stream: &Stream) -> Result<()> {
-        self.core.status.zero(stream)
     }
 
     fn received_rows(&self, stream: &Stream) -> Result<Vec<usize>> {

@@ -3,6 +3,7 @@
 
 use std::sync::OnceLock;
 
+use super::kernel_calls::{self, RecvOutputs, SendInputs, SendState};
 use super::{MoeShape, MoeStatus, MoeWire};
 use crate::buffer::DeviceBuffer;
 use crate::device::Device;
@@ -201,6 +202,57 @@ pub trait MoeTransport: Send {
         self.combine_with(stream, &CombineRequest { expert_y, weights }, out)
     }
 }
+
+/// The [`MoeTransport`] methods both engines answer from their [`Core`] (a field `core`): the
+/// shape, wire, rank and device, the engine's own dispatch outputs, the status word. Expands
+/// inside an `impl MoeTransport for ...` block.
+macro_rules! core_accessors {
+    () => {
+        fn shape(&self) -> &$crate::moe::MoeShape {
+            &self.core.shape
+        }
+
+        fn wire(&self) -> $crate::moe::MoeWire {
+            self.core.wire
+        }
+
+        fn rank(&self) -> usize {
+            self.core.rank
+        }
+
+        fn device(&self) -> &$crate::device::Device {
+            &self.core.device
+        }
+
+        fn expert_x(&self) -> $crate::error::Result<&$crate::buffer::DeviceBuffer> {
+            Ok(&self.core.own()?.expert_x)
+        }
+
+        fn expert_counts(&self) -> $crate::error::Result<&$crate::buffer::DeviceBuffer> {
+            Ok(&self.core.own()?.counts)
+        }
+
+        fn routing(&self) -> $crate::error::Result<&$crate::buffer::DeviceBuffer> {
+            Ok(&self.core.own()?.routing)
+        }
+
+        fn own_output_bytes(&self) -> usize {
+            self.core.own_bytes()
+        }
+
+        fn status(
+            &self,
+            stream: &$crate::stream::Stream,
+        ) -> $crate::error::Result<$crate::moe::MoeStatus> {
+            self.core.read_status(stream)
+        }
+
+        fn clear_status(&self, stream: &$crate::stream::Stream) -> $crate::error::Result<()> {
+            self.core.status.zero(stream)
+        }
+    };
+}
+pub(crate) use core_accessors;
 
 /// Where a rank is in the four-phase step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -541,6 +593,46 @@ impl Core {
         })
     }
 
+    /// What the send kernel of a dispatch reads and writes: the request's inputs, the sender
+    /// workspace, and where the sender fans its own tokens out (the step's
+    /// [`targets`](Self::targets)).
+    pub fn send_parts<'a>(
+        &'a self,
+        req: &DispatchRequest<'a>,
+    ) -> Result<(SendInputs<'a>, SendState<'a>)> {
+        let to = self.targets()?;
+        let inputs = SendInputs {
+            x: req.x,
+            topk_idx: req.topk_idx,
+            weights: req.weights,
+        };
+        let state = SendState {
+            cnt: &self.cnt,
+            sent_pos: &self.sent_pos,
+            status: &self.status,
+            expert_x: to.expert_x,
+            routing: to.routing,
+            fan: &self.fan,
+            ecnt: &self.ecnt,
+        };
+        Ok((inputs, state))
+    }
+
+    /// Where the receive kernel of a dispatch writes: the step's [`targets`](Self::targets),
+    /// the fan-out workspace and the status word; `done` is its zeroed grid counter.
+    pub fn recv_outputs<'a>(&'a self, done: &'a DeviceBuffer) -> Result<RecvOutputs<'a>> {
+        let to = self.targets()?;
+        Ok(RecvOutputs {
+            expert_x: to.expert_x,
+            routing: to.routing,
+            fan: &self.fan,
+            ecnt: &self.ecnt,
+            counts: to.counts,
+            status: &self.status,
+            done,
+        })
+    }
+
     /// Checks a combine request against the step's dispatch.
     pub fn check_combine(&self, req: &CombineRequest<'_>) -> Result<()> {
         let s = &self.shape;
@@ -588,18 +680,18 @@ impl Core {
             .collect()
     }
 
-    /// After the fan-out of a dispatch: zero the padding if asked (keeping the bookkeeping of
-    /// which rows of the engine's own outputs may hold stale data), and let go of the
-    /// caller's outputs. Caller outputs get every padding row zeroed (nothing is known about
-    /// them); the engine's own outputs only the rows that held data since they were last
-    /// clean.
-    pub fn finish_padding(&mut self, stream: &Stream, zero: bool) -> Result<()> {
-        use super::kernel_calls;
+    /// After the fan-out of a dispatch: zero the padding if the dispatch asked
+    /// ([`zero_padding`](Self::zero_padding); keeping the bookkeeping of which rows of the
+    /// engine's own outputs may hold stale data), and let go of the caller's outputs. Caller
+    /// outputs get every padding row zeroed (nothing is known about them); the engine's own
+    /// outputs only the rows that held data since they were last clean.
+    pub fn finish_padding(&mut self, stream: &Stream) -> Result<()> {
+        let zero = self.zero_padding;
         if let Some(o) = self.caller_outputs.take() {
             if !zero {
                 return Ok(());
             }
-            let out = kernel_calls::RecvOutputs {
+            let out = RecvOutputs {
                 expert_x: &o.expert_x,
                 routing: &o.routing,
                 fan: &self.fan,

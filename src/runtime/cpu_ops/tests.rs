@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use meshflow_ir::{ComputeOp, DType, Fp8Scales, MoeWire};
 
 use super::*;
-use crate::runtime::data::TensorData;
+use crate::runtime::data::{DataError, TensorData};
 use crate::runtime::view::{View, ViewMut};
 
 fn rnd(dtype: DType, shape: &[u64], seed: u64) -> TensorData {
@@ -18,6 +18,62 @@ fn f(t: &TensorData) -> Vec<f32> {
 
 fn zeros(dtype: DType, shape: &[u64]) -> TensorData {
     TensorData::zeros(dtype, shape).unwrap()
+}
+
+/// [`dispatch`] into fresh outputs for `l` experts of capacity `c`, rows of `h` elements,
+/// made by `make` (`TensorData::poison` or `TensorData::zeros`): `expert_x[l, c, h]` of
+/// `dtype`, `counts[l]` and `routing[l, c, 2]`, returned in that order.
+fn dispatch_fresh(
+    x: &TensorData,
+    idx: &TensorData,
+    wire: MoeWire,
+    make: fn(DType, &[u64]) -> Result<TensorData, DataError>,
+    dtype: DType,
+    [l, c, h]: [u64; 3],
+) -> (TensorData, TensorData, TensorData) {
+    let mut ex = make(dtype, &[l, c, h]).unwrap();
+    let mut counts = make(DType::I32, &[l]).unwrap();
+    let mut routing = make(DType::I32, &[l, c, 2]).unwrap();
+    dispatch(x, idx, wire, &mut ex, &mut counts, &mut routing).unwrap();
+    (ex, counts, routing)
+}
+
+/// [`moe_dispatch`] of whole tensors.
+fn dispatch(
+    x: &TensorData,
+    idx: &TensorData,
+    wire: MoeWire,
+    ex: &mut TensorData,
+    counts: &mut TensorData,
+    routing: &mut TensorData,
+) -> Result<(), OpError> {
+    moe_dispatch(
+        &View::of(x),
+        &View::of(idx),
+        wire,
+        &mut ViewMut::of(ex),
+        &mut ViewMut::of(counts),
+        &mut ViewMut::of(routing),
+    )
+}
+
+/// [`moe_combine`] of whole tensors.
+fn combine(
+    y: &TensorData,
+    counts: &TensorData,
+    routing: &TensorData,
+    weights: &TensorData,
+    groups: u64,
+    out: &mut TensorData,
+) -> Result<(), OpError> {
+    moe_combine(
+        &View::of(y),
+        &View::of(counts),
+        &View::of(routing),
+        &View::of(weights),
+        groups,
+        &mut ViewMut::of(out),
+    )
 }
 
 #[test]
@@ -251,18 +307,14 @@ fn moe_dispatch_and_combine_reference_semantics() {
     let x =
         TensorData::from_f32(DType::F32, &[4, 2], &[0., 1., 10., 11., 20., 21., 30., 31.]).unwrap();
     let idx = TensorData::from_i64(DType::I32, &[4, 2], &[2, 0, 0, 2, 2, 0, 0, 2]).unwrap();
-    let mut ex = TensorData::poison(DType::F32, &[3, 4, 2]).unwrap();
-    let mut counts = TensorData::poison(DType::I32, &[3]).unwrap();
-    let mut routing = TensorData::poison(DType::I32, &[3, 4, 2]).unwrap();
-    moe_dispatch(
-        &View::of(&x),
-        &View::of(&idx),
+    let (mut ex, mut counts, mut routing) = dispatch_fresh(
+        &x,
+        &idx,
         MoeWire::Native,
-        &mut ViewMut::of(&mut ex),
-        &mut ViewMut::of(&mut counts),
-        &mut ViewMut::of(&mut routing),
-    )
-    .unwrap();
+        TensorData::poison,
+        DType::F32,
+        [3, 4, 2],
+    );
     assert_eq!(counts.storage().to_i64_vec(), vec![4, 0, 4]);
     // Expert 0 gets (0,1), (1,0), (2,1), (3,0) in ascending (t, k) order.
     assert_eq!(
@@ -286,15 +338,7 @@ fn moe_dispatch_and_combine_reference_semantics() {
     )
     .unwrap();
     let mut out = TensorData::poison(DType::F32, &[4, 2]).unwrap();
-    moe_combine(
-        &View::of(&y),
-        &View::of(&counts),
-        &View::of(&routing),
-        &View::of(&w),
-        1,
-        &mut ViewMut::of(&mut out),
-    )
-    .unwrap();
+    combine(&y, &counts, &routing, &w, 1, &mut out).unwrap();
     let xv = f(&x);
     let wv = f(&w);
     let want: Vec<f32> = (0..4)
@@ -313,15 +357,7 @@ fn moe_dispatch_and_combine_reference_semantics() {
     // Capacity overflow names the expert.
     let mut small = TensorData::zeros(DType::F32, &[3, 3, 2]).unwrap();
     let mut r3 = TensorData::zeros(DType::I32, &[3, 3, 2]).unwrap();
-    let err = moe_dispatch(
-        &View::of(&x),
-        &View::of(&idx),
-        MoeWire::Native,
-        &mut ViewMut::of(&mut small),
-        &mut ViewMut::of(&mut counts),
-        &mut ViewMut::of(&mut r3),
-    )
-    .unwrap_err();
+    let err = dispatch(&x, &idx, MoeWire::Native, &mut small, &mut counts, &mut r3).unwrap_err();
     assert_eq!(
         err,
         OpError::Capacity {
@@ -331,13 +367,13 @@ fn moe_dispatch_and_combine_reference_semantics() {
     );
     // Invalid expert ids are rejected.
     let bad = TensorData::from_i64(DType::I32, &[4, 2], &[3, 0, 0, 2, 2, 0, 0, 2]).unwrap();
-    assert!(moe_dispatch(
-        &View::of(&x),
-        &View::of(&bad),
+    assert!(dispatch(
+        &x,
+        &bad,
         MoeWire::Native,
-        &mut ViewMut::of(&mut ex),
-        &mut ViewMut::of(&mut counts),
-        &mut ViewMut::of(&mut routing)
+        &mut ex,
+        &mut counts,
+        &mut routing
     )
     .is_err());
 }
@@ -352,18 +388,14 @@ fn moe_fp8_dispatch_quantizes_each_token_once_and_combine_sums_groups_in_order()
     let x = TensorData::from_f32(DType::BF16, &[2, 128], &xv).unwrap();
     let idx = TensorData::from_i64(DType::I32, &[2, 3], &[3, 0, 1, 2, 3, 0]).unwrap();
     for scales in Fp8Scales::ALL {
-        let mut ex = TensorData::poison(DType::BF16, &[4, 2, 128]).unwrap();
-        let mut counts = TensorData::poison(DType::I32, &[4]).unwrap();
-        let mut routing = TensorData::poison(DType::I32, &[4, 2, 2]).unwrap();
-        moe_dispatch(
-            &View::of(&x),
-            &View::of(&idx),
+        let (ex, counts, _routing) = dispatch_fresh(
+            &x,
+            &idx,
             MoeWire::Fp8E4m3(scales),
-            &mut ViewMut::of(&mut ex),
-            &mut ViewMut::of(&mut counts),
-            &mut ViewMut::of(&mut routing),
-        )
-        .unwrap();
+            TensorData::poison,
+            DType::BF16,
+            [4, 2, 128],
+        );
         let ks = match scales {
             Fp8Scales::PerToken => fp8::Fp8Scales::PerToken,
             Fp8Scales::Block128 => fp8::Fp8Scales::Block128,
@@ -383,32 +415,20 @@ fn moe_fp8_dispatch_quantizes_each_token_once_and_combine_sums_groups_in_order()
         assert_eq!(counts.storage().to_i64_vec(), vec![2, 1, 1, 2]);
     }
     // Combine over 2 groups of 2 experts: token 0 has experts 3 (group 1), 0 and 1 (group 0).
-    let mut ex = TensorData::zeros(DType::BF16, &[4, 2, 128]).unwrap();
-    let mut counts = TensorData::zeros(DType::I32, &[4]).unwrap();
-    let mut routing = TensorData::zeros(DType::I32, &[4, 2, 2]).unwrap();
-    moe_dispatch(
-        &View::of(&x),
-        &View::of(&idx),
+    let (ex, mut counts, mut routing) = dispatch_fresh(
+        &x,
+        &idx,
         MoeWire::Native,
-        &mut ViewMut::of(&mut ex),
-        &mut ViewMut::of(&mut counts),
-        &mut ViewMut::of(&mut routing),
-    )
-    .unwrap();
+        TensorData::zeros,
+        DType::BF16,
+        [4, 2, 128],
+    );
     let w = TensorData::from_f32(DType::F32, &[2, 3], &[0.3, 0.7, 1.1, 0.9, 0.45, 0.2]).unwrap();
     let wv = f(&w);
     let r = |v: f32| half::bf16::from_f32(v).to_f32();
     for groups in [1u64, 2, 4] {
         let mut out = TensorData::poison(DType::BF16, &[2, 128]).unwrap();
-        moe_combine(
-            &View::of(&ex),
-            &View::of(&counts),
-            &View::of(&routing),
-            &View::of(&w),
-            groups,
-            &mut ViewMut::of(&mut out),
-        )
-        .unwrap();
+        combine(&ex, &counts, &routing, &w, groups, &mut out).unwrap();
         let per = 4 / groups as usize;
         for t in 0..2 {
             let e = &idx.storage().to_i64_vec()[t * 3..t * 3 + 3];
@@ -438,25 +458,17 @@ fn moe_fp8_dispatch_quantizes_each_token_once_and_combine_sums_groups_in_order()
     }
     // Experts that cannot be split over the groups are an error.
     let mut out = TensorData::zeros(DType::BF16, &[2, 128]).unwrap();
-    assert!(moe_combine(
-        &View::of(&ex),
-        &View::of(&counts),
-        &View::of(&routing),
-        &View::of(&w),
-        3,
-        &mut ViewMut::of(&mut out),
-    )
-    .is_err());
+    assert!(combine(&ex, &counts, &routing, &w, 3, &mut out).is_err());
     // FP8 needs a width the scales divide.
     let narrow = TensorData::zeros(DType::BF16, &[2, 40]).unwrap();
     let mut ex = TensorData::zeros(DType::BF16, &[4, 2, 40]).unwrap();
-    let err = moe_dispatch(
-        &View::of(&narrow),
-        &View::of(&idx),
+    let err = dispatch(
+        &narrow,
+        &idx,
         MoeWire::Fp8E4m3(Fp8Scales::PerToken),
-        &mut ViewMut::of(&mut ex),
-        &mut ViewMut::of(&mut counts),
-        &mut ViewMut::of(&mut routing),
+        &mut ex,
+        &mut counts,
+        &mut routing,
     )
     .unwrap_err();
     assert!(err.to_string().contains("divisible by 16"), "{err}");

@@ -3,7 +3,8 @@
 use std::time::Instant;
 
 use meshflow_ir::{
-    Arena, DeviceId, EntityRef, Expr, HostProgram, HostTensorId, LoopVar, MeshId, ParallelType,
+    Arena, DeviceId, EntityRef, Expr, HostProgram, HostTensor, HostTensorId, LoopVar, MeshId,
+    ParallelType,
 };
 
 use meshflow_ir::host::{EvalError, ExprEnv};
@@ -380,14 +381,8 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 ..
             } => {
                 let views = &self.state.views;
-                let ins = inputs
-                    .iter()
-                    .map(|&t| view_in(self.program, views, t))
-                    .collect::<Result<Vec<_>, _>>()?;
-                let outs = outputs
-                    .iter()
-                    .map(|&t| view_in(self.program, views, t))
-                    .collect::<Result<Vec<_>, _>>()?;
+                let ins = views_in(self.program, views, inputs)?;
+                let outs = views_in(self.program, views, outputs)?;
                 // An empty piece of an uneven shard: nothing to compute.
                 if !outs.is_empty() && outs.iter().all(|o| o.numel() == 0) {
                     return Ok(());
@@ -416,14 +411,8 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let program = self.program;
                 let backend = &mut *self.backend;
                 let r = (|| {
-                    let ins = inputs
-                        .iter()
-                        .map(|&t| view_in(program, views, t))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let outs = outputs
-                        .iter()
-                        .map(|&t| view_in(program, views, t))
-                        .collect::<Result<Vec<_>, _>>()?;
+                    let ins = views_in(program, views, inputs)?;
+                    let outs = views_in(program, views, outputs)?;
                     Ok::<_, StepError>(backend.call_kernel(*kernel, &ins, &outs, &values, ctx)?)
                 })();
                 self.state.args = values;
@@ -491,60 +480,37 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         index: &Expr,
     ) -> Result<(), StepError> {
         let i = self.eval(index)?;
-        let mut slot = self.state.views[out].take();
-        let r = (|| {
-            let parent = self.view(input)?;
-            let extent = *parent.shape.get(axis).ok_or_else(|| {
-                invalid(format!(
-                    "axis {axis} out of range for `{}` of shape {:?}",
-                    self.name(input),
-                    parent.shape
-                ))
-            })?;
-            if chunks == 0 || extent % chunks != 0 {
-                return Err(invalid(format!(
-                    "{chunks} chunks do not divide axis {axis} of `{}` (extent {extent})",
-                    self.name(input)
-                )));
-            }
-            let index = u64::try_from(i)
-                .ok()
-                .filter(|&x| x < chunks)
-                .ok_or_else(|| invalid(format!("chunk index {i} is outside 0..{chunks}")))?;
-            let part = extent / chunks;
-            let view = slot.get_or_insert_with(|| TensorView {
-                tensor: out,
-                buffer: parent.buffer,
-                dtype: parent.dtype,
-                offset: 0,
-                shape: Vec::new(),
-                strides: Vec::new(),
-            });
-            view.tensor = out;
-            view.buffer = parent.buffer;
-            view.dtype = parent.dtype;
-            view.shape.clone_from(&parent.shape);
-            view.strides.clone_from(&parent.strides);
-            view.shape[axis] = part;
-            view.offset = parent.offset + index * part * parent.strides[axis];
-            let decl = &self.program.tensors[out];
-            if decl.shape != view.shape || decl.dtype != view.dtype {
-                return Err(invalid(format!(
-                    "the chunk is {}{:?} but `{}` is declared {}{:?}",
-                    view.dtype, view.shape, decl.name, decl.dtype, decl.shape
-                )));
-            }
-            Ok(())
-        })();
-        if r.is_err() {
-            slot = None;
-        }
-        self.state.views[out] = slot;
-        r
+        let program = self.program;
+        self.bind_range(
+            out,
+            input,
+            axis,
+            |extent, _| {
+                if chunks == 0 || extent % chunks != 0 {
+                    return Err(invalid(format!(
+                        "{chunks} chunks do not divide axis {axis} of `{}` (extent {extent})",
+                        program.tensors[input].name
+                    )));
+                }
+                let index = u64::try_from(i)
+                    .ok()
+                    .filter(|&x| x < chunks)
+                    .ok_or_else(|| invalid(format!("chunk index {i} is outside 0..{chunks}")))?;
+                let part = extent / chunks;
+                Ok((index * part, part))
+            },
+            |view, decl| {
+                if decl.shape != view.shape || decl.dtype != view.dtype {
+                    return Err(invalid(format!(
+                        "the chunk is {}{:?} but `{}` is declared {}{:?}",
+                        view.dtype, view.shape, decl.name, decl.dtype, decl.shape
+                    )));
+                }
+                Ok(())
+            },
+        )
     }
-}
 
-impl<B: Backend> Cx<'_, '_, B> {
     /// `out` = elements `[start, start + length)` of `input` along `axis`.
     fn narrow(
         &mut self,
@@ -555,6 +521,51 @@ impl<B: Backend> Cx<'_, '_, B> {
         length: &Expr,
     ) -> Result<(), StepError> {
         let (s, l) = (self.eval(start)?, self.eval(length)?);
+        let program = self.program;
+        self.bind_range(
+            out,
+            input,
+            axis,
+            |extent, decl| {
+                let cap = decl.shape.get(axis).copied().unwrap_or(0);
+                match (u64::try_from(s), u64::try_from(l)) {
+                    (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|e| e <= extent) && l <= cap => {
+                        Ok((s, l))
+                    }
+                    _ => Err(invalid(format!(
+                        "elements [{s}, {s} + {l}) along axis {axis} do not fit `{}` (extent \
+                         {extent}) or the capacity {cap} of `{}`",
+                        program.tensors[input].name, decl.name
+                    ))),
+                }
+            },
+            |view, decl| {
+                // Declared extents are capacities: the view of an uneven piece may be shorter.
+                let fits = decl.shape.len() == view.shape.len()
+                    && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d);
+                if !fits || decl.dtype != view.dtype {
+                    return Err(invalid(format!(
+                        "the narrowed view is {}{:?} but `{}` is declared {}{:?}",
+                        view.dtype, view.shape, decl.name, decl.dtype, decl.shape
+                    )));
+                }
+                Ok(())
+            },
+        )
+    }
+
+    /// Makes `out` the view of elements `[start, start + len)` of `input` along `axis`, where
+    /// `range` picks `(start, len)` from the extent of that axis and the declaration of `out`,
+    /// and `check` accepts the view against that declaration. On an error `out` is left
+    /// without a view.
+    fn bind_range(
+        &mut self,
+        out: HostTensorId,
+        input: HostTensorId,
+        axis: usize,
+        range: impl FnOnce(u64, &HostTensor) -> Result<(u64, u64), StepError>,
+        check: impl FnOnce(&TensorView<B::Buffer>, &HostTensor) -> Result<(), StepError>,
+    ) -> Result<(), StepError> {
         let mut slot = self.state.views[out].take();
         let r = (|| {
             let parent = self.view(input)?;
@@ -566,20 +577,7 @@ impl<B: Backend> Cx<'_, '_, B> {
                 ))
             })?;
             let decl = &self.program.tensors[out];
-            let cap = decl.shape.get(axis).copied().unwrap_or(0);
-            let (start, len) = match (u64::try_from(s), u64::try_from(l)) {
-                (Ok(s), Ok(l)) if s.checked_add(l).is_some_and(|e| e <= extent) && l <= cap => {
-                    (s, l)
-                }
-                _ => {
-                    return Err(invalid(format!(
-                        "elements [{s}, {s} + {l}) along axis {axis} do not fit `{}` (extent \
-                         {extent}) or the capacity {cap} of `{}`",
-                        self.name(input),
-                        decl.name
-                    )))
-                }
-            };
+            let (start, len) = range(extent, decl)?;
             let view = slot.get_or_insert_with(|| TensorView {
                 tensor: out,
                 buffer: parent.buffer,
@@ -595,16 +593,7 @@ impl<B: Backend> Cx<'_, '_, B> {
             view.strides.clone_from(&parent.strides);
             view.shape[axis] = len;
             view.offset = parent.offset + start * parent.strides[axis];
-            // Declared extents are capacities: the view of an uneven piece may be shorter.
-            let fits = decl.shape.len() == view.shape.len()
-                && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d);
-            if !fits || decl.dtype != view.dtype {
-                return Err(invalid(format!(
-                    "the narrowed view is {}{:?} but `{}` is declared {}{:?}",
-                    view.dtype, view.shape, decl.name, decl.dtype, decl.shape
-                )));
-            }
-            Ok(())
+            check(view, decl)
         })();
         if r.is_err() {
             slot = None;
@@ -626,6 +615,18 @@ fn view_in<'s, Buf>(
             program.tensors[t].name
         ))
     })
+}
+
+/// The views of `tensors`, in order (see [`view_in`]).
+fn views_in<'s, Buf>(
+    program: &HostProgram,
+    views: &'s Arena<HostTensorId, Option<TensorView<Buf>>>,
+    tensors: &[HostTensorId],
+) -> Result<Vec<&'s TensorView<Buf>>, StepError> {
+    tensors
+        .iter()
+        .map(|&t| view_in(program, views, t))
+        .collect()
 }
 
 /// The communication label a step posts, if it posts one.

@@ -90,6 +90,16 @@ impl Rank {
         self.tensor(&TensorData::from_f32(dtype, shape, &vec![0.0; n]).expect("zeros"))
     }
 
+    /// This rank's [`values`] as an f32 `[n]` tensor, and a zeroed f32 `[n]` output.
+    fn values_and_zeros(&mut self, n: usize) -> (TV, TV) {
+        let shape = [n as u64];
+        let mine = TensorData::from_f32(DType::F32, &shape, &values(self.team.my_index, n));
+        (
+            self.tensor(&mine.expect("values")),
+            self.zeros(DType::F32, &shape),
+        )
+    }
+
     fn post(&mut self, t: &mut dyn CommTransport, request: &CommRequest<'_, CudaBuffer>) {
         let mut cx = PostCx {
             core: &mut self.core,
@@ -154,6 +164,26 @@ fn permute<'a>(team: &'a TeamInfo, input: &'a TV, output: &'a TV) -> CommRequest
     }
 }
 
+/// A collective `kind` of the pair from `input` to `output` (summing where it reduces).
+fn collective<'a>(
+    label: usize,
+    kind: CommKind,
+    team: &'a TeamInfo,
+    input: &'a TV,
+    output: &'a TV,
+    root: Option<usize>,
+) -> CommRequest<'a, CudaBuffer> {
+    CommRequest::Collective {
+        label: CommLabel::new(label),
+        kind,
+        team,
+        input: Some(input),
+        output: Some(output),
+        root,
+        op: ReduceOp::Sum,
+    }
+}
+
 /// Each rank sends its values to the other through `t`; returns what each received.
 fn exchange(
     name: &str,
@@ -161,8 +191,7 @@ fn exchange(
 ) -> [Vec<f32>; 2] {
     pair(name, |r| {
         let mut t = make(r);
-        let mine = TensorData::from_f32(DType::F32, &[64], &values(r.team.my_index, 64)).unwrap();
-        let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[64]));
+        let (i, o) = r.values_and_zeros(64);
         let team = r.team.clone();
         r.post(t.as_mut(), &permute(&team, &i, &o));
         r.read(&o)
@@ -177,18 +206,9 @@ fn nccl_transport_alone_moves_a_permute_and_an_all_reduce() {
     let got = exchange("nccl-permute", |_| Box::new(nccl::NcclTransport));
     assert_eq!(got, [values(1, 64), values(0, 64)]);
     let sums = pair("nccl-all-reduce", |r| {
-        let mine = TensorData::from_f32(DType::F32, &[16], &values(r.team.my_index, 16)).unwrap();
-        let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[16]));
+        let (i, o) = r.values_and_zeros(16);
         let team = r.team.clone();
-        let req = CommRequest::Collective {
-            label: CommLabel::new(1),
-            kind: CommKind::AllReduce,
-            team: &team,
-            input: Some(&i),
-            output: Some(&o),
-            root: None,
-            op: ReduceOp::Sum,
-        };
+        let req = collective(1, CommKind::AllReduce, &team, &i, &o, None);
         r.post(&mut nccl::NcclTransport, &req);
         r.read(&o)
     });
@@ -213,79 +233,79 @@ fn hub_with_peers(test: &str) -> Option<Arc<PeerHub>> {
     Some(hub)
 }
 
-#[test]
-fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
-    let test = "copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters";
+/// The hub of the pair, or `None` (after printing why) without 2 GPUs with peer access.
+fn two_gpus_with_peers(test: &str) -> Option<Arc<PeerHub>> {
     if skip(test) {
-        return;
+        return None;
     }
-    let Some(hub) = hub_with_peers(test) else {
+    hub_with_peers(test)
+}
+
+/// Runs `f` on the pair once per copy stream ([`CopyStream::Current`], then
+/// [`CopyStream::Dedicated`]), each rank with a copy engine prepared for the pair, and hands
+/// each stream's results to `check`. Nothing runs (after printing why) without 2 GPUs with
+/// peer access.
+fn with_copy_engines<T: Send>(
+    test: &str,
+    name: &str,
+    f: impl Fn(&mut Rank, &mut copy_engine::CopyEngine) -> T + Sync,
+    check: impl Fn(CopyStream, [T; 2]),
+) {
+    let Some(hub) = two_gpus_with_peers(test) else {
         return;
     };
     for stream in [CopyStream::Current, CopyStream::Dedicated] {
         let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub.clone()));
-        let got = pair("ce", |r| {
+        let got = pair(name, |r| {
             let mut ce = copy_engine::CopyEngine::new(link.clone(), stream);
             ce.prepare_team(&r.core, &r.team).expect("peer access");
-            let me = r.team.my_index;
-            let team = r.team.clone();
-            let mine = TensorData::from_f32(DType::F32, &[32], &values(me, 32)).unwrap();
-            let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[32]));
-            r.post(&mut ce, &permute(&team, &i, &o));
-            let b = r.zeros(DType::F32, &[32]);
-            let bc = CommRequest::Collective {
-                label: CommLabel::new(1),
-                kind: CommKind::Broadcast,
-                team: &team,
-                input: Some(&i),
-                output: Some(&b),
-                root: Some(1),
-                op: ReduceOp::Sum,
-            };
-            r.post(&mut ce, &bc);
-            let rs_out = r.zeros(DType::F32, &[16]);
-            let rs = CommRequest::Collective {
-                label: CommLabel::new(2),
-                kind: CommKind::ReduceScatter,
-                team: &team,
-                input: Some(&i),
-                output: Some(&rs_out),
-                root: None,
-                op: ReduceOp::Sum,
-            };
-            r.post(&mut ce, &rs);
-            (r.read(&o), r.read(&b), r.read(&rs_out))
+            f(r, &mut ce)
         });
-        for (me, (permuted, broadcast, reduced)) in got.into_iter().enumerate() {
-            assert_eq!(permuted, values(1 - me, 32), "{stream:?}");
-            assert_eq!(broadcast, values(1, 32), "{stream:?}");
-            let want: Vec<f32> = (0..16).map(|i| (2 * (16 * me + i) + 1000) as f32).collect();
-            assert_eq!(reduced, want, "{stream:?}");
-        }
+        check(stream, got);
     }
 }
 
 #[test]
-fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() {
-    let test = "a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written";
-    if skip(test) {
-        return;
-    }
-    let Some(hub) = hub_with_peers(test) else {
-        return;
-    };
-    for stream in [CopyStream::Current, CopyStream::Dedicated] {
-        let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub.clone()));
-        let got = pair("ce-deferred", |r| {
-            let mut ce = copy_engine::CopyEngine::new(link.clone(), stream);
-            ce.prepare_team(&r.core, &r.team).expect("peer access");
-            let me = r.team.my_index;
+fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
+    with_copy_engines(
+        "copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters",
+        "ce",
+        |r, ce| {
             let team = r.team.clone();
-            let mine = TensorData::from_f32(DType::F32, &[4096], &values(me, 4096)).unwrap();
-            let (i, o) = (r.tensor(&mine), r.zeros(DType::F32, &[4096]));
+            let (i, o) = r.values_and_zeros(32);
+            r.post(ce, &permute(&team, &i, &o));
+            let b = r.zeros(DType::F32, &[32]);
+            r.post(
+                ce,
+                &collective(1, CommKind::Broadcast, &team, &i, &b, Some(1)),
+            );
+            let rs_out = r.zeros(DType::F32, &[16]);
+            let rs = collective(2, CommKind::ReduceScatter, &team, &i, &rs_out, None);
+            r.post(ce, &rs);
+            (r.read(&o), r.read(&b), r.read(&rs_out))
+        },
+        |stream, got| {
+            for (me, (permuted, broadcast, reduced)) in got.into_iter().enumerate() {
+                assert_eq!(permuted, values(1 - me, 32), "{stream:?}");
+                assert_eq!(broadcast, values(1, 32), "{stream:?}");
+                let want: Vec<f32> = (0..16).map(|i| (2 * (16 * me + i) + 1000) as f32).collect();
+                assert_eq!(reduced, want, "{stream:?}");
+            }
+        },
+    );
+}
+
+#[test]
+fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() {
+    with_copy_engines(
+        "a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written",
+        "ce-deferred",
+        |r, ce| {
+            let team = r.team.clone();
+            let (i, o) = r.values_and_zeros(4096);
             let fresh = TensorData::from_f32(DType::F32, &[4096], &vec![-1.0; 4096]).unwrap();
             let fresh = r.tensor(&fresh);
-            r.post(&mut ce, &permute(&team, &i, &o));
+            r.post(ce, &permute(&team, &i, &o));
             // The post returned without the receiver's report; the first write of the sent
             // buffer collects it and waits for the read on the device.
             let deferred = r.core.uncollected.len();
@@ -305,17 +325,19 @@ fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() 
                 r.read(&o),
                 r.read(&i),
             )
-        });
-        for (me, (deferred, after_unrelated, after_write, received, sent)) in
-            got.into_iter().enumerate()
-        {
-            assert_eq!(deferred, 1, "{stream:?}: rank {me}");
-            assert_eq!(after_unrelated, 1, "{stream:?}: rank {me}");
-            assert_eq!(after_write, (0, 1), "{stream:?}: rank {me}");
-            assert_eq!(received, values(1 - me, 4096), "{stream:?}: rank {me}");
-            assert_eq!(sent, vec![-1.0; 4096], "{stream:?}: rank {me}");
-        }
-    }
+        },
+        |stream, got| {
+            for (me, (deferred, after_unrelated, after_write, received, sent)) in
+                got.into_iter().enumerate()
+            {
+                assert_eq!(deferred, 1, "{stream:?}: rank {me}");
+                assert_eq!(after_unrelated, 1, "{stream:?}: rank {me}");
+                assert_eq!(after_write, (0, 1), "{stream:?}: rank {me}");
+                assert_eq!(received, values(1 - me, 4096), "{stream:?}: rank {me}");
+                assert_eq!(sent, vec![-1.0; 4096], "{stream:?}: rank {me}");
+            }
+        },
+    );
 }
 
 #[test]
@@ -493,11 +515,7 @@ fn moe_over_nccl_alone_round_trips_tokens() {
 
 #[test]
 fn moe_over_nvlink_alone_round_trips_tokens() {
-    let test = "moe_over_nvlink_alone_round_trips_tokens";
-    if skip(test) {
-        return;
-    }
-    let Some(hub) = hub_with_peers(test) else {
+    let Some(hub) = two_gpus_with_peers("moe_over_nvlink_alone_round_trips_tokens") else {
         return;
     };
     let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub));
