@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Front-end check of kernels/cuda/*.cu without nvcc or NVRTC: parses each source (with the
-common prelude, as NVRTC sees it) as CUDA device code with libclang and prints every diagnostic.
+common prelude and its appended parts, as NVRTC sees it, and every typed kernel instantiated for
+every float type: scripts/kernel_units.py) as CUDA device code with libclang and prints every
+diagnostic.
 It catches syntax errors, undeclared names, type errors and bad template instantiations; it
 does not generate code (register pressure, PTX assembly of inline asm and link errors are
 still NVRTC's to find on a GPU machine).
@@ -10,7 +12,7 @@ Needs libclang (Debian: libclang-14-dev or newer) and clang's own CUDA wrapper h
 declarations the CUDA toolkit would provide (vector types, atomics) are declared below.
 
     python3 scripts/cuda-frontend-check.py            # every kernels/cuda/*.cu
-    python3 scripts/cuda-frontend-check.py moe.cu     # some of them
+    python3 scripts/cuda-frontend-check.py moe.cu     # some of them (an appended part: its source)
 
 Exit status 0 when no source has an error."""
 
@@ -20,8 +22,8 @@ import os
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_DIR = os.path.join(ROOT, "kernels", "cuda")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_units  # noqa: E402
 
 PRELUDE = r"""
 #define CUDA_VERSION 12000
@@ -50,6 +52,8 @@ __device__ int atomicAdd(int* p, int v);
 __device__ unsigned atomicAdd(unsigned* p, unsigned v);
 __device__ float atomicAdd(float* p, float v);
 __device__ unsigned atomicOr(unsigned* p, unsigned v);
+__device__ int atomicMax(int* p, int v);
+__device__ unsigned atomicMax(unsigned* p, unsigned v);
 __device__ int atomicExch(int* p, int v);
 __device__ unsigned atomicExch(unsigned* p, unsigned v);
 __device__ int atomicCAS(int* p, int cmp, int v);
@@ -83,10 +87,8 @@ class CXString(ctypes.Structure):
     _fields_ = [("data", ctypes.c_void_p), ("flags", ctypes.c_uint)]
 
 
-def check(lib, path, workdir):
-    common = open(os.path.join(CUDA_DIR, "common.cuh")).read()
-    name = os.path.basename(path)
-    text = common + f'\n#line 1 "{name}"\n' + open(path).read()
+def check(lib, name, workdir):
+    text = kernel_units.check_text(name)
     full = os.path.join(workdir, name)
     with open(full, "w") as f:
         f.write(text)
@@ -130,7 +132,12 @@ def main():
     lib.clang_formatDiagnostic.argtypes = [ctypes.c_void_p, ctypes.c_uint]
     lib.clang_getCString.restype = ctypes.c_char_p
     lib.clang_getCString.argtypes = [CXString]
-    names = sys.argv[1:] or sorted(os.path.basename(p) for p in glob.glob(f"{CUDA_DIR}/*.cu"))
+    names = []
+    for arg in sys.argv[1:] or kernel_units.sources():
+        arg = os.path.basename(arg)
+        owner = next((s for s, parts in kernel_units.PARTS.items() if arg in parts), arg)
+        if owner not in names:
+            names.append(owner)
     errors = 0
     with tempfile.TemporaryDirectory() as work:
         # clang's intrinsics header includes a CUDA toolkit header we do not need.
@@ -139,7 +146,7 @@ def main():
         with open(os.path.join(work, "prelude.h"), "w") as f:
             f.write(PRELUDE.replace("VECTOR_TYPES", vector_types()))
         for n in names:
-            errors += check(lib, os.path.join(CUDA_DIR, n), work)
+            errors += check(lib, n, work)
     return 1 if errors else 0
 
 

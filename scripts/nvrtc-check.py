@@ -1,19 +1,28 @@
 #!/usr/bin/env python3
-"""Compile-checks kernels/cuda/*.cu with NVRTC on a machine without a GPU.
+"""Compile-checks kernels/cuda/*.cu with NVRTC on a machine without a GPU, and times it.
 
-NVRTC needs no device: this compiles every source the way kernels/src/kernels/compile.rs does
-(the common prelude in front, --std=c++17) for one architecture and prints the compiler log.
-It needs libnvrtc, e.g. `pip install nvidia-cuda-nvrtc-cu12`, found through NVRTC_LIB or the
-installed package. Usage: scripts/nvrtc-check.py [--arch sm_90] [--verbose] [FILE.cu ...]
+NVRTC needs no device: this compiles the same compile units as kernels/src/kernels/units.rs
+(scripts/kernel_units.py assembles them: the common prelude, the source with its appended parts,
+and for a typed kernel its one instantiation; --std=c++17) for one architecture, prints each
+unit's compiler log and how long NVRTC took (CPU seconds of the compiling thread, and wall), and
+the totals. It needs libnvrtc, e.g. `pip install nvidia-cuda-nvrtc-cu12`, found through NVRTC_LIB
+or the installed package.
+
+Usage: scripts/nvrtc-check.py [--arch sm_90] [--verbose] [--dtype bf16 ...] [--jobs N] [WHAT ...]
+WHAT is a source (`moe.cu`: all of its units), a unit (`moe`: the base unit of moe.cu;
+`moe_nvl_combine_fused_bf16`: one typed kernel), or nothing for every unit of every source.
 """
 import argparse
 import ctypes
 import glob
 import os
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA = os.path.join(ROOT, "kernels", "cuda")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_units  # noqa: E402
 
 
 def load_nvrtc():
@@ -36,55 +45,72 @@ def load_nvrtc():
     sys.exit("libnvrtc not found: pip install nvidia-cuda-nvrtc-cu12 or set NVRTC_LIB")
 
 
-# Sources appended to another before compiling (kernels/src/kernels/sources.rs does the same).
-PARTS = {"moe.cu": ["moe_fused.cu", "moe_fused_warp.cu", "moe_fused_warp_combine.cu"]}
-APPENDED = {p for parts in PARTS.values() for p in parts}
-
-
-def compile_one(lib, path, arch, verbose=False):
-    with open(os.path.join(CUDA, "common.cuh")) as f:
-        common = f.read()
-    with open(path) as f:
-        body = f.read()
-    for part in PARTS.get(os.path.basename(path), []):
-        with open(os.path.join(CUDA, part)) as f:
-            body += "\n" + f.read()
-    text = f'{common}\n#line 1 "{os.path.basename(path)}"\n{body}'
+def compile_unit(lib, unit, arch, verbose=False):
+    """Compiles one unit; returns (NVRTC result, log, CPU seconds, wall seconds)."""
     prog = ctypes.c_void_p()
-    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), os.path.basename(path).encode(),
+    rc = lib.nvrtcCreateProgram(ctypes.byref(prog), unit.text.encode(), unit.source.encode(),
                                 0, None, None)
     if rc != 0:
-        return rc, "nvrtcCreateProgram failed"
+        return rc, "nvrtcCreateProgram failed", 0.0, 0.0
     opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
     if verbose:
         opts.append(b"--ptxas-options=-v")
     arr = (ctypes.c_char_p * len(opts))(*opts)
+    cpu, wall = time.thread_time(), time.perf_counter()
     rc = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, log)
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return rc, log.value.decode(errors="replace")
+    return rc, log.value.decode(errors="replace"), cpu, wall
+
+
+def select(what, dtypes):
+    """The units named by `what` (sources or unit names), every unit when empty."""
+    everything = [u for s in kernel_units.sources() for u in kernel_units.units(s, dtypes)]
+    if not what:
+        return everything
+    chosen = []
+    for w in what:
+        name = os.path.basename(w)
+        hits = [u for u in everything if u.source == name or u.name == name]
+        if not hits:
+            sys.exit(f"{w}: no such source or compile unit (kernels/cuda, scripts/kernel_units.py)")
+        chosen += [u for u in hits if u not in chosen]
+    return chosen
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--verbose", action="store_true", help="print ptxas register and spill use")
-    ap.add_argument("files", nargs="*")
+    ap.add_argument("--dtype", action="append", choices=kernel_units.FLOATS,
+                    help="only the typed units of this float type (repeatable)")
+    ap.add_argument("--jobs", type=int, default=1, help="units compiled at once (threads)")
+    ap.add_argument("what", nargs="*")
     args = ap.parse_args()
-    files = args.files or sorted(glob.glob(os.path.join(CUDA, "*.cu")))
-    files = [f for f in files if os.path.basename(f) not in APPENDED]
+    units = select(args.what, args.dtype or kernel_units.FLOATS)
     lib = load_nvrtc()
-    failed = 0
-    for path in files:
-        rc, log = compile_one(lib, path, args.arch, args.verbose)
+    lock = threading.Lock()
+    results = []
+
+    def run(unit):
+        rc, log, cpu, wall = compile_unit(lib, unit, args.arch, args.verbose)
         status = "ok" if rc == 0 else f"FAILED (nvrtc {rc})"
-        print(f"{os.path.basename(path)}: {status}")
-        if log.strip():
-            print(log)
-        failed += rc != 0
+        with lock:
+            print(f"{unit}: {status} {cpu:.2f} s CPU, {wall:.2f} s wall", flush=True)
+            if log.strip():
+                print(log, flush=True)
+            results.append((rc, cpu))
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(run, units))
+    failed = sum(rc != 0 for rc, _ in results)
+    print(f"{len(units)} unit(s), {failed} failed: {sum(c for _, c in results):.1f} s CPU, "
+          f"{time.perf_counter() - start:.1f} s wall ({args.arch}, {max(1, args.jobs)} job(s))")
     sys.exit(1 if failed else 0)
 
 

@@ -1145,8 +1145,14 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
 }
 
 // ---- typed entry points ----------------------------------------------------------------------
+//
+// One macro per kernel: MF_KERNEL_<name>(T) defines the kernel <name>_<T>. No file of this source
+// instantiates them: the host compiles each kernel for one float type at a time, as its own
+// compile unit, by appending `MF_KERNEL_<name>(<T>)` to the source (kernels/src/kernels/units.rs),
+// so a run compiles only the kernels it launches. moe_fused.cu and moe_fused_warp.cu follow the
+// same rule.
 
-#define MOE_KERNELS(T)                                                                             \
+#define MF_KERNEL_moe_nccl_dispatch_send(T)                                                        \
     extern "C" __global__ void ROW_KERNEL moe_nccl_dispatch_send_##T(                                         \
         const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
         i64 experts, i64 local_experts, i64 world, i64 hidden, unsigned wire, i64 stride,           \
@@ -1157,7 +1163,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         nccl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,  \
                               hidden, wire, stride, scale_off, meta_off, send, block_bytes, cnt,   \
                               sent_pos, status, done, rank, own);                                  \
-    }                                                                                              \
+    }
+#define MF_KERNEL_moe_nvl_dispatch_send(T)                                                         \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_send_##T(                                          \
         const T* x, const i32* topk_idx, const float* weights, i64 tokens, i64 top_k,              \
         i64 experts, i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire,            \
@@ -1168,7 +1175,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         nvl_dispatch_send<T>(x, topk_idx, weights, tokens, top_k, experts, local_experts, world,   \
                              rank, hidden, wire, stride, scale_off, meta_off, peer_sym, rows_off,  \
                              counts_off, flags_off, cnt, sent_pos, status, state, own);            \
-    }                                                                                              \
+    }
+#define MF_KERNEL_moe_dispatch_recv(T)                                                             \
     /* flags == 0: no wait (NCCL); else wait for flags[W] >= state[0] first (NVLink). */           \
     extern "C" __global__ void ROW_KERNEL moe_dispatch_recv_##T(                                              \
         const unsigned* flags, const unsigned* state, u64 timeout_ns, const char* own_rows,        \
@@ -1184,7 +1192,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         fan_out<T>(src, tokens, top_k, experts, local_experts, world, capacity, hidden, wire,      \
                    stride, scale_off, meta_off, expert_x, routing, fan, ecnt, counts, status,      \
                    done);                                                                          \
-    }                                                                                              \
+    }
+#define MF_KERNEL_moe_nccl_combine_send(T)                                                         \
     extern "C" __global__ void ROW_KERNEL moe_nccl_combine_send_##T(                                          \
         const char* own_rows, const char* other_rows, i64 block_bytes, i64 row_off,                \
         const char* own_cnt, const char* other_cnt, i64 cnt_stride, i64 rank, const T* y,          \
@@ -1195,7 +1204,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         LocalDstAt at = {send, tokens, width * (i64)sizeof(T)};                                    \
         reduce_partials<T>(at, src, y, fan, tokens, top_k, world, width, stride, meta_off,         \
                            late != 0, w_self, w_peers, status);                                    \
-    }                                                                                              \
+    }
+#define MF_KERNEL_moe_nvl_combine_send(T)                                                          \
     /* late != 0: wait for the weight flags (>= state[0]) first. The last block raises the */      \
     /* sources' combine flags. */                                                                  \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_send_##T(                                           \
@@ -1211,7 +1221,8 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
         reduce_partials<T>(at, src, y, fan, tokens, top_k, world, width, stride, meta_off,         \
                            late != 0, w_area + rank * tokens * top_k, w_area, status);             \
         if (grid_last_block(state + 3)) raise_peer_flags(peer_sym, flags_off, world, rank, epoch); \
-    }                                                                                              \
+    }
+#define MF_KERNEL_moe_combine_recv(T)                                                              \
     /* flags == 0: no wait (NCCL); else wait for flags[W] >= state[0] first (NVLink). */           \
     extern "C" __global__ void moe_combine_recv_##T(                                               \
         const unsigned* flags, const unsigned* state, u64 timeout_ns, unsigned* status,            \
@@ -1221,7 +1232,3 @@ extern "C" __global__ void moe_nvl_weights_send(const float* weights, i64 n, i64
             block_wait_flags(flags, world, *state, timeout_ns, status, MOE_GAVE_UP_COMBINE);       \
         sum_partials<T>(own, other, rank, sent_pos, out, tokens, world, width);                    \
     }
-
-MOE_KERNELS(f32)
-MOE_KERNELS(bf16)
-MOE_KERNELS(f16)

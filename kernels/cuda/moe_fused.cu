@@ -493,20 +493,21 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
                                       chunk_flags_off, chunk, lag, status);                        \
     }
 
-#define MOE_FUSED_KERNELS(T)                                                                       \
+#define MF_KERNEL_moe_nvl_dispatch_fused(T)                                                        \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_##T(                              \
-        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, wire, FP8_BATCH)                  \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, wire, FP8_BATCH)
+#define MF_KERNEL_moe_nvl_dispatch_fused_native(T)                                                 \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_native_##T(                       \
-        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_NATIVE, FP8_BATCH)           \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_NATIVE, FP8_BATCH)
+#define MF_KERNEL_moe_nvl_dispatch_fused_fp8t(T)                                                   \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_fp8t_##T(                         \
-        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_TOKEN, 1)                \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_TOKEN, 1)
+#define MF_KERNEL_moe_nvl_dispatch_fused_fp8b(T)                                                   \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_fp8b_##T(                         \
-        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_BLOCK, FP8_BATCH)        \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_BLOCK, FP8_BATCH)
+#define MF_KERNEL_moe_nvl_combine_fused(T)                                                         \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_##T(                               \
-        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false)                              \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass(T)                                                 \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_onepass_##T(                       \
         MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true)
-
-MOE_FUSED_KERNELS(f32)
-MOE_FUSED_KERNELS(bf16)
-MOE_FUSED_KERNELS(f16)

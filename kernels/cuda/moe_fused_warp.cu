@@ -431,14 +431,12 @@ __device__ void nvl_dispatch_fused_warp(const T* x, const i32* topk_idx, const f
                                        sent_pos, status, state, own, expert_counts);               \
     }
 
-#define MOE_FUSED_WARP_KERNELS(T)                                                                  \
+#define MF_KERNEL_moe_nvl_dispatch_fused_warp_native(T)                                            \
     extern "C" __global__ void WARP_KERNEL moe_nvl_dispatch_fused_warp_native_##T(                 \
-        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_WARP_BODY(T, WIRE_NATIVE, FP8_BATCH)               \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_WARP_BODY(T, WIRE_NATIVE, FP8_BATCH)
+#define MF_KERNEL_moe_nvl_dispatch_fused_warp_fp8t(T)                                              \
     extern "C" __global__ void WARP_KERNEL moe_nvl_dispatch_fused_warp_fp8t_##T(                   \
-        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_WARP_BODY(T, WIRE_FP8_TOKEN, 1)            \
+        MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_WARP_BODY(T, WIRE_FP8_TOKEN, 1)
+#define MF_KERNEL_moe_nvl_dispatch_fused_warp_fp8b(T)                                              \
     extern "C" __global__ void WARP_KERNEL moe_nvl_dispatch_fused_warp_fp8b_##T(                   \
         MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_WARP_BODY(T, WIRE_FP8_BLOCK, FP8_BATCH)
-
-MOE_FUSED_WARP_KERNELS(f32)
-MOE_FUSED_WARP_KERNELS(bf16)
-MOE_FUSED_WARP_KERNELS(f16)

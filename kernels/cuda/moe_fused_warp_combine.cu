@@ -109,7 +109,7 @@ __device__ void nvl_combine_fused_warp(const unsigned* w_flags, unsigned* state,
 
 // ---- typed entry points: moe_nvl_combine_fused_warp_<T> ---------------------------------------
 
-#define MOE_FUSED_WARP_COMBINE_KERNELS(T)                                                          \
+#define MF_KERNEL_moe_nvl_combine_fused_warp(T)                                                    \
     extern "C" __global__ void WARP_KERNEL moe_nvl_combine_fused_warp_##T(                         \
         MOE_FUSED_COMBINE_PARAMS(T)) {                                                             \
         nvl_combine_fused_warp<T>(w_flags, state, timeout_ns, rows, partials, flags, rank, y, fan, \
@@ -117,7 +117,3 @@ __device__ void nvl_combine_fused_warp(const unsigned* w_flags, unsigned* state,
                                   late, w_area, peer_sym, partials_off, chunk_flags_off, chunk,    \
                                   lag, status);                                                    \
     }
-
-MOE_FUSED_WARP_COMBINE_KERNELS(f32)
-MOE_FUSED_WARP_COMBINE_KERNELS(bf16)
-MOE_FUSED_WARP_COMBINE_KERNELS(f16)

@@ -28,10 +28,11 @@ pub enum KernelError {
         source: cudarc::driver::DriverError,
     },
     /// NVRTC could not compile a kernel source; `log` is NVRTC's program log.
-    #[error("NVRTC failed to compile {source_name} for {arch} ({code}):\n{log}")]
+    #[error("NVRTC failed to compile {unit} for {arch} ({code}):\n{log}")]
     Nvrtc {
-        /// The kernel source file (e.g. `elementwise.cu`).
-        source_name: &'static str,
+        /// The compile unit: a kernel source file (`elementwise.cu`), or one typed kernel of it
+        /// (`moe.cu: moe_combine_recv_bf16`).
+        unit: String,
         /// The target architecture option (e.g. `sm_90`).
         arch: String,
         /// NVRTC's result code, as text.

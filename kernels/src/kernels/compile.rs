@@ -1,13 +1,14 @@
-//! NVRTC compilation of the embedded sources for one device architecture, with an optional
-//! on-disk cache (`$XDG_CACHE_HOME/meshflow/kernels`, keyed by source hash, options and NVRTC
-//! version; disable with `MESHFLOW_KERNEL_CACHE=off`).
+//! NVRTC compilation of one compile unit ([`Unit`]: a source, or one typed kernel of it) for one
+//! device architecture, with an optional on-disk cache (`$XDG_CACHE_HOME/meshflow/kernels`, one
+//! file per unit, keyed by a hash of the unit's full text, the options and the NVRTC version;
+//! disable with `MESHFLOW_KERNEL_CACHE=off`).
 
 use std::ffi::{c_char, c_int, CString};
 use std::path::PathBuf;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nsys};
 
-use super::sources::Source;
+use super::units::Unit;
 use crate::error::{KernelError, Result};
 use crate::probe;
 
@@ -87,37 +88,38 @@ fn nvrtc_version() -> Result<(i32, i32)> {
 
 fn nvrtc_ok(call: &'static str, r: nsys::nvrtcResult) -> Result<()> {
     r.result().map_err(|e| KernelError::Nvrtc {
-        source_name: call,
+        unit: call.to_owned(),
         arch: String::new(),
         code: format!("{:?}", e.0),
         log: String::new(),
     })
 }
 
-/// Compiles `source` for compute capability `cc`, through the disk cache unless `fresh`.
+/// Compiles `unit` for compute capability `cc`, through the disk cache unless `fresh`.
 /// Returns the image and whether it came from the disk cache.
-pub(crate) fn compile(source: Source, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
+pub(crate) fn compile(unit: &Unit, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
     probe::nvrtc()?;
-    probe::no_panic("nvrtc", || compile_inner(source, cc, fresh))?
+    probe::no_panic("nvrtc", || compile_inner(unit, cc, fresh))?
 }
 
-fn compile_inner(source: Source, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
+fn compile_inner(unit: &Unit, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
     let target = pick_target(cc, &supported_archs()?)?;
-    let text = source.full_text();
+    let text = unit.text();
     let options = vec![
         format!("--gpu-architecture={}", target.arch),
         "--std=c++17".to_owned(),
     ];
     let version = nvrtc_version()?;
-    let key = fnv1a(format!("{text}\0{options:?}\0{version:?}").as_bytes());
-    let path = cache_path(source, key, target.cubin);
+    let key = cache_key(&text, &options, version);
+    let path = cache_path(unit, key, target.cubin);
     if !fresh {
         if let Some(image) = path.as_ref().and_then(|p| read_cached(p, target.cubin)) {
-            tracing::debug!(source = source.file_name(), arch = %target.arch, "kernel cache hit");
+            tracing::debug!(%unit, arch = %target.arch, "kernel cache hit");
             return Ok((image, true));
         }
     }
-    let mut image = run_nvrtc(source, &text, &target, &options)?;
+    let started = std::time::Instant::now();
+    let mut image = run_nvrtc(unit, &text, &target, &options)?;
     if let Image::Cubin(bytes) = &image {
         if bytes.is_empty() {
             // Should not happen for a supported sm_XY; fall back to PTX for the same arch.
@@ -129,13 +131,19 @@ fn compile_inner(source: Source, cc: (u32, u32), fresh: bool) -> Result<(Image, 
                 format!("--gpu-architecture={}", ptx_target.arch),
                 "--std=c++17".to_owned(),
             ];
-            image = run_nvrtc(source, &text, &ptx_target, &ptx_opts)?;
+            image = run_nvrtc(unit, &text, &ptx_target, &ptx_opts)?;
         }
     }
     if let Some(p) = &path {
         write_cached(p, &image);
     }
-    tracing::debug!(source = source.file_name(), arch = %target.arch, bytes = image.bytes().len(), "compiled kernels");
+    tracing::debug!(
+        %unit,
+        arch = %target.arch,
+        bytes = image.bytes().len(),
+        seconds = started.elapsed().as_secs_f64(),
+        "compiled kernels"
+    );
     Ok((image, false))
 }
 
@@ -156,16 +164,16 @@ fn c_chars_to_string(v: &[c_char]) -> String {
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
-fn run_nvrtc(source: Source, text: &str, target: &Target, options: &[String]) -> Result<Image> {
+fn run_nvrtc(unit: &Unit, text: &str, target: &Target, options: &[String]) -> Result<Image> {
     let err = |code: String, log: String| KernelError::Nvrtc {
-        source_name: source.file_name(),
+        unit: unit.to_string(),
         arch: target.arch.clone(),
         code,
         log,
     };
     let src = CString::new(text).map_err(|_| err("NUL in source".into(), String::new()))?;
-    let name =
-        CString::new(source.file_name()).map_err(|_| err("NUL in name".into(), String::new()))?;
+    let name = CString::new(unit.source().file_name())
+        .map_err(|_| err("NUL in name".into(), String::new()))?;
     let prog = Program(
         nvrtc::create_program(&src, Some(&name))
             .map_err(|e| err(format!("{:?}", e.0), String::new()))?,
@@ -180,7 +188,7 @@ fn run_nvrtc(source: Source, text: &str, target: &Target, options: &[String]) ->
         return Err(err(format!("{:?}", e.0), log));
     }
     if !log.trim().is_empty() {
-        tracing::debug!(source = source.file_name(), "NVRTC log:\n{log}");
+        tracing::debug!(%unit, "NVRTC log:\n{log}");
     }
     if target.cubin {
         let mut size = 0usize;
@@ -208,6 +216,12 @@ fn run_nvrtc(source: Source, text: &str, target: &Target, options: &[String]) ->
     }
 }
 
+/// The disk cache key of a compile: the full text (source, prelude and the unit's instantiation),
+/// the NVRTC options and the NVRTC version.
+pub(crate) fn cache_key(text: &str, options: &[String], version: (i32, i32)) -> u64 {
+    fnv1a(format!("{text}\0{options:?}\0{version:?}").as_bytes())
+}
+
 /// 64-bit FNV-1a: a stable hash for cache keys (std's hasher may change between Rust versions).
 pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
@@ -232,14 +246,14 @@ pub(crate) fn cache_dir_from(
     Some(base.join("meshflow").join("kernels"))
 }
 
-fn cache_path(source: Source, key: u64, cubin: bool) -> Option<PathBuf> {
+fn cache_path(unit: &Unit, key: u64, cubin: bool) -> Option<PathBuf> {
     let env = |k: &str| std::env::var(k).ok();
     let dir = cache_dir_from(
         env("MESHFLOW_KERNEL_CACHE").as_deref(),
         env("XDG_CACHE_HOME").as_deref(),
         env("HOME").as_deref(),
     )?;
-    let stem = source.file_name().trim_end_matches(".cu");
+    let stem = unit.file_stem();
     let ext = if cubin { "cubin" } else { "ptx" };
     Some(dir.join(format!("{stem}-{key:016x}.{ext}")))
 }

@@ -1,14 +1,17 @@
 //! NVRTC-compiled CUDA kernels: the per-device module cache and the launchers.
 //!
-//! Sources live in `kernels/cuda/*.cu` and are embedded with `include_str!`; each is compiled on
-//! first use for the device's architecture (CUBIN `sm_XY`, PTX fallback) and cached per device in
-//! memory and, optionally, on disk. One submodule per kernel family holds the safe launchers.
+//! Sources live in `kernels/cuda/*.cu` and are embedded with `include_str!`. They are compiled in
+//! units ([`units`]: a whole source, or one typed kernel of it for one float type), each on the
+//! first use of one of its kernels, for the device's architecture (CUBIN `sm_XY`, PTX fallback),
+//! and cached per device in memory and, optionally, on disk. One submodule per kernel family
+//! holds the safe launchers.
 
 mod compile;
 mod elementwise;
 mod layout;
 mod rows;
 mod sources;
+mod units;
 mod user;
 
 use std::collections::hash_map::Entry;
@@ -24,6 +27,7 @@ pub use layout::{StridedLayout, MAX_RANK};
 pub use rows::{AxisView, RowReduce};
 pub(crate) use sources::moe_typed_name;
 pub use sources::Source;
+use units::Unit;
 pub use user::{KernelArg, UserKernel};
 
 use crate::device::{drv, Device};
@@ -47,10 +51,11 @@ struct Module {
 // SAFETY: CUmodule handles may be used from any thread; access is under the cache mutex.
 unsafe impl Send for Module {}
 
-/// Loaded modules of one device, by source. Lives in the device; unloaded when it goes away.
+/// Loaded modules of one device, by compile unit. Lives in the device; unloaded when it goes
+/// away.
 #[derive(Default)]
 pub(crate) struct ModuleCache {
-    modules: Mutex<HashMap<Source, Module>>,
+    modules: Mutex<HashMap<Unit, Module>>,
 }
 
 impl ModuleCache {
@@ -113,26 +118,30 @@ impl Kernels {
         &self.device
     }
 
-    /// Compiles and loads every source and resolves every kernel the launchers use: a warm-up,
-    /// and a check that the embedded sources compile on this machine.
+    /// Compiles and loads every compile unit and resolves every kernel the launchers use: a
+    /// warm-up, and a check that the embedded sources compile on this machine.
     pub fn load_all(&self) -> Result<()> {
         for source in Source::ALL {
-            for name in source.functions() {
-                self.function(source, &name)?;
+            for unit in Unit::all_of(source) {
+                for name in unit.functions() {
+                    self.function(source, &name)?;
+                }
             }
         }
         Ok(())
     }
 
+    /// Kernel `name` of `source`, compiling and loading its unit on first use.
     fn function(&self, source: Source, name: &str) -> Result<RawFunction> {
+        let unit = Unit::of_kernel(source, name);
         let cache = &self.device.inner.modules;
         let mut modules = cache
             .modules
             .lock()
             .map_err(|_| KernelError::InvalidArgument("kernel module cache poisoned".into()))?;
-        let module = match modules.entry(source) {
+        let module = match modules.entry(unit) {
             Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(v) => v.insert(self.load_module(source)?),
+            Entry::Vacant(v) => v.insert(self.load_module(&unit)?),
         };
         if let Some(f) = module.functions.get(name) {
             return Ok(*f);
@@ -141,19 +150,16 @@ impl Kernels {
             .map_err(|_| KernelError::InvalidArgument(format!("kernel name {name:?}")))?;
         // SAFETY: the module is loaded in this device's context, which is current.
         let f = unsafe { result::module::get_function(module.raw, cname) }.map_err(|e| {
-            KernelError::InvalidArgument(format!(
-                "kernel {name} not found in {}: {e}",
-                source.file_name()
-            ))
+            KernelError::InvalidArgument(format!("kernel {name} not found in {unit}: {e}"))
         })?;
         module.functions.insert(name.to_owned(), RawFunction(f));
         Ok(RawFunction(f))
     }
 
-    fn load_module(&self, source: Source) -> Result<Module> {
+    fn load_module(&self, unit: &Unit) -> Result<Module> {
         self.device.bind()?;
         let cc = self.device.compute_capability();
-        let (image, from_disk) = compile::compile(source, cc, false)?;
+        let (image, from_disk) = compile::compile(unit, cc, false)?;
         // SAFETY: `image` is a CUBIN or NUL-terminated PTX produced by NVRTC for this device.
         match unsafe { result::module::load_data(image.bytes().as_ptr().cast()) } {
             Ok(raw) => Ok(Module {
@@ -161,11 +167,8 @@ impl Kernels {
                 functions: HashMap::new(),
             }),
             Err(e) if from_disk => {
-                tracing::warn!(
-                    source = source.file_name(),
-                    "cached kernel image rejected ({e}); recompiling"
-                );
-                let (image, _) = compile::compile(source, cc, true)?;
+                tracing::warn!(%unit, "cached kernel image rejected ({e}); recompiling");
+                let (image, _) = compile::compile(unit, cc, true)?;
                 // SAFETY: as above, freshly compiled.
                 let raw = drv("cuModuleLoadData", unsafe {
                     result::module::load_data(image.bytes().as_ptr().cast())

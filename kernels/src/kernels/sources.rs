@@ -2,7 +2,10 @@
 //!
 //! Adding a source: put the `.cu` file in `kernels/cuda/`, add a [`Source`] variant and its entry
 //! in [`Source::text`] / [`Source::functions`], and write the launching code in a sibling module
-//! (the kernels of `moe.cu` are launched from [`crate::moe`]).
+//! (the kernels of `moe.cu` are launched from [`crate::moe`]). Adding a typed kernel to a source
+//! that has them (`moe.cu` and the files appended to it): define it with an `MF_KERNEL_<name>(T)`
+//! macro and name its kind in [`Source::typed_kinds`]; it is compiled in a unit of its own per
+//! float type ([`super::units`]).
 
 use crate::dtype::{BinaryOp, DType, UnaryOp};
 
@@ -23,7 +26,8 @@ pub enum Source {
     /// `fill.cu`: fill with a raw value.
     Fill,
     /// `moe.cu` with `moe_fused.cu`, `moe_fused_warp.cu` and `moe_fused_warp_combine.cu`
-    /// (appended): MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]).
+    /// (appended): MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]); its
+    /// typed kernels are compiled one by one.
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
     Rows,
@@ -89,13 +93,23 @@ impl Source {
         }
     }
 
-    /// The full text NVRTC compiles: the prelude, then the source.
-    pub(crate) fn full_text(self) -> String {
-        format!(
-            "{COMMON}\n#line 1 \"{}\"\n{}",
-            self.file_name(),
-            self.text()
-        )
+    /// The prefix of the source's typed kernels: kernel `<prefix>_<kind>_<dtype>`.
+    pub(crate) fn typed_prefix(self) -> &'static str {
+        match self {
+            Source::Moe => "moe",
+            _ => "",
+        }
+    }
+
+    /// The kinds of the typed kernels: kernels the source defines with a macro
+    /// `MF_KERNEL_<prefix>_<kind>(T)` and does not instantiate, each compiled for one float type
+    /// in a unit of its own ([`super::units::Unit`]). The other kernels are instantiated by the
+    /// files themselves.
+    pub(crate) fn typed_kinds(self) -> &'static [&'static str] {
+        match self {
+            Source::Moe => &MOE_TYPED,
+            _ => &[],
+        }
     }
 
     /// Every `extern "C"` kernel the host may launch from this source.
@@ -148,7 +162,7 @@ impl Source {
 /// The dtype-generic kernels of `moe.cu`.
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
-/// The kernels of `moe.cu` instantiated per float type (`moe_<kind>_<dtype>`).
+/// The typed kernels of `moe.cu` (`moe_<kind>_<dtype>`, defined by `MF_KERNEL_moe_<kind>(T)`).
 pub(crate) const MOE_TYPED: [&str; 16] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
@@ -240,9 +254,6 @@ mod tests {
                 text(Source::Moe).contains(&format!(" moe_{k}_##T(")),
                 "moe_{k}_##T missing from moe.cu"
             );
-        }
-        for d in FLOATS {
-            assert!(text(Source::Moe).contains(&format!("MOE_KERNELS({})", d.name())));
         }
         for d in FLOATS {
             assert!(text(Source::Rows).contains(&format!("MF_ROWS({})", d.name())));
