@@ -25,12 +25,15 @@
 //!   (`moe_fused_warp.cu`, one per wire format): every warp of small blocks takes its own
 //!   items, with no block-wide barrier per token, and loads the first part of a row before its
 //!   routing round trips.
-//! - `MESHFLOW_MOE_FUSED_COMBINE=twopass|onepass|warp`: the combine's consumer stores this
-//!   rank's own partials into `out`, then sums (default), or computes them and sums in one pass
-//!   (one write of `out` instead of two writes and a read); `warp`: the warp kernel
-//!   (`moe_fused_warp_combine.cu`): every warp of small blocks takes its own items, reads a
-//!   token's fan and weights once (one token ahead) and keeps the vectors of up to 4 expert rows
-//!   in flight per lane; its consumer is one-pass.
+//! - `MESHFLOW_MOE_FUSED_COMBINE=onepass|twopass|warp`: the combine's consumer computes this
+//!   rank's own partials and sums in one pass (default: one write of `out` instead of two
+//!   writes and a read; 252.3 µs against 259.9 µs for `twopass` at 4096 tokens on 2x H200, in
+//!   the same run, `bench/results/2026-11-26-h200x2.md`), or stores its own partials into
+//!   `out`, then sums; `warp`: the warp kernel (`moe_fused_warp_combine.cu`): every warp of
+//!   small blocks takes its own items, reads a token's fan and weights once (one token ahead)
+//!   and keeps the vectors of up to 4 expert rows in flight per lane; its consumer is one-pass.
+//!   One warp per 14 KB row has too few loads in flight: 392 µs at 4096 tokens (257 µs with
+//!   one token per chunk) and 61.5 µs at 128 tokens, against 25.9 µs for the block kernel.
 
 use super::kernel_calls::{n, ptr, FlagWait, PeerRegions, SendInputs, SendState, NULL};
 use super::{MoeShape, MoeWire, WireLayout};
@@ -175,7 +178,7 @@ impl Default for FusedOptions {
     fn default() -> FusedOptions {
         FusedOptions {
             dispatch: FusedDispatchKernel::Auto,
-            combine: FusedCombineKernel::TwoPass,
+            combine: FusedCombineKernel::OnePass,
         }
     }
 }
@@ -247,11 +250,11 @@ impl FusedOptions {
         }
     }
 
-    /// Parses `twopass`, `onepass` or `warp` (empty: the default, `twopass`).
+    /// Parses `onepass`, `twopass` or `warp` (empty: the default, `onepass`).
     pub fn parse_combine(v: &str) -> Result<FusedCombineKernel> {
         match v.trim() {
-            "twopass" | "" => Ok(FusedCombineKernel::TwoPass),
-            "onepass" => Ok(FusedCombineKernel::OnePass),
+            "onepass" | "" => Ok(FusedCombineKernel::OnePass),
+            "twopass" => Ok(FusedCombineKernel::TwoPass),
             "warp" => Ok(FusedCombineKernel::Warp),
             other => Err(KernelError::InvalidArgument(format!(
                 "{FUSED_COMBINE_ENV}={other}: expected twopass, onepass or warp"
@@ -537,12 +540,12 @@ mod tests {
             FusedOptions::parse_combine(" warp").unwrap(),
             FusedCombineKernel::Warp
         );
-        assert_eq!(FusedOptions::parse_combine("").unwrap(), TwoPass);
+        assert_eq!(FusedOptions::parse_combine("").unwrap(), OnePass);
         assert!(FusedOptions::parse_combine("one").is_err());
         assert!(FusedOptions::parse_combine("warps").is_err());
         assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
-        assert_eq!(d.name(), "auto-twopass");
+        assert_eq!(d.name(), "auto-onepass");
         let w = FusedOptions {
             dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::Warp,
