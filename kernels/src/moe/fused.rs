@@ -25,11 +25,13 @@
 //!   (`moe_fused_warp.cu`, one per wire format): every warp of small blocks takes its own
 //!   items, with no block-wide barrier per token, and loads the first part of a row before its
 //!   routing round trips.
-//! - `MESHFLOW_MOE_FUSED_COMBINE=onepass|twopass|warp`: the combine's consumer computes this
-//!   rank's own partials and sums in one pass (default: one write of `out` instead of two
-//!   writes and a read; 252.3 µs against 259.9 µs for `twopass` at 4096 tokens on 2x H200, in
-//!   the same run, `bench/results/2026-11-26-h200x2.md`), or stores its own partials into
-//!   `out`, then sums; `warp`: the warp kernel (`moe_fused_warp_combine.cu`): every warp of
+//! - `MESHFLOW_MOE_FUSED_COMBINE=auto|onepass|twopass|warp`: the combine's consumer computes
+//!   this rank's own partials and sums in one pass (`onepass`: one write of `out` instead of
+//!   two writes and a read, after waiting for the peers), or stores its own partials into
+//!   `out` while the peers' arrive, then sums (`twopass`). `auto` (default) runs `twopass` up
+//!   to 2048 tokens per rank and `onepass` above, each the faster at its size on 2x H200
+//!   (`bench/results/2026-11-26-h200x2.md`: at 4096 tokens 252.3 against 259.9 µs and 253.9
+//!   against 261.7 µs in two runs; at 128 tokens `twopass` 25.9 µs, `onepass` 29.4 µs); `warp`: the warp kernel (`moe_fused_warp_combine.cu`): every warp of
 //!   small blocks takes its own items, reads a token's fan and weights once (one token ahead)
 //!   and keeps the vectors of up to 4 expert rows in flight per lane; its consumer is one-pass.
 //!   One warp per 14 KB row has too few loads in flight: 392 µs at 4096 tokens (257 µs with
@@ -147,14 +149,35 @@ pub enum FusedCombineKernel {
     OnePass,
     /// `moe_nvl_combine_fused_warp_<T>`: a warp per item, one-pass consumer.
     Warp,
+    /// [`TwoPass`](FusedCombineKernel::TwoPass) up to [`ONEPASS_FROM_TOKENS`] tokens per rank,
+    /// [`OnePass`](FusedCombineKernel::OnePass) from there (each the faster measured at its
+    /// size on 2x H200, see the module docs).
+    Auto,
 }
 
+/// Tokens per rank from which [`FusedCombineKernel::Auto`] runs the one-pass combine.
+pub const ONEPASS_FROM_TOKENS: usize = 2049;
+
 impl FusedCombineKernel {
+    /// The kernel that runs for `tokens` tokens per rank (resolves
+    /// [`Auto`](FusedCombineKernel::Auto)).
+    pub fn for_tokens(self, tokens: usize) -> FusedCombineKernel {
+        match self {
+            FusedCombineKernel::Auto if tokens >= ONEPASS_FROM_TOKENS => {
+                FusedCombineKernel::OnePass
+            }
+            FusedCombineKernel::Auto => FusedCombineKernel::TwoPass,
+            k => k,
+        }
+    }
+
     /// Threads per block and the most blocks per SM the kernel is launched with.
     fn block(self) -> (u32, usize) {
         match self {
             FusedCombineKernel::Warp => (FUSED_WARP_BLOCK, 8),
-            FusedCombineKernel::TwoPass | FusedCombineKernel::OnePass => (FUSED_BLOCK, 2),
+            FusedCombineKernel::TwoPass
+            | FusedCombineKernel::OnePass
+            | FusedCombineKernel::Auto => (FUSED_BLOCK, 2),
         }
     }
 }
@@ -178,7 +201,7 @@ impl Default for FusedOptions {
     fn default() -> FusedOptions {
         FusedOptions {
             dispatch: FusedDispatchKernel::Auto,
-            combine: FusedCombineKernel::OnePass,
+            combine: FusedCombineKernel::Auto,
         }
     }
 }
@@ -250,14 +273,15 @@ impl FusedOptions {
         }
     }
 
-    /// Parses `onepass`, `twopass` or `warp` (empty: the default, `onepass`).
+    /// Parses `auto`, `onepass`, `twopass` or `warp` (empty: the default, `auto`).
     pub fn parse_combine(v: &str) -> Result<FusedCombineKernel> {
         match v.trim() {
-            "onepass" | "" => Ok(FusedCombineKernel::OnePass),
+            "auto" | "" => Ok(FusedCombineKernel::Auto),
+            "onepass" => Ok(FusedCombineKernel::OnePass),
             "twopass" => Ok(FusedCombineKernel::TwoPass),
             "warp" => Ok(FusedCombineKernel::Warp),
             other => Err(KernelError::InvalidArgument(format!(
-                "{FUSED_COMBINE_ENV}={other}: expected twopass, onepass or warp"
+                "{FUSED_COMBINE_ENV}={other}: expected auto, onepass, twopass or warp"
             ))),
         }
     }
@@ -274,6 +298,7 @@ impl FusedOptions {
             FusedCombineKernel::TwoPass => "twopass",
             FusedCombineKernel::OnePass => "onepass",
             FusedCombineKernel::Warp => "warp",
+            FusedCombineKernel::Auto => "auto",
         };
         format!("{d}-{c}")
     }
@@ -299,10 +324,10 @@ impl FusedOptions {
         }
     }
 
-    /// The combine kernel's kind.
-    fn combine_kind(self) -> &'static str {
-        match self.combine {
-            FusedCombineKernel::TwoPass => "nvl_combine_fused",
+    /// The combine kernel's kind at `tokens` tokens per rank.
+    fn combine_kind(self, tokens: usize) -> &'static str {
+        match self.combine.for_tokens(tokens) {
+            FusedCombineKernel::TwoPass | FusedCombineKernel::Auto => "nvl_combine_fused",
             FusedCombineKernel::OnePass => "nvl_combine_fused_onepass",
             FusedCombineKernel::Warp => "nvl_combine_fused_warp",
         }
@@ -506,7 +531,7 @@ pub(crate) fn nvl_combine_fused(
         n(lag),
         ptr(c.status),
     ];
-    let name = moe_typed_name(options.combine_kind(), shape.dtype);
+    let name = moe_typed_name(options.combine_kind(shape.tokens), shape.dtype);
     k.call(stream, Source::Moe, &name, grid, block.0, &mut args)
 }
 
@@ -540,18 +565,28 @@ mod tests {
             FusedOptions::parse_combine(" warp").unwrap(),
             FusedCombineKernel::Warp
         );
-        assert_eq!(FusedOptions::parse_combine("").unwrap(), OnePass);
+        assert_eq!(FusedOptions::parse_combine("twopass").unwrap(), TwoPass);
+        assert_eq!(
+            FusedOptions::parse_combine("").unwrap(),
+            FusedCombineKernel::Auto
+        );
         assert!(FusedOptions::parse_combine("one").is_err());
         assert!(FusedOptions::parse_combine("warps").is_err());
         assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
-        assert_eq!(d.name(), "auto-onepass");
+        assert_eq!(d.name(), "auto-auto");
+        // The default combine: two passes at 128 and 2048 tokens, one pass at 4096.
+        assert_eq!(d.combine_kind(128), "nvl_combine_fused");
+        assert_eq!(d.combine_kind(2048), "nvl_combine_fused");
+        assert_eq!(d.combine_kind(4096), "nvl_combine_fused_onepass");
+        assert_eq!(FusedCombineKernel::Auto.block(), (FUSED_BLOCK, 2));
+        assert_eq!(TwoPass.for_tokens(4096), TwoPass);
         let w = FusedOptions {
             dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::Warp,
         };
         assert_eq!(w.name(), "warp-warp");
-        assert_eq!(w.combine_kind(), "nvl_combine_fused_warp");
+        assert_eq!(w.combine_kind(1), "nvl_combine_fused_warp");
         assert_eq!(Auto.for_wire(MoeWire::Native), FusedDispatchKernel::Warp);
         assert_eq!(
             Auto.for_wire(MoeWire::Fp8E4m3(Fp8Scales::Block128)),
@@ -582,9 +617,9 @@ mod tests {
                 FUSED_WARP_BLOCK => "WARP_KERNEL",
                 _ => "ROW_KERNEL",
             };
-            let line = format!("{bounds} moe_{}_##T(", o.combine_kind());
+            let line = format!("{bounds} moe_{}_##T(", o.combine_kind(1));
             assert!(Source::Moe.text().contains(&line), "{line}");
-            let name = moe_typed_name(o.combine_kind(), crate::dtype::DType::BF16);
+            let name = moe_typed_name(o.combine_kind(1), crate::dtype::DType::BF16);
             assert!(functions.contains(&name), "{name}");
         }
         let names: std::collections::HashSet<String> =
