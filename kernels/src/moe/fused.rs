@@ -28,10 +28,11 @@
 //! - `MESHFLOW_MOE_FUSED_COMBINE=auto|onepass|twopass|warp`: the combine's consumer computes
 //!   this rank's own partials and sums in one pass (`onepass`: one write of `out` instead of
 //!   two writes and a read, after waiting for the peers), or stores its own partials into
-//!   `out` while the peers' arrive, then sums (`twopass`). `auto` (default) runs `twopass` up
-//!   to 2048 tokens per rank and `onepass` above, each the faster at its size on 2x H200
-//!   (`bench/results/2026-11-26-h200x2.md`: at 4096 tokens 252.3 against 259.9 µs and 253.9
-//!   against 261.7 µs in two runs; at 128 tokens `twopass` 25.9 µs, `onepass` 29.4 µs); `warp`: the warp kernel (`moe_fused_warp_combine.cu`): every warp of
+//!   `out` while the peers' arrive, then sums (`twopass`). `auto` (default) runs `twopass`
+//!   below 512 tokens per rank and `onepass` from there, each the faster at the sizes measured
+//!   on 2x H200 (`bench/results/2026-11-26-h200x2.md`, same runs: 4096 tokens 252.0 against
+//!   260.3 µs, 2048 tokens 168.0 against 172.6 µs, 128 tokens 29.2 against 25.7 µs; the
+//!   threshold lies between 128 and 2048, at their geometric mean); `warp`: the warp kernel (`moe_fused_warp_combine.cu`): every warp of
 //!   small blocks takes its own items, reads a token's fan and weights once (one token ahead)
 //!   and keeps the vectors of up to 4 expert rows in flight per lane; its consumer is one-pass.
 //!   One warp per 14 KB row has too few loads in flight: 392 µs at 4096 tokens (257 µs with
@@ -149,14 +150,14 @@ pub enum FusedCombineKernel {
     OnePass,
     /// `moe_nvl_combine_fused_warp_<T>`: a warp per item, one-pass consumer.
     Warp,
-    /// [`TwoPass`](FusedCombineKernel::TwoPass) up to [`ONEPASS_FROM_TOKENS`] tokens per rank,
+    /// [`TwoPass`](FusedCombineKernel::TwoPass) below [`ONEPASS_FROM_TOKENS`] tokens per rank,
     /// [`OnePass`](FusedCombineKernel::OnePass) from there (each the faster measured at its
     /// size on 2x H200, see the module docs).
     Auto,
 }
 
 /// Tokens per rank from which [`FusedCombineKernel::Auto`] runs the one-pass combine.
-pub const ONEPASS_FROM_TOKENS: usize = 2049;
+pub const ONEPASS_FROM_TOKENS: usize = 512;
 
 impl FusedCombineKernel {
     /// The kernel that runs for `tokens` tokens per rank (resolves
@@ -575,9 +576,10 @@ mod tests {
         assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
         assert_eq!(d.name(), "auto-auto");
-        // The default combine: two passes at 128 and 2048 tokens, one pass at 4096.
+        // The default combine: two passes at 128 tokens, one pass at 512 and more.
         assert_eq!(d.combine_kind(128), "nvl_combine_fused");
-        assert_eq!(d.combine_kind(2048), "nvl_combine_fused");
+        assert_eq!(d.combine_kind(511), "nvl_combine_fused");
+        assert_eq!(d.combine_kind(512), "nvl_combine_fused_onepass");
         assert_eq!(d.combine_kind(4096), "nvl_combine_fused_onepass");
         assert_eq!(FusedCombineKernel::Auto.block(), (FUSED_BLOCK, 2));
         assert_eq!(TwoPass.for_tokens(4096), TwoPass);
