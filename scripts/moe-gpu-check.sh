@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A quick MoE check on 2 GPUs (about 5-6 minutes), from the repository root on the GPU machine,
+# A quick MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs nine variants, twice), from the repository root on the GPU machine,
 # with the folder scripts/gpu-carry.sh prepared:
 #
 #   bash scripts/moe-gpu-check.sh gpu/suite      # logs and JSON under $OUT (default /tmp/out)
@@ -51,11 +51,11 @@ diag() {
   q=(--test-threads 1 --nocapture)
   # 1. Tests.
   # The fused kernels' test runs every variant (FusedOptions::ALL) in turn.
-  step 360 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
+  step 540 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 150 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_split_kernels_match_reference \
     nccl_transport_matches_reference nvlink_step_replays_in_a_cuda_graph overflow_and_bad_ids_are_flagged_without_corruption \
     phases_out_of_order nvlink_ipc_two_processes
-  step 300 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
+  step 540 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
     MESHFLOW_MOE_COMBINE_CHUNK=5 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   # The warp combine in a CUDA graph and across processes (CUDA IPC).
   step 90 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_FUSED_COMBINE=warp "$B/gpu_moe" "${q[@]}" \
