@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A quick MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs nine variants, twice), from the repository root on the GPU machine,
+# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs nine variants, twice), from the repository root on the GPU machine,
 # with the folder scripts/gpu-carry.sh prepared:
 #
 #   bash scripts/moe-gpu-check.sh gpu/suite      # logs and JSON under $OUT (default /tmp/out)
