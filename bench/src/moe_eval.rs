@@ -237,7 +237,10 @@ mod tests {
             interval(1, "moe_dispatch", 40.0, 45.0),
         ];
         // Per step: max(10, 12) = 12, max(11, 9) = 11, max(30, 5) = 30; median 12.
-        assert_eq!(phase_us(&[iv.clone()], 2, "moe_dispatch").unwrap(), 12.0);
+        assert_eq!(
+            phase_us(std::slice::from_ref(&iv), 2, "moe_dispatch").unwrap(),
+            12.0
+        );
         assert_eq!(
             phase_us(&[iv[..2].to_vec()], 1, "moe_combine").unwrap(),
             5.0
@@ -261,7 +264,7 @@ mod tests {
             interval(0, "moe_dispatch", 20.0, 30.0),
             interval(1, "moe_dispatch", 0.0, 10.0),
         ];
-        let e = phase_us(&[iv.clone()], 2, "moe_dispatch")
+        let e = phase_us(std::slice::from_ref(&iv), 2, "moe_dispatch")
             .unwrap_err()
             .to_string();
         assert!(e.contains("[2, 1]"), "{e}");
