@@ -145,7 +145,7 @@ impl fmt::Display for Unit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::compile::cache_key;
+    use crate::kernels::cache;
 
     fn typed(source: Source, kind: &'static str, dtype: DType) -> Unit {
         Unit {
@@ -292,7 +292,7 @@ mod tests {
     #[test]
     fn cache_keys_differ_between_units() {
         let opts = ["--gpu-architecture=sm_90".to_owned()];
-        let key = |u: &Unit| cache_key(&u.text(), &opts, (12, 9));
+        let key = |u: &Unit| cache::key(&u.text(), &opts, (12, 9));
         let units = Unit::all_of(Source::Moe);
         let mut keys: Vec<u64> = units.iter().map(key).collect();
         keys.sort_unstable();
@@ -300,10 +300,10 @@ mod tests {
         assert_eq!(keys.len(), units.len());
         let u = Unit::of_kernel(Source::Moe, "moe_dispatch_recv_f16");
         assert_eq!(key(&u), key(&u));
-        assert_ne!(key(&u), cache_key(&u.text(), &opts, (12, 8)));
+        assert_ne!(key(&u), cache::key(&u.text(), &opts, (12, 8)));
         assert_ne!(
             key(&u),
-            cache_key(&u.text(), &["--gpu-architecture=sm_80".to_owned()], (12, 9))
+            cache::key(&u.text(), &["--gpu-architecture=sm_80".to_owned()], (12, 9))
         );
         // A base unit hashes exactly as the whole source did before units existed, so the
         // cached images of the other sources stay valid.
