@@ -157,23 +157,27 @@ mod tests {
     #[test]
     fn a_kernel_name_picks_its_unit() {
         let moe = |n: &str| Unit::of_kernel(Source::Moe, n);
-        assert_eq!(
-            moe("moe_nvl_dispatch_fused_warp_native_bf16"),
-            typed(Source::Moe, "nvl_dispatch_fused_warp_native", DType::BF16)
-        );
-        // A kind that is a prefix of another does not capture it, nor bf16 f16.
-        assert_eq!(
-            moe("moe_nvl_dispatch_fused_f16"),
-            typed(Source::Moe, "nvl_dispatch_fused", DType::F16)
-        );
-        assert_eq!(
-            moe("moe_nvl_combine_fused_onepass_f32"),
-            typed(Source::Moe, "nvl_combine_fused_onepass", DType::F32)
-        );
-        assert_eq!(
-            moe("moe_combine_recv_bf16"),
-            typed(Source::Moe, "combine_recv", DType::BF16)
-        );
+        for (name, kind, dtype) in [
+            (
+                "moe_nvl_dispatch_fused_warp_native_bf16",
+                "nvl_dispatch_fused_warp_native",
+                DType::BF16,
+            ),
+            // A kind that is a prefix of another does not capture it, nor bf16 f16.
+            (
+                "moe_nvl_dispatch_fused_f16",
+                "nvl_dispatch_fused",
+                DType::F16,
+            ),
+            (
+                "moe_nvl_combine_fused_onepass_f32",
+                "nvl_combine_fused_onepass",
+                DType::F32,
+            ),
+            ("moe_combine_recv_bf16", "combine_recv", DType::BF16),
+        ] {
+            assert_eq!(moe(name), typed(Source::Moe, kind, dtype), "{name}");
+        }
         // Plain kernels, unknown kinds and non-float types go to the base unit.
         for n in [
             "moe_zero_padding",
