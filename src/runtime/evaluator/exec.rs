@@ -14,12 +14,13 @@ use super::{SentWeights, State, StepError};
 use meshflow_passes::Transport;
 
 use crate::runtime::backend::{
-    Backend, CommLabel, CommRequest, InstCtx, MoeWeightsAt, StreamIndex, TeamId, TensorView,
+    Backend, CommLabel, CommRequest, InstCtx, MoeWeightsAt, PreorderIndex, StreamIndex, TeamId,
+    TensorView,
 };
 use crate::runtime::trace::TraceEvent;
 
 /// A failed step: its instruction, the loop values, the error.
-pub(super) type Failure = (u32, Vec<i64>, StepError);
+pub(super) type Failure = (PreorderIndex, Vec<i64>, StepError);
 
 pub(super) struct Cx<'a, 'p, B: Backend> {
     pub program: &'p HostProgram,
@@ -27,7 +28,7 @@ pub(super) struct Cx<'a, 'p, B: Backend> {
     pub backend: &'a mut B,
     pub state: &'a mut State<B>,
     pub trace_epoch: Option<Instant>,
-    pub texts: &'a [String],
+    pub texts: &'a Arena<PreorderIndex, String>,
 }
 
 struct Env<'a> {
@@ -146,16 +147,16 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         &mut self,
         epoch: Instant,
         t0: Instant,
-        at: u32,
+        at: PreorderIndex,
         stream: StreamIndex,
         (transport, moe_weights): (Option<Transport>, Option<MoeWeightsAt>),
     ) {
-        let inst = self.plan.insts[at as usize];
+        let inst = self.plan.insts[at];
         self.state.trace.push(TraceEvent {
             rank: self.backend.device(),
             stream: stream.0,
             name: inst.kind.name(),
-            text: self.texts.get(at as usize).cloned().unwrap_or_default(),
+            text: self.texts.get(at).cloned().unwrap_or_default(),
             iteration: self.state.iteration.clone(),
             start_us: t0.duration_since(epoch).as_secs_f64() * 1e6,
             dur_us: t0.elapsed().as_secs_f64() * 1e6,
@@ -164,7 +165,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         });
     }
 
-    fn step(&mut self, at: u32, step: &Step<'p>) -> Result<(), StepError> {
+    fn step(&mut self, at: PreorderIndex, step: &Step<'p>) -> Result<(), StepError> {
         // The loop values are copied into a reused buffer so that the state keeps them (for
         // reports after a panic) while the step borrows the state mutably.
         let mut iteration = std::mem::take(&mut self.state.scratch);
@@ -175,11 +176,13 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         r
     }
 
-    fn step_inner(&mut self, at: u32, step: &Step<'p>, iteration: &[i64]) -> Result<(), StepError> {
-        let ctx = InstCtx {
-            inst: at,
-            iteration,
-        };
+    fn step_inner(
+        &mut self,
+        at: PreorderIndex,
+        step: &Step<'p>,
+        iteration: &[i64],
+    ) -> Result<(), StepError> {
+        let ctx = InstCtx { at, iteration };
         match step {
             Step::Loop { .. } => Ok(()),
             Step::Allocate { tensor, .. } => self.allocate(*tensor),
@@ -652,7 +655,7 @@ fn step_label(step: &Step<'_>) -> Option<CommLabel> {
     }
 }
 
-fn step_at(step: &Step<'_>) -> u32 {
+fn step_at(step: &Step<'_>) -> PreorderIndex {
     match step {
         Step::Allocate { at, .. }
         | Step::Deallocate { at, .. }
