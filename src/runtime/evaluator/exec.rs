@@ -474,6 +474,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         Ok(self.backend.deallocate(buffer)?)
     }
 
+    /// `out` = chunk `index` of `chunks` equal chunks of `input` along `axis`.
     fn shard(
         &mut self,
         out: HostTensorId,
@@ -502,15 +503,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let part = extent / chunks;
                 Ok((index * part, part))
             },
-            |view, decl| {
-                if decl.shape != view.shape || decl.dtype != view.dtype {
-                    return Err(invalid(format!(
-                        "the chunk is {}{:?} but `{}` is declared {}{:?}",
-                        view.dtype, view.shape, decl.name, decl.dtype, decl.shape
-                    )));
-                }
-                Ok(())
-            },
+            Fit::Exact,
         )
     }
 
@@ -542,32 +535,20 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                     ))),
                 }
             },
-            |view, decl| {
-                // Declared extents are capacities: the view of an uneven piece may be shorter.
-                let fits = decl.shape.len() == view.shape.len()
-                    && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d);
-                if !fits || decl.dtype != view.dtype {
-                    return Err(invalid(format!(
-                        "the narrowed view is {}{:?} but `{}` is declared {}{:?}",
-                        view.dtype, view.shape, decl.name, decl.dtype, decl.shape
-                    )));
-                }
-                Ok(())
-            },
+            Fit::Within,
         )
     }
 
     /// Makes `out` the view of elements `[start, start + len)` of `input` along `axis`, where
     /// `range` picks `(start, len)` from the extent of that axis and the declaration of `out`,
-    /// and `check` accepts the view against that declaration. On an error `out` is left
-    /// without a view.
+    /// and the view must `fit` that declaration. On an error `out` is left without a view.
     fn bind_range(
         &mut self,
         out: HostTensorId,
         input: HostTensorId,
         axis: usize,
         range: impl FnOnce(u64, &HostTensor) -> Result<(u64, u64), StepError>,
-        check: impl FnOnce(&TensorView<B::Buffer>, &HostTensor) -> Result<(), StepError>,
+        fit: Fit,
     ) -> Result<(), StepError> {
         let mut slot = self.state.views[out].take();
         let r = (|| {
@@ -596,13 +577,44 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             view.strides.clone_from(&parent.strides);
             view.shape[axis] = len;
             view.offset = parent.offset + start * parent.strides[axis];
-            check(view, decl)
+            fit.check(view, decl)
         })();
         if r.is_err() {
             slot = None;
         }
         self.state.views[out] = slot;
         r
+    }
+}
+
+/// How a view bound by [`Cx::bind_range`] must match the declaration of its tensor.
+#[derive(Clone, Copy, Debug)]
+enum Fit {
+    /// The declared shape exactly (a chunk of `shard_by_stream`, [`Cx::shard`]).
+    Exact,
+    /// At most the declared extents, which are capacities: the view of an uneven piece may be
+    /// shorter ([`Cx::narrow`]).
+    Within,
+}
+
+impl Fit {
+    /// Accepts `view` as the tensor `decl` declares: its dtype, and a shape that fits.
+    fn check<Buf>(self, view: &TensorView<Buf>, decl: &HostTensor) -> Result<(), StepError> {
+        let (fits, what) = match self {
+            Fit::Exact => (decl.shape == view.shape, "the chunk"),
+            Fit::Within => (
+                decl.shape.len() == view.shape.len()
+                    && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d),
+                "the narrowed view",
+            ),
+        };
+        if fits && decl.dtype == view.dtype {
+            return Ok(());
+        }
+        Err(invalid(format!(
+            "{what} is {}{:?} but `{}` is declared {}{:?}",
+            view.dtype, view.shape, decl.name, decl.dtype, decl.shape
+        )))
     }
 }
 
