@@ -193,6 +193,7 @@ fn phase_us(intervals: &[Interval], world: usize, name: &str) -> Result<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshflow::runtime::backend::PreorderIndex;
     use meshflow::runtime::cuda::IntervalKind;
 
     fn interval(rank: usize, name: &'static str, start_us: f64, end_us: f64) -> Interval {
@@ -202,7 +203,7 @@ mod tests {
             kind: IntervalKind::Comm,
             name,
             transport: None,
-            inst: 0,
+            preorder: PreorderIndex(0),
             iteration: Vec::new(),
             start_us,
             end_us,

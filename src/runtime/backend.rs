@@ -112,7 +112,7 @@ impl fmt::Display for PreorderIndex {
 #[derive(Copy, Clone, Debug)]
 pub struct InstCtx<'a> {
     /// The instruction's position in program pre-order.
-    pub at: PreorderIndex,
+    pub preorder: PreorderIndex,
     /// Values of the enclosing loop variables, outermost first.
     pub iteration: &'a [i64],
 }
@@ -345,7 +345,7 @@ impl<Buf> CommRequest<'_, Buf> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AccessSite {
     /// The instruction's position in program pre-order.
-    pub at: PreorderIndex,
+    pub preorder: PreorderIndex,
     /// Loop variable values at the access.
     pub iteration: Arc<[i64]>,
     /// True for a write.
@@ -375,7 +375,7 @@ pub enum BackendError {
     Op(#[from] OpError),
     /// An unordered access (see [`RaceReport`]); the evaluator prints it with both
     /// instructions.
-    #[error("race between instructions {} and {}", .0.earlier.at, .0.later.at)]
+    #[error("race between instructions {} and {}", .0.earlier.preorder, .0.later.preorder)]
     Race(Box<RaceReport>),
     /// A peer did not send within the timeout.
     #[error("timed out after {waited:?} waiting for rank {peer} ({what})")]
@@ -549,7 +549,7 @@ mod tests {
     #[test]
     fn race_reports_name_instructions_by_position() {
         let site = |at, write| AccessSite {
-            at: PreorderIndex(at),
+            preorder: PreorderIndex(at),
             iteration: Arc::from(&[1_i64][..]),
             write,
             comm_label: None,

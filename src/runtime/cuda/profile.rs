@@ -38,7 +38,7 @@ pub struct Interval {
     /// For a communication: the transport that executed it.
     pub transport: Option<Transport>,
     /// The instruction's position in program pre-order.
-    pub at: PreorderIndex,
+    pub preorder: PreorderIndex,
     /// Loop variable values.
     pub iteration: Vec<i64>,
     /// Start, µs.
@@ -85,7 +85,7 @@ struct Pending {
     kind: IntervalKind,
     name: &'static str,
     transport: Option<Transport>,
-    at: PreorderIndex,
+    preorder: PreorderIndex,
     iteration: Vec<i64>,
     start: Event,
     end: Event,
@@ -98,7 +98,7 @@ pub(crate) struct Opened {
     kind: IntervalKind,
     name: &'static str,
     transport: Option<Transport>,
-    at: PreorderIndex,
+    preorder: PreorderIndex,
     iteration: Vec<i64>,
     start: Event,
 }
@@ -185,7 +185,7 @@ impl Timeline {
                 kind: c.kind,
                 name: c.name,
                 transport: c.transport,
-                at: c.at,
+                preorder: c.preorder,
                 iteration: c.iteration.clone(),
                 start,
                 end,
@@ -203,11 +203,11 @@ impl Timeline {
         kind: IntervalKind,
         name: &'static str,
         transport: Option<Transport>,
-        at: PreorderIndex,
+        preorder: PreorderIndex,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
         match streams.get(stream) {
-            Some(s) => self.open_on(s, stream, kind, name, transport, at, iteration),
+            Some(s) => self.open_on(s, stream, kind, name, transport, preorder, iteration),
             None => Ok(None),
         }
     }
@@ -222,7 +222,7 @@ impl Timeline {
         kind: IntervalKind,
         name: &'static str,
         transport: Option<Transport>,
-        at: PreorderIndex,
+        preorder: PreorderIndex,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
         if !self.profile || self.start.is_none() {
@@ -239,7 +239,7 @@ impl Timeline {
             kind,
             name,
             transport,
-            at,
+            preorder,
             iteration: iteration.to_vec(),
             start,
         }))
@@ -272,7 +272,7 @@ impl Timeline {
             kind: o.kind,
             name: o.name,
             transport: o.transport,
-            at: o.at,
+            preorder: o.preorder,
             iteration: o.iteration,
             start: o.start,
             end,
@@ -325,7 +325,7 @@ impl Timeline {
                 kind: p.kind,
                 name: p.name,
                 transport: p.transport,
-                at: p.at,
+                preorder: p.preorder,
                 iteration: p.iteration,
                 start_us: s,
                 end_us: e,

@@ -182,7 +182,10 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         step: &Step<'p>,
         iteration: &[i64],
     ) -> Result<(), StepError> {
-        let ctx = InstCtx { at, iteration };
+        let ctx = InstCtx {
+            preorder: at,
+            iteration,
+        };
         match step {
             Step::Loop { .. } => Ok(()),
             Step::Allocate { tensor, .. } => self.allocate(*tensor),

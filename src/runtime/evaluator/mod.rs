@@ -603,17 +603,17 @@ impl<'p, B: Backend> Evaluator<'p, B> {
 
     fn race_message(&self, r: &RaceReport) -> String {
         let describe = |site: &super::backend::AccessSite| {
-            let inst = self.plan.insts.get(site.at);
+            let inst = self.plan.insts.get(site.preorder);
             let text = inst
                 .map(|i| meshflow_ir::text::inst_to_string(self.program, i))
-                .unwrap_or_else(|| site.at.to_string());
+                .unwrap_or_else(|| site.preorder.to_string());
             let by = match site.comm_label {
                 Some(_) => "as a communication".to_string(),
                 None => format!("on stream {}", site.stream),
             };
             format!(
                 "`{text}`{} {} {by}",
-                self.iteration_text(site.at, &site.iteration),
+                self.iteration_text(site.preorder, &site.iteration),
                 if site.write { "writes" } else { "reads" },
             )
         };

@@ -26,7 +26,7 @@ use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 type TV = TensorView<CudaBuffer>;
 
 const CTX: InstCtx<'static> = InstCtx {
-    at: PreorderIndex(0),
+    preorder: PreorderIndex(0),
     iteration: &[],
 };
 
