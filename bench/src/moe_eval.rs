@@ -208,6 +208,7 @@ fn slowest_per_step(intervals: &[Interval], world: usize, name: &str) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshflow::runtime::backend::PreorderIndex;
     use meshflow::runtime::cuda::IntervalKind;
 
     fn interval(rank: usize, name: &'static str, start_us: f64, end_us: f64) -> Interval {
@@ -217,7 +218,7 @@ mod tests {
             kind: IntervalKind::Comm,
             name,
             transport: None,
-            inst: 0,
+            preorder: PreorderIndex(0),
             iteration: Vec::new(),
             start_us,
             end_us,

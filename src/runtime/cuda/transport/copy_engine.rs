@@ -257,7 +257,7 @@ impl Transfer<'_> {
                 IntervalKind::Comm,
                 name,
                 Some(Transport::CopyEngine),
-                ctx.inst,
+                ctx.preorder,
                 ctx.iteration,
             )
             .map_err(core.err("cuEventRecord"))?;
@@ -485,7 +485,7 @@ impl Transfer<'_> {
                 IntervalKind::Comm,
                 NAME,
                 Some(Transport::CopyEngine),
-                ctx.inst,
+                ctx.preorder,
                 ctx.iteration,
             )
             .map_err(core.err("cuEventRecord"))?;
