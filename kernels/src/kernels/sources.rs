@@ -2,10 +2,11 @@
 //!
 //! Adding a source: put the `.cu` file in `kernels/cuda/`, add a [`Source`] variant and its entry
 //! in [`Source::text`] / [`Source::functions`], and write the launching code in a sibling module
-//! (the kernels of `moe.cu` are launched from [`crate::moe`]). Adding a typed kernel to a source
-//! that has them (`moe.cu` and the files appended to it): define it with an `MF_KERNEL_<name>(T)`
-//! macro and name its kind in [`Source::typed_kinds`]; it is compiled in a unit of its own per
-//! float type ([`super::units`]).
+//! (the kernels of `moe.cu` are launched from [`crate::moe`]; a file appended to another source
+//! goes into that source's [`Source::text`] and `PARTS` of `scripts/kernel_units.py`). Adding a
+//! typed kernel to a source that has them (`moe.cu` and the files appended to it): define it
+//! with an `MF_KERNEL_<name>(T)` macro and name its kind in [`Source::typed_kinds`]; it is
+//! compiled in a unit of its own per float type ([`super::units`]).
 
 use crate::dtype::{BinaryOp, DType, UnaryOp};
 
@@ -25,9 +26,9 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
-    /// `moe.cu` with `moe_fused.cu`, `moe_fused_warp.cu` and `moe_fused_warp_combine.cu`
-    /// (appended): MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]); its
-    /// typed kernels are compiled one by one.
+    /// `moe.cu` with `moe_combine.cu`, `moe_fused.cu`, `moe_fused_warp.cu` and
+    /// `moe_fused_warp_combine.cu` (appended): MoE dispatch / combine (NCCL and NVLink
+    /// transports, [`crate::moe`]); its typed kernels are compiled one by one.
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
     Rows,
@@ -78,10 +79,12 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
-            // moe_fused.cu uses moe.cu's helpers, moe_fused_warp.cu both, and
-            // moe_fused_warp_combine.cu all three: one module, each file its own `#line` directive.
+            // Each file uses the helpers of the files before it (moe_combine.cu moe.cu's, the fused
+            // kernels both): one module, each file its own `#line` directive.
             Source::Moe => concat!(
                 include_str!("../../cuda/moe.cu"),
+                "\n",
+                include_str!("../../cuda/moe_combine.cu"),
                 "\n",
                 include_str!("../../cuda/moe_fused.cu"),
                 "\n",
@@ -246,13 +249,13 @@ mod tests {
         for f in MOE_PLAIN {
             assert!(
                 text(Source::Moe).contains(&format!(" {f}(")),
-                "{f} missing from moe.cu"
+                "{f} missing from moe.cu and its appended files"
             );
         }
         for k in MOE_TYPED {
             assert!(
                 text(Source::Moe).contains(&format!(" moe_{k}_##T(")),
-                "moe_{k}_##T missing from moe.cu"
+                "moe_{k}_##T missing from moe.cu and its appended files"
             );
         }
         for d in FLOATS {
