@@ -13,9 +13,11 @@
 // block, or one warp: tid < nt) split it into 16-byte vectors: in each round a thread takes the
 // NV vectors base + tid + u * nt (u < NV) and loads them from up to 4 expert rows before it
 // accumulates any (accumulate_experts). Every warp reads the row's fan and weights itself
-// (lane l holds k = k0 + l, KLane) once per row, not once per round. The block kernels here and
-// in moe_fused.cu run NV = 2 (the vectors of a round spread over the block), the warp combine
-// (moe_fused_warp_combine.cu) COMBINE_WARP_BATCH over 32 lanes.
+// (lane l holds k = k0 + l, KLane) once per row, not once per round. The block kernels here run
+// NV = 2 (the vectors of a round spread over the block), the fused block combine (moe_fused.cu)
+// the NV of its block shape (1 or 2), the warp combine (moe_fused_warp_combine.cu)
+// COMBINE_WARP_BATCH over 32 lanes. Which thread handles a vector never changes a sum: each
+// element is summed in k order alone.
 
 // Lane l's expert row (-1: none) and weight for k = k0 + l of one row.
 struct KLane {
@@ -165,12 +167,12 @@ __device__ __forceinline__ void partial_row(T* dst, KLane first, const i32* fan_
     }
 }
 
-// The block computes one partial row into dst (partial_row, two vectors per thread and round).
-template <typename T>
+// The block computes one partial row into dst (partial_row, NV vectors per thread and round).
+template <typename T, int NV = 2>
 __device__ void reduce_row(T* dst, const i32* fan_row, const char* w_at, const T* y, i64 top_k,
                            i64 width) {
-    partial_row<T, 2>(dst, k_lane(fan_row, w_at, top_k, 0), fan_row, w_at, y, top_k, width,
-                      threadIdx.x, blockDim.x);
+    partial_row<T, NV>(dst, k_lane(fan_row, w_at, top_k, 0), fan_row, w_at, y, top_k, width,
+                       threadIdx.x, blockDim.x);
 }
 
 // One block per received row (s, j): its partial row (reduce_row) stored at dst_at(s, j).

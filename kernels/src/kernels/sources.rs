@@ -165,8 +165,10 @@ impl Source {
 /// The dtype-generic kernels of `moe.cu`.
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
-/// The typed kernels of `moe.cu` (`moe_<kind>_<dtype>`, defined by `MF_KERNEL_moe_<kind>(T)`).
-pub(crate) const MOE_TYPED: [&str; 16] = [
+/// The typed kernels of `moe.cu` (`moe_<kind>_<dtype>`, defined by `MF_KERNEL_moe_<kind>(T)`);
+/// the block combine's kinds, one per block shape, are `nvl_combine_fused[_onepass]<suffix>`
+/// (`crate::moe::CombineBlock`).
+pub(crate) const MOE_TYPED: [&str; 30] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
@@ -182,6 +184,20 @@ pub(crate) const MOE_TYPED: [&str; 16] = [
     "nvl_dispatch_fused_warp_fp8b",
     "nvl_combine_fused",
     "nvl_combine_fused_onepass",
+    "nvl_combine_fused_b256x2p",
+    "nvl_combine_fused_onepass_b256x2p",
+    "nvl_combine_fused_b448x1",
+    "nvl_combine_fused_onepass_b448x1",
+    "nvl_combine_fused_b448x1p",
+    "nvl_combine_fused_onepass_b448x1p",
+    "nvl_combine_fused_b448x2n1",
+    "nvl_combine_fused_onepass_b448x2n1",
+    "nvl_combine_fused_b896x1n1",
+    "nvl_combine_fused_onepass_b896x1n1",
+    "nvl_combine_fused_b512x1",
+    "nvl_combine_fused_onepass_b512x1",
+    "nvl_combine_fused_b512x1p",
+    "nvl_combine_fused_onepass_b512x1p",
     "nvl_combine_fused_warp",
 ];
 
@@ -277,7 +293,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 16 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 30 * 3) + 15);
     }
 
     #[test]
