@@ -32,6 +32,7 @@ use crate::runtime::cuda::core::{dev_err, DeviceCore};
 use crate::runtime::cuda::layout::{kdtype, kwire};
 use crate::runtime::cuda::memory::CudaBuffer;
 use crate::runtime::cuda::operands::OutSlot;
+use crate::runtime::cuda::profile::Opened;
 
 type TV = TensorView<CudaBuffer>;
 
@@ -128,6 +129,7 @@ impl<S: EngineSource> MoeTeams<S> {
     fn dispatch(
         &mut self,
         cx: &mut PostCx<'_>,
+        op: &mut OpenAtWork<'_>,
         team: &TeamInfo,
         x: &TV,
         topk_idx: &TV,
@@ -168,6 +170,17 @@ impl<S: EngineSource> MoeTeams<S> {
             .map_err(|e| invalid(rank, WHAT, format!("`x` {:?}: {e}", x.shape)))?;
         let i = self.engine(cx, team, shape, wire)?;
         let core = &mut *cx.core;
+        // The engine writes the outputs in place: their own bytes when the views are packed,
+        // apart from the inputs and aligned as the kernels store (else a temporary, copied
+        // into the view after).
+        let x_align = if wire == MoeWire::Native { 1 } else { 16 };
+        let targets = [
+            OutTarget::new(core, expert_x, &[x, topk_idx], x_align)?,
+            OutTarget::new(core, expert_counts, &[x, topk_idx], 4)?,
+            OutTarget::new(core, routing, &[x, topk_idx], 8)?,
+        ];
+        // Host preparation ends here: the first device work follows.
+        op.open(core)?;
         let mut xb = core.input_region(x)?;
         if wire != MoeWire::Native && !xb.is_aligned(16) {
             // FP8 dispatch reads `x` in 16-byte vectors: stage a view that starts elsewhere.
@@ -196,15 +209,6 @@ impl<S: EngineSource> MoeTeams<S> {
             }
             None => None,
         };
-        // The engine writes the outputs in place: their own bytes when the views are packed,
-        // apart from the inputs and aligned as the kernels store (else a temporary, copied
-        // into the view after).
-        let x_align = if wire == MoeWire::Native { 1 } else { 16 };
-        let targets = [
-            OutTarget::new(core, expert_x, &[x, topk_idx], x_align)?,
-            OutTarget::new(core, expert_counts, &[x, topk_idx], 4)?,
-            OutTarget::new(core, routing, &[x, topk_idx], 8)?,
-        ];
         let s = core.stream().clone();
         let e = core.err(WHAT);
         let [tx, tc, tr] = &targets;
@@ -235,6 +239,7 @@ impl<S: EngineSource> MoeTeams<S> {
     fn combine(
         &mut self,
         cx: &mut PostCx<'_>,
+        op: &mut OpenAtWork<'_>,
         team: &TeamInfo,
         expert_y: &TV,
         expert_counts: &TV,
@@ -275,14 +280,9 @@ impl<S: EngineSource> MoeTeams<S> {
             ));
         }
         let es = kdtype(expert_y.dtype).size_bytes();
-        let s = core.stream().clone();
-        let e = core.err(WHAT);
-        let y = core.input_region(expert_y)?;
-        let counts = core.input_region(expert_counts)?;
-        let routes = core.input_region(routing)?;
         // Weights the dispatch carried are not handed over again: the combine must name them.
-        let weights = match self.sent.take() {
-            Some(sent) if sent == *topk_weights => None,
+        let carried = match self.sent.take() {
+            Some(sent) if sent == *topk_weights => true,
             Some(sent) => {
                 return Err(invalid(
                     rank,
@@ -301,10 +301,21 @@ impl<S: EngineSource> MoeTeams<S> {
                     ),
                 ))
             }
-            None => {
-                let w = core.input_region(topk_weights)?;
-                Some(f32_weights(core, topk_weights, w, WHAT)?)
-            }
+            None => false,
+        };
+        let slot = core.output_slot(out, &[expert_y, topk_weights])?;
+        // Host preparation ends here: the first device work follows.
+        op.open(core)?;
+        let s = core.stream().clone();
+        let e = core.err(WHAT);
+        let y = core.input_region(expert_y)?;
+        let counts = core.input_region(expert_counts)?;
+        let routes = core.input_region(routing)?;
+        let weights = if carried {
+            None
+        } else {
+            let w = core.input_region(topk_weights)?;
+            Some(f32_weights(core, topk_weights, w, WHAT)?)
         };
         let (y_in, out_buf) = if f == h {
             (y, None)
@@ -322,7 +333,6 @@ impl<S: EngineSource> MoeTeams<S> {
                 .map_err(&e)?;
             (yp, Some(core.temp(t * h * es)?))
         };
-        let slot = core.output_slot(out, &[expert_y, topk_weights])?;
         let target: DeviceBuffer = out_buf.clone().unwrap_or_else(|| slot.buf.clone());
         S::engine(&mut self.engines[i].engine)
             .combine(&s, &y_in, &counts, &routes, weights.as_ref(), &target)
@@ -361,7 +371,7 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 "MoE ops cannot be coalesced on GPUs",
             ));
         }
-        let opened = cx.core.begin_op(name, S::TRANSPORT, ctx)?;
+        let mut op = OpenAtWork::new(name, S::TRANSPORT, ctx);
         match request {
             CommRequest::MoeDispatch {
                 team,
@@ -375,6 +385,7 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 ..
             } => self.dispatch(
                 cx,
+                &mut op,
                 team,
                 x,
                 topk_idx,
@@ -394,6 +405,7 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 ..
             } => self.combine(
                 cx,
+                &mut op,
                 team,
                 expert_y,
                 expert_counts,
@@ -407,7 +419,7 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
                 )))
             }
         }
-        Ok(Posted::OnStream(opened))
+        Ok(Posted::OnStream(op.into_opened(cx.core)?))
     }
 
     fn capture_blocker(&self) -> Option<&'static str> {
@@ -473,6 +485,45 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
 
 /// `w` (this rank's top-k weights, at `region`) as the f32 the engines take: the region
 /// itself, or a cast into a temporary.
+/// The profiling interval of one MoE request, opened at its first device work rather than when
+/// the request arrives: the host's preparation (the engine lookup, the checks, the output
+/// slots) stays outside it, so that the interval spans what the device does, as the event
+/// before an engine's first kernel does when the kernels are timed alone. While the device
+/// has work queued, the two are the same; when it has caught up (small steps), the
+/// preparation would otherwise land inside the interval.
+struct OpenAtWork<'a> {
+    name: &'static str,
+    transport: Transport,
+    ctx: InstCtx<'a>,
+    /// `Some` once opened (the inner `None`: not profiled, or inside a coalescing group).
+    opened: Option<Option<Opened>>,
+}
+
+impl<'a> OpenAtWork<'a> {
+    fn new(name: &'static str, transport: Transport, ctx: InstCtx<'a>) -> Self {
+        OpenAtWork {
+            name,
+            transport,
+            ctx,
+            opened: None,
+        }
+    }
+
+    /// Opens the interval on the current stream (once; later calls do nothing).
+    fn open(&mut self, core: &mut DeviceCore) -> Result<(), BackendError> {
+        if self.opened.is_none() {
+            self.opened = Some(core.begin_op(self.name, self.transport, self.ctx)?);
+        }
+        Ok(())
+    }
+
+    /// The opened interval (opened now if no device work came before).
+    fn into_opened(mut self, core: &mut DeviceCore) -> Result<Option<Opened>, BackendError> {
+        self.open(core)?;
+        Ok(self.opened.flatten())
+    }
+}
+
 fn f32_weights(
     core: &mut DeviceCore,
     w: &TV,
