@@ -17,7 +17,9 @@ CUDA = os.path.join(ROOT, "kernels", "cuda")
 # The float types of the typed kernels (FLOATS in sources.rs, in its order).
 FLOATS = ["f32", "bf16", "f16"]
 # Sources appended to another before compiling (the concat! of Source::text in sources.rs).
-PARTS = {"moe.cu": ["moe_fused.cu", "moe_fused_warp.cu", "moe_fused_warp_combine.cu"]}
+PARTS = {
+    "moe.cu": ["moe_combine.cu", "moe_fused.cu", "moe_fused_warp.cu", "moe_fused_warp_combine.cu"],
+}
 APPENDED = {p for parts in PARTS.values() for p in parts}
 
 TYPED_MACRO = re.compile(r"^#define MF_KERNEL_(\w+)\(T\)", re.M)

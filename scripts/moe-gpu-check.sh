@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs nine variants, twice), from the repository root on the GPU machine,
+# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs its covering set of six
+# variant combinations, twice), from the repository root on the GPU machine,
 # with the folder scripts/gpu-carry.sh prepared:
 #
 #   bash scripts/moe-gpu-check.sh gpu/suite      # logs and JSON under $OUT (default /tmp/out)
@@ -15,7 +16,8 @@
 #    kernels' chunk per phase at T=4096, and the variants of the fused kernels
 #    (MESHFLOW_MOE_FUSED_DISPATCH=auto|generic|wire|warp, MESHFLOW_MOE_FUSED_COMBINE=
 #    twopass|onepass|warp) at T=128 and 4096, bf16 and fp8, the warp combine also with 1, 2,
-#    4 and 8 tokens per chunk at T=4096; $OUT/diag.tsv sums it up.
+#    4 and 8 tokens per chunk at T=4096, and every block shape of the block combine
+#    (MESHFLOW_MOE_COMBINE_BLOCK) at T=4096 and 128; $OUT/diag.tsv sums it up.
 set -uo pipefail
 S="${1:-gpu/suite}"
 root="$(pwd)"; S="$(cd "$S" && pwd)"; B="$S/bin"; OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
@@ -50,12 +52,13 @@ diag() {
   log "start on $n GPU(s)"; nvidia-smi --query-gpu=name,driver_version --format=csv
   q=(--test-threads 1 --nocapture)
   # 1. Tests.
-  # The fused kernels' test runs every variant (FusedOptions::ALL) in turn.
-  step 540 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
+  # The fused kernels' test runs the covering set of variant combinations (six; it prints
+  # them; MESHFLOW_MOE_ALL_VARIANTS=1 runs all 51), two thirds of the nine it ran before.
+  step 360 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 150 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_split_kernels_match_reference \
     nccl_transport_matches_reference nvlink_step_replays_in_a_cuda_graph overflow_and_bad_ids_are_flagged_without_corruption \
     phases_out_of_order nvlink_ipc_two_processes
-  step 540 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
+  step 360 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_DISPATCH_CHUNK=3 \
     MESHFLOW_MOE_COMBINE_CHUNK=5 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   # The warp combine in a CUDA graph and across processes (CUDA IPC).
   step 90 env MESHFLOW_MOE_WORLDS=2 MESHFLOW_MOE_FUSED_COMBINE=warp "$B/gpu_moe" "${q[@]}" \
@@ -117,6 +120,11 @@ diag() {
   done
   for c in 1 2 4 8; do
     diag "var-wcomb-4k-c$c" "${wcomb[@]}" MESHFLOW_MOE_COMBINE_CHUNK=$c "${k4k[@]}" --wire native
+  done
+  # The block combine's shapes (the default combine: one pass at T=4096, two at T=128).
+  for b in 256x2 256x2p 448x1 448x1p 448x2n1 896x1n1 512x1 512x1p; do
+    diag "var-block-$b-4k" MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_COMBINE_BLOCK=$b "${k4k[@]}" --wire native
+    diag "var-block-$b-128" MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_COMBINE_BLOCK=$b "${k128[@]}"
   done
   log "diagnostics (label, transport, T, wire, dispatch_us, combine_us)"
   cat "$OUT/diag.tsv"

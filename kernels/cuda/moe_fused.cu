@@ -1,7 +1,7 @@
 #line 1 "moe_fused.cu"
-// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu, whose helpers they use; the warp
-// dispatch, moe_fused_warp.cu, and the warp combine, moe_fused_warp_combine.cu, are appended
-// after this file; host side: kernels/src/moe/fused.rs).
+// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu after moe_combine.cu, whose
+// helpers they use; the warp dispatch, moe_fused_warp.cu, and the warp combine,
+// moe_fused_warp_combine.cu, are appended after this file; host side: kernels/src/moe/fused.rs).
 //
 // One kernel per phase instead of two, with the receive side overlapping the peers' sends:
 //
@@ -27,7 +27,9 @@
 // tokens into out (no partial round trip through memory of its own), then sums in rank order
 // into out (same order, same roundings as the unfused kernels). The one-pass variant of the
 // consumer waits first and sums each token with its own partial held in registers
-// (partial_sum_row); the per-wire dispatch kernels are the same code for one wire format each
+// (partial_sum_row). The block combine comes in block shapes (threads, blocks per SM, vectors per
+// thread and round, prefetch of the next token's fan and weights: nvl_combine_fused and its
+// typed entry points). The per-wire dispatch kernels are the same code for one wire format each
 // (see the typed entry points); the warp kernels (moe_fused_warp.cu: dispatch,
 // moe_fused_warp_combine.cu: combine) run the same items with a warp each instead of a block.
 //
@@ -222,19 +224,20 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
 
 // out[t] for t in [t0, t1): the sum in ascending rank order of the partials of the ranks with
 // sent_pos[t][r] >= 0, where this rank's own partial already lies in out[t] and every other
-// rank's in partials[r][t]; f32 from +0, rounded once (sum_partials, in place).
-template <typename T>
+// rank's in partials[r][t]; f32 from +0, rounded once (sum_partials, in place). NV: vectors per
+// thread and round (the kernel's block shape).
+template <typename T, int NV>
 __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_pos, T* out,
                                 i64 t0, i64 t1, i64 tokens, i64 world, i64 width) {
     const int VEC = 16 / (int)sizeof(T);
     const i64 row_bytes = width * (i64)sizeof(T);
     if ((width % VEC) == 0 && aligned16(out) && aligned16(partials)) {
         const i64 nv = width / VEC, items = (t1 - t0) * nv, nt = blockDim.x;
-        for (i64 base = threadIdx.x; base < items; base += 2 * nt) {
-            float acc[2][16 / sizeof(T)];
-            i64 tt[2], vv[2];
+        for (i64 base = threadIdx.x; base < items; base += NV * nt) {
+            float acc[NV][16 / sizeof(T)];
+            i64 tt[NV], vv[NV];
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+            for (int u = 0; u < NV; ++u) {
                 const i64 i = base + u * nt;
                 tt[u] = t0 + i / nv;
                 vv[u] = i - (i / nv) * nv;
@@ -242,10 +245,10 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
                 for (int q = 0; q < VEC; ++q) acc[u][q] = 0.0f;
             }
             for (i64 r = 0; r < world; ++r) {
-                U128 raw[2];
-                bool use[2];
+                U128 raw[NV];
+                bool use[NV];
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
+                for (int u = 0; u < NV; ++u) {
                     use[u] = base + u * nt < items && sent_pos[tt[u] * world + r] >= 0;
                     if (use[u]) {
                         const char* src = r == rank ? (const char*)(out + tt[u] * width)
@@ -254,7 +257,7 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
                     }
                 }
 #pragma unroll
-                for (int u = 0; u < 2; ++u) {
+                for (int u = 0; u < NV; ++u) {
                     if (use[u]) {
                         const Vec16<T> pv = *(const Vec16<T>*)&raw[u];
 #pragma unroll
@@ -263,7 +266,7 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
                 }
             }
 #pragma unroll
-            for (int u = 0; u < 2; ++u) {
+            for (int u = 0; u < NV; ++u) {
                 if (base + u * nt < items) {
                     Vec16<T> o;
 #pragma unroll
@@ -285,6 +288,15 @@ __device__ void block_sum_chunk(const char* partials, i64 rank, const i32* sent_
             out[t * width + c] = from_f32<T>(acc);
         }
     }
+}
+
+// block_sum_chunk as a call: inlined into the combine at the 72-register bound of the NV = 1
+// shapes it spilled (ptxas -v), called it does not (once per consumer item).
+template <typename T, int NV>
+__device__ __noinline__ void block_sum_chunk_call(const char* partials, i64 rank,
+                                                  const i32* sent_pos, T* out, i64 t0, i64 t1,
+                                                  i64 tokens, i64 world, i64 width) {
+    block_sum_chunk<T, NV>(partials, rank, sent_pos, out, t0, t1, tokens, world, width);
 }
 
 // The one-pass consumer of token t (ONEPASS below; tid < nt: the threads sharing the row, as in
@@ -384,6 +396,16 @@ __device__ __forceinline__ const char* combine_w_at(const char* row, i64 meta_of
                      : row + meta_off + 4 + 4 * top_k;
 }
 
+// Whether slot t of source s (rows_s: its rows) holds a row the combine reduces: for a producer,
+// the source's wire row carries token t; for the consumer (s == rank), token t went to this rank.
+// The same in every thread of the block.
+__device__ __forceinline__ bool combine_has_row(bool consumer, const char* rows_s, i64 stride,
+                                                i64 meta_off, const i32* sent_pos, i64 world,
+                                                i64 rank, i64 t) {
+    return consumer ? sent_pos[t * world + rank] >= 0
+                    : ld_cg_i32(rows_s + t * stride + meta_off) == t;
+}
+
 // rows / partials / chunk flags: this rank's symmetric regions (local addresses). late: the
 // weights come from w_area ([W, T, K], slot s from rank s), an item of source s waiting for
 // weight flag s only (a block never waits for weights it does not read); else from the wire
@@ -391,7 +413,14 @@ __device__ __forceinline__ const char* combine_w_at(const char* row, i64 meta_of
 // from every peer first, then computes each token's own partial and the rank-ordered sum in
 // one pass (partial_sum_row); else it stores its own partials into out, waits, and sums
 // (block_sum_chunk).
-template <typename T, bool ONEPASS = false>
+//
+// NV: 16-byte vectors per thread and round, for the block shape the kernel is launched with
+// (kernels/src/moe/fused.rs, CombineBlock; the code is correct for any block size). PREFETCH:
+// every loop over a chunk's tokens reads the next token's k_lane (fan row and weights) and,
+// producers and the two-pass consumer, whether its slot holds a row, before it reduces this
+// token's expert rows, so that their round trip overlaps this token's loads instead of
+// preceding the next token's. Neither changes a result (every element's sum keeps its order).
+template <typename T, bool ONEPASS, int NV, bool PREFETCH>
 __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 timeout_ns,
                                   const char* rows, const char* partials, const unsigned* flags,
                                   i64 rank, const T* y, const i32* fan, const i32* sent_pos,
@@ -408,10 +437,24 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         const i64 t0 = it.chunk * chunk, t1 = t0 + chunk < tokens ? t0 + chunk : tokens;
         // Producer: partials of source s; consumer: this rank's own tokens.
         const i64 s = it.consumer ? rank : (rank + 1 + it.index) % world;
+        const char* rows_s = rows + s * tokens * stride;
+        const i32* fan_s = fan + s * tokens * top_k;
         // Late weights: only source s's (this rank's own were raised earlier on this stream).
         if (late != 0)
             block_wait_strided(w_flags + s, 1, 0, -1, epoch, timeout_ns, status,
                                MOE_GAVE_UP_COMBINE, s);
+        // PREFETCH: token t's slot test and k_lane, read while token t - 1 was reduced.
+        bool has_next = false;
+        KLane next = {-1, 0.0f};
+        if (PREFETCH && t0 < t1) {
+            if (!(ONEPASS && it.consumer))
+                has_next = combine_has_row(it.consumer, rows_s, stride, meta_off, sent_pos, world,
+                                           rank, t0);
+            next = k_lane(fan_s + t0 * top_k,
+                          combine_w_at(rows_s + t0 * stride, meta_off, top_k, late, w_area, s, t0,
+                                       tokens),
+                          top_k, 0);
+        }
         if (ONEPASS && it.consumer) {
             block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status,
                                MOE_GAVE_UP_COMBINE, 0);
@@ -419,29 +462,59 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
                 const char* w_at = combine_w_at(rows + (s * tokens + t) * stride, meta_off, top_k,
                                                 late, w_area, s, t, tokens);
                 const i32* fan_row = fan + (s * tokens + t) * top_k;
-                partial_sum_row<T, 2>(out + t * width, k_lane(fan_row, w_at, top_k, 0), fan_row,
-                                      w_at, y, top_k, width, partials, rank, sent_pos + t * world,
-                                      t, tokens, world, threadIdx.x, blockDim.x);
+                KLane first = next;
+                if (!PREFETCH) {
+                    first = k_lane(fan_row, w_at, top_k, 0);
+                } else if (t + 1 < t1) {
+                    next = k_lane(fan_row + top_k,
+                                  combine_w_at(rows_s + (t + 1) * stride, meta_off, top_k, late,
+                                               w_area, s, t + 1, tokens),
+                                  top_k, 0);
+                }
+                partial_sum_row<T, NV>(out + t * width, first, fan_row, w_at, y, top_k, width,
+                                       partials, rank, sent_pos + t * world, t, tokens, world,
+                                       threadIdx.x, blockDim.x);
             }
             continue;
         }
         for (i64 t = t0; t < t1; ++t) {
             const char* row = rows + (s * tokens + t) * stride;
-            // Own tokens: the slot holds a row iff the token went to this rank.
-            if (it.consumer ? sent_pos[t * world + rank] < 0 : ld_cg_i32(row + meta_off) != t)
-                continue;
+            const i32* fan_row = fan + (s * tokens + t) * top_k;
+            bool has = has_next;
+            KLane first = next;
+            if (!PREFETCH) {
+                // Own tokens: the slot holds a row iff the token went to this rank.
+                has = it.consumer ? sent_pos[t * world + rank] >= 0
+                                  : ld_cg_i32(row + meta_off) == t;
+            } else if (t + 1 < t1) {
+                has_next = combine_has_row(it.consumer, rows_s, stride, meta_off, sent_pos, world,
+                                           rank, t + 1);
+                next = k_lane(fan_row + top_k,
+                              combine_w_at(row + stride, meta_off, top_k, late, w_area, s, t + 1,
+                                           tokens),
+                              top_k, 0);
+            }
+            if (!has) continue;
             const char* w_at = combine_w_at(row, meta_off, top_k, late, w_area, s, t, tokens);
             T* dst = it.consumer ? out + t * width
                                  : (T*)((char*)peer_sym[s] + partials_off +
                                         (rank * tokens + t) * row_bytes);
-            reduce_row<T>(dst, fan + (s * tokens + t) * top_k, w_at, y, top_k, width);
+            if (PREFETCH)
+                partial_row<T, NV>(dst, first, fan_row, w_at, y, top_k, width, threadIdx.x,
+                                   blockDim.x);
+            else
+                reduce_row<T, NV>(dst, fan_row, w_at, y, top_k, width);
         }
         if (it.consumer) {
             // The own partials first (they need nothing from the peers), then the peers'.
             __syncthreads();
             block_wait_strided(flags + it.chunk, world, n, rank, epoch, timeout_ns, status,
                                MOE_GAVE_UP_COMBINE, 0);
-            block_sum_chunk<T>(partials, rank, sent_pos, out, t0, t1, tokens, world, width);
+            if (NV == 1)
+                block_sum_chunk_call<T, NV>(partials, rank, sent_pos, out, t0, t1, tokens, world,
+                                            width);
+            else
+                block_sum_chunk<T, NV>(partials, rank, sent_pos, out, t0, t1, tokens, world, width);
         } else {
             release_chunk(peer_sym, chunk_flags_off, world, rank, s, n, it.chunk, epoch);
         }
@@ -459,6 +532,14 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
 // `wire` argument is ignored), none of which spills (per-token FP8 quantises one 16-element
 // chunk per thread and round of loads for that). moe_nvl_combine_fused_onepass_<T> is the
 // combine with the one-pass consumer (see nvl_combine_fused).
+//
+// The block combine comes in block shapes (kernels/src/moe/fused.rs, CombineBlock), each its own
+// kernel with its launch bounds: moe_nvl_combine_fused[_onepass]_<T> 256 threads, 2 blocks per
+// SM, NV = 2 (ROW_KERNEL); the suffix b<threads>x<blocks per SM>[n1] another shape (n1: NV = 1,
+// else 2), e.g. _b448x1 (448 threads, 1 block per SM, NV = 2: a 7168-wide bf16 row, 896
+// vectors, in one round); a final `p` the PREFETCH variant (_b256x2p for the first shape), for
+// the NV = 2 shapes only: at the 72-register bound of the NV = 1 shapes the one-pass kernel with
+// PREFETCH spilled (ptxas -v).
 
 #define MOE_FUSED_DISPATCH_PARAMS(T)                                                               \
     const T *x, const i32 *topk_idx, const float *weights, i64 tokens, i64 top_k, i64 experts,     \
@@ -485,12 +566,12 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         i64 meta_off, unsigned late, const float *w_area, const u64 *peer_sym, i64 partials_off,   \
         i64 chunk_flags_off, i64 chunk, i64 lag, unsigned *status
 
-#define MOE_FUSED_COMBINE_BODY(T, ONEPASS)                                                         \
+#define MOE_FUSED_COMBINE_BODY(T, ONEPASS, NV, PREFETCH)                                          \
     {                                                                                              \
-        nvl_combine_fused<T, ONEPASS>(w_flags, state, timeout_ns, rows, partials, flags, rank, y,  \
-                                      fan, sent_pos, out, tokens, top_k, world, width, stride,     \
-                                      meta_off, late, w_area, peer_sym, partials_off,              \
-                                      chunk_flags_off, chunk, lag, status);                        \
+        nvl_combine_fused<T, ONEPASS, NV, PREFETCH>(                                               \
+            w_flags, state, timeout_ns, rows, partials, flags, rank, y, fan, sent_pos, out,        \
+            tokens, top_k, world, width, stride, meta_off, late, w_area, peer_sym, partials_off,   \
+            chunk_flags_off, chunk, lag, status);                                                  \
     }
 
 #define MF_KERNEL_moe_nvl_dispatch_fused(T)                                                        \
@@ -505,9 +586,57 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
 #define MF_KERNEL_moe_nvl_dispatch_fused_fp8b(T)                                                   \
     extern "C" __global__ void ROW_KERNEL moe_nvl_dispatch_fused_fp8b_##T(                         \
         MOE_FUSED_DISPATCH_PARAMS(T)) MOE_FUSED_DISPATCH_BODY(T, WIRE_FP8_BLOCK, FP8_BATCH)
+// Launch bounds of the block combine's shapes other than ROW_KERNEL's 256 x 2 (threads, blocks per
+// SM; ptxas caps the registers at 65536 / (threads * blocks), e.g. 72 for 448 x 2).
+#define COMBINE_448X1 __launch_bounds__(448, 1)
+#define COMBINE_448X2 __launch_bounds__(448, 2)
+#define COMBINE_896X1 __launch_bounds__(896, 1)
+#define COMBINE_512X1 __launch_bounds__(512, 1)
 #define MF_KERNEL_moe_nvl_combine_fused(T)                                                         \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_##T(                               \
-        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false)
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, false)
 #define MF_KERNEL_moe_nvl_combine_fused_onepass(T)                                                 \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_onepass_##T(                       \
-        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true)
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 2, false)
+#define MF_KERNEL_moe_nvl_combine_fused_b256x2p(T)                                                 \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_b256x2p_##T(                       \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, true)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b256x2p(T)                                         \
+    extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_onepass_b256x2p_##T(               \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 2, true)
+#define MF_KERNEL_moe_nvl_combine_fused_b448x1(T)                                                  \
+    extern "C" __global__ void COMBINE_448X1 moe_nvl_combine_fused_b448x1_##T(                     \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, false)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b448x1(T)                                          \
+    extern "C" __global__ void COMBINE_448X1 moe_nvl_combine_fused_onepass_b448x1_##T(             \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 2, false)
+#define MF_KERNEL_moe_nvl_combine_fused_b448x1p(T)                                                 \
+    extern "C" __global__ void COMBINE_448X1 moe_nvl_combine_fused_b448x1p_##T(                    \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, true)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b448x1p(T)                                         \
+    extern "C" __global__ void COMBINE_448X1 moe_nvl_combine_fused_onepass_b448x1p_##T(            \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 2, true)
+#define MF_KERNEL_moe_nvl_combine_fused_b448x2n1(T)                                                \
+    extern "C" __global__ void COMBINE_448X2 moe_nvl_combine_fused_b448x2n1_##T(                   \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 1, false)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b448x2n1(T)                                        \
+    extern "C" __global__ void COMBINE_448X2 moe_nvl_combine_fused_onepass_b448x2n1_##T(           \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 1, false)
+#define MF_KERNEL_moe_nvl_combine_fused_b896x1n1(T)                                                \
+    extern "C" __global__ void COMBINE_896X1 moe_nvl_combine_fused_b896x1n1_##T(                   \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 1, false)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b896x1n1(T)                                        \
+    extern "C" __global__ void COMBINE_896X1 moe_nvl_combine_fused_onepass_b896x1n1_##T(           \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 1, false)
+#define MF_KERNEL_moe_nvl_combine_fused_b512x1(T)                                                  \
+    extern "C" __global__ void COMBINE_512X1 moe_nvl_combine_fused_b512x1_##T(                     \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, false)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b512x1(T)                                          \
+    extern "C" __global__ void COMBINE_512X1 moe_nvl_combine_fused_onepass_b512x1_##T(             \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 2, false)
+#define MF_KERNEL_moe_nvl_combine_fused_b512x1p(T)                                                 \
+    extern "C" __global__ void COMBINE_512X1 moe_nvl_combine_fused_b512x1p_##T(                    \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, true)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b512x1p(T)                                         \
+    extern "C" __global__ void COMBINE_512X1 moe_nvl_combine_fused_onepass_b512x1p_##T(            \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 2, true)

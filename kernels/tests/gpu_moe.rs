@@ -2,6 +2,9 @@
 //! each test prints `skipped: ...` and returns; team sizes needing more GPUs than visible are
 //! skipped with a message. Inputs are fresh random values per run (the seed is printed; set
 //! `MESHFLOW_MOE_SEED` to replay). `MESHFLOW_MOE_WORLDS=2` runs only the 2-rank teams (quick).
+//! The fused kernels' test runs a covering set of their variants (every value of every option),
+//! all of them with `MESHFLOW_MOE_ALL_VARIANTS=1`, those whose name contains
+//! `MESHFLOW_MOE_VARIANT_FILTER` only when set (it prints which run and why).
 //!
 //! Every case runs 7 steps on the same transport objects (epoch reuse), covering the weights
 //! at dispatch and at combine, with and without padding zeroing, into the engine's own outputs
@@ -453,11 +456,86 @@ fn nvlink_split_kernels_match_reference() {
     run_all(Engine::NvlinkSplit, &cases());
 }
 
+/// Set to 1: the fused kernels' test runs every combination of variants
+/// ([`FusedOptions::all`]), not only the covering set.
+const ALL_VARIANTS_ENV: &str = "MESHFLOW_MOE_ALL_VARIANTS";
+/// Runs only the combinations whose name contains this text (e.g. `448x1`, `onepass`).
+const VARIANT_FILTER_ENV: &str = "MESHFLOW_MOE_VARIANT_FILTER";
+
+/// The option values a combination runs (`dispatch Generic`, `block shape 448x1`, ...).
+fn option_values(o: &FusedOptions) -> Vec<String> {
+    let mut v = vec![
+        format!("dispatch {:?}", o.dispatch),
+        format!("combine {:?}", o.combine),
+    ];
+    if o.combine.is_block() {
+        v.push(format!("block shape {}", o.block.shape.name()));
+        v.push(format!(
+            "prefetch {}",
+            if o.block.prefetch { "on" } else { "off" }
+        ));
+    }
+    v
+}
+
+/// The variant combinations the fused kernels' test runs, each printed with why it runs (the
+/// option values it is the first to run) or why not: by default the covering set
+/// ([`FusedOptions::covering`]: every value of every option at least once), every combination
+/// with `MESHFLOW_MOE_ALL_VARIANTS=1`; then only those whose name contains
+/// `MESHFLOW_MOE_VARIANT_FILTER` if set.
+fn fused_variants() -> Vec<FusedOptions> {
+    let all = FusedOptions::all();
+    let set = if std::env::var(ALL_VARIANTS_ENV).is_ok_and(|v| v.trim() == "1") {
+        println!(
+            "{ALL_VARIANTS_ENV}=1: all {} combinations of the fused kernels' variants",
+            all.len()
+        );
+        all
+    } else {
+        let set = FusedOptions::covering();
+        println!(
+            "the covering set of the fused kernels' variants: {} of {} combinations, running \
+             every value of every option (dispatch kernel, combine kernel, block shape, \
+             prefetch) at least once; {ALL_VARIANTS_ENV}=1 runs all of them",
+            set.len(),
+            all.len()
+        );
+        set
+    };
+    let filter = std::env::var(VARIANT_FILTER_ENV).ok();
+    let mut seen = HashSet::new();
+    set.into_iter()
+        .filter(|o| {
+            let name = o.name();
+            if let Some(f) = filter.as_deref().filter(|f| !name.contains(f)) {
+                println!("variant {name}: skipped ({VARIANT_FILTER_ENV}={f})");
+                return false;
+            }
+            let new: Vec<String> = option_values(o)
+                .into_iter()
+                .filter(|v| seen.insert(v.clone()))
+                .collect();
+            if new.is_empty() {
+                println!("variant {name}: runs (its values all ran before; every combination)");
+            } else {
+                println!("variant {name}: runs (first with {})", new.join(", "));
+            }
+            true
+        })
+        .collect()
+}
+
 #[test]
 fn nvlink_fused_kernels_match_reference() {
-    // Every variant of the fused kernels (per-wire, generic or warp dispatch; two-pass,
-    // one-pass or warp combine), each bit-identical to the reference.
-    for options in FusedOptions::ALL {
+    // The variants of the fused kernels (per-wire, generic or warp dispatch; two-pass, one-pass
+    // or warp combine; the block combine's shapes), each bit-identical to the reference.
+    let Some(_) = device_count() else { return };
+    let variants = fused_variants();
+    assert!(
+        !variants.is_empty(),
+        "{VARIANT_FILTER_ENV} left no variant to run"
+    );
+    for options in variants {
         run_all(Engine::NvlinkFused(options), &cases());
     }
 }

@@ -2,10 +2,11 @@
 //!
 //! Adding a source: put the `.cu` file in `kernels/cuda/`, add a [`Source`] variant and its entry
 //! in [`Source::text`] / [`Source::functions`], and write the launching code in a sibling module
-//! (the kernels of `moe.cu` are launched from [`crate::moe`]). Adding a typed kernel to a source
-//! that has them (`moe.cu` and the files appended to it): define it with an `MF_KERNEL_<name>(T)`
-//! macro and name its kind in [`Source::typed_kinds`]; it is compiled in a unit of its own per
-//! float type ([`super::units`]).
+//! (the kernels of `moe.cu` are launched from [`crate::moe`]; a file appended to another source
+//! goes into that source's [`Source::text`] and `PARTS` of `scripts/kernel_units.py`). Adding a
+//! typed kernel to a source that has them (`moe.cu` and the files appended to it): define it
+//! with an `MF_KERNEL_<name>(T)` macro and name its kind in [`Source::typed_kinds`]; it is
+//! compiled in a unit of its own per float type ([`super::units`]).
 
 use crate::dtype::{BinaryOp, DType, UnaryOp};
 
@@ -25,9 +26,9 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
-    /// `moe.cu` with `moe_fused.cu`, `moe_fused_warp.cu` and `moe_fused_warp_combine.cu`
-    /// (appended): MoE dispatch / combine (NCCL and NVLink transports, [`crate::moe`]); its
-    /// typed kernels are compiled one by one.
+    /// `moe.cu` with `moe_combine.cu`, `moe_fused.cu`, `moe_fused_warp.cu` and
+    /// `moe_fused_warp_combine.cu` (appended): MoE dispatch / combine (NCCL and NVLink
+    /// transports, [`crate::moe`]); its typed kernels are compiled one by one.
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
     Rows,
@@ -78,10 +79,12 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
-            // moe_fused.cu uses moe.cu's helpers, moe_fused_warp.cu both, and
-            // moe_fused_warp_combine.cu all three: one module, each file its own `#line` directive.
+            // Each file uses the helpers of the files before it (moe_combine.cu moe.cu's, the fused
+            // kernels both): one module, each file its own `#line` directive.
             Source::Moe => concat!(
                 include_str!("../../cuda/moe.cu"),
+                "\n",
+                include_str!("../../cuda/moe_combine.cu"),
                 "\n",
                 include_str!("../../cuda/moe_fused.cu"),
                 "\n",
@@ -162,8 +165,10 @@ impl Source {
 /// The dtype-generic kernels of `moe.cu`.
 const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 
-/// The typed kernels of `moe.cu` (`moe_<kind>_<dtype>`, defined by `MF_KERNEL_moe_<kind>(T)`).
-pub(crate) const MOE_TYPED: [&str; 16] = [
+/// The typed kernels of `moe.cu` (`moe_<kind>_<dtype>`, defined by `MF_KERNEL_moe_<kind>(T)`);
+/// the block combine's kinds, one per block shape, are `nvl_combine_fused[_onepass]<suffix>`
+/// (`crate::moe::CombineBlock`).
+pub(crate) const MOE_TYPED: [&str; 30] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
@@ -179,6 +184,20 @@ pub(crate) const MOE_TYPED: [&str; 16] = [
     "nvl_dispatch_fused_warp_fp8b",
     "nvl_combine_fused",
     "nvl_combine_fused_onepass",
+    "nvl_combine_fused_b256x2p",
+    "nvl_combine_fused_onepass_b256x2p",
+    "nvl_combine_fused_b448x1",
+    "nvl_combine_fused_onepass_b448x1",
+    "nvl_combine_fused_b448x1p",
+    "nvl_combine_fused_onepass_b448x1p",
+    "nvl_combine_fused_b448x2n1",
+    "nvl_combine_fused_onepass_b448x2n1",
+    "nvl_combine_fused_b896x1n1",
+    "nvl_combine_fused_onepass_b896x1n1",
+    "nvl_combine_fused_b512x1",
+    "nvl_combine_fused_onepass_b512x1",
+    "nvl_combine_fused_b512x1p",
+    "nvl_combine_fused_onepass_b512x1p",
     "nvl_combine_fused_warp",
 ];
 
@@ -246,13 +265,13 @@ mod tests {
         for f in MOE_PLAIN {
             assert!(
                 text(Source::Moe).contains(&format!(" {f}(")),
-                "{f} missing from moe.cu"
+                "{f} missing from moe.cu and its appended files"
             );
         }
         for k in MOE_TYPED {
             assert!(
                 text(Source::Moe).contains(&format!(" moe_{k}_##T(")),
-                "moe_{k}_##T missing from moe.cu"
+                "moe_{k}_##T missing from moe.cu and its appended files"
             );
         }
         for d in FLOATS {
@@ -274,7 +293,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 16 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 30 * 3) + 15);
     }
 
     #[test]

@@ -37,7 +37,33 @@
 //!   and keeps the vectors of up to 4 expert rows in flight per lane; its consumer is one-pass.
 //!   One warp per 14 KB row has too few loads in flight: 392 µs at 4096 tokens (257 µs with
 //!   one token per chunk) and 61.5 µs at 128 tokens, against 25.9 µs for the block kernel.
+//! - `MESHFLOW_MOE_COMBINE_BLOCK=<shape>[p]` ([`CombineBlock`]): the block shape of the
+//!   block combine kernels (`twopass`, `onepass`, and `auto`'s choice of them; the warp combine
+//!   ignores it). A shape is threads per block x blocks per SM, each thread taking 2 16-byte
+//!   vectors of a row per round, or 1 (`n1`); the grid keeps every block resident. A 7168-wide
+//!   bf16 row is 896 vectors:
+//!   - `256x2` (default, the kernels before shapes): 256 threads, 2 blocks per SM (16 warps),
+//!     2 vectors: two rounds per row, the second with 384 of its 512 slots busy.
+//!   - `448x1`: 448 threads, 1 block per SM (14 warps), 2 vectors: one round per row.
+//!   - `448x2n1`: 448 threads, 2 blocks per SM (28 warps, at most 72 registers), 1 vector: two
+//!     full rounds per row.
+//!   - `896x1n1`: 896 threads, 1 block per SM (28 warps, at most 72 registers), 1 vector: one
+//!     round per row.
+//!   - `512x1`: 512 threads, 1 block per SM (16 warps), 2 vectors: one round per row, 128 slots
+//!     idle.
+//!
+//!   (`scripts/nvrtc-check.py --verbose`: no shape spills in bf16 or f32; the f16 one-pass
+//!   kernels of the `n1` shapes spill 16 bytes at their 72-register bound.) A final `p`
+//!   (`256x2p`, `448x1p`, `512x1p`; not for the `n1` shapes, whose one-pass kernel then
+//!   spilled at 72 registers) makes the loops over a chunk's tokens read the next token's
+//!   fan row and weights (producers and the two-pass consumer also its slot's token field)
+//!   before they reduce this token's expert rows, overlapping that dependent round trip with
+//!   this token's loads. Each shape (and `p`) is a kernel of its own with its launch bounds,
+//!   compiled only when chosen; the producers (partials into the peers) and the consumer run
+//!   the same shape. Results are bit-identical in every shape: each element is summed alone, in
+//!   k order, then rank order, whichever thread holds it. No timings of the new shapes yet.
 
+use super::combine_block::{CombineBlock, CombineShape};
 use super::kernel_calls::{n, ptr, FlagWait, PeerRegions, SendInputs, SendState, NULL};
 use super::{MoeShape, MoeWire, WireLayout};
 use crate::buffer::DeviceBuffer;
@@ -172,14 +198,20 @@ impl FusedCombineKernel {
         }
     }
 
-    /// Threads per block and the most blocks per SM the kernel is launched with.
-    fn block(self) -> (u32, usize) {
+    /// Threads per block and the most blocks per SM the kernel is launched with, the block
+    /// kernels in the shape `block`.
+    fn block(self, block: CombineBlock) -> (u32, usize) {
         match self {
             FusedCombineKernel::Warp => (FUSED_WARP_BLOCK, 8),
             FusedCombineKernel::TwoPass
             | FusedCombineKernel::OnePass
-            | FusedCombineKernel::Auto => (FUSED_BLOCK, 2),
+            | FusedCombineKernel::Auto => block.launch(),
         }
+    }
+
+    /// Whether the kernel is a block combine (runs in a [`CombineBlock`] shape).
+    pub fn is_block(self) -> bool {
+        self != FusedCombineKernel::Warp
     }
 }
 
@@ -191,6 +223,9 @@ pub struct FusedOptions {
     pub dispatch: FusedDispatchKernel,
     /// The combine kernel.
     pub combine: FusedCombineKernel,
+    /// The block shape of the block combine kernels (two-pass, one-pass); the warp combine
+    /// ignores it.
+    pub block: CombineBlock,
 }
 
 /// The environment variable choosing [`FusedOptions::dispatch`].
@@ -203,53 +238,74 @@ impl Default for FusedOptions {
         FusedOptions {
             dispatch: FusedDispatchKernel::Auto,
             combine: FusedCombineKernel::Auto,
+            block: CombineBlock::default(),
         }
     }
 }
 
 impl FusedOptions {
-    /// Every combination, for tests.
-    pub const ALL: [FusedOptions; 9] = [
-        FusedOptions {
-            dispatch: FusedDispatchKernel::Generic,
-            combine: FusedCombineKernel::TwoPass,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::PerWire,
-            combine: FusedCombineKernel::TwoPass,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::Generic,
-            combine: FusedCombineKernel::OnePass,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::PerWire,
-            combine: FusedCombineKernel::OnePass,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::Warp,
-            combine: FusedCombineKernel::TwoPass,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::Warp,
-            combine: FusedCombineKernel::OnePass,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::Generic,
-            combine: FusedCombineKernel::Warp,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::PerWire,
-            combine: FusedCombineKernel::Warp,
-        },
-        FusedOptions {
-            dispatch: FusedDispatchKernel::Warp,
-            combine: FusedCombineKernel::Warp,
-        },
+    /// The dispatch kernels that differ ([`FusedDispatchKernel::Auto`] runs one of them).
+    pub const DISPATCH_KERNELS: [FusedDispatchKernel; 3] = [
+        FusedDispatchKernel::Generic,
+        FusedDispatchKernel::PerWire,
+        FusedDispatchKernel::Warp,
     ];
 
-    /// The options named by `MESHFLOW_MOE_FUSED_DISPATCH` and `MESHFLOW_MOE_FUSED_COMBINE`
-    /// (unset: [`FusedOptions::default`]).
+    /// The combine kernels that differ ([`FusedCombineKernel::Auto`] runs one of them).
+    pub const COMBINE_KERNELS: [FusedCombineKernel; 3] = [
+        FusedCombineKernel::TwoPass,
+        FusedCombineKernel::OnePass,
+        FusedCombineKernel::Warp,
+    ];
+
+    /// Every combination of kernels that differ: each dispatch kernel with each block combine
+    /// in each [`CombineBlock`], and with the warp combine (which has no block shape), for
+    /// tests (51 combinations).
+    pub fn all() -> Vec<FusedOptions> {
+        let mut v = Vec::new();
+        for dispatch in FusedOptions::DISPATCH_KERNELS {
+            for combine in FusedOptions::COMBINE_KERNELS {
+                let blocks = if combine.is_block() {
+                    CombineBlock::all()
+                } else {
+                    vec![CombineBlock::default()]
+                };
+                v.extend(blocks.into_iter().map(|block| FusedOptions {
+                    dispatch,
+                    combine,
+                    block,
+                }));
+            }
+        }
+        v
+    }
+
+    /// A few combinations that run every value of every option at least once: each dispatch
+    /// kernel, each combine kernel, each block shape, with and without prefetch (the two-pass
+    /// and the one-pass combine each with a one- and a two-vector shape and with and without
+    /// prefetch), for tests that cannot afford [`FusedOptions::all`]. The default options run
+    /// in the tests of the default engine.
+    pub fn covering() -> Vec<FusedOptions> {
+        use CombineShape::*;
+        use FusedCombineKernel::{OnePass, TwoPass};
+        use FusedDispatchKernel::{Generic, PerWire, Warp};
+        let o = |dispatch, combine, shape, prefetch| FusedOptions {
+            dispatch,
+            combine,
+            block: CombineBlock { shape, prefetch },
+        };
+        vec![
+            o(Generic, TwoPass, B256x2, false),
+            o(PerWire, OnePass, B448x1, true),
+            o(Warp, TwoPass, B448x2N1, false),
+            o(Generic, OnePass, B896x1N1, false),
+            o(PerWire, TwoPass, B512x1, true),
+            o(Warp, FusedCombineKernel::Warp, B256x2, false),
+        ]
+    }
+
+    /// The options named by `MESHFLOW_MOE_FUSED_DISPATCH`, `MESHFLOW_MOE_FUSED_COMBINE` and
+    /// `MESHFLOW_MOE_COMBINE_BLOCK` (unset: [`FusedOptions::default`]).
     pub fn from_env() -> Result<FusedOptions> {
         let mut o = FusedOptions::default();
         if let Ok(v) = std::env::var(FUSED_DISPATCH_ENV) {
@@ -258,6 +314,7 @@ impl FusedOptions {
         if let Ok(v) = std::env::var(FUSED_COMBINE_ENV) {
             o.combine = FusedOptions::parse_combine(&v)?;
         }
+        o.block = CombineBlock::from_env()?;
         Ok(o)
     }
 
@@ -287,7 +344,8 @@ impl FusedOptions {
         }
     }
 
-    /// `dispatch-combine` names (`wire-twopass`, ...), for reports.
+    /// `dispatch-combine[-block]` names (`wire-twopass-256x2`, `warp-onepass-448x1p`,
+    /// `generic-warp`: the warp combine has no block shape), for reports.
     pub fn name(self) -> String {
         let d = match self.dispatch {
             FusedDispatchKernel::Generic => "generic",
@@ -301,7 +359,11 @@ impl FusedOptions {
             FusedCombineKernel::Warp => "warp",
             FusedCombineKernel::Auto => "auto",
         };
-        format!("{d}-{c}")
+        if self.combine.is_block() {
+            format!("{d}-{c}-{}", self.block.name())
+        } else {
+            format!("{d}-{c}")
+        }
     }
 
     /// The dispatch kernel's kind (`moe_<kind>_<dtype>`) for `wire`.
@@ -325,13 +387,21 @@ impl FusedOptions {
         }
     }
 
-    /// The combine kernel's kind at `tokens` tokens per rank.
-    fn combine_kind(self, tokens: usize) -> &'static str {
+    /// The combine kernel's kind at `tokens` tokens per rank (a block combine's in its shape).
+    fn combine_kind(self, tokens: usize) -> String {
+        let suffix = self.block.kind_suffix();
         match self.combine.for_tokens(tokens) {
-            FusedCombineKernel::TwoPass | FusedCombineKernel::Auto => "nvl_combine_fused",
-            FusedCombineKernel::OnePass => "nvl_combine_fused_onepass",
-            FusedCombineKernel::Warp => "nvl_combine_fused_warp",
+            FusedCombineKernel::TwoPass | FusedCombineKernel::Auto => {
+                format!("nvl_combine_fused{suffix}")
+            }
+            FusedCombineKernel::OnePass => format!("nvl_combine_fused_onepass{suffix}"),
+            FusedCombineKernel::Warp => "nvl_combine_fused_warp".to_owned(),
         }
+    }
+
+    /// Threads per block and the most blocks per SM of the combine kernel.
+    fn combine_launch(self) -> (u32, usize) {
+        self.combine.block(self.block)
     }
 }
 
@@ -388,15 +458,29 @@ fn grid_and_lag(
     k: &Kernels,
     items: usize,
     per_chunk: usize,
-    (block, per_sm): (u32, usize),
+    block: (u32, usize),
     per_warp: bool,
 ) -> Result<(u32, usize)> {
-    let cap = (k.device().sm_count() as usize * per_sm).max(1);
+    let sms = k.device().sm_count() as usize;
+    let lag = env_count("MESHFLOW_MOE_LAG")?;
+    Ok(grid_and_lag_on(sms, items, per_chunk, block, per_warp, lag))
+}
+
+/// [`grid_and_lag`] on a device of `sms` SMs, `lag` the one asked for (else about one grid).
+fn grid_and_lag_on(
+    sms: usize,
+    items: usize,
+    per_chunk: usize,
+    (block, per_sm): (u32, usize),
+    per_warp: bool,
+    lag: Option<usize>,
+) -> (u32, usize) {
+    let cap = (sms * per_sm).max(1);
     let workers_per_block = if per_warp { block as usize / 32 } else { 1 };
     let grid = items.div_ceil(workers_per_block).clamp(1, cap);
     let workers = grid * workers_per_block;
-    let lag = env_count("MESHFLOW_MOE_LAG")?.unwrap_or(workers.div_ceil(per_chunk.max(1)));
-    Ok((u32::try_from(grid).unwrap_or(1), lag))
+    let lag = lag.unwrap_or(workers.div_ceil(per_chunk.max(1)));
+    (u32::try_from(grid).unwrap_or(1), lag)
 }
 
 /// What the fused dispatch writes besides [`SendState`]: the symmetric allocation of this rank
@@ -501,7 +585,7 @@ pub(crate) fn nvl_combine_fused(
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Combine, shape.tokens, wire)?;
     let chunks = shape.tokens.div_ceil(chunk);
-    let block = options.combine.block();
+    let block = options.combine_launch();
     let per_warp = options.combine == FusedCombineKernel::Warp;
     let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world, block, per_warp)?;
     let at = |off: usize| Arg::Ptr(c.sym.addr() + off as u64);
@@ -532,7 +616,7 @@ pub(crate) fn nvl_combine_fused(
         n(lag),
         ptr(c.status),
     ];
-    let name = moe_typed_name(options.combine_kind(shape.tokens), shape.dtype);
+    let name = moe_typed_name(&options.combine_kind(shape.tokens), shape.dtype);
     k.call(stream, Source::Moe, &name, grid, block.0, &mut args)
 }
 
@@ -575,20 +659,40 @@ mod tests {
         assert!(FusedOptions::parse_combine("warps").is_err());
         assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
-        assert_eq!(d.name(), "auto-auto");
+        assert_eq!(d.name(), "auto-auto-256x2");
         // The default combine: two passes at 128 tokens, one pass at 512 and more.
         assert_eq!(d.combine_kind(128), "nvl_combine_fused");
         assert_eq!(d.combine_kind(511), "nvl_combine_fused");
         assert_eq!(d.combine_kind(512), "nvl_combine_fused_onepass");
         assert_eq!(d.combine_kind(4096), "nvl_combine_fused_onepass");
-        assert_eq!(FusedCombineKernel::Auto.block(), (FUSED_BLOCK, 2));
+        assert_eq!(d.combine_launch(), (FUSED_BLOCK, 2));
         assert_eq!(TwoPass.for_tokens(4096), TwoPass);
+        let b448 = FusedOptions {
+            combine: OnePass,
+            block: CombineBlock::parse("448x1").unwrap(),
+            ..d
+        };
+        assert_eq!(b448.name(), "auto-onepass-448x1");
+        assert_eq!(b448.combine_kind(1), "nvl_combine_fused_onepass_b448x1");
+        assert_eq!(b448.combine_launch(), (448, 1));
+        let auto_p = FusedOptions {
+            block: CombineBlock::parse("256x2p").unwrap(),
+            ..d
+        };
+        assert_eq!(auto_p.combine_kind(128), "nvl_combine_fused_b256x2p");
+        assert_eq!(
+            auto_p.combine_kind(4096),
+            "nvl_combine_fused_onepass_b256x2p"
+        );
         let w = FusedOptions {
             dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::Warp,
+            block: CombineBlock::parse("896x1n1").unwrap(),
         };
+        // The warp combine has no block shape: its name and kernel ignore it.
         assert_eq!(w.name(), "warp-warp");
         assert_eq!(w.combine_kind(1), "nvl_combine_fused_warp");
+        assert_eq!(w.combine_launch(), (FUSED_WARP_BLOCK, 8));
         assert_eq!(Auto.for_wire(MoeWire::Native), FusedDispatchKernel::Warp);
         assert_eq!(
             Auto.for_wire(MoeWire::Fp8E4m3(Fp8Scales::Block128)),
@@ -603,7 +707,9 @@ mod tests {
         // Every kernel named exists in moe.cu, with the launch bounds of its block size, and is
         // in the list of the module's functions.
         let functions = Source::Moe.functions();
-        for o in FusedOptions::ALL {
+        let all = FusedOptions::all();
+        assert_eq!(all.len(), 3 * (2 * CombineBlock::all().len() + 1));
+        for o in &all {
             for w in wires {
                 let bounds = match o.dispatch.block().0 {
                     FUSED_WARP_BLOCK => "WARP_KERNEL",
@@ -615,18 +721,105 @@ mod tests {
                 let name = moe_typed_name(kind, crate::dtype::DType::BF16);
                 assert!(functions.contains(&name), "{name}");
             }
-            let bounds = match o.combine.block().0 {
-                FUSED_WARP_BLOCK => "WARP_KERNEL",
-                _ => "ROW_KERNEL",
+            let bounds = match o.combine {
+                FusedCombineKernel::Warp => "WARP_KERNEL",
+                _ => o.block.shape.bounds(),
             };
             let line = format!("{bounds} moe_{}_##T(", o.combine_kind(1));
             assert!(Source::Moe.text().contains(&line), "{line}");
-            let name = moe_typed_name(o.combine_kind(1), crate::dtype::DType::BF16);
+            let name = moe_typed_name(&o.combine_kind(1), crate::dtype::DType::BF16);
             assert!(functions.contains(&name), "{name}");
         }
-        let names: std::collections::HashSet<String> =
-            FusedOptions::ALL.iter().map(|o| o.name()).collect();
-        assert_eq!(names.len(), FusedOptions::ALL.len());
+        let names: std::collections::HashSet<String> = all.iter().map(|o| o.name()).collect();
+        assert_eq!(names.len(), all.len());
+    }
+
+    /// The covering set runs every value of every option at least once, each combination one
+    /// of [`FusedOptions::all`], each once.
+    #[test]
+    fn the_covering_set_covers_every_option_value() {
+        let set = FusedOptions::covering();
+        let all = FusedOptions::all();
+        for o in &set {
+            assert!(all.contains(o), "{}", o.name());
+        }
+        let names: std::collections::HashSet<String> = set.iter().map(|o| o.name()).collect();
+        assert_eq!(names.len(), set.len());
+        for d in FusedOptions::DISPATCH_KERNELS {
+            assert!(set.iter().any(|o| o.dispatch == d), "{d:?}");
+        }
+        for c in FusedOptions::COMBINE_KERNELS {
+            assert!(set.iter().any(|o| o.combine == c), "{c:?}");
+        }
+        let blocks: Vec<&FusedOptions> = set.iter().filter(|o| o.combine.is_block()).collect();
+        for s in CombineShape::ALL {
+            assert!(blocks.iter().any(|o| o.block.shape == s), "{s:?}");
+        }
+        // Prefetch on and off, each with both block combines; both block combines with a one-
+        // and a two-vector shape.
+        for c in [FusedCombineKernel::TwoPass, FusedCombineKernel::OnePass] {
+            for p in [false, true] {
+                assert!(
+                    blocks
+                        .iter()
+                        .any(|o| o.combine == c && o.block.prefetch == p),
+                    "{c:?} prefetch {p}"
+                );
+            }
+            for nv in [1, 2] {
+                assert!(
+                    blocks
+                        .iter()
+                        .any(|o| o.combine == c && o.block.shape.vectors() == nv),
+                    "{c:?} NV {nv}"
+                );
+            }
+        }
+        assert!(set.len() <= 6);
+    }
+
+    /// Every block of a fused kernel's grid is resident: the grid is at most SMs x blocks per
+    /// SM of the shape, and the consumers come about one grid after their producers.
+    #[test]
+    fn grid_and_lag_follow_the_combine_shape() {
+        let (sms, world) = (132, 2);
+        // 4096 tokens, chunks of 4: 1024 chunks, 2 items each.
+        let items = 1024 * world;
+        let expect = [
+            ("256x2", 264),
+            ("256x2p", 264),
+            ("448x1", 132),
+            ("448x1p", 132),
+            ("448x2n1", 264),
+            ("896x1n1", 132),
+            ("512x1", 132),
+            ("512x1p", 132),
+        ];
+        assert_eq!(expect.len(), CombineBlock::all().len());
+        for (name, grid) in expect {
+            let o = FusedOptions {
+                block: CombineBlock::parse(name).unwrap(),
+                ..FusedOptions::default()
+            };
+            let launch = o.combine_launch();
+            let (g, lag) = grid_and_lag_on(sms, items, world, launch, false, None);
+            assert_eq!((g, lag), (grid, grid as usize / world), "{name}");
+            // Fewer items than the device holds: one block per item.
+            assert_eq!(grid_and_lag_on(sms, 6, world, launch, false, None), (6, 3));
+            assert_eq!(
+                grid_and_lag_on(sms, items, world, launch, false, Some(7)),
+                (grid, 7)
+            );
+        }
+        // The warp combine: 2 warps per block, 8 blocks per SM.
+        let w = FusedOptions {
+            combine: FusedCombineKernel::Warp,
+            ..FusedOptions::default()
+        };
+        assert_eq!(
+            grid_and_lag_on(sms, items, world, w.combine_launch(), true, None),
+            (1024, 1024)
+        );
     }
 
     #[test]
@@ -653,8 +846,9 @@ mod tests {
             .text()
             .contains("#define WARP_KERNEL __launch_bounds__(WARP_THREADS, 8)\n"));
         assert_eq!(FusedDispatchKernel::Warp.block(), (FUSED_WARP_BLOCK, 8));
-        assert_eq!(FusedCombineKernel::Warp.block(), (FUSED_WARP_BLOCK, 8));
-        assert_eq!(FusedCombineKernel::OnePass.block(), (FUSED_BLOCK, 2));
+        let d = CombineBlock::default();
+        assert_eq!(FusedCombineKernel::Warp.block(d), (FUSED_WARP_BLOCK, 8));
+        assert_eq!(FusedCombineKernel::OnePass.block(d), (FUSED_BLOCK, 2));
         assert!(Source::Moe
             .text()
             .contains("ROW_KERNEL moe_nvl_dispatch_fused_##T("));

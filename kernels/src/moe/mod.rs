@@ -70,6 +70,8 @@ pub use traffic::MoeTraffic;
 pub use wire::{MoeWire, WireLayout};
 
 #[cfg(feature = "cuda")]
+mod combine_block;
+#[cfg(feature = "cuda")]
 mod fused;
 #[cfg(feature = "cuda")]
 mod kernel_calls;
@@ -80,6 +82,8 @@ mod nvlink;
 #[cfg(feature = "cuda")]
 mod transport;
 
+#[cfg(feature = "cuda")]
+pub use combine_block::{CombineBlock, CombineShape, COMBINE_BLOCK_ENV};
 #[cfg(feature = "cuda")]
 pub use fused::{
     FusedCombineKernel, FusedDispatchKernel, FusedOptions, MoeKernels, FUSED_COMBINE_ENV,

@@ -342,7 +342,8 @@ impl NvlinkMoe {
     }
 
     /// The variants of the fused kernels this engine runs (chosen by
-    /// `MESHFLOW_MOE_FUSED_DISPATCH` / `MESHFLOW_MOE_FUSED_COMBINE` when it was made).
+    /// `MESHFLOW_MOE_FUSED_DISPATCH` / `MESHFLOW_MOE_FUSED_COMBINE` /
+    /// `MESHFLOW_MOE_COMBINE_BLOCK` when it was made).
     pub fn fused_options(&self) -> FusedOptions {
         self.fused
     }
