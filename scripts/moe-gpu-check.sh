@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs its covering set of six
+# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs its covering set of seven
 # variant combinations, twice), from the repository root on the GPU machine,
 # with the folder scripts/gpu-carry.sh prepared:
 #
@@ -122,7 +122,7 @@ diag() {
     diag "var-wcomb-4k-c$c" "${wcomb[@]}" MESHFLOW_MOE_COMBINE_CHUNK=$c "${k4k[@]}" --wire native
   done
   # The block combine's shapes (the default combine: one pass at T=4096, two at T=128).
-  for b in 256x2 256x2p 448x1 448x1p 448x2n1 896x1n1 512x1 512x1p; do
+  for b in 256x2 256x2p 448x1 448x1p 448x2n1 896x1n1 512x1 512x1p 224x4n1; do
     diag "var-block-$b-4k" MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_COMBINE_BLOCK=$b "${k4k[@]}" --wire native
     diag "var-block-$b-128" MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_COMBINE_BLOCK=$b "${k128[@]}"
   done

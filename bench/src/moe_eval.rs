@@ -134,6 +134,9 @@ pub fn measure_moe_evaluator(
         let how = if graph { " (CUDA graph)" } else { "" };
         invalid(format!("{phases:?} over {transport}{how}: {e}"))
     })?;
+    if let Some(last) = run.timed_intervals.last() {
+        log_timeline(last, world);
+    }
     let dispatch_us = phase_us(&run.timed_intervals, world, "moe_dispatch")?;
     let combine_us = phase_us(&run.timed_intervals, world, "moe_combine")?;
     let step_us = Timing::from_times(&run.times_us).us;
@@ -176,6 +179,24 @@ fn phase_us(iterations: &[Vec<Interval>], world: usize, name: &str) -> Result<f6
         Err(invalid(format!(
             "MoE evaluator bench: `{name}` took no time in the profile"
         )))
+    }
+}
+
+/// Logs (debug) each rank's intervals of one iteration in order, `name start..end` in µs from
+/// the rank's run start: where a phase waited (a gap before it: the device idle, waiting for
+/// the host) or ran long (the peer late).
+fn log_timeline(intervals: &[Interval], world: usize) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    for rank in 0..world {
+        let mut mine: Vec<&Interval> = intervals.iter().filter(|i| i.rank == rank).collect();
+        mine.sort_by(|a, b| a.start_us.total_cmp(&b.start_us));
+        let line: Vec<String> = mine
+            .iter()
+            .map(|i| format!("{} {:.1}..{:.1}", i.name, i.start_us, i.end_us))
+            .collect();
+        tracing::debug!(rank, timeline = %line.join(", "), "MoE evaluator bench: last iteration");
     }
 }
 

@@ -23,20 +23,25 @@ pub enum CombineShape {
     B896x1N1,
     /// 512 threads, 1 block per SM, 2 vectors.
     B512x1,
+    /// 224 threads, 4 blocks per SM (at most 72 registers), 1 vector: as many threads per SM
+    /// as `448x2n1`, twice the blocks (tokens in flight), a 7168-wide bf16 row in four full
+    /// rounds.
+    B224x4N1,
 }
 
 impl CombineShape {
     /// Every shape.
-    pub const ALL: [CombineShape; 5] = [
+    pub const ALL: [CombineShape; 6] = [
         CombineShape::B256x2,
         CombineShape::B448x1,
         CombineShape::B448x2N1,
         CombineShape::B896x1N1,
         CombineShape::B512x1,
+        CombineShape::B224x4N1,
     ];
 
-    /// `256x2`, `448x1`, `448x2n1`, `896x1n1` or `512x1`: threads x blocks per SM, `n1` for one
-    /// vector per thread and round.
+    /// `256x2`, `448x1`, `448x2n1`, `896x1n1`, `512x1` or `224x4n1`: threads x blocks per SM,
+    /// `n1` for one vector per thread and round.
     pub fn name(self) -> &'static str {
         match self {
             CombineShape::B256x2 => "256x2",
@@ -44,6 +49,7 @@ impl CombineShape {
             CombineShape::B448x2N1 => "448x2n1",
             CombineShape::B896x1N1 => "896x1n1",
             CombineShape::B512x1 => "512x1",
+            CombineShape::B224x4N1 => "224x4n1",
         }
     }
 
@@ -54,6 +60,7 @@ impl CombineShape {
             CombineShape::B448x1 | CombineShape::B448x2N1 => 448,
             CombineShape::B896x1N1 => 896,
             CombineShape::B512x1 => 512,
+            CombineShape::B224x4N1 => 224,
         }
     }
 
@@ -62,13 +69,14 @@ impl CombineShape {
         match self {
             CombineShape::B256x2 | CombineShape::B448x2N1 => 2,
             CombineShape::B448x1 | CombineShape::B896x1N1 | CombineShape::B512x1 => 1,
+            CombineShape::B224x4N1 => 4,
         }
     }
 
     /// 16-byte vectors per thread and round (the kernels' `NV`).
     pub fn vectors(self) -> usize {
         match self {
-            CombineShape::B448x2N1 | CombineShape::B896x1N1 => 1,
+            CombineShape::B448x2N1 | CombineShape::B896x1N1 | CombineShape::B224x4N1 => 1,
             _ => 2,
         }
     }
@@ -88,6 +96,7 @@ impl CombineShape {
             CombineShape::B448x2N1 => "COMBINE_448X2",
             CombineShape::B896x1N1 => "COMBINE_896X1",
             CombineShape::B512x1 => "COMBINE_512X1",
+            CombineShape::B224x4N1 => "COMBINE_224X4",
         }
     }
 }
@@ -190,7 +199,10 @@ mod tests {
         let names: Vec<String> = CombineBlock::all().iter().map(|b| b.name()).collect();
         assert_eq!(
             names,
-            ["256x2", "256x2p", "448x1", "448x1p", "448x2n1", "896x1n1", "512x1", "512x1p"]
+            [
+                "256x2", "256x2p", "448x1", "448x1p", "448x2n1", "896x1n1", "512x1", "512x1p",
+                "224x4n1"
+            ]
         );
         for b in CombineBlock::all() {
             assert_eq!(CombineBlock::parse(&b.name()).unwrap(), b);

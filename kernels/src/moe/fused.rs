@@ -51,6 +51,8 @@
 //!     round per row.
 //!   - `512x1`: 512 threads, 1 block per SM (16 warps), 2 vectors: one round per row, 128 slots
 //!     idle.
+//!   - `224x4n1`: 224 threads, 4 blocks per SM (28 warps, at most 72 registers), 1 vector: four
+//!     full rounds per row, four tokens in flight per SM.
 //!
 //!   (`scripts/nvrtc-check.py --verbose`: no shape spills in bf16 or f32; the f16 one-pass
 //!   kernels of the `n1` shapes spill 16 bytes at their 72-register bound.) A final `p`
@@ -260,7 +262,7 @@ impl FusedOptions {
 
     /// Every combination of kernels that differ: each dispatch kernel with each block combine
     /// in each [`CombineBlock`], and with the warp combine (which has no block shape), for
-    /// tests (51 combinations).
+    /// tests (57 combinations).
     pub fn all() -> Vec<FusedOptions> {
         let mut v = Vec::new();
         for dispatch in FusedOptions::DISPATCH_KERNELS {
@@ -301,6 +303,7 @@ impl FusedOptions {
             o(Generic, OnePass, B896x1N1, false),
             o(PerWire, TwoPass, B512x1, true),
             o(Warp, FusedCombineKernel::Warp, B256x2, false),
+            o(Generic, TwoPass, B224x4N1, false),
         ]
     }
 
@@ -775,7 +778,7 @@ mod tests {
                 );
             }
         }
-        assert!(set.len() <= 6);
+        assert!(set.len() <= 7);
     }
 
     /// Every block of a fused kernel's grid is resident: the grid is at most SMs x blocks per
@@ -794,6 +797,7 @@ mod tests {
             ("896x1n1", 132),
             ("512x1", 132),
             ("512x1p", 132),
+            ("224x4n1", 528),
         ];
         assert_eq!(expect.len(), CombineBlock::all().len());
         for (name, grid) in expect {
