@@ -593,6 +593,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
 #define COMBINE_896X1 __launch_bounds__(896, 1)
 #define COMBINE_512X1 __launch_bounds__(512, 1)
 #define COMBINE_224X4 __launch_bounds__(224, 4)
+#define COMBINE_128X8 __launch_bounds__(128, 8)
 #define MF_KERNEL_moe_nvl_combine_fused(T)                                                         \
     extern "C" __global__ void ROW_KERNEL moe_nvl_combine_fused_##T(                               \
         MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 2, false)
@@ -643,6 +644,12 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 1, false)
 #define MF_KERNEL_moe_nvl_combine_fused_onepass_b224x4n1(T)                                        \
     extern "C" __global__ void COMBINE_224X4 moe_nvl_combine_fused_onepass_b224x4n1_##T(           \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 1, false)
+#define MF_KERNEL_moe_nvl_combine_fused_b128x8n1(T)                                                \
+    extern "C" __global__ void COMBINE_128X8 moe_nvl_combine_fused_b128x8n1_##T(                   \
+        MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, false, 1, false)
+#define MF_KERNEL_moe_nvl_combine_fused_onepass_b128x8n1(T)                                        \
+    extern "C" __global__ void COMBINE_128X8 moe_nvl_combine_fused_onepass_b128x8n1_##T(           \
         MOE_FUSED_COMBINE_PARAMS(T)) MOE_FUSED_COMBINE_BODY(T, true, 1, false)
 #define MF_KERNEL_moe_nvl_combine_fused_onepass_b512x1p(T)                                         \
     extern "C" __global__ void COMBINE_512X1 moe_nvl_combine_fused_onepass_b512x1p_##T(            \

@@ -168,7 +168,7 @@ const MOE_PLAIN: [&str; 2] = ["moe_zero_padding", "moe_nvl_weights_send"];
 /// The typed kernels of `moe.cu` (`moe_<kind>_<dtype>`, defined by `MF_KERNEL_moe_<kind>(T)`);
 /// the block combine's kinds, one per block shape, are `nvl_combine_fused[_onepass]<suffix>`
 /// (`crate::moe::CombineBlock`).
-pub(crate) const MOE_TYPED: [&str; 32] = [
+pub(crate) const MOE_TYPED: [&str; 34] = [
     "nccl_dispatch_send",
     "nvl_dispatch_send",
     "dispatch_recv",
@@ -200,6 +200,8 @@ pub(crate) const MOE_TYPED: [&str; 32] = [
     "nvl_combine_fused_onepass_b512x1p",
     "nvl_combine_fused_b224x4n1",
     "nvl_combine_fused_onepass_b224x4n1",
+    "nvl_combine_fused_b128x8n1",
+    "nvl_combine_fused_onepass_b128x8n1",
     "nvl_combine_fused_warp",
 ];
 
@@ -295,7 +297,7 @@ mod tests {
         all.sort();
         all.dedup();
         assert_eq!(all.len(), n);
-        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 32 * 3) + 15);
+        assert_eq!(n, 15 + 8 + 4 + 10 + 4 + (2 + 34 * 3) + 15);
     }
 
     #[test]

@@ -27,20 +27,25 @@ pub enum CombineShape {
     /// as `448x2n1`, twice the blocks (tokens in flight), a 7168-wide bf16 row in four full
     /// rounds.
     B224x4N1,
+    /// 128 threads, 8 blocks per SM (at most 64 registers), 1 vector: as many threads per SM
+    /// as the largest shapes (32 warps), eight tokens in flight per SM, a 7168-wide bf16 row
+    /// in seven full rounds.
+    B128x8N1,
 }
 
 impl CombineShape {
     /// Every shape.
-    pub const ALL: [CombineShape; 6] = [
+    pub const ALL: [CombineShape; 7] = [
         CombineShape::B256x2,
         CombineShape::B448x1,
         CombineShape::B448x2N1,
         CombineShape::B896x1N1,
         CombineShape::B512x1,
         CombineShape::B224x4N1,
+        CombineShape::B128x8N1,
     ];
 
-    /// `256x2`, `448x1`, `448x2n1`, `896x1n1`, `512x1` or `224x4n1`: threads x blocks per SM,
+    /// `256x2`, `448x1`, `448x2n1`, `896x1n1`, `512x1`, `224x4n1` or `128x8n1`: threads x blocks per SM,
     /// `n1` for one vector per thread and round.
     pub fn name(self) -> &'static str {
         match self {
@@ -50,6 +55,7 @@ impl CombineShape {
             CombineShape::B896x1N1 => "896x1n1",
             CombineShape::B512x1 => "512x1",
             CombineShape::B224x4N1 => "224x4n1",
+            CombineShape::B128x8N1 => "128x8n1",
         }
     }
 
@@ -61,6 +67,7 @@ impl CombineShape {
             CombineShape::B896x1N1 => 896,
             CombineShape::B512x1 => 512,
             CombineShape::B224x4N1 => 224,
+            CombineShape::B128x8N1 => 128,
         }
     }
 
@@ -70,13 +77,17 @@ impl CombineShape {
             CombineShape::B256x2 | CombineShape::B448x2N1 => 2,
             CombineShape::B448x1 | CombineShape::B896x1N1 | CombineShape::B512x1 => 1,
             CombineShape::B224x4N1 => 4,
+            CombineShape::B128x8N1 => 8,
         }
     }
 
     /// 16-byte vectors per thread and round (the kernels' `NV`).
     pub fn vectors(self) -> usize {
         match self {
-            CombineShape::B448x2N1 | CombineShape::B896x1N1 | CombineShape::B224x4N1 => 1,
+            CombineShape::B448x2N1
+            | CombineShape::B896x1N1
+            | CombineShape::B224x4N1
+            | CombineShape::B128x8N1 => 1,
             _ => 2,
         }
     }
@@ -97,6 +108,7 @@ impl CombineShape {
             CombineShape::B896x1N1 => "COMBINE_896X1",
             CombineShape::B512x1 => "COMBINE_512X1",
             CombineShape::B224x4N1 => "COMBINE_224X4",
+            CombineShape::B128x8N1 => "COMBINE_128X8",
         }
     }
 }
@@ -201,7 +213,7 @@ mod tests {
             names,
             [
                 "256x2", "256x2p", "448x1", "448x1p", "448x2n1", "896x1n1", "512x1", "512x1p",
-                "224x4n1"
+                "224x4n1", "128x8n1"
             ]
         );
         for b in CombineBlock::all() {
