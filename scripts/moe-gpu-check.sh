@@ -112,7 +112,7 @@ diag() {
   diag var-onepass-4k "${one[@]}" "${k4k[@]}" --wire native
   diag var-onepass-4k-c8 "${one[@]}" MESHFLOW_MOE_COMBINE_CHUNK=8 "${k4k[@]}" --wire native
   # The warp combine (a warp per item, one-pass consumer; the default dispatch), then its chunk
-  # at T=4096 (the default there is 4).
+  # at T=4096 (the default there is 1).
   wcomb=(MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_FUSED_COMBINE=warp)
   for w in native fp8-block128; do
     diag "var-wcomb-$w-128" "${wcomb[@]}" "${k128[@]/native/$w}"
@@ -122,7 +122,7 @@ diag() {
     diag "var-wcomb-4k-c$c" "${wcomb[@]}" MESHFLOW_MOE_COMBINE_CHUNK=$c "${k4k[@]}" --wire native
   done
   # The block combine's shapes (the default combine: one pass at T=4096, two at T=128).
-  for b in 256x2 256x2p 448x1 448x1p 448x2n1 896x1n1 512x1 512x1p 224x4n1; do
+  for b in 256x2 256x2p 448x1 448x1p 448x2n1 896x1n1 512x1 512x1p 224x4n1 128x8n1; do
     diag "var-block-$b-4k" MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_COMBINE_BLOCK=$b "${k4k[@]}" --wire native
     diag "var-block-$b-128" MESHFLOW_MOE_KERNELS=v2 MESHFLOW_MOE_COMBINE_BLOCK=$b "${k128[@]}"
   done

@@ -469,10 +469,11 @@ fn option_values(o: &FusedOptions) -> Vec<String> {
         format!("combine {:?}", o.combine),
     ];
     if o.combine.is_block() {
-        v.push(format!("block shape {}", o.block.shape.name()));
+        let b = o.block_for(o.combine);
+        v.push(format!("block shape {}", b.shape.name()));
         v.push(format!(
             "prefetch {}",
-            if o.block.prefetch { "on" } else { "off" }
+            if b.prefetch { "on" } else { "off" }
         ));
     }
     v

@@ -148,11 +148,14 @@ impl CombineBlock {
             .collect()
     }
 
-    /// The value of `MESHFLOW_MOE_COMBINE_BLOCK` (unset: the default, `256x2`).
-    pub fn from_env() -> Result<CombineBlock> {
+    /// The value of `MESHFLOW_MOE_COMBINE_BLOCK`: `None` when unset, empty or `auto` (each
+    /// block combine kernel in its own default shape, see
+    /// [`FusedOptions::block_for`](super::FusedOptions::block_for)).
+    pub fn from_env() -> Result<Option<CombineBlock>> {
         match std::env::var(COMBINE_BLOCK_ENV) {
-            Err(_) => Ok(CombineBlock::default()),
-            Ok(v) => CombineBlock::parse(&v),
+            Err(_) => Ok(None),
+            Ok(v) if matches!(v.trim(), "" | "auto") => Ok(None),
+            Ok(v) => CombineBlock::parse(&v).map(Some),
         }
     }
 

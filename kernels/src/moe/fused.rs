@@ -37,12 +37,19 @@
 //!   and keeps the vectors of up to 4 expert rows in flight per lane; its consumer is one-pass.
 //!   One warp per 14 KB row has too few loads in flight: 392 µs at 4096 tokens (257 µs with
 //!   one token per chunk) and 61.5 µs at 128 tokens, against 25.9 µs for the block kernel.
-//! - `MESHFLOW_MOE_COMBINE_BLOCK=<shape>[p]` ([`CombineBlock`]): the block shape of the
+//! - `MESHFLOW_MOE_COMBINE_BLOCK=auto|<shape>[p]` ([`CombineBlock`]): the block shape of the
 //!   block combine kernels (`twopass`, `onepass`, and `auto`'s choice of them; the warp combine
-//!   ignores it). A shape is threads per block x blocks per SM, each thread taking 2 16-byte
+//!   ignores it). `auto` (default, [`FusedOptions::block_for`]) runs the one-pass kernel in
+//!   `128x8n1` and the two-pass kernel in `256x2`: on 2x H200 with one token per chunk the
+//!   one-pass `128x8n1` measured 222.5 / 223.2 µs at 4096 tokens per rank (`256x2` with its
+//!   best chunk of 4: 254.5-255.0 µs in the same call) and 135.0 µs at 2048 tokens (`256x2`:
+//!   168-170 µs), while the two-pass `128x8n1` spills and measured 31.3 µs at 128 tokens
+//!   (`256x2`: 25.5-26.1 µs). More blocks per SM won at the large sizes: `448x2n1` 248.6,
+//!   `224x4n1` 237.3 (chunks of 2) and the one-block-per-SM shapes 289-299 µs at 4096 tokens
+//!   (`bench/results/2026-11-26-h200x2.md`). A shape is threads per block x blocks per SM, each thread taking 2 16-byte
 //!   vectors of a row per round, or 1 (`n1`); the grid keeps every block resident. A 7168-wide
 //!   bf16 row is 896 vectors:
-//!   - `256x2` (default, the kernels before shapes): 256 threads, 2 blocks per SM (16 warps),
+//!   - `256x2` (the two-pass default, the kernels before shapes): 256 threads, 2 blocks per SM (16 warps),
 //!     2 vectors: two rounds per row, the second with 384 of its 512 slots busy.
 //!   - `448x1`: 448 threads, 1 block per SM (14 warps), 2 vectors: one round per row.
 //!   - `448x2n1`: 448 threads, 2 blocks per SM (28 warps, at most 72 registers), 1 vector: two
@@ -67,7 +74,7 @@
 //!   this token's loads. Each shape (and `p`) is a kernel of its own with its launch bounds,
 //!   compiled only when chosen; the producers (partials into the peers) and the consumer run
 //!   the same shape. Results are bit-identical in every shape: each element is summed alone, in
-//!   k order, then rank order, whichever thread holds it. No timings of the new shapes yet.
+//!   k order, then rank order, whichever thread holds it.
 
 use super::combine_block::{CombineBlock, CombineShape};
 use super::kernel_calls::{n, ptr, FlagWait, PeerRegions, SendInputs, SendState, NULL};
@@ -230,8 +237,9 @@ pub struct FusedOptions {
     /// The combine kernel.
     pub combine: FusedCombineKernel,
     /// The block shape of the block combine kernels (two-pass, one-pass); the warp combine
-    /// ignores it.
-    pub block: CombineBlock,
+    /// ignores it. `None` (default): [`FusedOptions::AUTO_ONEPASS_BLOCK`] for the one-pass
+    /// kernel, [`CombineBlock::default`] for the two-pass one ([`FusedOptions::block_for`]).
+    pub block: Option<CombineBlock>,
 }
 
 /// The environment variable choosing [`FusedOptions::dispatch`].
@@ -244,12 +252,32 @@ impl Default for FusedOptions {
         FusedOptions {
             dispatch: FusedDispatchKernel::Auto,
             combine: FusedCombineKernel::Auto,
-            block: CombineBlock::default(),
+            block: None,
         }
     }
 }
 
 impl FusedOptions {
+    /// The one-pass combine's block shape unless one is chosen: `128x8n1`, with one token per
+    /// chunk the fastest measured at 2048 and 4096 tokens per rank on 2x H200 (135.0 and
+    /// 222.5 µs against 168-170 and 252-255 µs for `256x2`, chunks of 4 at 4096 tokens;
+    /// `bench/results/2026-11-26-h200x2.md`). The two-pass kernel keeps `256x2`: at the
+    /// 64-register bound of `128x8n1` it spills, and measured 31.3 against 25.8 µs at 128
+    /// tokens.
+    pub const AUTO_ONEPASS_BLOCK: CombineBlock = CombineBlock {
+        shape: CombineShape::B128x8N1,
+        prefetch: false,
+    };
+
+    /// The block shape the block combine `kernel` runs in (resolves `block: None`).
+    pub fn block_for(self, kernel: FusedCombineKernel) -> CombineBlock {
+        match (self.block, kernel) {
+            (Some(b), _) => b,
+            (None, FusedCombineKernel::OnePass) => FusedOptions::AUTO_ONEPASS_BLOCK,
+            (None, _) => CombineBlock::default(),
+        }
+    }
+
     /// The dispatch kernels that differ ([`FusedDispatchKernel::Auto`] runs one of them).
     pub const DISPATCH_KERNELS: [FusedDispatchKernel; 3] = [
         FusedDispatchKernel::Generic,
@@ -279,7 +307,7 @@ impl FusedOptions {
                 v.extend(blocks.into_iter().map(|block| FusedOptions {
                     dispatch,
                     combine,
-                    block,
+                    block: Some(block),
                 }));
             }
         }
@@ -298,7 +326,7 @@ impl FusedOptions {
         let o = |dispatch, combine, shape, prefetch| FusedOptions {
             dispatch,
             combine,
-            block: CombineBlock { shape, prefetch },
+            block: Some(CombineBlock { shape, prefetch }),
         };
         vec![
             o(Generic, TwoPass, B256x2, false),
@@ -368,7 +396,10 @@ impl FusedOptions {
             FusedCombineKernel::Auto => "auto",
         };
         if self.combine.is_block() {
-            format!("{d}-{c}-{}", self.block.name())
+            let b = self
+                .block
+                .map_or_else(|| "auto".to_owned(), CombineBlock::name);
+            format!("{d}-{c}-{b}")
         } else {
             format!("{d}-{c}")
         }
@@ -397,8 +428,9 @@ impl FusedOptions {
 
     /// The combine kernel's kind at `tokens` tokens per rank (a block combine's in its shape).
     fn combine_kind(self, tokens: usize) -> String {
-        let suffix = self.block.kind_suffix();
-        match self.combine.for_tokens(tokens) {
+        let kernel = self.combine.for_tokens(tokens);
+        let suffix = self.block_for(kernel).kind_suffix();
+        match kernel {
             FusedCombineKernel::TwoPass | FusedCombineKernel::Auto => {
                 format!("nvl_combine_fused{suffix}")
             }
@@ -407,9 +439,11 @@ impl FusedOptions {
         }
     }
 
-    /// Threads per block and the most blocks per SM of the combine kernel.
-    fn combine_launch(self) -> (u32, usize) {
-        self.combine.block(self.block)
+    /// Threads per block and the most blocks per SM of the combine kernel at `tokens` tokens
+    /// per rank.
+    fn combine_launch(self, tokens: usize) -> (u32, usize) {
+        let kernel = self.combine.for_tokens(tokens);
+        kernel.block(self.block_for(kernel))
     }
 }
 
@@ -431,18 +465,17 @@ impl FusedPhase {
         }
     }
 
-    /// The default chunk at `tokens` tokens per rank on `wire`: one token up to 2048 tokens
-    /// (latency), and one for the native dispatch at any size (its default kernel, a warp per
-    /// item, measured 225 µs at 4096 tokens with one token per chunk against 254-258 µs with
-    /// two or four, on 2x H200); beyond 2048 tokens, two for the FP8 dispatch and four for the
-    /// combine (fewer release fences; the combine's consumer sums a whole chunk from every rank
-    /// at once). It depends on the shape and the wire alone, never on a rank's kernel variant,
-    /// so every rank agrees.
+    /// The default chunk at `tokens` tokens per rank on `wire`: one token, but two for the FP8
+    /// dispatch beyond 2048 tokens. On 2x H200 the native dispatch's default kernel (a warp per
+    /// item) measured 225 µs at 4096 tokens with one token per chunk against 254-258 µs with
+    /// two or four, and the default one-pass combine (`128x8n1`) 222.5 µs with one against
+    /// 240.4 with two and 292.2 with four (`256x2`, the shape before, was fastest with four).
+    /// It depends on the shape and the wire alone, never on a rank's kernel variant, so every
+    /// rank agrees.
     pub fn default_chunk(self, tokens: usize, wire: MoeWire) -> usize {
         match (self, tokens > 2048, wire) {
-            (_, false, _) | (FusedPhase::Dispatch, true, MoeWire::Native) => 1,
             (FusedPhase::Dispatch, true, MoeWire::Fp8E4m3(_)) => 2,
-            (FusedPhase::Combine, true, _) => 4,
+            _ => 1,
         }
     }
 }
@@ -593,7 +626,7 @@ pub(crate) fn nvl_combine_fused(
     let lay = WireLayout::of(shape, wire);
     let chunk = fused_chunk(FusedPhase::Combine, shape.tokens, wire)?;
     let chunks = shape.tokens.div_ceil(chunk);
-    let block = options.combine_launch();
+    let block = options.combine_launch(shape.tokens);
     let per_warp = options.combine == FusedCombineKernel::Warp;
     let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world, block, per_warp)?;
     let at = |off: usize| Arg::Ptr(c.sym.addr() + off as u64);
@@ -667,24 +700,26 @@ mod tests {
         assert!(FusedOptions::parse_combine("warps").is_err());
         assert_eq!(FusedOptions::parse_dispatch("").unwrap(), Auto);
         let d = FusedOptions::default();
-        assert_eq!(d.name(), "auto-auto-256x2");
+        assert_eq!(d.name(), "auto-auto-auto");
         // The default combine: two passes at 128 tokens, one pass at 512 and more.
         assert_eq!(d.combine_kind(128), "nvl_combine_fused");
         assert_eq!(d.combine_kind(511), "nvl_combine_fused");
-        assert_eq!(d.combine_kind(512), "nvl_combine_fused_onepass");
-        assert_eq!(d.combine_kind(4096), "nvl_combine_fused_onepass");
-        assert_eq!(d.combine_launch(), (FUSED_BLOCK, 2));
+        // ... each in its own default shape: 256x2 and 128x8n1.
+        assert_eq!(d.combine_kind(512), "nvl_combine_fused_onepass_b128x8n1");
+        assert_eq!(d.combine_kind(4096), "nvl_combine_fused_onepass_b128x8n1");
+        assert_eq!(d.combine_launch(128), (FUSED_BLOCK, 2));
+        assert_eq!(d.combine_launch(4096), (128, 8));
         assert_eq!(TwoPass.for_tokens(4096), TwoPass);
         let b448 = FusedOptions {
             combine: OnePass,
-            block: CombineBlock::parse("448x1").unwrap(),
+            block: Some(CombineBlock::parse("448x1").unwrap()),
             ..d
         };
         assert_eq!(b448.name(), "auto-onepass-448x1");
         assert_eq!(b448.combine_kind(1), "nvl_combine_fused_onepass_b448x1");
-        assert_eq!(b448.combine_launch(), (448, 1));
+        assert_eq!(b448.combine_launch(1), (448, 1));
         let auto_p = FusedOptions {
-            block: CombineBlock::parse("256x2p").unwrap(),
+            block: Some(CombineBlock::parse("256x2p").unwrap()),
             ..d
         };
         assert_eq!(auto_p.combine_kind(128), "nvl_combine_fused_b256x2p");
@@ -695,12 +730,12 @@ mod tests {
         let w = FusedOptions {
             dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::Warp,
-            block: CombineBlock::parse("896x1n1").unwrap(),
+            block: Some(CombineBlock::parse("896x1n1").unwrap()),
         };
         // The warp combine has no block shape: its name and kernel ignore it.
         assert_eq!(w.name(), "warp-warp");
         assert_eq!(w.combine_kind(1), "nvl_combine_fused_warp");
-        assert_eq!(w.combine_launch(), (FUSED_WARP_BLOCK, 8));
+        assert_eq!(w.combine_launch(1), (FUSED_WARP_BLOCK, 8));
         assert_eq!(Auto.for_wire(MoeWire::Native), FusedDispatchKernel::Warp);
         assert_eq!(
             Auto.for_wire(MoeWire::Fp8E4m3(Fp8Scales::Block128)),
@@ -731,7 +766,7 @@ mod tests {
             }
             let bounds = match o.combine {
                 FusedCombineKernel::Warp => "WARP_KERNEL",
-                _ => o.block.shape.bounds(),
+                k => o.block_for(k).shape.bounds(),
             };
             let line = format!("{bounds} moe_{}_##T(", o.combine_kind(1));
             assert!(Source::Moe.text().contains(&line), "{line}");
@@ -761,7 +796,10 @@ mod tests {
         }
         let blocks: Vec<&FusedOptions> = set.iter().filter(|o| o.combine.is_block()).collect();
         for s in CombineShape::ALL {
-            assert!(blocks.iter().any(|o| o.block.shape == s), "{s:?}");
+            assert!(
+                blocks.iter().any(|o| o.block.is_some_and(|b| b.shape == s)),
+                "{s:?}"
+            );
         }
         // Prefetch on and off, each with both block combines; both block combines with a one-
         // and a two-vector shape.
@@ -770,7 +808,7 @@ mod tests {
                 assert!(
                     blocks
                         .iter()
-                        .any(|o| o.combine == c && o.block.prefetch == p),
+                        .any(|o| o.combine == c && o.block_for(c).prefetch == p),
                     "{c:?} prefetch {p}"
                 );
             }
@@ -778,7 +816,7 @@ mod tests {
                 assert!(
                     blocks
                         .iter()
-                        .any(|o| o.combine == c && o.block.shape.vectors() == nv),
+                        .any(|o| o.combine == c && o.block_for(c).shape.vectors() == nv),
                     "{c:?} NV {nv}"
                 );
             }
@@ -808,10 +846,10 @@ mod tests {
         assert_eq!(expect.len(), CombineBlock::all().len());
         for (name, grid) in expect {
             let o = FusedOptions {
-                block: CombineBlock::parse(name).unwrap(),
+                block: Some(CombineBlock::parse(name).unwrap()),
                 ..FusedOptions::default()
             };
-            let launch = o.combine_launch();
+            let launch = o.combine_launch(4096);
             let (g, lag) = grid_and_lag_on(sms, items, world, launch, false, None);
             assert_eq!((g, lag), (grid, grid as usize / world), "{name}");
             // Fewer items than the device holds: one block per item.
@@ -827,7 +865,7 @@ mod tests {
             ..FusedOptions::default()
         };
         assert_eq!(
-            grid_and_lag_on(sms, items, world, w.combine_launch(), true, None),
+            grid_and_lag_on(sms, items, world, w.combine_launch(4096), true, None),
             (1024, 1024)
         );
     }
@@ -839,7 +877,8 @@ mod tests {
         assert_eq!(FusedPhase::Combine.default_chunk(2048, native), 1);
         assert_eq!(FusedPhase::Dispatch.default_chunk(4096, native), 1);
         assert_eq!(FusedPhase::Dispatch.default_chunk(4096, fp8), 2);
-        assert_eq!(FusedPhase::Combine.default_chunk(4096, native), 4);
+        assert_eq!(FusedPhase::Combine.default_chunk(4096, native), 1);
+        assert_eq!(FusedPhase::Combine.default_chunk(8192, fp8), 1);
         assert_ne!(
             FusedPhase::Dispatch.chunk_env(),
             FusedPhase::Combine.chunk_env()
