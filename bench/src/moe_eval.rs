@@ -7,7 +7,7 @@
 //! warm-up and 20 timed iterations of the case's, since every iteration already holds `steps`
 //! steps) with the evaluator's profile on: CUDA events recorded on the stream just before each
 //! instruction's first device work and just after its last one. A phase's time is that
-//! interval: per step the slowest rank's, then the median over the steps of the last
+//! interval: per step the slowest rank's, then the median over the steps of every timed
 //! iteration. This is the span the kernels' path times (an event before the dispatch's first
 //! launch, one after it, one after the combine's last launch; per step the slowest rank, the
 //! median over steps), so the two paths compare the same thing: a phase's device time as
@@ -134,8 +134,8 @@ pub fn measure_moe_evaluator(
         let how = if graph { " (CUDA graph)" } else { "" };
         invalid(format!("{phases:?} over {transport}{how}: {e}"))
     })?;
-    let dispatch_us = phase_us(&run.intervals, world, "moe_dispatch")?;
-    let combine_us = phase_us(&run.intervals, world, "moe_combine")?;
+    let dispatch_us = phase_us(&run.timed_intervals, world, "moe_dispatch")?;
+    let combine_us = phase_us(&run.timed_intervals, world, "moe_combine")?;
     let step_us = Timing::from_times(&run.times_us).us;
     let host_us = Timing::from_times(&run.host_us).us;
     Ok(MoeResult {
@@ -155,9 +155,33 @@ pub fn measure_moe_evaluator(
     })
 }
 
-/// The device time of instruction `name` in the profile: per step (the `i`-th interval of
-/// `name` on every rank) the slowest rank's, then the median over the steps.
-fn phase_us(intervals: &[Interval], world: usize, name: &str) -> Result<f64> {
+/// The device time of instruction `name` in the profiles of the timed iterations: per step
+/// (the `i`-th interval of `name` on every rank within one iteration) the slowest rank's, then
+/// the median over the steps of every iteration.
+fn phase_us(iterations: &[Vec<Interval>], world: usize, name: &str) -> Result<f64> {
+    let mut slowest = Vec::new();
+    for intervals in iterations {
+        slowest.extend(slowest_per_step(intervals, world, name)?);
+    }
+    if slowest.is_empty() {
+        return Err(invalid(format!(
+            "MoE evaluator bench: the profile holds no timed iteration with `{name}`"
+        )));
+    }
+    slowest.sort_by(f64::total_cmp);
+    let us = slowest[slowest.len() / 2];
+    if us > 0.0 {
+        Ok(us)
+    } else {
+        Err(invalid(format!(
+            "MoE evaluator bench: `{name}` took no time in the profile"
+        )))
+    }
+}
+
+/// Per step of one iteration (the `i`-th interval of `name` on every rank), the slowest
+/// rank's time of instruction `name`.
+fn slowest_per_step(intervals: &[Interval], world: usize, name: &str) -> Result<Vec<f64>> {
     let per_rank: Vec<Vec<f64>> = (0..world)
         .map(|rank| {
             let mut mine: Vec<&Interval> = intervals
@@ -176,23 +200,15 @@ fn phase_us(intervals: &[Interval], world: usize, name: &str) -> Result<f64> {
              same number of steps on every rank expected)"
         )));
     }
-    let mut slowest: Vec<f64> = (0..steps)
+    Ok((0..steps)
         .map(|i| per_rank.iter().map(|r| r[i]).fold(0.0, f64::max))
-        .collect();
-    slowest.sort_by(f64::total_cmp);
-    let us = slowest[steps / 2];
-    if us > 0.0 {
-        Ok(us)
-    } else {
-        Err(invalid(format!(
-            "MoE evaluator bench: `{name}` took no time in the profile"
-        )))
-    }
+        .collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshflow::runtime::backend::PreorderIndex;
     use meshflow::runtime::cuda::IntervalKind;
 
     fn interval(rank: usize, name: &'static str, start_us: f64, end_us: f64) -> Interval {
@@ -202,7 +218,7 @@ mod tests {
             kind: IntervalKind::Comm,
             name,
             transport: None,
-            inst: 0,
+            preorder: PreorderIndex(0),
             iteration: Vec::new(),
             start_us,
             end_us,
@@ -222,8 +238,24 @@ mod tests {
             interval(1, "moe_dispatch", 40.0, 45.0),
         ];
         // Per step: max(10, 12) = 12, max(11, 9) = 11, max(30, 5) = 30; median 12.
-        assert_eq!(phase_us(&iv, 2, "moe_dispatch").unwrap(), 12.0);
-        assert_eq!(phase_us(&iv[..2], 1, "moe_combine").unwrap(), 5.0);
+        assert_eq!(
+            phase_us(std::slice::from_ref(&iv), 2, "moe_dispatch").unwrap(),
+            12.0
+        );
+        assert_eq!(
+            phase_us(&[iv[..2].to_vec()], 1, "moe_combine").unwrap(),
+            5.0
+        );
+        // A second iteration's steps join the same median: 9, 11, 12, 13, 14, 30 -> 13.
+        let second = vec![
+            interval(0, "moe_dispatch", 100.0, 109.0),
+            interval(0, "moe_dispatch", 120.0, 133.0),
+            interval(0, "moe_dispatch", 140.0, 154.0),
+            interval(1, "moe_dispatch", 100.0, 108.0),
+            interval(1, "moe_dispatch", 120.0, 121.0),
+            interval(1, "moe_dispatch", 140.0, 141.0),
+        ];
+        assert_eq!(phase_us(&[iv, second], 2, "moe_dispatch").unwrap(), 13.0);
     }
 
     #[test]
@@ -233,9 +265,13 @@ mod tests {
             interval(0, "moe_dispatch", 20.0, 30.0),
             interval(1, "moe_dispatch", 0.0, 10.0),
         ];
-        let e = phase_us(&iv, 2, "moe_dispatch").unwrap_err().to_string();
+        let e = phase_us(std::slice::from_ref(&iv), 2, "moe_dispatch")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("[2, 1]"), "{e}");
-        let e = phase_us(&iv, 2, "moe_combine").unwrap_err().to_string();
+        let e = phase_us(&[iv], 2, "moe_combine").unwrap_err().to_string();
         assert!(e.contains("moe_combine"), "{e}");
+        let e = phase_us(&[], 2, "moe_dispatch").unwrap_err().to_string();
+        assert!(e.contains("no timed iteration"), "{e}");
     }
 }

@@ -84,12 +84,35 @@ impl<Buf> TensorView<Buf> {
     }
 }
 
-/// Where an instruction is: its index in program pre-order and the values of its enclosing
+/// The position of an instruction in the pre-order listing of its host program: the order of
+/// [`HostProgram::walk`](meshflow_ir::HostProgram::walk), counted from 0, a loop before its
+/// body. Host instructions are a tree of blocks, not an arena, so this position is how the
+/// runtime names one (the evaluator keeps its instructions in an arena keyed by it). Printed
+/// `#n`; each instruction has one, however many times a loop runs it.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct PreorderIndex(pub u32);
+
+impl meshflow_ir::EntityRef for PreorderIndex {
+    fn new(index: usize) -> Self {
+        PreorderIndex(u32::try_from(index).expect("more than u32::MAX instructions"))
+    }
+    fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for PreorderIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// Where an instruction is: its position in program pre-order and the values of its enclosing
 /// loop variables (outermost first).
 #[derive(Copy, Clone, Debug)]
 pub struct InstCtx<'a> {
-    /// Pre-order index of the instruction (see [`HostProgram::walk`](meshflow_ir::HostProgram::walk)).
-    pub inst: u32,
+    /// The instruction's position in program pre-order.
+    pub preorder: PreorderIndex,
     /// Values of the enclosing loop variables, outermost first.
     pub iteration: &'a [i64],
 }
@@ -321,8 +344,8 @@ impl<Buf> CommRequest<'_, Buf> {
 /// One side of a race: an access and where it happened.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AccessSite {
-    /// Pre-order index of the instruction.
-    pub inst: u32,
+    /// The instruction's position in program pre-order.
+    pub preorder: PreorderIndex,
     /// Loop variable values at the access.
     pub iteration: Arc<[i64]>,
     /// True for a write.
@@ -352,7 +375,7 @@ pub enum BackendError {
     Op(#[from] OpError),
     /// An unordered access (see [`RaceReport`]); the evaluator prints it with both
     /// instructions.
-    #[error("race between instructions #{} and #{}", .0.earlier.inst, .0.later.inst)]
+    #[error("race between instructions {} and {}", .0.earlier.preorder, .0.later.preorder)]
     Race(Box<RaceReport>),
     /// A peer did not send within the timeout.
     #[error("timed out after {waited:?} waiting for rank {peer} ({what})")]
@@ -515,5 +538,28 @@ pub trait Backend {
         Err(BackendError::Invalid(
             "this backend does not record graphs".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An instruction's position prints `#n`, as race reports always printed it.
+    #[test]
+    fn race_reports_name_instructions_by_position() {
+        let site = |at, write| AccessSite {
+            preorder: PreorderIndex(at),
+            iteration: Arc::from(&[1_i64][..]),
+            write,
+            comm_label: None,
+            stream: StreamIndex::MAIN,
+        };
+        let err = BackendError::Race(Box::new(RaceReport {
+            tensor: <HostTensorId as meshflow_ir::EntityRef>::new(0),
+            earlier: site(3, true),
+            later: site(12, false),
+        }));
+        assert_eq!(err.to_string(), "race between instructions #3 and #12");
     }
 }

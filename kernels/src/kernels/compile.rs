@@ -1,13 +1,11 @@
 //! NVRTC compilation of one compile unit ([`Unit`]: a source, or one typed kernel of it) for one
-//! device architecture, with an optional on-disk cache (`$XDG_CACHE_HOME/meshflow/kernels`, one
-//! file per unit, keyed by a hash of the unit's full text, the options and the NVRTC version;
-//! disable with `MESHFLOW_KERNEL_CACHE=off`).
+//! device architecture, through the optional on-disk cache ([`cache`](super::cache)).
 
 use std::ffi::{c_char, c_int, CString};
-use std::path::PathBuf;
 
 use cudarc::nvrtc::{result as nvrtc, sys as nsys};
 
+use super::cache;
 use super::units::Unit;
 use crate::error::{KernelError, Result};
 use crate::probe;
@@ -60,6 +58,14 @@ pub(crate) fn pick_target(cc: (u32, u32), supported: &[u32]) -> Result<Target> {
     }
 }
 
+/// The NVRTC options of a compile for `arch` (`sm_90` or `compute_90`); part of the cache key.
+pub(crate) fn nvrtc_options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_owned(),
+    ]
+}
+
 fn supported_archs() -> Result<Vec<u32>> {
     let mut n: c_int = 0;
     // SAFETY: valid out pointer.
@@ -103,17 +109,15 @@ pub(crate) fn compile(unit: &Unit, cc: (u32, u32), fresh: bool) -> Result<(Image
 }
 
 fn compile_inner(unit: &Unit, cc: (u32, u32), fresh: bool) -> Result<(Image, bool)> {
-    let target = pick_target(cc, &supported_archs()?)?;
+    let archs = supported_archs()?;
+    let target = pick_target(cc, &archs)?;
     let text = unit.text();
-    let options = vec![
-        format!("--gpu-architecture={}", target.arch),
-        "--std=c++17".to_owned(),
-    ];
+    let options = nvrtc_options(&target.arch);
     let version = nvrtc_version()?;
-    let key = cache_key(&text, &options, version);
-    let path = cache_path(unit, key, target.cubin);
+    cache::sweep_once(&archs, version);
+    let path = cache::path(unit, cache::key(&text, &options, version), target.cubin);
     if !fresh {
-        if let Some(image) = path.as_ref().and_then(|p| read_cached(p, target.cubin)) {
+        if let Some(image) = path.as_ref().and_then(|p| cache::read(p, target.cubin)) {
             tracing::debug!(%unit, arch = %target.arch, "kernel cache hit");
             return Ok((image, true));
         }
@@ -127,15 +131,12 @@ fn compile_inner(unit: &Unit, cc: (u32, u32), fresh: bool) -> Result<(Image, boo
                 arch: target.arch.replace("sm_", "compute_"),
                 cubin: false,
             };
-            let ptx_opts = vec![
-                format!("--gpu-architecture={}", ptx_target.arch),
-                "--std=c++17".to_owned(),
-            ];
+            let ptx_opts = nvrtc_options(&ptx_target.arch);
             image = run_nvrtc(unit, &text, &ptx_target, &ptx_opts)?;
         }
     }
     if let Some(p) = &path {
-        write_cached(p, &image);
+        cache::write(p, &image);
     }
     tracing::debug!(
         %unit,
@@ -216,75 +217,6 @@ fn run_nvrtc(unit: &Unit, text: &str, target: &Target, options: &[String]) -> Re
     }
 }
 
-/// The disk cache key of a compile: the full text (source, prelude and the unit's instantiation),
-/// the NVRTC options and the NVRTC version.
-pub(crate) fn cache_key(text: &str, options: &[String], version: (i32, i32)) -> u64 {
-    fnv1a(format!("{text}\0{options:?}\0{version:?}").as_bytes())
-}
-
-/// 64-bit FNV-1a: a stable hash for cache keys (std's hasher may change between Rust versions).
-pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-/// The cache directory, or `None` when disabled or no home is known.
-pub(crate) fn cache_dir_from(
-    setting: Option<&str>,
-    xdg_cache_home: Option<&str>,
-    home: Option<&str>,
-) -> Option<PathBuf> {
-    if matches!(setting, Some("0" | "off" | "false" | "no")) {
-        return None;
-    }
-    let base = match (xdg_cache_home, home) {
-        (Some(x), _) if !x.is_empty() => PathBuf::from(x),
-        (_, Some(h)) if !h.is_empty() => PathBuf::from(h).join(".cache"),
-        _ => return None,
-    };
-    Some(base.join("meshflow").join("kernels"))
-}
-
-fn cache_path(unit: &Unit, key: u64, cubin: bool) -> Option<PathBuf> {
-    let env = |k: &str| std::env::var(k).ok();
-    let dir = cache_dir_from(
-        env("MESHFLOW_KERNEL_CACHE").as_deref(),
-        env("XDG_CACHE_HOME").as_deref(),
-        env("HOME").as_deref(),
-    )?;
-    let stem = unit.file_stem();
-    let ext = if cubin { "cubin" } else { "ptx" };
-    Some(dir.join(format!("{stem}-{key:016x}.{ext}")))
-}
-
-fn read_cached(path: &PathBuf, cubin: bool) -> Option<Image> {
-    let bytes = std::fs::read(path).ok()?;
-    if bytes.is_empty() {
-        return None;
-    }
-    Some(if cubin {
-        Image::Cubin(bytes)
-    } else {
-        Image::Ptx(bytes)
-    })
-}
-
-/// Best effort: a cache that cannot be written is logged, not an error.
-fn write_cached(path: &PathBuf, image: &Image) {
-    let write = || -> std::io::Result<()> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        std::fs::write(&tmp, image.bytes())?;
-        std::fs::rename(&tmp, path)
-    };
-    if let Err(e) = write() {
-        tracing::debug!(path = %path.display(), "kernel cache not written: {e}");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -312,25 +244,5 @@ mod tests {
             })
         );
         assert!(pick_target((7, 0), &archs).is_err());
-    }
-
-    #[test]
-    fn fnv1a_is_stable() {
-        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
-    }
-
-    #[test]
-    fn cache_dir_rules() {
-        assert_eq!(
-            cache_dir_from(None, Some("/x"), Some("/h")),
-            Some(PathBuf::from("/x/meshflow/kernels"))
-        );
-        assert_eq!(
-            cache_dir_from(None, None, Some("/h")),
-            Some(PathBuf::from("/h/.cache/meshflow/kernels"))
-        );
-        assert_eq!(cache_dir_from(Some("off"), Some("/x"), None), None);
-        assert_eq!(cache_dir_from(None, None, None), None);
     }
 }

@@ -6,6 +6,7 @@
 //! and cached per device in memory and, optionally, on disk. One submodule per kernel family
 //! holds the safe launchers.
 
+mod cache;
 mod compile;
 mod elementwise;
 mod layout;

@@ -145,7 +145,7 @@ impl fmt::Display for Unit {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::compile::cache_key;
+    use crate::kernels::cache;
 
     fn typed(source: Source, kind: &'static str, dtype: DType) -> Unit {
         Unit {
@@ -157,23 +157,27 @@ mod tests {
     #[test]
     fn a_kernel_name_picks_its_unit() {
         let moe = |n: &str| Unit::of_kernel(Source::Moe, n);
-        assert_eq!(
-            moe("moe_nvl_dispatch_fused_warp_native_bf16"),
-            typed(Source::Moe, "nvl_dispatch_fused_warp_native", DType::BF16)
-        );
-        // A kind that is a prefix of another does not capture it, nor bf16 f16.
-        assert_eq!(
-            moe("moe_nvl_dispatch_fused_f16"),
-            typed(Source::Moe, "nvl_dispatch_fused", DType::F16)
-        );
-        assert_eq!(
-            moe("moe_nvl_combine_fused_onepass_f32"),
-            typed(Source::Moe, "nvl_combine_fused_onepass", DType::F32)
-        );
-        assert_eq!(
-            moe("moe_combine_recv_bf16"),
-            typed(Source::Moe, "combine_recv", DType::BF16)
-        );
+        for (name, kind, dtype) in [
+            (
+                "moe_nvl_dispatch_fused_warp_native_bf16",
+                "nvl_dispatch_fused_warp_native",
+                DType::BF16,
+            ),
+            // A kind that is a prefix of another does not capture it, nor bf16 f16.
+            (
+                "moe_nvl_dispatch_fused_f16",
+                "nvl_dispatch_fused",
+                DType::F16,
+            ),
+            (
+                "moe_nvl_combine_fused_onepass_f32",
+                "nvl_combine_fused_onepass",
+                DType::F32,
+            ),
+            ("moe_combine_recv_bf16", "combine_recv", DType::BF16),
+        ] {
+            assert_eq!(moe(name), typed(Source::Moe, kind, dtype), "{name}");
+        }
         // Plain kernels, unknown kinds and non-float types go to the base unit.
         for n in [
             "moe_zero_padding",
@@ -292,7 +296,7 @@ mod tests {
     #[test]
     fn cache_keys_differ_between_units() {
         let opts = ["--gpu-architecture=sm_90".to_owned()];
-        let key = |u: &Unit| cache_key(&u.text(), &opts, (12, 9));
+        let key = |u: &Unit| cache::key(&u.text(), &opts, (12, 9));
         let units = Unit::all_of(Source::Moe);
         let mut keys: Vec<u64> = units.iter().map(key).collect();
         keys.sort_unstable();
@@ -300,10 +304,10 @@ mod tests {
         assert_eq!(keys.len(), units.len());
         let u = Unit::of_kernel(Source::Moe, "moe_dispatch_recv_f16");
         assert_eq!(key(&u), key(&u));
-        assert_ne!(key(&u), cache_key(&u.text(), &opts, (12, 8)));
+        assert_ne!(key(&u), cache::key(&u.text(), &opts, (12, 8)));
         assert_ne!(
             key(&u),
-            cache_key(&u.text(), &["--gpu-architecture=sm_80".to_owned()], (12, 9))
+            cache::key(&u.text(), &["--gpu-architecture=sm_80".to_owned()], (12, 9))
         );
         // A base unit hashes exactly as the whole source did before units existed, so the
         // cached images of the other sources stay valid.

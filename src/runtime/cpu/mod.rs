@@ -489,7 +489,7 @@ impl CpuBackend {
         let (timeline, epoch) = clocks.tick(current.0);
         let clock = clocks.clock(current.0).to_vec();
         let site = AccessSite {
-            inst: ctx.inst,
+            preorder: ctx.preorder,
             iteration: ctx.iteration.into(),
             write: false,
             comm_label: None,
@@ -783,7 +783,7 @@ impl Backend for CpuBackend {
                 let epoch = clock[timeline];
                 let (reads, writes) = comm::accesses(request);
                 let site = AccessSite {
-                    inst: ctx.inst,
+                    preorder: ctx.preorder,
                     iteration: ctx.iteration.into(),
                     write: false,
                     comm_label: Some(label),

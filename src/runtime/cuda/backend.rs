@@ -379,7 +379,7 @@ impl CudaBackend {
                 IntervalKind::Compute,
                 name,
                 None,
-                ctx.inst,
+                ctx.preorder,
                 ctx.iteration,
             )
             .map_err(core.err("cuEventRecord"))?;

@@ -461,7 +461,7 @@ impl DeviceCore {
                 IntervalKind::Comm,
                 name,
                 Some(transport),
-                ctx.inst,
+                ctx.preorder,
                 ctx.iteration,
             )
             .map_err(self.err("cuEventRecord"))

@@ -58,7 +58,7 @@ impl DeviceCore {
                 IntervalKind::Comm,
                 "coalesced",
                 transport,
-                ctx.inst,
+                ctx.preorder,
                 ctx.iteration,
             )
             .map_err(self.err("cuEventRecord"))?;

@@ -11,6 +11,7 @@ use meshflow_ir::DeviceId;
 use meshflow_kernels::{Event, Graph, KernelError, Stream};
 use meshflow_passes::Transport;
 
+use crate::runtime::backend::PreorderIndex;
 use crate::runtime::trace::TraceEvent;
 
 /// What an [`Interval`] measured.
@@ -36,8 +37,8 @@ pub struct Interval {
     pub name: &'static str,
     /// For a communication: the transport that executed it.
     pub transport: Option<Transport>,
-    /// Pre-order index of the instruction.
-    pub inst: u32,
+    /// The instruction's position in program pre-order.
+    pub preorder: PreorderIndex,
     /// Loop variable values.
     pub iteration: Vec<i64>,
     /// Start, µs.
@@ -84,7 +85,7 @@ struct Pending {
     kind: IntervalKind,
     name: &'static str,
     transport: Option<Transport>,
-    inst: u32,
+    preorder: PreorderIndex,
     iteration: Vec<i64>,
     start: Event,
     end: Event,
@@ -97,7 +98,7 @@ pub(crate) struct Opened {
     kind: IntervalKind,
     name: &'static str,
     transport: Option<Transport>,
-    inst: u32,
+    preorder: PreorderIndex,
     iteration: Vec<i64>,
     start: Event,
 }
@@ -184,7 +185,7 @@ impl Timeline {
                 kind: c.kind,
                 name: c.name,
                 transport: c.transport,
-                inst: c.inst,
+                preorder: c.preorder,
                 iteration: c.iteration.clone(),
                 start,
                 end,
@@ -202,11 +203,11 @@ impl Timeline {
         kind: IntervalKind,
         name: &'static str,
         transport: Option<Transport>,
-        inst: u32,
+        preorder: PreorderIndex,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
         match streams.get(stream) {
-            Some(s) => self.open_on(s, stream, kind, name, transport, inst, iteration),
+            Some(s) => self.open_on(s, stream, kind, name, transport, preorder, iteration),
             None => Ok(None),
         }
     }
@@ -221,7 +222,7 @@ impl Timeline {
         kind: IntervalKind,
         name: &'static str,
         transport: Option<Transport>,
-        inst: u32,
+        preorder: PreorderIndex,
         iteration: &[i64],
     ) -> Result<Option<Opened>, KernelError> {
         if !self.profile || self.start.is_none() {
@@ -238,7 +239,7 @@ impl Timeline {
             kind,
             name,
             transport,
-            inst,
+            preorder,
             iteration: iteration.to_vec(),
             start,
         }))
@@ -271,7 +272,7 @@ impl Timeline {
             kind: o.kind,
             name: o.name,
             transport: o.transport,
-            inst: o.inst,
+            preorder: o.preorder,
             iteration: o.iteration,
             start: o.start,
             end,
@@ -324,7 +325,7 @@ impl Timeline {
                 kind: p.kind,
                 name: p.name,
                 transport: p.transport,
-                inst: p.inst,
+                preorder: p.preorder,
                 iteration: p.iteration,
                 start_us: s,
                 end_us: e,

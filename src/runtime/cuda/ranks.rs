@@ -82,6 +82,10 @@ pub struct TimedRun {
     pub times_us: Vec<Vec<f64>>,
     /// Intervals of the last iteration, every rank (profiling mode; empty otherwise).
     pub intervals: Vec<Interval>,
+    /// Intervals of every timed iteration (`timed_intervals[iteration]`), every rank, in the
+    /// order each rank recorded them (profiling mode; empty otherwise): for figures over more
+    /// samples than the last iteration holds.
+    pub timed_intervals: Vec<Vec<Interval>>,
     /// Host time per step of every timed iteration, µs, per rank (issuing the step's work,
     /// without waiting for the device; see [`Evaluator::host_us_per_step`]).
     pub host_us: Vec<Vec<f64>>,
@@ -133,9 +137,17 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "panic with a non-string payload".into())
 }
 
-/// What [`iterate`] returns: the last outputs, device µs per step and host µs per step of
-/// every timed iteration.
-type Iterated = (BTreeMap<String, TensorData>, Vec<f64>, Vec<f64>);
+/// What [`iterate`] returns.
+struct Iterated {
+    /// The outputs of the last iteration.
+    last: BTreeMap<String, TensorData>,
+    /// Device µs per step of every timed iteration.
+    times: Vec<f64>,
+    /// Host µs per step of every timed iteration.
+    host: Vec<f64>,
+    /// The profile's intervals of every timed iteration (profiling mode; empty otherwise).
+    intervals: Vec<Vec<Interval>>,
+}
 
 /// The iterations of one rank on a live evaluator: a barrier before each so the ranks start
 /// together, then the run; device times of the timed ones.
@@ -152,6 +164,7 @@ fn iterate(
 ) -> Result<Iterated, RuntimeError> {
     let mut times = Vec::with_capacity(iterations);
     let mut host = Vec::with_capacity(iterations);
+    let mut intervals = Vec::new();
     let mut last = BTreeMap::new();
     for it in 0..warmup + iterations.max(1) {
         rdv.barrier(&format!("meshflow/iteration/{it}"), world, config.timeout)
@@ -190,9 +203,17 @@ fn iterate(
             if let Some(h) = ev.host_us_per_step() {
                 host.push(h);
             }
+            if config.profile {
+                intervals.push(ev.backend().intervals().to_vec());
+            }
         }
     }
-    Ok((last, times, host))
+    Ok(Iterated {
+        last,
+        times,
+        host,
+        intervals,
+    })
 }
 
 /// What one rank of a launch returns.
@@ -200,6 +221,7 @@ struct RankOutput {
     outputs: BTreeMap<String, TensorData>,
     times_us: Vec<f64>,
     intervals: Vec<Interval>,
+    timed_intervals: Vec<Vec<Interval>>,
     host_us: Vec<f64>,
     transports: Vec<SelectedTransport>,
 }
@@ -281,11 +303,12 @@ fn rank_main(
         warmup,
         iterations,
     ) {
-        Ok((outputs, times_us, host_us)) => Ok(RankOutput {
-            outputs,
-            times_us,
+        Ok(it) => Ok(RankOutput {
+            outputs: it.last,
+            times_us: it.times,
             intervals: ev.backend().intervals().to_vec(),
-            host_us,
+            timed_intervals: it.intervals,
+            host_us: it.host,
             transports: ev.comm_transports(),
         }),
         Err(e) => {
@@ -448,6 +471,7 @@ pub fn run_cuda_timed(
     let mut outputs = BTreeMap::new();
     let mut times_us = Vec::with_capacity(world);
     let mut intervals = Vec::new();
+    let mut timed_intervals: Vec<Vec<Interval>> = Vec::new();
     let mut host_us = Vec::with_capacity(world);
     let mut transports = BTreeMap::new();
     let mut errors = Vec::new();
@@ -457,6 +481,12 @@ pub fn run_cuda_timed(
                 outputs.insert(rank, out.outputs);
                 times_us.push(out.times_us);
                 intervals.extend(out.intervals);
+                for (i, iv) in out.timed_intervals.into_iter().enumerate() {
+                    if timed_intervals.len() <= i {
+                        timed_intervals.resize_with(i + 1, Vec::new);
+                    }
+                    timed_intervals[i].extend(iv);
+                }
                 host_us.push(out.host_us);
                 transports.insert(rank, out.transports);
             }
@@ -500,6 +530,7 @@ pub fn run_cuda_timed(
         },
         times_us,
         intervals,
+        timed_intervals,
         host_us,
         proxy_stats,
         transports,

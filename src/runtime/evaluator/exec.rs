@@ -14,12 +14,13 @@ use super::{SentWeights, State, StepError};
 use meshflow_passes::Transport;
 
 use crate::runtime::backend::{
-    Backend, CommLabel, CommRequest, InstCtx, MoeWeightsAt, StreamIndex, TeamId, TensorView,
+    Backend, CommLabel, CommRequest, InstCtx, MoeWeightsAt, PreorderIndex, StreamIndex, TeamId,
+    TensorView,
 };
 use crate::runtime::trace::TraceEvent;
 
 /// A failed step: its instruction, the loop values, the error.
-pub(super) type Failure = (u32, Vec<i64>, StepError);
+pub(super) type Failure = (PreorderIndex, Vec<i64>, StepError);
 
 pub(super) struct Cx<'a, 'p, B: Backend> {
     pub program: &'p HostProgram,
@@ -27,7 +28,7 @@ pub(super) struct Cx<'a, 'p, B: Backend> {
     pub backend: &'a mut B,
     pub state: &'a mut State<B>,
     pub trace_epoch: Option<Instant>,
-    pub texts: &'a [String],
+    pub texts: &'a Arena<PreorderIndex, String>,
 }
 
 struct Env<'a> {
@@ -146,16 +147,16 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         &mut self,
         epoch: Instant,
         t0: Instant,
-        at: u32,
+        at: PreorderIndex,
         stream: StreamIndex,
         (transport, moe_weights): (Option<Transport>, Option<MoeWeightsAt>),
     ) {
-        let inst = self.plan.insts[at as usize];
+        let inst = self.plan.insts[at];
         self.state.trace.push(TraceEvent {
             rank: self.backend.device(),
             stream: stream.0,
             name: inst.kind.name(),
-            text: self.texts.get(at as usize).cloned().unwrap_or_default(),
+            text: self.texts.get(at).cloned().unwrap_or_default(),
             iteration: self.state.iteration.clone(),
             start_us: t0.duration_since(epoch).as_secs_f64() * 1e6,
             dur_us: t0.elapsed().as_secs_f64() * 1e6,
@@ -164,7 +165,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         });
     }
 
-    fn step(&mut self, at: u32, step: &Step<'p>) -> Result<(), StepError> {
+    fn step(&mut self, at: PreorderIndex, step: &Step<'p>) -> Result<(), StepError> {
         // The loop values are copied into a reused buffer so that the state keeps them (for
         // reports after a panic) while the step borrows the state mutably.
         let mut iteration = std::mem::take(&mut self.state.scratch);
@@ -175,9 +176,14 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         r
     }
 
-    fn step_inner(&mut self, at: u32, step: &Step<'p>, iteration: &[i64]) -> Result<(), StepError> {
+    fn step_inner(
+        &mut self,
+        at: PreorderIndex,
+        step: &Step<'p>,
+        iteration: &[i64],
+    ) -> Result<(), StepError> {
         let ctx = InstCtx {
-            inst: at,
+            preorder: at,
             iteration,
         };
         match step {
@@ -471,6 +477,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
         Ok(self.backend.deallocate(buffer)?)
     }
 
+    /// `out` = chunk `index` of `chunks` equal chunks of `input` along `axis`.
     fn shard(
         &mut self,
         out: HostTensorId,
@@ -499,15 +506,7 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                 let part = extent / chunks;
                 Ok((index * part, part))
             },
-            |view, decl| {
-                if decl.shape != view.shape || decl.dtype != view.dtype {
-                    return Err(invalid(format!(
-                        "the chunk is {}{:?} but `{}` is declared {}{:?}",
-                        view.dtype, view.shape, decl.name, decl.dtype, decl.shape
-                    )));
-                }
-                Ok(())
-            },
+            Fit::Exact,
         )
     }
 
@@ -539,32 +538,20 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
                     ))),
                 }
             },
-            |view, decl| {
-                // Declared extents are capacities: the view of an uneven piece may be shorter.
-                let fits = decl.shape.len() == view.shape.len()
-                    && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d);
-                if !fits || decl.dtype != view.dtype {
-                    return Err(invalid(format!(
-                        "the narrowed view is {}{:?} but `{}` is declared {}{:?}",
-                        view.dtype, view.shape, decl.name, decl.dtype, decl.shape
-                    )));
-                }
-                Ok(())
-            },
+            Fit::Within,
         )
     }
 
     /// Makes `out` the view of elements `[start, start + len)` of `input` along `axis`, where
     /// `range` picks `(start, len)` from the extent of that axis and the declaration of `out`,
-    /// and `check` accepts the view against that declaration. On an error `out` is left
-    /// without a view.
+    /// and the view must `fit` that declaration. On an error `out` is left without a view.
     fn bind_range(
         &mut self,
         out: HostTensorId,
         input: HostTensorId,
         axis: usize,
         range: impl FnOnce(u64, &HostTensor) -> Result<(u64, u64), StepError>,
-        check: impl FnOnce(&TensorView<B::Buffer>, &HostTensor) -> Result<(), StepError>,
+        fit: Fit,
     ) -> Result<(), StepError> {
         let mut slot = self.state.views[out].take();
         let r = (|| {
@@ -593,13 +580,44 @@ impl<'p, B: Backend> Cx<'_, 'p, B> {
             view.strides.clone_from(&parent.strides);
             view.shape[axis] = len;
             view.offset = parent.offset + start * parent.strides[axis];
-            check(view, decl)
+            fit.check(view, decl)
         })();
         if r.is_err() {
             slot = None;
         }
         self.state.views[out] = slot;
         r
+    }
+}
+
+/// How a view bound by [`Cx::bind_range`] must match the declaration of its tensor.
+#[derive(Clone, Copy, Debug)]
+enum Fit {
+    /// The declared shape exactly (a chunk of `shard_by_stream`, [`Cx::shard`]).
+    Exact,
+    /// At most the declared extents, which are capacities: the view of an uneven piece may be
+    /// shorter ([`Cx::narrow`]).
+    Within,
+}
+
+impl Fit {
+    /// Accepts `view` as the tensor `decl` declares: its dtype, and a shape that fits.
+    fn check<Buf>(self, view: &TensorView<Buf>, decl: &HostTensor) -> Result<(), StepError> {
+        let (fits, what) = match self {
+            Fit::Exact => (decl.shape == view.shape, "the chunk"),
+            Fit::Within => (
+                decl.shape.len() == view.shape.len()
+                    && decl.shape.iter().zip(&view.shape).all(|(d, v)| v <= d),
+                "the narrowed view",
+            ),
+        };
+        if fits && decl.dtype == view.dtype {
+            return Ok(());
+        }
+        Err(invalid(format!(
+            "{what} is {}{:?} but `{}` is declared {}{:?}",
+            view.dtype, view.shape, decl.name, decl.dtype, decl.shape
+        )))
     }
 }
 
@@ -652,7 +670,7 @@ fn step_label(step: &Step<'_>) -> Option<CommLabel> {
     }
 }
 
-fn step_at(step: &Step<'_>) -> u32 {
+fn step_at(step: &Step<'_>) -> PreorderIndex {
     match step {
         Step::Allocate { at, .. }
         | Step::Deallocate { at, .. }

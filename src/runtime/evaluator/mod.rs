@@ -16,7 +16,8 @@ use meshflow_ir::{Arena, CommId, DeviceId, HostProgram, HostTensorId};
 use meshflow_passes::Transport;
 
 use super::backend::{
-    Backend, BackendError, CommLabel, MoeWeightsAt, PlanInfo, RaceReport, StreamIndex, TensorView,
+    Backend, BackendError, CommLabel, MoeWeightsAt, PlanInfo, PreorderIndex, RaceReport,
+    StreamIndex, TensorView,
 };
 use super::data::TensorData;
 use super::trace::TraceEvent;
@@ -201,7 +202,7 @@ struct State<B: Backend> {
     /// Per MoE dispatch label, the weights view its latest instance carried.
     moe_sent: Arena<CommLabel, Option<SentWeights>>,
     in_group: bool,
-    at: Option<u32>,
+    at: Option<PreorderIndex>,
     args: Vec<i64>,
     trace: Vec<TraceEvent>,
 }
@@ -213,7 +214,8 @@ pub struct Evaluator<'p, B: Backend> {
     backend: B,
     state: State<B>,
     options: EvalOptions,
-    texts: Vec<String>,
+    /// Per instruction, its text (for traces; empty when not tracing).
+    texts: Arena<PreorderIndex, String>,
     steps: usize,
     graph: bool,
     /// Whether a step ran without recording since the backend was prepared (a graph is only
@@ -239,11 +241,11 @@ impl<'p, B: Backend> Evaluator<'p, B> {
             .map_err(|source| RuntimeError::Backend { rank, source })?;
         let texts = if options.trace_epoch.is_some() {
             plan.insts
-                .iter()
+                .values()
                 .map(|i| meshflow_ir::text::inst_to_string(program, i))
                 .collect()
         } else {
-            Vec::new()
+            Arena::new()
         };
         let n = program.tensors.len();
         let state = State {
@@ -341,15 +343,15 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         match self.state.at {
             Some(at) => format!(
                 " at `{}`{}",
-                meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at as usize]),
+                meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at]),
                 self.iteration_text(at, &self.state.iteration)
             ),
             None => String::new(),
         }
     }
 
-    fn iteration_text(&self, at: u32, values: &[i64]) -> String {
-        let vars = &self.plan.enclosing[at as usize];
+    fn iteration_text(&self, at: PreorderIndex, values: &[i64]) -> String {
+        let vars = &self.plan.enclosing[at];
         if vars.is_empty() {
             return String::new();
         }
@@ -582,7 +584,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         self.state.views.iter_mut().for_each(|(_, v)| *v = None);
     }
 
-    fn step_error(&self, at: u32, iteration: &[i64], err: StepError) -> RuntimeError {
+    fn step_error(&self, at: PreorderIndex, iteration: &[i64], err: StepError) -> RuntimeError {
         let rank = self.rank();
         if let StepError::Backend(BackendError::Race(report)) = &err {
             return RuntimeError::Race {
@@ -593,7 +595,7 @@ impl<'p, B: Backend> Evaluator<'p, B> {
         }
         RuntimeError::At {
             rank,
-            inst: meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at as usize]),
+            inst: meshflow_ir::text::inst_to_string(self.program, self.plan.insts[at]),
             iteration: self.iteration_text(at, iteration),
             source: Box::new(err),
         }
@@ -601,17 +603,17 @@ impl<'p, B: Backend> Evaluator<'p, B> {
 
     fn race_message(&self, r: &RaceReport) -> String {
         let describe = |site: &super::backend::AccessSite| {
-            let inst = self.plan.insts.get(site.inst as usize);
+            let inst = self.plan.insts.get(site.preorder);
             let text = inst
                 .map(|i| meshflow_ir::text::inst_to_string(self.program, i))
-                .unwrap_or_else(|| format!("#{}", site.inst));
+                .unwrap_or_else(|| site.preorder.to_string());
             let by = match site.comm_label {
                 Some(_) => "as a communication".to_string(),
                 None => format!("on stream {}", site.stream),
             };
             format!(
                 "`{text}`{} {} {by}",
-                self.iteration_text(site.inst, &site.iteration),
+                self.iteration_text(site.preorder, &site.iteration),
                 if site.write { "writes" } else { "reads" },
             )
         };

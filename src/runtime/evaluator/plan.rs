@@ -19,7 +19,7 @@ use meshflow_ir::{
 use super::moe_weights::{pair_moe_weights, MoeWeightPairs};
 use super::RuntimeError;
 use crate::runtime::backend::{
-    Backend, CommInfo, CommLabel, CommOp, KernelId, MoeWeightsAt, TeamId, TeamInfo,
+    Backend, CommInfo, CommLabel, CommOp, KernelId, MoeWeightsAt, PreorderIndex, TeamId, TeamInfo,
 };
 
 /// Which stream an instruction names.
@@ -29,38 +29,38 @@ pub(crate) enum StreamSel<'p> {
     Worker(&'p Expr),
 }
 
-/// One compiled instruction. `at` is the pre-order index of the source instruction.
+/// One compiled instruction. `at` is the position of the source instruction in pre-order.
 #[derive(Debug)]
 pub(crate) enum Step<'p> {
     Allocate {
-        at: u32,
+        at: PreorderIndex,
         tensor: HostTensorId,
     },
     Deallocate {
-        at: u32,
+        at: PreorderIndex,
         tensor: HostTensorId,
     },
     Loop {
-        at: u32,
+        at: PreorderIndex,
         var: LoopVar,
         start: &'p Expr,
         stop: &'p Expr,
         body: Vec<Step<'p>>,
     },
     GetStream {
-        at: u32,
+        at: PreorderIndex,
         dst: StreamVar,
     },
     SetStream {
-        at: u32,
+        at: PreorderIndex,
         stream: StreamSel<'p>,
     },
     Sync {
-        at: u32,
+        at: PreorderIndex,
         stream: StreamSel<'p>,
     },
     Shard {
-        at: u32,
+        at: PreorderIndex,
         out: HostTensorId,
         input: HostTensorId,
         axis: usize,
@@ -68,7 +68,7 @@ pub(crate) enum Step<'p> {
         index: &'p Expr,
     },
     Narrow {
-        at: u32,
+        at: PreorderIndex,
         out: HostTensorId,
         input: HostTensorId,
         axis: usize,
@@ -76,7 +76,7 @@ pub(crate) enum Step<'p> {
         length: &'p Expr,
     },
     Collective {
-        at: u32,
+        at: PreorderIndex,
         label: CommLabel,
         kind: CommKind,
         team: TeamId,
@@ -86,7 +86,7 @@ pub(crate) enum Step<'p> {
         op: ReduceOp,
     },
     Permute {
-        at: u32,
+        at: PreorderIndex,
         label: CommLabel,
         team: TeamId,
         send: &'p Expr,
@@ -97,7 +97,7 @@ pub(crate) enum Step<'p> {
     /// `[x, topk_idx, expert_x, expert_counts, routing]`, tokens encoded as `wire`; with
     /// `weights`, the top-k weights of its combine travel with it (see `moe_weights.rs`).
     Dispatch {
-        at: u32,
+        at: PreorderIndex,
         label: CommLabel,
         team: TeamId,
         t: [HostTensorId; 5],
@@ -107,31 +107,31 @@ pub(crate) enum Step<'p> {
     /// `[expert_y, expert_counts, routing, topk_weights, out]`; `early`: the label of the
     /// dispatch that carried `topk_weights` already.
     Combine {
-        at: u32,
+        at: PreorderIndex,
         label: CommLabel,
         team: TeamId,
         t: [HostTensorId; 5],
         early: Option<CommLabel>,
     },
     Wait {
-        at: u32,
+        at: PreorderIndex,
         label: CommLabel,
     },
     BeginGroup {
-        at: u32,
+        at: PreorderIndex,
     },
     EndGroup {
-        at: u32,
+        at: PreorderIndex,
         label: CommLabel,
     },
     Compute {
-        at: u32,
+        at: PreorderIndex,
         op: &'p ComputeOp,
         inputs: Vec<HostTensorId>,
         outputs: Vec<HostTensorId>,
     },
     Kernel {
-        at: u32,
+        at: PreorderIndex,
         kernel: KernelId,
         inputs: Vec<HostTensorId>,
         outputs: Vec<HostTensorId>,
@@ -143,9 +143,9 @@ pub(crate) enum Step<'p> {
 #[derive(Debug)]
 pub(crate) struct Plan<'p> {
     /// Every instruction in pre-order (the `at` of a step indexes this).
-    pub insts: Vec<&'p Inst>,
+    pub insts: Arena<PreorderIndex, &'p Inst>,
     /// Per pre-order instruction, the loop variables enclosing it (outermost first).
-    pub enclosing: Vec<Vec<LoopVar>>,
+    pub enclosing: Arena<PreorderIndex, Vec<LoopVar>>,
     pub steps: Vec<Step<'p>>,
     /// The teams of this rank, indexed by [`TeamId`].
     pub teams: Arena<TeamId, TeamInfo>,
@@ -273,8 +273,8 @@ impl<'p> Plan<'p> {
             backend,
             rank,
             plan: Plan {
-                insts: Vec::new(),
-                enclosing: Vec::new(),
+                insts: Arena::new(),
+                enclosing: Arena::new(),
                 steps: Vec::new(),
                 teams: Arena::new(),
                 group_of: table(labels, None),
@@ -324,8 +324,8 @@ fn prune_waits<'p>(steps: Vec<Step<'p>>, posted: &Arena<CommLabel, bool>) -> Vec
 }
 
 impl<'p, B: Backend> Builder<'p, '_, B> {
-    fn err(&self, at: u32, message: String) -> RuntimeError {
-        let inst = self.plan.insts[at as usize];
+    fn err(&self, at: PreorderIndex, message: String) -> RuntimeError {
+        let inst = self.plan.insts[at];
         RuntimeError::Plan {
             rank: self.rank,
             inst: meshflow_ir::text::inst_to_string(self.program, inst),
@@ -333,7 +333,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
         }
     }
 
-    fn tensor(&self, at: u32, t: HostTensorId) -> Result<HostTensorId, RuntimeError> {
+    fn tensor(&self, at: PreorderIndex, t: HostTensorId) -> Result<HostTensorId, RuntimeError> {
         if self.program.tensors.contains(t) {
             Ok(t)
         } else {
@@ -350,7 +350,7 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
     }
 
     /// All tensors held, none held (`Ok(false)`: skip), or an error naming the missing one.
-    fn all_or_none(&self, at: u32, ts: &[HostTensorId]) -> Result<bool, RuntimeError> {
+    fn all_or_none(&self, at: PreorderIndex, ts: &[HostTensorId]) -> Result<bool, RuntimeError> {
         let (Some(&have), Some(&miss)) = (
             ts.iter().find(|&&t| self.held(t)),
             ts.iter().find(|&&t| !self.held(t)),
@@ -390,12 +390,18 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
     }
 
     /// Records that this rank posts `c` (what, in which team) and returns its label.
-    fn post(&mut self, at: u32, c: CommId, op: CommOp, team: Option<TeamId>) -> CommLabel {
+    fn post(
+        &mut self,
+        at: PreorderIndex,
+        c: CommId,
+        op: CommOp,
+        team: Option<TeamId>,
+    ) -> CommLabel {
         let l = self.label(c);
         self.posted[l] = true;
         let info = &mut self.plan.comms[l];
         if info.op.is_none() {
-            info.name = self.plan.insts[at as usize].kind.name();
+            info.name = self.plan.insts[at].kind.name();
             info.op = Some(op);
             info.team = team;
             info.grouped = self.group.is_some();
@@ -409,9 +415,10 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
     fn block(&mut self, block: &'p [Inst]) -> Result<Vec<Step<'p>>, RuntimeError> {
         let mut steps = Vec::with_capacity(block.len());
         for inst in block {
-            let at = u32::try_from(self.plan.insts.len())
-                .map_err(|_| self.err(0, "too many instructions".into()))?;
-            self.plan.insts.push(inst);
+            if u32::try_from(self.plan.insts.len()).is_err() {
+                return Err(self.err(PreorderIndex(0), "too many instructions".into()));
+            }
+            let at = self.plan.insts.push(inst);
             self.plan.enclosing.push(self.loop_stack.clone());
             if let Some(step) = self.inst(at, inst)? {
                 steps.push(step);
@@ -420,7 +427,11 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
         Ok(steps)
     }
 
-    fn inst(&mut self, at: u32, inst: &'p Inst) -> Result<Option<Step<'p>>, RuntimeError> {
+    fn inst(
+        &mut self,
+        at: PreorderIndex,
+        inst: &'p Inst,
+    ) -> Result<Option<Step<'p>>, RuntimeError> {
         let step = match &inst.kind {
             InstKind::Allocate { tensor } | InstKind::Deallocate { tensor } => {
                 let t = self.tensor(at, *tensor)?;
@@ -681,11 +692,19 @@ impl<'p, B: Backend> Builder<'p, '_, B> {
         Ok(Some(step))
     }
 
-    fn tensors(&self, at: u32, ts: &[HostTensorId]) -> Result<Vec<HostTensorId>, RuntimeError> {
+    fn tensors(
+        &self,
+        at: PreorderIndex,
+        ts: &[HostTensorId],
+    ) -> Result<Vec<HostTensorId>, RuntimeError> {
         ts.iter().map(|&t| self.tensor(at, t)).collect()
     }
 
-    fn five(&self, at: u32, ts: [HostTensorId; 5]) -> Result<[HostTensorId; 5], RuntimeError> {
+    fn five(
+        &self,
+        at: PreorderIndex,
+        ts: [HostTensorId; 5],
+    ) -> Result<[HostTensorId; 5], RuntimeError> {
         for &t in &ts {
             let t = self.tensor(at, t)?;
             if !self.held(t) {

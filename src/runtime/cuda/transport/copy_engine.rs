@@ -50,7 +50,9 @@ use meshflow_passes::Transport;
 
 use super::object::{CommTransport, PostCx, Posted};
 use super::peers::{Key, PeerLink};
-use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::backend::{
+    BackendError, CommRequest, InstCtx, PreorderIndex, TeamInfo, TensorView,
+};
 use crate::runtime::collective::member_buffers;
 use crate::runtime::cuda::config::CopyStream;
 use crate::runtime::cuda::core::{CudaComm, DeviceCore, DoneEvents};
@@ -254,7 +256,7 @@ impl Transfer<'_> {
             name,
             stream: s,
             lane,
-            inst: ctx.inst,
+            preorder: ctx.preorder,
             iteration: ctx.iteration,
         };
         copy.run(core, src, dst)
@@ -320,7 +322,7 @@ impl Transfer<'_> {
             stream,
             lane,
             join_back: s,
-            inst: ctx.inst,
+            preorder: ctx.preorder,
             iteration: ctx.iteration.to_vec(),
         };
         core.deferred
@@ -558,7 +560,7 @@ impl Transfer<'_> {
                 IntervalKind::Comm,
                 NAME,
                 Some(Transport::CopyEngine),
-                ctx.inst,
+                ctx.preorder,
                 ctx.iteration,
             )
             .map_err(core.err("cuEventRecord"))?;
@@ -609,7 +611,7 @@ struct Copy<'a> {
     /// traces.
     stream: &'a Stream,
     lane: usize,
-    inst: u32,
+    preorder: PreorderIndex,
     iteration: &'a [i64],
 }
 
@@ -640,7 +642,7 @@ impl Copy<'_> {
                 IntervalKind::Comm,
                 name,
                 Some(Transport::CopyEngine),
-                self.inst,
+                self.preorder,
                 self.iteration,
             )
             .map_err(core.err("cuEventRecord"))?;
@@ -668,7 +670,7 @@ struct DeferredPull {
     /// stream), which joins `stream` once the pull is enqueued: its work from then on is
     /// ordered after the pull, as if the pull had been enqueued there.
     join_back: Stream,
-    inst: u32,
+    preorder: PreorderIndex,
     iteration: Vec<i64>,
 }
 
@@ -693,7 +695,7 @@ impl Pending<DeviceCore, DoneEvents> for DeferredPull {
             name: self.name,
             stream: s,
             lane: self.lane,
-            inst: self.inst,
+            preorder: self.preorder,
             iteration: &self.iteration,
         };
         let done = copy.run(core, &src, &self.dst)?;

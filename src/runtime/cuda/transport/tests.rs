@@ -12,7 +12,9 @@ use meshflow_kernels::{Device, Event};
 
 use super::object::{CommTransport, PostCx, Posted};
 use super::{copy_engine, moe_nccl, moe_nvlink, nccl, proxy, HubLink, PeerHub, PeerLink};
-use crate::runtime::backend::{CommLabel, CommRequest, InstCtx, TeamId, TeamInfo, TensorView};
+use crate::runtime::backend::{
+    CommLabel, CommRequest, InstCtx, PreorderIndex, TeamId, TeamInfo, TensorView,
+};
 use crate::runtime::cuda::config::{CopyStream, CudaConfig};
 use crate::runtime::cuda::core::{CudaComm, DeviceCore};
 use crate::runtime::cuda::deferred::Finish;
@@ -25,7 +27,7 @@ use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 type TV = TensorView<CudaBuffer>;
 
 const CTX: InstCtx<'static> = InstCtx {
-    inst: 0,
+    preorder: PreorderIndex(0),
     iteration: &[],
 };
 
