@@ -3,8 +3,10 @@
 //! and NVLink MoE transports an in-process run gets.
 //!
 //! - Copy engine: collective permutes (rings both ways, strided views in a loop, a dedicated
-//!   copy stream over 3 steps), broadcasts from both roots, sum reduce-scatters in f32 and
-//!   bf16, and a send buffer overwritten right after its send (16 MiB), each rank compared with
+//!   copy stream over 3 steps, pulls not deferred, a permute posted on a worker stream ahead
+//!   of compute on the main stream over 3 steps, as the prefetch schedule does), broadcasts
+//!   from both roots, sum reduce-scatters in f32 and bf16, and a send buffer overwritten
+//!   right after its send (16 MiB), each rank compared with
 //!   the CPU backend running the same host program on the same inputs; every communication
 //!   must report the copy engine.
 //! - MoE over NVLink: the `moe_layer` (bf16) and `moe_layer_fp8` (FP8 dispatch, block scales)
@@ -145,6 +147,14 @@ fn copy_cases(d: usize) -> Vec<(String, HostProgram, CudaConfig)> {
         steps: 3,
         ..config()
     };
+    let blocking = CudaConfig {
+        defer_pulls: false,
+        ..config()
+    };
+    let three_steps = CudaConfig {
+        steps: 3,
+        ..config()
+    };
     let mut cases = vec![
         ("permute ring +1".to_string(), ring(1, d - 1, "bf16"), config()),
         ("permute ring -1".to_string(), ring(d - 1, 1, "f32"), config()),
@@ -152,6 +162,19 @@ fn copy_cases(d: usize) -> Vec<(String, HostProgram, CudaConfig)> {
             "permute, copy stream, 3 steps".to_string(),
             ring(1, d - 1, "f32"),
             dedicated,
+        ),
+        (
+            "permute, pulls not deferred".to_string(),
+            ring(1, d - 1, "f32"),
+            blocking,
+        ),
+        (
+            "permute ahead of compute, 3 steps".to_string(),
+            host(
+                "host ahead {\n  mesh m0 = $MESH\n  in a: f32[256, 40] on m0\n  out b: f32[256, 40] on m0\n  out c: f32[256, 40] on m0\n  s0 = get_current_stream\n  set_current_stream worker(0)\n  synchronize s0\n  c0 = collective_permute(a -> b, team=slice(m0, DIDx), send=(my(m0, DIDx) + 1) % $D, recv=(my(m0, DIDx) + $DM1) % $D)\n  set_current_stream s0\n  gelu(a -> c)\n  wait c0\n  synchronize worker(0)\n}\n",
+                &[("MESH", mesh.clone()), ("D", d.to_string()), ("DM1", (d - 1).to_string())],
+            ),
+            three_steps,
         ),
         (
             "strided permute loop".to_string(),

@@ -15,6 +15,7 @@ use meshflow_passes::Transport;
 
 use super::config::{AbortSignal, CudaConfig, CudaResources};
 use super::core::{dev_err, CudaComm, DeviceCore, Group};
+use super::deferred::Finish;
 use super::graph::GraphRecorder;
 use super::memory::CudaBuffer;
 use super::profile::{Interval, IntervalKind};
@@ -389,7 +390,9 @@ impl CudaBackend {
         retired?;
         core.timeline
             .close(&core.streams, opened)
-            .map_err(core.err("cuEventRecord"))
+            .map_err(core.err("cuEventRecord"))?;
+        // Deferred pulls whose offers arrived meanwhile start now.
+        core.finish_deferred(Finish::Ready)
     }
 }
 
@@ -435,6 +438,8 @@ impl Backend for CudaBackend {
     fn prepare(&mut self, info: &PlanInfo<'_>) -> Result<(), BackendError> {
         self.core.current = 0;
         self.core.group = None;
+        // Pulls a failed run left deferred belong to no run any more.
+        self.core.deferred.clear();
         self.comms.prepare(&self.core, info.teams)?;
         self.ensure_link(info)?;
         let env = Environment {
@@ -471,20 +476,23 @@ impl Backend for CudaBackend {
                 "release of an unknown buffer {buffer:?}"
             )));
         }
-        // A permute's pending peer reads of this buffer end before it can be reused; the
-        // buffer is fenced at the next allocation (one set of events for every buffer released
-        // since).
+        // Deferred pulls into this buffer are enqueued, and a permute's pending peer reads of
+        // it end, before it can be reused; the buffer is fenced at the next allocation (one
+        // set of events for every buffer released since).
+        self.core.finish_deferred(Finish::Writing(&buffer))?;
         self.core.settle_peer_reads(Some(&[buffer]))?;
         self.core.memory.release(buffer);
         Ok(())
     }
 
     fn upload(&mut self, buffer: CudaBuffer, data: &TensorData) -> Result<(), BackendError> {
+        self.core.finish_deferred(Finish::All)?;
         self.core.settle_peer_reads(Some(&[buffer]))?;
         self.core.upload(buffer, data)
     }
 
     fn download(&mut self, view: &TensorView<CudaBuffer>) -> Result<TensorData, BackendError> {
+        self.core.finish_deferred(Finish::All)?;
         self.core.download(view)
     }
 
@@ -562,6 +570,11 @@ impl Backend for CudaBackend {
         }
         self.posted += 1;
         self.core.step_started()?;
+        if self.transports.transport_of(request.label()) != Some(Transport::CopyEngine) {
+            // Other transports' device or host waits may depend on peers' hosts: deferred
+            // pulls go first (see `deferred.rs`).
+            self.core.finish_deferred(Finish::All)?;
+        }
         self.core.before_writes(&request_outputs(request))?;
         let transport = self.transports.carrier_of(request.label())?;
         let mut cx = PostCx {
@@ -579,6 +592,7 @@ impl Backend for CudaBackend {
                     events.into_iter().map(Rc::new).collect(),
                 ))
             }
+            Posted::Deferred(comm) => return Ok(comm),
             Posted::OnStream(opened) => opened,
         };
         core.complete_on_stream(opened)
@@ -593,6 +607,7 @@ impl Backend for CudaBackend {
         })?;
         let lib = lib.clone();
         self.core.step_started()?;
+        self.core.finish_deferred(Finish::All)?;
         nccl::group_start(&lib).map_err(self.core.err("ncclGroupStart"))?;
         self.core.group = Some(Group::default());
         Ok(())
@@ -625,6 +640,7 @@ impl Backend for CudaBackend {
 
     fn begin_graph(&mut self) -> Result<(), BackendError> {
         self.check_graph()?;
+        self.core.finish_deferred(Finish::All)?;
         self.graph.begin(&mut self.core)
     }
 
@@ -636,6 +652,8 @@ impl Backend for CudaBackend {
         if let Some(e) = self.core.aborted() {
             return Err(e);
         }
+        // A deferred pull (and those posted before it) is enqueued first.
+        self.core.finish_deferred(Finish::Through(&comm.events))?;
         let events = comm.events.borrow();
         let events = events.as_ref().ok_or_else(|| {
             BackendError::Invalid(
@@ -664,6 +682,7 @@ impl Backend for CudaBackend {
         let core = &mut self.core;
         core.step_started()?;
         core.runs += 1;
+        core.finish_deferred(Finish::All)?;
         core.settle_peer_reads(None)?;
         let main = core.streams[0].clone();
         for w in core.all_streams().skip(1) {

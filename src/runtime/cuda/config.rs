@@ -13,7 +13,9 @@ use meshflow_passes::Transport;
 
 use super::user_kernels::CudaKernels;
 
-/// Which stream runs a copy-engine pull.
+/// Which stream runs a copy-engine pull. A deferred pull ([`CudaConfig::defer_pulls`]) runs on
+/// a companion stream of the posting stream, joined to it at the post, and the stream chosen
+/// here joins the companion once the pull is enqueued.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum CopyStream {
     /// The stream the communication is posted on (ordered like an NCCL call there).
@@ -50,6 +52,13 @@ pub struct CudaConfig {
     pub transport: Option<Transport>,
     /// Which stream runs copy-engine pulls.
     pub copy_stream: CopyStream,
+    /// Defer a copy-engine pull whose sender's offer has not arrived when it is posted,
+    /// instead of blocking the host there until it does (the compute after it in program
+    /// order then launches at once; the pull is enqueued at a `wait` on it, before any host
+    /// wait that may block, or when its offer is found later: see
+    /// `src/runtime/cuda/deferred.rs`). Default: on, unless the environment variable
+    /// `MESHFLOW_DEFER_PULLS` is `0`, `off` or `false`.
+    pub defer_pulls: bool,
     /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
     /// the program body runs this many times back to back between one upload of the inputs
     /// and one download of the outputs, and the run's device time is divided by it (at least 1).
@@ -84,6 +93,7 @@ impl Default for CudaConfig {
             kernels: CudaKernels::new(),
             transport: None,
             copy_stream: CopyStream::Current,
+            defer_pulls: defer_pulls_default(std::env::var(DEFER_PULLS_ENV).ok().as_deref()),
             steps: 1,
             graph: false,
             node_size: None,
@@ -91,6 +101,17 @@ impl Default for CudaConfig {
             exit_at_comm: None,
         }
     }
+}
+
+/// The environment variable that turns [`CudaConfig::defer_pulls`] off by default.
+pub(crate) const DEFER_PULLS_ENV: &str = "MESHFLOW_DEFER_PULLS";
+
+/// [`CudaConfig::defer_pulls`] by default, given the value of [`DEFER_PULLS_ENV`].
+fn defer_pulls_default(env: Option<&str>) -> bool {
+    !matches!(
+        env.map(|v| v.trim().to_ascii_lowercase()).as_deref(),
+        Some("0" | "off" | "false" | "no")
+    )
 }
 
 /// GPU resources the caller owns, for [`CudaBackend::with_resources`](super::CudaBackend::with_resources).
@@ -157,5 +178,20 @@ impl AbortSignal {
     /// The first failure: rank and reason.
     pub fn first(&self) -> Option<(DeviceId, String)> {
         self.first.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::defer_pulls_default;
+
+    #[test]
+    fn deferral_is_on_unless_the_environment_turns_it_off() {
+        assert!(defer_pulls_default(None));
+        assert!(defer_pulls_default(Some("1")));
+        assert!(defer_pulls_default(Some("on")));
+        for off in ["0", "off", "OFF", "false", "no", " 0 "] {
+            assert!(!defer_pulls_default(Some(off)), "{off:?}");
+        }
     }
 }

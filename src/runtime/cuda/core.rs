@@ -15,6 +15,7 @@ use meshflow_kernels::{Device, DeviceBuffer, Event, KernelError, Kernels, Stream
 use meshflow_passes::Transport;
 
 use super::config::{AbortSignal, CudaConfig};
+use super::deferred::{self, Deferrals, Defers, Finish};
 use super::memory::{CudaBuffer, Memory};
 use super::profile::{IntervalKind, Opened, Timeline};
 use crate::runtime::backend::{BackendError, InstCtx, StreamIndex, TensorView};
@@ -63,6 +64,12 @@ impl CudaComm {
             events: Rc::new(RefCell::new(Some(events))),
             stream: None,
         }
+    }
+
+    /// A handle whose work is enqueued later, which fills in its events (a deferred pull,
+    /// see `deferred.rs`).
+    pub(super) fn deferred() -> CudaComm {
+        CudaComm::default()
     }
 
     /// A handle for work issued entirely on stream `stream`, complete once `event` (recorded
@@ -154,6 +161,24 @@ pub(crate) struct DeviceCore {
     /// Peers' reads of this rank's memory whose completions the host has not collected yet,
     /// in posting order (see [`Self::defer_peer_reads`]).
     pub uncollected: Vec<Uncollected>,
+    /// Copy-engine pulls posted before their senders' offers arrived, finished later in
+    /// posting order (see `deferred.rs`).
+    pub deferred: PullQueue,
+    /// Per stream of `streams`: the stream its deferred pulls run on (made on first use),
+    /// joined to it at the post.
+    pub deferral_streams: Vec<Option<Stream>>,
+}
+
+/// The done events of a communication, filled in when its work is enqueued.
+pub(crate) type DoneEvents = Vec<Rc<Event>>;
+
+/// The rank's deferred copy-engine pulls, each naming the buffer it writes.
+pub(crate) type PullQueue = Deferrals<DeviceCore, DoneEvents, CudaBuffer>;
+
+impl Defers<DoneEvents, CudaBuffer> for DeviceCore {
+    fn deferrals(&mut self) -> &mut PullQueue {
+        &mut self.deferred
+    }
 }
 
 /// Collects the completions of a post's sends: waits (host) until the receivers have posted
@@ -240,6 +265,8 @@ impl DeviceCore {
             runs: 0,
             run_host: RunHost::default(),
             uncollected: Vec::new(),
+            deferred: Deferrals::default(),
+            deferral_streams: Vec::new(),
         })
     }
 
@@ -318,11 +345,38 @@ impl DeviceCore {
         Ok(())
     }
 
-    /// The main, worker, copy, peer-read and signal streams.
+    /// The main, worker, copy, peer-read and signal streams, and the streams of deferred
+    /// pulls made so far.
     pub fn all_streams(&self) -> impl Iterator<Item = &Stream> {
         self.streams
             .iter()
             .chain([&self.copy_stream, &self.peer_reads, &self.signals])
+            .chain(self.deferral_streams.iter().flatten())
+    }
+
+    /// The stream that runs the deferred pulls posted on stream `posting` (made on first use).
+    pub fn deferral_stream(&mut self, posting: usize) -> Result<Stream, BackendError> {
+        if self.deferral_streams.len() <= posting {
+            self.deferral_streams.resize(posting + 1, None);
+        }
+        if let Some(s) = &self.deferral_streams[posting] {
+            return Ok(s.clone());
+        }
+        let s = Stream::new(&self.device).map_err(self.err("cuStreamCreate"))?;
+        self.deferral_streams[posting] = Some(s.clone());
+        Ok(s)
+    }
+
+    /// Finishes deferred copy-engine pulls as `how` says (see `deferred.rs`): call with
+    /// [`Finish::All`] before any host wait that may block.
+    pub fn finish_deferred(
+        &mut self,
+        how: Finish<'_, DoneEvents, CudaBuffer>,
+    ) -> Result<(), BackendError> {
+        if self.deferred.is_empty() {
+            return Ok(());
+        }
+        deferred::finish(self, how)
     }
 
     /// Retires the temporaries of the op just issued on the current stream.
@@ -354,9 +408,10 @@ impl DeviceCore {
         if self.timeline.is_started() {
             return Ok(());
         }
-        // Completions left uncollected by a run that failed before its end belong to no
-        // run any more.
+        // Completions left uncollected, and pulls left deferred, by a run that failed before
+        // its end belong to no run any more.
         self.uncollected.clear();
+        self.deferred.clear();
         let barrier = Instant::now();
         if let (Some(parties), Some(rdv)) = (self.start_barrier, self.rendezvous.clone()) {
             let name = format!("meshflow/start/{}", self.runs);
@@ -458,9 +513,11 @@ impl DeviceCore {
 
     /// Collects the deferred completions that `pick` selects, in posting order.
     fn settle_where(&mut self, pick: impl Fn(&Uncollected) -> bool) -> Result<(), BackendError> {
-        if self.uncollected.is_empty() {
+        if !self.uncollected.iter().any(&pick) {
             return Ok(());
         }
+        // Collecting blocks until the receivers report: deferred pulls go first.
+        self.finish_deferred(Finish::All)?;
         let (now, later): (Vec<Uncollected>, Vec<Uncollected>) =
             std::mem::take(&mut self.uncollected)
                 .into_iter()

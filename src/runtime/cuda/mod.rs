@@ -39,6 +39,7 @@ mod compare;
 mod compute;
 mod config;
 mod core;
+mod deferred;
 mod graph;
 mod group;
 mod layout;

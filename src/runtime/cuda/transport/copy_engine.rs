@@ -23,23 +23,40 @@
 //! A reduce-scatter (sum, floating point) pulls chunk `my` of every peer's send buffer into a
 //! temporary and adds them to its own chunk (an elementwise kernel: the only SM work).
 //!
+//! A pull whose sender's offer has not arrived when it is posted is *deferred*
+//! ([`CudaConfig::defer_pulls`](crate::runtime::cuda::CudaConfig), on by default): the post
+//! returns without waiting for the offer (across processes it takes a TCP hop, and the sender
+//! posts it only when its own host gets there), so that the compute after it in program order
+//! is launched at once. It runs on a companion stream of the posting stream, joined to it at
+//! the post; the stream it would have run on (the posting stream, or the copy stream) joins
+//! the companion once the pull is enqueued, so that later work there stays ordered after it
+//! as before. Taking the offer, the copy, the read report and the done event follow where
+//! `deferred.rs` says: at a `wait` on the communication, before any
+//! host wait that may block, or when the offer is found at a later post. Only a pull whose
+//! post needs nothing after it is deferred: a permute sent in place into a packed output, a
+//! broadcast received into one.
+//!
 //! Every host wait watches the run's abort signal and the backend's timeout. A step with
 //! copy-engine transfers cannot be recorded as a CUDA graph (the pulls meet through host waits,
 //! and the signals between GPUs do not order replays).
 
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::Arc;
 
 use meshflow_ir::{CommKind, DeviceId, EntityRef};
-use meshflow_kernels::{DeviceBuffer, Event};
+use meshflow_kernels::{DeviceBuffer, Event, Stream};
 use meshflow_passes::Transport;
 
 use super::object::{CommTransport, PostCx, Posted};
 use super::peers::{Key, PeerLink};
-use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo, TensorView};
+use crate::runtime::backend::{
+    BackendError, CommRequest, InstCtx, PreorderIndex, TeamInfo, TensorView,
+};
 use crate::runtime::collective::member_buffers;
 use crate::runtime::cuda::config::CopyStream;
-use crate::runtime::cuda::core::DeviceCore;
+use crate::runtime::cuda::core::{CudaComm, DeviceCore, DoneEvents};
+use crate::runtime::cuda::deferred::{Finish, Pending};
 use crate::runtime::cuda::memory::CudaBuffer;
 use crate::runtime::cuda::profile::IntervalKind;
 
@@ -47,16 +64,30 @@ use crate::runtime::cuda::profile::IntervalKind;
 pub(crate) struct CopyEngine {
     link: Arc<dyn PeerLink>,
     copy_stream: CopyStream,
+    /// Whether a pull whose offer has not arrived is deferred (see the module docs).
+    defer: bool,
     /// Per communication label: instances posted so far.
     seq: HashMap<usize, u64>,
 }
 
 impl CopyEngine {
-    pub fn new(link: Arc<dyn PeerLink>, copy_stream: CopyStream) -> CopyEngine {
+    pub fn new(link: Arc<dyn PeerLink>, copy_stream: CopyStream, defer: bool) -> CopyEngine {
         CopyEngine {
             link,
             copy_stream,
+            defer,
             seq: HashMap::new(),
+        }
+    }
+
+    /// Instance `seq` of communication `label`.
+    fn transfer(&self, label: usize, seq: u64) -> Transfer<'_> {
+        Transfer {
+            link: &self.link,
+            copy_stream: self.copy_stream,
+            defer: self.defer,
+            label,
+            seq,
         }
     }
 
@@ -103,14 +134,8 @@ impl CommTransport for CopyEngine {
                     core.local_copy("collective_permute", input, output)?;
                     return Ok(Posted::OnStream(opened));
                 }
-                let t = Transfer {
-                    link: &self.link,
-                    copy_stream: self.copy_stream,
-                    label: label.index(),
-                    seq,
-                };
+                let t = self.transfer(label.index(), seq);
                 t.permute(core, team, *send_peer, *recv_peer, input, output, ctx)
-                    .map(Posted::Events)
             }
             CommRequest::Collective {
                 label,
@@ -126,14 +151,8 @@ impl CommTransport for CopyEngine {
                 let views =
                     member_buffers(request.name(), CommKind::Broadcast, at, *input, *output)?;
                 let seq = self.next_seq(label.index());
-                let t = Transfer {
-                    link: &self.link,
-                    copy_stream: self.copy_stream,
-                    label: label.index(),
-                    seq,
-                };
+                let t = self.transfer(label.index(), seq);
                 t.broadcast(core, team, root, views.send, views.recv, ctx)
-                    .map(Posted::Events)
             }
             CommRequest::Collective {
                 label,
@@ -147,12 +166,7 @@ impl CommTransport for CopyEngine {
                 let kind = CommKind::ReduceScatter;
                 member_buffers(request.name(), kind, at, Some(*input), Some(*output))?;
                 let seq = self.next_seq(label.index());
-                let t = Transfer {
-                    link: &self.link,
-                    copy_stream: self.copy_stream,
-                    label: label.index(),
-                    seq,
-                };
+                let t = self.transfer(label.index(), seq);
                 t.reduce_scatter(core, team, input, output, ctx)
                     .map(Posted::Events)
             }
@@ -175,13 +189,9 @@ impl CommTransport for CopyEngine {
 struct Transfer<'l> {
     link: &'l Arc<dyn PeerLink>,
     copy_stream: CopyStream,
+    defer: bool,
     label: usize,
     seq: u64,
-}
-
-/// A transfer this rank pulled: its `done` event on this GPU.
-struct Pulled {
-    done: Event,
 }
 
 impl Transfer<'_> {
@@ -214,76 +224,126 @@ impl Transfer<'_> {
         self.link.offer(core, &self.key(core.rank, to), src)
     }
 
-    /// Pulls the offer of `from` into `dst` on the copy stream of the configured kind; returns
-    /// the local done event (after reporting the read to the sender).
-    fn pull(
+    /// The stream a pull enqueued at its post runs on (the posting stream, or the copy
+    /// stream) and its number in traces.
+    fn pull_stream(&self, core: &DeviceCore) -> (Stream, usize) {
+        match self.copy_stream {
+            CopyStream::Current => (core.stream().clone(), core.current),
+            CopyStream::Dedicated => (core.copy_stream.clone(), core.streams.len()),
+        }
+    }
+
+    /// Copies the taken offer of `key` into `dst` on `s` (from [`Self::pull_stream`]).
+    #[allow(clippy::too_many_arguments)]
+    fn copy_now(
+        &self,
+        core: &mut DeviceCore,
+        name: &'static str,
+        key: &Key,
+        (s, lane): (&Stream, usize),
+        src: &DeviceBuffer,
+        dst: &DeviceBuffer,
+        ctx: InstCtx<'_>,
+    ) -> Result<Event, BackendError> {
+        if self.copy_stream == CopyStream::Dedicated {
+            // The pull must not overwrite `dst` before the posting stream is done with it.
+            s.join(core.stream())
+                .map_err(core.err("cuStreamWaitEvent"))?;
+        }
+        let copy = Copy {
+            link: self.link.as_ref(),
+            key,
+            name,
+            stream: s,
+            lane,
+            preorder: ctx.preorder,
+            iteration: ctx.iteration,
+        };
+        copy.run(core, src, dst)
+    }
+
+    /// Pulls the offer of `from` into `dst` on the copy stream of the configured kind, the
+    /// host waiting for the offer (deferred pulls first); returns the local done event (after
+    /// reporting the read to the sender).
+    fn pull_now(
         &self,
         core: &mut DeviceCore,
         name: &'static str,
         from: DeviceId,
         dst: &DeviceBuffer,
         ctx: InstCtx<'_>,
-    ) -> Result<Pulled, BackendError> {
-        let on = match self.copy_stream {
-            CopyStream::Current => core.current,
-            CopyStream::Dedicated => {
-                // The pull must not overwrite `dst` before the posting stream is done with it.
-                core.copy_stream
-                    .join(core.stream())
-                    .map_err(core.err("cuStreamWaitEvent"))?;
-                core.streams.len()
-            }
-        };
-        let s = if on == core.streams.len() {
-            core.copy_stream.clone()
-        } else {
-            core.streams[on].clone()
-        };
+    ) -> Result<Event, BackendError> {
+        core.finish_deferred(Finish::All)?;
+        let (s, lane) = self.pull_stream(core);
         let key = self.key(from, core.rank);
         let src = self.link.take(core, &key, &s, name)?;
-        if src.len() != dst.len() {
-            return Err(BackendError::Invalid(format!(
-                "{name}: rank {from} sends {} bytes, rank {} receives {}",
-                src.len(),
-                core.rank,
-                dst.len()
-            )));
+        self.copy_now(core, name, &key, (&s, lane), &src, dst, ctx)
+    }
+
+    /// [`Self::pull_now`] if the offer of `from` is here (or deferral is off), else the pull
+    /// deferred (see the module docs): complete once the returned events are.
+    fn pull_or_defer(
+        &self,
+        core: &mut DeviceCore,
+        name: &'static str,
+        from: DeviceId,
+        dst: &DeviceBuffer,
+        writes: CudaBuffer,
+        ctx: InstCtx<'_>,
+    ) -> Result<Posted, BackendError> {
+        if !self.defer {
+            return Ok(Posted::Events(vec![
+                self.pull_now(core, name, from, dst, ctx)?
+            ]));
         }
-        let opened = core
-            .timeline
-            .open_on(
-                &s,
-                on,
-                IntervalKind::Comm,
-                name,
-                Some(Transport::CopyEngine),
-                ctx.preorder,
-                ctx.iteration,
-            )
-            .map_err(core.err("cuEventRecord"))?;
-        dst.copy_from(&s, &src)
-            .map_err(core.err("cuMemcpyPeerAsync"))?;
-        core.timeline
-            .close_on(&s, opened)
-            .map_err(core.err("cuEventRecord"))?;
-        self.link.read_done(core, &key, &s)?;
-        let done = s.record_event().map_err(core.err("cuEventRecord"))?;
-        Ok(Pulled { done })
+        // Earlier deferred pulls whose offers arrived go first; this one queues behind any
+        // that remain, so that pulls are enqueued in posting order.
+        core.finish_deferred(Finish::Ready)?;
+        let (s, lane) = self.pull_stream(core);
+        let key = self.key(from, core.rank);
+        if core.deferred.is_empty() {
+            if let Some(src) = self.link.try_take(core, &key, &s, name)? {
+                let done = self.copy_now(core, name, &key, (&s, lane), &src, dst, ctx)?;
+                return Ok(Posted::Events(vec![done]));
+            }
+        }
+        // A companion stream of the posting stream runs it, from the posting stream's
+        // current end; the stream it would have run on joins it once it is enqueued.
+        let stream = core.deferral_stream(core.current)?;
+        stream
+            .join(core.stream())
+            .map_err(core.err("cuStreamWaitEvent"))?;
+        let comm = CudaComm::deferred();
+        let pull = DeferredPull {
+            link: self.link.clone(),
+            key,
+            name,
+            dst: dst.clone(),
+            stream,
+            lane,
+            join_back: s,
+            preorder: ctx.preorder,
+            iteration: ctx.iteration.to_vec(),
+        };
+        core.deferred
+            .push(Box::new(pull), comm.events.clone(), writes);
+        Ok(Posted::Deferred(comm))
     }
 
     /// The completions of this rank's sends to `to` (the host waits for the receivers'
-    /// posts); the peer-read stream waits for them.
+    /// posts, deferred pulls first); the peer-read stream waits for them.
     fn collect_dones(
         &self,
-        core: &DeviceCore,
+        core: &mut DeviceCore,
         name: &'static str,
         to: &[DeviceId],
     ) -> Result<Vec<Event>, BackendError> {
         let keys: Vec<Key> = to.iter().map(|&peer| self.key(core.rank, peer)).collect();
+        core.finish_deferred(Finish::All)?;
         self.link.reads_done(core, &keys, name)
     }
 
-    /// A collective permute over the copy engine; returns the events a `wait` waits for.
+    /// A collective permute over the copy engine; returns how it completes.
     #[allow(clippy::too_many_arguments)]
     fn permute(
         &self,
@@ -294,7 +354,7 @@ impl Transfer<'_> {
         input: &TensorView<CudaBuffer>,
         output: &TensorView<CudaBuffer>,
         ctx: InstCtx<'_>,
-    ) -> Result<Vec<Event>, BackendError> {
+    ) -> Result<Posted, BackendError> {
         const NAME: &str = "collective_permute";
         super::nccl::check_permute(input, output)?;
         let member = |i: usize| {
@@ -311,12 +371,11 @@ impl Transfer<'_> {
         let send_temps = std::mem::take(&mut core.scratch);
         self.offer(core, to, &src)?;
         let slot = core.output_slot(output, &[input])?;
-        let pulled = self.pull(core, NAME, from, &slot.buf, ctx)?;
-        let events = vec![pulled.done];
         if send_temps.is_empty() && slot.is_direct() {
             // Nothing here needs the peer's read now: its completion is collected where it
             // matters (a later write of the sent buffer, its release, the end of the run),
-            // not in the issue loop.
+            // not in the issue loop; nor the pull, which may be deferred.
+            let posted = self.pull_or_defer(core, NAME, from, &slot.buf, output.buffer, ctx)?;
             core.finish_output(slot)?;
             let link = self.link.clone();
             let key = self.key(core.rank, to);
@@ -324,8 +383,9 @@ impl Transfer<'_> {
                 input,
                 Box::new(move |core| link.reads_done(core, &[key], NAME)),
             );
-            return Ok(events);
+            return Ok(posted);
         }
+        let done = self.pull_now(core, NAME, from, &slot.buf, ctx)?;
         let dones = self.collect_dones(core, NAME, &[to])?;
         if !slot.is_direct() {
             // The unstaging copy runs on the current stream after the pull, and after the
@@ -339,14 +399,23 @@ impl Transfer<'_> {
                 s.wait(d).map_err(core.err("cuStreamWaitEvent"))?;
             }
         }
+        let staged = !slot.is_direct();
         core.finish_output(slot)?;
+        let done = if staged {
+            // After the copy out of the staging temporary.
+            core.stream()
+                .record_event()
+                .map_err(core.err("cuEventRecord"))?
+        } else {
+            done
+        };
         core.retire_after_peer_reads(send_temps)?;
         core.add_peer_reads(input, dones);
-        Ok(events)
+        Ok(Posted::Events(vec![done]))
     }
 
-    /// A broadcast over the copy engine (every non-root pulls the root's data); returns the
-    /// events a `wait` waits for.
+    /// A broadcast over the copy engine (every non-root pulls the root's data); returns how it
+    /// completes.
     fn broadcast(
         &self,
         core: &mut DeviceCore,
@@ -355,7 +424,7 @@ impl Transfer<'_> {
         input: Option<&TensorView<CudaBuffer>>,
         output: Option<&TensorView<CudaBuffer>>,
         ctx: InstCtx<'_>,
-    ) -> Result<Vec<Event>, BackendError> {
+    ) -> Result<Posted, BackendError> {
         const NAME: &str = "broadcast";
         let root_rank = team.members.get(root).copied().ok_or_else(|| {
             BackendError::Invalid(format!(
@@ -370,18 +439,22 @@ impl Transfer<'_> {
                 ))
             })?;
             let slot = core.output_slot(o, &[])?;
-            let pulled = self.pull(core, NAME, root_rank, &slot.buf, ctx)?;
-            if self.copy_stream == CopyStream::Dedicated && !slot.is_direct() {
-                let e = core
-                    .copy_stream
-                    .record_event()
-                    .map_err(core.err("cuEventRecord"))?;
+            if slot.is_direct() {
+                return self.pull_or_defer(core, NAME, root_rank, &slot.buf, o.buffer, ctx);
+            }
+            self.pull_now(core, NAME, root_rank, &slot.buf, ctx)?;
+            if self.copy_stream == CopyStream::Dedicated {
                 core.stream()
-                    .wait(&e)
+                    .join(&core.copy_stream)
                     .map_err(core.err("cuStreamWaitEvent"))?;
             }
             core.finish_output(slot)?;
-            return Ok(vec![pulled.done]);
+            // After the copy out of the staging temporary.
+            let done = core
+                .stream()
+                .record_event()
+                .map_err(core.err("cuEventRecord"))?;
+            return Ok(Posted::Events(vec![done]));
         }
         let i = input.ok_or_else(|| {
             BackendError::Invalid(format!("{NAME}: the root holds no send buffer"))
@@ -416,7 +489,7 @@ impl Transfer<'_> {
         let dones = self.collect_dones(core, NAME, &others)?;
         core.retire_after_peer_reads(send_temps)?;
         core.add_peer_reads(i, dones);
-        Ok(events)
+        Ok(Posted::Events(events))
     }
 
     /// A sum reduce-scatter over the copy engine: every rank pulls its chunk of every peer's
@@ -464,6 +537,8 @@ impl Transfer<'_> {
         let received = core.temp(chunk_bytes * others.len())?;
         let s = core.stream().clone();
         let mut offers = Vec::with_capacity(others.len());
+        // The takes below block: deferred pulls go first.
+        core.finish_deferred(Finish::All)?;
         for &from in &others {
             let key = self.key(from, core.rank);
             let peer_src = self.link.take(core, &key, &s, NAME)?;
@@ -524,5 +599,109 @@ impl Transfer<'_> {
         core.add_peer_reads(input, dones);
         let done = s.record_event().map_err(core.err("cuEventRecord"))?;
         Ok(vec![done])
+    }
+}
+
+/// Where and how one pull copies an offer it took.
+struct Copy<'a> {
+    link: &'a dyn PeerLink,
+    key: &'a Key,
+    name: &'static str,
+    /// The stream that waited for the offer's data and runs the copy, and its number in
+    /// traces.
+    stream: &'a Stream,
+    lane: usize,
+    preorder: PreorderIndex,
+    iteration: &'a [i64],
+}
+
+impl Copy<'_> {
+    /// Copies the taken offer `src` into `dst` on the stream, reports the read to the sender
+    /// and returns the local done event.
+    fn run(
+        &self,
+        core: &mut DeviceCore,
+        src: &DeviceBuffer,
+        dst: &DeviceBuffer,
+    ) -> Result<Event, BackendError> {
+        let (name, s) = (self.name, self.stream);
+        if src.len() != dst.len() {
+            return Err(BackendError::Invalid(format!(
+                "{name}: rank {} sends {} bytes, rank {} receives {}",
+                self.key.from,
+                src.len(),
+                core.rank,
+                dst.len()
+            )));
+        }
+        let opened = core
+            .timeline
+            .open_on(
+                s,
+                self.lane,
+                IntervalKind::Comm,
+                name,
+                Some(Transport::CopyEngine),
+                self.preorder,
+                self.iteration,
+            )
+            .map_err(core.err("cuEventRecord"))?;
+        dst.copy_from(s, src)
+            .map_err(core.err("cuMemcpyPeerAsync"))?;
+        core.timeline
+            .close_on(s, opened)
+            .map_err(core.err("cuEventRecord"))?;
+        self.link.read_done(core, self.key, s)?;
+        s.record_event().map_err(core.err("cuEventRecord"))
+    }
+}
+
+/// A pull posted before its sender's offer arrived: everything it does after the post.
+struct DeferredPull {
+    link: Arc<dyn PeerLink>,
+    key: Key,
+    name: &'static str,
+    dst: DeviceBuffer,
+    /// The stream it runs on (a companion of the posting stream, joined to it at the post),
+    /// and its number in traces.
+    stream: Stream,
+    lane: usize,
+    /// The stream the pull would have run on at its post (the posting stream, or the copy
+    /// stream), which joins `stream` once the pull is enqueued: its work from then on is
+    /// ordered after the pull, as if the pull had been enqueued there.
+    join_back: Stream,
+    preorder: PreorderIndex,
+    iteration: Vec<i64>,
+}
+
+impl Pending<DeviceCore, DoneEvents> for DeferredPull {
+    fn finish(
+        &mut self,
+        core: &mut DeviceCore,
+        block: bool,
+    ) -> Result<Option<DoneEvents>, BackendError> {
+        let (key, s) = (&self.key, &self.stream);
+        let src = if block {
+            self.link.take(core, key, s, self.name)?
+        } else {
+            match self.link.try_take(core, key, s, self.name)? {
+                Some(src) => src,
+                None => return Ok(None),
+            }
+        };
+        let copy = Copy {
+            link: self.link.as_ref(),
+            key,
+            name: self.name,
+            stream: s,
+            lane: self.lane,
+            preorder: self.preorder,
+            iteration: &self.iteration,
+        };
+        let done = copy.run(core, &src, &self.dst)?;
+        self.join_back
+            .join(s)
+            .map_err(core.err("cuStreamWaitEvent"))?;
+        Ok(Some(vec![Rc::new(done)]))
     }
 }

@@ -248,6 +248,18 @@ impl HubLink {
         }
     }
 
+    /// Makes `stream` wait until the data of `offer` is ready; returns its region.
+    fn ready_on(
+        core: &DeviceCore,
+        offer: Offer,
+        stream: &Stream,
+    ) -> Result<DeviceBuffer, BackendError> {
+        stream
+            .wait(&offer.ready)
+            .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
+        Ok(offer.src)
+    }
+
     fn waits(&self) -> MutexGuard<'_, PeerWaits> {
         self.waits.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -341,10 +353,25 @@ impl PeerLink for HubLink {
             |s| s.offers.remove(key),
         )?;
         self.waits().offer(started.elapsed());
-        stream
-            .wait(&offer.ready)
-            .map_err(core.err("cuStreamWaitEvent (peer data ready)"))?;
-        Ok(offer.src)
+        HubLink::ready_on(core, offer, stream)
+    }
+
+    fn try_take(
+        &self,
+        core: &DeviceCore,
+        key: &Key,
+        stream: &Stream,
+        _what: &str,
+    ) -> Result<Option<DeviceBuffer>, BackendError> {
+        let found = self.hub.lock().offers.remove(key);
+        let Some(offer) = found else {
+            return match core.aborted() {
+                Some(e) => Err(e),
+                None => Ok(None),
+            };
+        };
+        self.waits().offer(Duration::ZERO);
+        HubLink::ready_on(core, offer, stream).map(Some)
     }
 
     fn read_done(&self, core: &DeviceCore, key: &Key, stream: &Stream) -> Result<(), BackendError> {

@@ -181,6 +181,7 @@ impl Transports {
                     Carrier::CopyEngine => Box::new(copy_engine::CopyEngine::new(
                         need(env.link, "the copy engine", "a link to the peers' memory")?.clone(),
                         env.config.copy_stream,
+                        env.config.defer_pulls,
                     )),
                     Carrier::HostProxy => Box::new(proxy::HostProxy::new(
                         need(env.proxy, "the host proxy", "a host proxy")?.clone(),

@@ -6,7 +6,7 @@ use meshflow_kernels::Event;
 use meshflow_passes::Transport;
 
 use crate::runtime::backend::{BackendError, CommRequest, InstCtx, TeamInfo};
-use crate::runtime::cuda::core::DeviceCore;
+use crate::runtime::cuda::core::{CudaComm, DeviceCore};
 use crate::runtime::cuda::memory::CudaBuffer;
 use crate::runtime::cuda::profile::Opened;
 use crate::runtime::cuda::teams::Communicators;
@@ -25,6 +25,10 @@ pub(crate) enum Posted {
     OnStream(Option<Opened>),
     /// Complete once these events are (recorded by the transport on the streams it used).
     Events(Vec<Event>),
+    /// Deferred: its work is enqueued later (a copy-engine pull queued in the core's
+    /// `deferred`, see `deferred.rs`), which fills in the handle's events; a `wait` on it
+    /// finishes it first.
+    Deferred(CudaComm),
 }
 
 /// One transport: the object that moves the bytes of the communications selected for it.

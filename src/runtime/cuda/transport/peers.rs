@@ -9,7 +9,8 @@
 //!
 //! A copy-engine transfer (one instance of a labelled communication between two ranks) goes:
 //! the sender [`offer`](PeerLink::offer)s a region; the receiver
-//! [`take`](PeerLink::take)s it (its stream then waits until the data is ready), copies it, and
+//! [`take`](PeerLink::take)s it (its stream then waits until the data is ready; with
+//! [`try_take`](PeerLink::try_take) only if the offer is there already), copies it, and
 //! reports [`read_done`](PeerLink::read_done) once its stream gets past the copy; the sender
 //! collects [`reads_done`](PeerLink::reads_done), events on its own GPU that later writes of the
 //! sent memory wait for. Every host wait watches the run's abort signal and the timeout, and
@@ -39,10 +40,12 @@ pub(crate) struct Key {
     pub to: DeviceId,
 }
 
-/// Host time a rank's posting thread spent waiting for its peers in copy-engine posts: the
-/// waits for a peer's offer ([`PeerLink::take`]) and for the receivers' reports of their reads
-/// ([`PeerLink::reads_done`]). A diagnostic, logged per run (target `meshflow::peer_waits`):
-/// the device idles while a wait delays the launch of work it has nothing else to do before.
+/// Host time a rank's posting thread spent waiting for its peers in copy-engine transfers: the
+/// waits for a peer's offer ([`PeerLink::take`]; a [`PeerLink::try_take`] that found it counts
+/// as a wait of no time) and for the receivers' reports of their reads
+/// ([`PeerLink::reads_done`]). A deferred pull's wait is counted where it is finished
+/// (`deferred.rs`). A diagnostic, logged per run (target `meshflow::peer_waits`): the device
+/// idles while a wait delays the launch of work it has nothing else to do before.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PeerWaits {
     /// Waits for offers.
@@ -115,6 +118,17 @@ pub(crate) trait PeerLink: Send + Sync {
         stream: &Stream,
         what: &str,
     ) -> Result<DeviceBuffer, BackendError>;
+
+    /// [`take`](Self::take) without waiting: `Ok(None)` (and nothing done) when the sender's
+    /// offer has not arrived yet; the errors of `take` when it can tell already that the offer
+    /// will never come (a lost or finished peer, an aborted run).
+    fn try_take(
+        &self,
+        core: &DeviceCore,
+        key: &Key,
+        stream: &Stream,
+        what: &str,
+    ) -> Result<Option<DeviceBuffer>, BackendError>;
 
     /// Tells the sender of `key` that this rank is done reading its region once `stream`
     /// (which copied it) gets to this point.

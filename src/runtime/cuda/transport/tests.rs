@@ -16,7 +16,8 @@ use crate::runtime::backend::{
     CommLabel, CommRequest, InstCtx, PreorderIndex, TeamId, TeamInfo, TensorView,
 };
 use crate::runtime::cuda::config::{CopyStream, CudaConfig};
-use crate::runtime::cuda::core::DeviceCore;
+use crate::runtime::cuda::core::{CudaComm, DeviceCore};
+use crate::runtime::cuda::deferred::Finish;
 use crate::runtime::cuda::memory::CudaBuffer;
 use crate::runtime::cuda::teams::Communicators;
 use crate::runtime::data::TensorData;
@@ -45,11 +46,13 @@ fn skip(test: &str) -> bool {
     }
 }
 
-/// One rank of the pair: its core, its communicator of the pair, and the pair as a team.
+/// One rank of the pair: its core, its communicator of the pair, the pair as a team, and its
+/// deferred communications (waited for by [`Rank::read`]).
 struct Rank {
     core: DeviceCore,
     comms: Communicators,
     team: TeamInfo,
+    deferred: Vec<CudaComm>,
 }
 
 impl Rank {
@@ -70,7 +73,12 @@ impl Rank {
         comms
             .prepare(&core, &std::iter::once(team.clone()).collect())
             .expect("communicator");
-        Rank { core, comms, team }
+        Rank {
+            core,
+            comms,
+            team,
+            deferred: Vec::new(),
+        }
     }
 
     fn tensor(&mut self, data: &TensorData) -> TV {
@@ -102,24 +110,45 @@ impl Rank {
         )
     }
 
-    fn post(&mut self, t: &mut dyn CommTransport, request: &CommRequest<'_, CudaBuffer>) {
+    /// Posts `request`; returns whether it was deferred.
+    fn post(&mut self, t: &mut dyn CommTransport, request: &CommRequest<'_, CudaBuffer>) -> bool {
         let mut cx = PostCx {
             core: &mut self.core,
             comms: &self.comms,
         };
         let posted = t.post(&mut cx, request, CTX).expect("post");
         self.core.retire_scratch().expect("retire");
-        if let Posted::Events(events) = posted {
-            let waits: Vec<Event> = events;
-            for e in &waits {
-                self.core.streams[0].wait(e).expect("wait");
+        match posted {
+            Posted::Events(events) => {
+                let waits: Vec<Event> = events;
+                for e in &waits {
+                    self.core.streams[0].wait(e).expect("wait");
+                }
+                false
             }
+            Posted::Deferred(comm) => {
+                self.deferred.push(comm);
+                true
+            }
+            Posted::OnStream(_) => false,
         }
     }
 
-    /// Waits for everything (the peers' reads of this rank's sends too, as the end of a run
-    /// does), then reads `v`.
+    /// Waits for everything (deferred pulls, the peers' reads of this rank's sends too, as the
+    /// end of a run does), then reads `v`.
     fn read(&mut self, v: &TV) -> Vec<f32> {
+        self.core
+            .finish_deferred(Finish::All)
+            .expect("deferred pulls");
+        for comm in std::mem::take(&mut self.deferred) {
+            let events = comm.events.borrow();
+            for e in events
+                .as_ref()
+                .expect("a finished deferred pull has its events")
+            {
+                self.core.streams[0].wait(e).expect("wait");
+            }
+        }
         self.core.settle_peer_reads(None).expect("completions");
         let main = self.core.streams[0].clone();
         for s in self.core.all_streams().skip(1) {
@@ -155,9 +184,19 @@ fn values(rank: usize, n: usize) -> Vec<f32> {
 }
 
 fn permute<'a>(team: &'a TeamInfo, input: &'a TV, output: &'a TV) -> CommRequest<'a, CudaBuffer> {
+    permute_labelled(0, team, input, output)
+}
+
+/// A permute of communication `label` to the other rank of the pair.
+fn permute_labelled<'a>(
+    label: usize,
+    team: &'a TeamInfo,
+    input: &'a TV,
+    output: &'a TV,
+) -> CommRequest<'a, CudaBuffer> {
     let other = 1 - team.my_index;
     CommRequest::Permute {
-        label: CommLabel::new(0),
+        label: CommLabel::new(label),
         team,
         send_peer: other,
         recv_peer: other,
@@ -243,27 +282,39 @@ fn two_gpus_with_peers(test: &str) -> Option<Arc<PeerHub>> {
     hub_with_peers(test)
 }
 
-/// Runs `f` on the pair once per copy stream ([`CopyStream::Current`], then
-/// [`CopyStream::Dedicated`]), each rank with a copy engine prepared for the pair, and hands
-/// each stream's results to `check`. Nothing runs (after printing why) without 2 GPUs with
-/// peer access.
+/// How a copy engine of the tests runs its pulls: the copy stream, and whether pulls whose
+/// offers have not arrived are deferred.
+type Setting = (CopyStream, bool);
+
+/// Every [`Setting`].
+const SETTINGS: [Setting; 4] = [
+    (CopyStream::Current, false),
+    (CopyStream::Dedicated, false),
+    (CopyStream::Current, true),
+    (CopyStream::Dedicated, true),
+];
+
+/// Runs `f` on the pair once per setting of `settings`, each rank with a copy engine prepared
+/// for the pair, and hands each setting's results to `check`. Nothing runs (after printing
+/// why) without 2 GPUs with peer access.
 fn with_copy_engines<T: Send>(
     test: &str,
     name: &str,
+    settings: &[Setting],
     f: impl Fn(&mut Rank, &mut copy_engine::CopyEngine) -> T + Sync,
-    check: impl Fn(CopyStream, [T; 2]),
+    check: impl Fn(Setting, [T; 2]),
 ) {
     let Some(hub) = two_gpus_with_peers(test) else {
         return;
     };
-    for stream in [CopyStream::Current, CopyStream::Dedicated] {
+    for &(stream, defer) in settings {
         let link: Arc<dyn PeerLink> = Arc::new(HubLink::new(hub.clone()));
         let got = pair(name, |r| {
-            let mut ce = copy_engine::CopyEngine::new(link.clone(), stream);
+            let mut ce = copy_engine::CopyEngine::new(link.clone(), stream, defer);
             ce.prepare_team(&r.core, &r.team).expect("peer access");
             f(r, &mut ce)
         });
-        check(stream, got);
+        check((stream, defer), got);
     }
 }
 
@@ -272,6 +323,7 @@ fn copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters() {
     with_copy_engines(
         "copy_engine_transport_alone_moves_permutes_broadcasts_and_reduce_scatters",
         "ce",
+        &SETTINGS,
         |r, ce| {
             let team = r.team.clone();
             let (i, o) = r.values_and_zeros(32);
@@ -302,6 +354,7 @@ fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() 
     with_copy_engines(
         "a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written",
         "ce-deferred",
+        &SETTINGS,
         |r, ce| {
             let team = r.team.clone();
             let (i, o) = r.values_and_zeros(4096);
@@ -338,6 +391,59 @@ fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() 
                 assert_eq!(received, values(1 - me, 4096), "{stream:?}: rank {me}");
                 assert_eq!(sent, vec![-1.0; 4096], "{stream:?}: rank {me}");
             }
+        },
+    );
+}
+
+#[test]
+fn a_pull_posted_before_its_offer_is_deferred_and_enqueued_once_the_offer_is_found() {
+    let steps = std::sync::Barrier::new(2);
+    let deferring: Vec<Setting> = SETTINGS.iter().copied().filter(|s| s.1).collect();
+    with_copy_engines(
+        "a_pull_posted_before_its_offer_is_deferred_and_enqueued_once_the_offer_is_found",
+        "ce-defer-pulls",
+        &deferring,
+        |r, ce| {
+            let team = r.team.clone();
+            let (i, a) = r.values_and_zeros(1024);
+            let b = r.zeros(DType::F32, &[1024]);
+            let second = permute_labelled(1, &team, &i, &b);
+            // Rank 0 posts each permute before rank 1 has offered: the host does not wait.
+            let mut seen = Vec::new();
+            if team.my_index == 0 {
+                seen.push(r.post(ce, &permute(&team, &i, &a)));
+                seen.push(r.core.deferred.len() == 1);
+                steps.wait();
+                steps.wait();
+                // Rank 1 has posted the first: this post finds its offer and enqueues it,
+                // then defers the second.
+                seen.push(r.post(ce, &second));
+                let first_done = r.deferred[0].events.borrow().is_some();
+                seen.push(first_done && r.core.deferred.len() == 1);
+                steps.wait();
+            } else {
+                steps.wait();
+                seen.push(r.post(ce, &permute(&team, &i, &a)));
+                steps.wait();
+                steps.wait();
+                seen.push(r.post(ce, &second));
+            }
+            (seen, r.read(&a), r.read(&b))
+        },
+        |setting, got| {
+            let [(seen0, a0, b0), (seen1, a1, b1)] = got;
+            assert_eq!(
+                seen0,
+                [true, true, true, true],
+                "{setting:?}: rank 0 deferred"
+            );
+            assert_eq!(
+                seen1,
+                [false, false],
+                "{setting:?}: rank 1 found the offers"
+            );
+            assert_eq!((a0, b0), (values(1, 1024), values(1, 1024)), "{setting:?}");
+            assert_eq!((a1, b1), (values(0, 1024), values(0, 1024)), "{setting:?}");
         },
     );
 }

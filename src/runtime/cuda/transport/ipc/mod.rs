@@ -289,16 +289,96 @@ impl IpcLink {
         self.reach()?
             .net
             .wait(peer, deadline, &abort, take)
-            .map_err(|e| match e {
-                WaitError::Timeout => core.timeout_error(peer, what()),
-                WaitError::Aborted(e) => e,
-                WaitError::Ended(Ended::Finished) => BackendError::Invalid(format!(
-                    "rank {}: rank {peer} finished its run without sending {}",
+            .map_err(|e| self.wait_error(core, peer, what, e))
+    }
+
+    /// What `take` finds in the inbox from `peer` now, if anything (errors as [`Self::wait`]
+    /// where the message can no longer come).
+    fn poll<T>(
+        &self,
+        core: &DeviceCore,
+        peer: DeviceId,
+        what: impl FnOnce() -> String,
+        take: impl FnMut(&mut net::Inbox) -> Option<T>,
+    ) -> Result<Option<T>, BackendError> {
+        let abort = || core.aborted();
+        self.reach()?
+            .net
+            .poll(peer, &abort, take)
+            .map_err(|e| self.wait_error(core, peer, what, e))
+    }
+
+    /// The error of a wait for `what` from `peer` that ended without it.
+    fn wait_error(
+        &self,
+        core: &DeviceCore,
+        peer: DeviceId,
+        what: impl FnOnce() -> String,
+        e: WaitError,
+    ) -> BackendError {
+        match e {
+            WaitError::Timeout => core.timeout_error(peer, what()),
+            WaitError::Aborted(e) => e,
+            WaitError::Ended(Ended::Finished) => BackendError::Invalid(format!(
+                "rank {}: rank {peer} finished its run without sending {}",
+                self.rank,
+                what()
+            )),
+            WaitError::Ended(Ended::Lost(why)) => lost(self.rank, peer, &why),
+        }
+    }
+
+    /// Accepts the offer `msg` of transfer `key` (checking that it is the sender's next
+    /// transfer to this rank), maps its region and makes `stream` wait until its data is
+    /// ready.
+    fn accept(
+        &self,
+        core: &DeviceCore,
+        key: &Key,
+        msg: OfferMsg,
+        waited: Duration,
+        stream: &Stream,
+        what: &str,
+    ) -> Result<DeviceBuffer, BackendError> {
+        let from = key.from;
+        {
+            let mut s = self.lock();
+            s.waits.offer(waited);
+            let expected = s.received.get(&from).copied().unwrap_or(0).wrapping_add(1);
+            if msg.n != expected {
+                return Err(BackendError::Invalid(format!(
+                    "rank {}: {what} #{} instance {}: rank {from} numbers it as its transfer {} \
+                     here, this rank expected {expected} (do the ranks run the same program?)",
+                    self.rank, key.label, key.seq, msg.n
+                )));
+            }
+            s.received.insert(from, msg.n);
+            s.taken.insert(key.clone(), msg.n);
+        }
+        let bytes = usize::try_from(msg.allocation).map_err(|_| {
+            BackendError::Invalid(format!(
+                "rank {}: {what}: rank {from} offers an allocation of {} bytes",
+                self.rank, msg.allocation
+            ))
+        })?;
+        let whole = self.mapped(core, from, &msg.handle, bytes)?;
+        let region = usize::try_from(msg.offset)
+            .ok()
+            .zip(usize::try_from(msg.len).ok())
+            .and_then(|(o, l)| whole.view(o, l).ok())
+            .ok_or_else(|| {
+                BackendError::Invalid(format!(
+                    "rank {}: {what}: rank {from} offers bytes [{}, +{}) of an allocation of {}",
                     self.rank,
-                    what()
-                )),
-                WaitError::Ended(Ended::Lost(why)) => lost(self.rank, peer, &why),
-            })
+                    msg.offset,
+                    msg.len,
+                    whole.len()
+                ))
+            })?;
+        self.flag(core, &self.reach()?.pad, ready_word(from))?
+            .wait(stream, msg.n)
+            .map_err(core.err("cuStreamWaitValue32 (peer data ready)"))?;
+        Ok(region)
     }
 
     /// The mapping of `peer`'s allocation `handle` (opened once).
@@ -478,52 +558,35 @@ impl PeerLink for IpcLink {
         stream: &Stream,
         what: &str,
     ) -> Result<DeviceBuffer, BackendError> {
-        let from = key.from;
         let started = Instant::now();
         let msg = self.wait(
             core,
-            from,
+            key.from,
             || format!("{what} #{} instance {} data", key.label, key.seq),
             |inbox| inbox.offers.remove(key),
         )?;
-        {
-            let mut s = self.lock();
-            s.waits.offer(started.elapsed());
-            let expected = s.received.get(&from).copied().unwrap_or(0).wrapping_add(1);
-            if msg.n != expected {
-                return Err(BackendError::Invalid(format!(
-                    "rank {}: {what} #{} instance {}: rank {from} numbers it as its transfer {} \
-                     here, this rank expected {expected} (do the ranks run the same program?)",
-                    self.rank, key.label, key.seq, msg.n
-                )));
-            }
-            s.received.insert(from, msg.n);
-            s.taken.insert(key.clone(), msg.n);
+        self.accept(core, key, msg, started.elapsed(), stream, what)
+    }
+
+    fn try_take(
+        &self,
+        core: &DeviceCore,
+        key: &Key,
+        stream: &Stream,
+        what: &str,
+    ) -> Result<Option<DeviceBuffer>, BackendError> {
+        let found = self.poll(
+            core,
+            key.from,
+            || format!("{what} #{} instance {} data", key.label, key.seq),
+            |inbox| inbox.offers.remove(key),
+        )?;
+        match found {
+            Some(msg) => self
+                .accept(core, key, msg, Duration::ZERO, stream, what)
+                .map(Some),
+            None => Ok(None),
         }
-        let bytes = usize::try_from(msg.allocation).map_err(|_| {
-            BackendError::Invalid(format!(
-                "rank {}: {what}: rank {from} offers an allocation of {} bytes",
-                self.rank, msg.allocation
-            ))
-        })?;
-        let whole = self.mapped(core, from, &msg.handle, bytes)?;
-        let region = usize::try_from(msg.offset)
-            .ok()
-            .zip(usize::try_from(msg.len).ok())
-            .and_then(|(o, l)| whole.view(o, l).ok())
-            .ok_or_else(|| {
-                BackendError::Invalid(format!(
-                    "rank {}: {what}: rank {from} offers bytes [{}, +{}) of an allocation of {}",
-                    self.rank,
-                    msg.offset,
-                    msg.len,
-                    whole.len()
-                ))
-            })?;
-        self.flag(core, &self.reach()?.pad, ready_word(from))?
-            .wait(stream, msg.n)
-            .map_err(core.err("cuStreamWaitValue32 (peer data ready)"))?;
-        Ok(region)
     }
 
     fn read_done(&self, core: &DeviceCore, key: &Key, stream: &Stream) -> Result<(), BackendError> {

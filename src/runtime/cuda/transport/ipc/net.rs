@@ -335,6 +335,31 @@ impl Net {
         }
     }
 
+    /// What `take` finds in the inbox now, without waiting: `Ok(None)` when nothing yet and
+    /// the connection of `peer` is open and `abort` quiet; else as [`Net::wait`]. Every
+    /// message of a connection is filed before its end, so an ended connection means the
+    /// message will never come.
+    pub fn poll<T>(
+        &self,
+        peer: DeviceId,
+        abort: &dyn Fn() -> Option<crate::runtime::backend::BackendError>,
+        mut take: impl FnMut(&mut Inbox) -> Option<T>,
+    ) -> Result<Option<T>, WaitError> {
+        {
+            let mut g = self.shared.lock();
+            if let Some(v) = take(&mut g) {
+                return Ok(Some(v));
+            }
+            if let Some((end, _)) = g.ended.get(&peer) {
+                return Err(WaitError::Ended(end.clone()));
+            }
+        }
+        match abort() {
+            Some(e) => Err(WaitError::Aborted(e)),
+            None => Ok(None),
+        }
+    }
+
     /// Raises `word` as soon as a peer is lost (at once if one is already).
     pub fn watch(&self, word: AbortWord) {
         let lost = Shared::any_lost(&self.shared.lock());
@@ -616,6 +641,29 @@ mod tests {
             .ok()
             .unwrap();
         assert_eq!(got, offer);
+        // A poll takes what arrived and does not wait for what has not.
+        b.send(
+            0,
+            &Msg::Offer {
+                key: key(1),
+                offer: offer.clone(),
+            },
+        )
+        .unwrap();
+        a.wait(1, deadline, &|| None, |s| s.offers.get(&key(1)).cloned())
+            .ok()
+            .unwrap();
+        let polled = a.poll(1, &|| None, |s| s.offers.remove(&key(1)));
+        assert_eq!(polled.ok().flatten(), Some(offer.clone()));
+        let nothing = a.poll(1, &|| None, |s| s.offers.remove(&key(1)));
+        assert!(matches!(nothing, Ok(None)));
+        let stop = || {
+            Some(crate::runtime::backend::BackendError::Invalid(
+                "stop".into(),
+            ))
+        };
+        let aborted = a.poll(1, &stop, |s| s.offers.remove(&key(1)));
+        assert!(matches!(aborted, Err(WaitError::Aborted(_))));
         // Nothing else comes: a short wait times out.
         let soon = Instant::now() + Duration::from_millis(50);
         assert!(matches!(
@@ -627,6 +675,8 @@ mod tests {
         drop(b);
         let ended = a.wait(1, deadline, &|| None, |s| s.dones.remove(&key(0)));
         assert!(matches!(ended, Err(WaitError::Ended(Ended::Finished))));
+        let polled = a.poll(1, &|| None, |s| s.dones.remove(&key(0)));
+        assert!(matches!(polled, Err(WaitError::Ended(Ended::Finished))));
         assert!(a.lost(Duration::ZERO).is_none());
         assert!(ended_peers(&a).contains(&1));
         // A connection that ends without a goodbye is a lost peer.
