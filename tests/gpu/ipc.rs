@@ -151,8 +151,14 @@ fn copy_cases(d: usize) -> Vec<(String, HostProgram, CudaConfig)> {
         defer_pulls: false,
         ..config()
     };
+    // Deferral is opt-in: the cases that exercise it turn it on.
+    let deferring = CudaConfig {
+        defer_pulls: true,
+        ..config()
+    };
     let three_steps = CudaConfig {
         steps: 3,
+        defer_pulls: true,
         ..config()
     };
     let mut cases = vec![
@@ -167,6 +173,11 @@ fn copy_cases(d: usize) -> Vec<(String, HostProgram, CudaConfig)> {
             "permute, pulls not deferred".to_string(),
             ring(1, d - 1, "f32"),
             blocking,
+        ),
+        (
+            "permute, pulls deferred".to_string(),
+            ring(1, d - 1, "bf16"),
+            deferring,
         ),
         (
             "permute ahead of compute, 3 steps".to_string(),

@@ -56,8 +56,12 @@ pub struct CudaConfig {
     /// instead of blocking the host there until it does (the compute after it in program
     /// order then launches at once; the pull is enqueued at a `wait` on it, before any host
     /// wait that may block, or when its offer is found later: see
-    /// `src/runtime/cuda/deferred.rs`). Default: on, unless the environment variable
-    /// `MESHFLOW_DEFER_PULLS` is `0`, `off` or `false`.
+    /// `src/runtime/cuda/deferred.rs`). Default: off, unless the environment variable
+    /// `MESHFLOW_DEFER_PULLS` is `1`, `on`, `true` or `yes`. Measured on 2x H200 at 8192^3
+    /// (`bench/results/2026-11-26-h200x2.md`), one process per GPU: AG+GEMM's prefetched
+    /// ring 772.0 / 787.3 µs with it against 792.5 µs without, but GEMM+RS's accumulating
+    /// ring 821.7 / 836.0 µs against 776.6 µs (a deferred pull that finds its offer only at
+    /// its `wait` starts late), so it stays opt-in.
     pub defer_pulls: bool,
     /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
     /// the program body runs this many times back to back between one upload of the inputs
@@ -103,14 +107,14 @@ impl Default for CudaConfig {
     }
 }
 
-/// The environment variable that turns [`CudaConfig::defer_pulls`] off by default.
+/// The environment variable that turns [`CudaConfig::defer_pulls`] on by default.
 pub(crate) const DEFER_PULLS_ENV: &str = "MESHFLOW_DEFER_PULLS";
 
 /// [`CudaConfig::defer_pulls`] by default, given the value of [`DEFER_PULLS_ENV`].
 fn defer_pulls_default(env: Option<&str>) -> bool {
-    !matches!(
+    matches!(
         env.map(|v| v.trim().to_ascii_lowercase()).as_deref(),
-        Some("0" | "off" | "false" | "no")
+        Some("1" | "on" | "true" | "yes")
     )
 }
 
@@ -186,11 +190,12 @@ mod tests {
     use super::defer_pulls_default;
 
     #[test]
-    fn deferral_is_on_unless_the_environment_turns_it_off() {
-        assert!(defer_pulls_default(None));
-        assert!(defer_pulls_default(Some("1")));
-        assert!(defer_pulls_default(Some("on")));
-        for off in ["0", "off", "OFF", "false", "no", " 0 "] {
+    fn deferral_is_off_unless_the_environment_turns_it_on() {
+        assert!(!defer_pulls_default(None));
+        for on in ["1", "on", "ON", "true", "yes", " 1 "] {
+            assert!(defer_pulls_default(Some(on)), "{on:?}");
+        }
+        for off in ["0", "off", "false", "no", ""] {
             assert!(!defer_pulls_default(Some(off)), "{off:?}");
         }
     }

@@ -24,7 +24,7 @@
 //! temporary and adds them to its own chunk (an elementwise kernel: the only SM work).
 //!
 //! A pull whose sender's offer has not arrived when it is posted is *deferred*
-//! ([`CudaConfig::defer_pulls`](crate::runtime::cuda::CudaConfig), on by default): the post
+//! ([`CudaConfig::defer_pulls`](crate::runtime::cuda::CudaConfig), opt-in): the post
 //! returns without waiting for the offer (across processes it takes a TCP hop, and the sender
 //! posts it only when its own host gets there), so that the compute after it in program order
 //! is launched at once. It runs on a companion stream of the posting stream, joined to it at
