@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs its covering set of seven
+# The MoE check on 2 GPUs (about 20 minutes: the fused kernels' test runs its covering set of eight
 # variant combinations, twice), from the repository root on the GPU machine,
 # with the folder scripts/gpu-carry.sh prepared:
 #
@@ -52,7 +52,7 @@ diag() {
   log "start on $n GPU(s)"; nvidia-smi --query-gpu=name,driver_version --format=csv
   q=(--test-threads 1 --nocapture)
   # 1. Tests.
-  # The fused kernels' test runs the covering set of variant combinations (six; it prints
+  # The fused kernels' test runs the covering set of variant combinations (eight; it prints
   # them; MESHFLOW_MOE_ALL_VARIANTS=1 runs all 51), two thirds of the nine it ran before.
   step 360 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_fused_kernels_match_reference
   step 150 env MESHFLOW_MOE_WORLDS=2 "$B/gpu_moe" "${q[@]}" nvlink_split_kernels_match_reference \
