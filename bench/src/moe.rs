@@ -1,6 +1,7 @@
 //! Latency of dispatch and combine on the GPUs of this process, for `meshflow bench moe`.
 //!
-//! Every rank runs in its own thread. After warm-up the ranks synchronize once, then queue
+//! Every rank runs in its own thread. After warm-up the ranks synchronize once (a timing
+//! barrier: they leave it together), then queue
 //! `iters` steps back to back (no host synchronization inside the timed loop, so the GPUs run in
 //! lockstep through the transport's own waits); CUDA events around the dispatch (send + recv,
 //! the weights travelling with the rows unless [`LATE_WEIGHTS_ENV`] is set, padding not zeroed) and the combine (send + recv) time
@@ -10,11 +11,13 @@
 //! busiest rank's received bytes over the phase time).
 
 use std::sync::Barrier;
+use std::time::Duration;
 
 use meshflow::kernels::moe::{
     CombineRequest, DispatchRequest, MoeShape, MoeTraffic, MoeTransport, MoeWire,
 };
 use meshflow::kernels::{DType, Device, DeviceBuffer, Event, KernelError, Result, Stream};
+use meshflow::runtime::rendezvous::{LocalRendezvous, Rendezvous};
 
 /// One benchmark configuration (per rank).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,14 +214,15 @@ fn run<T: MoeTransport>(
     ranks: Vec<T>,
 ) -> Result<(f64, f64, bool)> {
     let barrier = Barrier::new(devices.len());
+    let start = LocalRendezvous::new("bench-moe");
     let times: Vec<Result<RankTimes>> = std::thread::scope(|scope| {
         let handles: Vec<_> = ranks
             .into_iter()
             .zip(devices)
             .zip(idx)
             .map(|((t, dev), idx)| {
-                let barrier = &barrier;
-                scope.spawn(move || rank_loop(t, dev, case, idx, barrier))
+                let (barrier, start) = (&barrier, &start);
+                scope.spawn(move || rank_loop(t, dev, case, idx, barrier, start))
             })
             .collect();
         handles
@@ -249,13 +253,16 @@ fn run<T: MoeTransport>(
 }
 
 /// One rank's bench: warm-up, then the timed steps. Both team-wide barriers are always reached
-/// (an error is returned after them), so one failing rank cannot leave the others waiting.
+/// (an error is returned after them), so one failing rank cannot leave the others waiting. The
+/// first is a timing barrier on `start` (the ranks leave it together, as the evaluator's timed
+/// runs start: see `docs/architecture.md`, "Timed runs").
 fn rank_loop<T: MoeTransport>(
     mut t: T,
     dev: &Device,
     case: &MoeCase,
     idx: &[i32],
     barrier: &Barrier,
+    start: &LocalRendezvous,
 ) -> Result<RankTimes> {
     let s = *t.shape();
     let stream = Stream::new(dev)?;
@@ -287,7 +294,10 @@ fn rank_loop<T: MoeTransport>(
         }
         stream.synchronize()
     })();
-    barrier.wait();
+    let started = start
+        .timing_barrier("start", s.world, Duration::from_secs(120))
+        .map_err(|e| KernelError::InvalidArgument(format!("MoE bench start: {e}")));
+    let warm = warm.and(started);
     let phases = std::env::var_os(PHASES_ENV).is_some();
     let timed = warm.and_then(|()| {
         let mut events = Vec::with_capacity(case.iters);

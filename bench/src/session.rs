@@ -152,6 +152,15 @@ impl Rendezvous for Scoped {
         self.inner
             .barrier(&format!("{}{name}", self.prefix), parties, timeout)
     }
+    fn timing_barrier(
+        &self,
+        name: &str,
+        parties: usize,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
+        self.inner
+            .timing_barrier(&format!("{}{name}", self.prefix), parties, timeout)
+    }
     fn abort(&self, reason: &str) {
         self.inner.abort(reason);
     }

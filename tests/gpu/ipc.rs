@@ -3,8 +3,9 @@
 //! and NVLink MoE transports an in-process run gets.
 //!
 //! - Copy engine: collective permutes (rings both ways, strided views in a loop, a dedicated
-//!   copy stream over 3 steps, pulls not deferred, a permute posted on a worker stream ahead
-//!   of compute on the main stream over 3 steps, as the prefetch schedule does), broadcasts
+//!   copy stream over 3 steps, pulls never deferred, every pull deferred, the default (pulls
+//!   deferred only before the first compute), a permute posted on a worker stream ahead of
+//!   compute on the main stream over 3 steps, as the prefetch schedule does), broadcasts
 //!   from both roots, sum reduce-scatters in f32 and bf16, and a send buffer overwritten
 //!   right after its send (16 MiB), each rank compared with
 //!   the CPU backend running the same host program on the same inputs; every communication
@@ -26,7 +27,7 @@ use std::time::Duration;
 use meshflow::ir::{parse_program_with, HostProgram};
 use meshflow::runtime::compare::random_inputs;
 use meshflow::runtime::cuda::{
-    run_cuda_timed, run_rank, CopyStream, CudaConfig, CudaOptions, Transport,
+    run_cuda_timed, run_rank, CopyStream, CudaConfig, CudaOptions, DeferPulls, Transport,
 };
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::{Rendezvous, TcpRendezvous, TorchrunEnv};
@@ -148,17 +149,17 @@ fn copy_cases(d: usize) -> Vec<(String, HostProgram, CudaConfig)> {
         ..config()
     };
     let blocking = CudaConfig {
-        defer_pulls: false,
+        defer_pulls: DeferPulls::Never,
         ..config()
     };
-    // Deferral is opt-in: the cases that exercise it turn it on.
+    // The default defers only before the first compute: these cases defer every pull.
     let deferring = CudaConfig {
-        defer_pulls: true,
+        defer_pulls: DeferPulls::Always,
         ..config()
     };
     let three_steps = CudaConfig {
         steps: 3,
-        defer_pulls: true,
+        defer_pulls: DeferPulls::Always,
         ..config()
     };
     let mut cases = vec![
@@ -170,12 +171,12 @@ fn copy_cases(d: usize) -> Vec<(String, HostProgram, CudaConfig)> {
             dedicated,
         ),
         (
-            "permute, pulls not deferred".to_string(),
+            "permute, pulls never deferred".to_string(),
             ring(1, d - 1, "f32"),
             blocking,
         ),
         (
-            "permute, pulls deferred".to_string(),
+            "permute, every pull deferred".to_string(),
             ring(1, d - 1, "bf16"),
             deferring,
         ),

@@ -52,17 +52,11 @@ pub struct CudaConfig {
     pub transport: Option<Transport>,
     /// Which stream runs copy-engine pulls.
     pub copy_stream: CopyStream,
-    /// Defer a copy-engine pull whose sender's offer has not arrived when it is posted,
-    /// instead of blocking the host there until it does (the compute after it in program
-    /// order then launches at once; the pull is enqueued at a `wait` on it, before any host
-    /// wait that may block, or when its offer is found later: see
-    /// `src/runtime/cuda/deferred.rs`). Default: off, unless the environment variable
-    /// `MESHFLOW_DEFER_PULLS` is `1`, `on`, `true` or `yes`. Measured on 2x H200 at 8192^3
-    /// (`bench/results/2026-11-26-h200x2.md`), one process per GPU: AG+GEMM's prefetched
-    /// ring 772.0 / 787.3 µs with it against 792.5 µs without, but GEMM+RS's accumulating
-    /// ring 821.7 / 836.0 µs against 776.6 µs (a deferred pull that finds its offer only at
-    /// its `wait` starts late), so it stays opt-in.
-    pub defer_pulls: bool,
+    /// When a copy-engine pull whose sender's offer has not arrived at its post is deferred
+    /// instead of blocking the host there (see [`DeferPulls`] and
+    /// `src/runtime/cuda/deferred.rs`). Default: [`DeferPulls::BeforeCompute`], unless the
+    /// environment variable `MESHFLOW_DEFER_PULLS` names another policy.
+    pub defer_pulls: DeferPulls,
     /// Host program steps per run of an in-process launch ([`run_cuda_timed`](super::run_cuda_timed)):
     /// the program body runs this many times back to back between one upload of the inputs
     /// and one download of the outputs, and the run's device time is divided by it (at least 1).
@@ -97,7 +91,7 @@ impl Default for CudaConfig {
             kernels: CudaKernels::new(),
             transport: None,
             copy_stream: CopyStream::Current,
-            defer_pulls: defer_pulls_default(std::env::var(DEFER_PULLS_ENV).ok().as_deref()),
+            defer_pulls: DeferPulls::from_env(std::env::var(DEFER_PULLS_ENV).ok().as_deref()),
             steps: 1,
             graph: false,
             node_size: None,
@@ -107,16 +101,72 @@ impl Default for CudaConfig {
     }
 }
 
-/// The environment variable that turns [`CudaConfig::defer_pulls`] on by default.
-pub(crate) const DEFER_PULLS_ENV: &str = "MESHFLOW_DEFER_PULLS";
-
-/// [`CudaConfig::defer_pulls`] by default, given the value of [`DEFER_PULLS_ENV`].
-fn defer_pulls_default(env: Option<&str>) -> bool {
-    matches!(
-        env.map(|v| v.trim().to_ascii_lowercase()).as_deref(),
-        Some("1" | "on" | "true" | "yes")
-    )
+/// When a copy-engine pull is deferred ([`CudaConfig::defer_pulls`]): a pull whose sender's
+/// offer has not arrived when it is posted either blocks the host there until the offer comes,
+/// or is queued and finished later (at a `wait` on it, before any host wait that may block, or
+/// when its offer is found at a later post or compute launch), so that the compute after it in
+/// program order launches at once. Only pulls that need nothing after their post are ever
+/// deferred (see `src/runtime/cuda/transport/copy_engine.rs`).
+///
+/// Measured on 2x H200 at 8192^3 with one process per GPU (`bench/results/2026-11-26-h200x2.md`):
+/// deferring every pull helped AG+GEMM's prefetched ring (772.0 / 787.3 µs against 792.5 µs
+/// without), whose first pull precedes the run's first compute and whose sender's offer, a TCP
+/// hop away, arrives after the start barrier's skew; but it hurt GEMM+RS's accumulating ring
+/// (821.7 / 836.0 µs against 776.6 µs), whose pulls follow its computes.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DeferPulls {
+    /// Every pull blocks the host at its post until its offer is there.
+    Never,
+    /// Pulls posted before the run has launched its first compute op are deferred; later
+    /// pulls block as with [`Never`](Self::Never). The run's first compute never waits for a
+    /// peer's host, and the steady state is unchanged.
+    #[default]
+    BeforeCompute,
+    /// Every pull whose offer has not arrived is deferred.
+    Always,
 }
+
+impl DeferPulls {
+    /// The policy named `text`: `never` (or `0`, `off`, `false`, `no`), `before-compute`, or
+    /// `always` (or `1`, `on`, `true`, `yes`); case and surrounding blanks do not matter.
+    pub fn parse(text: &str) -> Option<DeferPulls> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "never" | "0" | "off" | "false" | "no" => Some(DeferPulls::Never),
+            "before-compute" => Some(DeferPulls::BeforeCompute),
+            "always" | "1" | "on" | "true" | "yes" => Some(DeferPulls::Always),
+            _ => None,
+        }
+    }
+
+    /// The policy of [`DEFER_PULLS_ENV`]'s value `env`: the default when it is unset, and (with
+    /// a warning) when it names no policy.
+    pub(crate) fn from_env(env: Option<&str>) -> DeferPulls {
+        let Some(text) = env else {
+            return DeferPulls::default();
+        };
+        DeferPulls::parse(text).unwrap_or_else(|| {
+            tracing::warn!(
+                "{DEFER_PULLS_ENV}={text:?} names no policy (never, before-compute, always): \
+                 using {:?}",
+                DeferPulls::default()
+            );
+            DeferPulls::default()
+        })
+    }
+
+    /// Whether a pull posted now is deferred when its offer is missing, `computed` saying
+    /// whether the run has launched a compute op yet.
+    pub(crate) fn defers(self, computed: bool) -> bool {
+        match self {
+            DeferPulls::Never => false,
+            DeferPulls::BeforeCompute => !computed,
+            DeferPulls::Always => true,
+        }
+    }
+}
+
+/// The environment variable that sets [`CudaConfig::defer_pulls`] by default.
+pub(crate) const DEFER_PULLS_ENV: &str = "MESHFLOW_DEFER_PULLS";
 
 /// GPU resources the caller owns, for [`CudaBackend::with_resources`](super::CudaBackend::with_resources).
 #[derive(Debug)]
@@ -187,16 +237,37 @@ impl AbortSignal {
 
 #[cfg(test)]
 mod tests {
-    use super::defer_pulls_default;
+    use super::DeferPulls;
 
     #[test]
-    fn deferral_is_off_unless_the_environment_turns_it_on() {
-        assert!(!defer_pulls_default(None));
-        for on in ["1", "on", "ON", "true", "yes", " 1 "] {
-            assert!(defer_pulls_default(Some(on)), "{on:?}");
+    fn the_environment_names_the_deferral_policy() {
+        assert_eq!(DeferPulls::from_env(None), DeferPulls::BeforeCompute);
+        for on in ["1", "on", "ON", "true", "yes", " 1 ", "always"] {
+            assert_eq!(DeferPulls::from_env(Some(on)), DeferPulls::Always, "{on:?}");
         }
-        for off in ["0", "off", "false", "no", ""] {
-            assert!(!defer_pulls_default(Some(off)), "{off:?}");
+        for off in ["0", "off", "false", "no", "Never"] {
+            assert_eq!(
+                DeferPulls::from_env(Some(off)),
+                DeferPulls::Never,
+                "{off:?}"
+            );
         }
+        assert_eq!(
+            DeferPulls::from_env(Some(" before-compute ")),
+            DeferPulls::BeforeCompute
+        );
+        // A value that names nothing keeps the default (with a warning).
+        for junk in ["", "sometimes"] {
+            assert_eq!(DeferPulls::parse(junk), None, "{junk:?}");
+            assert_eq!(DeferPulls::from_env(Some(junk)), DeferPulls::default());
+        }
+    }
+
+    #[test]
+    fn before_compute_defers_only_until_the_first_compute() {
+        assert!(DeferPulls::BeforeCompute.defers(false));
+        assert!(!DeferPulls::BeforeCompute.defers(true));
+        assert!(DeferPulls::Always.defers(true) && DeferPulls::Always.defers(false));
+        assert!(!DeferPulls::Never.defers(true) && !DeferPulls::Never.defers(false));
     }
 }

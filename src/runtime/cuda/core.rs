@@ -413,25 +413,7 @@ impl DeviceCore {
         self.uncollected.clear();
         self.deferred.clear();
         let barrier = Instant::now();
-        if let (Some(parties), Some(rdv)) = (self.start_barrier, self.rendezvous.clone()) {
-            let name = format!("meshflow/start/{}", self.runs);
-            rdv.barrier(&name, parties, self.timeout)
-                .map_err(|e| match e {
-                    RendezvousError::Aborted(reason) => BackendError::Aborted {
-                        failed_rank: self
-                            .abort
-                            .as_ref()
-                            .and_then(|a| a.first())
-                            .map_or(self.rank, |f| f.0),
-                        reason,
-                    },
-                    RendezvousError::Lost { rank, ref reason } => BackendError::Aborted {
-                        failed_rank: rank,
-                        reason: format!("rank {rank} stopped ({reason})"),
-                    },
-                    e => BackendError::Invalid(format!("rank {}: start barrier: {e}", self.rank)),
-                })?;
-        }
+        self.align_ranks("start")?;
         let main = self.streams[0].clone();
         self.run_host = RunHost {
             started: Some(Instant::now()),
@@ -441,6 +423,32 @@ impl DeviceCore {
         self.timeline
             .ensure_started(&main)
             .map_err(self.err("cuEventRecord"))
+    }
+
+    /// With a start barrier ([`Self::start_barrier`]), waits until every rank of the run got to
+    /// `what` (a timing barrier: the ranks leave it together, see `docs/architecture.md`,
+    /// "Timed runs"); without one, returns at once.
+    pub fn align_ranks(&self, what: &str) -> Result<(), BackendError> {
+        let (Some(parties), Some(rdv)) = (self.start_barrier, self.rendezvous.clone()) else {
+            return Ok(());
+        };
+        let name = format!("meshflow/{what}/{}", self.runs);
+        rdv.timing_barrier(&name, parties, self.timeout)
+            .map_err(|e| match e {
+                RendezvousError::Aborted(reason) => BackendError::Aborted {
+                    failed_rank: self
+                        .abort
+                        .as_ref()
+                        .and_then(|a| a.first())
+                        .map_or(self.rank, |f| f.0),
+                    reason,
+                },
+                RendezvousError::Lost { rank, ref reason } => BackendError::Aborted {
+                    failed_rank: rank,
+                    reason: format!("rank {rank} stopped ({reason})"),
+                },
+                e => BackendError::Invalid(format!("rank {}: {what} barrier: {e}", self.rank)),
+            })
     }
 
     /// Opens the profiling interval of a communication issued on the current stream by

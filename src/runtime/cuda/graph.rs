@@ -61,7 +61,9 @@ impl GraphRecorder {
         }
         let exec = made.map_err(|e| dev_err(core.rank, "cuStreamEndCapture", e))?;
         // The run's device time is that of the replays (the steps), not of the host's
-        // recording and instantiation, during which the device idles.
+        // recording and instantiation, during which the device idles. Instantiation takes
+        // each rank a different time: with a start barrier, the ranks meet again first.
+        core.align_ranks("replays")?;
         core.timeline
             .restart(&core.streams[0])
             .map_err(core.err("cuEventRecord"))?;

@@ -56,7 +56,7 @@ mod user_kernels;
 pub use self::core::CudaComm;
 pub use backend::CudaBackend;
 pub use compare::{run_and_compare_cuda, CudaCompareError};
-pub use config::{AbortSignal, CopyStream, CudaConfig, CudaResources};
+pub use config::{AbortSignal, CopyStream, CudaConfig, CudaResources, DeferPulls};
 pub use memory::CudaBuffer;
 pub use meshflow_kernels::proxy::WireChoice;
 pub use meshflow_passes::Transport;

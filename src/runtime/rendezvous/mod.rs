@@ -79,6 +79,19 @@ pub trait Rendezvous: Send + Sync + fmt::Debug {
     /// barrier name is used once.
     fn barrier(&self, name: &str, parties: usize, timeout: Duration)
         -> Result<(), RendezvousError>;
+    /// A [`barrier`](Self::barrier) whose parties leave as close together in time as the store
+    /// can make them: the start of a timed run, where a rank that starts its device work late
+    /// skews every phase that waits for peers (see `docs/architecture.md`, "Timed runs").
+    /// The default is [`barrier`](Self::barrier); the in-process store spins briefly instead
+    /// of sleeping, so its waiters leave within about a microsecond of the last arrival.
+    fn timing_barrier(
+        &self,
+        name: &str,
+        parties: usize,
+        timeout: Duration,
+    ) -> Result<(), RendezvousError> {
+        self.barrier(name, parties, timeout)
+    }
     /// Fails every current and future wait of every rank with [`RendezvousError::Aborted`]
     /// (best effort: a store that cannot be reached is only logged).
     fn abort(&self, reason: &str);

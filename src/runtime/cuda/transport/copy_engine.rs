@@ -23,11 +23,11 @@
 //! A reduce-scatter (sum, floating point) pulls chunk `my` of every peer's send buffer into a
 //! temporary and adds them to its own chunk (an elementwise kernel: the only SM work).
 //!
-//! A pull whose sender's offer has not arrived when it is posted is *deferred*
-//! ([`CudaConfig::defer_pulls`](crate::runtime::cuda::CudaConfig), opt-in): the post
-//! returns without waiting for the offer (across processes it takes a TCP hop, and the sender
-//! posts it only when its own host gets there), so that the compute after it in program order
-//! is launched at once. It runs on a companion stream of the posting stream, joined to it at
+//! A pull whose sender's offer has not arrived when it is posted may be *deferred*
+//! ([`CudaConfig::defer_pulls`](crate::runtime::cuda::CudaConfig) says when: by default only
+//! before the run's first compute launch): the post returns without waiting for the offer
+//! (across processes it takes a TCP hop, and the sender posts it only when its own host gets
+//! there), so that the compute after it in program order is launched at once. It runs on a companion stream of the posting stream, joined to it at
 //! the post; the stream it would have run on (the posting stream, or the copy stream) joins
 //! the companion once the pull is enqueued, so that later work there stays ordered after it
 //! as before. Taking the offer, the copy, the read report and the done event follow where
@@ -54,7 +54,7 @@ use crate::runtime::backend::{
     BackendError, CommRequest, InstCtx, PreorderIndex, TeamInfo, TensorView,
 };
 use crate::runtime::collective::member_buffers;
-use crate::runtime::cuda::config::CopyStream;
+use crate::runtime::cuda::config::{CopyStream, DeferPulls};
 use crate::runtime::cuda::core::{CudaComm, DeviceCore, DoneEvents};
 use crate::runtime::cuda::deferred::{Finish, Pending};
 use crate::runtime::cuda::memory::CudaBuffer;
@@ -64,14 +64,14 @@ use crate::runtime::cuda::profile::IntervalKind;
 pub(crate) struct CopyEngine {
     link: Arc<dyn PeerLink>,
     copy_stream: CopyStream,
-    /// Whether a pull whose offer has not arrived is deferred (see the module docs).
-    defer: bool,
+    /// When a pull whose offer has not arrived is deferred (see the module docs).
+    defer: DeferPulls,
     /// Per communication label: instances posted so far.
     seq: HashMap<usize, u64>,
 }
 
 impl CopyEngine {
-    pub fn new(link: Arc<dyn PeerLink>, copy_stream: CopyStream, defer: bool) -> CopyEngine {
+    pub fn new(link: Arc<dyn PeerLink>, copy_stream: CopyStream, defer: DeferPulls) -> CopyEngine {
         CopyEngine {
             link,
             copy_stream,
@@ -189,7 +189,7 @@ impl CommTransport for CopyEngine {
 struct Transfer<'l> {
     link: &'l Arc<dyn PeerLink>,
     copy_stream: CopyStream,
-    defer: bool,
+    defer: DeferPulls,
     label: usize,
     seq: u64,
 }
@@ -280,8 +280,9 @@ impl Transfer<'_> {
         self.copy_now(core, name, &key, (&s, lane), &src, dst, ctx)
     }
 
-    /// [`Self::pull_now`] if the offer of `from` is here (or deferral is off), else the pull
-    /// deferred (see the module docs): complete once the returned events are.
+    /// [`Self::pull_now`] if the offer of `from` is here (or the policy does not defer this
+    /// pull), else the pull deferred (see the module docs): complete once the returned events
+    /// are.
     fn pull_or_defer(
         &self,
         core: &mut DeviceCore,
@@ -291,7 +292,7 @@ impl Transfer<'_> {
         writes: CudaBuffer,
         ctx: InstCtx<'_>,
     ) -> Result<Posted, BackendError> {
-        if !self.defer {
+        if !self.defer.defers(core.run_host.first_compute.is_some()) {
             return Ok(Posted::Events(vec![
                 self.pull_now(core, name, from, dst, ctx)?
             ]));

@@ -15,7 +15,7 @@ use super::{copy_engine, moe_nccl, moe_nvlink, nccl, proxy, HubLink, PeerHub, Pe
 use crate::runtime::backend::{
     CommLabel, CommRequest, InstCtx, PreorderIndex, TeamId, TeamInfo, TensorView,
 };
-use crate::runtime::cuda::config::{CopyStream, CudaConfig};
+use crate::runtime::cuda::config::{CopyStream, CudaConfig, DeferPulls};
 use crate::runtime::cuda::core::{CudaComm, DeviceCore};
 use crate::runtime::cuda::deferred::Finish;
 use crate::runtime::cuda::memory::CudaBuffer;
@@ -282,16 +282,17 @@ fn two_gpus_with_peers(test: &str) -> Option<Arc<PeerHub>> {
     hub_with_peers(test)
 }
 
-/// How a copy engine of the tests runs its pulls: the copy stream, and whether pulls whose
+/// How a copy engine of the tests runs its pulls: the copy stream, and when pulls whose
 /// offers have not arrived are deferred.
-type Setting = (CopyStream, bool);
+type Setting = (CopyStream, DeferPulls);
 
-/// Every [`Setting`].
+/// The settings that every copy-engine test runs in (the policy that defers only before the
+/// first compute has its own test).
 const SETTINGS: [Setting; 4] = [
-    (CopyStream::Current, false),
-    (CopyStream::Dedicated, false),
-    (CopyStream::Current, true),
-    (CopyStream::Dedicated, true),
+    (CopyStream::Current, DeferPulls::Never),
+    (CopyStream::Dedicated, DeferPulls::Never),
+    (CopyStream::Current, DeferPulls::Always),
+    (CopyStream::Dedicated, DeferPulls::Always),
 ];
 
 /// Runs `f` on the pair once per setting of `settings`, each rank with a copy engine prepared
@@ -398,7 +399,11 @@ fn a_permute_sent_in_place_collects_its_completion_when_its_buffer_is_written() 
 #[test]
 fn a_pull_posted_before_its_offer_is_deferred_and_enqueued_once_the_offer_is_found() {
     let steps = std::sync::Barrier::new(2);
-    let deferring: Vec<Setting> = SETTINGS.iter().copied().filter(|s| s.1).collect();
+    let deferring: Vec<Setting> = SETTINGS
+        .iter()
+        .copied()
+        .filter(|s| s.1 == DeferPulls::Always)
+        .collect();
     with_copy_engines(
         "a_pull_posted_before_its_offer_is_deferred_and_enqueued_once_the_offer_is_found",
         "ce-defer-pulls",
@@ -437,6 +442,54 @@ fn a_pull_posted_before_its_offer_is_deferred_and_enqueued_once_the_offer_is_fou
                 [true, true, true, true],
                 "{setting:?}: rank 0 deferred"
             );
+            assert_eq!(
+                seen1,
+                [false, false],
+                "{setting:?}: rank 1 found the offers"
+            );
+            assert_eq!((a0, b0), (values(1, 1024), values(1, 1024)), "{setting:?}");
+            assert_eq!((a1, b1), (values(0, 1024), values(0, 1024)), "{setting:?}");
+        },
+    );
+}
+
+#[test]
+fn before_the_first_compute_a_pull_is_deferred_after_it_the_host_waits() {
+    let steps = std::sync::Barrier::new(2);
+    let settings = [
+        (CopyStream::Current, DeferPulls::BeforeCompute),
+        (CopyStream::Dedicated, DeferPulls::BeforeCompute),
+    ];
+    with_copy_engines(
+        "before_the_first_compute_a_pull_is_deferred_after_it_the_host_waits",
+        "ce-defer-before-compute",
+        &settings,
+        |r, ce| {
+            let team = r.team.clone();
+            let (i, a) = r.values_and_zeros(1024);
+            let b = r.zeros(DType::F32, &[1024]);
+            let second = permute_labelled(1, &team, &i, &b);
+            r.core.step_started().expect("run start");
+            let mut seen = Vec::new();
+            if team.my_index == 0 {
+                // No compute launched yet: the pull without its offer is deferred.
+                seen.push(r.post(ce, &permute(&team, &i, &a)));
+                r.core.run_host.computing();
+                steps.wait();
+                // A compute was launched: this post waits for rank 1's offers (the deferred
+                // pull first) instead of deferring.
+                seen.push(r.post(ce, &second));
+            } else {
+                steps.wait();
+                std::thread::sleep(Duration::from_millis(20));
+                seen.push(r.post(ce, &permute(&team, &i, &a)));
+                seen.push(r.post(ce, &second));
+            }
+            (seen, r.read(&a), r.read(&b))
+        },
+        |setting, got| {
+            let [(seen0, a0, b0), (seen1, a1, b1)] = got;
+            assert_eq!(seen0, [true, false], "{setting:?}: rank 0");
             assert_eq!(
                 seen1,
                 [false, false],
