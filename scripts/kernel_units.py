@@ -18,7 +18,13 @@ CUDA = os.path.join(ROOT, "kernels", "cuda")
 FLOATS = ["f32", "bf16", "f16"]
 # Sources appended to another before compiling (the concat! of Source::text in sources.rs).
 PARTS = {
-    "moe.cu": ["moe_combine.cu", "moe_fused.cu", "moe_fused_warp.cu", "moe_fused_warp_combine.cu"],
+    "moe.cu": [
+        "moe_dispatch.cu",
+        "moe_combine.cu",
+        "moe_fused.cu",
+        "moe_fused_warp.cu",
+        "moe_fused_warp_combine.cu",
+    ],
 }
 APPENDED = {p for parts in PARTS.values() for p in parts}
 

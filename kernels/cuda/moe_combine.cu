@@ -1,10 +1,10 @@
 #line 1 "moe_combine.cu"
-// moe_combine.cu: the combine side of the MoE kernels of moe.cu (appended to it, whose helpers it
-// uses; moe_fused.cu and the warp kernels, appended after this file, use the helpers here): the
-// partial rows of the expert side (one per received row: the weighted sum of its local expert
-// rows in k order), the token side's rank-ordered sum of the partials, the NVLink late weights,
-// and the entry points of the split combine kernels (NCCL and NVLink). Host side:
-// kernels/src/moe/kernel_calls.rs.
+// moe_combine.cu: the combine side of the MoE kernels of moe.cu (appended to it after
+// moe_dispatch.cu, whose helpers it uses, Sources and valid_rows among them; moe_fused.cu and the
+// warp kernels, appended after this file, use the helpers here): the partial rows of the expert
+// side (one per received row: the weighted sum of its local expert rows in k order), the token
+// side's rank-ordered sum of the partials, the NVLink late weights, and the entry points of the
+// split combine kernels (NCCL and NVLink). Host side: kernels/src/moe/kernel_calls.rs.
 
 // ---- combine, expert side ------------------------------------------------------------------
 //

@@ -1,7 +1,8 @@
 #line 1 "moe_fused.cu"
-// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu after moe_combine.cu, whose
-// helpers they use; the warp dispatch, moe_fused_warp.cu, and the warp combine,
-// moe_fused_warp_combine.cu, are appended after this file; host side: kernels/src/moe/fused.rs).
+// moe_fused.cu: the fused NVLink MoE kernels (appended to moe.cu after moe_dispatch.cu and
+// moe_combine.cu, whose helpers they use; the warp dispatch, moe_fused_warp.cu, and the warp
+// combine, moe_fused_warp_combine.cu, are appended after this file; host side:
+// kernels/src/moe/fused.rs).
 //
 // One kernel per phase instead of two, with the receive side overlapping the peers' sends:
 //

@@ -26,8 +26,8 @@ pub enum Source {
     Reduce,
     /// `fill.cu`: fill with a raw value.
     Fill,
-    /// `moe.cu` with `moe_combine.cu`, `moe_fused.cu`, `moe_fused_warp.cu` and
-    /// `moe_fused_warp_combine.cu` (appended): MoE dispatch / combine (NCCL and NVLink
+    /// `moe.cu` with `moe_dispatch.cu`, `moe_combine.cu`, `moe_fused.cu`, `moe_fused_warp.cu`
+    /// and `moe_fused_warp_combine.cu` (appended): MoE dispatch / combine (NCCL and NVLink
     /// transports, [`crate::moe`]); its typed kernels are compiled one by one.
     Moe,
     /// `rows.cu`: max/min/avg reductions, softmax and rms_norm along one axis.
@@ -79,10 +79,13 @@ impl Source {
             Source::Copy => include_str!("../../cuda/copy.cu"),
             Source::Reduce => include_str!("../../cuda/reduce.cu"),
             Source::Fill => include_str!("../../cuda/fill.cu"),
-            // Each file uses the helpers of the files before it (moe_combine.cu moe.cu's, the fused
-            // kernels both): one module, each file its own `#line` directive.
+            // Each file uses the helpers of the files before it (moe_dispatch.cu moe.cu's,
+            // moe_combine.cu both, the fused kernels all three): one module, each appended file
+            // its own `#line` directive.
             Source::Moe => concat!(
                 include_str!("../../cuda/moe.cu"),
+                "\n",
+                include_str!("../../cuda/moe_dispatch.cu"),
                 "\n",
                 include_str!("../../cuda/moe_combine.cu"),
                 "\n",

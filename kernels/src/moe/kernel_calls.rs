@@ -230,9 +230,9 @@ pub(crate) fn nvl_dispatch_send(
     k.call(stream, Source::Moe, &name, grid, ROW_BLOCK, &mut args)
 }
 
-/// Where a receiver finds the rows and counts of every source (see `Sources` in `moe.cu`):
-/// source `s`'s rows start at `(s == rank ? own : other) + s * block_bytes + row_off`, its
-/// count at `(s == rank ? own_cnt : other_cnt) + s * cnt_stride`.
+/// Where a receiver finds the rows and counts of every source (see `Sources` in
+/// `moe_dispatch.cu`): source `s`'s rows start at `(s == rank ? own : other) + s * block_bytes +
+/// row_off`, its count at `(s == rank ? own_cnt : other_cnt) + s * cnt_stride`.
 pub(crate) struct SourceRows<'a> {
     pub own: &'a DeviceBuffer,
     pub other: &'a DeviceBuffer,

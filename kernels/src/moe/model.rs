@@ -205,7 +205,7 @@ pub(crate) fn run(
         }
     }
 
-    // Where a rank finds the rows and count of source s (`Sources` in moe.cu).
+    // Where a rank finds the rows and count of source s (`Sources` in moe_dispatch.cu).
     let row_base = |s: usize| -> usize {
         match net {
             Net::Nvlink => sym.rows + s * t * stride,

@@ -67,10 +67,11 @@ use std::collections::{HashMap, HashSet};
 
 use meshflow_ir::host::EvalError;
 use meshflow_ir::text::inst_to_string;
-use meshflow_ir::{DeviceId, EntityRef, HostProgram, LoopVar, Team};
+use meshflow_ir::{Arena, DeviceId, EntityRef, HostProgram, LoopVar, Team};
 
 use super::error::{CheckError, RaceAccess, Site};
 use super::events::{InstInfo, Iteration};
+use crate::runtime::backend::PreorderIndex;
 use prog::{Item, Prog};
 use walk::{At, Walker};
 
@@ -93,12 +94,13 @@ struct Rank {
 /// What the walks found.
 struct Findings {
     errors: Vec<CheckError>,
-    reported: HashSet<(u32, u32)>,
-    eval_reported: HashSet<(u32, &'static str)>,
+    reported: HashSet<(PreorderIndex, PreorderIndex)>,
+    eval_reported: HashSet<(PreorderIndex, &'static str)>,
     budget: usize,
     /// Fold long loops (off only in tests that compare with the unrolled walk).
     fold: bool,
-    insts: Vec<(String, meshflow_ir::SourceLoc)>,
+    /// Each instruction's text and source location, by pre-order position.
+    insts: Arena<PreorderIndex, (String, meshflow_ir::SourceLoc)>,
     labels: Vec<String>,
     group_of: Vec<Option<usize>>,
     tensor_names: Vec<String>,
@@ -113,10 +115,10 @@ impl Findings {
         Ok(())
     }
 
-    fn site(&mut self, ord: u32, iteration: &[(LoopVar, i64)]) -> Site {
+    fn site(&mut self, ord: PreorderIndex, iteration: &[(LoopVar, i64)]) -> Site {
         let (text, loc) = self
             .insts
-            .get(ord as usize)
+            .get(ord)
             .cloned()
             .unwrap_or_else(|| (String::new(), meshflow_ir::SourceLoc::NONE));
         Site {
@@ -128,7 +130,7 @@ impl Findings {
     fn eval_error(
         &mut self,
         rank: DeviceId,
-        ord: u32,
+        ord: PreorderIndex,
         what: &'static str,
         iteration: std::sync::Arc<[(LoopVar, i64)]>,
         error: EvalError,
@@ -340,7 +342,7 @@ fn walk_ranks(host: &HostProgram, world_size: usize, fold: bool) -> (Vec<CheckEr
         fold,
         insts: prog
             .insts
-            .iter()
+            .values()
             .map(|i| (inst_to_string(host, i), i.loc))
             .collect(),
         labels: prog.labels.iter().map(|c| c.to_string()).collect(),

@@ -4,11 +4,12 @@
 use std::collections::{BTreeSet, HashMap};
 
 use meshflow_ir::{
-    CommId, CommKind, EntityRef, Expr, HostProgram, Inst, InstKind, LoopVar, MeshId, ParallelType,
-    StreamRef, Team,
+    Arena, CommId, CommKind, EntityRef, Expr, HostProgram, Inst, InstKind, LoopVar, MeshId,
+    ParallelType, StreamRef, Team,
 };
 
 use super::fold::{classify, Dep};
+use crate::runtime::backend::PreorderIndex;
 
 /// A stream operand: a saved variable or a worker number.
 pub(super) enum Sel<'h> {
@@ -16,10 +17,11 @@ pub(super) enum Sel<'h> {
     Worker(&'h Expr),
 }
 
-/// An instruction the walk executes (`ord` is its pre-order index, as in the runtime).
+/// An instruction the walk executes (`ord` is its position in program pre-order, numbered as
+/// the runtime numbers it).
 pub(super) enum Item<'h> {
     Loop {
-        ord: u32,
+        ord: PreorderIndex,
         var: LoopVar,
         start: &'h Expr,
         stop: &'h Expr,
@@ -37,15 +39,15 @@ pub(super) enum Item<'h> {
         var: usize,
     },
     SetStream {
-        ord: u32,
+        ord: PreorderIndex,
         stream: Sel<'h>,
     },
     Sync {
-        ord: u32,
+        ord: PreorderIndex,
         stream: Sel<'h>,
     },
     Shard {
-        ord: u32,
+        ord: PreorderIndex,
         out: usize,
         input: usize,
         axis: usize,
@@ -54,7 +56,7 @@ pub(super) enum Item<'h> {
     },
     /// Elements `[start, start + length)` of `input` along `axis`.
     Narrow {
-        ord: u32,
+        ord: PreorderIndex,
         out: usize,
         input: usize,
         axis: usize,
@@ -64,7 +66,7 @@ pub(super) enum Item<'h> {
     /// A communication: taken by team members; reads and writes the buffers they hold
     /// (`strict`: MoE ops, skipped unless every buffer is held).
     Comm {
-        ord: u32,
+        ord: PreorderIndex,
         label: usize,
         team: &'h Team,
         /// The kind and root of a collective (which buffers each member touches).
@@ -82,7 +84,7 @@ pub(super) enum Item<'h> {
     },
     /// A compute op or kernel launch: runs when every tensor is held.
     Compute {
-        ord: u32,
+        ord: PreorderIndex,
         reads: Vec<usize>,
         writes: Vec<usize>,
     },
@@ -93,7 +95,7 @@ pub(super) struct Prog<'h> {
     pub host: &'h HostProgram,
     pub items: Vec<Item<'h>>,
     /// Instructions by `ord`.
-    pub insts: Vec<&'h Inst>,
+    pub insts: Arena<PreorderIndex, &'h Inst>,
     /// Labels by index.
     pub labels: Vec<CommId>,
     /// Per label, the coalescing group's label it was posted in.
@@ -108,7 +110,7 @@ pub(super) struct Prog<'h> {
 }
 
 struct Builder<'h> {
-    insts: Vec<&'h Inst>,
+    insts: Arena<PreorderIndex, &'h Inst>,
     label_of: HashMap<CommId, usize>,
     labels: Vec<CommId>,
     group_of: Vec<Option<usize>>,
@@ -174,8 +176,7 @@ impl<'h> Builder<'h> {
     fn block(&mut self, block: &'h [Inst]) -> Vec<Item<'h>> {
         let mut items = Vec::new();
         for inst in block {
-            let ord = self.insts.len() as u32;
-            self.insts.push(inst);
+            let ord = self.insts.push(inst);
             let item = match &inst.kind {
                 InstKind::ForLoop {
                     index,
@@ -352,7 +353,7 @@ impl<'h> Prog<'h> {
     /// Prepares `host`.
     pub fn new(host: &'h HostProgram) -> Prog<'h> {
         let mut b = Builder {
-            insts: Vec::new(),
+            insts: Arena::new(),
             label_of: HashMap::new(),
             labels: Vec::new(),
             group_of: Vec::new(),

@@ -15,6 +15,7 @@ use super::fold::Window;
 use super::prog::{Item, Prog, Sel};
 use super::{Findings, Rank};
 use crate::ordering::{collective_accesses, Access, Clocks, Region, Scope, Shadow, Span};
+use crate::runtime::backend::PreorderIndex;
 
 /// Loops with more iterations than this may be folded.
 pub(super) const UNROLL: i64 = 64;
@@ -25,15 +26,15 @@ const MAX_REACH: i64 = 4096;
 
 /// Per access (instruction, operand), how it moves from one period to the next: the axis
 /// and the step in elements (only accesses that move).
-type Shifts = HashMap<(u32, u8), (usize, i64)>;
+type Shifts = HashMap<(PreorderIndex, u8), (usize, i64)>;
 
 /// Per access (instruction, operand), its buffer and region.
-type Seen = HashMap<(u32, u8), (usize, Vec<Span>)>;
+type Seen = HashMap<(PreorderIndex, u8), (usize, Vec<Span>)>;
 
 /// Who made an access, for reports.
 #[derive(Clone, Debug)]
 pub(super) struct At {
-    pub ord: u32,
+    pub ord: PreorderIndex,
     pub iteration: Arc<[(LoopVar, i64)]>,
     /// The worker number of the stream it ran on or was posted from (`None`: main).
     pub stream: Option<i64>,
@@ -185,7 +186,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         });
     }
 
-    fn eval(&mut self, ord: u32, what: &'static str, e: &Expr) -> Option<i64> {
+    fn eval(&mut self, ord: PreorderIndex, what: &'static str, e: &Expr) -> Option<i64> {
         let env = Env {
             loops: &self.loops,
             my: &self.my,
@@ -224,7 +225,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
         self.streams.get(self.current).copied().flatten()
     }
 
-    fn stream(&mut self, ord: u32, sel: &Sel<'_>) -> Option<usize> {
+    fn stream(&mut self, ord: PreorderIndex, sel: &Sel<'_>) -> Option<usize> {
         match sel {
             Sel::Var(v) => self.saved.get(*v).copied().flatten(),
             Sel::Worker(e) => {
@@ -451,7 +452,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
     #[allow(clippy::too_many_arguments)]
     fn accesses(
         &mut self,
-        ord: u32,
+        ord: PreorderIndex,
         reads: &[usize],
         writes: &[usize],
         timeline: usize,
@@ -567,7 +568,12 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
 
     /// At a folded loop's boundary, the region standing for the skipped iterations of the
     /// access's class, when the access translates with the loop.
-    fn union(&self, ord: u32, k: u8, view: &View) -> Option<(Arc<Region>, (LoopVar, i64, i64))> {
+    fn union(
+        &self,
+        ord: PreorderIndex,
+        k: u8,
+        view: &View,
+    ) -> Option<(Arc<Region>, (LoopVar, i64, i64))> {
         let b = self.boundary.as_ref()?;
         let &(axis, step) = b.shifts.get(&(ord, k))?;
         let (u0, u1) = b.window.unrecorded();
@@ -620,7 +626,7 @@ impl<'p, 'h, 'f> Walker<'p, 'h, 'f> {
     #[allow(clippy::too_many_arguments)]
     fn run_loop(
         &mut self,
-        ord: u32,
+        ord: PreorderIndex,
         var: LoopVar,
         start: &Expr,
         stop: &Expr,

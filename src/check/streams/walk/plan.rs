@@ -8,6 +8,7 @@ use super::super::fold::{lcm, Window};
 use super::super::prog::{Item, Sel};
 use super::{narrow, shard, whole, Seen, Shifts, View, Walker, MAX_PERIOD, MAX_REACH};
 use crate::ordering::Span;
+use crate::runtime::backend::PreorderIndex;
 
 impl Walker<'_, '_, '_> {
     /// Decides whether to fold a loop on this rank, and how: its period, the streams it can
@@ -133,7 +134,7 @@ impl Walker<'_, '_, '_> {
     ) -> Seen {
         let mut out = HashMap::new();
         let mut access =
-            |ord: u32, ts: &mut dyn Iterator<Item = &usize>, views: &[Option<View>]| {
+            |ord: PreorderIndex, ts: &mut dyn Iterator<Item = &usize>, views: &[Option<View>]| {
                 for (k, &t) in ts.enumerate() {
                     if let Some(Some(v)) = views.get(t) {
                         out.insert((ord, k as u8), (v.buffer, v.spans.clone()));
