@@ -112,7 +112,9 @@ impl Default for CudaConfig {
 /// deferring every pull helped AG+GEMM's prefetched ring (772.0 / 787.3 µs against 792.5 µs
 /// without), whose first pull precedes the run's first compute and whose sender's offer, a TCP
 /// hop away, arrives after the start barrier's skew; but it hurt GEMM+RS's accumulating ring
-/// (821.7 / 836.0 µs against 776.6 µs), whose pulls follow its computes.
+/// (821.7 / 836.0 µs against 776.6 µs), whose pulls follow its computes. On 2x H100 in one
+/// call (`bench/results/2026-11-26-h100x2.md`), AG+GEMM / GEMM+RS: never 784.5 / 784.8 µs,
+/// before the first compute 771.3 / 783.7 µs, always 787.3 / 808.2 µs.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, Hash)]
 pub enum DeferPulls {
     /// Every pull blocks the host at its post until its offer is there.
