@@ -508,8 +508,9 @@ mod tests {
             assert_eq!(p.transports(), vec![Transport::CopyEngine, Transport::Nccl]);
             let again = Profile::from_json(&p.to_json()).unwrap();
             assert_eq!(again, p);
+            // Every built-in profile is a measured one.
+            assert!(!p.provisional, "{name}");
         }
-        assert!(!Profile::builtin("h200x2").unwrap().provisional);
         assert!(Profile::builtin("a100x8").is_err());
         assert_eq!(Profile::default_builtin().name, DEFAULT);
     }
@@ -561,20 +562,27 @@ mod tests {
 
     #[test]
     fn the_copy_engine_falls_back_to_nccl_for_what_it_does_not_move() {
-        let p = Profile::default_builtin();
-        let ce = Transport::CopyEngine;
-        assert_eq!(p.mover(ce, Collective::Permute), ce);
-        assert_eq!(p.mover(ce, Collective::AllGather), Transport::Nccl);
-        assert_eq!(p.mover(ce, Collective::Reduce), Transport::Nccl);
-        let b = 64.0 * 1048576.0;
-        assert_eq!(
-            p.comm_us(ce, Collective::AllGather, b),
-            p.comm_us(Transport::Nccl, Collective::AllGather, b)
-        );
-        assert!(
-            p.comm_us(ce, Collective::Permute, b)
-                < p.comm_us(Transport::Nccl, Collective::Permute, b)
-        );
+        for name in BUILTIN {
+            let p = Profile::builtin(name).unwrap();
+            let ce = Transport::CopyEngine;
+            assert_eq!(p.mover(ce, Collective::Permute), ce, "{name}");
+            assert_eq!(
+                p.mover(ce, Collective::AllGather),
+                Transport::Nccl,
+                "{name}"
+            );
+            assert_eq!(p.mover(ce, Collective::Reduce), Transport::Nccl, "{name}");
+            let b = 64.0 * 1048576.0;
+            assert_eq!(
+                p.comm_us(ce, Collective::AllGather, b),
+                p.comm_us(Transport::Nccl, Collective::AllGather, b)
+            );
+            assert!(
+                p.comm_us(ce, Collective::Permute, b)
+                    < p.comm_us(Transport::Nccl, Collective::Permute, b),
+                "{name}"
+            );
+        }
     }
 
     #[test]
