@@ -69,3 +69,121 @@ pub fn load_profile(name_or_path: &str) -> Result<meshflow_passes::Profile, Pass
     })?;
     meshflow_passes::Profile::from_json(&text)
 }
+
+/// The machine profile a compile prices its plans with, and why (what `--explain` prints and
+/// the logs say), from [`choose_profile`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProfileChoice {
+    /// The profile.
+    pub profile: meshflow_passes::Profile,
+    /// Why this one, starting with the profile's name: `h100x2: built-in profile of NVIDIA H100
+    /// 80GB HBM3`, `h200x2: default, no built-in profile for NVIDIA A100-SXM4-80GB`,
+    /// `mine: given`.
+    pub reason: String,
+}
+
+impl ProfileChoice {
+    /// The choice of [`choose_profile`] without a profile or a GPU, and without logging it:
+    /// the built-in default ([`DEFAULT`](meshflow_passes::profile::DEFAULT)).
+    pub fn unknown_target() -> ProfileChoice {
+        ProfileChoice {
+            profile: meshflow_passes::Profile::default_builtin(),
+            reason: format!(
+                "{}: default, no GPU named (the target machine is unknown)",
+                meshflow_passes::profile::DEFAULT
+            ),
+        }
+    }
+}
+
+/// THE choice of the machine profile: the profile `given` (`--profile`, `profile=`,
+/// [`Options::profile`](crate::Options::profile)) wins; else the built-in profile of the GPU
+/// model the program runs on (`device`, as the driver names it, e.g. `NVIDIA H100 80GB HBM3`;
+/// [`Profile::builtin_for_device`](meshflow_passes::Profile::builtin_for_device)); else the
+/// default ([`DEFAULT`](meshflow_passes::profile::DEFAULT)), said in the reason: for a GPU no
+/// built-in profile describes, and where no GPU is named (`meshflow lower`, which cannot know
+/// the target). Logs the choice (`info`).
+pub fn choose_profile(
+    given: Option<meshflow_passes::Profile>,
+    device: Option<&str>,
+) -> ProfileChoice {
+    use meshflow_passes::profile::DEFAULT;
+    use meshflow_passes::Profile;
+    let choice = match (given, device) {
+        (Some(profile), _) => ProfileChoice {
+            reason: format!("{}: given", profile.name),
+            profile,
+        },
+        (None, Some(device)) => {
+            match Profile::builtin_for_device(device).map(|name| (name, Profile::builtin(name))) {
+                Some((name, Ok(profile))) => ProfileChoice {
+                    profile,
+                    reason: format!("{name}: built-in profile of {device}"),
+                },
+                // A built-in profile that does not read is caught by the tests; never here.
+                Some((_, Err(_))) | None => ProfileChoice {
+                    profile: Profile::default_builtin(),
+                    reason: format!("{DEFAULT}: default, no built-in profile for {device}"),
+                },
+            }
+        }
+        (None, None) => ProfileChoice::unknown_target(),
+    };
+    tracing::info!("machine profile {}", choice.reason);
+    choice
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshflow_passes::profile::DEFAULT;
+    use meshflow_passes::Profile;
+
+    #[test]
+    fn the_profile_is_the_given_one_else_the_gpu_models_else_the_default() {
+        for (device, name, reason) in [
+            (
+                "NVIDIA H100 80GB HBM3",
+                "h100x2",
+                "h100x2: built-in profile of NVIDIA H100 80GB HBM3",
+            ),
+            (
+                "NVIDIA H200",
+                "h200x2",
+                "h200x2: built-in profile of NVIDIA H200",
+            ),
+            (
+                "NVIDIA A100-SXM4-80GB",
+                DEFAULT,
+                "h200x2: default, no built-in profile for NVIDIA A100-SXM4-80GB",
+            ),
+        ] {
+            let c = choose_profile(None, Some(device));
+            assert_eq!(c.profile, Profile::builtin(name).unwrap(), "{device}");
+            assert_eq!(c.reason, reason);
+        }
+        // No GPU named: the default, said so.
+        let c = choose_profile(None, None);
+        assert_eq!(c, ProfileChoice::unknown_target());
+        assert_eq!(c.profile.name, DEFAULT);
+        assert_eq!(
+            c.reason,
+            "h200x2: default, no GPU named (the target machine is unknown)"
+        );
+        // A given profile wins over the GPU's, whatever its name.
+        let mut mine = Profile::builtin("h200x2").unwrap();
+        mine.name = "mine".into();
+        let c = choose_profile(Some(mine.clone()), Some("NVIDIA H100 80GB HBM3"));
+        assert_eq!((c.profile, c.reason.as_str()), (mine, "mine: given"));
+    }
+
+    #[test]
+    fn profiles_load_by_name_or_file() {
+        assert_eq!(load_profile("h100x2").unwrap().name, "h100x2");
+        let err = load_profile("/nonexistent/profile.json").unwrap_err();
+        assert!(
+            err.to_string().contains("neither a built-in profile"),
+            "{err}"
+        );
+    }
+}

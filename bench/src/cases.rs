@@ -259,31 +259,60 @@ fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static
 }
 
 /// The default lowering (no options: the schedule search's plan, over the transport it
-/// planned for), named `default: <plan>`.
-fn add_default(case: &mut Case, d: usize, s: Gemm3, streams: usize, rsmm: bool, inputs: usize) {
-    match default_lowered(d, s, DTYPE, rsmm, streams) {
-        Err(source) => case.add(
-            Role::Variant("default".into()),
-            Err(BenchError::Lower {
-                what: format!("{}: default", case.tag),
-                source: Box::new(source),
-            }),
-            NCCL,
-            inputs,
-            true,
-        ),
-        Ok((l, transport, plan)) => {
-            let setup = match transport {
+/// planned for, priced with the profile of the GPU model this process runs on, as `meshflow
+/// run --backend cuda` prices it), named `default: <plan>`. Returns the machine profile it was
+/// priced with and why.
+fn add_default(
+    case: &mut Case,
+    d: usize,
+    s: Gemm3,
+    streams: usize,
+    rsmm: bool,
+    inputs: usize,
+) -> Option<String> {
+    let device = match meshflow::runtime::cuda::target_device() {
+        Ok(name) => Some(name),
+        Err(e) => {
+            tracing::warn!(
+                "bench: {}: no GPU model to choose the profile by: {e}",
+                case.tag
+            );
+            None
+        }
+    };
+    match default_lowered(d, s, DTYPE, rsmm, streams, device.as_deref()) {
+        Err(source) => {
+            case.add(
+                Role::Variant("default".into()),
+                Err(BenchError::Lower {
+                    what: format!("{}: default", case.tag),
+                    source: Box::new(source),
+                }),
+                NCCL,
+                inputs,
+                true,
+            );
+            None
+        }
+        Ok(l) => {
+            tracing::info!(
+                "bench: {}: default: {}, priced with the profile {}",
+                case.tag,
+                l.plan,
+                l.profile
+            );
+            let setup = match l.transport {
                 Some(meshflow::Transport::Nccl) => NCCL,
                 _ => CE,
             };
             case.add(
-                Role::Variant(format!("default: {plan}")),
-                Ok(l.host),
+                Role::Variant(format!("default: {}", l.plan)),
+                Ok(l.lowered.host),
                 setup,
                 inputs,
                 true,
             );
+            Some(l.profile)
         }
     }
 }
@@ -365,6 +394,7 @@ fn base_case(
         parts: Vec::new(),
         torch: opts.torch.as_ref().and_then(|t| t.case(bench, s)).cloned(),
         variants: Vec::new(),
+        profile: None,
     }
 }
 
@@ -437,9 +467,9 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             let host = lower(v, Parts::Both, setup).map(|l| l.host);
             case.add(Role::Variant(name.to_string()), host, setup, 0, true);
         }
-        if !opts.graph_only && d > 1 {
-            add_default(&mut case, d, s, opts.stream_pool, false, 0);
-        }
+        let profile = (!opts.graph_only && d > 1)
+            .then(|| add_default(&mut case, d, s, opts.stream_pool, false, 0))
+            .flatten();
         if let Some(dir) = &opts.trace_dir {
             // The rings, and the pipeline's ring under the prefetch schedule (copy engine).
             let traced = AG_RINGS
@@ -456,7 +486,8 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 }
             }
         }
-        let base = base_case(&r, opts, "agmm", "all_gather", s, &device);
+        let mut base = base_case(&r, opts, "agmm", "all_gather", s, &device);
+        base.profile = profile;
         cases.push(finish(&r, case, &sets, &full, s, false, base)?);
     }
     Ok(cases)
@@ -573,10 +604,11 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             let host = lower(v, Parts::Both, setup);
             case.add(Role::Variant(name), host, setup, 0, true);
         }
-        if !opts.graph_only && d > 1 {
-            add_default(&mut case, d, s, opts.stream_pool, true, 0);
-        }
-        let base = base_case(&r, opts, "rsmm", "reduce_scatter", s, &device);
+        let profile = (!opts.graph_only && d > 1)
+            .then(|| add_default(&mut case, d, s, opts.stream_pool, true, 0))
+            .flatten();
+        let mut base = base_case(&r, opts, "rsmm", "reduce_scatter", s, &device);
+        base.profile = profile;
         cases.push(finish(&r, case, &sets, &full, s, true, base)?);
     }
     Ok(cases)

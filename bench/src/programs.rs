@@ -354,34 +354,55 @@ pub fn rsmm_lowered_over(
 
 /// The default lowering of an AG+GEMM (`rsmm`: false) or GEMM+RS (`rsmm`: true) case: the
 /// program with the resharded tensor left to the schedule search, compiled with no options
-/// but the stream pool. Also returns the transport the plans assume and the chosen plan.
+/// but the stream pool and the GPU model it runs on (`device`: as `meshflow run --backend
+/// cuda` names it, so that plans are priced with that model's profile, [`Options::device`]).
+/// Also returns the transport the plans assume, the chosen plan and the machine profile it was
+/// priced with and why ([`meshflow::Compiled::profile_reason`]).
 pub fn default_lowered(
     d: usize,
     s: Gemm3,
     dtype: DType,
     rsmm: bool,
     streams: usize,
-) -> Result<(Lowered, Option<meshflow::Transport>, String), Error> {
+    device: Option<&str>,
+) -> Result<DefaultLowered, Error> {
     let program = if rsmm {
         rsmm_searched_program(d, s, dtype)
     } else {
         agmm_program(d, s, dtype, AgVariant::Default)
     };
-    let options = Options::new().check(false).streams(streams.max(1));
+    let mut options = Options::new().check(false).streams(streams.max(1));
+    if let Some(device) = device {
+        options = options.device(device);
+    }
     let c = compile(&program, &options)?;
     let plan = c
         .explain()
         .iter()
         .find(|r| !r.tensor.is_empty())
         .map_or_else(|| "collective".to_string(), |r| r.chosen.clone());
-    Ok((
-        Lowered {
+    Ok(DefaultLowered {
+        lowered: Lowered {
             host: c.host().clone(),
             program: c.level1()?.clone(),
         },
-        c.transport(),
+        transport: c.transport(),
         plan,
-    ))
+        profile: options.profile_reason().to_string(),
+    })
+}
+
+/// What [`default_lowered`] gives back.
+#[derive(Clone, Debug)]
+pub struct DefaultLowered {
+    /// The programs.
+    pub lowered: Lowered,
+    /// The transport the plans assume.
+    pub transport: Option<meshflow::Transport>,
+    /// The plan the schedule search took (`collective` where nothing was searched).
+    pub plan: String,
+    /// The machine profile the plans were priced with, and why.
+    pub profile: String,
 }
 
 fn keep_block(b: &Block, parts: Parts) -> Block {

@@ -130,6 +130,7 @@ mod tests {
             dtype: "bf16",
             world: 2,
             device: "GPU".into(),
+            profile: None,
             comm_name: "reduce_scatter",
             comm: t.clone(),
             gemm: t,

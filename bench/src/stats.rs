@@ -99,6 +99,9 @@ pub struct CaseResult {
     pub bound_us: f64,
     /// The variants.
     pub variants: Vec<VariantResult>,
+    /// The machine profile the default row was priced with and why (`h100x2: built-in
+    /// profile of NVIDIA H100 80GB HBM3`); `None` without a default row.
+    pub profile: Option<String>,
 }
 
 impl CaseResult {
@@ -119,9 +122,12 @@ impl CaseResult {
         let ratio = |us: f64, other: Option<f64>| {
             other.map_or_else(String::new, |o| format!("{:.2}", us / o))
         };
-        let mut s = format!(
-            "### {}\n\n| what | µs | / bound | / torch sequential | / torch async-TP | host µs/step |\n|---|---:|---:|---:|---:|---:|\n",
-            self.title()
+        let mut s = format!("### {}\n\n", self.title());
+        if let Some(p) = &self.profile {
+            let _ = writeln!(s, "The default row is priced with the profile {p}.\n");
+        }
+        s.push_str(
+            "| what | µs | / bound | / torch sequential | / torch async-TP | host µs/step |\n|---|---:|---:|---:|---:|---:|\n",
         );
         let _ = writeln!(
             s,
@@ -368,6 +374,7 @@ mod tests {
                 sequential_us: Some(20.0),
                 ..TorchCase::default()
             }),
+            profile: Some("h100x2: built-in profile of GPU".into()),
             variants: vec![VariantResult {
                 name: "ring".into(),
                 timing: t,
@@ -386,6 +393,14 @@ mod tests {
             c.table()
         );
         assert!(j.contains("\"sequential_us\": 20.000"), "{j}");
+        assert!(
+            c.table().contains(
+                "\n\nThe default row is priced with the profile h100x2: built-in profile of \
+                 GPU.\n\n| what |"
+            ),
+            "{}",
+            c.table()
+        );
         let p = PermuteResult {
             bytes: 64 << 20,
             world: 2,

@@ -84,7 +84,9 @@ pub struct CompileArgs {
     #[arg(long, value_enum, default_value_t = ScheduleArg::Auto)]
     pub schedule: ScheduleArg,
     /// The machine profile the schedule search prices plans with: a built-in name (`h200x2`,
-    /// the default, or `h100x2`) or a JSON file.
+    /// `h100x2`) or a JSON file. Default: with `--backend cuda`, the built-in profile of the
+    /// GPU model the run executes on (`h200x2` when none describes it); elsewhere (`lower`,
+    /// `check`, the CPU backend), `h200x2`: the target is unknown, name it here.
     #[arg(long, value_name = "NAME|FILE")]
     pub profile: Option<String>,
     /// Force the transport instead of letting the schedule search pick it: `nccl` or
@@ -227,6 +229,31 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
         options = options.disable_pass(p.clone());
     }
     Ok(options)
+}
+
+/// `options` for a program lowered to run on the GPUs of this process (`--backend cuda`):
+/// unless `--profile` was given, plans are priced with the built-in profile of their model
+/// ([`Options::device`], [`meshflow::pipeline::choose_profile`]). Where no GPU answers, the
+/// default stays (the run itself then says why it cannot start).
+pub fn on_gpus(options: Options) -> Options {
+    #[cfg(feature = "cuda")]
+    match meshflow::runtime::cuda::target_device() {
+        Ok(name) => return options.device(&name),
+        Err(e) => tracing::warn!("no GPU model to choose the machine profile by: {e}"),
+    }
+    options
+}
+
+/// The `profile:` line of `--explain`: the machine profile the plans were priced with and
+/// why, with the `--profile` argument when one was given (nothing for host IR).
+pub fn profile_line(compile: &CompileArgs, compiled: &Compiled) -> String {
+    let Some(reason) = compiled.profile_reason() else {
+        return String::new();
+    };
+    match &compile.profile {
+        Some(arg) => format!("profile: {reason} (--profile {arg})\n"),
+        None => format!("profile: {reason}\n"),
+    }
 }
 
 /// `WORLD_SIZE` when this process is a rank started by `meshflow launch` (or torchrun: `RANK`

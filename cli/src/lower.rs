@@ -7,7 +7,8 @@ use clap::Args;
 use meshflow::compile;
 
 use super::common::{
-    options, print_err, print_out, refuse_lowering_flags, CliError, CompileArgs, Input, ProgramArgs,
+    options, print_err, print_out, profile_line, refuse_lowering_flags, CliError, CompileArgs,
+    Input, ProgramArgs,
 };
 
 /// Arguments of `lower`.
@@ -61,6 +62,7 @@ pub fn run(args: LowerArgs) -> Result<(), CliError> {
     }
     if args.explain {
         let mut text = String::from("// ===== decompositions =====\n");
+        text.push_str(&profile_line(&args.compile, &compiled));
         if compiled.explain().is_empty() {
             text.push_str("no resharding\n");
         }

@@ -26,7 +26,10 @@ use meshflow::runtime::rendezvous::TorchrunEnv;
 use meshflow::runtime::trace::Trace;
 use meshflow::Compiled;
 
-use super::common::{options, print_out, CliError, CompileArgs, Input, OutputFile, ProgramArgs};
+use super::common::{
+    on_gpus, options, print_out, profile_line, CliError, CompileArgs, Input, OutputFile,
+    ProgramArgs,
+};
 use super::node::ExecArgs;
 
 /// Where the ranks run.
@@ -83,6 +86,10 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     if from_host {
         args.compile.refuse_for_host(&args.program.file)?;
     }
+    let options = match args.backend {
+        BackendKind::Cuda if !from_host => on_gpus(options),
+        _ => options,
+    };
     let compiled = args.program.compile(input, &options)?;
     let host = compiled.host();
     let world = host.world_size();
@@ -133,6 +140,9 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         summary.push_str(&format!(
             "note: ranks {world}..{ranks} hold no tensor of this program and stay idle\n"
         ));
+    }
+    if args.explain {
+        summary.push_str(&profile_line(&args.compile, &compiled));
     }
     if args.explain && args.backend == BackendKind::Cpu {
         summary.push_str(if nodes > 1 {

@@ -15,7 +15,9 @@ use meshflow::runtime::cpu::CpuConfig;
 use meshflow::runtime::ranks::{run_cpu, CpuOptions, RunInputs};
 use meshflow::runtime::trace::Trace;
 
-use super::common::{options, print_out, CliError, CompileArgs, Input, OutputFile, ProgramArgs};
+use super::common::{
+    on_gpus, options, print_out, CliError, CompileArgs, Input, OutputFile, ProgramArgs,
+};
 use super::run::BackendKind;
 
 /// Arguments of `trace`.
@@ -55,9 +57,14 @@ pub fn run(args: TraceArgs) -> Result<(), CliError> {
     let svg_file = OutputFile::create(&svg_path, "timeline")?;
     let options = options(&args.program, Some(&args.compile))?.check(false);
     let input = args.program.load_any(&options)?;
-    if matches!(input, Input::Host(_)) {
+    let options = if matches!(input, Input::Host(_)) {
         args.compile.refuse_for_host(&args.program.file)?;
-    }
+        options
+    } else if args.backend == BackendKind::Cuda {
+        on_gpus(options)
+    } else {
+        options
+    };
     let compiled = args.program.compile(input, &options)?;
     let host = compiled.host();
     let ranks = compiled.world_size();

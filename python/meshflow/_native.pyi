@@ -95,6 +95,7 @@ class Program:
         accumulate: Optional[Mapping[str, bool]] = ...,
         transport: Optional[str] = ...,
         profile: Optional[str] = ...,
+        device: Optional[str] = ...,
         disable_passes: Optional[Sequence[str]] = ...,
         verify_each_pass: Optional[bool] = ...,
         dump_after: Optional[str] = ...,
@@ -130,6 +131,8 @@ class HostProgram:
     def explain(self) -> str: ...
     @property
     def plans(self) -> dict[str, dict[str, Any]]: ...
+    @property
+    def profile(self) -> Optional[str]: ...
     @property
     def transport(self) -> Optional[str]: ...
     @property

@@ -12,7 +12,7 @@ use meshflow::{Decomposition, Options, Transport};
 use crate::errors::error;
 
 /// The option names, in the order the docs list them.
-pub const NAMES: [&str; 13] = [
+pub const NAMES: [&str; 14] = [
     "ranks",
     "streams",
     "schedule",
@@ -21,6 +21,7 @@ pub const NAMES: [&str; 13] = [
     "accumulate",
     "transport",
     "profile",
+    "device",
     "disable_passes",
     "verify_each_pass",
     "dump_after",
@@ -29,10 +30,12 @@ pub const NAMES: [&str; 13] = [
 ];
 
 /// Builds the options from keyword arguments; `ranks` defaults to `default_ranks` (the value
-/// given to `load`/`parse`). Unknown names are a `TypeError`, bad values a `ValueError`.
+/// given to `load`/`parse`), `device` to `default_device` (the GPU model a `run` on
+/// `"cuda"` executes on). Unknown names are a `TypeError`, bad values a `ValueError`.
 pub fn from_kwargs(
     kwargs: Option<&Bound<'_, PyDict>>,
     default_ranks: Option<usize>,
+    default_device: Option<&str>,
 ) -> PyResult<Options> {
     let ranks = match kwargs.map(|k| k.get_item("ranks")).transpose()?.flatten() {
         Some(v) if !v.is_none() => Some(positive(&v, "ranks")?),
@@ -42,6 +45,9 @@ pub fn from_kwargs(
         Some(r) => Options::for_ranks(r),
         None => Options::new(),
     };
+    if let Some(device) = default_device {
+        o = o.device(device);
+    }
     let Some(kwargs) = kwargs else {
         return Ok(o);
     };
@@ -106,6 +112,7 @@ pub fn from_kwargs(
                     .map_err(|e| error(meshflow::Error::Compile(e)))?;
                 o.profile(profile)
             }
+            "device" => o.device(&value.extract::<String>()?),
             "disable_passes" => {
                 let names: Vec<String> = value.extract()?;
                 names.into_iter().fold(o, Options::disable_pass)

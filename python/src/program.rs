@@ -55,7 +55,17 @@ pub struct Program {
 impl Program {
     /// Lowers with the keyword options.
     pub fn compile(&self, kwargs: Option<&Bound<'_, PyDict>>) -> PyResult<(Compiled, Options)> {
-        let options = from_kwargs(kwargs, self.ranks)?;
+        self.compile_on(kwargs, None)
+    }
+
+    /// Lowers with the keyword options for a run on GPUs of model `device` (plans priced with
+    /// its built-in profile unless `profile` or `device` is given).
+    fn compile_on(
+        &self,
+        kwargs: Option<&Bound<'_, PyDict>>,
+        device: Option<&str>,
+    ) -> PyResult<(Compiled, Options)> {
+        let options = from_kwargs(kwargs, self.ranks, device)?;
         let compiled = compile(&self.program, &options).map_err(error)?;
         Ok((compiled, options))
     }
@@ -109,7 +119,9 @@ impl Program {
     /// `"prefetch"`), `decompose` (`{tensor: "collective" | "broadcast" | "reduce" | "ring" |
     /// "ring_forward" | "ring_bidirectional"}`), `transport` (`"nccl"`, `"copy-engine"`,
     /// `"host-proxy"`, `"nvlink"`),
-    /// `profile` (`"h200x2"`, `"h100x2"` or a JSON file), `disable_passes`,
+    /// `profile` (`"h200x2"`, `"h100x2"` or a JSON file; default: the built-in profile of
+    /// `device`, the GPU model the program will run on as the driver names it, e.g.
+    /// `torch.cuda.get_device_name()`; `h200x2` without either), `disable_passes`,
     /// `verify_each_pass`, `dump_after`, `check`, `graph` (GPU executors record every step as a
     /// CUDA graph and replay it).
     #[pyo3(signature = (**options))]
@@ -140,7 +152,8 @@ impl Program {
     /// Lowers the program, runs it on `ranks` ranks of `backend` with seeded random inputs and
     /// compares every output with the unsharded reference. Returns a `RunResult` (`.ok`,
     /// `.errors`, `.outputs` as numpy arrays). Backends: `"cpu"` (ranks as threads), and
-    /// `"cuda"` in wheels built with CUDA (one GPU per rank, in this process).
+    /// `"cuda"` in wheels built with CUDA (one GPU per rank, in this process; the plans are
+    /// priced with the built-in profile of those GPUs unless `profile` is given).
     #[pyo3(signature = (backend = "cpu", ranks = None, seed = 0, **options))]
     fn run(
         &self,
@@ -151,7 +164,11 @@ impl Program {
         options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<crate::run::RunResult> {
         let py_options = with_item(py, options, "ranks", ranks)?;
-        let (compiled, _) = self.compile(py_options.as_ref())?;
+        let device = match backend {
+            "cuda" => crate::run::gpu_model(),
+            _ => None,
+        };
+        let (compiled, _) = self.compile_on(py_options.as_ref(), device.as_deref())?;
         crate::run::run(py, &self.program, compiled, backend, seed)
     }
 
@@ -384,6 +401,13 @@ impl HostProgram {
             out.set_item(name, d)?;
         }
         Ok(out)
+    }
+
+    /// The machine profile the plans were priced with and why (`"h100x2: built-in profile of
+    /// NVIDIA H100 80GB HBM3"`); `None` for a host program loaded from text.
+    #[getter]
+    fn profile(&self) -> Option<&str> {
+        self.compiled.profile_reason()
     }
 
     /// The transport the plans assume (`"nccl"`, `"copy-engine"`), if any was priced.

@@ -176,6 +176,19 @@ fn run_cpu(
         .map_err(error)
 }
 
+/// The GPU model a run on `"cuda"` executes on (`None` where no GPU answers: the run then says
+/// why it cannot start).
+#[cfg(feature = "cuda")]
+pub fn gpu_model() -> Option<String> {
+    meshflow::runtime::cuda::target_device().ok()
+}
+
+/// Without CUDA there is no GPU model (a run on `"cuda"` is refused).
+#[cfg(not(feature = "cuda"))]
+pub fn gpu_model() -> Option<String> {
+    None
+}
+
 /// Every rank on its own GPU of this process (feature `cuda`).
 #[cfg(feature = "cuda")]
 fn run_cuda(

@@ -117,3 +117,21 @@ def test_the_reduce_scatter_ring_is_forced_through_the_options():
     with pytest.raises(ValueError, match="pieces must be positive"):
         program.lower(pieces={"y": 0})
     assert {"pieces", "accumulate"} <= set(meshflow.OPTION_NAMES)
+
+
+def test_the_profile_is_the_given_one_else_the_gpu_models():
+    program = agmm(2)
+    assert program.lower().profile == (
+        "h200x2: default, no GPU named (the target machine is unknown)"
+    )
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert program.lower(device=h100).profile == f"h100x2: built-in profile of {h100}"
+    assert program.lower(device="NVIDIA H200").profile == (
+        "h200x2: built-in profile of NVIDIA H200"
+    )
+    a100 = "NVIDIA A100-SXM4-80GB"
+    assert program.lower(device=a100).profile == (
+        f"h200x2: default, no built-in profile for {a100}"
+    )
+    assert program.lower(profile="h200x2", device=h100).profile == "h200x2: given"
+    assert meshflow.HostProgram.from_text(program.lower().text).profile is None

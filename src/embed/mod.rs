@@ -39,6 +39,10 @@
 //! copy in or out). Kernels are registered in `CudaKernels` as a PTX or CUBIN image, a
 //! function name and a closure giving the launch geometry; their parameters are a pointer per
 //! input, a pointer per output, then the scalar arguments as 64-bit integers.
+//! [`compile`] does not know which GPUs will run the program: name their model with
+//! [`Options::device`] (`Device::name`, e.g. `NVIDIA H100 80GB HBM3`) so the schedule search
+//! prices plans with its built-in profile, or give one with [`Options::profile`]; without
+//! either it uses the default `h200x2` ([`Compiled::profile_reason`] says which and why).
 //! `examples/embed_frontend.rs` shows both backends.
 //!
 //! Every failure is one [`Error`].

@@ -24,6 +24,8 @@ pub struct Compiled {
     explain: Vec<ExplainRecord>,
     plans: BTreeMap<String, Plan>,
     transport: Option<Transport>,
+    /// Why the plans were priced with their machine profile (`None`: loaded from text).
+    profile_reason: Option<String>,
     dumps: Vec<Dump>,
     /// How it runs: graphs and the proxy wire, from the options.
     run: RunSettings,
@@ -79,6 +81,7 @@ pub fn compile(program: &Program, options: &Options) -> Result<Compiled, Error> 
         explain: out.explain,
         plans: out.plans,
         transport: out.transport,
+        profile_reason: Some(options.profile_reason().to_string()),
         dumps: out.dumps,
         run: RunSettings::of(options),
     })
@@ -110,6 +113,7 @@ impl Compiled {
             explain: Vec::new(),
             plans: BTreeMap::new(),
             transport: None,
+            profile_reason: None,
             dumps: Vec::new(),
             run: RunSettings::of(options),
         })
@@ -180,6 +184,12 @@ impl Compiled {
     /// a GPU job should move the bytes over it (`CudaConfig::transport`).
     pub fn transport(&self) -> Option<Transport> {
         self.transport
+    }
+
+    /// The machine profile the plans were priced with and why (`h100x2: built-in profile of
+    /// NVIDIA H100 80GB HBM3`; [`Options::profile_reason`]); `None` when loaded from text.
+    pub fn profile_reason(&self) -> Option<&str> {
+        self.profile_reason.as_deref()
     }
 
     /// IR dumps asked for with [`Options::dump_after`].

@@ -5,7 +5,7 @@ use meshflow_kernels::proxy::WireChoice;
 use meshflow_passes::{CostModel, Decomposition, Profile, Transport};
 
 use crate::error::Error;
-use crate::pipeline::{PassOptions, StreamSchedule};
+use crate::pipeline::{choose_profile, PassOptions, ProfileChoice, StreamSchedule};
 
 /// How to compile: the job's size, pass-list changes, the worker-stream count, decomposition
 /// and transport choices, and whether to run the static cross-rank check.
@@ -28,6 +28,11 @@ pub struct Options {
     check: bool,
     graph: bool,
     wire: Option<WireChoice>,
+    /// Why the cost model has its profile ([`ProfileChoice::reason`]).
+    profile_reason: String,
+    /// True once a profile was given ([`Options::profile`], [`Options::cost_model`]): a GPU
+    /// named with [`Options::device`] then changes nothing.
+    profile_given: bool,
 }
 
 impl Default for Options {
@@ -39,6 +44,8 @@ impl Default for Options {
             check: true,
             graph: false,
             wire: None,
+            profile_reason: ProfileChoice::unknown_target().reason,
+            profile_given: false,
         }
     }
 }
@@ -46,7 +53,7 @@ impl Default for Options {
 impl Options {
     /// The defaults: the program's own world size, 2 worker streams, every pass, decompositions,
     /// stream schedules and the transport chosen by the schedule search on the built-in `h200x2`
-    /// profile, the cross-rank check on.
+    /// profile (see [`Options::device`] for GPUs of another model), the cross-rank check on.
     pub fn new() -> Options {
         Options::default()
     }
@@ -141,16 +148,43 @@ impl Options {
     }
 
     /// The machine profile the schedule search prices plans with (default: the built-in
-    /// `h200x2`; see [`Profile::builtin`] and [`Profile::from_json`]).
-    pub fn profile(mut self, profile: Profile) -> Options {
-        self.passes.cost_model.profile = profile;
+    /// profile of the GPU named with [`Options::device`], else the built-in `h200x2`; see
+    /// [`Profile::builtin`] and [`Profile::from_json`]). A given profile wins over the GPU.
+    pub fn profile(self, profile: Profile) -> Options {
+        self.profile_choice(choose_profile(Some(profile), None), true)
+    }
+
+    /// The GPU model the program will run on, as the driver names it (`NVIDIA H100 80GB
+    /// HBM3`; `meshflow::kernels::Device::name`): unless a profile was given
+    /// ([`Options::profile`], before or after), plans are priced with the built-in profile of
+    /// that model, or the default `h200x2` when no built-in profile describes it
+    /// ([`choose_profile`]). `meshflow run --backend cuda` names the GPU it runs on.
+    pub fn device(self, name: &str) -> Options {
+        if self.profile_given {
+            return self;
+        }
+        self.profile_choice(choose_profile(None, Some(name)), false)
+    }
+
+    fn profile_choice(mut self, choice: ProfileChoice, given: bool) -> Options {
+        self.passes.cost_model.profile = choice.profile;
+        self.profile_reason = choice.reason;
+        self.profile_given |= given;
         self
     }
 
-    /// The whole cost model of `choose_decompositions`.
-    pub fn cost_model(mut self, model: CostModel) -> Options {
-        self.passes.cost_model = model;
-        self
+    /// Why plans are priced with the profile they are (`h100x2: built-in profile of NVIDIA
+    /// H100 80GB HBM3`; see [`ProfileChoice::reason`]).
+    pub fn profile_reason(&self) -> &str {
+        &self.profile_reason
+    }
+
+    /// The whole cost model of `choose_decompositions` (its profile counts as given).
+    pub fn cost_model(self, model: CostModel) -> Options {
+        let CostModel { profile, transport } = model;
+        let mut o = self.profile(profile);
+        o.passes.cost_model.transport = transport;
+        o
     }
 
     /// Verifies the IR after every pass (default: on in debug builds).

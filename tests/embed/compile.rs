@@ -133,6 +133,56 @@ fn the_profile_option_drives_the_plans_and_the_transport() {
 }
 
 #[test]
+fn the_gpu_model_chooses_the_profile_unless_one_is_given() {
+    let text = include_str!("../../examples/programs/row_parallel_linear_ring.mf");
+    let program = meshflow::parse(text, &Options::for_ranks(2)).expect("parses");
+    let h100 = "NVIDIA H100 80GB HBM3";
+    let builtin = |name: &str| meshflow::Profile::builtin(name).unwrap();
+    // No GPU named: the default, said so.
+    let c = compile(&program, &Options::for_ranks(2)).expect("compiles");
+    assert_eq!(
+        c.profile_reason(),
+        Some("h200x2: default, no GPU named (the target machine is unknown)")
+    );
+    // The GPU's built-in profile: the same plans as naming that profile.
+    let on_h100 = Options::for_ranks(2).device(h100);
+    assert_eq!(on_h100.pass_options().cost_model.profile, builtin("h100x2"));
+    let c = compile(&program, &on_h100).expect("compiles");
+    let named = compile(&program, &Options::for_ranks(2).profile(builtin("h100x2"))).unwrap();
+    assert_eq!(
+        c.profile_reason(),
+        Some(&*format!("h100x2: built-in profile of {h100}"))
+    );
+    assert_eq!(c.host_text(), named.host_text());
+    assert_eq!(c.plans(), named.plans());
+    // A model no built-in profile describes: the default, said so.
+    let a100 = Options::for_ranks(2).device("NVIDIA A100-SXM4-80GB");
+    assert_eq!(a100.pass_options().cost_model.profile, builtin("h200x2"));
+    assert_eq!(
+        a100.profile_reason(),
+        "h200x2: default, no built-in profile for NVIDIA A100-SXM4-80GB"
+    );
+    // A given profile wins, given before or after the GPU.
+    for given in [
+        Options::for_ranks(2)
+            .profile(builtin("h200x2"))
+            .device(h100),
+        Options::for_ranks(2)
+            .device(h100)
+            .profile(builtin("h200x2")),
+        Options::for_ranks(2)
+            .cost_model(meshflow::passes::CostModel::new(builtin("h200x2")))
+            .device(h100),
+    ] {
+        assert_eq!(given.pass_options().cost_model.profile, builtin("h200x2"));
+        assert_eq!(given.profile_reason(), "h200x2: given");
+    }
+    // Host IR is not lowered: no profile.
+    let loaded = Compiled::from_host_text(&c.host_text(), &Options::for_ranks(2)).unwrap();
+    assert_eq!(loaded.profile_reason(), None);
+}
+
+#[test]
 fn stream_and_pass_options_change_the_lowering() {
     let program = meshflow::parse(RING, &Options::new()).expect("parses");
     let workers = |c: &Compiled| {

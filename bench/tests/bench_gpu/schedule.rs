@@ -3,14 +3,16 @@
 //! each kind is the one that used to inherit the first one's NCCL communicators and hang);
 //! every case is set up once and timed in interleaved rounds; every variant's outputs are
 //! checked against the reference; every variant has a figure from each round and rank; the
-//! rows have one default row per case. A short timeout makes a stalled rank fail the case
-//! instead of hanging the test.
+//! rows have one default row per case, priced with the built-in profile of this GPU model. A
+//! short timeout makes a stalled rank fail the case instead of hanging the test.
 #![cfg(feature = "cuda")]
 
 use std::time::Duration;
 
 use crate::support::gpu::skip_unless;
 
+use meshflow::passes::profile::DEFAULT;
+use meshflow::passes::Profile;
 use meshflow_bench::programs::Gemm3;
 use meshflow_bench::rows::schedule_rows;
 use meshflow_bench::{bench_agmm, bench_rsmm, BenchOptions};
@@ -41,6 +43,13 @@ fn schedule_cases_are_checked_and_timed_in_rounds() {
         timeout: Duration::from_secs(60),
         ..BenchOptions::default()
     };
+    // The default rows are what plain lowering on this machine picks: priced with the built-in
+    // profile of this GPU model.
+    let name = meshflow::kernels::Device::name_of(0).unwrap();
+    let want = match Profile::builtin_for_device(&name) {
+        Some(p) => format!("{p}: built-in profile of {name}"),
+        None => format!("{DEFAULT}: default, no built-in profile for {name}"),
+    };
     let mut cases = bench_agmm(&opts).unwrap();
     cases.extend(bench_rsmm(&opts).unwrap());
     assert_eq!(cases.len(), 4);
@@ -65,6 +74,14 @@ fn schedule_cases_are_checked_and_timed_in_rounds() {
             .filter(|v| v.name.starts_with("default"))
             .collect();
         assert_eq!(defaults.len(), 1, "{}", c.table());
+        assert_eq!(c.profile.as_deref(), Some(want.as_str()), "{}", c.table());
+        assert!(
+            c.table().contains(&format!(
+                "The default row is priced with the profile {want}."
+            )),
+            "{}",
+            c.table()
+        );
         eprintln!("{}", c.table());
     }
     let rows = schedule_rows(&cases, 1);

@@ -136,6 +136,11 @@ fn profiles_transports_and_schedules() {
         "{err}"
     );
     assert!(err.contains("the program [transport]: chose "), "{err}");
+    // `--explain` names the profile and why.
+    assert!(
+        err.contains("profile: h100x2: given (--profile h100x2)\n"),
+        "{err}"
+    );
     // A profile file (the committed one, read from disk) gives the built-in's decisions.
     let by_file = meshflow(&[
         "lower",
@@ -144,7 +149,27 @@ fn profiles_transports_and_schedules() {
         "--profile",
         "profiles/h100x2.json",
     ]);
-    assert_eq!(stderr(&by_file), err);
+    let file_err = stderr(&by_file);
+    assert!(
+        file_err.contains("profile: h100x2: given (--profile profiles/h100x2.json)\n"),
+        "{file_err}"
+    );
+    let decisions = |text: &str| -> String {
+        text.lines()
+            .filter(|l| !l.starts_with("profile: "))
+            .map(|l| format!("{l}\n"))
+            .collect()
+    };
+    assert_eq!(decisions(&file_err), decisions(&err));
+    // Without `--profile`, `lower` cannot know the target: the default, said so.
+    let o = meshflow(&["lower", rs, "--explain"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o)
+            .contains("profile: h200x2: default, no GPU named (the target machine is unknown)\n"),
+        "{}",
+        stderr(&o)
+    );
     // A forced transport leaves only its candidates.
     let o = meshflow(&["lower", rs, "--explain", "--transport", "copy-engine"]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -229,4 +229,9 @@ fn gpu_only_run_options_are_refused_on_the_cpu_backend() {
     let out = text(&o.stdout);
     assert_eq!(o.status.code(), Some(0), "{out}{}", text(&o.stderr));
     assert!(out.contains("transports: the CPU backend"), "{out}");
+    // The CPU backend names no GPU: the default profile, said so.
+    assert!(
+        out.contains("profile: h200x2: default, no GPU named"),
+        "{out}"
+    );
 }

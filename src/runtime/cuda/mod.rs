@@ -63,7 +63,8 @@ pub use meshflow_passes::Transport;
 pub use profile::{Interval, IntervalKind};
 pub use program::{run_program_cuda, ProgramRun};
 pub use ranks::{
-    device_count, run_cuda, run_cuda_timed, run_rank, CudaOptions, CudaRunError, RankRun, TimedRun,
+    device_count, run_cuda, run_cuda_timed, run_rank, target_device, CudaOptions, CudaRunError,
+    RankRun, TimedRun,
 };
 pub use teams::clear_communicator_cache;
 pub use transport::PeerHub;

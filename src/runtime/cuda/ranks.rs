@@ -124,6 +124,15 @@ pub fn device_count() -> Result<usize, CudaRunError> {
     }
 }
 
+/// The GPU model the programs of this process are priced for
+/// ([`Options::device`](crate::Options::device)): the name of device 0, as the driver gives it.
+/// Every process of a host asks the same device, so the ranks a launcher starts on one host
+/// lower the same plans.
+pub fn target_device() -> Result<String, CudaRunError> {
+    device_count()?;
+    Device::name_of(0).map_err(|e| CudaRunError::NoDevice(e.to_string()))
+}
+
 /// In-process GPU runs use every GPU of the process: one at a time.
 fn run_lock() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
