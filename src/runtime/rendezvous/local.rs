@@ -17,6 +17,13 @@ struct State {
     lost: Option<(usize, String)>,
 }
 
+impl State {
+    /// `Some` once `parties` arrivals were counted at barrier `name`.
+    fn barrier_reached(&self, name: &str, parties: usize) -> Option<()> {
+        (self.arrivals.get(name).copied().unwrap_or(0) >= parties).then_some(())
+    }
+}
+
 /// How long a waiter of [`Store::timing_barrier`] spins before it sleeps like any other.
 const TIMING_SPIN: Duration = Duration::from_millis(2);
 
@@ -126,8 +133,7 @@ impl Store {
         timeout: Duration,
     ) -> Result<(), RendezvousError> {
         self.arrive(name);
-        let mut ready =
-            |s: &State| (s.arrivals.get(name).copied().unwrap_or(0) >= parties).then_some(());
+        let mut ready = |s: &State| s.barrier_reached(name, parties);
         let spin_end = Instant::now() + TIMING_SPIN.min(timeout);
         let mut seen = None;
         while Instant::now() < spin_end {
@@ -158,9 +164,7 @@ impl Store {
         timeout: Duration,
     ) -> Result<(), RendezvousError> {
         let what = format!("barrier `{name}` ({parties} parties)");
-        self.wait_for(&what, timeout, |s| {
-            (s.arrivals.get(name).copied().unwrap_or(0) >= parties).then_some(())
-        })
+        self.wait_for(&what, timeout, |s| s.barrier_reached(name, parties))
     }
 
     /// Records that `rank` is gone (the first loss is kept): every wait that is not complete
