@@ -258,6 +258,20 @@ fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static
     v
 }
 
+/// The GPU model every plan of case `tag` is priced for (the default's and the forced
+/// variants' choices left to the search alike, as `meshflow run --backend cuda` prices them):
+/// [`target_device`](meshflow::runtime::cuda::target_device), `None` (the default profile,
+/// with a warning) when no GPU answers.
+fn pricing_device(tag: &str) -> Option<String> {
+    match meshflow::runtime::cuda::target_device() {
+        Ok(name) => Some(name),
+        Err(e) => {
+            tracing::warn!("bench: {tag}: no GPU model to choose the profile by: {e}");
+            None
+        }
+    }
+}
+
 /// The default lowering (no options: the schedule search's plan, over the transport it
 /// planned for, priced with the profile of the GPU model this process runs on, as `meshflow
 /// run --backend cuda` prices it), named `default: <plan>`. Returns the machine profile it was
@@ -269,18 +283,9 @@ fn add_default(
     streams: usize,
     rsmm: bool,
     inputs: usize,
+    device: Option<&str>,
 ) -> Option<String> {
-    let device = match meshflow::runtime::cuda::target_device() {
-        Ok(name) => Some(name),
-        Err(e) => {
-            tracing::warn!(
-                "bench: {}: no GPU model to choose the profile by: {e}",
-                case.tag
-            );
-            None
-        }
-    };
-    match default_lowered(d, s, DTYPE, rsmm, streams, device.as_deref()) {
+    match default_lowered(d, s, DTYPE, rsmm, streams, device) {
         Err(source) => {
             case.add(
                 Role::Variant("default".into()),
@@ -415,6 +420,7 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         let tag = format!("agmm {}x{}x{} d={d}", s.m, s.k, s.n);
         tracing::info!("bench: {tag}: preparing inputs and programs");
         let full = full_inputs(s, opts.seed)?;
+        let gpu_model = pricing_device(&tag);
         let lower = |v: AgVariant, parts: Parts, setup: Setup| {
             agmm_lowered_over(
                 d,
@@ -424,6 +430,7 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 opts.stream_pool,
                 parts,
                 Some(setup.transport),
+                gpu_model.as_deref(),
             )
             .map_err(|source| BenchError::Lower {
                 what: format!("{tag}: {}", v.name()),
@@ -468,7 +475,17 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             case.add(Role::Variant(name.to_string()), host, setup, 0, true);
         }
         let profile = (!opts.graph_only && d > 1)
-            .then(|| add_default(&mut case, d, s, opts.stream_pool, false, 0))
+            .then(|| {
+                add_default(
+                    &mut case,
+                    d,
+                    s,
+                    opts.stream_pool,
+                    false,
+                    0,
+                    gpu_model.as_deref(),
+                )
+            })
             .flatten();
         if let Some(dir) = &opts.trace_dir {
             // The rings, and the pipeline's ring under the prefetch schedule (copy engine).
@@ -522,6 +539,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         case.add(Role::Comm, Ok(rs.clone()), NCCL, 1, false);
         let gemm = gemm_alone_host(d, s.m, s.k / du, s.n, DTYPE);
         case.add(Role::Gemm, Ok(gemm), NCCL, 2, false);
+        let gpu_model = pricing_device(&tag);
         let lower = |v: RsVariant, parts: Parts, setup: Setup| {
             rsmm_lowered_over(
                 d,
@@ -531,6 +549,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
                 opts.stream_pool,
                 parts,
                 Some(setup.transport),
+                gpu_model.as_deref(),
             )
             .map(|l| l.host)
             .map_err(|source| BenchError::Lower {
@@ -605,7 +624,17 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
             case.add(Role::Variant(name), host, setup, 0, true);
         }
         let profile = (!opts.graph_only && d > 1)
-            .then(|| add_default(&mut case, d, s, opts.stream_pool, true, 0))
+            .then(|| {
+                add_default(
+                    &mut case,
+                    d,
+                    s,
+                    opts.stream_pool,
+                    true,
+                    0,
+                    gpu_model.as_deref(),
+                )
+            })
             .flatten();
         let mut base = base_case(&r, opts, "rsmm", "reduce_scatter", s, &device);
         base.profile = profile;

@@ -275,11 +275,22 @@ pub fn agmm_lowered(
     streams: usize,
     parts: Parts,
 ) -> Result<Lowered, Error> {
-    agmm_lowered_over(d, s, dtype, variant, streams, parts, None)
+    agmm_lowered_over(d, s, dtype, variant, streams, parts, None, None)
+}
+
+/// Fresh options whose plans are priced for GPU model `device` ([`Options::device`]); `None`:
+/// the default profile.
+fn priced_for(device: Option<&str>) -> Options {
+    match device {
+        Some(device) => Options::new().device(device),
+        None => Options::new(),
+    }
 }
 
 /// [`agmm_lowered`] with the transport forced (the plans then assume it, as
-/// `--transport` does).
+/// `--transport` does), the choices left to the search priced for GPU model `device` (as
+/// [`default_lowered`] prices the default; `None`: the default profile).
+#[allow(clippy::too_many_arguments)]
 pub fn agmm_lowered_over(
     d: usize,
     s: Gemm3,
@@ -288,9 +299,10 @@ pub fn agmm_lowered_over(
     streams: usize,
     parts: Parts,
     transport: Option<Transport>,
+    device: Option<&str>,
 ) -> Result<Lowered, Error> {
     let program = agmm_program(d, s, dtype, variant);
-    let mut options = Options::new();
+    let mut options = priced_for(device);
     if let Some((decomposition, schedule)) = agmm_options(variant) {
         options = options
             .decomposition("ag", decomposition)
@@ -310,10 +322,12 @@ pub fn rsmm_lowered(
     streams: usize,
     parts: Parts,
 ) -> Result<Lowered, Error> {
-    rsmm_lowered_over(d, s, dtype, variant, streams, parts, None)
+    rsmm_lowered_over(d, s, dtype, variant, streams, parts, None, None)
 }
 
-/// [`rsmm_lowered`] with the transport forced.
+/// [`rsmm_lowered`] with the transport forced, priced for `device` as
+/// [`agmm_lowered_over`] is.
+#[allow(clippy::too_many_arguments)]
 pub fn rsmm_lowered_over(
     d: usize,
     s: Gemm3,
@@ -322,8 +336,9 @@ pub fn rsmm_lowered_over(
     streams: usize,
     parts: Parts,
     transport: Option<Transport>,
+    device: Option<&str>,
 ) -> Result<Lowered, Error> {
-    let options = Options::new();
+    let options = priced_for(device);
     let (program, options) = match variant {
         RsVariant::Collective => (
             rsmm_searched_program(d, s, dtype),
@@ -371,10 +386,7 @@ pub fn default_lowered(
     } else {
         agmm_program(d, s, dtype, AgVariant::Default)
     };
-    let mut options = Options::new().check(false).streams(streams.max(1));
-    if let Some(device) = device {
-        options = options.device(device);
-    }
+    let options = priced_for(device).check(false).streams(streams.max(1));
     let c = compile(&program, &options)?;
     let plan = c
         .explain()
