@@ -91,11 +91,12 @@ __device__ __forceinline__ Item item_of(i64 q, i64 n, i64 a, i64 b, i64 lag) {
 }
 
 // One thread, after its block's (or warp's) stores of chunk c and a barrier over them:
-// chunk_flags[rank * n + c] = epoch in every peer but this rank (release, system scope, after a
-// fence). peer == -1: every other rank, else only that one.
+// chunk_flags[rank * n + c] = epoch in every peer but this rank (a release store at system
+// scope: the barrier orders the other threads' stores before it, and a release is cumulative
+// over what is ordered before it, so no separate fence before it). peer == -1: every other rank,
+// else only that one.
 __device__ void release_chunk_flags(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,
                                     i64 peer, i64 n, i64 c, unsigned epoch) {
-    __threadfence_system();
     for (i64 d = 0; d < world; ++d)
         if (d != rank && (peer < 0 || d == peer))
             st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
