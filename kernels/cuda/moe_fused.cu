@@ -10,9 +10,9 @@
 //   field -1 when it does not go there), so sent_pos[t][r] is t or -1, and a receiver knows
 //   where a token lies before its sender is done.
 // - Tokens form chunks of `chunk` consecutive tokens (the same on every rank: it is derived
-//   from the shape). A sender releases chunk_flags[me][c] = epoch at every peer (after a
-//   system-scope fence over the chunk's stores) as soon as it has written chunk c there; a
-//   receiver acquires only the chunk it is about to read.
+//   from the shape). A sender releases chunk_flags[me][c] = epoch at every peer (a
+//   system-scope release store after a barrier over the chunk's stores) as soon as it has
+//   written chunk c there; a receiver acquires only the chunk it is about to read.
 // - Work is handed out in tickets (one atomic per block and item, ascending): per chunk there
 //   are `A` producer items and `B` consumer items, and the consumers of chunk c are handed out
 //   after the producers of chunk c + lag, so they rarely wait. A consumer only waits for
