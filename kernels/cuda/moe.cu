@@ -230,6 +230,26 @@ __device__ bool grid_last_block(unsigned* done) {
     return last;
 }
 
+// grid_last_block for kernels whose last block reads only what other blocks wrote with atomics
+// of this GPU (counters) and publishes nothing to other GPUs: the same counter protocol with
+// GPU-scope fences. A system-scope fence waits until the block's stores are visible to the
+// whole system, and the fused kernels' stores to peers are released by their chunk flags
+// already (release_chunk_flags), so here it would only add latency to the end of every phase.
+__device__ bool grid_last_block_gpu(unsigned* done) {
+    __shared__ bool last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+        if (last) {
+            __threadfence();
+            *done = 0u;
+        }
+    }
+    __syncthreads();
+    return last;
+}
+
 // The last block's thread 0 raises `*(peer_sym[d] + flags_off + 4 * rank) = epoch` for every
 // destination d (release, system scope), after a system-scope fence over the block's prior stores.
 __device__ void raise_peer_flags(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,

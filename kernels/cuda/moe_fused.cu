@@ -10,9 +10,9 @@
 //   field -1 when it does not go there), so sent_pos[t][r] is t or -1, and a receiver knows
 //   where a token lies before its sender is done.
 // - Tokens form chunks of `chunk` consecutive tokens (the same on every rank: it is derived
-//   from the shape). A sender releases chunk_flags[me][c] = epoch at every peer (after a
-//   system-scope fence over the chunk's stores) as soon as it has written chunk c there; a
-//   receiver acquires only the chunk it is about to read.
+//   from the shape). A sender releases chunk_flags[me][c] = epoch at every peer (a
+//   system-scope release store after a barrier over the chunk's stores) as soon as it has
+//   written chunk c there; a receiver acquires only the chunk it is about to read.
 // - Work is handed out in tickets (one atomic per block and item, ascending): per chunk there
 //   are `A` producer items and `B` consumer items, and the consumers of chunk c are handed out
 //   after the producers of chunk c + lag, so they rarely wait. A consumer only waits for
@@ -91,11 +91,12 @@ __device__ __forceinline__ Item item_of(i64 q, i64 n, i64 a, i64 b, i64 lag) {
 }
 
 // One thread, after its block's (or warp's) stores of chunk c and a barrier over them:
-// chunk_flags[rank * n + c] = epoch in every peer but this rank (release, system scope, after a
-// fence). peer == -1: every other rank, else only that one.
+// chunk_flags[rank * n + c] = epoch in every peer but this rank (a release store at system
+// scope: the barrier orders the other threads' stores before it, and a release is cumulative
+// over what is ordered before it, so no separate fence before it). peer == -1: every other rank,
+// else only that one.
 __device__ void release_chunk_flags(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,
                                     i64 peer, i64 n, i64 c, unsigned epoch) {
-    __threadfence_system();
     for (i64 d = 0; d < world; ++d)
         if (d != rank && (peer < 0 || d == peer))
             st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
@@ -158,7 +159,7 @@ __device__ bool fan_out_slot(const char* rows, i64 s, i64 t, i64 tokens, i64 top
 __device__ void dispatch_fused_finish(i64 local_experts, i64 world, i64 rank, char* sym,
                                       i64 counts_off, i32* cnt, i32* recv_cnt, unsigned* state,
                                       const OwnFanOut& own, i32* expert_counts, unsigned epoch) {
-    if (grid_last_block(state + 1)) {
+    if (grid_last_block_gpu(state + 1)) {
         for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
             const int total = ld_relaxed_gpu(own.ecnt + le);
             expert_counts[le] = total < own.capacity ? total : (i32)own.capacity;
@@ -520,7 +521,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
             release_chunk(peer_sym, chunk_flags_off, world, rank, s, n, it.chunk, epoch);
         }
     }
-    if (grid_last_block(state + 3)) {
+    if (grid_last_block_gpu(state + 3)) {
         if (threadIdx.x == 0) state[6] = 0u;
     }
 }

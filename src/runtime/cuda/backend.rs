@@ -583,19 +583,23 @@ impl Backend for CudaBackend {
         };
         let posted = transport.post(&mut cx, request, ctx);
         let core = &mut self.core;
+        // A communication on the stream ends its profiling interval with its own device work:
+        // the events recorded below (the temporaries' retirement, the completion) come after,
+        // so that the interval spans what the communication does, as a kernel timed alone.
+        let posted = match posted {
+            Ok(Posted::OnStream(opened)) => core.close_op(opened).map(|()| Posted::OnStream(None)),
+            other => other,
+        };
         let retired = core.retire_scratch();
         let posted = posted?;
         retired?;
-        let opened = match posted {
-            Posted::Events(events) => {
-                return Ok(CudaComm::done_after(
-                    events.into_iter().map(Rc::new).collect(),
-                ))
-            }
-            Posted::Deferred(comm) => return Ok(comm),
-            Posted::OnStream(opened) => opened,
-        };
-        core.complete_on_stream(opened)
+        match posted {
+            Posted::Events(events) => Ok(CudaComm::done_after(
+                events.into_iter().map(Rc::new).collect(),
+            )),
+            Posted::Deferred(comm) => Ok(comm),
+            Posted::OnStream(_) => core.complete_on_stream(),
+        }
     }
 
     fn begin_group(&mut self) -> Result<(), BackendError> {

@@ -6,14 +6,16 @@ use std::rc::Rc;
 use meshflow_passes::Transport;
 
 use super::core::{CudaComm, DeviceCore, Group};
-use super::profile::{IntervalKind, Opened};
+use super::profile::IntervalKind;
 use crate::runtime::backend::{BackendError, InstCtx};
 
 impl DeviceCore {
     /// Completes a communication enqueued on the current stream: inside a coalescing group
-    /// its handle is filled when the group ends; outside, it is an event recorded now (and
-    /// its profiling interval `opened` is closed).
-    pub fn complete_on_stream(&mut self, opened: Option<Opened>) -> Result<CudaComm, BackendError> {
+    /// its handle is filled when the group ends; outside, it is an event recorded now. Its
+    /// profiling interval must be closed already (see [`Self::close_op`]): the completion event
+    /// is the runtime's bookkeeping, not the communication's device work, and an event record
+    /// costs the stream about as much as a small kernel.
+    pub fn complete_on_stream(&mut self) -> Result<CudaComm, BackendError> {
         match self.group.as_mut() {
             Some(g) => {
                 let handle = CudaComm::default();
@@ -28,9 +30,7 @@ impl DeviceCore {
                     .stream()
                     .record_event()
                     .map_err(self.err("cuEventRecord"))?;
-                let handle = CudaComm::on_stream(self.current, e);
-                self.close_op(opened)?;
-                Ok(handle)
+                Ok(CudaComm::on_stream(self.current, e))
             }
         }
     }
@@ -76,6 +76,8 @@ impl DeviceCore {
             self.current = saved;
             r?;
         }
+        // The interval ends with the group's device work; the events below are bookkeeping.
+        self.close_op(opened)?;
         if !streams.contains(&self.current) {
             streams.push(self.current);
         }
@@ -97,7 +99,6 @@ impl DeviceCore {
         for m in &members {
             *m.events.borrow_mut() = Some(events.clone());
         }
-        self.close_op(opened)?;
         Ok(CudaComm::done_after(events))
     }
 }

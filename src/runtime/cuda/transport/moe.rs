@@ -483,8 +483,6 @@ impl<S: EngineSource> CommTransport for MoeTeams<S> {
     }
 }
 
-/// `w` (this rank's top-k weights, at `region`) as the f32 the engines take: the region
-/// itself, or a cast into a temporary.
 /// The profiling interval of one MoE request, opened at its first device work rather than when
 /// the request arrives: the host's preparation (the engine lookup, the checks, the output
 /// slots) stays outside it, so that the interval spans what the device does, as the event
@@ -524,6 +522,8 @@ impl<'a> OpenAtWork<'a> {
     }
 }
 
+/// `w` (this rank's top-k weights, at `region`) as the f32 the engines take: the region
+/// itself, or a cast into a temporary.
 fn f32_weights(
     core: &mut DeviceCore,
     w: &TV,

@@ -21,7 +21,7 @@ pub(crate) struct PostCx<'a> {
 /// How a posted communication completes.
 pub(crate) enum Posted {
     /// Enqueued on the current stream (inside a coalescing group: issued at the group's end);
-    /// the backend records its completion there and closes its profiling interval.
+    /// the backend closes its profiling interval, then records its completion there.
     OnStream(Option<Opened>),
     /// Complete once these events are (recorded by the transport on the streams it used).
     Events(Vec<Event>),
