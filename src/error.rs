@@ -112,6 +112,10 @@ pub enum Error {
         /// The parameters given.
         params: Vec<String>,
     },
+    /// The ranks of a multi-process job could not agree on what they lower (different given
+    /// machine profiles, different host programs), or the rendezvous failed meanwhile.
+    #[error(transparent)]
+    Agreement(#[from] crate::front::agree::AgreeError),
     /// No level-1 tensor (or host input/output) of that name.
     #[error("no tensor `{0}` in the program")]
     UnknownTensor(String),

@@ -133,6 +133,35 @@ pub fn choose_profile(
     choice
 }
 
+/// `MESHFLOW_GPU_MODEL`: the GPU model the runs of this process price their plans for, in
+/// place of the name of its GPU 0 ([`target_gpu_model`]).
+pub const GPU_MODEL_ENV: &str = "MESHFLOW_GPU_MODEL";
+
+/// The GPU model a run on the GPUs of this process prices its plans for (the `device` of
+/// [`choose_profile`], through [`Options::device`](crate::Options::device)):
+/// `MESHFLOW_GPU_MODEL` when set and not blank, else the name of GPU 0 as the driver gives it
+/// (feature `cuda`). The variable is the one place that overrides the GPU's name: to price for
+/// the model the job's other nodes have, and for tests to give the ranks of one job different
+/// models without GPUs. `Err` says why there is none.
+pub fn target_gpu_model() -> Result<String, String> {
+    if let Ok(name) = std::env::var(GPU_MODEL_ENV) {
+        if !name.trim().is_empty() {
+            return Ok(name.trim().to_string());
+        }
+    }
+    gpu_0_model()
+}
+
+#[cfg(feature = "cuda")]
+fn gpu_0_model() -> Result<String, String> {
+    crate::runtime::cuda::target_device().map_err(|e| e.to_string())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_0_model() -> Result<String, String> {
+    Err("this meshflow was built without the `cuda` feature, so it sees no GPU".into())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -258,20 +258,6 @@ fn ag_variants(graph: bool, graph_only: bool) -> Vec<(AgVariant, Setup, &'static
     v
 }
 
-/// The GPU model every plan of case `tag` is priced for (the default's and the forced
-/// variants' choices left to the search alike, as `meshflow run --backend cuda` prices them):
-/// [`target_device`](meshflow::runtime::cuda::target_device), `None` (the default profile,
-/// with a warning) when no GPU answers.
-fn pricing_device(tag: &str) -> Option<String> {
-    match meshflow::runtime::cuda::target_device() {
-        Ok(name) => Some(name),
-        Err(e) => {
-            tracing::warn!("bench: {tag}: no GPU model to choose the profile by: {e}");
-            None
-        }
-    }
-}
-
 /// The default lowering (no options: the schedule search's plan, over the transport it
 /// planned for, priced with the profile of the GPU model this process runs on, as `meshflow
 /// run --backend cuda` prices it), named `default: <plan>`. Returns the machine profile it was
@@ -420,7 +406,7 @@ pub fn bench_agmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         let tag = format!("agmm {}x{}x{} d={d}", s.m, s.k, s.n);
         tracing::info!("bench: {tag}: preparing inputs and programs");
         let full = full_inputs(s, opts.seed)?;
-        let gpu_model = pricing_device(&tag);
+        let gpu_model = r.pricing_device(&tag)?;
         let lower = |v: AgVariant, parts: Parts, setup: Setup| {
             agmm_lowered_over(
                 d,
@@ -539,7 +525,7 @@ pub fn bench_rsmm(opts: &BenchOptions) -> Result<Vec<CaseResult>, BenchError> {
         case.add(Role::Comm, Ok(rs.clone()), NCCL, 1, false);
         let gemm = gemm_alone_host(d, s.m, s.k / du, s.n, DTYPE);
         case.add(Role::Gemm, Ok(gemm), NCCL, 2, false);
-        let gpu_model = pricing_device(&tag);
+        let gpu_model = r.pricing_device(&tag)?;
         let lower = |v: RsVariant, parts: Parts, setup: Setup| {
             rsmm_lowered_over(
                 d,

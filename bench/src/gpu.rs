@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use meshflow::front::agree::{agree_profile, switch_warning};
 use meshflow::ir::{DType, HostProgram, Program};
 
 use crate::programs::{permute_host, Gemm3};
@@ -228,6 +229,37 @@ impl Runner {
             },
             launched,
         })
+    }
+
+    /// The GPU model every plan of case `tag` is priced for (the default's and the forced
+    /// variants' choices left to the search alike, as `meshflow run --backend cuda` prices
+    /// them): [`target_gpu_model`](meshflow::pipeline::target_gpu_model); with one process per
+    /// GPU, the one the ranks agree on (rank 0's where their models differ, with a warning on
+    /// the ranks that switch: see [`meshflow::front::agree`]), so that every rank lowers the
+    /// same programs. `None` (the default profile, with a warning) when no GPU answers.
+    pub(crate) fn pricing_device(&self, tag: &str) -> Result<Option<String>, BenchError> {
+        let mine = match meshflow::pipeline::target_gpu_model() {
+            Ok(name) => Some(name),
+            Err(e) => {
+                tracing::warn!("bench: {tag}: no GPU model to choose the profile by: {e}");
+                None
+            }
+        };
+        let Some(l) = &self.launched else {
+            return Ok(mine);
+        };
+        let options = match &mine {
+            Some(name) => meshflow::Options::new().device(name),
+            None => meshflow::Options::new(),
+        };
+        let claim = options.profile_claim(l.rank());
+        let store = l.scope();
+        let agreed = agree_profile(store.as_ref(), &claim, l.world(), self.opts.timeout)
+            .map_err(|e| BenchError::Invalid(format!("{tag}: {e}")))?;
+        if let Some(warning) = switch_warning(&claim, &agreed) {
+            tracing::warn!("bench: {tag}: {warning}");
+        }
+        Ok(agreed.device)
     }
 
     pub(crate) fn device_name(&self) -> String {

@@ -233,15 +233,20 @@ pub fn options(program: &ProgramArgs, compile: Option<&CompileArgs>) -> Result<O
 
 /// `options` for a program lowered to run on the GPUs of this process (`--backend cuda`):
 /// unless `--profile` was given, plans are priced with the built-in profile of their model
-/// ([`Options::device`], [`meshflow::pipeline::choose_profile`]). Where no GPU answers, the
-/// default stays (the run itself then says why it cannot start).
+/// ([`Options::device`], [`meshflow::pipeline::choose_profile`]): GPU 0's, or the one
+/// `MESHFLOW_GPU_MODEL` names ([`meshflow::pipeline::target_gpu_model`]). Where no GPU answers,
+/// the default stays (the run itself then says why it cannot start). The ranks of a
+/// multi-process run then agree on the profile (see `rank`).
 pub fn on_gpus(options: Options) -> Options {
-    #[cfg(feature = "cuda")]
-    match meshflow::runtime::cuda::target_device() {
-        Ok(name) => return options.device(&name),
-        Err(e) => tracing::warn!("no GPU model to choose the machine profile by: {e}"),
+    match meshflow::pipeline::target_gpu_model() {
+        Ok(name) => options.device(&name),
+        Err(e) => {
+            if cfg!(feature = "cuda") {
+                tracing::warn!("no GPU model to choose the machine profile by: {e}");
+            }
+            options
+        }
     }
-    options
 }
 
 /// The `profile:` line of `--explain`: the machine profile the plans were priced with and

@@ -12,6 +12,7 @@ mod launch;
 mod lower;
 mod node;
 mod parse;
+mod rank;
 mod run;
 #[cfg(feature = "cuda")]
 mod run_cuda;

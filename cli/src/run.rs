@@ -31,6 +31,7 @@ use super::common::{
     ProgramArgs,
 };
 use super::node::ExecArgs;
+use super::rank::LaunchedRank;
 
 /// Where the ranks run.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
@@ -90,7 +91,23 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         BackendKind::Cuda if !from_host => on_gpus(options),
         _ => options,
     };
+    // A rank of a multi-process GPU run lowers the program itself: it meets the other ranks
+    // first, to lower with the machine profile they agree on, and checks after lowering that
+    // it lowered rank 0's program (see `rank`). Host IR is refused there (`run_cuda_host`).
+    let launched = match args.backend {
+        BackendKind::Cuda if !from_host => {
+            LaunchedRank::connect(Duration::from_millis(args.exec.timeout_ms))?
+        }
+        _ => None,
+    };
+    let options = match &launched {
+        Some(rank) => rank.agree(options)?,
+        None => options,
+    };
     let compiled = args.program.compile(input, &options)?;
+    if let Some(rank) = &launched {
+        rank.check(&compiled)?;
+    }
     let host = compiled.host();
     let world = host.world_size();
     let ranks = compiled.world_size();
@@ -107,8 +124,8 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
         ));
     }
     let nodes = super::node::nodes_of(ranks, args.nodes)?;
-    let launched = args.backend == BackendKind::Cuda && launched_rank()?;
-    if args.trace.is_some() && ((nodes > 1 && args.backend == BackendKind::Cpu) || launched) {
+    let in_launch = args.backend == BackendKind::Cuda && launched_rank()?;
+    if args.trace.is_some() && ((nodes > 1 && args.backend == BackendKind::Cpu) || in_launch) {
         return Err(CliError::Usage(
             "--trace is recorded in single-process runs only: run without --nodes (CPU) or \
              without `meshflow launch` to trace"
@@ -171,7 +188,14 @@ pub fn run(args: RunArgs) -> Result<(), CliError> {
     }
     let node_size = (nodes > 1).then(|| ranks.div_ceil(nodes));
     let (outcome, trace) = match compiled.level1() {
-        Ok(level1) => run_level1(&args, &compiled, level1, ranks, node_size, &mut summary)?,
+        Ok(level1) => {
+            let how = Level1Run {
+                ranks,
+                node_size,
+                launched: launched.as_ref(),
+            };
+            run_level1(&args, &compiled, level1, &how, &mut summary)?
+        }
         Err(_) => run_host(&args, &compiled, ranks, node_size, &mut summary)?,
     };
     let result = match (trace_file, trace) {
@@ -210,16 +234,27 @@ fn launched_rank() -> Result<bool, CliError> {
         .is_some())
 }
 
+/// Where a program lowered from level 1 runs (a build without `cuda` reads only `ranks`).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Level1Run<'a> {
+    /// Number of ranks.
+    ranks: usize,
+    /// Ranks per node, when the run is split into nodes.
+    node_size: Option<usize>,
+    /// This process's rank of a multi-process GPU run.
+    launched: Option<&'a LaunchedRank>,
+}
+
 /// Runs a program lowered from level 1 with random full inputs and compares the gathered
 /// outputs with the unsharded reference.
 fn run_level1(
     args: &RunArgs,
     compiled: &Compiled,
     level1: &Program,
-    ranks: usize,
-    node_size: Option<usize>,
+    how: &Level1Run<'_>,
     summary: &mut String,
 ) -> Result<(Outcome, Option<Trace>), CliError> {
+    let ranks = how.ranks;
     let inputs = random_inputs(level1, args.exec.seed).map_err(|e| CliError::Run(e.to_string()))?;
     let (got, trace) = match args.backend {
         BackendKind::Cpu => {
@@ -243,7 +278,7 @@ fn run_level1(
             (got, outcome.trace)
         }
         BackendKind::Cuda => {
-            let gpu = run_cuda(args, compiled, &inputs, ranks, node_size, summary)?;
+            let gpu = run_cuda(args, compiled, &inputs, how, summary)?;
             match gpu.outputs {
                 Some(got) => (got, gpu.trace),
                 // A rank other than 0 of a multi-process run: rank 0 compares (the summary
@@ -324,8 +359,7 @@ fn run_cuda(
     _args: &RunArgs,
     _compiled: &Compiled,
     _inputs: &BTreeMap<String, TensorData>,
-    _ranks: usize,
-    _node_size: Option<usize>,
+    _how: &Level1Run<'_>,
     _summary: &mut String,
 ) -> Result<GpuOutcome, CliError> {
     Err(CliError::Usage(NO_CUDA.to_string()))
@@ -373,11 +407,16 @@ fn run_cuda(
     args: &RunArgs,
     compiled: &Compiled,
     inputs: &BTreeMap<String, TensorData>,
-    ranks: usize,
-    node_size: Option<usize>,
+    how: &Level1Run<'_>,
     summary: &mut String,
 ) -> Result<GpuOutcome, CliError> {
-    super::run_cuda::run(compiled, inputs, &gpu_run(args, ranks, node_size), summary)
+    super::run_cuda::run(
+        compiled,
+        inputs,
+        &gpu_run(args, how.ranks, how.node_size),
+        how.launched,
+        summary,
+    )
 }
 
 #[cfg(feature = "cuda")]

@@ -1,8 +1,9 @@
 //! The `--backend cuda` path of `meshflow run`: in-process, one thread per GPU, by default;
 //! one rank per process when the torchrun variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
 //! `MASTER_ADDR`, `MASTER_PORT`) are set, e.g. under `meshflow launch --nproc N -- meshflow run
-//! prog.mf --backend cuda`. Then every rank sends its outputs to rank 0 through the TCP
-//! rendezvous, and rank 0 alone compares them with the reference and prints `ok`/`mismatch`.
+//! prog.mf --backend cuda`. Then the ranks met at the TCP rendezvous before lowering (to agree
+//! on the machine profile, see [`rank`](super::rank)), every rank sends its outputs to rank 0
+//! through it, and rank 0 alone compares them with the reference and prints `ok`/`mismatch`.
 //! With `--nodes M` or `MESHFLOW_NODE_SIZE` the ranks form nodes and reach the ranks of other
 //! nodes through the host proxy; with feature `fault-injection`, `MESHFLOW_FAULT_EXIT=RANK:N`
 //! makes the process of `RANK` (of a multi-process run) exit at its `N`-th communication.
@@ -12,7 +13,9 @@ use std::time::Duration;
 
 use meshflow::kernels::proxy::WireChoice;
 use meshflow::runtime::backend::MoeWeightsAt;
-use meshflow::runtime::cuda::{run_cuda, run_program_cuda, CudaConfig, CudaOptions, ProgramRun};
+use meshflow::runtime::cuda::{
+    run_cuda, run_program_cuda, run_program_rank, CudaConfig, CudaOptions, ProgramRun,
+};
 use meshflow::runtime::data::TensorData;
 use meshflow::runtime::rendezvous::TorchrunEnv;
 use meshflow::runtime::trace::Trace;
@@ -20,9 +23,7 @@ use meshflow::runtime::RunInputs;
 use meshflow::Compiled;
 
 use super::common::CliError;
-
-/// The least time a GPU rank waits for its peers (communicator setup can take seconds).
-const MIN_TIMEOUT: Duration = Duration::from_secs(60);
+use super::rank::{LaunchedRank, MIN_TIMEOUT};
 
 /// How a GPU run is made (from `meshflow run`'s arguments).
 #[derive(Clone, Copy)]
@@ -56,11 +57,13 @@ pub(super) struct GpuOutcome {
     pub trace: Option<Trace>,
 }
 
-/// Runs the compiled program on GPUs.
+/// Runs the compiled program on GPUs: in this process, or as the rank `launched` of a
+/// multi-process run (which met the other ranks before lowering).
 pub(super) fn run(
     compiled: &Compiled,
     inputs: &BTreeMap<String, TensorData>,
     how: &GpuRun,
+    launched: Option<&LaunchedRank>,
     summary: &mut String,
 ) -> Result<GpuOutcome, CliError> {
     let GpuRun {
@@ -74,9 +77,9 @@ pub(super) fn run(
         transport,
         explain,
     } = *how;
-    let env = TorchrunEnv::from_env().map_err(|e| CliError::Usage(e.to_string()))?;
+    let env = launched.map(|l| &l.env);
     #[cfg(feature = "fault-injection")]
-    let exit_at_comm = match &env {
+    let exit_at_comm = match env {
         Some(e) => exit_fault(e.rank)?,
         None => None,
     };
@@ -104,17 +107,20 @@ pub(super) fn run(
     let level1 = compiled
         .level1()
         .map_err(|e| CliError::Run(e.to_string()))?;
-    let run = run_program_cuda(
-        level1,
-        compiled.host(),
-        inputs,
-        ranks,
-        &options,
-        env.as_ref(),
-    )
+    let run = match launched {
+        Some(l) => run_program_rank(
+            level1,
+            compiled.host(),
+            inputs,
+            &options,
+            &l.env,
+            l.rendezvous.clone(),
+        ),
+        None => run_program_cuda(level1, compiled.host(), inputs, ranks, &options, None),
+    }
     .map_err(|e| CliError::Run(e.to_string()))?;
     let ms = run.elapsed.as_secs_f64() * 1e3;
-    match &env {
+    match env {
         None => summary.push_str(&format!(
             "ran on {} GPUs (one thread each) in {ms:.1} ms\n",
             run.world

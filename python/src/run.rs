@@ -176,11 +176,12 @@ fn run_cpu(
         .map_err(error)
 }
 
-/// The GPU model a run on `"cuda"` executes on (`None` where no GPU answers: the run then says
-/// why it cannot start).
+/// The GPU model a run on `"cuda"` executes on, or the one `MESHFLOW_GPU_MODEL` names
+/// (`meshflow::pipeline::target_gpu_model`; `None` where no GPU answers: the run then says why
+/// it cannot start).
 #[cfg(feature = "cuda")]
 pub fn gpu_model() -> Option<String> {
-    meshflow::runtime::cuda::target_device().ok()
+    meshflow::pipeline::target_gpu_model().ok()
 }
 
 /// Without CUDA there is no GPU model (a run on `"cuda"` is refused).

@@ -18,6 +18,7 @@ use meshflow_ir::{DType, DeviceId};
 use meshflow_kernels::{Device, DeviceBuffer};
 
 use super::{Bind, Bindings, Compiled, Error};
+use crate::front::agree::{check_same_program, ProgramFingerprint};
 use crate::runtime::backend::{Backend, BackendError};
 use crate::runtime::cuda::{AbortSignal, CudaBackend, CudaBuffer, CudaConfig, CudaResources};
 use crate::runtime::rendezvous::{LocalRendezvous, Rendezvous};
@@ -95,6 +96,9 @@ pub struct CudaJob {
     config: CudaConfig,
     abort: AbortSignal,
     rendezvous: Arc<dyn Rendezvous>,
+    /// The program's fingerprint, checked against rank 0's when a rank's backend is made
+    /// (jobs made for a program whose ranks may live in other processes).
+    program: Option<ProgramFingerprint>,
 }
 
 impl CudaJob {
@@ -117,6 +121,7 @@ impl CudaJob {
             config,
             abort: AbortSignal::new(),
             rendezvous,
+            program: None,
         }
     }
 
@@ -130,7 +135,13 @@ impl CudaJob {
     }
 
     /// [`CudaJob::for_program`] for ranks that may live in other processes (e.g. one per GPU
-    /// under torchrun), meeting through `rendezvous`.
+    /// under torchrun), meeting through `rendezvous`. When it spans processes, making a rank's
+    /// backend ([`CudaJob::backend`]) checks that the rank lowered the same host program as
+    /// rank 0 ([`check_same_program`](crate::front::agree::check_same_program)): a rank whose
+    /// program differs (another machine profile: see
+    /// [`Options::agree_profile`](super::Options::agree_profile); other options) fails with
+    /// [`Error::Agreement`] naming both ranks, and the other ranks stop at their next wait at
+    /// the rendezvous, instead of hanging at a communication that never matches.
     pub fn for_program_with_rendezvous(
         compiled: &Compiled,
         mut config: CudaConfig,
@@ -145,7 +156,9 @@ impl CudaJob {
         if let Some(wire) = compiled.proxy_wire() {
             config.wire = wire;
         }
-        CudaJob::with_rendezvous(compiled.world_size(), config, rendezvous)
+        let mut job = CudaJob::with_rendezvous(compiled.world_size(), config, rendezvous);
+        job.program = Some(ProgramFingerprint::of(compiled));
+        job
     }
 
     /// The number of ranks.
@@ -154,8 +167,23 @@ impl CudaJob {
     }
 
     /// The backend of `rank` on the caller's resources: its GPU, stream and communicators.
+    /// In a job made for a program over a rendezvous that spans processes
+    /// ([`CudaJob::for_program_with_rendezvous`]), first checks that this rank lowered rank 0's
+    /// host program ([`Error::Agreement`] when not; ranks other than 0 wait up to the
+    /// configured timeout for rank 0's), once per rank and job: make each rank's backend once.
     pub fn backend(&self, rank: DeviceId, resources: CudaResources) -> Result<CudaBackend, Error> {
         self.check(rank)?;
+        if let Some(program) = &self.program {
+            if self.rendezvous.spans_processes() {
+                check_same_program(
+                    self.rendezvous.as_ref(),
+                    rank,
+                    self.world_size,
+                    program,
+                    self.config.timeout,
+                )?;
+            }
+        }
         CudaBackend::with_resources(
             rank,
             resources,

@@ -42,7 +42,13 @@
 //! [`compile`] does not know which GPUs will run the program: name their model with
 //! [`Options::device`] (`Device::name`, e.g. `NVIDIA H100 80GB HBM3`) so the schedule search
 //! prices plans with its built-in profile, or give one with [`Options::profile`]; without
-//! either it uses the default `h200x2` ([`Compiled::profile_reason`] says which and why).
+//! either it uses the default `h200x2` ([`Compiled::profile_reason`] says which and why). When
+//! the ranks lower in separate processes (one per GPU under torchrun, several nodes), call
+//! [`Options::agree_profile`] on every rank before [`compile`] so that they price with one
+//! profile (rank 0's where their GPU models differ); a job made with
+//! `CudaJob::for_program_with_rendezvous` over a rendezvous that spans processes checks that
+//! each rank lowered rank 0's host program when its backend is made
+//! ([`crate::front::agree`]).
 //! `examples/embed_frontend.rs` shows both backends.
 //!
 //! Every failure is one [`Error`].

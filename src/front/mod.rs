@@ -7,7 +7,10 @@
 //!   [`parse`].
 //! - [`compiled`]: [`compile`] and what it produces.
 //! - [`load`]: level-1 or host IR text, recognised by its content ([`format_of`]).
+//! - [`agree`]: ranks in separate processes agree on the machine profile before lowering and
+//!   check that they lowered the same program before the first step.
 
+pub mod agree;
 pub mod compiled;
 pub mod options;
 

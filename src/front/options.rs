@@ -1,11 +1,15 @@
 //! [`Options`] of [`compile`](super::compile) and [`parse`].
 
+use std::time::Duration;
+
 use meshflow_ir::{parse_program_with, Params, Program};
 use meshflow_kernels::proxy::WireChoice;
 use meshflow_passes::{CostModel, Decomposition, Profile, Transport};
 
+use super::agree;
 use crate::error::Error;
 use crate::pipeline::{choose_profile, PassOptions, ProfileChoice, StreamSchedule};
+use crate::runtime::rendezvous::Rendezvous;
 
 /// How to compile: the job's size, pass-list changes, the worker-stream count, decomposition
 /// and transport choices, and whether to run the static cross-rank check.
@@ -33,6 +37,8 @@ pub struct Options {
     /// True once a profile was given ([`Options::profile`], [`Options::cost_model`]): a GPU
     /// named with [`Options::device`] then changes nothing.
     profile_given: bool,
+    /// The GPU model named with [`Options::device`], if any.
+    device: Option<String>,
 }
 
 impl Default for Options {
@@ -46,6 +52,7 @@ impl Default for Options {
             wire: None,
             profile_reason: ProfileChoice::unknown_target().reason,
             profile_given: false,
+            device: None,
         }
     }
 }
@@ -159,11 +166,71 @@ impl Options {
     /// ([`Options::profile`], before or after), plans are priced with the built-in profile of
     /// that model, or the default `h200x2` when no built-in profile describes it
     /// ([`choose_profile`]). `meshflow run --backend cuda` names the GPU it runs on.
-    pub fn device(self, name: &str) -> Options {
+    pub fn device(mut self, name: &str) -> Options {
+        self.device = Some(name.to_string());
         if self.profile_given {
             return self;
         }
         self.profile_choice(choose_profile(None, Some(name)), false)
+    }
+
+    /// The GPU model named with [`Options::device`], if any.
+    pub fn device_name(&self) -> Option<&str> {
+        self.device.as_deref()
+    }
+
+    /// The machine profile rank `rank` would price its plans with on its own, as it publishes
+    /// it to agree with the other ranks ([`agree_profile`](agree::agree_profile)).
+    pub fn profile_claim(&self, rank: usize) -> agree::ProfileClaim {
+        agree::ProfileClaim {
+            rank,
+            given: self.profile_given,
+            device: self.device.clone(),
+            reason: self.profile_reason.clone(),
+            profile: self.passes.cost_model.profile.clone(),
+        }
+    }
+
+    /// Agrees on the machine profile with the other ranks of a job of `world` ranks whose
+    /// processes each lower the program themselves (`meshflow launch`, torchrun, several
+    /// nodes), meeting at `rendezvous`; call it on every rank before [`compile`](super::compile)
+    /// (see [`agree`]). Ranks whose GPU models differ take rank 0's profile (the ranks that
+    /// switch log a warning naming both GPU models and profiles, and
+    /// [`Options::profile_reason`] says so); a profile given to some ranks wins; ranks given
+    /// different profiles all fail with [`Error::Agreement`] naming them. The agreed profile
+    /// then counts as given ([`Options::device`] changes nothing any more). Waits up to
+    /// `timeout` for the other ranks.
+    pub fn agree_profile(
+        self,
+        rendezvous: &dyn Rendezvous,
+        rank: usize,
+        world: usize,
+        timeout: Duration,
+    ) -> Result<Options, Error> {
+        let mine = self.profile_claim(rank);
+        let agreed = agree::agree_profile(rendezvous, &mine, world, timeout)?;
+        Ok(self.agreed_profile(&mine, agreed))
+    }
+
+    /// Prices with `agreed` (the claim the ranks agreed on; `mine` is this rank's own).
+    fn agreed_profile(self, mine: &agree::ProfileClaim, agreed: agree::ProfileClaim) -> Options {
+        let reason = match agree::switch_warning(mine, &agreed) {
+            None => agreed.reason,
+            Some(warning) => {
+                tracing::warn!("{warning}");
+                format!(
+                    "{}, rank {}'s, which every rank takes (this rank's own: {})",
+                    agreed.reason, agreed.rank, mine.reason
+                )
+            }
+        };
+        self.profile_choice(
+            ProfileChoice {
+                profile: agreed.profile,
+                reason,
+            },
+            true,
+        )
     }
 
     fn profile_choice(mut self, choice: ProfileChoice, given: bool) -> Options {

@@ -177,3 +177,82 @@ fn borrowed_handles_are_checked() {
         .expect_err("not a member");
     assert!(e.to_string().contains("without this rank"), "{e}");
 }
+
+#[test]
+fn ranks_of_a_multi_process_job_that_lowered_different_programs_are_refused() {
+    if support::skip_unless(
+        1,
+        "ranks_of_a_multi_process_job_that_lowered_different_programs_are_refused",
+    ) {
+        return;
+    }
+    use meshflow::front::agree::AgreeError;
+    use meshflow::runtime::rendezvous::{Rendezvous, TcpRendezvous, TorchrunEnv};
+    use std::sync::Arc;
+    // Two ranks (threads, each with its own connection to a TCP store, as processes would
+    // have) lowered the searched all-gather for different GPU models without agreeing: making
+    // rank 1's backend fails naming both ranks, and rank 0 learns why at its next wait.
+    let text = std::fs::read_to_string(
+        crate::support::root().join("tests/data/agree/allgather_linear_searched.mf"),
+    )
+    .expect("the test program");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let timeout = std::time::Duration::from_secs(60);
+    // Rank 0 serves the store: no rank leaves before both are done.
+    let done = std::sync::Barrier::new(2);
+    let results: Vec<(Result<(), Error>, String)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2usize)
+            .map(|rank| {
+                let (text, done) = (&text, &done);
+                s.spawn(move || {
+                    let env = TorchrunEnv {
+                        rank,
+                        world_size: 2,
+                        local_rank: rank,
+                        master_addr: "127.0.0.1".into(),
+                        master_port: port,
+                    };
+                    let rdv: Arc<dyn Rendezvous> =
+                        Arc::new(TcpRendezvous::connect(&env, timeout).expect("the store"));
+                    let gpu = ["NVIDIA H200", "NVIDIA H100 80GB HBM3"][rank];
+                    let options = Options::for_ranks(2).device(gpu);
+                    let program = meshflow::parse(text, &options).expect("parses");
+                    let compiled = compile(&program, &options).expect("compiles");
+                    let job =
+                        CudaJob::for_program_with_rendezvous(&compiled, config(), rdv.clone());
+                    // Both ranks on GPU 0: the check comes before any device work.
+                    let made = job.backend_on(rank, 0).map(drop);
+                    let next = rdv
+                        .barrier("test/next", 2, timeout)
+                        .map_err(|e| e.to_string())
+                        .err()
+                        .unwrap_or_default();
+                    done.wait();
+                    (made, next)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank"))
+            .collect()
+    });
+    assert!(results[0].0.is_ok(), "{:?}", results[0].0);
+    match &results[1].0 {
+        Err(Error::Agreement(AgreeError::Programs(reason))) => {
+            assert!(
+                reason.starts_with("rank 1 lowered a different host program than rank 0"),
+                "{reason}"
+            );
+            assert!(reason.contains("h100x2: built-in profile of NVIDIA H100 80GB HBM3"));
+            assert!(reason.contains("h200x2: built-in profile of NVIDIA H200"));
+            for (rank, (_, next)) in results.iter().enumerate() {
+                assert!(next.contains(reason.as_str()), "rank {rank}: {next}");
+            }
+        }
+        other => panic!("rank 1: {other:?}"),
+    }
+}

@@ -28,6 +28,7 @@ pub fn meshflow(args: &[&str]) -> Output {
         .env_remove("WORLD_SIZE")
         .env_remove("RANK")
         .env_remove("MESHFLOW_NODE_SIZE")
+        .env_remove("MESHFLOW_GPU_MODEL")
         .output()
         .expect("the binary runs")
 }

@@ -88,3 +88,49 @@ fn gpu_runs_price_plans_with_the_profile_of_their_gpu() {
         );
     }
 }
+
+#[test]
+fn launched_ranks_told_different_gpu_models_run_rank_0s_program() {
+    if skip_unless(
+        2,
+        "launched_ranks_told_different_gpu_models_run_rank_0s_program",
+    ) {
+        return;
+    }
+    // Hosts with different GPUs, simulated by `MESHFLOW_GPU_MODEL` per rank: rank 0 is told
+    // H200, rank 1 H100. On their own they would lower different all-gathers (h200x2: a ring
+    // of sends and receives; h100x2: one NCCL all-gather) and never match; agreeing, both run
+    // rank 0's program and the outputs match the reference.
+    let program = crate::support::root().join("tests/data/agree/allgather_linear_searched.mf");
+    let exe = env!("CARGO_BIN_EXE_meshflow");
+    let script = r#"if [ "$RANK" = 0 ]; then export MESHFLOW_GPU_MODEL="NVIDIA H200"; else export MESHFLOW_GPU_MODEL="NVIDIA H100 80GB HBM3"; fi; exec "$0" run "$1" --backend cuda --explain"#;
+    let o = Command::new(exe)
+        .args(["launch", "--nproc", "2", "--", "sh", "-c", script, exe])
+        .arg(&program)
+        .env_remove("MESHFLOW_NODE_SIZE")
+        .env_remove("MESHFLOW_FAULT_EXIT")
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("the binary runs");
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    eprintln!("{out}{err}");
+    assert!(o.status.success(), "{out}{err}");
+    let h200 = "h200x2: built-in profile of NVIDIA H200";
+    assert!(
+        out.contains(&format!("[rank 0] profile: {h200}\n")),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "[rank 1] profile: {h200}, rank 0's, which every rank takes (this rank's own: \
+             h100x2: built-in profile of NVIDIA H100 80GB HBM3)\n"
+        )),
+        "{out}"
+    );
+    assert!(
+        err.contains("rank 1 prices its plans with rank 0's machine profile h200x2"),
+        "{err}"
+    );
+    assert!(out.contains("[rank 0] ok y: rel err"), "{out}");
+}

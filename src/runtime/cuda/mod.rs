@@ -23,7 +23,8 @@
 //! - [`run_cuda`] / [`run_cuda_timed`] run a host program in-process, one thread per GPU (rank `r`
 //!   on GPU `r`); [`run_rank`] runs one rank of a multi-process run (torchrun variables, TCP
 //!   rendezvous); [`run_program_cuda`] does either from full inputs and returns full outputs
-//!   (what `meshflow run --backend cuda` does); [`run_and_compare_cuda`] compares a run with
+//!   (what `meshflow run --backend cuda` does; [`run_program_rank`] on a rendezvous the caller
+//!   connected before lowering, see [`crate::front::agree`]); [`run_and_compare_cuda`] compares a run with
 //!   the level-1 reference.
 //!
 //! A missing driver, GPU or library is an error value naming the rank and the call, never a
@@ -61,7 +62,7 @@ pub use memory::CudaBuffer;
 pub use meshflow_kernels::proxy::WireChoice;
 pub use meshflow_passes::Transport;
 pub use profile::{Interval, IntervalKind};
-pub use program::{run_program_cuda, ProgramRun};
+pub use program::{run_program_cuda, run_program_rank, ProgramRun};
 pub use ranks::{
     device_count, run_cuda, run_cuda_timed, run_rank, target_device, CudaOptions, CudaRunError,
     RankRun, TimedRun,

@@ -73,8 +73,8 @@ pub fn run_program_cuda(
     options: &CudaOptions,
     env: Option<&TorchrunEnv>,
 ) -> Result<ProgramRun, CudaRunError> {
-    let start = Instant::now();
     let Some(env) = env else {
+        let start = Instant::now();
         let mut o = options.clone();
         o.ranks = Some(ranks);
         let timed = run_cuda_timed(host, RunInputs::Full { program, inputs }, &o, 0, 1)?;
@@ -94,27 +94,36 @@ pub fn run_program_cuda(
             wire: timed.wire,
         });
     };
-    let needed = host.world_size();
-    if env.world_size < needed {
-        return Err(RunError::TooFewRanks {
-            needed,
-            given: env.world_size,
-        }
-        .into());
-    }
+    check_world(host, env)?;
+    let rdv: Arc<dyn Rendezvous> = Arc::new(TcpRendezvous::connect(env, options.config.timeout)?);
+    run_program_rank(program, host, inputs, options, env, rdv)
+}
+
+/// [`run_program_cuda`] as rank `env.rank` of a multi-process run, meeting the other ranks at
+/// `rendezvous`, which the caller connected already (e.g. to agree on the machine profile
+/// before lowering, see [`crate::front::agree`]).
+pub fn run_program_rank(
+    program: &Program,
+    host: &HostProgram,
+    inputs: &BTreeMap<String, TensorData>,
+    options: &CudaOptions,
+    env: &TorchrunEnv,
+    rendezvous: Arc<dyn Rendezvous>,
+) -> Result<ProgramRun, CudaRunError> {
+    let start = Instant::now();
+    check_world(host, env)?;
     let timeout = options.config.timeout;
-    let rdv: Arc<TcpRendezvous> = Arc::new(TcpRendezvous::connect(env, timeout)?);
+    let rdv = rendezvous;
     let per_rank = scatter_inputs(program, inputs).map_err(RunError::from)?;
     let empty = BTreeMap::new();
     let mine = per_rank.get(&env.rank).unwrap_or(&empty);
-    let shared: Arc<dyn Rendezvous> = rdv.clone();
     let run = run_rank(
         host,
         env.rank,
         env.world_size,
         env.local_rank,
         mine,
-        shared,
+        rdv.clone(),
         &options.config,
         0,
         1,
@@ -154,4 +163,17 @@ pub fn run_program_cuda(
         transports: BTreeMap::from([(env.rank, run.transports)]),
         wire: run.wire,
     })
+}
+
+/// Refuses a multi-process run with fewer processes than the program has ranks.
+fn check_world(host: &HostProgram, env: &TorchrunEnv) -> Result<(), CudaRunError> {
+    let needed = host.world_size();
+    if env.world_size < needed {
+        return Err(RunError::TooFewRanks {
+            needed,
+            given: env.world_size,
+        }
+        .into());
+    }
+    Ok(())
 }
