@@ -263,13 +263,11 @@ fn schedule_files(dir: &str) -> Vec<(String, &'static str)> {
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter_map(|f| {
-            let profile = PROFILES
-                .into_iter()
-                .find(|p| {
-                    let stem = format!("-{p}-schedule");
-                    f.ends_with(&format!("{stem}.json"))
-                        || (f.contains(&format!("{stem}-")) && f.ends_with(".json"))
-                })?;
+            let profile = PROFILES.into_iter().find(|p| {
+                let stem = format!("-{p}-schedule");
+                f.ends_with(&format!("{stem}.json"))
+                    || (f.contains(&format!("{stem}-")) && f.ends_with(".json"))
+            })?;
             Some((f, profile))
         })
         .collect();
