@@ -211,38 +211,33 @@ __device__ void block_wait_flags(const unsigned* flags, i64 n, unsigned epoch, u
     block_wait_strided(flags, n, 1, -1, epoch, timeout_ns, status, phase, 0);
 }
 
+// A fence at system scope (SYSTEM) or at GPU scope.
+template <bool SYSTEM>
+__device__ __forceinline__ void fence_at() {
+    if (SYSTEM)
+        __threadfence_system();
+    else
+        __threadfence();
+}
+
 // Called by every block at its end: returns true (to every thread of the block) in the last block
-// to arrive. Each block fences its stores (system scope) before arriving, so the last block sees
-// every block's stores (read them with ld_relaxed_gpu / ld_cg_*) and may publish them. `done` is a
-// zeroed counter, reset here for the next launch.
+// to arrive. Each block fences its stores before arriving, so the last block sees every block's
+// stores (read them with ld_relaxed_gpu / ld_cg_*) and may publish them. `done` is a zeroed
+// counter, reset here for the next launch. SYSTEM: system-scope fences, for a last block that
+// publishes the other blocks' stores to other GPUs (raise_peer_flags). Without it, GPU-scope
+// fences: for kernels whose last block reads only what other blocks wrote on this GPU (counters)
+// and publishes nothing to other GPUs, as the fused kernels, whose stores to peers their chunk
+// flags release already (release_chunk_flags); a system-scope fence waits until the block's
+// stores are visible to the whole system and only adds latency to the end of every phase there.
+template <bool SYSTEM = true>
 __device__ bool grid_last_block(unsigned* done) {
     __shared__ bool last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence_system();
+        fence_at<SYSTEM>();
         last = atomicAdd(done, 1u) == gridDim.x - 1;
         if (last) {
-            __threadfence_system();
-            *done = 0u;
-        }
-    }
-    __syncthreads();
-    return last;
-}
-
-// grid_last_block for kernels whose last block reads only what other blocks wrote with atomics
-// of this GPU (counters) and publishes nothing to other GPUs: the same counter protocol with
-// GPU-scope fences. A system-scope fence waits until the block's stores are visible to the
-// whole system, and the fused kernels' stores to peers are released by their chunk flags
-// already (release_chunk_flags), so here it would only add latency to the end of every phase.
-__device__ bool grid_last_block_gpu(unsigned* done) {
-    __shared__ bool last;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(done, 1u) == gridDim.x - 1;
-        if (last) {
-            __threadfence();
+            fence_at<SYSTEM>();
             *done = 0u;
         }
     }

@@ -159,7 +159,7 @@ __device__ bool fan_out_slot(const char* rows, i64 s, i64 t, i64 tokens, i64 top
 __device__ void dispatch_fused_finish(i64 local_experts, i64 world, i64 rank, char* sym,
                                       i64 counts_off, i32* cnt, i32* recv_cnt, unsigned* state,
                                       const OwnFanOut& own, i32* expert_counts, unsigned epoch) {
-    if (grid_last_block_gpu(state + 1)) {
+    if (grid_last_block<false>(state + 1)) {
         for (i64 le = threadIdx.x; le < local_experts; le += blockDim.x) {
             const int total = ld_relaxed_gpu(own.ecnt + le);
             expert_counts[le] = total < own.capacity ? total : (i32)own.capacity;
@@ -521,7 +521,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
             release_chunk(peer_sym, chunk_flags_off, world, rank, s, n, it.chunk, epoch);
         }
     }
-    if (grid_last_block_gpu(state + 3)) {
+    if (grid_last_block<false>(state + 3)) {
         if (threadIdx.x == 0) state[6] = 0u;
     }
 }

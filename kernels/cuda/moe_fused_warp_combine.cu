@@ -102,7 +102,7 @@ __device__ void nvl_combine_fused_warp(const unsigned* w_flags, unsigned* state,
         if (producer)
             warp_release_chunk(peer_sym, chunk_flags_off, world, rank, s, n, it.chunk, epoch);
     }
-    if (grid_last_block_gpu(state + 3)) {
+    if (grid_last_block<false>(state + 3)) {
         if (threadIdx.x == 0) state[6] = 0u;
     }
 }

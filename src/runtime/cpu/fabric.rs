@@ -270,8 +270,8 @@ impl Fabric {
                 let waited = start.elapsed();
                 if waited >= timeout {
                     drop(mail);
+                    // Keeps its wait-for entry, as a receive that times out does.
                     let (culprit, chain) = self.blame(me, peer);
-                    self.set_waiting(me, None);
                     return Err(BackendError::Timeout {
                         peer: culprit,
                         waited,
@@ -375,7 +375,10 @@ impl Fabric {
             if waited >= timeout {
                 drop(mail);
                 let (culprit, chain) = self.blame(me, peer);
-                self.set_waiting(me, None);
+                // This rank keeps its wait-for entry: its thread records the failure (naming
+                // the culprit) only after this returns, and a rank that waits for this one and
+                // times out in between must still follow the chain through it to the culprit,
+                // not blame this rank for no longer being in a receive.
                 return Err(BackendError::Timeout {
                     peer: culprit,
                     waited,
@@ -579,6 +582,24 @@ mod tests {
         assert_eq!(fabric.in_flight().buffers, 3);
         assert_eq!(fabric.discard_undelivered().buffers, 3);
         assert!(fabric.in_flight().is_empty());
+    }
+
+    /// Regression (a flaky fault test): rank 2 stalls, rank 1 times out waiting for it, and
+    /// rank 3, waiting for rank 1, times out before rank 1's thread has recorded the failure.
+    /// Rank 1 used to drop out of the wait-for chain as it gave up, so rank 3 blamed rank 1.
+    #[test]
+    fn a_rank_that_timed_out_still_leads_the_chain_to_the_stalled_rank() {
+        let fabric = Fabric::new();
+        let timeout = Duration::from_millis(20);
+        let culprit = |e: BackendError| match e {
+            BackendError::Timeout { peer, what, .. } => (peer, what),
+            other => panic!("expected a timeout, got {other}"),
+        };
+        let (first, _) = culprit(fabric.recv((2, 1, 7, 0), timeout, "recv").unwrap_err());
+        assert_eq!(first, 2);
+        let (second, what) = culprit(fabric.recv((1, 3, 7, 0), timeout, "recv").unwrap_err());
+        assert_eq!(second, 2, "{what}");
+        assert!(what.contains("rank 1 waits for rank 2"), "{what}");
     }
 
     #[test]
