@@ -153,3 +153,24 @@ def test_binding_errors(dist):
         mft.Executor(host).run(x=x, w=torch.zeros((8, 9), device=device))
     with pytest.raises(meshflow.BindingError, match=r"binding `w`: must be f32"):
         mft.Executor(host).run(x=x, w=w.to(torch.bfloat16))
+
+
+def test_ranks_on_different_gpu_models_agree_on_the_profile(dist, monkeypatch):
+    # Rank 0 says its GPU is an H200, the others an H100 (MESHFLOW_GPU_MODEL, read when each
+    # rank lowers): the executors, given the Program, agree on rank 0's profile before lowering
+    # and run the same plans.
+    rank, d, device = dist
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    monkeypatch.setenv("MESHFLOW_GPU_MODEL", h200 if rank == 0 else h100)
+    m, n, k = 256, 192, 512
+    ex = mft.Executor(agmm(d, "f32", m, n, k))
+    assert ex.host.profile.startswith(f"h200x2: built-in profile of {h200}"), ex.host.profile
+    if rank:
+        assert "rank 0's, which every rank takes" in ex.host.profile, ex.host.profile
+    x = randn((m, k), "f32", 500 + rank, device)
+    w = randn((n, k), "f32", 600 + rank, device)
+    y = torch.empty((m * d, n), device=device, dtype=torch.float32)
+    ex.run(x=x, w=w, y=y)
+    want = torch.matmul(all_gather(x).float(), w.float().t())
+    err = rel_error(y, want)
+    assert err < TOL["f32"], f"rel err {err:.2e}\n{ex.host.explain}"

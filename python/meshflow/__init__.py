@@ -112,7 +112,9 @@ class Executor:
 
     ``backend="cuda"``: a GPU, on torch CUDA tensors bound in place through DLPack, on torch's
     current stream, one process per GPU (``torchrun``); see :class:`meshflow.torch.Executor`,
-    which takes the same keyword arguments (``device``, ``store``, ``timeout``).
+    which takes the same keyword arguments (``device``, ``store``, ``timeout``), and a
+    :class:`Program` in place of ``host`` (lowered on every rank after the ranks agree on the
+    machine profile).
 
     ``rank`` defaults to ``torch.distributed``'s rank, else the ``RANK`` variable.
     """

@@ -103,6 +103,18 @@ class Program:
         graph: Optional[bool] = ...,
     ) -> HostProgram:
         """Lowers to a host program (every pass, then the cross-rank check)."""
+    def lower_for_rank(
+        self,
+        rank: int,
+        world_size: int,
+        store: Any,
+        namespace: str,
+        timeout: float = 120.0,
+        **options: Any,
+    ) -> HostProgram:
+        """Lowers as one rank of a multi-process job, after the ranks agree on the machine
+        profile through ``store`` (a torch ``Store``, ``"env"`` or ``"local"``); options as
+        :meth:`lower`."""
     def check(self, ranks: Optional[int] = None, **options: Any) -> CheckReport:
         """Lowers and runs the static cross-rank check; raises ``CheckError``."""
     def run(

@@ -3,9 +3,19 @@
 Needs a wheel built with CUDA (``meshflow.HAS_CUDA``) and torch with CUDA. One process per GPU,
 as ``torchrun`` starts them::
 
-    host = meshflow.load("column_parallel_linear_ring.mf", ranks=2).lower()
-    ex = meshflow.torch.Executor(host)          # rank, GPU and rendezvous from the launcher
+    program = meshflow.load("column_parallel_linear_ring.mf", ranks=2)
+    ex = meshflow.torch.Executor(program)       # rank, GPU and rendezvous from the launcher
     ex.run(x=x_local, w=w_local, y=y_local)     # y_local written in place, on the current stream
+
+- Given a :class:`~meshflow.Program`, the executor lowers it for its rank after the ranks agree
+  on the machine profile through the store (``Program.lower_for_rank``): ranks whose GPU models
+  differ (an H100 node and an H200 node; a rank's model is the name of its GPU 0, or
+  ``MESHFLOW_GPU_MODEL``) take rank 0's profile and lower the same plans, as
+  ``meshflow run`` under ``meshflow launch`` does. Given a :class:`~meshflow.HostProgram`
+  lowered beforehand (``program.lower(device=...)``), there is no store yet when it is
+  lowered, so nothing is agreed: the executor only checks that every rank lowered rank 0's
+  program, and ranks that priced with different profiles fail with an error saying so (give
+  every rank the same ``device=`` or ``profile=``, or pass the ``Program``).
 
 - Tensors are bound through DLPack without a copy: inputs are read and outputs written in
   the caller's memory.
@@ -35,7 +45,7 @@ from typing import Any, Mapping, Optional, Tuple, Union
 import torch
 
 from . import _native
-from ._native import BindingError, HostProgram, MoeError
+from ._native import BindingError, HostProgram, MoeError, Program
 
 __all__ = ["AllToAll", "DispatchHandle", "Executor", "resolve_store"]
 
@@ -111,6 +121,17 @@ def _device(device: Union[None, int, str, torch.device]) -> torch.device:
     return torch.device("cuda", d.index if d.index is not None else torch.cuda.current_device())
 
 
+def _world_size(default: int) -> int:
+    """The job's size: ``torch.distributed``'s, else ``WORLD_SIZE``, else `default`."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return default
+
+
 def resolve_store(store: Any, world_size: int, timeout: float) -> Tuple[Any, str]:
     """The store the ranks meet through, and a name for it.
 
@@ -153,6 +174,10 @@ def _capsule(name: str, t: Any, device: torch.device) -> Any:
 class Executor:
     """One rank of a host program on one GPU, on torch CUDA tensors.
 
+    ``host``: a :class:`~meshflow.HostProgram`, or a :class:`~meshflow.Program` that the
+    executor lowers for its rank with the lowering ``options`` (those of ``Program.lower``)
+    after the ranks agree on the machine profile through ``store`` (see the module docs).
+
     ``rank``: ``torch.distributed``'s rank, else ``RANK``. ``device``: ``LOCAL_RANK``'s GPU,
     else torch's current device. ``store``: see :func:`resolve_store`. ``timeout``: seconds a
     rank waits for its peers (rendezvous, end of a run).
@@ -166,19 +191,30 @@ class Executor:
 
     def __init__(
         self,
-        host: HostProgram,
+        host: Union[HostProgram, Program],
         rank: Optional[int] = None,
         *,
         device: Union[None, int, str, torch.device] = None,
         store: Any = "auto",
         timeout: float = 120.0,
+        **options: Any,
     ) -> None:
         _require_cuda()
         _load_libraries()
-        self.host = host
-        self.rank = _rank(rank, host.world_size)
+        if isinstance(host, Program):
+            world_size = _world_size(options.get("ranks") or host.ranks or host.world_size)
+        elif options:
+            raise TypeError(
+                f"lowering options {sorted(options)} apply to a Program, not a HostProgram"
+            )
+        else:
+            world_size = host.world_size
+        self.rank = _rank(rank, world_size)
         self.device = _device(device)
-        store, namespace = resolve_store(store, host.world_size, timeout)
+        store, namespace = resolve_store(store, world_size, timeout)
+        if isinstance(host, Program):
+            host = host.lower_for_rank(self.rank, world_size, store, namespace, timeout, **options)
+        self.host = host
         with torch.cuda.device(self.device):
             self._native = _native.CudaExecutor(
                 host, self.rank, self.device.index, store, namespace, timeout
@@ -277,12 +313,7 @@ class AllToAll:
         _require_cuda()
         _load_libraries()
         if world_size is None:
-            import torch.distributed as dist  # noqa: PLC0415
-
-            if dist.is_available() and dist.is_initialized():
-                world_size = dist.get_world_size()
-            else:
-                world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            world_size = _world_size(1)
         if dtype not in _DTYPES:
             raise MoeError(
                 f"the MoE kernels of this build move bfloat16, float16 or float32 rows, not {dtype}"

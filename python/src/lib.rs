@@ -23,7 +23,6 @@ mod moe;
 mod options;
 mod program;
 mod run;
-#[cfg(feature = "cuda")]
 mod store;
 
 /// The native module.

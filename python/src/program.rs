@@ -3,8 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
-use pyo3::exceptions::PyKeyError;
+use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -127,6 +128,50 @@ impl Program {
     #[pyo3(signature = (**options))]
     fn lower(&self, options: Option<&Bound<'_, PyDict>>) -> PyResult<HostProgram> {
         let (compiled, _) = self.compile(options)?;
+        Ok(HostProgram::new(compiled))
+    }
+
+    /// Lowers the program as rank `rank` of a job of `world_size` ranks whose processes each
+    /// lower it themselves (torchrun; what `meshflow.torch.Executor` does for a `Program`):
+    /// the ranks first agree on the machine profile through `store` (a torch `Store`, `"env"`
+    /// or `"local"`; `namespace` names the job), as `meshflow run` under `meshflow launch`
+    /// does, so that every rank lowers the same plans. Ranks whose GPU models differ take rank
+    /// 0's profile (a warning on each rank that switches; `HostProgram.profile` says so); a
+    /// `profile=` given to some ranks wins; ranks given different profiles all raise
+    /// `ExecutionError` naming them. The GPU model is `device=` when given, else
+    /// `MESHFLOW_GPU_MODEL`, else GPU 0's name (wheels built with CUDA). Every rank of the job
+    /// must call it, in the same order as its executors. Waits up to `timeout` seconds for the
+    /// other ranks. Options as `lower`.
+    #[pyo3(signature = (rank, world_size, store, namespace, timeout = 120.0, **options))]
+    #[allow(clippy::too_many_arguments)]
+    fn lower_for_rank(
+        &self,
+        py: Python<'_>,
+        rank: usize,
+        world_size: usize,
+        store: &Bound<'_, PyAny>,
+        namespace: &str,
+        timeout: f64,
+        options: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<HostProgram> {
+        if rank >= world_size {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is not a rank of a job of {world_size}"
+            )));
+        }
+        let timeout = Duration::try_from_secs_f64(timeout)
+            .map_err(|e| PyValueError::new_err(format!("timeout: {e}")))?;
+        let device = meshflow::pipeline::target_gpu_model().ok();
+        let mut options = from_kwargs(options, self.ranks, device.as_deref())?;
+        if world_size > 1 {
+            let rendezvous = crate::store::rendezvous(store, namespace, timeout)?;
+            // Without the GIL: a torch store is called from Python, maybe by the other ranks'
+            // threads.
+            options = py
+                .detach(|| options.agree_profile(rendezvous.as_ref(), rank, world_size, timeout))
+                .map_err(error)?;
+        }
+        let compiled = compile(&self.program, &options).map_err(error)?;
         Ok(HostProgram::new(compiled))
     }
 

@@ -1,5 +1,6 @@
-//! Where the ranks of a GPU job meet to create their NCCL communicators and exchange MoE
-//! handles: a torch `Store` (the `torch.distributed` default store, or the store torchrun's
+//! Where the ranks of a job in separate processes meet: to agree on the machine profile before
+//! lowering (`Program.lower_for_rank`, any build), to create their NCCL communicators and
+//! exchange MoE handles (feature `cuda`): a torch `Store` (the `torch.distributed` default store, or the store torchrun's
 //! agent serves on `MASTER_ADDR:MASTER_PORT`) behind meshflow's `Rendezvous` trait, or
 //! meshflow's own TCP store from the launcher's variables.
 
@@ -133,8 +134,8 @@ impl Rendezvous for StoreRendezvous {
 }
 
 /// The rendezvous of a job of `world_size` ranks: `store` is a torch `Store`, `"env"`
-/// (meshflow's TCP store on `MASTER_ADDR:MASTER_PORT`, served by rank 0) or `"local"` (every
-/// rank in this process). `namespace` names the job (communicators are cached per namespace).
+/// (meshflow's TCP store on `MASTER_ADDR:MASTER_PORT`, served by rank 0; one connection per
+/// process, kept) or `"local"` (every rank in this process). `namespace` names the job (communicators are cached per namespace).
 pub fn rendezvous(
     store: &Bound<'_, PyAny>,
     namespace: &str,
@@ -150,9 +151,7 @@ pub fn rendezvous(
                              MASTER_PORT",
                     )
                 })?;
-                Ok(Arc::new(
-                    TcpRendezvous::connect(&env, timeout).map_err(rdv_error)?,
-                ))
+                tcp(&env, timeout).map_err(rdv_error)
             }
             "local" => Ok(local(namespace)),
             other => Err(PyValueError::new_err(format!(
@@ -169,6 +168,26 @@ pub fn rendezvous(
             }))
         }
     }
+}
+
+/// The connection of this process to meshflow's TCP store of the job `env` describes, made on
+/// first use and kept for the life of the process: rank 0 serves the store as long as its
+/// connection lives, so the lowering's profile agreement and the executors made after it meet
+/// through one store (a second server on the same port could not start).
+fn tcp(env: &TorchrunEnv, timeout: Duration) -> Result<Arc<dyn Rendezvous>, RendezvousError> {
+    type Stores = HashMap<(String, u16, usize), Arc<TcpRendezvous>>;
+    static TCP: OnceLock<Mutex<Stores>> = OnceLock::new();
+    let mut map = TCP
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    let key = (env.master_addr.clone(), env.master_port, env.rank);
+    if let Some(store) = map.get(&key) {
+        return Ok(store.clone());
+    }
+    let store = Arc::new(TcpRendezvous::connect(env, timeout)?);
+    map.insert(key, store.clone());
+    Ok(store)
 }
 
 /// The in-process rendezvous of `namespace`, shared by every rank of this process that names it.

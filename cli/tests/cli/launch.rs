@@ -91,8 +91,9 @@ fn launched_gpu_ranks_on_different_models_lower_with_rank_0s_profile() {
     );
     let rank0 = lines_of(&text, 0);
     assert!(!rank0.iter().any(|l| l.contains("WARN")), "{text}");
-    // Past the agreement and the program check: the run itself is what fails.
-    assert!(rank0.iter().any(|l| l.contains(NO_CUDA)), "{text}");
+    // Past the agreement and the program check: the run itself is what fails (on the rank
+    // that gets there first: the launcher may end the other before it says so).
+    assert!(text.contains(NO_CUDA), "{text}");
     assert!(!text.contains("different"), "{text}");
     // A profile given to rank 1 wins over rank 0's GPU: rank 0 switches to it.
     let (ok, text) = launch_ranks(
@@ -109,10 +110,7 @@ fn launched_gpu_ranks_on_different_models_lower_with_rank_0s_profile() {
             .any(|l| l.contains("WARN") && l.contains(&warning)),
         "{text}"
     );
-    assert!(
-        lines_of(&text, 0).iter().any(|l| l.contains(NO_CUDA)),
-        "{text}"
-    );
+    assert!(text.contains(NO_CUDA), "{text}");
 }
 
 #[test]

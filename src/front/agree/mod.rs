@@ -24,7 +24,8 @@
 //! API whose ranks meet through a rendezvous that spans processes
 //! (`CudaJob::for_program_with_rendezvous`) checks the fingerprint when a rank's backend is
 //! made, and its front end calls [`Options::agree_profile`](crate::Options::agree_profile)
-//! before compiling to agree on the profile. See `docs/schedule-search.md` ("Profiles").
+//! before compiling to agree on the profile; so does the Python package's torch executor given
+//! a level-1 program (`Program.lower_for_rank`). See `docs/schedule-search.md` ("Profiles").
 
 mod profile;
 mod program;

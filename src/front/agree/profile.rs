@@ -182,9 +182,22 @@ pub fn agree_profile(
     }
     let decision = rendezvous.fetch(&decision_key, timeout)?;
     let decision = String::from_utf8_lossy(&decision).into_owned();
+    let agreed = take_decision(rendezvous, mine, &decision, timeout, &claim_key);
     // Rank 0 serves the store of a launched job: nobody leaves before every rank has read the
-    // decision (the ranks that fail leave right after).
+    // decision and the claim it names (the ranks that fail leave right after).
     rendezvous.barrier(&format!("{base}/read"), world, timeout)?;
+    agreed
+}
+
+/// The claim rank 0's `decision` names (read from the store unless it is `mine`), or why the
+/// ranks cannot agree.
+fn take_decision(
+    rendezvous: &dyn Rendezvous,
+    mine: &ProfileClaim,
+    decision: &str,
+    timeout: Duration,
+    claim_key: &dyn Fn(usize) -> String,
+) -> Result<ProfileClaim, AgreeError> {
     if let Some(reason) = decision.strip_prefix(DISAGREED) {
         return Err(AgreeError::Profiles(reason.to_string()));
     }
