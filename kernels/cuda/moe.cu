@@ -85,6 +85,15 @@ __device__ __forceinline__ unsigned ld_acquire_sys(const unsigned* p) {
 __device__ __forceinline__ void st_release_sys(unsigned* p, unsigned v) {
     asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+// A fence that makes the relaxed system-scope stores after it release what this thread wrote
+// (or observed) before it: with st_relaxed_sys, several flags released for one fence, where a
+// release store each would wait like a fence each.
+__device__ __forceinline__ void fence_acq_rel_sys() {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(unsigned* p, unsigned v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 // Loads of data other GPUs (or other blocks) wrote: cached in L2 only, never a stale L1 line.
 __device__ __forceinline__ int ld_cg_i32(const void* p) {
     int v;
@@ -188,6 +197,23 @@ __device__ void wait_strided(const unsigned* flags, i64 n, i64 stride, i64 skip,
         if (i == skip) continue;
         ok = wait_flag(flags + i * stride, epoch, start, timeout_ns, status, phase, peer0 + i);
     }
+}
+
+// Waits until the n consecutive flags at `flags`, all raised by team rank `peer`, have reached
+// `epoch` (wait_flag's timeout and abort rules, one start time for all).
+__device__ void wait_run(const unsigned* flags, i64 n, unsigned epoch, u64 timeout_ns,
+                         unsigned* status, unsigned phase, i64 peer) {
+    u64 start = global_timer_ns();
+    bool ok = (*(volatile unsigned*)status & MOE_TIMEOUT) == 0;
+    for (i64 i = 0; i < n && ok; ++i)
+        ok = wait_flag(flags + i, epoch, start, timeout_ns, status, phase, peer);
+}
+
+// Thread 0 waits (wait_run), then the block proceeds.
+__device__ void block_wait_run(const unsigned* flags, i64 n, unsigned epoch, u64 timeout_ns,
+                               unsigned* status, unsigned phase, i64 peer) {
+    if (threadIdx.x == 0) wait_run(flags, n, epoch, timeout_ns, status, phase, peer);
+    __syncthreads();
 }
 
 // Thread 0 waits (wait_strided), then the block proceeds.

@@ -9,10 +9,13 @@
 // - Positions are fixed: token t of rank s lies in slot t of every receiver's rows[s] (token
 //   field -1 when it does not go there), so sent_pos[t][r] is t or -1, and a receiver knows
 //   where a token lies before its sender is done.
-// - Tokens form chunks of `chunk` consecutive tokens (the same on every rank: it is derived
-//   from the shape). A sender releases chunk_flags[me][c] = epoch at every peer (a
-//   system-scope release store after a barrier over the chunk's stores) as soon as it has
-//   written chunk c there; a receiver acquires only the chunk it is about to read.
+// - Tokens form chunks of `chunk` consecutive tokens. A sender releases a chunk's flags at
+//   every peer (system-scope release stores after a barrier over the chunk's stores) as soon
+//   as it has written the chunk there; a receiver acquires only the flags of the chunk it is
+//   about to read. The combine has a flag per chunk (chunk_flags[me][c]), so its chunk is the
+//   same on every rank (derived from the shape); the dispatch has a flag per token
+//   (token_flags[me][t]: a chunk releases and a receiver waits for each of its tokens), so
+//   each rank may chunk its dispatch its own way (its kernel and chunk are local choices).
 // - Work is handed out in tickets (one atomic per block and item, ascending): per chunk there
 //   are `A` producer items and `B` consumer items, and the consumers of chunk c are handed out
 //   after the producers of chunk c + lag, so they rarely wait. A consumer only waits for
@@ -102,6 +105,25 @@ __device__ void release_chunk_flags(const u64* peer_sym, i64 flags_off, i64 worl
             st_release_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * n + c, epoch);
 }
 
+// The dispatch's release of tokens [t0, t1) (their flags, one per token) at every other rank,
+// by one thread after a barrier over the stores of those tokens. One token: release stores, as
+// release_chunk_flags; several: one acq_rel fence and relaxed stores (each flag store after the
+// fence is a release pattern of the PTX memory model), one fence's wait instead of one per
+// token.
+__device__ void release_token_flags(const u64* peer_sym, i64 flags_off, i64 world, i64 rank,
+                                    i64 tokens, i64 t0, i64 t1, unsigned epoch) {
+    if (t1 - t0 == 1) {
+        release_chunk_flags(peer_sym, flags_off, world, rank, -1, tokens, t0, epoch);
+        return;
+    }
+    fence_acq_rel_sys();
+    for (i64 d = 0; d < world; ++d)
+        if (d != rank)
+            for (i64 t = t0; t < t1; ++t)
+                st_relaxed_sys((unsigned*)((char*)peer_sym[d] + flags_off) + rank * tokens + t,
+                               epoch);
+}
+
 // release_chunk_flags after the whole block's stores of chunk c.
 __device__ void release_chunk(const u64* peer_sym, i64 flags_off, i64 world, i64 rank, i64 peer,
                               i64 n, i64 c, unsigned epoch) {
@@ -178,7 +200,7 @@ __device__ void dispatch_fused_finish(i64 local_experts, i64 world, i64 rank, ch
     }
 }
 
-// rows/counts/chunk flags: this rank's symmetric regions (local addresses); recv_cnt[W]: zeroed
+// rows/counts/token flags: this rank's symmetric regions (local addresses); recv_cnt[W]: zeroed
 // per-source counters of received rows. The last block writes the expert counts, this rank's
 // received row counts (counts[s]), zeroes the counters and stores the epoch. QB: FP8 chunks
 // per thread and round of loads of the sender's quantisation (block_quantize_multi).
@@ -187,7 +209,7 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
                                    i64 tokens, i64 top_k, i64 experts, i64 local_experts,
                                    i64 world, i64 rank, i64 hidden, unsigned wire, i64 stride,
                                    i64 scale_off, i64 meta_off, const u64* peer_sym, i64 rows_off,
-                                   i64 chunk_flags_off, char* sym, i64 counts_off, i64 chunk,
+                                   i64 token_flags_off, char* sym, i64 counts_off, i64 chunk,
                                    i64 lag, u64 timeout_ns, i32* cnt, i32* recv_cnt,
                                    i32* sent_pos, unsigned* status, unsigned* state,
                                    const OwnFanOut& own, i32* expert_counts) {
@@ -195,7 +217,7 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
     const i64 n = (tokens + chunk - 1) / chunk;
     PeerRowAt at = {peer_sym, rows_off, rank, tokens, stride};
     const char* rows = sym + rows_off;
-    const unsigned* flags = (const unsigned*)(sym + chunk_flags_off);
+    const unsigned* flags = (const unsigned*)(sym + token_flags_off);
     for (;;) {
         const Item it = item_of(block_ticket(state + 5), n, 1, world - 1, lag);
         if (!it.valid) break;
@@ -205,11 +227,13 @@ __device__ void nvl_dispatch_fused(const T* x, const i32* topk_idx, const float*
                 route_and_send_token<T, true, PeerRowAt, QB>(t, at, x, topk_idx, weights, tokens, top_k, experts,
                                               local_experts, world, rank, hidden, wire, scale_off,
                                               meta_off, cnt, sent_pos, status, own);
-            release_chunk(peer_sym, chunk_flags_off, world, rank, -1, n, it.chunk, epoch);
+            __syncthreads();
+            if (threadIdx.x == 0)
+                release_token_flags(peer_sym, token_flags_off, world, rank, tokens, t0, t1, epoch);
         } else {
             const i64 s = (rank + 1 + it.index) % world;
-            block_wait_strided(flags + s * n + it.chunk, 1, 0, -1, epoch, timeout_ns, status,
-                               MOE_GAVE_UP_DISPATCH, s);
+            block_wait_run(flags + s * tokens + t0, t1 - t0, epoch, timeout_ns, status,
+                           MOE_GAVE_UP_DISPATCH, s);
             int got = 0;
             for (i64 t = t0; t < t1; ++t)
                 got += fan_out_slot<T>(rows, s, t, tokens, top_k, experts, local_experts, rank,
@@ -546,7 +570,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
 #define MOE_FUSED_DISPATCH_PARAMS(T)                                                               \
     const T *x, const i32 *topk_idx, const float *weights, i64 tokens, i64 top_k, i64 experts,     \
         i64 local_experts, i64 world, i64 rank, i64 hidden, unsigned wire, i64 stride,             \
-        i64 scale_off, i64 meta_off, const u64 *peer_sym, i64 rows_off, i64 chunk_flags_off,       \
+        i64 scale_off, i64 meta_off, const u64 *peer_sym, i64 rows_off, i64 token_flags_off,       \
         char *sym, i64 counts_off, i64 chunk, i64 lag, u64 timeout_ns, i32 *cnt, i32 *recv_cnt,    \
         i32 *sent_pos, unsigned *status, unsigned *state, T *expert_x, i32 *routing, i32 *fan,     \
         i32 *ecnt, i64 capacity, i32 *expert_counts
@@ -556,7 +580,7 @@ __device__ void nvl_combine_fused(const unsigned* w_flags, unsigned* state, u64 
         OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
         nvl_dispatch_fused<T, QB>(x, topk_idx, weights, tokens, top_k, experts, local_experts,     \
                                   world, rank, hidden, WIRE, stride, scale_off, meta_off,          \
-                                  peer_sym, rows_off, chunk_flags_off, sym, counts_off, chunk,     \
+                                  peer_sym, rows_off, token_flags_off, sym, counts_off, chunk,     \
                                   lag, timeout_ns, cnt, recv_cnt, sent_pos, status, state, own,    \
                                   expert_counts);                                                  \
     }

@@ -380,7 +380,7 @@ __device__ void nvl_dispatch_fused_warp(const T* x, const i32* topk_idx, const f
                                         i64 tokens, i64 top_k, i64 experts, i64 local_experts,
                                         i64 world, i64 rank, i64 hidden, unsigned wire,
                                         i64 stride, i64 scale_off, i64 meta_off,
-                                        const u64* peer_sym, i64 rows_off, i64 chunk_flags_off,
+                                        const u64* peer_sym, i64 rows_off, i64 token_flags_off,
                                         char* sym, i64 counts_off, i64 chunk, i64 lag,
                                         u64 timeout_ns, i32* cnt, i32* recv_cnt, i32* sent_pos,
                                         unsigned* status, unsigned* state, const OwnFanOut& own,
@@ -391,7 +391,7 @@ __device__ void nvl_dispatch_fused_warp(const T* x, const i32* topk_idx, const f
     const i64 n = (tokens + chunk - 1) / chunk;
     PeerRowAt at = {peer_sym, rows_off, rank, tokens, stride};
     const char* rows = sym + rows_off;
-    const unsigned* flags = (const unsigned*)(sym + chunk_flags_off);
+    const unsigned* flags = (const unsigned*)(sym + token_flags_off);
     for (;;) {
         const Item it = item_of(warp_ticket(state + 5), n, 1, world - 1, lag);
         if (!it.valid) break;
@@ -401,11 +401,16 @@ __device__ void nvl_dispatch_fused_warp(const T* x, const i32* topk_idx, const f
                 warp_send_token<T, QB>(t, at, x, topk_idx, weights, tokens, top_k, experts,
                                        local_experts, world, rank, hidden, wire, scale_off,
                                        meta_off, cnt, sent_pos, status, own, ws);
-            warp_release_chunk(peer_sym, chunk_flags_off, world, rank, -1, n, it.chunk, epoch);
+            __syncwarp();
+            if (lane_id() == 0)
+                release_token_flags(peer_sym, token_flags_off, world, rank, tokens, t0, t1, epoch);
+            __syncwarp();
         } else {
             const i64 s = (rank + 1 + it.index) % world;
-            warp_wait_flag(flags + s * n + it.chunk, epoch, timeout_ns, status,
-                           MOE_GAVE_UP_DISPATCH, s);
+            if (lane_id() == 0)
+                wait_run(flags + s * tokens + t0, t1 - t0, epoch, timeout_ns, status,
+                         MOE_GAVE_UP_DISPATCH, s);
+            __syncwarp();
             int got = 0;
             for (i64 t = t0; t < t1; ++t)
                 got += warp_fan_out_slot<T>(rows, s, t, tokens, top_k, experts, local_experts,
@@ -426,7 +431,7 @@ __device__ void nvl_dispatch_fused_warp(const T* x, const i32* topk_idx, const f
         OwnFanOut own = {(char*)expert_x, routing, fan, ecnt, capacity};                           \
         nvl_dispatch_fused_warp<T, QB>(x, topk_idx, weights, tokens, top_k, experts,               \
                                        local_experts, world, rank, hidden, WIRE, stride,           \
-                                       scale_off, meta_off, peer_sym, rows_off, chunk_flags_off,   \
+                                       scale_off, meta_off, peer_sym, rows_off, token_flags_off,   \
                                        sym, counts_off, chunk, lag, timeout_ns, cnt, recv_cnt,     \
                                        sent_pos, status, state, own, expert_counts);               \
     }

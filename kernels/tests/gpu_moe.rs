@@ -251,6 +251,26 @@ enum Engine {
     NvlinkSplit,
     /// NVLink with the fused kernels and these variants, whatever the environment says.
     NvlinkFused(FusedOptions),
+    /// NVLink with the fused kernels, each rank with variants of its own
+    /// ([`mixed_options`], rotated by the offset): different dispatch kernels and dispatch
+    /// chunks, different combine kernels.
+    NvlinkMixed(usize),
+}
+
+/// The fused kernels' variants of rank `r` in [`Engine::NvlinkMixed`] (`r` plus the engine's
+/// offset): the dispatch kernel, the dispatch's tokens per chunk (1, 2, 3, 5) and the combine
+/// kernel all differ between neighbouring ranks. The dispatch releases a flag per token, so neither its kernel nor its
+/// chunk needs to agree; the combine's chunk (from the environment) is the same everywhere.
+fn mixed_options(r: usize) -> FusedOptions {
+    use meshflow_kernels::moe::FusedCombineKernel::{OnePass, TwoPass, Warp as WarpCombine};
+    use meshflow_kernels::moe::FusedDispatchKernel::{Generic, PerWire, Warp};
+    let (dispatch, chunk) = [(Warp, 1), (PerWire, 2), (Generic, 3), (Warp, 5)][r % 4];
+    FusedOptions {
+        dispatch,
+        combine: [OnePass, TwoPass, WarpCombine][r % 3],
+        block: None,
+        dispatch_chunk: Some(chunk),
+    }
 }
 
 impl Engine {
@@ -260,6 +280,7 @@ impl Engine {
             Engine::Nvlink => "nvlink".into(),
             Engine::NvlinkSplit => "nvlink-v1".into(),
             Engine::NvlinkFused(o) => format!("nvlink-v2-{}", o.name()),
+            Engine::NvlinkMixed(o) => format!("nvlink-v2-mixed{o}"),
         }
     }
 }
@@ -277,17 +298,19 @@ fn make_transports(
     }
     match kind {
         Engine::Nvlink => boxed(NvlinkMoe::team_with_wire(devs, shape, wire).unwrap()),
-        Engine::NvlinkSplit | Engine::NvlinkFused(_) => {
+        Engine::NvlinkSplit | Engine::NvlinkFused(_) | Engine::NvlinkMixed(_) => {
             let generation = if kind == Engine::NvlinkSplit {
                 MoeKernels::Split
             } else {
                 MoeKernels::Fused
             };
             let mut team = NvlinkMoe::team_with_wire(devs, shape, wire).unwrap();
-            for t in &mut team {
+            for (r, t) in team.iter_mut().enumerate() {
                 t.set_kernel_generation(generation).unwrap();
-                if let Engine::NvlinkFused(o) = kind {
-                    t.set_fused_options(o).unwrap();
+                match kind {
+                    Engine::NvlinkFused(o) => t.set_fused_options(o).unwrap(),
+                    Engine::NvlinkMixed(o) => t.set_fused_options(mixed_options(r + o)).unwrap(),
+                    _ => {}
                 }
             }
             boxed(team)
@@ -539,6 +562,13 @@ fn nvlink_fused_kernels_match_reference() {
     for options in variants {
         run_all(Engine::NvlinkFused(options), &cases());
     }
+}
+
+#[test]
+fn nvlink_ranks_with_their_own_dispatch_kernels_and_chunks_match_reference() {
+    // Offsets 0 and 2: two ranks run (warp, 1; wire, 2) and (generic, 3; warp, 5).
+    run_all(Engine::NvlinkMixed(0), &cases());
+    run_all(Engine::NvlinkMixed(2), &cases());
 }
 
 #[test]

@@ -4,14 +4,16 @@
 //! - [`MoeKernels::Split`]: two kernels per phase (send, then receive after one all-rank flag),
 //!   positions packed by atomics.
 //! - [`MoeKernels::Fused`] (default): one kernel per phase. Token `t` lies in slot `t` of every
-//!   receiver; tokens form chunks ([`fused_chunk`]) released one by one, so a receiver fans out
+//!   receiver; tokens form chunks ([`fused_chunk`]) released one by one (the dispatch with a
+//!   flag per token, so its chunk is a rank's own choice; the combine with a flag per chunk, the
+//!   same on every rank), so a receiver fans out
 //!   (dispatch) or sums (combine) chunk `c` while its peers still send later chunks. The fused
 //!   dispatch runs in `dispatch_send` (`dispatch_recv` only zeroes padding), the fused combine
 //!   in `combine_recv` (`combine_send` only moves late weights and records `expert_y`).
 //!
 //! `MESHFLOW_MOE_KERNELS=v1|split|v2|fused` picks the generation when an engine is made;
-//! `MESHFLOW_MOE_CHUNK` (tokens per chunk, the same on every rank; per phase
-//! `MESHFLOW_MOE_DISPATCH_CHUNK` / `MESHFLOW_MOE_COMBINE_CHUNK`) and `MESHFLOW_MOE_LAG`
+//! `MESHFLOW_MOE_CHUNK` (tokens per chunk; per phase `MESHFLOW_MOE_DISPATCH_CHUNK` /
+//! `MESHFLOW_MOE_COMBINE_CHUNK`; the combine's must be the same on every rank) and `MESHFLOW_MOE_LAG`
 //! (chunks between a chunk's producers and its consumers in the work order; local) tune the
 //! fused kernels.
 //!
@@ -19,7 +21,9 @@
 //! made; results are bit-identical whichever runs):
 //! - `MESHFLOW_MOE_FUSED_DISPATCH=auto|wire|generic|warp`: `auto` (default) runs the warp
 //!   kernel for the native wire and the per-format kernel for FP8 (each the fastest measured
-//!   for its wire on 2x H200, `bench/results/2026-11-26-h200x2.md`); `wire`: one dispatch
+//!   for its wire on 2x H200, `bench/results/2026-11-26-h200x2.md`), but on an H100 the
+//!   per-format kernel for the native wire too from [`H100_BLOCK_DISPATCH_FROM_TOKENS`] tokens
+//!   per rank (the faster there, `bench/results/2026-11-26-h100x2.md`); `wire`: one dispatch
 //!   kernel per wire format (no register spills); `generic`: the single kernel taking the
 //!   format as an argument (spills at the 128-register bound); `warp`: the warp kernels
 //!   (`moe_fused_warp.cu`, one per wire format): every warp of small blocks takes its own
@@ -156,14 +160,53 @@ pub enum FusedDispatchKernel {
     /// `moe_nvl_dispatch_fused_warp_{native,fp8t,fp8b}_<T>`: a warp per item.
     Warp,
     /// [`Warp`](FusedDispatchKernel::Warp) for the native wire, [`PerWire`](FusedDispatchKernel::PerWire)
-    /// for FP8 (the warp kernel's FP8 dispatch was 2x slower at 128 tokens).
+    /// for FP8 (the warp kernel's FP8 dispatch was 2x slower at 128 tokens); on an H100
+    /// ([`DispatchGpu::H100`]) `PerWire` for the native wire too from
+    /// [`H100_BLOCK_DISPATCH_FROM_TOKENS`] tokens per rank.
     Auto,
 }
 
+/// Tokens per rank from which [`FusedDispatchKernel::Auto`] runs the per-wire (block) kernel
+/// for the native wire on an H100, with two tokens per chunk ([`dispatch_default_chunk`]). On
+/// 2x H100 (`bench/results/2026-11-26-h100x2.md`, seventh session) it measured 254.9-255.0
+/// against 272.0-272.1 µs for the warp kernel at 4096 tokens per rank and 140.0-141.2 against
+/// 151.1-151.8 µs at 2048 (one call), and, in an earlier call with a flag per chunk, 81.6
+/// against 82.7 µs at 1024; at 128 the warp kernel was faster through the evaluator (29.2
+/// against 30.2 µs). On 2x H200 the warp kernel is the faster at every size measured (225
+/// against 249 µs for the block kernel at its best chunk, at 4096 tokens).
+pub const H100_BLOCK_DISPATCH_FROM_TOKENS: usize = 1024;
+
+/// The GPU [`FusedDispatchKernel::Auto`] chooses for: the kernels' speeds were measured to
+/// rank differently on the two GPUs measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DispatchGpu {
+    /// An H100 (a device name containing `H100`).
+    H100,
+    /// Any other GPU (the choices measured on H200).
+    Other,
+}
+
+impl DispatchGpu {
+    /// The class of the device named `name` (as CUDA reports it, e.g. `NVIDIA H100 80GB HBM3`).
+    pub fn of_name(name: &str) -> DispatchGpu {
+        if name.contains("H100") {
+            DispatchGpu::H100
+        } else {
+            DispatchGpu::Other
+        }
+    }
+}
+
 impl FusedDispatchKernel {
-    /// The kernel that runs for `wire` (resolves [`Auto`](FusedDispatchKernel::Auto)).
-    pub fn for_wire(self, wire: MoeWire) -> FusedDispatchKernel {
+    /// The kernel that runs for `wire` at `tokens` tokens per rank on `gpu` (resolves
+    /// [`Auto`](FusedDispatchKernel::Auto)).
+    pub fn resolve(self, wire: MoeWire, tokens: usize, gpu: DispatchGpu) -> FusedDispatchKernel {
         match (self, wire) {
+            (FusedDispatchKernel::Auto, MoeWire::Native)
+                if gpu == DispatchGpu::H100 && tokens >= H100_BLOCK_DISPATCH_FROM_TOKENS =>
+            {
+                FusedDispatchKernel::PerWire
+            }
             (FusedDispatchKernel::Auto, MoeWire::Native) => FusedDispatchKernel::Warp,
             (FusedDispatchKernel::Auto, MoeWire::Fp8E4m3(_)) => FusedDispatchKernel::PerWire,
             (k, _) => k,
@@ -171,9 +214,9 @@ impl FusedDispatchKernel {
     }
 
     /// Threads per block and the most blocks per SM the kernel is launched with
-    /// ([`Auto`](FusedDispatchKernel::Auto): as for the native wire).
+    /// ([`Auto`](FusedDispatchKernel::Auto): as for the native wire at few tokens).
     fn block(self) -> (u32, usize) {
-        match self.for_wire(MoeWire::Native) {
+        match self.resolve(MoeWire::Native, 1, DispatchGpu::Other) {
             FusedDispatchKernel::Warp => (FUSED_WARP_BLOCK, 8),
             _ => (FUSED_BLOCK, 2),
         }
@@ -240,6 +283,10 @@ pub struct FusedOptions {
     /// ignores it. `None` (default): [`FusedOptions::AUTO_ONEPASS_BLOCK`] for the one-pass
     /// kernel, [`CombineBlock::default`] for the two-pass one ([`FusedOptions::block_for`]).
     pub block: Option<CombineBlock>,
+    /// The dispatch's tokens per chunk (a rank's own choice: the dispatch releases a flag per
+    /// token). `None` (default): `MESHFLOW_MOE_DISPATCH_CHUNK`, else `MESHFLOW_MOE_CHUNK`, else
+    /// [`dispatch_default_chunk`] ([`fused_chunk`]).
+    pub dispatch_chunk: Option<usize>,
 }
 
 /// The environment variable choosing [`FusedOptions::dispatch`].
@@ -253,6 +300,7 @@ impl Default for FusedOptions {
             dispatch: FusedDispatchKernel::Auto,
             combine: FusedCombineKernel::Auto,
             block: None,
+            dispatch_chunk: None,
         }
     }
 }
@@ -308,6 +356,7 @@ impl FusedOptions {
                     dispatch,
                     combine,
                     block: Some(block),
+                    dispatch_chunk: None,
                 }));
             }
         }
@@ -327,6 +376,7 @@ impl FusedOptions {
             dispatch,
             combine,
             block: Some(CombineBlock { shape, prefetch }),
+            dispatch_chunk: None,
         };
         vec![
             o(Generic, TwoPass, B256x2, false),
@@ -380,8 +430,9 @@ impl FusedOptions {
         }
     }
 
-    /// `dispatch-combine[-block]` names (`wire-twopass-256x2`, `warp-onepass-448x1p`,
-    /// `generic-warp`: the warp combine has no block shape), for reports.
+    /// `dispatch[c<chunk>]-combine[-block]` names (`wire-twopass-256x2`, `warp-onepass-448x1p`,
+    /// `wirec2-onepass-128x8n1`: two tokens per dispatch chunk, `generic-warp`: the warp
+    /// combine has no block shape), for reports.
     pub fn name(self) -> String {
         let d = match self.dispatch {
             FusedDispatchKernel::Generic => "generic",
@@ -395,6 +446,10 @@ impl FusedOptions {
             FusedCombineKernel::Warp => "warp",
             FusedCombineKernel::Auto => "auto",
         };
+        let d = match self.dispatch_chunk {
+            Some(n) => format!("{d}c{n}"),
+            None => d.to_owned(),
+        };
         if self.combine.is_block() {
             let b = self
                 .block
@@ -405,9 +460,10 @@ impl FusedOptions {
         }
     }
 
-    /// The dispatch kernel's kind (`moe_<kind>_<dtype>`) for `wire`.
-    fn dispatch_kind(self, wire: MoeWire) -> &'static str {
-        match (self.dispatch.for_wire(wire), wire) {
+    /// The kind (`moe_<kind>_<dtype>`) of dispatch kernel `kernel` for `wire` (`Auto`: the
+    /// generic kernel; callers resolve it first).
+    fn dispatch_kind(kernel: FusedDispatchKernel, wire: MoeWire) -> &'static str {
+        match (kernel, wire) {
             (FusedDispatchKernel::Generic | FusedDispatchKernel::Auto, _) => "nvl_dispatch_fused",
             (FusedDispatchKernel::PerWire, MoeWire::Native) => "nvl_dispatch_fused_native",
             (FusedDispatchKernel::PerWire, MoeWire::Fp8E4m3(Fp8Scales::PerToken)) => {
@@ -464,30 +520,43 @@ impl FusedPhase {
             FusedPhase::Combine => "MESHFLOW_MOE_COMBINE_CHUNK",
         }
     }
+}
 
-    /// The default chunk at `tokens` tokens per rank on `wire`: one token, but two for the FP8
-    /// dispatch beyond 2048 tokens. On 2x H200 the native dispatch's default kernel (a warp per
-    /// item) measured 225 µs at 4096 tokens with one token per chunk against 254-258 µs with
-    /// two or four, and the default one-pass combine (`128x8n1`) 222.5 µs with one against
-    /// 240.4 with two and 292.2 with four (`256x2`, the shape before, was fastest with four).
-    /// It depends on the shape and the wire alone, never on a rank's kernel variant, so every
-    /// rank agrees.
-    pub fn default_chunk(self, tokens: usize, wire: MoeWire) -> usize {
-        match (self, tokens > 2048, wire) {
-            (FusedPhase::Dispatch, true, MoeWire::Fp8E4m3(_)) => 2,
-            _ => 1,
+/// The dispatch's default chunk for `kernel` (resolved) at `tokens` tokens per rank on `wire`:
+/// one token, but two for the FP8 dispatch beyond 2048 tokens and for the block kernels'
+/// native dispatch from [`H100_BLOCK_DISPATCH_FROM_TOKENS`]. On 2x H200 the warp kernel's
+/// native dispatch measured 225 µs at 4096 tokens with one token per chunk against 254-258 µs
+/// with two or four; on 2x H100 the per-wire block kernel's 251.6-252.5 µs with two against
+/// 262.6 with one, 262.7 with three, 268.0 with four and 284.5 with eight (with a flag per
+/// chunk, before the flags per token). The dispatch
+/// releases one flag per token, so the chunk is a rank's own choice, like its kernel.
+pub fn dispatch_default_chunk(kernel: FusedDispatchKernel, tokens: usize, wire: MoeWire) -> usize {
+    match (kernel, wire) {
+        (_, MoeWire::Fp8E4m3(_)) if tokens > 2048 => 2,
+        (FusedDispatchKernel::PerWire | FusedDispatchKernel::Generic, MoeWire::Native)
+            if tokens >= H100_BLOCK_DISPATCH_FROM_TOKENS =>
+        {
+            2
         }
+        _ => 1,
     }
 }
 
-/// Tokens per chunk of the fused kernels of `phase` for `tokens` tokens per rank:
-/// [`FusedPhase::default_chunk`], overridden by the phase's variable
-/// ([`FusedPhase::chunk_env`]), else by `MESHFLOW_MOE_CHUNK` (both phases). Every rank must
-/// use the same value (it is derived from the shape and the environment alone).
-pub fn fused_chunk(phase: FusedPhase, tokens: usize, wire: MoeWire) -> Result<usize> {
+/// The combine's default chunk: one token. The default one-pass combine (`128x8n1`) measured
+/// 222.5 µs at 4096 tokens per rank on 2x H200 with one token per chunk against 240.4 with two
+/// and 292.2 with four (`256x2`, the shape before, was fastest with four). The combine
+/// releases one flag per chunk, so the chunk depends on nothing a rank chooses alone: every
+/// rank agrees.
+pub const COMBINE_DEFAULT_CHUNK: usize = 1;
+
+/// Tokens per chunk of the fused kernels of `phase`: the phase's variable
+/// ([`FusedPhase::chunk_env`]), else `MESHFLOW_MOE_CHUNK` (both phases), else `default`
+/// ([`dispatch_default_chunk`], [`COMBINE_DEFAULT_CHUNK`]). The combine's must be the same on
+/// every rank (the environment and the shape decide it); the dispatch's may differ.
+pub fn fused_chunk(phase: FusedPhase, default: usize) -> Result<usize> {
     Ok(match env_count(phase.chunk_env())? {
         Some(c) => c,
-        None => env_count("MESHFLOW_MOE_CHUNK")?.unwrap_or(phase.default_chunk(tokens, wire)),
+        None => env_count("MESHFLOW_MOE_CHUNK")?.unwrap_or(default),
     })
 }
 
@@ -551,9 +620,14 @@ pub(crate) fn nvl_dispatch_fused(
     options: FusedOptions,
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
-    let chunk = fused_chunk(FusedPhase::Dispatch, shape.tokens, wire)?;
+    let gpu = DispatchGpu::of_name(k.device().name());
+    let kernel = options.dispatch.resolve(wire, shape.tokens, gpu);
+    let default = dispatch_default_chunk(kernel, shape.tokens, wire);
+    let chunk = match options.dispatch_chunk {
+        Some(c) => c.max(1),
+        None => fused_chunk(FusedPhase::Dispatch, default)?,
+    };
     let chunks = shape.tokens.div_ceil(chunk);
-    let kernel = options.dispatch.for_wire(wire);
     let block = kernel.block();
     let per_warp = kernel == FusedDispatchKernel::Warp;
     let (grid, lag) = grid_and_lag(k, chunks * shape.world, shape.world, block, per_warp)?;
@@ -574,7 +648,7 @@ pub(crate) fn nvl_dispatch_fused(
         n(lay.meta_off),
         ptr(peers.peer_sym),
         n(peers.rows),
-        n(peers.dispatch_chunks),
+        n(peers.dispatch_token_flags),
         ptr(fused.sym),
         n(fused.counts_off),
         n(chunk),
@@ -592,7 +666,7 @@ pub(crate) fn nvl_dispatch_fused(
         n(shape.capacity),
         ptr(fused.expert_counts),
     ];
-    let name = moe_typed_name(options.dispatch_kind(wire), shape.dtype);
+    let name = moe_typed_name(FusedOptions::dispatch_kind(kernel, wire), shape.dtype);
     k.call(stream, Source::Moe, &name, grid, block.0, &mut args)
 }
 
@@ -624,7 +698,7 @@ pub(crate) fn nvl_combine_fused(
     options: FusedOptions,
 ) -> Result<()> {
     let lay = WireLayout::of(shape, wire);
-    let chunk = fused_chunk(FusedPhase::Combine, shape.tokens, wire)?;
+    let chunk = fused_chunk(FusedPhase::Combine, COMBINE_DEFAULT_CHUNK)?;
     let chunks = shape.tokens.div_ceil(chunk);
     let block = options.combine_launch(shape.tokens);
     let per_warp = options.combine == FusedCombineKernel::Warp;
@@ -731,17 +805,32 @@ mod tests {
             dispatch: FusedDispatchKernel::Warp,
             combine: FusedCombineKernel::Warp,
             block: Some(CombineBlock::parse("896x1n1").unwrap()),
+            dispatch_chunk: None,
         };
         // The warp combine has no block shape: its name and kernel ignore it.
         assert_eq!(w.name(), "warp-warp");
         assert_eq!(w.combine_kind(1), "nvl_combine_fused_warp");
         assert_eq!(w.combine_launch(1), (FUSED_WARP_BLOCK, 8));
-        assert_eq!(Auto.for_wire(MoeWire::Native), FusedDispatchKernel::Warp);
+        let (h100, other) = (DispatchGpu::H100, DispatchGpu::Other);
+        let fp8 = MoeWire::Fp8E4m3(Fp8Scales::Block128);
         assert_eq!(
-            Auto.for_wire(MoeWire::Fp8E4m3(Fp8Scales::Block128)),
-            PerWire
+            Auto.resolve(MoeWire::Native, 4096, other),
+            FusedDispatchKernel::Warp
         );
-        assert_eq!(Generic.for_wire(MoeWire::Native), Generic);
+        assert_eq!(
+            Auto.resolve(MoeWire::Native, 1023, h100),
+            FusedDispatchKernel::Warp
+        );
+        assert_eq!(Auto.resolve(MoeWire::Native, 1024, h100), PerWire);
+        assert_eq!(Auto.resolve(fp8, 128, other), PerWire);
+        assert_eq!(Auto.resolve(fp8, 4096, h100), PerWire);
+        assert_eq!(Generic.resolve(MoeWire::Native, 4096, h100), Generic);
+        assert_eq!(
+            FusedDispatchKernel::Warp.resolve(MoeWire::Native, 4096, h100),
+            FusedDispatchKernel::Warp
+        );
+        assert_eq!(DispatchGpu::of_name("NVIDIA H100 80GB HBM3"), h100);
+        assert_eq!(DispatchGpu::of_name("NVIDIA H200"), other);
         let wires = [
             MoeWire::Native,
             MoeWire::Fp8E4m3(Fp8Scales::PerToken),
@@ -758,7 +847,7 @@ mod tests {
                     FUSED_WARP_BLOCK => "WARP_KERNEL",
                     _ => "ROW_KERNEL",
                 };
-                let kind = o.dispatch_kind(w);
+                let kind = FusedOptions::dispatch_kind(o.dispatch, w);
                 let line = format!("{bounds} moe_{kind}_##T(");
                 assert!(Source::Moe.text().contains(&line), "{line}");
                 let name = moe_typed_name(kind, crate::dtype::DType::BF16);
@@ -872,13 +961,16 @@ mod tests {
 
     #[test]
     fn default_chunks_per_phase() {
+        use FusedDispatchKernel::{Generic, PerWire, Warp};
         let (native, fp8) = (MoeWire::Native, MoeWire::Fp8E4m3(Fp8Scales::PerToken));
-        assert_eq!(FusedPhase::Dispatch.default_chunk(128, fp8), 1);
-        assert_eq!(FusedPhase::Combine.default_chunk(2048, native), 1);
-        assert_eq!(FusedPhase::Dispatch.default_chunk(4096, native), 1);
-        assert_eq!(FusedPhase::Dispatch.default_chunk(4096, fp8), 2);
-        assert_eq!(FusedPhase::Combine.default_chunk(4096, native), 1);
-        assert_eq!(FusedPhase::Combine.default_chunk(8192, fp8), 1);
+        assert_eq!(dispatch_default_chunk(PerWire, 128, fp8), 1);
+        assert_eq!(dispatch_default_chunk(PerWire, 4096, fp8), 2);
+        assert_eq!(dispatch_default_chunk(Warp, 4096, fp8), 2);
+        assert_eq!(dispatch_default_chunk(Warp, 4096, native), 1);
+        assert_eq!(dispatch_default_chunk(PerWire, 1023, native), 1);
+        assert_eq!(dispatch_default_chunk(PerWire, 1024, native), 2);
+        assert_eq!(dispatch_default_chunk(Generic, 4096, native), 2);
+        assert_eq!(COMBINE_DEFAULT_CHUNK, 1);
         assert_ne!(
             FusedPhase::Dispatch.chunk_env(),
             FusedPhase::Combine.chunk_env()

@@ -174,7 +174,7 @@ pub(crate) struct PeerRegions<'a> {
     pub combine_flags: usize,
     pub weights: usize,
     pub weight_flags: usize,
-    pub dispatch_chunks: usize,
+    pub dispatch_token_flags: usize,
     pub combine_chunks: usize,
 }
 

@@ -29,9 +29,9 @@ pub(crate) struct SymLayout {
     pub weights: usize,
     /// `[W]` u32 weight flags.
     pub weight_flags: usize,
-    /// `[W, T]` u32 per-chunk dispatch release flags of the fused kernels (slot `[s][c]`
-    /// written by rank `s`; at most `T` chunks).
-    pub dispatch_chunks: usize,
+    /// `[W, T]` u32 per-token dispatch release flags of the fused kernels (slot `[s][t]`
+    /// written by rank `s` once token `t`'s rows are in place).
+    pub dispatch_token_flags: usize,
     /// `[W, T]` u32 per-chunk combine release flags of the fused kernels.
     pub combine_chunks: usize,
     pub total: usize,
@@ -54,7 +54,7 @@ impl SymLayout {
             combine_flags: region(w * 4),
             weights: region(w * t * k * 4),
             weight_flags: region(w * 4),
-            dispatch_chunks: region(w * t * 4),
+            dispatch_token_flags: region(w * t * 4),
             combine_chunks: region(w * t * 4),
             total: at.max(256),
         }
@@ -90,7 +90,7 @@ mod tests {
                 (l.combine_flags, 8),
                 (l.weights, 2 * 128 * 8 * 4),
                 (l.weight_flags, 8),
-                (l.dispatch_chunks, 2 * 128 * 4),
+                (l.dispatch_token_flags, 2 * 128 * 4),
                 (l.combine_chunks, 2 * 128 * 4),
             ];
             let mut end = 0;

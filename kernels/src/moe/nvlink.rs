@@ -447,7 +447,7 @@ fn peer_regions<'a>(tables: &'a Tables, l: &SymLayout) -> PeerRegions<'a> {
         combine_flags: l.combine_flags,
         weights: l.weights,
         weight_flags: l.weight_flags,
-        dispatch_chunks: l.dispatch_chunks,
+        dispatch_token_flags: l.dispatch_token_flags,
         combine_chunks: l.combine_chunks,
     }
 }
